@@ -1,0 +1,31 @@
+# The two commands the README starts with: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export RAY_AUTH_MODE := disabled
+
+.PHONY: demo test bench-cpu venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+
+demo: $(STAMP)
+	$(VENV)/bin/hybridflow demo
+
+bench-cpu: $(STAMP)
+	$(PY) bench/run_cpu.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,128 @@
+"""Tiny, offline Hugging Face models and tokenizers of real architectures.
+
+Tests, the demo and CPU benchmarks need a model directory that `AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` load with no network. This module builds one: a byte-level BPE
+tokenizer made with the `tokenizers` library (optionally with merges learnt from task text, plus chat
+special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
+Mistral model of a chosen size, saved as a normal Hugging Face directory.
+
+    python -m hybridflow.utils.tiny_model /tmp/tiny --arch qwen2 --hidden 64 --layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+PAD, BOS, EOS = "<|pad|>", "<|im_start|>", "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
+SPECIAL_TOKENS = [PAD, ENDOFTEXT, BOS, EOS]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral")
+
+
+def build_tokenizer(train_texts: list[str] | None = None, vocab_size: int = 300):
+    """A byte-level BPE `PreTrainedTokenizerFast`, the same kind as Qwen2's and Llama 3's.
+
+    Ids 0-3 are the special tokens (`<|pad|>`, `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`), then the
+    256 byte symbols, so any text encodes. With `train_texts`, BPE merges are learnt from them up to
+    `vocab_size` tokens; without, there are no merges (one token per byte). `<|im_end|>` is the
+    end-of-sequence token (as in Qwen chat models) and `<|pad|>` the padding token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=max(vocab_size, len(byte_symbols) + len(SPECIAL_TOKENS)),
+                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=byte_symbols,
+                                  show_progress=False)
+    core.train_from_iterator(train_texts or [], trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=ENDOFTEXT,
+        additional_special_tokens=[BOS, ENDOFTEXT],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, intermediate: int | None = None, max_positions: int = 512,
+                pad_token_id: int = 0, eos_token_id: int = 3, tie_word_embeddings: bool = True):
+    """A `transformers` config of the named architecture at a debug size."""
+    from transformers import AutoConfig
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHITECTURES)}")
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = hidden // heads
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
+                     max_positions: int = 512, seed: int = 0, train_texts: list[str] | None = None,
+                     vocab_size: int = 300, tie_word_embeddings: bool = True) -> Path:
+    """Save a random model + tokenizer + generation config under `path` and return it."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(train_texts, vocab_size)
+    pad_id, eos_id = tok.convert_tokens_to_ids(PAD), tok.convert_tokens_to_ids(EOS)
+    config = tiny_config(arch, len(tok), hidden, layers, heads, kv_heads, intermediate, max_positions,
+                         pad_id, eos_id, tie_word_embeddings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path")
+    parser.add_argument("--arch", default="qwen2", choices=ARCHITECTURES)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build_tiny_model(args.path, args.arch, args.hidden, args.layers, args.heads, args.kv_heads,
+                           seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
