@@ -1,0 +1,292 @@
+"""Loading a typed config: schema defaults, then a YAML file, then dotted `key=value` overrides.
+
+    cfg = load_config(["rollout.n=8", "data.train_files=[a.parquet,b.parquet]"], "recipes/grpo.yaml")
+    validate(cfg)                         # batch-size relations, before any model loads
+
+Every key is checked against the schema before it is merged, in the YAML file as on the command line:
+an unknown key fails with a did-you-mean and names where it came from; a value of the wrong type names
+the key, the value and the expected type; a value outside a field's choices names the valid ones. A
+list field given one value (`data.train_files=a.parquet`) becomes a one-element list. Also here:
+`to_yaml(cfg)` and `config_diff(a, b)` (used by resume to name what changed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hybridflow.config.schema import RLConfig
+from hybridflow.config.validate import ConfigError, validate
+
+__all__ = ["ConfigError", "load_config", "validate", "to_yaml", "config_diff", "schema_fields",
+           "type_name", "split_config_arg"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldInfo:
+    """One schema key: its dotted name, resolved type and dataclass field."""
+
+    key: str
+    type: Any
+    field: dataclasses.Field
+
+    @property
+    def kind(self) -> str:
+        """`section` (a nested config), `list`, `dict` or `scalar`."""
+        tp = _strip_optional(self.type)
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            return "section"
+        origin = typing.get_origin(tp)
+        if origin in (list, tuple) or tp in (list, tuple):
+            return "list"
+        if origin is dict or tp is dict:
+            return "dict"
+        return "scalar"
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata.get("help", "")
+
+    @property
+    def choices(self) -> tuple | None:
+        return self.field.metadata.get("choices")
+
+
+def _strip_optional(tp: Any) -> Any:
+    """`Optional[X]` -> `X`; any other type unchanged."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def type_name(tp: Any) -> str:
+    """A readable name of a field type: `int`, `float or null`, `list of str`."""
+    inner = _strip_optional(tp)
+    suffix = " or null" if inner is not tp else ""
+    origin = typing.get_origin(inner)
+    if origin in (list, tuple):
+        args = typing.get_args(inner)
+        if origin is tuple:
+            return f"list of {len(args)} {type_name(args[0])}" + suffix
+        return f"list of {type_name(args[0])}" + suffix
+    if origin is dict:
+        return "mapping" + suffix
+    if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+        return "section" + suffix
+    return getattr(inner, "__name__", str(inner)) + suffix
+
+
+def schema_fields(schema: type) -> dict[str, FieldInfo]:
+    """Every key of `schema` (sections included) by dotted name, in declaration order."""
+    out: dict[str, FieldInfo] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            info = FieldInfo(prefix + f.name, hints[f.name], f)
+            out[info.key] = info
+            if info.kind == "section":
+                walk(_strip_optional(info.type), info.key + ".")
+
+    walk(schema, "")
+    return out
+
+
+def _unknown_key(key: str, known: dict[str, FieldInfo]) -> str:
+    """`unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?`"""
+    names = list(known)
+    guess = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if not guess:
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k: k.rsplit(".", 1)[-1] for k in names}
+        close = difflib.get_close_matches(leaf, set(leaves.values()), n=1, cutoff=0.75)
+        guess = [k for k, v in leaves.items() if close and v == close[0]][:1]
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if guess:
+        return f"unknown key '{key}'; did you mean '{guess[0]}'?"
+    siblings = [k.rsplit(".", 1)[-1] for k in names if k.rsplit(".", 1)[0] == section and "." in k]
+    if section in known and siblings:
+        return f"unknown key '{key}'; '{section}' has: {', '.join(siblings)}"
+    tops = [k for k in names if "." not in k]
+    return f"unknown key '{key}'; top-level sections: {', '.join(tops)}"
+
+
+def _check_tree(data: Mapping, known: dict[str, FieldInfo], source: str, prefix: str = "") -> dict:
+    """Checks every key of a nested mapping against the schema; returns it with lists normalised."""
+    out: dict = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        info = known.get(key)
+        if info is None:
+            raise ConfigError(f"{source}: {_unknown_key(key, known)}")
+        kind = info.kind
+        if kind == "section":
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: '{key}' is a section; expected a mapping of its keys, "
+                                  f"got {value!r}")
+            out[name] = _check_tree(value, known, source, key + ".")
+        elif kind == "list" and value is not None and not isinstance(value, (list, tuple)):
+            out[name] = [value]
+        elif kind in ("list", "scalar") and isinstance(value, Mapping):
+            raise ConfigError(f"{source}: invalid value {value!r} for '{key}': expected {type_name(info.type)}")
+        else:
+            out[name] = value
+    return out
+
+
+def _merge(cfg: Any, data: dict, known: dict[str, FieldInfo], source: str) -> Any:
+    """Merges checked `data` into the structured `cfg`, turning OmegaConf errors into ConfigErrors."""
+    try:
+        return OmegaConf.merge(cfg, data)
+    except OmegaConfBaseException as e:
+        key = (getattr(e, "full_key", "") or "").split("[")[0]
+        info = known.get(key)
+        value = getattr(e, "value", None)
+        expected = type_name(info.type) if info else "a valid value"
+        raise ConfigError(f"{source}: invalid value {value!r} for '{key}': expected {expected}") from None
+
+
+def _read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:  # a YAML syntax error, reported with the file named
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections at the top, got {data!r}")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """`"rollout.n=8"` -> `("rollout.n", 8)`; values use OmegaConf's grammar (lists, null, quotes)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rollout.n=8)")
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"_v={raw}"]))["_v"]
+    except Exception as e:
+        raise ConfigError(f"override {item!r}: cannot parse the value {raw!r}: {e}") from None
+    return key, value
+
+
+def _nest(key: str, value: Any) -> dict:
+    """`("a.b.c", 1)` -> `{"a": {"b": {"c": 1}}}`."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def split_config_arg(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Separates `--config FILE` / `--config=FILE` from the `key=value` overrides in argv."""
+    config_file, rest = None, []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if item == "--config" or item.startswith("--config="):
+            if config_file is not None:
+                raise ConfigError("--config given more than once")
+            if item == "--config":
+                if i + 1 >= len(items):
+                    raise ConfigError("--config needs a file name")
+                config_file, i = items[i + 1], i + 1
+            else:
+                config_file = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+        i += 1
+    return config_file, rest
+
+
+def _check_choices(obj: Any, known: dict[str, FieldInfo]) -> None:
+    """Refuses values outside a field's `choices` (list fields: every element)."""
+    for key, info in known.items():
+        if not info.choices:
+            continue
+        value: Any = obj
+        for part in key.split("."):
+            value = getattr(value, part)
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item not in info.choices:
+                hint = difflib.get_close_matches(str(item), [str(c) for c in info.choices], n=1)
+                mean = f"; did you mean '{hint[0]}'?" if hint else ""
+                raise ConfigError(f"invalid value {item!r} for '{key}'; valid: "
+                                  f"{', '.join(map(str, info.choices))}{mean}")
+
+
+def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None,
+                schema: type = RLConfig) -> Any:
+    """Builds a `schema` instance from its defaults, then `config_file` (YAML), then `overrides`.
+
+    `overrides` are dotted `key=value` strings (`rollout.n=8`, `trainer.loggers=[console,jsonl]`);
+    they may also contain `--config FILE`, so a command line's remaining arguments pass straight in.
+    Raises `ConfigError` naming the file or override, the key and the valid keys/values/types.
+    """
+    in_argv, overrides = split_config_arg(overrides)
+    if in_argv is not None and config_file is not None:
+        raise ConfigError(f"two config files given: {config_file} and --config {in_argv}")
+    config_file = config_file if config_file is not None else in_argv
+    known = schema_fields(schema)
+    cfg = OmegaConf.structured(schema)
+    if config_file is not None:
+        source = f"config file {config_file}"
+        cfg = _merge(cfg, _check_tree(_read_yaml(config_file), known, source), known, source)
+    for item in overrides:
+        key, value = _parse_override(item)
+        source = f"override {item!r}"
+        cfg = _merge(cfg, _check_tree(_nest(key, value), known, source), known, source)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # e.g. an interpolation `${...}` that does not resolve
+        raise ConfigError(f"cannot build the config: {e}") from None
+    _check_choices(obj, known)
+    return obj
+
+
+def to_yaml(cfg: Any) -> str:
+    """The config as YAML text (loadable again with `load_config(config_file=...)`)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _flatten(cfg: Any) -> dict[str, Any]:
+    """A config (dataclass or nested mapping) as `{dotted key: leaf value}`."""
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg)
+                                  else OmegaConf.create(dict(cfg)))
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = list(node) if isinstance(node, tuple) else node
+
+    walk(tree, "")
+    return out
+
+
+_ABSENT = "<absent>"
+
+
+def config_diff(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
+    """`{key: (value in a, value in b)}` for every leaf that differs (`'<absent>'` when missing)."""
+    fa, fb = _flatten(a), _flatten(b)
+    keys = list(fa) + [k for k in fb if k not in fa]
+    return {k: (fa.get(k, _ABSENT), fb.get(k, _ABSENT)) for k in keys if fa.get(k, _ABSENT) != fb.get(k, _ABSENT)}

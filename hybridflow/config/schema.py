@@ -1,0 +1,251 @@
+"""The typed configuration of `hybridflow train`: one dataclass per section, every default defined once.
+
+Each field is declared with `opt(default, help, choices=...)`: the help line and the valid choices live
+in the field's metadata, so the loader names valid values in its errors and `docs/config.md` is generated
+from this file (`python scripts/gen_config_docs.py`). Workers read these objects by attribute.
+
+The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, trainer)`; the loader
+(`hybridflow.config.loader.load_config`) takes any such root dataclass through `schema=`, so other
+programs (the SFT trainer) bring their own root.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import MISSING, dataclass, field, is_dataclass
+from typing import Any, Optional
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+# Estimators that compare the n samples of one prompt, so they need rollout.n >= 2.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+LR_SCHEDULES = ("constant", "cosine")
+DTYPES = ("auto", "bf16", "fp32")
+TRUNCATION_MODES = ("error", "filter", "left", "right")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A dataclass field with its default, a one-line `help` and optional valid `choices`.
+
+    Mutable defaults (lists, dicts, tuples are fine as is) and nested config classes become
+    default factories, so every instance gets its own copy.
+    """
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if isinstance(default, type) and is_dataclass(default):
+        return field(default_factory=default, metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def field_default(f) -> Any:
+    """The default value of a dataclass field (calling its factory when it has one)."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+@dataclass
+class ModelConfig:
+    """A Hugging Face model to load."""
+
+    path: Optional[str] = opt(None, "Hugging Face model directory (or hub id)")
+    tokenizer_path: Optional[str] = opt(None, "tokenizer directory; null = the model's `path`")
+    dtype: str = opt("auto", "parameter dtype; auto = bf16 on cuda, fp32 on cpu", DTYPES)
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    attn_implementation: str = opt("sdpa", "transformers attention implementation (sdpa, eager, ...)")
+    trust_remote_code: bool = opt(False, "allow model code shipped inside the model directory")
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (verl-format parquet, jsonl) and prompt/response lengths."""
+
+    train_files: list[str] = opt([], "training prompt files: one path or a list (parquet or jsonl)")
+    val_files: list[str] = opt([], "validation prompt files: one path or a list; [] = no validation")
+    prompt_key: str = opt("prompt", "column holding the prompt (chat messages or a plain string)")
+    train_batch_size: int = opt(32, "prompts per training step (rows = train_batch_size x rollout.n)")
+    val_batch_size: Optional[int] = opt(None, "prompts per validation generation batch; null = all at once")
+    max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)")
+    max_response_length: int = opt(512, "most tokens generated per response")
+    truncation: str = opt("error", "prompts over max_prompt_length: refuse, drop, or cut from the left/right",
+                          TRUNCATION_MODES)
+    apply_chat_template: bool = opt(True, "render prompts with the tokenizer's chat template")
+    shuffle: bool = opt(True, "shuffle training prompts each epoch (seeded)")
+    seed: Optional[int] = opt(None, "shuffling seed; null = trainer.seed")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of responses during training and validation."""
+
+    n: int = opt(1, "responses sampled per prompt")
+    temperature: float = opt(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = opt(1.0, "nucleus sampling probability mass, in (0, 1]")
+    top_k: int = opt(-1, "sample among the k most likely tokens; -1 = all")
+    engine: str = opt("auto", "generation engine: our fast engine, the transformers fallback, or auto",
+                      ("auto", "fast", "hf"))
+    max_num_seqs: int = opt(256, "most sequences decoded together")
+    kv_cache_fraction: float = opt(0.4, "fraction of free GPU memory given to the KV cache")
+    cuda_graphs: bool = opt(True, "capture decode steps in CUDA graphs")
+    free_cache_after_generate: bool = opt(True, "free the KV cache between generation and training")
+    val_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
+    val_n: int = opt(1, "responses per prompt during validation")
+
+
+@dataclass
+class OptimizedRoleConfig:
+    """Optimisation settings shared by the trained roles (actor, critic)."""
+
+    lr: float = opt(1e-6, "peak learning rate")
+    lr_schedule: str = opt("constant", "learning-rate schedule after warm-up", LR_SCHEDULES)
+    lr_warmup_steps: int = opt(0, "optimizer steps of linear learning-rate warm-up")
+    min_lr_ratio: float = opt(0.0, "cosine schedule floor, as a fraction of lr")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    betas: tuple[float, float] = opt((0.9, 0.999), "AdamW betas")
+    grad_clip: float = opt(1.0, "gradient-norm clipping threshold")
+    ppo_epochs: int = opt(1, "passes over each step's batch")
+    mini_batch_size: Optional[int] = opt(None, "prompts per optimizer step (rows = this x rollout.n); "
+                                               "null = the whole batch")
+    micro_batch_size: Optional[int] = opt(None, "rows per forward per rank; null = the rank's whole mini-batch")
+    max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per micro-batch (dynamic batch "
+                                                          "sizing; overrides micro_batch_size)")
+    use_packing: bool = opt(True, "remove padding: pack sequences into one row")
+    shuffle: bool = opt(True, "shuffle rows between mini-batches")
+    loss_agg: str = opt("token-mean", "how per-token losses are aggregated", LOSS_AGG_MODES)
+    param_offload: bool = opt(False, "keep parameters on the CPU between uses")
+    optimizer_offload: bool = opt(False, "keep optimizer state on the CPU between uses")
+
+
+@dataclass
+class ActorConfig(OptimizedRoleConfig):
+    """The policy being trained, and its frozen reference copy."""
+
+    policy_loss: str = opt("ppo", "policy-gradient loss", POLICY_LOSSES)
+    clip_low: float = opt(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low)")
+    clip_high: float = opt(0.2, "PPO ratio clip above 1 (ratio <= 1 + clip_high); DAPO raises it")
+    clip_c: float = opt(3.0, "dual-clip bound for negative advantages")
+    kl_loss_coef: float = opt(0.0, "weight of the KL-to-reference loss; 0 = no KL loss (no reference model)")
+    kl_loss_type: str = opt("low_var_kl", "KL estimator for the KL loss", KL_ESTIMATORS)
+    entropy_coef: float = opt(0.0, "weight of the entropy bonus")
+    ref_param_offload: bool = opt(False, "keep the reference model's parameters on the CPU")
+
+
+@dataclass
+class CriticConfig(OptimizedRoleConfig):
+    """The value model (used by the gae estimator)."""
+
+    model: ModelConfig = opt(ModelConfig, "value model; `path` null = start from the actor's model")
+    lr: float = opt(1e-5, "peak learning rate")
+    cliprange_value: float = opt(0.5, "value clipping range around the old values")
+    warmup_steps: int = opt(0, "first trainer steps that update only the critic")
+
+
+@dataclass
+class KLControlConfig:
+    """The coefficient of the KL penalty in the reward."""
+
+    type: str = opt("fixed", "fixed coefficient or adaptive (to a target KL)", ("fixed", "adaptive"))
+    kl_coef: float = opt(0.001, "(initial) KL coefficient")
+    target_kl: float = opt(0.1, "adaptive: KL the coefficient steers towards")
+    horizon: int = opt(10000, "adaptive: steps over which the coefficient adapts")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft penalty for responses close to max_response_length."""
+
+    enable: bool = opt(False, "penalise responses in the last `len` tokens before the limit")
+    len: int = opt(64, "buffer length in tokens")
+    penalty_factor: float = opt(1.0, "penalty at the limit (linear from 0 at the buffer's start)")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: drop prompt groups whose samples all score the same."""
+
+    enable: bool = opt(False, "drop groups with zero variance of `metric` and generate more")
+    metric: str = opt("score", "per-sample value compared within a group (score or a reward extra)")
+    max_num_gen_batches: int = opt(10, "generation rounds per step before giving up; 0 = unlimited")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and KL regularisation."""
+
+    adv_estimator: str = opt("grpo", "advantage estimator", ADV_ESTIMATORS)
+    gamma: float = opt(1.0, "discount factor (gae, reinforce_plus_plus)")
+    lam: float = opt(1.0, "GAE lambda")
+    norm_adv_by_std: bool = opt(True, "divide group advantages by their std (false = Dr.GRPO)")
+    use_kl_in_reward: bool = opt(False, "subtract a KL-to-reference penalty from the token rewards")
+    kl_penalty: str = opt("kl", "KL estimator for the in-reward penalty", KL_ESTIMATORS)
+    kl_ctrl: KLControlConfig = opt(KLControlConfig, "in-reward KL coefficient control")
+    overlong_buffer: OverlongBufferConfig = opt(OverlongBufferConfig, "DAPO overlong penalty")
+    filter_groups: FilterGroupsConfig = opt(FilterGroupsConfig, "DAPO group filtering")
+
+
+@dataclass
+class RewardModelConfig:
+    """An optional model-based reward (a sequence-classification model)."""
+
+    path: Optional[str] = opt(None, "reward model directory; null = no reward model")
+    weight: float = opt(1.0, "weight of its score, added to the function reward")
+    micro_batch_size: int = opt(16, "rows per reward-model forward")
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    function: str = opt("auto", "auto (by data_source), a built-in name, or path/to/file.py:function_name")
+    timeout_s: float = opt(10.0, "per-sample scoring time limit in seconds")
+    fallback_score: float = opt(0.0, "score given when the function raises or times out")
+    num_workers: int = opt(2, "reward scoring processes")
+    reward_model: RewardModelConfig = opt(RewardModelConfig, "model-based reward")
+    kwargs: dict[str, Any] = opt({}, "extra keyword arguments passed to the reward function")
+
+
+@dataclass
+class TrainerConfig:
+    """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
+
+    total_steps: Optional[int] = opt(None, "training steps; null = total_epochs over the training data")
+    total_epochs: int = opt(1, "epochs over the training data when total_steps is null")
+    seed: int = opt(1, "seed of sampling, shuffling and initialisation")
+    output_dir: str = opt("outputs/run", "where metrics, checkpoints and the final model go")
+    backend: str = opt("local", "worker processes on this machine, or Ray", ("local", "ray"))
+    device: str = opt("auto", "auto = cuda when available", ("auto", "cpu", "cuda"))
+    n_workers: int = opt(1, "processes per worker group (one per device)")
+    val_every: int = opt(0, "validate every this many steps; 0 = no periodic validation")
+    val_before_train: bool = opt(True, "validate once before the first step")
+    save_every: int = opt(0, "checkpoint every this many steps; 0 = only at the end")
+    keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)")
+    resume: str = opt("auto", "auto (latest checkpoint in output_dir), never, or a checkpoint path")
+    loggers: list[str] = opt(["console", "jsonl"], "metric sinks", LOGGERS)
+    project_name: str = opt("hybridflow", "project name for TensorBoard / W&B")
+    experiment_name: Optional[str] = opt(None, "run name; null = the output_dir's last component")
+    log_samples: int = opt(4, "sample completions logged per validation")
+    max_bad_steps: int = opt(3, "non-finite steps in a row before the run stops")
+    placement: str = opt("colocate", "roles share devices, or rollout and training use separate ones",
+                         ("colocate", "split"))
+
+
+@dataclass
+class RLConfig:
+    """Everything `hybridflow train` reads."""
+
+    model: ModelConfig = opt(ModelConfig, "the policy model (actor, reference, rollout)")
+    data: DataConfig = opt(DataConfig, "prompt data")
+    rollout: RolloutConfig = opt(RolloutConfig, "generation")
+    actor: ActorConfig = opt(ActorConfig, "policy optimisation")
+    critic: CriticConfig = opt(CriticConfig, "value model")
+    algorithm: AlgorithmConfig = opt(AlgorithmConfig, "advantages and KL")
+    reward: RewardConfig = opt(RewardConfig, "scoring")
+    trainer: TrainerConfig = opt(TrainerConfig, "the run")

@@ -1,0 +1,196 @@
+"""Checks across keys of an `RLConfig`, run before any model loads: batch sizes, ranges, estimators.
+
+`validate(cfg, n_workers)` collects every problem and raises one `ConfigError` listing them all, each
+naming the keys, their values and the values that would be valid, e.g.
+
+    actor.mini_batch_size=3 must divide data.train_batch_size=8; valid: 1, 2, 4, 8
+
+Batch semantics (verl's): a step takes `data.train_batch_size` prompts, `rollout.n` responses each; an
+optimizer step takes `mini_batch_size` prompts (`mini_batch_size x n` rows), split evenly over the
+`n_workers` ranks; each rank runs forwards of `micro_batch_size` rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.schema import GROUP_ESTIMATORS
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key, the value and what would be valid."""
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n` in increasing order (`[]` for n < 1)."""
+    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
+
+
+def _join(values: list[int]) -> str:
+    return ", ".join(map(str, values)) if values else "none"
+
+
+def _batch_problems(role: str, cfg: Any, n_workers: int) -> list[str]:
+    """Mini- and micro-batch relations of one trained role (`actor` or `critic`)."""
+    section = getattr(cfg, role)
+    prompts, n = cfg.data.train_batch_size, cfg.rollout.n
+    if prompts < 1 or n < 1:
+        return []  # reported by the range checks
+    mini = section.mini_batch_size if section.mini_batch_size is not None else prompts
+    mini_desc = (f"{role}.mini_batch_size={mini}" if section.mini_batch_size is not None
+                 else f"{role}.mini_batch_size=null (the whole batch, {prompts} prompts)")
+    if mini < 1 or prompts % mini:
+        return [f"{role}.mini_batch_size={mini} must divide data.train_batch_size={prompts}; "
+                f"valid: {_join(divisors(prompts))}"]
+    rows = mini * n
+    if rows % n_workers:
+        valid = [m for m in divisors(prompts) if m * n % n_workers == 0]
+        fix = (f"valid {role}.mini_batch_size: {_join(valid)}" if valid else
+               f"no mini_batch_size works; valid trainer.n_workers: {_join(divisors(prompts * n))}")
+        return [f"{role} mini-batch rows ({mini_desc} x rollout.n={n} = {rows}) must divide by "
+                f"trainer.n_workers={n_workers}; {fix}"]
+    per_rank = rows // n_workers
+    micro = section.micro_batch_size
+    if micro is not None and section.max_tokens_per_micro_batch is None and (micro < 1 or per_rank % micro):
+        return [f"{role}.micro_batch_size={micro} must divide the per-rank mini-batch of {per_rank} rows "
+                f"(mini_batch_size {mini} x rollout.n {n} / n_workers {n_workers}); "
+                f"valid: {_join(divisors(per_rank))}"]
+    budget = section.max_tokens_per_micro_batch
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if budget is not None and budget < longest:
+        return [f"{role}.max_tokens_per_micro_batch={budget} is below one full sequence "
+                f"(data.max_prompt_length + data.max_response_length = {longest}); use >= {longest}"]
+    return []
+
+
+def _range_problems(cfg: Any) -> list[str]:
+    """Values that must be positive, non-negative or inside an interval."""
+    at_least = {
+        1: ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
+            "rollout.val_n", "rollout.max_num_seqs", "actor.ppo_epochs", "critic.ppo_epochs",
+            "trainer.total_epochs", "trainer.n_workers", "trainer.keep_checkpoints", "reward.num_workers",
+            "reward.reward_model.micro_batch_size"],
+        0: ["trainer.val_every", "trainer.save_every", "trainer.log_samples", "trainer.max_bad_steps",
+            "actor.lr_warmup_steps", "critic.lr_warmup_steps", "critic.warmup_steps", "actor.kl_loss_coef",
+            "actor.entropy_coef", "actor.clip_low", "actor.clip_high", "critic.cliprange_value",
+            "rollout.temperature", "rollout.val_temperature", "actor.grad_clip", "critic.grad_clip",
+            "actor.weight_decay", "critic.weight_decay", "algorithm.kl_ctrl.kl_coef",
+            "algorithm.filter_groups.max_num_gen_batches"],
+    }
+    intervals = {  # key: (low, high, low inclusive, high inclusive)
+        "rollout.top_p": (0.0, 1.0, False, True), "rollout.kv_cache_fraction": (0.0, 1.0, False, False),
+        "algorithm.gamma": (0.0, 1.0, True, True), "algorithm.lam": (0.0, 1.0, True, True),
+        "actor.min_lr_ratio": (0.0, 1.0, True, True), "critic.min_lr_ratio": (0.0, 1.0, True, True),
+        "actor.lr": (0.0, float("inf"), False, False), "critic.lr": (0.0, float("inf"), False, False),
+        "reward.timeout_s": (0.0, float("inf"), False, False),
+    }
+    problems = []
+    for low, keys in at_least.items():
+        for key in keys:
+            value = _get(cfg, key)
+            if value < low:
+                problems.append(f"{key}={value} must be >= {low}")
+    for key, (lo, hi, lo_in, hi_in) in intervals.items():
+        value = _get(cfg, key)
+        if not ((value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)):
+            bounds = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+            problems.append(f"{key}={value} must be in {bounds}")
+    steps = cfg.trainer.total_steps
+    if steps is not None and steps < 1:
+        problems.append(f"trainer.total_steps={steps} must be >= 1 (or null = trainer.total_epochs)")
+    for key in ("data.val_batch_size", "actor.mini_batch_size", "critic.mini_batch_size"):
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            problems.append(f"{key}={value} must be >= 1 or null")
+    if cfg.actor.clip_c <= 1.0:
+        problems.append(f"actor.clip_c={cfg.actor.clip_c} must be > 1 (dual-clip bound)")
+    return problems
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _algorithm_problems(cfg: Any) -> list[str]:
+    """What the chosen estimator and options need from the rest of the config."""
+    alg, n, problems = cfg.algorithm, cfg.rollout.n, []
+    est = alg.adv_estimator
+    if est in GROUP_ESTIMATORS and n < 2:
+        problems.append(f"algorithm.adv_estimator={est} compares the responses of one prompt: "
+                        f"rollout.n={n} must be >= 2")
+    if est == "remax" and cfg.rollout.temperature <= 0:
+        problems.append("algorithm.adv_estimator=remax subtracts a greedy response's reward as baseline: "
+                        f"rollout.temperature={cfg.rollout.temperature} must be > 0 (sampled responses)")
+    if alg.filter_groups.enable and n < 2:
+        problems.append(f"algorithm.filter_groups.enable=true needs rollout.n >= 2 (got {n})")
+    buf, max_len = alg.overlong_buffer, cfg.data.max_response_length
+    if buf.enable and not 1 <= buf.len < max_len:
+        problems.append(f"algorithm.overlong_buffer.len={buf.len} must be in [1, data.max_response_length="
+                        f"{max_len})")
+    if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward:
+        problems.append("algorithm.kl_ctrl.type=adaptive controls the in-reward KL: "
+                        "set algorithm.use_kl_in_reward=true")
+    if est != "gae" and cfg.critic.warmup_steps > 0:
+        problems.append(f"critic.warmup_steps={cfg.critic.warmup_steps} needs a critic "
+                        f"(algorithm.adv_estimator=gae), got adv_estimator={est}")
+    return problems
+
+
+def _path_problems(cfg: Any) -> list[str]:
+    """Files the run will read: data, a reward file, a resume checkpoint, the model directory."""
+    problems = []
+    if cfg.model.path is None:
+        problems.append("model.path is required (a Hugging Face model directory)")
+        if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path is None:
+            problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
+                            "or model.path (the critic then starts from the actor's model)")
+    for key in ("model.path", "model.tokenizer_path", "critic.model.path", "reward.reward_model.path"):
+        value = _get(cfg, key)
+        if value is not None and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
+            problems.append(f"{key}={value}: no such directory")
+    if not cfg.data.train_files:
+        problems.append("data.train_files is required (one parquet/jsonl path or a list)")
+    for key in ("data.train_files", "data.val_files"):
+        for path in _get(cfg, key):
+            if not Path(path).expanduser().is_file():
+                problems.append(f"{key}: file {path} not found")
+    fn = cfg.reward.function
+    if ":" in fn:
+        file, _, name = fn.rpartition(":")
+        if not file.endswith(".py") or not name.isidentifier():
+            problems.append(f"reward.function={fn!r}: expected path/to/file.py:function_name")
+        elif not Path(file).expanduser().is_file():
+            problems.append(f"reward.function={fn!r}: file {file} not found")
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
+        problems.append(f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path")
+    if cfg.trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("trainer.device=cuda but no CUDA device is visible; valid here: auto, cpu")
+    return problems
+
+
+def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -> None:
+    """Raises one `ConfigError` listing every cross-key problem of an `RLConfig`.
+
+    `n_workers` (processes per worker group) defaults to `cfg.trainer.n_workers`. The critic's batch
+    relations are checked only when a critic trains (`algorithm.adv_estimator=gae`). With
+    `check_paths=False` the files and directories are not looked at (`model.path` and
+    `data.train_files` may then be unset), e.g. to check a recipe on its own.
+    """
+    n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
+    problems = _range_problems(cfg) + _algorithm_problems(cfg)
+    if check_paths:
+        problems += _path_problems(cfg)
+    if n_workers >= 1:
+        roles = ["actor", "critic"] if cfg.algorithm.adv_estimator == "gae" else ["actor"]
+        for role in roles:
+            problems += _batch_problems(role, cfg, n_workers)
+    if problems:
+        head = "invalid configuration:" if len(problems) == 1 else f"{len(problems)} problems in the configuration:"
+        raise ConfigError(head + "\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,94 @@
+"""validate: batch-size relations with the valid values named, estimator needs, ranges, paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.config.validate import divisors
+
+
+def _cfg(*overrides):
+    return load_config(["rollout.n=4", "data.train_batch_size=8", *overrides])
+
+
+def _problems(cfg, n_workers=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, n_workers=n_workers, check_paths=False)
+    return str(e.value)
+
+
+def test_divisors():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(0) == []
+
+
+def test_valid_config_passes():
+    validate(_cfg("actor.mini_batch_size=4", "actor.micro_batch_size=2"), n_workers=2, check_paths=False)
+    validate(_cfg(), n_workers=4, check_paths=False)  # null mini-batch = whole batch: 32 rows / 4
+
+
+def test_mini_batch_must_divide_batch():
+    msg = _problems(_cfg("actor.mini_batch_size=3"))
+    assert "actor.mini_batch_size=3 must divide data.train_batch_size=8; valid: 1, 2, 4, 8" in msg
+
+
+def test_mini_batch_rows_divisible_by_workers():
+    msg = _problems(_cfg("rollout.n=3", "actor.mini_batch_size=1"), n_workers=2)
+    assert "actor mini-batch rows (actor.mini_batch_size=1 x rollout.n=3 = 3) must divide by " \
+           "trainer.n_workers=2; valid actor.mini_batch_size: 2, 4, 8" in msg
+    msg = _problems(_cfg("rollout.n=3", "data.train_batch_size=1"), n_workers=2)
+    assert "no mini_batch_size works; valid trainer.n_workers: 1, 3" in msg
+    # n_workers comes from the config when not passed
+    assert "trainer.n_workers=2" in _problems(_cfg("rollout.n=3", "actor.mini_batch_size=1", "trainer.n_workers=2"))
+
+
+def test_micro_batch_divides_per_rank_rows():
+    # 4 prompts x 4 samples / 2 ranks = 8 rows per rank
+    msg = _problems(_cfg("actor.mini_batch_size=4", "actor.micro_batch_size=3"), n_workers=2)
+    assert "actor.micro_batch_size=3 must divide the per-rank mini-batch of 8 rows" in msg
+    assert "valid: 1, 2, 4, 8" in msg
+    # a token budget replaces micro_batch_size, but must hold one whole sequence
+    validate(_cfg("actor.micro_batch_size=3", "actor.max_tokens_per_micro_batch=4096"), check_paths=False)
+    assert "use >= 1024" in _problems(_cfg("actor.max_tokens_per_micro_batch=100"))
+
+
+def test_critic_checked_only_with_gae():
+    validate(_cfg("critic.mini_batch_size=3"), check_paths=False)
+    assert "critic.mini_batch_size=3 must divide" in _problems(_cfg("critic.mini_batch_size=3",
+                                                                     "algorithm.adv_estimator=gae"))
+
+
+def test_estimator_needs():
+    assert "rollout.n=1 must be >= 2" in _problems(_cfg("rollout.n=1", "algorithm.adv_estimator=rloo"))
+    assert "rollout.temperature=0.0 must be > 0" in _problems(
+        _cfg("algorithm.adv_estimator=remax", "rollout.temperature=0"))
+    assert "set algorithm.use_kl_in_reward=true" in _problems(_cfg("algorithm.kl_ctrl.type=adaptive"))
+    assert "overlong_buffer.len=600 must be in [1, data.max_response_length=512)" in _problems(
+        _cfg("algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=600"))
+    assert "critic.warmup_steps=2 needs a critic" in _problems(_cfg("critic.warmup_steps=2"))
+
+
+def test_ranges_and_all_problems_listed_together():
+    msg = _problems(_cfg("rollout.top_p=0", "actor.lr=0", "trainer.val_every=-1"))
+    assert msg.startswith("3 problems in the configuration:")
+    assert "rollout.top_p=0.0 must be in (0.0, 1.0]" in msg
+    assert "actor.lr=0.0 must be in (0.0, inf)" in msg
+    assert "trainer.val_every=-1 must be >= 0" in msg
+
+
+def test_paths(tmp_path):
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    model = tmp_path / "model"
+    model.mkdir()
+    good = _cfg(f"model.path={model}", f"data.train_files={data}")
+    validate(good)
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg(f"data.val_files={tmp_path}/nope.parquet", f"reward.function={tmp_path}/r.py:fn",
+                      "trainer.resume=/no/such/ckpt", f"model.path={tmp_path}/missing"))
+    msg = str(e.value)
+    assert "data.train_files is required" in msg and "nope.parquet not found" in msg
+    assert "r.py not found" in msg and "trainer.resume='/no/such/ckpt'" in msg
+    assert f"model.path={tmp_path}/missing: no such directory" in msg
+    with pytest.raises(ConfigError, match="model.path is required"):
+        validate(_cfg(f"data.train_files={data}"))
