@@ -1,0 +1,208 @@
+"""`RewardManager`: scores a step's responses, asynchronously, without ever stopping the run.
+
+The trainer submits the rows right after generation and collects the result after the log-prob
+passes, so scoring overlaps GPU work::
+
+    manager = RewardManager("auto", num_workers=2, timeout_s=10, fallback_score=0.0)
+    future = manager.submit(batch)          # batch has data_source, response_text, ground_truth, extra_info
+    ...                                     # old / reference log-probs, values
+    result = future.result()                # RewardResult: scores, extras, errors, metrics
+    batch["token_scores"] = scores_to_token_scores(result.scores, batch["response_mask"])
+
+Rows are scored in a `ScoringPool` of spawned processes. A row whose function raises or runs past
+`timeout_s` gets `fallback_score` and is counted in ``reward/errors`` (timeouts also in
+``reward/timeouts``). With ``num_workers=0`` rows are scored inline in the caller's thread (so a
+``breakpoint()`` in a reward function works; no timeout is enforced then).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.rewards.pool import Outcome, Row, ScoringPool
+from hybridflow.rewards.registry import get_reward_fn, route_data_source, split_result
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+ROW_KEYS = ("data_source", "response_text", "ground_truth", "extra_info")
+
+
+@dataclass
+class RewardResult:
+    """Scores of one batch.
+
+    Attributes:
+        scores: one float per row (the fallback score where the function failed).
+        extras: ``{name: [value or None per row]}`` from dict results' non-``score`` entries.
+        errors: per row, None or the error / timeout message.
+        metrics: ``reward/mean``, ``reward/errors``, ``reward/timeouts``, ``reward/<name>/mean``.
+    """
+
+    scores: list[float]
+    extras: dict[str, list] = field(default_factory=dict)
+    errors: list[str | None] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def rows_from(batch_like: Any) -> list[Row]:
+    """``(data_source, solution_str, ground_truth, extra_info)`` rows from a batch-like object.
+
+    Accepts a `hybridflow.batch.Batch` or any mapping of per-row columns with keys ``data_source``,
+    ``response_text`` (or ``solution_str``), ``ground_truth`` and optionally ``extra_info``; or a
+    sequence of 4-tuples / dicts with those keys.
+    """
+    if isinstance(batch_like, Sequence) and not isinstance(batch_like, (str, bytes)):
+        return [_row_from_record(r, i) for i, r in enumerate(batch_like)]
+    if not hasattr(batch_like, "__getitem__") or not hasattr(batch_like, "__contains__"):
+        raise TypeError(f"cannot score a {type(batch_like).__name__}; pass a Batch, a dict of columns or a list of rows")
+    text_key = "response_text" if "response_text" in batch_like else "solution_str"
+    missing = [k for k in ("data_source", text_key, "ground_truth") if k not in batch_like]
+    if missing:
+        raise KeyError(f"reward scoring needs columns {list(ROW_KEYS)}; missing {missing}")
+    columns = [batch_like["data_source"], batch_like[text_key], batch_like["ground_truth"]]
+    n = len(columns[1])
+    infos = batch_like["extra_info"] if "extra_info" in batch_like else [None] * n
+    if any(len(c) != n for c in (*columns, infos)):
+        raise ValueError(f"reward columns have different lengths: {[len(c) for c in (*columns, infos)]}")
+    return [(str(ds), str(text), gt, info) for ds, text, gt, info in zip(*columns, infos)]
+
+
+def _row_from_record(record: Any, i: int) -> Row:
+    if isinstance(record, Mapping):
+        text = record.get("response_text", record.get("solution_str"))
+        if text is None or "data_source" not in record or "ground_truth" not in record:
+            raise KeyError(f"reward row {i} needs keys {list(ROW_KEYS)}; has {sorted(record)}")
+        return (str(record["data_source"]), str(text), record["ground_truth"], record.get("extra_info"))
+    if len(record) != 4:
+        raise ValueError(f"reward row {i} must be (data_source, solution_str, ground_truth, extra_info), "
+                         f"got {len(record)} items")
+    return (str(record[0]), str(record[1]), record[2], record[3])
+
+
+class RewardManager:
+    """Scores rows with a reward function in a process pool; see the module docstring.
+
+    Args:
+        fn_spec: reward spec (``auto``, a registered name, ``path/to/file.py:function_name``) or a
+            callable (must be picklable by reference, i.e. module-level, when ``num_workers > 0``).
+        num_workers: scoring processes; 0 scores inline in the caller's thread.
+        timeout_s: per-row limit in seconds (pool mode); None or 0 for no limit.
+        fallback_score: the score of a row whose function raised or timed out.
+        fn_kwargs: keyword arguments for the function (e.g. ``{"method": "flexible"}``).
+    """
+
+    def __init__(self, fn_spec: str | Callable = "auto", num_workers: int = 2, timeout_s: float | None = 10.0,
+                 fallback_score: float = 0.0, fn_kwargs: dict | None = None) -> None:
+        if num_workers < 0:
+            raise ValueError(f"reward num_workers must be >= 0, got {num_workers}")
+        self.fn_spec, self.fn_kwargs = fn_spec, dict(fn_kwargs or {})
+        self.fallback_score = float(fallback_score)
+        self._fn = get_reward_fn(fn_spec, self.fn_kwargs)  # fails here, early, on a bad spec
+        self._pool = ScoringPool(fn_spec, self.fn_kwargs, num_workers, timeout_s) if num_workers else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") if self._pool else None
+        self._finalizer = weakref.finalize(self, RewardManager._shutdown, self._pool, self._executor)
+
+    def check_data_sources(self, data_sources: Sequence[str]) -> None:
+        """With ``auto``, raises ValueError (naming it) for a data source no built-in covers."""
+        if self.fn_spec == "auto":
+            for ds in sorted({str(d) for d in data_sources}):
+                route_data_source(ds)
+
+    def submit(self, batch_like: Any) -> Future:
+        """Starts scoring; returns a Future of `RewardResult`. Input errors raise here, at once."""
+        rows = rows_from(batch_like)
+        self.check_data_sources([r[0] for r in rows])
+        if self._executor is None:
+            future: Future = Future()
+            future.set_result(self._result(rows, [self._score_inline(r) for r in rows]))
+            return future
+        return self._executor.submit(lambda: self._result(rows, self._pool.run(rows)))
+
+    def score(self, batch_like: Any) -> RewardResult:
+        """Scores and waits: ``submit(batch_like).result()``."""
+        return self.submit(batch_like).result()
+
+    def _score_inline(self, row: Row) -> Outcome:
+        try:
+            return ("ok", split_result(self._fn(*row)))
+        except Exception as e:
+            return ("error", f"{type(e).__name__}: {e}")
+
+    def _result(self, rows: list[Row], outcomes: list[Outcome]) -> RewardResult:
+        scores: list[float] = []
+        errors: list[str | None] = []
+        extras: dict[str, list] = {}
+        for i, (status, payload) in enumerate(outcomes):
+            if status == "ok":
+                score, row_extras = payload
+                for name, value in row_extras.items():
+                    extras.setdefault(name, [None] * len(rows))[i] = value
+                scores.append(score)
+                errors.append(None)
+            else:
+                scores.append(self.fallback_score)
+                errors.append(f"{status}: {payload}")
+        n_timeouts = sum(status == "timeout" for status, _ in outcomes)
+        n_errors = sum(e is not None for e in errors)
+        if n_errors:
+            first = next(e for e in errors if e is not None)
+            logger.warning("reward function failed on %d of %d rows (fallback score %g); first: %s",
+                           n_errors, len(rows), self.fallback_score, first)
+        metrics = {
+            "reward/mean": sum(scores) / len(scores) if scores else math.nan,
+            "reward/errors": float(n_errors),
+            "reward/timeouts": float(n_timeouts),
+        }
+        for name, values in extras.items():
+            numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, str)]
+            if numbers:
+                metrics[f"reward/{name}/mean"] = sum(numbers) / len(numbers)
+        return RewardResult(scores, extras, errors, metrics)
+
+    @staticmethod
+    def _shutdown(pool: ScoringPool | None, executor: ThreadPoolExecutor | None) -> None:
+        if executor is not None:
+            executor.shutdown(wait=True)
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        """Stops the scoring processes (also done at garbage collection and interpreter exit)."""
+        self._finalizer()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def scores_to_token_scores(scores: Sequence[float] | torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Places each row's score on its last real response token.
+
+    Args:
+        scores: ``[B]`` per-row scores.
+        response_mask: ``[B, R]``, 1 on real response tokens (right-padded).
+
+    Returns:
+        ``token_scores [B, R]`` float32, zero except ``score`` at index ``len - 1`` of each row (index 0
+        for an empty response, so no score is lost).
+    """
+    import torch
+
+    values = torch.as_tensor(scores, dtype=torch.float32, device=response_mask.device)
+    if values.ndim != 1 or values.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"scores must be [B={response_mask.shape[0]}], got shape {tuple(values.shape)}")
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    token_scores[torch.arange(len(values), device=response_mask.device), last] = values
+    return token_scores

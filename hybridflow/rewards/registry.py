@@ -1,0 +1,215 @@
+"""The reward-function registry: built-in names, `auto` routing by `data_source`, and user files.
+
+A reward function has verl's signature, so functions written for verl work unchanged::
+
+    fn(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float | dict
+
+A dict result holds ``score`` plus extra values (logged as ``reward/<name>/mean``). `get_reward_fn`
+turns a spec into such a function:
+
+- a registered name (``gsm8k``, ``math``, ``reasoning_gym``, ``exact_match``, or one added with
+  `register_reward`);
+- ``auto``: the built-in is picked per row from ``data_source`` (see `AUTO_ROUTES`);
+- ``path/to/file.py:function_name``: a user function loaded from a Python file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import hashlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RewardFn = Callable[[str, str, Any, Any], "float | dict"]
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+
+# (fnmatch pattern on the lower-cased data_source, built-in name); the first match wins.
+AUTO_ROUTES: list[tuple[str, str]] = [
+    ("openai/gsm8k", "gsm8k"),
+    ("gsm8k*", "gsm8k"),
+    ("*/gsm8k*", "gsm8k"),
+    ("lighteval/math*", "math"),
+    ("digitallearninggmbh/math-lighteval", "math"),
+    ("huggingfaceh4/math-500", "math"),
+    ("math*", "math"),
+    ("aime*", "math"),
+    ("*/aime*", "math"),
+    ("reasoning_gym*", "reasoning_gym"),
+    ("reasoning-gym*", "reasoning_gym"),
+]
+
+_VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a reward function to `REWARD_FUNCTIONS` under `name`.
+
+    ``@register_reward("my_task")`` then ``reward.function=my_task``. Re-registering a name replaces it.
+    """
+    if not name or ":" in name or name == "auto":
+        raise ValueError(f"invalid reward name {name!r}: it must be non-empty, not 'auto', and contain no ':'")
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return decorator
+
+
+def register_route(pattern: str, name: str) -> None:
+    """Routes data sources matching the fnmatch `pattern` (lower-cased) to reward `name` under ``auto``.
+
+    New routes are tried before the built-in ones.
+    """
+    AUTO_ROUTES.insert(0, (pattern.lower(), name))
+
+
+def route_data_source(data_source: str) -> str:
+    """The registered reward name that ``auto`` uses for `data_source`.
+
+    Raises:
+        ValueError: naming the data source and the known patterns, when none matches.
+    """
+    key = str(data_source).lower()
+    for pattern, name in AUTO_ROUTES:
+        if fnmatch.fnmatchcase(key, pattern):
+            return name
+    patterns = ", ".join(f"{p} -> {n}" for p, n in AUTO_ROUTES)
+    raise ValueError(
+        f"reward.function=auto has no reward for data_source {data_source!r}; known data sources: "
+        f"{patterns}. Set reward.function to one of {sorted(REWARD_FUNCTIONS)} or to "
+        f"'path/to/file.py:function_name'"
+    )
+
+
+def auto_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float | dict:
+    """Scores with the built-in that `route_data_source` picks for this row's `data_source`."""
+    return REWARD_FUNCTIONS[route_data_source(data_source)](data_source, solution_str, ground_truth, extra_info)
+
+
+def _adapt_signature(fn: Callable, where: str) -> RewardFn:
+    """Returns `fn` callable as ``fn(data_source, solution_str, ground_truth, extra_info)``.
+
+    Functions whose parameters carry verl's names are called by keyword (as verl does); others that take
+    four positional arguments are called positionally.
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: trust them
+        return fn
+    try:
+        sig.bind(**dict.fromkeys(_VERL_PARAMS))
+        return fn
+    except TypeError:
+        pass
+    try:
+        sig.bind(*_VERL_PARAMS)
+    except TypeError:
+        raise TypeError(
+            f"reward function {where} has signature {sig}; it must accept verl's "
+            f"(data_source, solution_str, ground_truth, extra_info)"
+        ) from None
+
+    @functools.wraps(fn)
+    def positional(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        return fn(data_source, solution_str, ground_truth, extra_info, **kwargs)
+
+    return positional
+
+
+def load_file_function(spec: str) -> RewardFn:
+    """Loads ``path/to/file.py:function_name`` (path relative to the working directory or absolute)."""
+    path_str, _, fn_name = spec.rpartition(":")
+    if not path_str or not fn_name:
+        raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:function_name'")
+    path = Path(path_str).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"reward file {path_str!r} (from reward.function={spec!r}) does not exist")
+    module_name = "hybridflow_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import reward file {path} (is it a .py file?)")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, fn_name):
+        candidates = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                      and getattr(v, "__module__", None) == module_name]
+        hint = difflib.get_close_matches(fn_name, candidates, n=1)
+        raise AttributeError(
+            f"reward file {path_str} has no function {fn_name!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" Functions defined there: {candidates}"
+        )
+    fn = getattr(module, fn_name)
+    if not callable(fn):
+        raise TypeError(f"{fn_name!r} in reward file {path_str} is a {type(fn).__name__}, not a function")
+    return _adapt_signature(fn, f"{fn_name!r} in {path_str}")
+
+
+def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
+    """The reward function named by `spec` (see the module docstring), with `kwargs` bound.
+
+    Args:
+        spec: a registered name, ``auto``, ``path/to/file.py:function_name``, or a callable.
+        kwargs: extra keyword arguments for the function (e.g. ``{"method": "flexible"}`` for gsm8k);
+            not allowed with ``auto``, whose rows may reach different functions.
+    """
+    if callable(spec):
+        fn = _adapt_signature(spec, getattr(spec, "__name__", repr(spec)))
+    elif not isinstance(spec, str) or not spec:
+        raise TypeError(f"reward.function must be a name or 'file.py:function', got {spec!r}")
+    elif spec == "auto":
+        if kwargs:
+            raise ValueError(f"reward kwargs {sorted(kwargs)} cannot be used with reward.function=auto; "
+                             f"name the function instead (one of {sorted(REWARD_FUNCTIONS)})")
+        fn = auto_reward
+    elif ":" in spec or spec.endswith(".py"):
+        fn = load_file_function(spec)
+    elif spec in REWARD_FUNCTIONS:
+        fn = REWARD_FUNCTIONS[spec]
+    else:
+        hint = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
+        raise ValueError(
+            f"unknown reward function {spec!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; valid: auto, {', '.join(sorted(REWARD_FUNCTIONS))}, or 'path/to/file.py:function_name'"
+        )
+    if kwargs:
+        try:
+            inspect.signature(fn).bind(*_VERL_PARAMS, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"reward kwargs {kwargs} do not fit reward function {spec!r}: {e}") from None
+        fn = functools.partial(fn, **kwargs)
+    return fn
+
+
+def split_result(result: Any) -> tuple[float, dict[str, Any]]:
+    """``(score, extras)`` from a reward function's return value (a number, or a dict with ``score``).
+
+    Extras keep numbers, strings, booleans and None; other values are turned into their ``str``.
+
+    Raises:
+        TypeError / ValueError: when the result is not a finite number or a dict with a numeric ``score``.
+    """
+    extras: dict[str, Any] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"reward dict has no 'score' key (keys: {sorted(result)})")
+        extras = {str(k): v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+                  for k, v in result.items() if k != "score"}
+        result = result["score"]
+    try:
+        if isinstance(result, (str, bytes)):
+            raise TypeError
+        score = float(result)
+    except (TypeError, ValueError):
+        raise TypeError(f"reward must be a number or a dict with 'score', got {type(result).__name__} "
+                        f"{result!r:.80}") from None
+    if score != score or score in (float("inf"), float("-inf")):
+        raise ValueError(f"reward is not finite: {score}")
+    return score, extras

@@ -1,0 +1,109 @@
+"""RewardManager: pool and inline scoring, failures and timeouts turned into fallback scores, async submit."""
+
+from __future__ import annotations
+
+import textwrap
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.rewards import RewardManager, rows_from, scores_to_token_scores
+
+USER_REWARD = """
+import os
+import time
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "raise":
+        raise RuntimeError("boom")
+    if solution_str == "sleep":
+        time.sleep(60)
+    if solution_str == "die":
+        os._exit(3)
+    if solution_str == "slow":
+        time.sleep(0.3)
+        return {"score": 1.0, "pid": os.getpid()}
+    return {"score": float(solution_str == ground_truth), "length": len(solution_str)}
+"""
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "user_reward.py"
+    path.write_text(textwrap.dedent(USER_REWARD))
+    return f"{path}:score"
+
+
+def _rows(texts, truth="a"):
+    return [("demo", t, truth, {"i": i}) for i, t in enumerate(texts)]
+
+
+def test_pool_failures_give_fallback_and_the_run_continues(reward_file):
+    texts = ["a", "b", "raise", "a", "sleep", "a", "die", "a"]
+    with RewardManager(reward_file, num_workers=2, timeout_s=1.0, fallback_score=-1.0) as manager:
+        result = manager.score(_rows(texts))
+        assert result.scores == [1.0, 0.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0]
+        assert result.metrics["reward/errors"] == 3.0
+        assert result.metrics["reward/timeouts"] == 1.0
+        assert "RuntimeError: boom" in result.errors[2]
+        assert result.errors[4].startswith("timeout")
+        assert "died" in result.errors[6]
+        assert result.extras["length"] == [1, 1, None, 1, None, 1, None, 1]
+        assert result.metrics["reward/length/mean"] == 1.0
+        assert result.metrics["reward/mean"] == pytest.approx(sum(result.scores) / 8)
+        # The hung and dead workers were replaced: the next batch scores normally.
+        again = manager.score(_rows(["a"] * 40))
+        assert again.scores == [1.0] * 40 and again.metrics["reward/errors"] == 0.0
+
+
+def test_submit_is_asynchronous(reward_file):
+    with RewardManager(reward_file, num_workers=2, timeout_s=5.0) as manager:
+        manager.score(_rows(["a"]))  # workers started
+        future = manager.submit(_rows(["slow"] * 4))
+        assert not future.done()  # returned while the rows are still sleeping in the workers
+        result = future.result(timeout=30)
+        assert result.scores == [1.0] * 4
+        assert len(set(result.extras["pid"])) == 2  # both workers scored
+
+
+def test_inline_mode_scores_in_the_callers_thread(reward_file):
+    manager = RewardManager(reward_file, num_workers=0, fallback_score=0.25)
+    future = manager.submit(_rows(["a", "raise", "b"]))
+    assert future.done()
+    result = future.result()
+    assert result.scores == [1.0, 0.25, 0.0] and result.metrics["reward/errors"] == 1.0
+
+
+def test_builtin_auto_on_a_batch():
+    batch = Batch(
+        tensors={"response_mask": torch.ones(3, 4)},
+        non_tensors={
+            "data_source": ["openai/gsm8k", "lighteval/MATH", "openai/gsm8k"],
+            "response_text": ["#### 12", "so $\\frac{1}{2}$", "#### 13"],
+            "ground_truth": ["12", "0.5", "12"],
+            "extra_info": [{}, {}, {}],
+        },
+    )
+    result = RewardManager("auto", num_workers=0).score(batch)
+    assert result.scores == [1.0, 1.0, 0.0]
+
+
+def test_bad_input_raises_at_submit():
+    manager = RewardManager("auto", num_workers=0)
+    with pytest.raises(ValueError, match="no reward for data_source 'nowhere'"):
+        manager.submit([("nowhere", "x", "y", None)])
+    with pytest.raises(KeyError, match=r"missing \['ground_truth'\]"):
+        rows_from({"data_source": ["a"], "response_text": ["x"]})
+    with pytest.raises(ValueError, match="unknown reward function"):
+        RewardManager("not_a_reward", num_workers=0)
+
+
+def test_scores_to_token_scores_puts_score_on_last_real_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    out = scores_to_token_scores([0.5, -1.0, 2.0, 3.0], mask)
+    expected = torch.zeros(4, 4)
+    expected[0, 2], expected[1, 0], expected[2, 0], expected[3, 3] = 0.5, -1.0, 2.0, 3.0
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="scores must be"):
+        scores_to_token_scores([1.0], mask)

@@ -1,0 +1,98 @@
+"""The reward registry: `auto` routing, registration, user files and their error messages."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from hybridflow.rewards import REWARD_FUNCTIONS, get_reward_fn, register_reward, route_data_source, split_result
+
+
+@pytest.mark.parametrize(
+    "data_source, name",
+    [
+        ("openai/gsm8k", "gsm8k"),
+        ("gsm8k_test", "gsm8k"),
+        ("lighteval/MATH", "math"),
+        ("DigitalLearningGmbH/MATH-lighteval", "math"),
+        ("math_dapo", "math"),
+        ("aime_2024", "math"),
+        ("reasoning_gym/basic_arithmetic", "reasoning_gym"),
+    ],
+)
+def test_auto_routes_by_data_source(data_source, name):
+    assert route_data_source(data_source) == name
+
+
+def test_auto_unknown_data_source_names_it_and_the_choices():
+    with pytest.raises(ValueError, match=r"no reward for data_source 'my/secret_task'.*gsm8k"):
+        route_data_source("my/secret_task")
+    auto = get_reward_fn("auto")
+    assert auto("openai/gsm8k", "#### 4", "4", None) == 1.0
+    assert auto("lighteval/MATH", "$\\frac{1}{2}$", "0.5", None) == 1.0
+
+
+def test_unknown_name_suggests_close_match():
+    with pytest.raises(ValueError, match=r"did you mean 'gsm8k'.*valid: auto"):
+        get_reward_fn("gsm8kk")
+
+
+def test_register_reward_makes_a_name_usable():
+    @register_reward("test_length")
+    def length_reward(data_source, solution_str, ground_truth, extra_info):
+        return len(solution_str) / 10
+
+    try:
+        assert get_reward_fn("test_length")("d", "abcde", None, None) == 0.5
+    finally:
+        REWARD_FUNCTIONS.pop("test_length")
+
+
+def _write(path, body):
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_user_file_function(tmp_path):
+    f = _write(tmp_path / "my_reward.py", """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+            return {"score": float(solution_str == ground_truth) + bonus, "length": len(solution_str)}
+
+        def positional(a, b, c, d):
+            return 2.0
+
+        NOT_CALLABLE = 3
+    """)
+    fn = get_reward_fn(f"{f}:compute_score")
+    assert fn("d", "x", "x", None) == {"score": 1.0, "length": 1}
+    assert get_reward_fn(f"{f}:compute_score", {"bonus": 0.5})("d", "x", "y", None)["score"] == 0.5
+    assert get_reward_fn(f"{f}:positional")("d", "x", "y", None) == 2.0
+    with pytest.raises(AttributeError, match=r"no function 'compute_scor'; did you mean 'compute_score'"):
+        get_reward_fn(f"{f}:compute_scor")
+    with pytest.raises(TypeError, match="is a int, not a function"):
+        get_reward_fn(f"{f}:NOT_CALLABLE")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        get_reward_fn(f"{tmp_path}/missing.py:compute_score")
+    with pytest.raises(TypeError, match=r"do not fit reward function"):
+        get_reward_fn(f"{f}:positional", {"bonus": 1})
+
+
+def test_user_function_with_wrong_signature(tmp_path):
+    f = _write(tmp_path / "bad.py", """
+        def two_args(solution, truth):
+            return 1.0
+    """)
+    with pytest.raises(TypeError, match=r"must accept verl's \(data_source, solution_str, ground_truth, extra_info\)"):
+        get_reward_fn(f"{f}:two_args")
+
+
+def test_split_result_validates():
+    assert split_result(1) == (1.0, {})
+    assert split_result({"score": 0.5, "acc": True, "pred": ["x"]}) == (0.5, {"acc": True, "pred": "['x']"})
+    with pytest.raises(ValueError, match="no 'score' key"):
+        split_result({"acc": 1.0})
+    with pytest.raises(TypeError, match="must be a number"):
+        split_result("1.0")
+    with pytest.raises(ValueError, match="not finite"):
+        split_result(float("nan"))
