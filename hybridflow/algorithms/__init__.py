@@ -1,0 +1,76 @@
+"""hybridflow.algorithms: pure tensor functions of the RL algorithms, with registries.
+
+Advantage estimators (`advantages`), policy and value losses (`losses`), KL estimators and KL in
+reward (`kl`), loss aggregation (`aggregation`), KL controllers (`kl_control`), DAPO helpers (`dapo`)
+and masked statistics (`utils`). No I/O and no distributed calls: the trainer and the workers call
+these. Add an estimator or a loss by name with `register_adv_estimator` / `register_policy_loss`.
+"""
+
+from hybridflow.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    compute_advantages,
+    gae,
+    get_adv_estimator,
+    grpo,
+    register_adv_estimator,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    remax,
+    rloo,
+)
+from hybridflow.algorithms.aggregation import AGG_MODES, aggregate
+from hybridflow.algorithms.dapo import filter_groups, overlong_penalty
+from hybridflow.algorithms.kl import KL_KINDS, kl_estimate, kl_loss, kl_penalty_rewards, mean_kl
+from hybridflow.algorithms.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
+from hybridflow.algorithms.losses import (
+    POLICY_LOSSES,
+    cispo_policy_loss,
+    compute_policy_loss,
+    get_policy_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+    register_policy_loss,
+    value_loss,
+)
+from hybridflow.algorithms.registry import Registry
+from hybridflow.algorithms.utils import group_index, group_stats, masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "AGG_MODES",
+    "KL_KINDS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "Registry",
+    "aggregate",
+    "cispo_policy_loss",
+    "compute_advantages",
+    "compute_policy_loss",
+    "filter_groups",
+    "gae",
+    "get_adv_estimator",
+    "get_policy_loss",
+    "group_index",
+    "group_stats",
+    "grpo",
+    "gspo_policy_loss",
+    "kl_estimate",
+    "kl_loss",
+    "kl_penalty_rewards",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "mean_kl",
+    "overlong_penalty",
+    "ppo_policy_loss",
+    "register_adv_estimator",
+    "register_policy_loss",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+    "value_loss",
+]
