@@ -1,0 +1,105 @@
+"""Tracker: jsonl appends across runs, TensorBoard events readable, console line format, bad names."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+
+import pytest
+import torch
+
+from hybridflow.tracking import Tracker, format_line
+
+STEP_METRICS = {
+    "reward/mean": 0.5312, "actor/pg_loss": -0.0123, "actor/grad_norm": torch.tensor(1.25),
+    "response_length/mean": 87.44, "response_length/max": 256.0, "response_length/clip_ratio": 0.03125,
+    "timing_s/step": 4.2109, "perf/throughput": 12345.6,
+}
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_one_line_per_step_and_a_second_tracker_appends(tmp_path):
+    with Tracker(["jsonl"], output_dir=tmp_path) as tracker:
+        for step in (1, 2):
+            tracker.log({"reward/mean": step / 10, "bad": float("nan")}, step=step)
+        # Flushed per line: readable before close.
+        assert len(_read_jsonl(tmp_path / "metrics.jsonl")) == 2
+    with Tracker("jsonl", output_dir=tmp_path) as tracker:  # a resumed run
+        tracker.log({"reward/mean": 0.3}, step=3)
+        tracker.log_samples([{"prompt": "p", "response": "r", "reward": 1.0, "data_source": "d"}], step=3)
+    lines = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert lines[0] == {"step": 1, "reward/mean": 0.1, "bad": None}
+    assert _read_jsonl(tmp_path / "samples.jsonl") == [
+        {"step": 3, "prompt": "p", "response": "r", "reward": 1.0, "data_source": "d"}]
+
+
+def test_tensorboard_events_are_readable(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Tracker(["tensorboard"], output_dir=tmp_path, config={"actor": {"lr": 1e-6}}) as tracker:
+        for step in (1, 2, 3):
+            tracker.log({"reward/mean": step * 0.25, "note": "text is skipped"}, step=step)
+        tracker.log_samples([{"prompt": "2+2?", "response": "4", "reward": 1.0, "data_source": "demo"}], step=3)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("reward/mean")
+    assert [(e.step, e.value) for e in events] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    tags = acc.Tags()
+    assert "note" not in tags["scalars"]
+    assert {"config/text_summary", "samples/text_summary"} <= set(tags["tensors"])
+
+
+def test_console_line_format():
+    line = format_line({k: float(v) for k, v in STEP_METRICS.items()}, step=7, total_steps=100)
+    assert line == ("step   7/100 | reward 0.531 | pg_loss -0.0123 | grad 1.25 | len 87.4 (max 256, clip 3.1%)"
+                    " | 4.21 s | 12,346 tok/s")
+    assert format_line({"reward/mean": 1.0, "reward/errors": 2.0}, step=3) == "step 3 | reward 1.000 | errors 2"
+    stream = io.StringIO()
+    with Tracker(["console"], output_dir=".", total_steps=100, stream=stream) as tracker:
+        tracker.log(STEP_METRICS, step=7)
+        tracker.log_samples([{"response": "x" * 500, "reward": 0.5, "data_source": "d"}], step=7)
+    out = stream.getvalue().splitlines()
+    assert out[0] == line
+    assert out[1].startswith("  sample 0 [d] reward 0.500: xxx") and out[1].endswith("...") and len(out[1]) < 260
+
+
+def test_unknown_logger_names_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown logger 'tensorbord' \(did you mean 'tensorboard'\?\); "
+                                         r"valid: console, jsonl, tensorboard, wandb"):
+        Tracker(["console", "tensorbord"], output_dir=".")
+
+
+def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ImportError, match="pip install wandb.*WANDB_MODE=offline"):
+        Tracker(["jsonl", "wandb"], output_dir=tmp_path)
+
+
+def test_wandb_offline_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with Tracker(["wandb"], output_dir=tmp_path, config={"seed": 1}) as tracker:
+        tracker.log({"reward/mean": 0.5}, step=1)
+        tracker.log_samples([{"prompt": [{"role": "user", "content": "hi"}], "response": "r", "reward": 1.0}], 1)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_metric_values_must_be_numbers_or_strings(tmp_path):
+    with Tracker(["jsonl"], output_dir=tmp_path) as tracker:
+        with pytest.raises(TypeError, match="not a number or a string"):
+            tracker.log({"x": [1, 2]}, step=1)
+        tracker.log({"x": torch.tensor(2.5), "n": 3}, step=1)
+    assert _read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "x": 2.5, "n": 3}]
