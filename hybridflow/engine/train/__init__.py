@@ -1,0 +1,6 @@
+"""FSDP2 training engine over Hugging Face models: `TrainEngine` and the pieces it is built from."""
+
+from hybridflow.engine.train.engine import LossContext, TrainEngine, timed
+from hybridflow.engine.train.logprobs import token_log_probs
+
+__all__ = ["LossContext", "TrainEngine", "timed", "token_log_probs"]

@@ -1,0 +1,99 @@
+"""Packed (variable-length) causal attention for Hugging Face models.
+
+Registers the attention implementation ``"hybridflow_varlen"`` with `transformers`' attention
+registry. A model switched to it (see `varlen_attention`) takes rows concatenated into one sequence
+`[1, T]` plus ``cu_seq_lens_q`` (int32 `[N+1]` row starts) and ``max_length_q`` keyword arguments, which
+`transformers` forwards from the model call to every attention layer. No row attends across another.
+
+On CUDA the kernel is `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative
+lengths, no padding, no mask); elsewhere SDPA over a block-diagonal causal mask (for tests on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+VARLEN_ATTENTION = "hybridflow_varlen"
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # torch without the varlen module: the mask path serves
+    _varlen_attn, _VARLEN_PARAMS = None, set()
+
+
+def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  scale: float | None) -> torch.Tensor:
+    """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> `[T, Hq, D]` through the flash varlen kernel."""
+    kwargs: dict = {"scale": scale}
+    if "is_causal" in _VARLEN_PARAMS:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def _masked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                   scale: float | None) -> torch.Tensor:
+    """Same contract as `_flash_varlen`, through SDPA and a block-diagonal causal mask."""
+    total = q.shape[0]
+    lengths = (cu[1:] - cu[:-1]).long()
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
+    pos = torch.arange(total, device=q.device)
+    mask = (row[:, None] == row[None, :]) & (pos[:, None] >= pos[None, :])
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The `transformers` attention-function contract: q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` ->
+    (`[1, T, Hq, D]`, None). Needs ``cu_seq_lens_q`` and ``max_length_q`` in `kwargs`."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        raise ValueError(f"{VARLEN_ATTENTION} attention needs one packed row [1, T] and cu_seq_lens_q; "
+                         f"got a batch of {query.shape[0]} rows and cu_seq_lens_q={cu!r}")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if q.is_cuda and _varlen_attn is not None:
+        out = _flash_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+    else:
+        out = _masked_varlen(q, k, v, cu, scaling)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Make ``"hybridflow_varlen"`` a valid `attn_implementation` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+
+
+@contextlib.contextmanager
+def varlen_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, every attention layer of `model` runs `varlen_attention_forward`."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = VARLEN_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,290 @@
+"""`TrainEngine`: one model role (policy, reference or critic) sharded with FSDP2 in this process.
+
+The engine owns the model, its optimizer and lr schedule, and the mechanics of a training step:
+micro-batching (by row count or by a token budget, the same number of forwards on every rank),
+packed or padded forwards that return per-response-token log-probs (+ entropy) or values, backward
+with the loss scaled so data-parallel ranks *sum* their gradients, one gradient clip on the global norm
+across all shards, and a step that is skipped (and counted) when that norm is not finite. What the loss
+is belongs to the caller (`loss_fn`), so the engine knows nothing of PPO.
+
+Inputs are plain `{key: Tensor [B, ...]}` dicts (a `Batch`'s `.tensors`) with `input_ids`,
+`attention_mask`, optional `position_ids` (`[B, P+R]`) and `response_mask` (`[B, R]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hybridflow.engine.train import flops as flops_lib
+from hybridflow.engine.train.attention import varlen_attention
+from hybridflow.engine.train.logprobs import token_log_probs
+from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows
+from hybridflow.engine.train.model import load_model, resolve_precision
+from hybridflow.engine.train.offload import move_optimizer, move_params
+from hybridflow.engine.train.optim import build_optimizer, build_scheduler
+from hybridflow.engine.train.packing import build_inputs
+from hybridflow.engine.train.parallel import dp_mesh, shard_model
+
+
+@dataclass
+class LossContext:
+    """Counts over the whole mini-batch on all data-parallel ranks, for loss aggregation: a micro-batch's
+    loss is its share of the mini-batch loss (normalised by these), so shares sum to the whole."""
+
+    global_tokens: float
+    global_seqs: float
+    dp_size: int
+
+
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossContext],
+                  tuple[torch.Tensor, dict[str, float]]]
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _take(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    """Rows of `batch`; no rows -> row 0 with its response masked out (a forward that adds nothing)."""
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long)
+        return {k: v[idx.to(v.device)] for k, v in batch.items()}
+    out = {k: v[:1].clone() for k, v in batch.items()}
+    if "response_mask" in out:
+        out["response_mask"].zero_()
+    return out
+
+
+class TrainEngine:
+    """A Hugging Face model under FSDP2 (when torch.distributed is initialised) on this rank's device.
+
+    Args:
+        model_cfg: `ModelConfig`-like (`path`, `dtype`, `gradient_checkpointing`, `attn_implementation`,
+            `trust_remote_code`).
+        optim_cfg: an actor/critic section (lr, schedule, `grad_clip`, ...) or None for a frozen model.
+        head: ``"lm"`` (log-probs) or ``"value"`` (critic values).
+        total_steps: optimizer steps the lr schedule spans.
+    """
+
+    def __init__(self, model_cfg: Any, optim_cfg: Any | None = None, *, head: str = "lm",
+                 total_steps: int = 1, device: torch.device | None = None) -> None:
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.head = head
+        self.trainable = optim_cfg is not None
+        self.precision = resolve_precision(getattr(model_cfg, "dtype", "auto"), self.device, self.trainable)
+        self.distributed = dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        model = load_model(model_cfg.path, head, self.precision.master,
+                           getattr(model_cfg, "attn_implementation", "sdpa"),
+                           getattr(model_cfg, "trust_remote_code", False),
+                           self.trainable and getattr(model_cfg, "gradient_checkpointing", False))
+        if self.distributed:
+            model = shard_model(model.to(self.device), dp_mesh(self.device), self.precision)
+        else:
+            model = model.to(self.device)
+        self.model = model
+        self.config = model.config
+        self.skipped_steps = 0
+        self.optimizer = self.scheduler = None
+        if self.trainable:
+            self.grad_clip = optim_cfg.grad_clip
+            self.optimizer = build_optimizer(model.parameters(), optim_cfg, self.device)
+            self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
+            model.train()
+        else:
+            model.requires_grad_(False)
+            model.eval()
+
+    # ------------------------------------------------------------------ forward
+    def _autocast(self):
+        if self.distributed or not self.precision.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.precision.param)
+
+    def forward(self, mb: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = False,
+                pack: bool = True) -> tuple[dict[str, torch.Tensor], int]:
+        """One forward over micro-batch `mb`. Returns ({"log_probs", ["entropy"]} or {"values"}, each
+        float32 `[B, R]` and zero off real response tokens; real tokens in the forward)."""
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
+        inputs = build_inputs(mb["input_ids"], mb["attention_mask"], width, mb.get("position_ids"), pack)
+        attn = varlen_attention(self.model) if pack else contextlib.nullcontext()
+        with attn, self._autocast():
+            if self.head == "lm":
+                keep, index = inputs.lm_keep()
+                logits = self.model(**inputs.kwargs, logits_to_keep=keep).logits
+                logits = logits.flatten(0, 1)[index]
+                logp, entropy = token_log_probs(logits, inputs.targets, temperature, with_entropy)
+                out = {"log_probs": inputs.unflatten(logp)}
+                if entropy is not None:
+                    out["entropy"] = inputs.unflatten(entropy)
+            else:
+                scores = self.model(**inputs.kwargs).logits.flatten(0, 1)[:, 0]
+                out = {"values": inputs.unflatten(scores[inputs.positions])}
+        return out, inputs.num_tokens
+
+    @staticmethod
+    def micro_batch_rows(batch: dict[str, torch.Tensor], micro_batch_size: int | None,
+                         max_tokens: int | None) -> list[list[int]]:
+        """Row indices of each micro-batch; the same number of micro-batches on every rank."""
+        if batch["input_ids"].shape[0] == 0:
+            raise ValueError("this rank got an empty batch; every data-parallel rank needs at least one row")
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        local = count_micro_batches(lengths, micro_batch_size, max_tokens)
+        return split_rows(lengths, agree_count(local), by_tokens=max_tokens is not None)
+
+    @torch.no_grad()
+    def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
+              max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
+              pack: bool = True) -> dict[str, torch.Tensor]:
+        """Log-probs (+ entropy) or values for every row of `batch`, `[B, R]` float32 on the CPU."""
+        rows = batch["input_ids"].shape[0]
+        outs: dict[str, torch.Tensor] = {}
+        for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
+            out, _ = self.forward(_take(batch, g), temperature, with_entropy, pack)
+            for k, v in out.items():
+                if k not in outs:
+                    outs[k] = torch.zeros(rows, v.shape[1], dtype=torch.float32)
+                if g:
+                    outs[k][torch.tensor(g)] = v.cpu()
+        return outs
+
+    # ------------------------------------------------------------------ training
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.distributed:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=op)
+        return t.cpu()
+
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None = None,
+                   max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
+                   pack: bool = True) -> dict[str, float]:
+        """One optimizer step over this rank's share of a mini-batch.
+
+        `loss_fn(outputs, micro_batch, ctx) -> (loss, metrics)` returns the micro-batch's share of the
+        mini-batch loss (aggregated with `ctx`'s global counts) and per-micro-batch mean metrics. The
+        metrics come back averaged over all ranks' response tokens, with `loss` (the summed mini-batch
+        loss), `grad_norm` (before clipping), `lr` and `stepped` (0 if the norm was not finite).
+        """
+        mask = batch["response_mask"]
+        counts = self._all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
+                                               dtype=torch.float64))
+        ctx = LossContext(global_tokens=float(counts[0]), global_seqs=float(counts[1]), dp_size=self.world_size)
+        sums: dict[str, float] = {}
+        total_loss, local_tokens = 0.0, 0.0
+        for rows in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
+            mb = _take(batch, rows)
+            out, _ = self.forward(mb, temperature, with_entropy, pack)
+            loss, metrics = loss_fn(out, {k: v.to(self.device) for k, v in mb.items()}, ctx)
+            (loss * self.world_size).backward()
+            weight = float(mb["response_mask"].sum())
+            local_tokens += weight
+            total_loss += float(loss.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
+        keys = sorted(sums)
+        reduced = self._all_reduce(torch.tensor([sums[k] for k in keys] + [local_tokens, total_loss],
+                                                dtype=torch.float64))
+        tokens = max(float(reduced[-2]), 1.0)
+        result = {k: float(reduced[i]) / tokens for i, k in enumerate(keys)}
+        result["loss"] = float(reduced[-1])
+        lr = self.optimizer.param_groups[0]["lr"]
+        norm, stepped = self.clip_and_step()
+        result.update(grad_norm=norm, lr=lr, stepped=float(stepped))
+        return result
+
+    def clip_and_step(self) -> tuple[float, bool]:
+        """Global gradient norm over all shards (before clipping); clip once to `grad_clip` and step the
+        optimizer, or, if the norm is not finite, drop the gradients and count a skipped step."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            if self.grad_clip:
+                torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return float(norm), finite
+
+    # ------------------------------------------------------------------ perf, memory, weights, state
+    def perf_metrics(self, seq_lens: list[int], seconds: float, passes: int = 1) -> dict[str, float]:
+        """Throughput (real tokens per second per rank) and MFU of `passes` training passes over rows of
+        `seq_lens` real tokens (this rank's rows) that took `seconds`."""
+        flops = flops_lib.train_flops(self.config, seq_lens) * passes
+        out = {"throughput": sum(seq_lens) * passes / max(seconds, 1e-9)}
+        mfu = flops_lib.mfu(flops, seconds, self.device)
+        if mfu is not None:
+            out["mfu"] = mfu
+        return out
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameter shards and/or optimizer state to host memory."""
+        cpu = torch.device("cpu")
+        if params:
+            move_params(self.model, cpu)
+        if optimizer and self.optimizer is not None:
+            move_optimizer(self.optimizer, cpu)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Bring parameter shards and/or optimizer state back to the engine's device."""
+        if params:
+            move_params(self.model, self.device)
+        if optimizer and self.optimizer is not None:
+            move_optimizer(self.optimizer, self.device)
+
+    def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) per parameter, gathered one at a time and cast to `dtype`: never more
+        than one full parameter beyond the shards exists at once (before the consumer drops it)."""
+        for name, p in self.model.named_parameters():
+            t = p.detach()
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            yield name, (t.to(dtype) if dtype is not None else t)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and scheduler state (sharded DTensors under FSDP2) for the checkpoint layer."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        out: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
+            out["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            out["scheduler"] = self.scheduler.state_dict()
+            out["skipped_steps"] = self.skipped_steps
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        if self.optimizer is not None and "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """(fn(), seconds), synchronising the device around it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start

@@ -1,0 +1,57 @@
+"""Model FLOPs per token from a Hugging Face config, and MFU (model FLOPs utilisation).
+
+Counting convention (as PaLM / verl): a training token costs 6 x (matmul parameters) FLOPs forward and
+backward, plus causal attention `6 x layers x heads x head_dim x context` (QK^T and AV, forward and
+backward, half the square for causality). Only real (unpadded) tokens are counted. Recomputation
+(gradient checkpointing) is not counted: MFU measures useful work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dense bf16 peak per device kind; MFU is relative to these.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
+
+
+def matmul_params(config) -> int:
+    """Parameters that take part in a matmul per token: attention and MLP projections of every layer,
+    plus the output head (the embedding lookup is free)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    mlp = 3 * h * inter
+    return layers * (attn + mlp) + h * config.vocab_size
+
+
+def train_flops(config, seq_lens: list[int]) -> float:
+    """Forward + backward FLOPs of one pass over rows of `seq_lens` real tokens each."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    tokens = sum(seq_lens)
+    dense = 6 * matmul_params(config) * tokens
+    # causal attention per row: 2 matmuls x 2 FLOPs x L^2 / 2 (causal) x 3 (fwd + bwd)
+    attn = sum(6 * config.num_hidden_layers * heads * head_dim * n * n for n in seq_lens)
+    return float(dense + attn)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of `device`, or None where unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def mfu(flops: float, seconds: float, device: torch.device, world_size: int = 1) -> float | None:
+    """Achieved fraction of peak over `world_size` devices, or None without a known peak."""
+    peak = peak_flops(device)
+    if peak is None or seconds <= 0:
+        return None
+    return flops / seconds / (peak * world_size)
+

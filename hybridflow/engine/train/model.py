@@ -1,0 +1,80 @@
+"""Loading the Hugging Face model a training engine wraps: a causal LM, or a critic (backbone + scalar head).
+
+`load_model(path, head)` works for any `AutoModelForCausalLM` architecture. The critic is
+`AutoModelForTokenClassification` with one label: the backbone's weights come from `path` (a causal-LM
+checkpoint loads into it; only the head starts fresh), so a critic may start from any model directory.
+Weights are loaded in fp32 (the master copy); low-precision compute is FSDP's mixed-precision policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+HEADS = ("lm", "value")
+
+
+@dataclass
+class Precision:
+    """`param`: dtype of parameters in forward/backward; `master`: dtype of stored weights and optimizer
+    state; `reduce`: dtype of gradient reduction."""
+
+    param: torch.dtype
+    master: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        return self.param != self.master
+
+
+def resolve_precision(dtype: str, device: torch.device, trainable: bool = True) -> Precision:
+    """``"auto"`` = bf16 compute on CUDA, fp32 on CPU; frozen models (`trainable=False`) also store
+    their weights in the compute dtype (no master copy is needed)."""
+    if dtype == "auto":
+        param = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif dtype in DTYPES:
+        param = DTYPES[dtype]
+    else:
+        raise ValueError(f"model dtype {dtype!r} is not valid; valid: auto, {', '.join(DTYPES)}")
+    return Precision(param=param, master=torch.float32 if trainable else param)
+
+
+def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
+               attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+               gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """The model at `path` on CPU in `dtype`: a causal LM (`head="lm"`) or a critic (`head="value"`,
+    outputs `[*, 1]` logits per position)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from hybridflow.engine.train import attention
+
+    if head not in HEADS:
+        raise ValueError(f"model head {head!r} is not valid; valid: {', '.join(HEADS)}")
+    attention.register()
+    kwargs = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if head == "lm":
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    else:
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+        model.config.classifier_dropout = 0.0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules whose class is in HF's `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules "
+                         f"({sorted(names)}); cannot shard it per layer")
+    return layers

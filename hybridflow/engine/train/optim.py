@@ -1,0 +1,45 @@
+"""The optimizer and learning-rate schedule of a training engine: AdamW, warm-up, constant or cosine.
+
+Reads an actor/critic config section by attribute: `lr`, `weight_decay`, `betas`, `lr_schedule`
+(``"constant"`` | ``"cosine"``), `lr_warmup_steps`, `min_lr_ratio`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SCHEDULES = ("constant", "cosine")
+
+
+def build_optimizer(params, cfg: Any, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over `params` (fused on CUDA)."""
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                             fused=device.type == "cuda")
+
+
+def lr_factor(step: int, total_steps: int, schedule: str, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based): linear warm-up over `warmup_steps`,
+    then constant, or cosine from 1 down to `min_lr_ratio` at `total_steps`."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"lr_schedule {schedule!r} is not valid; valid: {', '.join(SCHEDULES)}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    """A `LambdaLR` stepping `lr_factor` once per optimizer step."""
+    schedule, warmup = cfg.lr_schedule, cfg.lr_warmup_steps
+    min_ratio = cfg.min_lr_ratio
+    lr_factor(0, total_steps, schedule, warmup, min_ratio)  # validates the schedule name now
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, schedule, warmup, min_ratio))

@@ -1,0 +1,30 @@
+"""Applying FSDP2 to a model, separately from the model's code (torchtitan's habit).
+
+`shard_model` calls `fully_shard` on every decoder layer, then on the root (embeddings, final norm, head),
+over a 1-D data-parallel mesh of the current process group. Mixed precision: parameters are gathered in
+the compute dtype, gradients reduced in fp32, and the sharded master weights stay fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from hybridflow.engine.train.model import Precision, decoder_layers
+
+
+def dp_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group."""
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) -> torch.nn.Module:
+    """`fully_shard` per decoder layer, then the root; returns the same (now sharded) module."""
+    mp = MixedPrecisionPolicy(param_dtype=precision.param, reduce_dtype=precision.reduce) \
+        if precision.mixed else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model

@@ -1,0 +1,117 @@
+"""Training steps of the engine on 2 gloo ranks against 1 process: gradient equality under data
+parallelism and micro-batching (by count and by tokens), one global clip, non-finite steps skipped,
+and offload round trips. One forked group runs every distributed case (start-up costs the most)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from train_helpers import model_cfg, optim_cfg, rl_batch, run_ranks
+
+from hybridflow.engine.train import TrainEngine
+
+BETA1 = 0.9
+ROWS = 5
+
+
+def pg_loss(out, mb, ctx):
+    """A token-mean surrogate whose share per micro-batch sums to the mini-batch loss."""
+    mask = mb["response_mask"]
+    loss = -(out["log_probs"] * mb["advantages"] * mask).sum() / ctx.global_tokens
+    return loss, {"logp_mean": float((out["log_probs"].detach() * mask).sum() / mask.sum().clamp(min=1))}
+
+
+def nan_loss(out, mb, ctx):
+    loss, metrics = pg_loss(out, mb, ctx)
+    return loss * float("nan"), metrics
+
+
+def _batch():
+    batch = rl_batch(rows=ROWS, prompt_width=6, response_width=7, seed=4)
+    batch["advantages"] = torch.randn(ROWS, 7, generator=torch.Generator().manual_seed(5))
+    return batch
+
+
+def _first_moments(engine) -> dict[str, torch.Tensor]:
+    """AdamW's exp_avg after one step = (1 - beta1) * the applied (clipped) gradient, gathered."""
+    out = {}
+    for name, p in engine.model.named_parameters():
+        m = engine.optimizer.state[p]["exp_avg"]
+        m = m.full_tensor() if isinstance(m, DTensor) else m
+        out[name] = (m / (1 - BETA1)).detach().clone()
+    return out
+
+
+def _full_params(engine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine.iter_full_params()}
+
+
+def _local_state(engine) -> list[torch.Tensor]:
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in engine.model.parameters()]
+    for state in engine.optimizer.state.values():
+        tensors += [v.to_local() if isinstance(v, DTensor) else v for k, v in state.items() if k != "step"]
+    return [t.detach().clone() for t in tensors]
+
+
+def _ranks(rank, path):
+    batch = _batch()
+    shard = [0, 1, 2] if rank == 0 else [3, 4]  # uneven shards: 3 rows and 2 rows
+    local = {k: v[shard] for k, v in batch.items()}
+    results = {}
+    for name, kw in {"count": dict(micro_batch_size=2), "tokens": dict(max_tokens=14)}.items():
+        engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e9), head="lm")
+        metrics = engine.train_step(local, pg_loss, **kw)
+        results[name] = (_first_moments(engine), metrics["grad_norm"], metrics["loss"])
+    engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e-3), head="lm")
+    metrics = engine.train_step(local, pg_loss, micro_batch_size=1)
+    results["clipped"] = (_first_moments(engine), metrics["grad_norm"])
+    before = _full_params(engine)
+    metrics = engine.train_step(local, nan_loss, micro_batch_size=2)
+    after = _full_params(engine)
+    results["nan"] = (metrics["stepped"], engine.skipped_steps,
+                      all(torch.equal(before[k], after[k]) for k in before))
+    state = _local_state(engine)
+    ptrs = [p.to_local().data_ptr() for p in engine.model.parameters()]
+    engine.offload(params=True, optimizer=True)
+    moved = all(p.to_local().data_ptr() != q for p, q in zip(engine.model.parameters(), ptrs))
+    engine.onload(params=True, optimizer=True)
+    same = all(torch.equal(a, b) for a, b in zip(state, _local_state(engine)))
+    engine.train_step(local, pg_loss, micro_batch_size=2)  # FSDP still works on the moved storage
+    results["offload"] = (moved, same, _full_params(engine))
+    dist.barrier()
+    return results
+
+
+def test_data_parallel_micro_batched_step_matches_one_process(tiny_qwen2):
+    batch = _batch()
+    results = run_ranks(2, _ranks, str(tiny_qwen2))
+
+    ref = TrainEngine(model_cfg(tiny_qwen2), optim_cfg(grad_clip=1e9), head="lm")
+    ref_metrics = ref.train_step(batch, pg_loss)
+    ref_grads, ref_norm = _first_moments(ref), ref_metrics["grad_norm"]
+    assert ref_norm > 1e-3
+
+    for rank_results in results:
+        for mode in ("count", "tokens"):
+            grads, norm, loss = rank_results[mode]
+            assert abs(norm - ref_norm) < 1e-4 * ref_norm, mode
+            assert abs(loss - ref_metrics["loss"]) < 1e-5, mode
+            for name, g in ref_grads.items():
+                torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=f"{mode}: {name}")
+
+        # one clip, on the global norm: every shard scaled by the same max_norm / global_norm
+        grads, norm = rank_results["clipped"]
+        assert abs(norm - ref_norm) < 1e-4 * ref_norm
+        total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
+        assert abs(float(total) - 1e-3) < 1e-7
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g * (1e-3 / ref_norm), atol=1e-9, rtol=1e-4)
+
+        stepped, skipped, unchanged = rank_results["nan"]
+        assert stepped == 0.0 and skipped == 1 and unchanged
+
+        moved, same, params_after = rank_results["offload"]
+        assert moved and same
+    for name in results[0]["offload"][2]:
+        torch.testing.assert_close(results[0]["offload"][2][name], results[1]["offload"][2][name])
