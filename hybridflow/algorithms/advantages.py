@@ -50,16 +50,19 @@ def compute_advantages(name: str, data: Mapping[str, Any], **options: Any) -> tu
     return ADV_ESTIMATORS.call(name, (data,), options)
 
 
-def require(data: Mapping[str, Any], key: str, estimator: str) -> Any:
-    """`data[key]`, or a `KeyError` saying which estimator needs it and what the batch holds."""
-    try:
-        value = data[key]
-    except (KeyError, IndexError):
-        value = None
-    if value is None:
-        keys = list(data.keys()) if hasattr(data, "keys") else "?"
-        raise KeyError(f"advantage estimator {estimator!r} needs the row key {key!r}; the batch has {keys}")
-    return value
+def require(data: Mapping[str, Any], estimator: str, *keys: str) -> tuple[Any, ...]:
+    """`(data[key] for key in keys)`; a `KeyError` naming the estimator and the batch's keys if one is missing."""
+    values = []
+    for key in keys:
+        try:
+            value = data[key]
+        except (KeyError, IndexError):
+            value = None
+        if value is None:
+            held = list(data.keys()) if hasattr(data, "keys") else "?"
+            raise KeyError(f"advantage estimator {estimator!r} needs the row key {key!r}; the batch has {held}")
+        values.append(value)
+    return tuple(values)
 
 
 def _outcome_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -194,44 +197,35 @@ def remax(
 
 @register_adv_estimator("gae")
 def _gae_entry(data: Mapping[str, Any], gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    return gae(
-        require(data, "token_rewards", "gae"), require(data, "values", "gae"),
-        require(data, "response_mask", "gae"), gamma, lam,
-    )
+    rewards, values, mask = require(data, "gae", "token_rewards", "values", "response_mask")
+    return gae(rewards, values, mask, gamma, lam)
 
 
 @register_adv_estimator("grpo")
 def _grpo_entry(
     data: Mapping[str, Any], scale_by_std: bool = True, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return grpo(
-        require(data, "token_rewards", "grpo"), require(data, "response_mask", "grpo"),
-        require(data, "uid", "grpo"), scale_by_std=scale_by_std, eps=eps,
-    )
+    rewards, mask, uid = require(data, "grpo", "token_rewards", "response_mask", "uid")
+    return grpo(rewards, mask, uid, scale_by_std=scale_by_std, eps=eps)
 
 
 @register_adv_estimator("rloo")
 def _rloo_entry(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    return rloo(require(data, "token_rewards", "rloo"), require(data, "response_mask", "rloo"), require(data, "uid", "rloo"))
+    return rloo(*require(data, "rloo", "token_rewards", "response_mask", "uid"))
 
 
 @register_adv_estimator("reinforce_plus_plus")
 def _reinforce_pp_entry(data: Mapping[str, Any], gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    name = "reinforce_plus_plus"
-    return reinforce_plus_plus(require(data, "token_rewards", name), require(data, "response_mask", name), gamma)
+    return reinforce_plus_plus(*require(data, "reinforce_plus_plus", "token_rewards", "response_mask"), gamma)
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")
 def _reinforce_pp_baseline_entry(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    name = "reinforce_plus_plus_baseline"
     return reinforce_plus_plus_baseline(
-        require(data, "token_rewards", name), require(data, "response_mask", name), require(data, "uid", name)
+        *require(data, "reinforce_plus_plus_baseline", "token_rewards", "response_mask", "uid")
     )
 
 
 @register_adv_estimator("remax")
 def _remax_entry(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    return remax(
-        require(data, "token_rewards", "remax"), require(data, "response_mask", "remax"),
-        require(data, "baselines", "remax"),
-    )
+    return remax(*require(data, "remax", "token_rewards", "response_mask", "baselines"))

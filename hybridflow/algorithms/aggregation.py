@@ -44,7 +44,8 @@ def aggregate(
     `response_len` is the normaliser of `seq-mean-token-sum-norm` (default `loss_mat.shape[-1]`).
     """
     if mode not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}.{did_you_mean(str(mode), list(AGG_MODES))} Valid: {AGG_MODES}")
+        hint = did_you_mean(str(mode), list(AGG_MODES))
+        raise ValueError(f"unknown aggregation mode {mode!r}.{hint} Valid: {AGG_MODES}")
     check_shapes("loss_mat", loss_mat=loss_mat, mask=mask)
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":

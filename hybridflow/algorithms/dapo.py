@@ -26,7 +26,9 @@ def overlong_penalty(
     the zone (falling linearly to -penalty_factor at max_len); -penalty_factor for L > max_len.
     """
     if not 0 < buffer_len <= max_len:
-        raise ValueError(f"overlong_penalty needs 0 < buffer_len <= max_len, got buffer_len={buffer_len}, max_len={max_len}")
+        raise ValueError(
+            f"overlong_penalty needs 0 < buffer_len <= max_len, got buffer_len={buffer_len}, max_len={max_len}"
+        )
     lengths = torch.as_tensor(response_lengths, dtype=torch.float32)
     expected = max_len - buffer_len
     penalty = -(lengths - expected).clamp(min=0.0, max=float(buffer_len)) / buffer_len
@@ -43,8 +45,8 @@ def filter_groups(
     scores = torch.as_tensor(scores, dtype=torch.float64).flatten()
     index, n_groups = group_index(group_ids, scores.shape[0])
     index = index.to(scores.device)
-    high = torch.full((n_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, index, scores, "amax")
-    low = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, index, scores, "amin")
+    high = scores.new_full((n_groups,), -torch.inf).scatter_reduce(0, index, scores, "amax")
+    low = scores.new_full((n_groups,), torch.inf).scatter_reduce(0, index, scores, "amin")
     size = torch.bincount(index, minlength=n_groups)
     keep = (high > low) | (size == 1)
     return keep[index]

@@ -66,6 +66,8 @@ def make_kl_controller(
         return FixedKLController(coef)
     if kind == "adaptive":
         if target is None or horizon is None:
-            raise ValueError(f"the adaptive KL controller needs target and horizon, got target={target}, horizon={horizon}")
+            raise ValueError(
+                f"the adaptive KL controller needs target and horizon, got target={target}, horizon={horizon}"
+            )
         return AdaptiveKLController(coef, target, horizon)
     raise ValueError(f"unknown KL controller {kind!r}; valid: {KL_CONTROLLERS}")

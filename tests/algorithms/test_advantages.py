@@ -215,3 +215,15 @@ def test_register_custom_estimator_and_lookup():
     finally:
         ADV_ESTIMATORS.unregister("test_mean_baseline")
     assert "test_mean_baseline" not in ADV_ESTIMATORS
+
+
+def test_compute_advantages_reads_a_batch():
+    from hybridflow.batch import Batch
+
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    mask = torch.ones(3, 2)
+    batch = Batch({"token_rewards": rewards, "response_mask": mask}, {"uid": ["a", "a", "b"]})
+    adv, _ = compute_advantages("rloo", batch)
+    assert torch.equal(adv, rloo(rewards, mask, ["a", "a", "b"])[0])
+    with pytest.raises(KeyError, match="'values'"):
+        compute_advantages("gae", batch)
