@@ -1,0 +1,1 @@
+"""Engines that worker processes drive: `train` (FSDP2 training) and `rollout` (generation)."""
