@@ -1,0 +1,241 @@
+"""`RolloutEngine`: load a model, generate with continuous batching, take weight updates, sleep/wake.
+
+    engine = RolloutEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+    outs = engine.generate(prompt_token_ids, SamplingParams(n=4, temperature=1.0, max_tokens=256))
+    outs[i][j].token_ids, outs[i][j].logprobs, outs[i][j].finish_reason
+    engine.load_weights(trainer_named_tensors)    # HF names, copied in place
+    engine.sleep(); engine.wake()                 # free / re-make the KV cache (and CUDA graphs)
+
+The loop per `generate` call: admit waiting prompts into free slots and prefill them in one packed
+forward (each prompt once; its KV written to the slots of all n samples, whose first tokens are drawn
+from the shared last-position logits), otherwise run one decode step over every running row; rows that
+finish free their slot at once. Architectures outside the fast families go to `HFRolloutEngine`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
+from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward
+from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
+from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM
+from hybridflow.engine.rollout.sampler import sample
+from hybridflow.engine.rollout.sampling import Completion, SamplingParams, check_prompts
+from hybridflow.engine.rollout.scheduler import Scheduler
+from hybridflow.engine.rollout.sequence import Request, RunningBatch
+
+
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor in a model directory's safetensors (or .bin) files."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    files = sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights under {path}")
+    for file in files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def model_stop_ids(path: str | Path, config) -> list[int]:
+    """The eos ids of the model's generation config (falling back to its config); [] if none."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class RolloutEngine:
+    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral). Build it with `from_pretrained`."""
+
+    kind = "fast"
+
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, stop_ids: list[int],
+                 max_num_seqs: int, max_model_len: int, kv_cache_memory: float | int | None,
+                 cuda_graphs: bool, max_prefill_tokens: int) -> None:
+        self.model, self.config, self.device, self.dtype = model, model.config, device, dtype
+        self.default_stop_ids, self.max_model_len = stop_ids, max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.backend = pick_backend(device, dtype)
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        attn = model.model.layers[0].self_attn
+        self.kv = KVCache(self.config.num_hidden_layers, attn.kv_heads, attn.head_dim, max_model_len,
+                          max_num_seqs, resolve_budget(kv_cache_memory, device), dtype, device)
+        self.graphs: DecodeGraphs | None = None
+        self.weights_offloaded = False
+        self.stats: dict[str, float] = {"kv_cache_gb": self.kv.bytes / 2**30, "num_slots": self.kv.num_slots}
+        self._capture()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, max_num_seqs: int = 256,
+                        max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
+                        cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384):
+        """Load a Hugging Face model directory.
+
+        engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or
+            "auto" (fast when the architecture has a fast path, else hf).
+        max_model_len: tokens per sequence, prompt + response (default min(max_position_embeddings, 4096)).
+        kv_cache_memory: None, a fraction of free memory, or bytes; the cache takes at most max_num_seqs
+            slots of max_model_len tokens within it.
+        cuda_graphs: capture decode at bucketed batch sizes (CUDA only).
+        max_prefill_tokens: prompt tokens packed into one prefill forward.
+        """
+        from transformers import AutoConfig
+
+        if engine not in ("auto", "fast", "hf"):
+            raise ValueError(f"engine={engine!r} is invalid; valid: 'auto', 'fast', 'hf'")
+        config = AutoConfig.from_pretrained(path)
+        device = resolve_device(device)
+        limit = getattr(config, "max_position_embeddings", None) or 4096
+        max_model_len = max_model_len or min(limit, 4096)
+        stop_ids = model_stop_ids(path, config)
+        fast = config.model_type in FAST_ARCHITECTURES
+        if engine == "fast" and not fast:
+            raise ValueError(f"engine='fast' has no path for model_type {config.model_type!r}; fast: "
+                             f"{FAST_ARCHITECTURES}; use engine='auto' or 'hf'")
+        if engine == "hf" or not fast:
+            from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
+
+            return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len)
+        window = getattr(config, "sliding_window", None)
+        uses_window = config.model_type in ("llama", "mistral") or getattr(config, "use_sliding_window", False)
+        if window and uses_window and max_model_len > window:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
+                             f"which the fast path does not implement; pass max_model_len <= {window}")
+        model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype))
+        model.load_weights(checkpoint_tensors(path))
+        return cls(model, device, dtype, stop_ids, max_num_seqs, max_model_len, kv_cache_memory,
+                   cuda_graphs, max_prefill_tokens)
+
+    # ---- generation -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_token_ids: list[list[int]],
+                 params: SamplingParams | None = None) -> list[list[Completion]]:
+        """outs[i][j]: the j-th of params.n samples for prompt i (see `Completion`)."""
+        params = params or SamplingParams()
+        if self.kv.k is None:
+            raise RuntimeError("the engine is asleep (KV cache freed); call engine.wake() first")
+        check_prompts(prompt_token_ids, self.max_model_len, self.config.vocab_size)
+        stop_ids = self.default_stop_ids if params.stop_token_ids is None else params.stop_token_ids
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        generator = torch.Generator(self.device).manual_seed(seed)
+        start = time.perf_counter()
+        scheduler = Scheduler(self.kv.num_slots, self.max_prefill_tokens)
+        scheduler.add([Request(i, list(p), params.n) for i, p in enumerate(prompt_token_ids)])
+        batch = RunningBatch(self.kv.num_slots, params.max_tokens, stop_ids, self.device)
+        owner: dict[int, tuple[int, int]] = {}
+        outs: list[list[Completion | None]] = [[None] * params.n for _ in prompt_token_ids]
+        steps = prefills = prefill_tokens = 0
+        while scheduler.has_waiting or len(batch):
+            admitted = scheduler.admit()
+            if admitted:
+                self._prefill(admitted, batch, params, generator, owner)
+                prefills += 1
+                prefill_tokens += sum(len(r.prompt) for r in admitted)
+            else:
+                self._decode(batch, params, generator)
+                steps += 1
+            finished = batch.pop_finished()
+            if finished is not None:
+                for slot, tokens, logprobs, stopped in zip(finished.slots, finished.token_ids,
+                                                           finished.logprobs, finished.stopped):
+                    i, j = owner.pop(slot)
+                    outs[i][j] = Completion(tokens, logprobs, "stop" if stopped else "length")
+                scheduler.release(finished.slots)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(c.token_ids) for row in outs for c in row)
+        self.stats.update(generate_s=elapsed, generated_tokens=generated, decode_steps=steps,
+                          prefill_forwards=prefills, prefill_tokens=prefill_tokens, tokens_per_s=generated / max(elapsed, 1e-9))
+        return outs
+
+    def _prefill(self, admitted: list[Request], batch: RunningBatch, params: SamplingParams,
+                 generator: torch.Generator, owner: dict[int, tuple[int, int]]) -> None:
+        """One packed forward over the admitted prompts; first tokens for their n samples each."""
+        lens = [len(r.prompt) for r in admitted]
+        ids = torch.tensor([t for r in admitted for t in r.prompt], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        write_index = torch.cat([(torch.tensor(r.slots)[None, :] * self.max_model_len
+                                  + torch.arange(n)[:, None]).reshape(-1) for r, n in zip(admitted, lens)])
+        cu = torch.tensor([0] + lens).cumsum(0)
+        dev = self.device
+        meta = AttnMeta(prefill=True, write_index=write_index.to(dev), n=params.n,
+                        cu_seqlens=cu.to(dev, torch.int32), seqlens=lens, max_seqlen=max(lens))
+        logits = self.model(ids.to(dev), positions.to(dev), meta, self.kv, (cu[1:] - 1).to(dev))
+        tokens, logprobs = sample(logits.float().repeat_interleave(params.n, dim=0), params, generator)
+        slots = [s for r in admitted for s in r.slots]
+        for r in admitted:
+            owner.update({slot: (r.index, j) for j, slot in enumerate(r.slots)})
+        batch.add(slots, [n for n in lens for _ in range(params.n)],
+                  [min(params.max_tokens, self.max_model_len - n) for n in lens for _ in range(params.n)],
+                  tokens, logprobs)
+
+    def _decode(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator) -> None:
+        if self.graphs is not None:
+            logits = self.graphs.run(batch.tokens, batch.positions, batch.slots)
+        else:
+            bound = int(batch.positions.max()) + 1 if self.backend == "sdpa" else self.max_model_len
+            logits = decode_forward(self.model, self.kv, batch.tokens, batch.positions, batch.slots, bound)
+        tokens, logprobs = sample(logits, params, generator)
+        batch.record(tokens, logprobs)
+
+    # ---- weights and memory -----------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy (HF name, tensor) pairs into the weights in place (see `CausalLM.load_weights`)."""
+        return self.model.load_weights(named_tensors)
+
+    def sleep(self, offload_weights: bool = False) -> None:
+        """Free the KV cache and CUDA graphs; with offload_weights, also move the weights to CPU."""
+        self.graphs = None
+        self.kv.free()
+        if offload_weights and not self.weights_offloaded:
+            self._move_weights(torch.device("cpu"))
+            self.weights_offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Bring the weights back (if offloaded), re-make the KV cache, re-capture the CUDA graphs."""
+        if self.weights_offloaded:
+            self._move_weights(self.device)
+            self.weights_offloaded = False
+        self.kv.allocate()
+        self._capture()
+
+    def _move_weights(self, device: torch.device) -> None:
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            tensor.data = tensor.data.to(device)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        if self.use_graphs and self.graphs is None:
+            start = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, self.kv, self.kv.num_slots)
+            self.stats["graph_capture_s"] = time.perf_counter() - start

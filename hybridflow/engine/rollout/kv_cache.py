@@ -1,0 +1,82 @@
+"""The KV cache: one allocation, sized from a memory budget, in a slot layout.
+
+Layout: `k` and `v` are each `[layers, slots + 1, max_len, kv_heads, head_dim]`. A running sequence owns
+one slot (its row of `max_len` positions) for its whole life, so decode attention reads a contiguous
+prefix of the row and a finished sequence frees its slot at once. The extra last slot is scratch: the
+padding rows of a CUDA-graph bucket write there, so they never touch a live sequence.
+
+`free()` drops the tensors (the engine's `sleep`); `allocate()` re-makes them at the same size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_budget(kv_cache_memory: float | int | None, device: torch.device) -> int | None:
+    """Bytes the cache may take. None: no explicit budget (the slot count alone decides, capped at 90 %
+    of free memory). A float in (0, 1]: that fraction of the device's free memory. An int: bytes."""
+    if kv_cache_memory is None:
+        return None
+    if isinstance(kv_cache_memory, float):
+        if not 0.0 < kv_cache_memory <= 1.0:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} is invalid; a float must be a fraction "
+                             f"of free memory in (0, 1], or pass an int number of bytes")
+        return int(kv_cache_memory * free_memory(device))
+    if isinstance(kv_cache_memory, int) and kv_cache_memory > 0:
+        return kv_cache_memory
+    raise ValueError(f"kv_cache_memory={kv_cache_memory!r} is invalid; valid: None, a fraction in (0, 1], "
+                     f"or a positive int number of bytes")
+
+
+def free_memory(device: torch.device) -> int:
+    """Free bytes on `device` (CUDA: the driver's count; CPU: available system memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+class KVCache:
+    """Slot-layout K/V storage for all layers.
+
+    num_slots: sequences that can run at once (plus one scratch slot); max_len: positions per slot.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, max_num_seqs: int,
+                 budget_bytes: int | None, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape_tail = (max_len, kv_heads, head_dim)
+        self.layers, self.max_len, self.dtype, self.device = layers, max_len, dtype, device
+        per_slot = 2 * layers * max_len * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        budget = budget_bytes if budget_bytes is not None else int(0.9 * free_memory(device))
+        fit = budget // per_slot - 1
+        if fit < 1:
+            raise ValueError(f"the KV cache budget of {budget / 2**20:.1f} MiB holds no sequence: one slot "
+                             f"of max_model_len={max_len} takes {per_slot / 2**20:.2f} MiB; raise "
+                             f"kv_cache_memory or lower max_model_len")
+        self.num_slots = min(max_num_seqs, fit)
+        self.bytes = per_slot * (self.num_slots + 1)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.allocate()
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    def allocate(self) -> None:
+        """(Re-)make the K/V tensors; contents are undefined until prefill writes them."""
+        if self.k is None:
+            shape = (self.layers, self.num_slots + 1, *self.shape_tail)
+            self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def free(self) -> None:
+        self.k = self.v = None
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (k, v), each [slots + 1, max_len, kv_heads, head_dim]."""
+        if self.k is None:
+            raise RuntimeError("the KV cache is freed (the engine is asleep); call engine.wake() first")
+        return self.k[i], self.v[i]

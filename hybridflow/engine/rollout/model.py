@@ -1,0 +1,237 @@
+"""One fast decoder for the Llama, Qwen2, Qwen3 and Mistral families, with Hugging Face parameter names.
+
+The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
+and k per head, Llama may have `attention_bias` / `mlp_bias`, Mistral is Llama's shape. q/k/v are
+fused into `qkv_proj` and gate/up into `gate_up_proj`; every parameter carries a `weight_loader`, so
+checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes the HF
+names (`...self_attn.q_proj.weight`) and copies in place (a module's `weight_loader(param, tensor,
+shard)` serves its parameters; others take `default_weight_loader`). Weights are only ever `copy_`-ed into, never
+replaced, so captured CUDA graphs stay valid across updates.
+
+Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
+other rope_scaling types), precomputed for all positions. The forward takes packed tokens:
+input_ids [T], positions [T] and an `AttnMeta`, and returns fp32-ready logits for the rows named by
+`logits_index` (the last token of each prompt in prefill; every row in decode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.engine.rollout.attention import AttnMeta, decode_attention, prefill_attention, write_kv
+from hybridflow.engine.rollout.kv_cache import KVCache
+
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+# HF name piece -> (our fused parameter's name piece, shard id)
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(tensor.shape)} does not match the parameter's {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class FusedLinear(nn.Module):
+    """Several HF projections sharing an input, stacked on the output dim: y = x @ W.T (+ b)."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.offsets, start = {}, 0
+        for name, size in shards.items():
+            self.offsets[name] = (start, size)
+            start += size
+        self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(start), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
+        if shard not in self.offsets:
+            raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)}, got {shard!r}")
+        start, size = self.offsets[shard]
+        default_weight_loader(param.data[start:start + size], tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, HF's rotate-half convention. x [T, heads, D]; cos/sin [T, 1, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_index: int, backend: str) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.layer_index, self.backend, self.scale = layer_index, backend, self.head_dim ** -0.5
+        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.splits = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
+                kv: KVCache) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = q.view(tokens, self.heads, self.head_dim)
+        k = k.view(tokens, self.kv_heads, self.head_dim)
+        v = v.view(tokens, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_cache, v_cache = kv.layer(self.layer_index)
+        write_kv(k_cache, v_cache, k, v, meta)
+        if meta.prefill:
+            out = prefill_attention(q, k, v, meta, self.scale, self.backend)
+        else:
+            out = decode_attention(q, k_cache, v_cache, meta, self.scale, self.backend)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        size, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int, backend: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos, sin, meta: AttnMeta, kv: KVCache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The fast decoder; `CausalLM.build(config, max_len, device, dtype)` makes one with empty weights."""
+
+    def __init__(self, config, backend: str) -> None:
+        super().__init__()
+        if config.model_type not in FAST_ARCHITECTURES:
+            raise ValueError(f"model_type {config.model_type!r} has no fast path; fast: {FAST_ARCHITECTURES}")
+        self.config = config
+        self.model = DecoderModel(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie()
+
+    def tie(self) -> None:
+        """Share the embedding as the output projection when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def build(cls, config, max_len: int, device: torch.device, dtype: torch.dtype, backend: str) -> CausalLM:
+        with torch.device("meta"):
+            model = cls(config, backend).to(dtype)
+        model.to_empty(device=device)
+        model.tie()  # to_empty makes new parameters, which unties them
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.set_rotary(max_len)
+        return model
+
+    def set_rotary(self, max_len: int) -> None:
+        """Precompute cos/sin [max_len, D] (fp32) with HF's rotary embedding for this config."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        device = self.lm_head.weight.device
+        rope = LlamaRotaryEmbedding(self.config).to(device)
+        dummy = torch.zeros(1, dtype=torch.float32, device=device)
+        cos, sin = rope(dummy, torch.arange(max_len, device=device)[None])
+        self.register_buffer("cos", cos[0], persistent=False)
+        self.register_buffer("sin", sin[0], persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, kv: KVCache,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions [T] -> logits [R, V] for rows `logits_index` (all T when None)."""
+        h = self.model.embed_tokens(input_ids)
+        cos = self.cos[positions].to(h.dtype)[:, None]
+        sin = self.sin[positions].to(h.dtype)[:, None]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, meta, kv)
+        if logits_index is not None:
+            h = h[logits_index]
+        return self.lm_head(self.model.norm(h))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the parameters in place; returns how many were loaded.
+
+        Names may carry HF's `model.` prefix or not (`layers.0...` as in the inner model's state dict);
+        `lm_head.weight` is accepted whether or not the embeddings are tied. Tensors on another device
+        or dtype are converted by `copy_`; DTensors are gathered first. An unknown name raises KeyError.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        count = 0
+        for name, tensor in named_tensors:
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name
+            target, shard = name, None
+            for piece, (fused, shard_id) in _FUSED.items():
+                if f".{piece}." in name:
+                    target, shard = name.replace(f".{piece}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                import difflib
+
+                close = difflib.get_close_matches(target, params, n=3)
+                raise KeyError(f"unknown parameter {name!r} for the fast {self.config.model_type} model; "
+                               f"closest: {close}")
+            try:
+                owner = self.get_submodule(target.rsplit(".", 1)[0])
+                getattr(owner, "weight_loader", default_weight_loader)(param, tensor.detach(), shard)
+            except ValueError as err:
+                raise ValueError(f"cannot load {name!r}: {err}") from None
+            count += 1
+        return count

@@ -1,0 +1,54 @@
+"""The sampler: fp32 logits -> (token, log-prob) per row, with temperature, top-k, top-p and a seed.
+
+Sampling uses the Gumbel-max trick: `argmax(logp + g)` with `g = -log(E)`, `E ~ Exponential(1)` drawn
+from the caller's `torch.Generator`, which is an exact sample from `softmax(logp)`. The log-prob of the
+sampled token comes from the same logits (no second forward): it is the token's log-probability under
+the distribution actually sampled from, i.e. after temperature and after top-k / top-p truncation and
+renormalisation. Without truncation this equals `log_softmax(logits / T)`, which is what verl-style
+trainers recompute. Greedy rows (temperature 0) take the argmax and report `log_softmax(logits)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.rollout.sampling import SamplingParams
+
+
+def _truncate(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf (in place). x: [R, V] fp32."""
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x.masked_fill_(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(dim=-1)
+        # Drop a token when the tokens strictly more likely than it already reach top_p; the most
+        # likely token is always kept.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop_sorted[:, 0] = False
+        x.masked_fill_(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row.
+
+    logits: [R, V], any float dtype (converted to fp32; may be modified in place when already fp32).
+    Returns (tokens [R] int64, logprobs [R] fp32).
+    """
+    x = logits.float()
+    if params.greedy:
+        tokens = x.argmax(dim=-1)
+        logprobs = x.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+        return tokens, logprobs
+    if params.temperature != 1.0:
+        x = x.div_(params.temperature)
+    x = _truncate(x, params.top_k, params.top_p)
+    lse = torch.logsumexp(x, dim=-1)
+    # E == 0 would give a +inf Gumbel and a NaN on a -inf (truncated) logit; clamp it away.
+    noise = torch.empty_like(x).exponential_(generator=generator).clamp_min_(1e-30).log_()
+    tokens = torch.sub(x, noise, out=noise).argmax(dim=-1)
+    logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse
+    return tokens, logprobs

@@ -1,0 +1,56 @@
+"""Continuous batching: which waiting prompts are admitted (prefilled) and when slots come free.
+
+Every iteration of the engine loop first admits as many waiting requests as there are free slots for
+(a request needs one slot per sample, n in all) and as the prefill token budget allows; otherwise it
+runs one decode step over all running rows. A row that finishes returns its slot at once, so the next
+iteration can admit a waiting request into it. Requests are admitted in arrival order; the lowest free
+slots are handed out first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from hybridflow.engine.rollout.sequence import Request
+
+
+class Scheduler:
+    """Slot bookkeeping and the waiting queue for one engine.
+
+    num_slots: KV slots (sequences that may run at once); max_prefill_tokens: prompt tokens one
+    prefill forward may pack (a single longer prompt is still admitted alone).
+    """
+
+    def __init__(self, num_slots: int, max_prefill_tokens: int) -> None:
+        self.num_slots, self.max_prefill_tokens = num_slots, max_prefill_tokens
+        self.free_slots = list(range(num_slots))
+        self.waiting: deque[Request] = deque()
+
+    def add(self, requests: list[Request]) -> None:
+        for request in requests:
+            if request.n > self.num_slots:
+                raise ValueError(f"SamplingParams.n={request.n} exceeds the engine's {self.num_slots} KV "
+                                 f"slots; build the engine with max_num_seqs >= n (or a larger KV budget)")
+        self.waiting.extend(requests)
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self.waiting)
+
+    def admit(self) -> list[Request]:
+        """Pop the waiting requests that fit now, giving each its n slots."""
+        admitted, tokens = [], 0
+        while self.waiting and self.waiting[0].n <= len(self.free_slots):
+            request = self.waiting[0]
+            if admitted and tokens + len(request.prompt) > self.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            request.slots = [heapq.heappop(self.free_slots) for _ in range(request.n)]
+            tokens += len(request.prompt)
+            admitted.append(request)
+        return admitted
+
+    def release(self, slots: list[int]) -> None:
+        for slot in slots:
+            heapq.heappush(self.free_slots, slot)

@@ -1,0 +1,186 @@
+"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3): parity with HF, the sampling
+contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 17, [40, 41], [7] * 30, [100, 200, 3, 4, 5, 6, 7],
+           [9], [33, 34, 35, 36] * 3]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[])
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt, max_new):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def full_logits(model, prompt, tokens):
+    """Logits [len(tokens), V] that predicted each generated token, from one full forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)].float()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_greedy_matches_transformers_generate(spread_model, arch):
+    path = spread_model(arch)
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=3)  # fewer slots than prompts
+    outs = engine.generate(PROMPTS, GREEDY)
+    model = hf_model(path)
+    for prompt, (out,) in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+        assert out.finish_reason == "length"
+        # greedy log-probs are log_softmax(logits) of the chosen token
+        expected = full_logits(model, prompt, out.token_ids).log_softmax(-1)
+        picked = expected.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=1e-4, rtol=0)
+
+
+def test_logprobs_equal_full_forward_at_temperature(spread_model):
+    path = spread_model("qwen2")
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
+    params = SamplingParams(n=3, temperature=0.7, max_tokens=16, stop_token_ids=[], seed=1)
+    outs = engine.generate(PROMPTS[:4], params)
+    model = hf_model(path)
+    for prompt, samples in zip(PROMPTS[:4], outs):
+        assert len(samples) == 3
+        for out in samples:
+            expected = (full_logits(model, prompt, out.token_ids) / 0.7).log_softmax(-1)
+            picked = expected.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (-1, 0.3)])
+def test_truncation_never_emits_an_excluded_token(spread_model, top_k, top_p):
+    path = spread_model("llama")
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
+    params = SamplingParams(n=4, temperature=2.0, top_k=top_k, top_p=top_p, max_tokens=12,
+                            stop_token_ids=[], seed=3)
+    model = hf_model(path)
+    for prompt, samples in zip(PROMPTS[:3], engine.generate(PROMPTS[:3], params)):
+        for out in samples:
+            scaled = full_logits(model, prompt, out.token_ids) / 2.0
+            probs = scaled.softmax(-1)
+            for step, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+                order = probs[step].argsort(descending=True)
+                if top_k > 0:
+                    allowed = order[:top_k]
+                else:
+                    before = probs[step][order].cumsum(0) - probs[step][order]
+                    allowed = order[before < top_p]
+                assert token in allowed.tolist()
+                # log-prob under the truncated, renormalised distribution
+                renorm = scaled[step][allowed].log_softmax(-1)[allowed.tolist().index(token)]
+                assert abs(logprob - renorm.item()) < 1e-4
+
+
+def test_seeded_sampling_is_reproducible(spread_model):
+    engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=8)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, stop_token_ids=[], seed=7)
+    def tokens(outs):
+        return [[s.token_ids for s in row] for row in outs]
+
+    first, again = engine.generate(PROMPTS[:4], params), engine.generate(PROMPTS[:4], params)
+    assert tokens(first) == tokens(again)
+    other = engine.generate(PROMPTS[:4], SamplingParams(n=2, max_tokens=16, stop_token_ids=[], seed=8))
+    assert tokens(other) != tokens(first)
+    assert first[0][0].token_ids != first[0][1].token_ids  # the n samples are distinct draws
+
+
+def test_continuous_batching_matches_one_prompt_at_a_time(spread_model):
+    path = spread_model("qwen3")
+    prompts = [[(7 * i + j) % 250 + 4 for j in range(1 + (5 * i) % 23)] for i in range(14)]
+    batched = RolloutEngine.from_pretrained(path, max_num_seqs=4, max_prefill_tokens=40)
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[])
+    together = batched.generate(prompts, params)
+    assert batched.stats["prefill_forwards"] > 3  # slots were refilled while others decoded
+    single = RolloutEngine.from_pretrained(path, max_num_seqs=1)
+    for prompt, (out,) in zip(prompts, together):
+        assert out.token_ids == single.generate([prompt], params)[0][0].token_ids
+
+
+def test_n_samples_share_one_prefill(spread_model):
+    engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=16)
+    outs = engine.generate(PROMPTS[:4], SamplingParams(n=4, temperature=0.0, max_tokens=10,
+                                                       stop_token_ids=[]))
+    assert engine.stats["prefill_tokens"] == sum(len(p) for p in PROMPTS[:4])  # not 4x
+    single = engine.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[]))
+    for samples, (ref,) in zip(outs, single):
+        assert [s.token_ids for s in samples] == [ref.token_ids] * 4  # the copied KV is right
+
+
+def test_stop_ids_are_honoured_and_included(spread_model):
+    path = spread_model("qwen2")
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
+    free = engine.generate(PROMPTS[:4], GREEDY)
+    stops = [free[0][0].token_ids[5], free[1][0].token_ids[3]]
+    outs = engine.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=stops))
+    for (ref,), (out,) in zip(free, outs):
+        cut = next((k + 1 for k, t in enumerate(ref.token_ids) if t in stops), None)
+        assert out.token_ids == ref.token_ids[:cut]
+        assert out.finish_reason == ("stop" if cut else "length")
+    assert outs[0][0].token_ids[-1] in stops and outs[1][0].token_ids[-1] in stops
+    assert engine.default_stop_ids == [3]  # None takes the generation config's eos id
+
+
+def test_length_is_capped_by_the_context(spread_model):
+    engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=4, max_model_len=32)
+    (out,), = engine.generate([[5] * 28], SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=[]))
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model):
+    from safetensors.torch import load_file
+
+    old_path, new_path = spread_model("llama", seed=0), spread_model("llama", seed=1)
+    engine = RolloutEngine.from_pretrained(old_path, max_num_seqs=8)
+    before = engine.generate(PROMPTS, GREEDY)
+    state = load_file(str(new_path / "model.safetensors"))
+    # trainer-style names (no `model.` prefix on some), another dtype, and lm_head even though tied
+    named = [(k.removeprefix("model.") if i % 2 else k, v.double()) for i, (k, v) in enumerate(state.items())]
+    named.append(("lm_head.weight", state["model.embed_tokens.weight"]))
+    assert engine.load_weights(named) == len(named)
+    after = engine.generate(PROMPTS, GREEDY)
+    fresh = RolloutEngine.from_pretrained(new_path, max_num_seqs=8).generate(PROMPTS, GREEDY)
+    assert [o[0].token_ids for o in after] == [o[0].token_ids for o in fresh]
+    assert [o[0].token_ids for o in after] != [o[0].token_ids for o in before]
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.qq_proj.weight"):
+        engine.load_weights([("model.layers.0.self_attn.qq_proj.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="does not match"):
+        engine.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_sleep_wake_round_trip(spread_model, offload):
+    engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=4)
+    before = engine.generate(PROMPTS, GREEDY)
+    engine.sleep(offload_weights=offload)
+    assert engine.kv.k is None
+    with pytest.raises(RuntimeError, match="wake"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.wake()
+    after = engine.generate(PROMPTS, GREEDY)
+    assert [o[0].token_ids for o in after] == [o[0].token_ids for o in before]
+
+
+def test_bad_prompts_get_clear_errors(spread_model):
+    engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=4, max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt 1 has 64 tokens.*max_model_len=64"):
+        engine.generate([[5, 6], [7] * 64], GREEDY)
+    with pytest.raises(ValueError, match="prompt 0 must be a non-empty"):
+        engine.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 999 outside the vocabulary"):
+        engine.generate([[999]], GREEDY)
+    with pytest.raises(ValueError, match="n=5 exceeds the engine's 4 KV slots"):
+        engine.generate([[5]], SamplingParams(n=5))

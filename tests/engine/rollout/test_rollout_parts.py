@@ -1,0 +1,105 @@
+"""Pieces of the rollout engine on their own: SamplingParams validation, the sampler, the scheduler, the
+CUDA-graph buckets, and the `transformers.generate` fallback for an architecture without a fast path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engine.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
+from hybridflow.engine.rollout.cuda_graphs import bucket_sizes
+from hybridflow.engine.rollout.sampler import sample
+from hybridflow.engine.rollout.scheduler import Scheduler
+from hybridflow.engine.rollout.sequence import Request
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(n=0), "n"), (dict(temperature=-1.0), "temperature"),
+                                          (dict(top_p=0.0), "top_p"), (dict(top_k=0), "top_k"),
+                                          (dict(max_tokens=0), "max_tokens"),
+                                          (dict(stop_token_ids=[-1]), "stop_token_ids"),
+                                          (dict(seed="x"), "seed")])
+def test_sampling_params_reject_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+def test_sampler_truncation_and_logprobs():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(4000, 1)
+    gen = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample(logits.clone(), SamplingParams(top_k=2), gen)
+    assert set(tokens.tolist()) == {0, 1}
+    expected = torch.tensor([4.0, 3.0]).log_softmax(-1)
+    assert torch.allclose(logprobs, expected[tokens], atol=1e-6)
+    # top_p=0.7 keeps {0, 1}: p0 = 0.64 < 0.7, so token 1 is needed; p0 + p1 = 0.88 >= 0.7 drops the rest
+    tokens, _ = sample(logits.clone(), SamplingParams(top_p=0.7), gen)
+    assert set(tokens.tolist()) == {0, 1}
+    # untruncated sampling follows softmax(logits / T)
+    tokens, logprobs = sample(logits.clone(), SamplingParams(temperature=2.0), gen)
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert torch.allclose(freq, (logits[0] / 2.0).softmax(-1), atol=0.03)
+    assert torch.allclose(logprobs, (logits[0] / 2.0).log_softmax(-1)[tokens], atol=1e-6)
+    tokens, logprobs = sample(logits.clone(), SamplingParams(temperature=0.0), None)
+    assert (tokens == 0).all() and torch.allclose(logprobs, logits[0].log_softmax(-1)[0].expand(4000))
+
+
+def test_scheduler_fills_free_slots_in_order_within_the_token_budget():
+    sched = Scheduler(num_slots=4, max_prefill_tokens=10)
+    sched.add([Request(i, [1] * 4, n=2) for i in range(3)])
+    first = sched.admit()
+    assert [r.index for r in first] == [0, 1] and [r.slots for r in first] == [[0, 1], [2, 3]]
+    assert sched.admit() == []  # no free slots
+    sched.release([2, 3])
+    (third,) = sched.admit()
+    assert third.index == 2 and third.slots == [2, 3] and not sched.has_waiting
+    with pytest.raises(ValueError, match="n=5 exceeds"):
+        sched.add([Request(9, [1], n=5)])
+
+
+def test_bucket_sizes_cover_every_batch():
+    sizes = bucket_sizes(100)
+    assert sizes == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+    assert all(any(s >= b for s in sizes) for b in range(1, 101))
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel, GenerationConfig
+
+    path = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2,
+                        eos_token_id=3, bos_token_id=3, initializer_range=0.5)
+    model = GPT2LMHeadModel(config)
+    model.generation_config = GenerationConfig(eos_token_id=[3], pad_token_id=0)
+    model.save_pretrained(path)
+    return path
+
+
+def test_unsupported_architecture_uses_the_hf_fallback(tiny_gpt2):
+    from transformers import AutoModelForCausalLM
+
+    engine = RolloutEngine.from_pretrained(tiny_gpt2, max_num_seqs=4)
+    assert isinstance(engine, HFRolloutEngine) and engine.default_stop_ids == [3]
+    with pytest.raises(ValueError, match="engine='fast' has no path for model_type 'gpt2'"):
+        RolloutEngine.from_pretrained(tiny_gpt2, engine="fast")
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval()
+    free = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[]))
+    for prompt, (out,) in zip(prompts, free):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref and out.finish_reason == "length"
+    stop = free[0][0].token_ids[2]
+    stopped = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop]))
+    assert stopped[0][0].token_ids == free[0][0].token_ids[:3] and stopped[0][0].finish_reason == "stop"
+    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=0.8, max_tokens=8, stop_token_ids=[],
+                                                      seed=0))
+    for prompt, samples in zip(prompts, sampled):
+        assert len(samples) == 2
+        for out in samples:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+            expected = (logits / 0.8).log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="prompt 0 has 128 tokens"):
+        engine.generate([[5] * 128], SamplingParams())
