@@ -1,0 +1,109 @@
+"""Chat templates and tokenization: prompts for generation, conversations with an assistant-token mask.
+
+A prompt is either a list of chat messages (`{"role": ..., "content": ...}`) or a plain string. With a
+chat template on (and the tokenizer having one), a plain string becomes one user message; without,
+it is tokenized as it is. Conversations for SFT get a loss mask that is 1 exactly on the tokens of the
+assistant turns: each turn's content and its end-of-turn token, not the role header before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Messages = list[dict[str, Any]]
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id (its eos id when it has none)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token to pad with")
+    return pad
+
+
+def check_messages(messages: Any) -> str | None:
+    """`None` when `messages` is a non-empty list of `{role: str, content: str}`; else what is wrong."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return "a non-empty list of messages"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {i} to be a {{role: str, content: str}} mapping"
+    if not any(m["content"].strip() for m in messages):
+        return "at least one message with non-empty content"
+    return None
+
+
+def as_messages(prompt: str | Messages, tokenizer: Any, apply_chat_template: bool) -> Messages | None:
+    """The messages a prompt is rendered from, or `None` when it is used as plain text."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}] if apply_chat_template and has_chat_template(tokenizer) else None
+    if not apply_chat_template:
+        raise ValueError("a prompt given as chat messages needs data.apply_chat_template=true")
+    if not has_chat_template(tokenizer):
+        raise ValueError("prompts are chat messages but the tokenizer has no chat template; give plain-string "
+                         "prompts or use a tokenizer with a chat template")
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def render_prompt(prompt: str | Messages, tokenizer: Any, apply_chat_template: bool = True) -> str:
+    """The text the model sees before its response (the generation prompt included)."""
+    messages = as_messages(prompt, tokenizer, apply_chat_template)
+    if messages is None:
+        return prompt  # type: ignore[return-value]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompts(prompts: Sequence[str | Messages], tokenizer: Any, apply_chat_template: bool = True
+                   ) -> list[list[int]]:
+    """Token ids of each rendered prompt (one batched tokenizer call per kind of prompt).
+
+    Templated text carries its own special tokens; plain text gets the tokenizer's usual ones (BOS).
+    """
+    texts = [render_prompt(p, tokenizer, apply_chat_template) for p in prompts]
+    templated = [as_messages(p, tokenizer, apply_chat_template) is not None for p in prompts]
+    out: list[list[int] | None] = [None] * len(texts)
+    for flag in (True, False):
+        idx = [i for i, t in enumerate(templated) if t == flag]
+        if idx:
+            ids = tokenizer([texts[i] for i in idx], add_special_tokens=not flag)["input_ids"]
+            for i, row in zip(idx, ids):
+                out[i] = list(row)
+    return out  # type: ignore[return-value]
+
+
+def assistant_char_spans(messages: Messages, tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the `[start, end)` character span of each assistant turn.
+
+    A turn's span starts after its role header (where the generation prompt ends) and ends after its
+    end-of-turn text, trailing whitespace excluded. Needs a template whose rendering of the first k
+    messages is a prefix of the whole conversation (true of ChatML, Llama 3, Mistral templates).
+    """
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise ValueError("the chat template does not render conversations prefix by prefix, so assistant "
+                             f"tokens cannot be located (turn {i})")
+        spans.append((len(before), len(upto.rstrip())))
+    return full, spans
+
+
+def encode_conversation(messages: Messages, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """`(input_ids, loss_mask)`: token ids of the templated conversation, 1 on assistant tokens.
+
+    A token belongs to an assistant turn when its first character lies inside the turn's span.
+    """
+    text, spans = assistant_char_spans(messages, tokenizer)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask

@@ -1,0 +1,134 @@
+"""`RLDataset`: prompts for RL training and validation, read from verl-format parquet or jsonl.
+
+A row has the prompt under `prompt_key` (a list of chat messages `{role, content}` or a plain string)
+and optionally `data_source` (str; routes `reward.function=auto`), `ability` (str), `reward_model`
+(a mapping with `ground_truth`; a top-level `ground_truth` column works too) and `extra_info` (a
+mapping, passed to the reward function). Every row is checked and tokenized when the dataset is built,
+so a malformed file or row is refused before training, with the file, row and column named.
+
+Prompts longer than `max_prompt_length` tokens are handled by `truncation`: `error` refuses the
+dataset, `filter` drops them, `left` / `right` keep the last / first tokens; the counts are logged and
+kept in `num_filtered` / `num_truncated`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.schema import TRUNCATION_MODES
+from hybridflow.data.chat import check_messages, encode_prompts, pad_token_id
+from hybridflow.data.files import DataError, Record, as_path_list, read_records
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATA_SOURCE = "unknown"
+
+
+def _check_prompt(record: Record, prompt_key: str) -> str | list[dict]:
+    prompt = record.require(prompt_key)
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise record.error(prompt_key, "a non-empty prompt", prompt)
+        return prompt
+    problem = check_messages(prompt)
+    if problem is not None:
+        raise record.error(prompt_key, f"a non-empty string or {problem}", prompt)
+    return prompt
+
+
+def _optional(record: Record, column: str, kind: type, default: Any) -> Any:
+    value = record.data.get(column)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise record.error(column, f"{'a mapping' if kind is dict else kind.__name__} or null", value)
+    return value
+
+
+def parse_row(record: Record, prompt_key: str = "prompt") -> dict[str, Any]:
+    """The checked fields of one verl-format row: raw_prompt, data_source, ability, ground_truth, extra_info."""
+    reward_model = _optional(record, "reward_model", dict, None)
+    if reward_model is not None:
+        ground_truth = reward_model.get("ground_truth")
+    else:
+        ground_truth = record.data.get("ground_truth")
+    return {
+        "raw_prompt": _check_prompt(record, prompt_key),
+        "data_source": _optional(record, "data_source", str, DEFAULT_DATA_SOURCE),
+        "ability": _optional(record, "ability", str, ""),
+        "ground_truth": ground_truth,
+        "extra_info": _optional(record, "extra_info", dict, {}),
+    }
+
+
+class RLDataset:
+    """Checked, tokenized prompts; `ds[i]` is a dict with `input_ids` (list[int]) and the row's fields.
+
+    Args:
+        files: one path or a list (.parquet or .jsonl).
+        tokenizer: a Hugging Face tokenizer (its chat template renders message prompts).
+        prompt_key: the column holding the prompt.
+        max_prompt_length: longest prompt in tokens; `None` = no limit.
+        truncation: `error` | `filter` | `left` | `right` for prompts over the limit.
+        apply_chat_template: render prompts with the tokenizer's chat template.
+    """
+
+    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, prompt_key: str = "prompt",
+                 max_prompt_length: int | None = None, truncation: str = "error",
+                 apply_chat_template: bool = True) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation={truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
+        self.files = as_path_list(files)
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        records = read_records(self.files)
+        if not records:
+            raise DataError(f"{', '.join(self.files)}: no rows")
+        rows = [parse_row(r, prompt_key) for r in records]
+        try:
+            ids = encode_prompts([row["raw_prompt"] for row in rows], tokenizer, apply_chat_template)
+        except ValueError as e:
+            raise DataError(f"{self.files[0]}, column '{prompt_key}': {e}") from None
+        self.num_rows = len(rows)
+        self.num_filtered = self.num_truncated = 0
+        self._rows: list[dict[str, Any]] = []
+        too_long = []
+        for record, row, row_ids in zip(records, rows, ids):
+            if max_prompt_length is not None and len(row_ids) > max_prompt_length:
+                too_long.append((record, len(row_ids)))
+                if truncation == "filter":
+                    continue
+                row_ids = row_ids[-max_prompt_length:] if truncation == "left" else row_ids[:max_prompt_length]
+            if not row_ids:
+                raise record.error(prompt_key, "a prompt that tokenizes to at least one token", show_value=False)
+            self._rows.append({**row, "input_ids": row_ids})
+        if too_long and truncation == "error":
+            record, length = too_long[0]
+            raise DataError(
+                f"{len(too_long)} of {self.num_rows} prompts are longer than max_prompt_length={max_prompt_length} "
+                f"tokens (first: {record.where}, {length} tokens); set data.truncation=filter to drop them, "
+                f"left/right to cut them, or raise data.max_prompt_length")
+        if truncation == "filter":
+            self.num_filtered = len(too_long)
+        else:
+            self.num_truncated = len(too_long)
+        if not self._rows:
+            raise DataError(f"{', '.join(self.files)}: all {self.num_rows} prompts are longer than "
+                            f"max_prompt_length={max_prompt_length}")
+        logger.info("%s: %d prompts (%d read, %d filtered, %d truncated; max_prompt_length=%s)",
+                    ", ".join(self.files), len(self._rows), self.num_rows, self.num_filtered, self.num_truncated,
+                    max_prompt_length)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self._rows[index], "index": index}
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id (its eos id when it has none)."""
+        return pad_token_id(self.tokenizer)

@@ -1,0 +1,157 @@
+"""`SFTDataset` (chat conversations with a loss mask on assistant tokens) and the packing collator.
+
+A row holds a conversation under `messages_key` (a list of `{role, content}`), or a prompt and a
+response under `prompt_key` / `response_key` (becoming a user and an assistant message). Each row is
+rendered with the tokenizer's chat template; `loss_mask[t] = 1` exactly on the assistant turns' tokens
+(content and end-of-turn), i.e. the tokens trained as targets (token t is predicted from t-1).
+
+`PackingCollator(max_tokens)` concatenates rows into packs of at most `max_tokens` tokens (first-fit
+decreasing), each row keeping its own position ids, so no compute is spent on padding:
+
+    input_ids     [K, W] long     K packs, W = longest pack (<= max_tokens), right-padded with pad id
+    position_ids  [K, W] long     0.. within each row, 0 on padding
+    loss_mask     [K, W] float32  1.0 on assistant tokens
+    segment_ids   [K, W] long     1, 2, ... per row inside a pack, 0 on padding (for varlen attention)
+    attention_mask [K, W] long    1 on real tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.data.chat import check_messages, encode_conversation, has_chat_template, pad_token_id
+from hybridflow.data.files import DataError, Record, as_path_list, read_records
+
+SFT_TRUNCATION_MODES = ("error", "filter", "right")
+
+
+def _conversation(record: Record, messages_key: str, prompt_key: str, response_key: str) -> list[dict]:
+    if messages_key in record.data:
+        messages = record.data[messages_key]
+        problem = check_messages(messages)
+        if problem is not None:
+            raise record.error(messages_key, problem, messages)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise record.error(messages_key, "at least one assistant message to learn from", show_value=False)
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if prompt_key in record.data or response_key in record.data:
+        turns = []
+        for key, role in ((prompt_key, "user"), (response_key, "assistant")):
+            value = record.require(key)
+            if not isinstance(value, str) or not value.strip():
+                raise record.error(key, "a non-empty string", value)
+            turns.append({"role": role, "content": value})
+        return turns
+    have = ", ".join(record.data) or "none"
+    raise DataError(f"{record.where}: missing column '{messages_key}' (or '{prompt_key}' + '{response_key}'); "
+                    f"columns: {have}")
+
+
+class SFTDataset:
+    """Tokenized conversations; `ds[i]` is `{"input_ids": list[int], "loss_mask": list[int], "index": i}`.
+
+    Args:
+        files: one path or a list (.parquet or .jsonl).
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_length: longest conversation in tokens; `None` = no limit.
+        truncation: `error` | `filter` | `right` (keep the first max_length tokens).
+    """
+
+    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, messages_key: str = "messages",
+                 prompt_key: str = "prompt", response_key: str = "response", max_length: int | None = None,
+                 truncation: str = "error") -> None:
+        if truncation not in SFT_TRUNCATION_MODES:
+            raise ValueError(f"truncation={truncation!r}; valid: {', '.join(SFT_TRUNCATION_MODES)}")
+        if not has_chat_template(tokenizer):
+            raise ValueError("SFTDataset needs a tokenizer with a chat template")
+        self.files = as_path_list(files)
+        self.tokenizer = tokenizer
+        self.num_filtered = self.num_truncated = 0
+        self._rows: list[dict[str, list[int]]] = []
+        records = read_records(self.files)
+        for record in records:
+            ids, mask = encode_conversation(_conversation(record, messages_key, prompt_key, response_key), tokenizer)
+            if max_length is not None and len(ids) > max_length:
+                if truncation == "error":
+                    raise DataError(f"{record.where}: {len(ids)} tokens, over max_length={max_length}; set "
+                                    f"truncation to filter or right, or raise max_length")
+                if truncation == "filter":
+                    self.num_filtered += 1
+                    continue
+                ids, mask = ids[:max_length], mask[:max_length]
+                self.num_truncated += 1
+            self._rows.append({"input_ids": ids, "loss_mask": mask})
+        self.num_rows = len(records)
+        if not self._rows:
+            raise DataError(f"{', '.join(self.files)}: no conversations left ({self.num_rows} read, "
+                            f"{self.num_filtered} over max_length)")
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self._rows[index], "index": index}
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id (its eos id when it has none)."""
+        return pad_token_id(self.tokenizer)
+
+
+def pack_lengths(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Groups row indices into packs whose lengths sum to at most `max_tokens` (first-fit decreasing).
+
+    Rows keep their input order inside a pack; a row longer than `max_tokens` is refused.
+    """
+    too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        raise ValueError(f"row {too_long[0]} has {lengths[too_long[0]]} tokens, over the packing budget "
+                         f"max_tokens={max_tokens}")
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((p for p, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            packs.append([])
+            room.append(max_tokens)
+            slot = len(packs) - 1
+        packs[slot].append(i)
+        room[slot] -= lengths[i]
+    return [sorted(p) for p in packs]
+
+
+class PackingCollator:
+    """`collator(items, epoch=0) -> Batch` of packed rows (see the module docstring for the keys)."""
+
+    def __init__(self, max_tokens: int, pad_token_id: int) -> None:
+        self.max_tokens, self.pad_token_id = max_tokens, pad_token_id
+
+    def __call__(self, items: Sequence[dict[str, Any]], epoch: int = 0) -> Batch:
+        packs = pack_lengths([len(it["input_ids"]) for it in items], self.max_tokens)
+        width = max(sum(len(items[i]["input_ids"]) for i in p) for p in packs)
+        shape = (len(packs), width)
+        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros(shape, dtype=torch.long)
+        loss_mask = torch.zeros(shape, dtype=torch.float32)
+        segment_ids = torch.zeros(shape, dtype=torch.long)
+        for k, pack in enumerate(packs):
+            start = 0
+            for seg, i in enumerate(pack, start=1):
+                ids = items[i]["input_ids"]
+                end = start + len(ids)
+                input_ids[k, start:end] = torch.as_tensor(ids, dtype=torch.long)
+                position_ids[k, start:end] = torch.arange(len(ids))
+                loss_mask[k, start:end] = torch.as_tensor(items[i]["loss_mask"], dtype=torch.float32)
+                segment_ids[k, start:end] = seg
+                start = end
+        return Batch(
+            {"input_ids": input_ids, "position_ids": position_ids, "loss_mask": loss_mask,
+             "segment_ids": segment_ids, "attention_mask": (segment_ids > 0).long()},
+            {"index": [[items[i]["index"] for i in p] for p in packs]},
+            {"epoch": epoch, "num_sequences": len(items)},
+        )

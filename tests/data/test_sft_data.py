@@ -1,0 +1,104 @@
+"""SFTDataset: the loss mask is exactly the assistant tokens; packing keeps rows and their positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.data import DataError, PackingCollator, PromptLoader, SFTDataset, pack_lengths
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "It is 4."},
+]
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(write_jsonl, tokenizer):
+    ds = SFTDataset(write_jsonl([{"messages": CONVERSATION}]), tokenizer)
+    ids, mask = ds[0]["input_ids"], ds[0]["loss_mask"]
+    full = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert ids == tokenizer(full, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token
+    # the masked tokens, as runs, are each assistant turn's content followed by its end-of-turn token
+    runs, run = [], []
+    for tok, m in zip(ids, mask):
+        if m:
+            run.append(tok)
+        elif run:
+            runs.append(run)
+            run = []
+    assert [tokenizer.decode(r) for r in runs] == [f"Hello!{eos}", f"It is 4.{eos}"]
+    expected = sum(len(tokenizer(m["content"] + eos, add_special_tokens=False)["input_ids"])
+                   for m in CONVERSATION if m["role"] == "assistant")
+    assert sum(mask) == expected
+    unmasked = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "Hi there" in unmasked and "assistant" in unmasked and "Hello" not in unmasked
+
+
+def test_prompt_response_columns(write_jsonl, tokenizer):
+    ds = SFTDataset(write_jsonl([{"prompt": "Q", "response": "A"}]), tokenizer)
+    ids, mask = ds[0]["input_ids"], ds[0]["loss_mask"]
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == f"A{tokenizer.eos_token}"
+
+
+def test_sft_errors_and_truncation(write_jsonl, tokenizer):
+    no_assistant = write_jsonl([{"messages": [{"role": "user", "content": "hi"}]}], "a.jsonl")
+    with pytest.raises(DataError, match=r"row 0 \(line 1\), column 'messages': expected at least one assistant"):
+        SFTDataset(no_assistant, tokenizer)
+    no_columns = write_jsonl([{"text": "hi"}], "b.jsonl")
+    with pytest.raises(DataError, match=r"missing column 'messages' \(or 'prompt' \+ 'response'\)"):
+        SFTDataset(no_columns, tokenizer)
+    empty_response = write_jsonl([{"prompt": "Q", "response": ""}], "c.jsonl")
+    with pytest.raises(DataError, match=r"column 'response': expected a non-empty string"):
+        SFTDataset(empty_response, tokenizer)
+    rows = write_jsonl([{"prompt": "Q", "response": "A"}, {"prompt": "Q" * 40, "response": "A"}], "d.jsonl")
+    with pytest.raises(DataError, match=r"row 1 \(line 2\): \d+ tokens, over max_length=30"):
+        SFTDataset(rows, tokenizer, max_length=30)
+    kept = SFTDataset(rows, tokenizer, max_length=30, truncation="filter")
+    assert len(kept) == 1 and kept.num_filtered == 1
+    cut = SFTDataset(rows, tokenizer, max_length=30, truncation="right")
+    assert len(cut[1]["input_ids"]) == len(cut[1]["loss_mask"]) == 30 and cut.num_truncated == 1
+
+
+def test_pack_lengths_respects_the_budget():
+    lengths = [5, 3, 8, 2, 7, 1]
+    packs = pack_lengths(lengths, max_tokens=10)
+    assert sorted(i for p in packs for i in p) == list(range(6))
+    assert all(sum(lengths[i] for i in p) <= 10 for p in packs)
+    assert len(packs) == 3  # 26 tokens need at least 3 packs of 10
+    with pytest.raises(ValueError, match="row 2 has 8 tokens, over the packing budget max_tokens=7"):
+        pack_lengths(lengths, max_tokens=7)
+
+
+def test_packing_collator_keeps_rows_positions_and_masks():
+    items = [{"input_ids": [10 + i] * n, "loss_mask": [0] + [1] * (n - 1), "index": i}
+             for i, n in enumerate([4, 3, 5, 2])]
+    batch = PackingCollator(max_tokens=8, pad_token_id=0)(items)
+    assert batch.meta["num_sequences"] == 4
+    assert batch["input_ids"].shape[1] <= 8
+    seen = set()
+    for k, rows in enumerate(batch["index"]):
+        seg = batch["segment_ids"][k]
+        for s, i in enumerate(rows, start=1):
+            where = seg == s
+            n = len(items[i]["input_ids"])
+            assert batch["input_ids"][k][where].tolist() == items[i]["input_ids"]
+            assert batch["position_ids"][k][where].tolist() == list(range(n))
+            assert batch["loss_mask"][k][where].tolist() == items[i]["loss_mask"]
+            seen.add(i)
+        assert torch.equal(batch["attention_mask"][k], (seg > 0).long())
+        assert (batch["input_ids"][k][seg == 0] == 0).all()
+    assert seen == {0, 1, 2, 3}
+    assert int(batch["attention_mask"].sum()) == 14
+
+
+def test_sft_through_the_loader(write_jsonl, tokenizer):
+    ds = SFTDataset(write_jsonl([{"prompt": f"Q{i}", "response": "A" * i} for i in range(1, 7)]), tokenizer)
+    loader = PromptLoader(ds, batch_size=3, seed=0, collate=PackingCollator(64, ds.pad_token_id))
+    batches = list(loader)
+    assert len(batches) == 2
+    assert sum(b.meta["num_sequences"] for b in batches) == 6
+    assert int(sum(b["loss_mask"].sum() for b in batches)) == sum(sum(ds[i]["loss_mask"]) for i in range(6))
