@@ -1,0 +1,42 @@
+"""Checkpoints that resume exactly, export to Hugging Face, and stop runs safely.
+
+One checkpoint is written like this (controller and workers; see docs/checkpoints.md):
+
+    manager = CheckpointManager(cfg.trainer.output_dir, keep=cfg.trainer.keep_checkpoints)
+    tmp = manager.begin(step)                                       # controller
+    save_worker_state(tmp / "actor", model, optimizer, {"lr": sched})   # every actor rank
+    save_hf_assets(tmp / "actor", actor_model_path)                 # controller, for export
+    save_controller_state(tmp, step, cfg, {"kl": kl_ctl, "data": loader_position})
+    manager.commit(step, tmp)                                       # atomic rename, prune
+
+and resumed with `manager.resolve(cfg.trainer.resume)`, `check_compatible(read_config(ckpt), cfg)`,
+`load_worker_state(ckpt / "actor", ...)` and `load_controller_state(ckpt, ...)`.
+"""
+
+from hybridflow.checkpoint.bad_steps import BadStepCounter, TrainingDiverged
+from hybridflow.checkpoint.compat import IncompatibleCheckpoint, check_compatible, check_model_config
+from hybridflow.checkpoint.export import export_hf, main_export, save_hf_assets
+from hybridflow.checkpoint.manager import CheckpointError, CheckpointManager, check_writable, is_complete
+from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
+from hybridflow.checkpoint.signals import GracefulStop
+from hybridflow.checkpoint.state import (
+    ControllerState,
+    load_controller_state,
+    load_model_state,
+    load_worker_state,
+    read_config,
+    read_full_model_state,
+    read_meta,
+    save_controller_state,
+    save_model_state,
+    save_worker_state,
+)
+
+__all__ = [
+    "BadStepCounter", "CheckpointError", "CheckpointManager", "ControllerState", "GracefulStop",
+    "IncompatibleCheckpoint", "TrainingDiverged", "capture_rng_state", "check_compatible",
+    "check_model_config", "check_writable", "export_hf", "is_complete", "load_controller_state",
+    "load_model_state", "load_worker_state", "main_export", "read_config", "read_full_model_state",
+    "read_meta", "restore_rng_state", "save_controller_state", "save_hf_assets", "save_model_state",
+    "save_worker_state",
+]

@@ -1,0 +1,54 @@
+"""Export a checkpoint to a Hugging Face directory: from_pretrained loads it with the trainer's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridflow.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    export_hf,
+    main_export,
+    save_hf_assets,
+    save_worker_state,
+)
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tiny_qwen2, trained):
+    model, optimizer, scheduler = trained
+    manager = CheckpointManager(tmp_path / "run", keep=2)
+    tmp = manager.begin(1)
+    save_worker_state(tmp / "actor", model, optimizer, {"lr": scheduler})
+    save_hf_assets(tmp / "actor", tiny_qwen2)
+    return manager.commit(1, tmp), model
+
+
+def test_export_gives_same_logits(tmp_path, checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, model = checkpoint
+    out = export_hf(path, tmp_path / "hf")
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= files
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(4, 260, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert loaded.generation_config.eos_token_id == [3]
+    assert AutoTokenizer.from_pretrained(out).eos_token == "<|im_end|>"
+
+
+def test_cli_export_bf16_from_run_dir(tmp_path, checkpoint, capsys):
+    path, _ = checkpoint
+    assert main_export([str(tmp_path / "run"), str(tmp_path / "hf16"), "--dtype", "bfloat16"]) == 0
+    assert "exported actor" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert main_export([str(path), str(tmp_path / "nope"), "--role", "critic"]) == 1
+    assert "no model for role 'critic'; roles: ['actor']" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="no complete checkpoint|neither a complete"):
+        export_hf(tmp_path / "empty", tmp_path / "x")

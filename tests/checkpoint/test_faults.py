@@ -1,0 +1,54 @@
+"""GracefulStop on SIGTERM/SIGINT, and BadStepCounter's skip-then-stop on non-finite steps."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from hybridflow.checkpoint import BadStepCounter, GracefulStop, TrainingDiverged
+
+
+def test_sigterm_sets_flag_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with GracefulStop() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.signal_name == "SIGTERM" and bool(stop)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_second_signal_interrupts_at_once():
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt, match="second SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_bad_steps_skip_then_stop():
+    guard = BadStepCounter(max_in_row=3)
+    assert guard.update(1, loss=1.0, grad_norm=torch.tensor(2.0))
+    assert not guard.update(2, loss=float("nan"))
+    assert not guard.update(3, loss=1.0, grad_norm=torch.tensor(float("inf")))
+    assert guard.update(4, loss=torch.tensor([1.0, 2.0]))
+    assert (guard.in_row, guard.skipped_total) == (0, 2)
+    assert not guard.update(5, loss=float("inf"))
+    assert not guard.update(6, loss=float("nan"))
+    with pytest.raises(TrainingDiverged, match=r"3 non-finite steps in a row \(the last at step 7: "
+                                               r"grad_norm=tensor with 1 non-finite of 2\)"):
+        guard.update(7, loss=0.5, grad_norm=torch.tensor([1.0, float("nan")]))
+    assert guard.skipped_total == 5
+
+
+def test_bad_step_counts_survive_resume():
+    guard = BadStepCounter(2)
+    guard.update(1, loss=float("nan"))
+    resumed = BadStepCounter(2)
+    resumed.load_state_dict(guard.state_dict())
+    with pytest.raises(TrainingDiverged):
+        resumed.update(2, loss=float("nan"))
+    with pytest.raises(ValueError, match="max_in_row=0"):
+        BadStepCounter(0)

@@ -1,0 +1,67 @@
+"""DCP resharding: a 2-process gloo FSDP2 model + AdamW saved, then loaded into one plain process."""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+
+from hybridflow.checkpoint import load_worker_state, read_full_model_state
+
+
+def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.checkpoint import save_worker_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(0)
+        ids = torch.randint(4, 260, (2, 12))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        save_worker_state(f"{out}/actor", model, optimizer, {"note": {"world": world}})
+        names = {param: name for name, param in model.named_parameters()}
+        full = {name: param.full_tensor() for name, param in model.named_parameters()}
+        exp_avg = {names[p]: s["exp_avg"].full_tensor() for p, s in optimizer.state.items()}
+        if rank == 0:
+            torch.save({"params": full, "exp_avg": exp_avg, "draw": torch.rand(3)}, f"{out}/expected.pt")
+        else:
+            torch.rand(3)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_two_ranks_to_one(tmp_path, tiny_qwen2):
+    from transformers import AutoModelForCausalLM
+
+    # fork: the children inherit the imported torch/transformers instead of importing them again
+    mp.start_processes(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tiny_qwen2), str(tmp_path)),
+                       nprocs=2, start_method="fork")
+    expected = torch.load(tmp_path / "expected.pt")
+    assert sorted(p.name for p in (tmp_path / "actor" / "model").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                       "__1_0.distcp"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rest = load_worker_state(tmp_path / "actor", model, optimizer)
+
+    assert rest == {"note": {"world": 2}}
+    assert torch.equal(torch.rand(3), expected["draw"]), "rank 0's RNG state should be restored"
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), expected["params"][name]), name
+    names = {param: name for name, param in model.named_parameters()}
+    assert len(optimizer.state) == len(expected["exp_avg"])
+    for param, slots in optimizer.state.items():
+        assert torch.equal(slots["exp_avg"], expected["exp_avg"][names[param]]), names[param]
+    full = read_full_model_state(tmp_path / "actor")
+    assert torch.equal(full["model.norm.weight"], expected["params"]["model.norm.weight"])
