@@ -107,3 +107,18 @@ def test_scores_to_token_scores_puts_score_on_last_real_token():
     assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="scores must be"):
         scores_to_token_scores([1.0], mask)
+
+
+def test_scores_verl_format_gsm8k_rows_from_the_data_layer():
+    from hybridflow.data.gsm8k_synthetic import make_rows
+
+    rows = make_rows(6, "train", seed=0)
+    solutions = [r["extra_info"]["answer"] for r in rows]  # worked solutions ending in "#### n"
+    batch = {
+        "data_source": [r["data_source"] for r in rows],
+        "response_text": solutions[:3] + ["I am not sure."] * 3,
+        "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+        "extra_info": [r["extra_info"] for r in rows],
+    }
+    result = RewardManager("auto", num_workers=0).score(batch)
+    assert result.scores == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
