@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import make_training_objects, train_step
+from checkpoint_helpers import make_training_objects, train_step
 
 from hybridflow.checkpoint import (
     CheckpointError,
