@@ -83,9 +83,13 @@ class Registry(Mapping[str, Callable[..., Any]]):
         """Call entry `name` with `*args` and the keys of `config` its signature accepts.
 
         A key accepted by no entry of this registry raises `TypeError` (a typo, most likely); a key
-        another entry accepts (e.g. `lam` given to `grpo`) is silently left out.
+        another entry accepts (e.g. `lam` given to `grpo`) is silently left out. An entry taking
+        `**kwargs` receives the whole config.
         """
         fn = self.get_fn(name)
+        params, takes_any = _keyword_params(fn, self.n_args)
+        if takes_any:
+            return fn(*args, **config)
         known = self.known_keys()
         unknown = sorted(set(config) - known)
         if unknown:
@@ -93,9 +97,7 @@ class Registry(Mapping[str, Callable[..., Any]]):
                 f"unknown {self.kind} option {unknown[0]!r}.{did_you_mean(unknown[0], sorted(known))} "
                 f"Options any {self.kind} accepts: {sorted(known)}"
             )
-        params, takes_any = _keyword_params(fn, self.n_args)
-        kwargs = dict(config) if takes_any else {k: v for k, v in config.items() if k in params}
-        return fn(*args, **kwargs)
+        return fn(*args, **{k: v for k, v in config.items() if k in params})
 
 
 def _keyword_params(fn: Callable[..., Any], n_args: int) -> tuple[set[str], bool]:

@@ -227,3 +227,14 @@ def test_compute_advantages_reads_a_batch():
     assert torch.equal(adv, rloo(rewards, mask, ["a", "a", "b"])[0])
     with pytest.raises(KeyError, match="'values'"):
         compute_advantages("gae", batch)
+
+
+def test_estimator_taking_kwargs_gets_every_option():
+    @register_adv_estimator("test_kwargs")
+    def takes_all(data, **options):
+        return options, None
+
+    try:
+        assert compute_advantages("test_kwargs", {}, my_option=3, gamma=0.5) == ({"my_option": 3, "gamma": 0.5}, None)
+    finally:
+        ADV_ESTIMATORS.unregister("test_kwargs")
