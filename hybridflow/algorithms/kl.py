@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms.aggregation import aggregate
+from hybridflow.algorithms.aggregation import Count, aggregate
 from hybridflow.algorithms.registry import did_you_mean
 from hybridflow.algorithms.utils import check_shapes, masked_mean
 
@@ -64,7 +64,7 @@ def mean_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind
 
 def kl_loss(
     logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str = "low_var_kl", agg: str = "token-mean",
-    **agg_counts: int | float | torch.Tensor | None,
+    **agg_counts: Count | None,
 ) -> torch.Tensor:
     """KL as a loss term (GRPO's `kl_loss`, arXiv:2402.03300): `aggregate(kl_estimate(...), mask, agg)`.
 

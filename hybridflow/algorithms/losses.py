@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import torch
 
-from hybridflow.algorithms.aggregation import aggregate
+from hybridflow.algorithms.aggregation import Count, aggregate
 from hybridflow.algorithms.registry import Registry
 from hybridflow.algorithms.utils import check_shapes, masked_mean, masked_sum
 
 LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
-Count = int | float | torch.Tensor
 LossOut = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 POLICY_LOSSES = Registry("policy loss", n_args=4)
