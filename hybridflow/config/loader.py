@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -57,7 +58,9 @@ class FieldInfo:
 
     @property
     def choices(self) -> tuple | None:
-        return self.field.metadata.get("choices")
+        """The valid values, or None when any value of the type is fine."""
+        choices = self.field.metadata.get("choices")
+        return choices() if callable(choices) else choices
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -146,16 +149,43 @@ def _check_tree(data: Mapping, known: dict[str, FieldInfo], source: str, prefix:
     return out
 
 
-def _merge(cfg: Any, data: dict, known: dict[str, FieldInfo], source: str) -> Any:
-    """Merges checked `data` into the structured `cfg`, turning OmegaConf errors into ConfigErrors."""
+def _deep_update(dst: dict, src: Mapping, sources: dict[str, str], source: str, prefix: str = "") -> None:
+    """Merges the checked tree `src` into `dst` (later values win) and records each key's `source`."""
+    for name, value in src.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping) and isinstance(dst.get(name), dict):
+            _deep_update(dst[name], value, sources, source, key + ".")
+        else:
+            dst[name] = value
+            sources[key] = source
+
+
+def _source_of(key: str, sources: dict[str, str]) -> str:
+    """Where `key` (or the section holding it) was set."""
+    while key:
+        if key in sources:
+            return sources[key]
+        key = key.rpartition(".")[0]
+    return "config"
+
+
+@functools.lru_cache(maxsize=None)
+def _structured(schema: type) -> Any:
+    """The schema's defaults as an OmegaConf structured config (built once; merging copies it)."""
+    return OmegaConf.structured(schema)
+
+
+def _merge(schema: type, tree: dict, known: dict[str, FieldInfo], sources: dict[str, str]) -> Any:
+    """The schema's defaults with `tree` merged in; OmegaConf's type errors become ConfigErrors."""
     try:
-        return OmegaConf.merge(cfg, data)
+        return OmegaConf.merge(_structured(schema), tree)
     except OmegaConfBaseException as e:
         key = (getattr(e, "full_key", "") or "").split("[")[0]
         info = known.get(key)
         value = getattr(e, "value", None)
         expected = type_name(info.type) if info else "a valid value"
-        raise ConfigError(f"{source}: invalid value {value!r} for '{key}': expected {expected}") from None
+        raise ConfigError(f"{_source_of(key, sources)}: invalid value {value!r} for '{key}': "
+                          f"expected {expected}") from None
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -244,14 +274,16 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
         raise ConfigError(f"two config files given: {config_file} and --config {in_argv}")
     config_file = config_file if config_file is not None else in_argv
     known = schema_fields(schema)
-    cfg = OmegaConf.structured(schema)
+    tree: dict = {}
+    sources: dict[str, str] = {}
     if config_file is not None:
         source = f"config file {config_file}"
-        cfg = _merge(cfg, _check_tree(_read_yaml(config_file), known, source), known, source)
+        _deep_update(tree, _check_tree(_read_yaml(config_file), known, source), sources, source)
     for item in overrides:
         key, value = _parse_override(item)
         source = f"override {item!r}"
-        cfg = _merge(cfg, _check_tree(_nest(key, value), known, source), known, source)
+        _deep_update(tree, _check_tree(_nest(key, value), known, source), sources, source)
+    cfg = _merge(schema, tree, known, sources)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:  # e.g. an interpolation `${...}` that does not resolve
@@ -267,12 +299,11 @@ def to_yaml(cfg: Any) -> str:
 
 def _flatten(cfg: Any) -> dict[str, Any]:
     """A config (dataclass or nested mapping) as `{dotted key: leaf value}`."""
-    tree = OmegaConf.to_container(OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg)
-                                  else OmegaConf.create(dict(cfg)))
+    tree = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict) and node:
+        if isinstance(node, Mapping) and node:
             for k, v in node.items():
                 walk(v, f"{prefix}{k}.")
         else:

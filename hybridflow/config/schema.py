@@ -12,30 +12,39 @@ programs (the SFT trainer) bring their own root.
 from __future__ import annotations
 
 import copy
+import importlib
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, is_dataclass
 from typing import Any, Optional
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
 # Estimators that compare the n samples of one prompt, so they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "bf16", "fp32")
 TRUNCATION_MODES = ("error", "filter", "left", "right")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A dataclass field with its default, a one-line `help` and optional valid `choices`.
+def registered(attr: str) -> Callable[[], tuple[str, ...]]:
+    """Choices read from `hybridflow.algorithms.<attr>` (a registry or a tuple) when they are checked,
+    so an estimator or loss a user registers before loading the config is accepted."""
+
+    def names() -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module("hybridflow.algorithms"), attr))
+
+    return names
+
+
+def opt(default: Any, help: str, choices: tuple | Callable[[], tuple] | None = None) -> Any:
+    """A dataclass field with its default, a one-line `help` and optional valid `choices`
+    (a tuple, or a function returning one, for names that live in a registry).
 
     Mutable defaults (lists, dicts, tuples are fine as is) and nested config classes become
     default factories, so every instance gets its own copy.
     """
     metadata = {"help": help}
     if choices is not None:
-        metadata["choices"] = tuple(choices)
+        metadata["choices"] = choices if callable(choices) else tuple(choices)
     if isinstance(default, type) and is_dataclass(default):
         return field(default_factory=default, metadata=metadata)
     if isinstance(default, (list, dict)):
@@ -119,7 +128,7 @@ class OptimizedRoleConfig:
                                                           "sizing; overrides micro_batch_size)")
     use_packing: bool = opt(True, "remove padding: pack sequences into one row")
     shuffle: bool = opt(True, "shuffle rows between mini-batches")
-    loss_agg: str = opt("token-mean", "how per-token losses are aggregated", LOSS_AGG_MODES)
+    loss_agg: str = opt("token-mean", "how per-token losses are aggregated", registered("AGG_MODES"))
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")
     optimizer_offload: bool = opt(False, "keep optimizer state on the CPU between uses")
 
@@ -128,12 +137,12 @@ class OptimizedRoleConfig:
 class ActorConfig(OptimizedRoleConfig):
     """The policy being trained, and its frozen reference copy."""
 
-    policy_loss: str = opt("ppo", "policy-gradient loss", POLICY_LOSSES)
+    policy_loss: str = opt("ppo", "policy-gradient loss", registered("POLICY_LOSSES"))
     clip_low: float = opt(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low)")
     clip_high: float = opt(0.2, "PPO ratio clip above 1 (ratio <= 1 + clip_high); DAPO raises it")
     clip_c: float = opt(3.0, "dual-clip bound for negative advantages")
     kl_loss_coef: float = opt(0.0, "weight of the KL-to-reference loss; 0 = no KL loss (no reference model)")
-    kl_loss_type: str = opt("low_var_kl", "KL estimator for the KL loss", KL_ESTIMATORS)
+    kl_loss_type: str = opt("low_var_kl", "KL estimator for the KL loss", registered("KL_KINDS"))
     entropy_coef: float = opt(0.0, "weight of the entropy bonus")
     ref_param_offload: bool = opt(False, "keep the reference model's parameters on the CPU")
 
@@ -180,12 +189,12 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     """Advantage estimation and KL regularisation."""
 
-    adv_estimator: str = opt("grpo", "advantage estimator", ADV_ESTIMATORS)
+    adv_estimator: str = opt("grpo", "advantage estimator", registered("ADV_ESTIMATORS"))
     gamma: float = opt(1.0, "discount factor (gae, reinforce_plus_plus)")
     lam: float = opt(1.0, "GAE lambda")
     norm_adv_by_std: bool = opt(True, "divide group advantages by their std (false = Dr.GRPO)")
     use_kl_in_reward: bool = opt(False, "subtract a KL-to-reference penalty from the token rewards")
-    kl_penalty: str = opt("kl", "KL estimator for the in-reward penalty", KL_ESTIMATORS)
+    kl_penalty: str = opt("kl", "KL estimator for the in-reward penalty", registered("KL_KINDS"))
     kl_ctrl: KLControlConfig = opt(KLControlConfig, "in-reward KL coefficient control")
     overlong_buffer: OverlongBufferConfig = opt(OverlongBufferConfig, "DAPO overlong penalty")
     filter_groups: FilterGroupsConfig = opt(FilterGroupsConfig, "DAPO group filtering")

@@ -140,7 +140,7 @@ def _algorithm_problems(cfg: Any) -> list[str]:
 
 
 def _path_problems(cfg: Any) -> list[str]:
-    """Files the run will read: data, a reward file, a resume checkpoint, the model directory."""
+    """What the run will read: data files, the reward function, a resume checkpoint, model directories."""
     problems = []
     if cfg.model.path is None:
         problems.append("model.path is required (a Hugging Face model directory)")
@@ -157,13 +157,12 @@ def _path_problems(cfg: Any) -> list[str]:
         for path in _get(cfg, key):
             if not Path(path).expanduser().is_file():
                 problems.append(f"{key}: file {path} not found")
-    fn = cfg.reward.function
-    if ":" in fn:
-        file, _, name = fn.rpartition(":")
-        if not file.endswith(".py") or not name.isidentifier():
-            problems.append(f"reward.function={fn!r}: expected path/to/file.py:function_name")
-        elif not Path(file).expanduser().is_file():
-            problems.append(f"reward.function={fn!r}: file {file} not found")
+    from hybridflow.rewards import get_reward_fn
+
+    try:  # resolves a name, or imports a user's file and finds the function in it
+        get_reward_fn(cfg.reward.function, cfg.reward.kwargs)
+    except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
+        problems.append(f"reward.function={cfg.reward.function!r}: {e}")
     resume = cfg.trainer.resume
     if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
         problems.append(f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path")

@@ -74,6 +74,15 @@ def test_wrong_type_names_key_value_and_type():
         load_config(["rollout.n"])
 
 
+def test_wrong_type_names_its_source(tmp_path):
+    f = tmp_path / "typo.yaml"
+    f.write_text("rollout:\n  n: many\n")
+    with pytest.raises(ConfigError, match=rf"config file {f}: invalid value 'many' for 'rollout.n'"):
+        load_config(["rollout.temperature=0.5"], config_file=f)
+    with pytest.raises(ConfigError, match=r"override 'data.max_prompt_length=long': invalid value 'long'"):
+        load_config(["data.max_prompt_length=long"], config_file=None)
+
+
 def test_choices_name_valid_values():
     with pytest.raises(ConfigError, match=r"'actor.lr_schedule'; valid: constant, cosine; did you mean 'cosine'"):
         load_config(["actor.lr_schedule=cosin"])

@@ -88,7 +88,32 @@ def test_paths(tmp_path):
                       "trainer.resume=/no/such/ckpt", f"model.path={tmp_path}/missing"))
     msg = str(e.value)
     assert "data.train_files is required" in msg and "nope.parquet not found" in msg
-    assert "r.py not found" in msg and "trainer.resume='/no/such/ckpt'" in msg
+    assert "r.py:fn'" in msg and "does not exist" in msg and "trainer.resume='/no/such/ckpt'" in msg
     assert f"model.path={tmp_path}/missing: no such directory" in msg
     with pytest.raises(ConfigError, match="model.path is required"):
         validate(_cfg(f"data.train_files={data}"))
+
+
+def test_reward_function_resolved_before_training(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    base = ["model.path=some-org/some-model", f"data.train_files={data}"]
+    with pytest.raises(ConfigError, match=r"unknown reward function 'gsm8kk' \(did you mean 'gsm8k'\?\)"):
+        validate(_cfg(*base, "reward.function=gsm8kk"))
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    validate(_cfg(*base, f"reward.function={reward}:score"))
+    with pytest.raises(ConfigError, match="has no function 'scor'; did you mean 'score'"):
+        validate(_cfg(*base, f"reward.function={reward}:scor"))
+
+
+def test_registered_estimators_are_valid_choices():
+    from hybridflow.algorithms import ADV_ESTIMATORS, register_adv_estimator
+
+    with pytest.raises(ConfigError, match="valid: gae, grpo, rloo"):
+        load_config(["algorithm.adv_estimator=my_estimator"])
+    register_adv_estimator("my_estimator")(lambda data: (None, None))
+    try:
+        assert load_config(["algorithm.adv_estimator=my_estimator"]).algorithm.adv_estimator == "my_estimator"
+    finally:
+        ADV_ESTIMATORS.unregister("my_estimator")
