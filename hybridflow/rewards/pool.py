@@ -111,7 +111,11 @@ class ScoringPool:
                 return
             size = max(1, min(_MAX_CHUNK, len(queue) // (2 * len(self._workers))))
             indices = [queue.popleft() for _ in range(min(size, len(queue)))]
-            worker.conn.send([(i, rows[i]) for i in indices])
+            try:
+                worker.conn.send([(i, rows[i]) for i in indices])
+            except OSError:  # the worker died while idle: `_collect` sees its EOF and replaces it
+                queue.extendleft(reversed(indices))
+                continue
             worker.inflight.extend(indices)
             worker.head_started = time.monotonic()
 
@@ -143,7 +147,8 @@ class ScoringPool:
                     raise RuntimeError(f"reward worker could not load reward function {self.spec!r}: {payload}")
                 else:
                     expected = worker.inflight.popleft()
-                    assert tag == expected, f"reward worker answered row {tag}, expected {expected}"
+                    if tag != expected:
+                        raise RuntimeError(f"reward worker answered row {tag}, expected row {expected}")
                     outcomes[tag] = payload
                     worker.head_started = time.monotonic()
         except (EOFError, OSError):

@@ -122,3 +122,14 @@ def test_scores_verl_format_gsm8k_rows_from_the_data_layer():
     }
     result = RewardManager("auto", num_workers=0).score(batch)
     assert result.scores == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_worker_that_died_while_idle_is_replaced(reward_file):
+    with RewardManager(reward_file, num_workers=1, timeout_s=5.0) as manager:
+        manager.score(_rows(["a"]))
+        worker = manager._pool._workers[0].process
+        worker.kill()
+        worker.join()
+        result = manager.score(_rows(["a", "b", "a"]))
+        assert result.scores == [1.0, 0.0, 1.0] and result.metrics["reward/errors"] == 0.0
+        assert manager._pool.restarts == 1
