@@ -1,0 +1,20 @@
+"""The controller layer: workers, the `@register` dispatch decorator, worker groups, resource pools
+and the `local` / `ray` backends. See docs/workers.md."""
+
+from hybridflow.controller.colocate import colocate
+from hybridflow.controller.dispatch import Dispatch, register
+from hybridflow.controller.errors import WorkerDiedError, WorkerError
+from hybridflow.controller.group import WorkerGroup
+from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.worker import Worker
+
+__all__ = [
+    "Dispatch",
+    "ResourcePool",
+    "Worker",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroup",
+    "colocate",
+    "register",
+]

@@ -1,0 +1,67 @@
+"""Backends run a worker group's processes: `local` (torch.multiprocessing, or in-process for one
+worker) and `ray` (actors in a placement group). They share one small interface, `Backend`."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from hybridflow.controller.errors import WorkerError
+from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.runtime import Reply, WorkerSpec
+
+
+class Backend:
+    """Starts the group's workers and runs one method call on one rank at a time per call.
+
+    `submit` returns a Future that resolves to the rank's return value, or fails with
+    `WorkerError` (the method raised) or `WorkerDiedError` (the process ended).
+    """
+
+    def __init__(self, spec: WorkerSpec, pool: ResourcePool, env: dict[str, str]) -> None:
+        self.spec, self.pool, self.env = spec, pool, dict(env)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def submit(self, rank: int, path: str, args: tuple, kwargs: dict, blocking: bool) -> Future:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+def settle(future: Future, reply: Reply, role: str, rank: int, path: str) -> None:
+    """Completes `future` from a worker reply ``("ok", value)`` / ``("error", traceback)``."""
+    status, value = reply
+    if status == "ok":
+        future.set_result(value)
+    else:
+        future.set_exception(WorkerError(role, rank, path, value))
+
+
+def make_backend(name: str, spec: WorkerSpec, pool: ResourcePool, env: dict[str, str], inline: bool | None) -> Any:
+    """The backend called `name` ("local" or "ray") for one group."""
+    if name == "local":
+        if inline is None:
+            inline = spec.world_size == 1
+        if inline:
+            if spec.world_size != 1:
+                raise ValueError(f"inline=True needs n_workers=1 (group '{spec.role}' has {spec.world_size})")
+            from hybridflow.controller.backends.inline import InlineBackend
+
+            return InlineBackend(spec, pool, env)
+        from hybridflow.controller.backends.local import LocalBackend
+
+        return LocalBackend(spec, pool, env)
+    if name == "ray":
+        if inline:
+            raise ValueError("inline=True is a local-backend option; the ray backend always uses actors")
+        from hybridflow.controller.backends.ray import RayBackend
+
+        return RayBackend(spec, pool, env)
+    raise ValueError(f"unknown backend {name!r}; valid: 'local', 'ray'")

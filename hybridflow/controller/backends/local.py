@@ -1,0 +1,195 @@
+"""The local backend: one spawned process per rank (torch.multiprocessing), a gloo/NCCL process
+group per worker group, calls over pipes.
+
+Each process talks to the controller over one duplex pipe: the controller's sender thread writes
+pickled calls, its reader thread matches replies to futures by call id and notices a dead process
+(the pipe closes) at once. Workers exit when the controller goes away (a parent watchdog), on
+`shutdown()`, and at controller exit (atexit, see `group.py`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridflow.controller.backends import Backend, settle
+from hybridflow.controller.errors import WorkerDiedError, describe_exit
+from hybridflow.controller.logs import forward_output, log_server
+from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
+
+_env_lock = threading.Lock()
+GRACEFUL_EXIT_S = 5.0
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Ends this worker as soon as the controller process is gone (no orphans)."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _worker_main(conn, sys_path: list[str], blob: bytes, rank: int, store_port: int, log_addr: tuple, parent_pid: int) -> None:
+    """Entry point of a worker process: output forwarding, process group, worker, then the call loop."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    spec = load_spec(sys_path, blob)
+    forward_output(log_addr, f"({spec.role} rank {rank}) ")
+    try:
+        join_process_group(spec, rank, ("127.0.0.1", store_port))
+        device = torch.device(f"cuda:{rank}") if spec.device_type == "cuda" else torch.device("cpu")
+        runtime = WorkerRuntime(spec, rank, rank, device)
+        reply = ("ok", os.getpid())
+    except BaseException:  # noqa: BLE001 - reported to the controller as a WorkerError
+        import traceback
+
+        conn.send_bytes(pickle.dumps((0, ("error", traceback.format_exc()))))
+        return
+    conn.send_bytes(pickle.dumps((0, reply)))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except EOFError:
+            break
+        if not message:
+            break
+        call_id, path, payload = pickle.loads(message)
+        try:
+            args, kwargs = pickle.loads(payload)
+            reply = runtime.call(path, args, kwargs)
+            data = pickle.dumps((call_id, reply), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # noqa: BLE001 - e.g. an argument or result that cannot be pickled
+            import traceback
+
+            data = pickle.dumps((call_id, ("error", traceback.format_exc())))
+        conn.send_bytes(data)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+class LocalBackend(Backend):
+    """A group of `world_size` spawned worker processes on this machine."""
+
+    def start(self) -> None:
+        spec = self.spec
+        self._ids = itertools.count(1)
+        self._pending: list[dict[int, tuple[Future, str]]] = [{} for _ in range(self.world_size)]
+        self._dead: dict[int, WorkerDiedError] = {}
+        self._closing = False
+        self._lock = threading.Lock()
+        self._store = dist.TCPStore("127.0.0.1", 0, spec.world_size + 1, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        sys_path, blob = spec.dumps()
+        env = dict(self.env)
+        if spec.device_type == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.pool.gpu_ids[: self.world_size]))
+        self.procs, self._conns, self._outboxes = [], [], []
+        ready = []
+        with _env_lock:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                for rank in range(self.world_size):
+                    parent, child = ctx.Pipe(duplex=True)
+                    proc = ctx.Process(
+                        target=_worker_main,
+                        args=(child, sys_path, blob, rank, self._store.port, log_server().address, os.getpid()),
+                        name=f"hybridflow-{spec.role}-{rank}",
+                    )
+                    proc.start()
+                    child.close()
+                    self.procs.append(proc)
+                    self._conns.append(parent)
+                    self._outboxes.append(queue.SimpleQueue())
+                    ready.append(Future())
+                    self._pending[rank][0] = (ready[-1], "__init__")
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        for rank in range(self.world_size):
+            threading.Thread(target=self._read_loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-rx").start()
+            threading.Thread(target=self._send_loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-tx").start()
+        try:
+            for future in ready:
+                future.result()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _send_loop(self, rank: int) -> None:
+        conn, outbox = self._conns[rank], self._outboxes[rank]
+        while True:
+            data = outbox.get()
+            try:
+                conn.send_bytes(data)
+            except OSError:  # the process is gone; the reader reports it
+                return
+            if not data:
+                return
+
+    def _read_loop(self, rank: int) -> None:
+        conn = self._conns[rank]
+        while True:
+            try:
+                call_id, reply = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                future, path = self._pending[rank].pop(call_id)
+            settle(future, reply, self.spec.role, rank, path)
+        self._on_exit(rank)
+
+    def _on_exit(self, rank: int) -> None:
+        """The pipe closed: fail this rank's pending calls (and later ones) unless we are closing."""
+        proc = self.procs[rank]
+        proc.join(timeout=3.0)
+        how = "the group was shut down" if self._closing else describe_exit(proc.exitcode)
+        error = WorkerDiedError(self.spec.role, rank, f"pid {proc.pid}, {how}")
+        with self._lock:
+            self._dead[rank] = error
+            pending, self._pending[rank] = self._pending[rank], {}
+        for future, _ in pending.values():
+            future.set_exception(error)
+
+    def submit(self, rank: int, path: str, args: tuple, kwargs: dict, blocking: bool) -> Future:
+        future: Future = Future()
+        payload = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            if rank in self._dead:
+                future.set_exception(self._dead[rank])
+                return future
+            call_id = next(self._ids)
+            self._pending[rank][call_id] = (future, path)
+        self._outboxes[rank].put(pickle.dumps((call_id, path, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        return future
+
+    def shutdown(self) -> None:
+        """Asks every live worker to exit, then terminates (and finally kills) whoever remains."""
+        self._closing = True
+        healthy = not self._dead
+        for outbox in self._outboxes:
+            outbox.put(b"")
+        deadline = time.monotonic() + (GRACEFUL_EXIT_S if healthy else 0.5)
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for signal_step in ("terminate", "kill"):
+            alive = [p for p in self.procs if p.is_alive()]
+            for proc in alive:
+                getattr(proc, signal_step)()
+            for proc in alive:
+                proc.join(timeout=2.0)
+        for conn in self._conns:
+            conn.close()
+        self._store = None

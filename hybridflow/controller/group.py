@@ -1,0 +1,213 @@
+"""`WorkerGroup`: the controller's handle on an SPMD group of workers running one role.
+
+``group.method(*args)`` scatters the call over the ranks as the method's `@register` says, blocks,
+and returns the collected result; ``group.method.submit(*args)`` returns a Future instead, so
+several groups can work at once. Groups built from `colocate(...)` expose each member role as an
+attribute: ``group.actor.update(batch)``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from hybridflow.controller.backends import make_backend
+from hybridflow.controller.colocate import ColocatedWorker
+from hybridflow.controller.dispatch import DispatchSpec, gather, registered_methods, scatter
+from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.runtime import WorkerSpec
+from hybridflow.controller.worker import Worker
+
+_live_groups: weakref.WeakSet = weakref.WeakSet()
+_INSTANCE_ATTRS = {"name", "worker_cls", "pool"}
+
+
+def _combine(parts: list[Future], finish: Any) -> Future:
+    """One Future over the per-rank futures: `finish(results)` when all succeed, the first failure otherwise."""
+    out: Future = Future()
+    results: list[Any] = [None] * len(parts)
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def on_done(index: int, part: Future) -> None:
+        error = part.exception()
+        with lock:
+            if out.done():
+                return
+            if error is not None:
+                out.set_exception(error)
+                return
+            results[index] = part.result()
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        try:
+            out.set_result(finish(results))
+        except InvalidStateError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a collect error belongs to the caller
+            out.set_exception(exc)
+
+    for i, part in enumerate(parts):
+        part.add_done_callback(lambda f, i=i: on_done(i, f))
+    return out
+
+
+class RemoteMethod:
+    """A registered worker method seen from the controller: call it, or `.submit(...)` it."""
+
+    def __init__(self, group: WorkerGroup, path: str, spec: DispatchSpec) -> None:
+        self._group, self._path, self._spec = group, path, spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._group._submit(self._path, self._spec, args, kwargs, blocking=True).result()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        """Starts the call and returns a Future of the collected result."""
+        return self._group._submit(self._path, self._spec, args, kwargs, blocking=False)
+
+    def __repr__(self) -> str:
+        return f"<{self._spec.mode} method '{self._path}' of group '{self._group.name}'>"
+
+
+def _lookup(cls: type, owner: str, name: str) -> DispatchSpec:
+    methods = registered_methods(cls)
+    if name in methods:
+        return methods[name]
+    listed = ", ".join(methods) or "none"
+    if hasattr(cls, name):
+        raise AttributeError(
+            f"{cls.__name__}.{name} is not callable from the controller ({owner}): decorate it with "
+            f"@register(Dispatch...). Registered methods: {listed}"
+        )
+    raise AttributeError(f"{cls.__name__} has no method '{name}' ({owner}); registered methods: {listed}")
+
+
+class MemberView:
+    """One member role of a colocated group: ``group.ref.compute_log_probs(batch)``."""
+
+    def __init__(self, group: WorkerGroup, member: str, cls: type[Worker]) -> None:
+        self._group, self._member, self._cls = group, member, cls
+
+    def __getattr__(self, name: str) -> RemoteMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        spec = _lookup(self._cls, f"member '{self._member}' of group '{self._group.name}'", name)
+        return RemoteMethod(self._group, f"{self._member}.{name}", spec)
+
+
+class WorkerGroup:
+    """`n_workers` processes running `worker_cls`, addressed as one object by the controller.
+
+    Args:
+        worker_cls: a `Worker` subclass, or a class made by `colocate(...)`.
+        n_workers: processes (ranks) in the group.
+        backend: ``"local"`` (spawned processes; in-process for one worker) or ``"ray"``.
+        device: ``"cpu"`` or ``"cuda"``; defaults to the pool's device, else ``"cpu"``.
+        name: the role name used in worker prefixes, errors and ``Worker.role``.
+        init_kwargs: keyword arguments of ``worker_cls.__init__`` (for colocated classes: a dict
+            of member name -> kwargs).
+        pool: the `ResourcePool` to place the group on (default: a private pool of `n_workers`).
+        env: environment variables set in every worker process.
+        inline: local backend only; None = in-process when ``n_workers == 1``.
+    """
+
+    def __init__(
+        self,
+        worker_cls: type[Worker],
+        n_workers: int = 1,
+        backend: str = "local",
+        device: str | None = None,
+        name: str = "actor",
+        init_kwargs: dict | None = None,
+        pool: ResourcePool | None = None,
+        env: dict[str, str] | None = None,
+        inline: bool | None = None,
+    ) -> None:
+        self._backend = None
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"WorkerGroup needs a Worker subclass, got {worker_cls!r}")
+        if not isinstance(n_workers, int) or n_workers < 1:
+            raise ValueError(f"n_workers must be a positive int, got {n_workers!r}")
+        if backend not in ("local", "ray"):
+            raise ValueError(f"unknown backend {backend!r}; valid: 'local', 'ray'")
+        if issubclass(worker_cls, ColocatedWorker):
+            clashes = [m for m in worker_cls.members if hasattr(WorkerGroup, m) or m in _INSTANCE_ATTRS]
+            if clashes:
+                raise ValueError(f"colocated member names {clashes} clash with WorkerGroup attributes; rename them")
+        self.name, self.worker_cls = name, worker_cls
+        self._own_pool = pool is None
+        self.pool = pool or ResourcePool(n_workers, device or "cpu", name=f"{name}-pool")
+        device = device or self.pool.device
+        if device != self.pool.device:
+            raise ValueError(f"group '{name}' wants device '{device}' but {self.pool!r} is '{self.pool.device}'")
+        self.pool.attach(name, n_workers, backend)
+        self._submit_lock = threading.Lock()
+        spec = WorkerSpec(worker_cls, name, n_workers, device, dict(init_kwargs or {}))
+        try:
+            backend_obj = make_backend(backend, spec, self.pool, env or {}, inline)
+            backend_obj.start()
+        except BaseException:
+            self.pool.detach(name)
+            raise
+        self._backend = backend_obj
+        _live_groups.add(self)
+
+    @property
+    def world_size(self) -> int:
+        return self._backend.world_size
+
+    def pids(self) -> list[int]:
+        """Process id of each rank (the controller's own pid for inline groups)."""
+        return self.get_pid()
+
+    def __getattr__(self, name: str) -> Any:
+        cls = self.__dict__.get("worker_cls")
+        if name.startswith("_") or cls is None:
+            raise AttributeError(name)
+        if issubclass(cls, ColocatedWorker) and name in cls.members:
+            return MemberView(self, name, cls.members[name])
+        try:
+            return RemoteMethod(self, name, _lookup(cls, f"group '{self.name}'", name))
+        except AttributeError as exc:
+            if issubclass(cls, ColocatedWorker):
+                raise AttributeError(f"{exc}; colocated members: {', '.join(cls.members)}") from None
+            raise
+
+    def _submit(self, path: str, spec: DispatchSpec, args: tuple, kwargs: dict, blocking: bool) -> Future:
+        if self._backend is None:
+            raise RuntimeError(f"worker group '{self.name}' is shut down")
+        scattered = scatter(spec, path, args, kwargs, self.world_size)
+        with self._submit_lock:  # every rank sees calls in the same order
+            parts = [self._backend.submit(r, path, a, k, blocking) for r, a, k in scattered.calls]
+        return _combine(parts, lambda results: gather(spec, path, scattered, results))
+
+    def shutdown(self) -> None:
+        """Stops every worker process and frees the group's slots of its pool (idempotent)."""
+        backend, self._backend = self._backend, None
+        if backend is None:
+            return
+        _live_groups.discard(self)
+        try:
+            backend.shutdown()
+        finally:
+            self.pool.detach(self.name)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._backend is None else f"{self.world_size} workers"
+        return f"WorkerGroup('{self.name}', {self.worker_cls.__name__}, {state}, {self.pool!r})"
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for group in list(_live_groups):
+        group.shutdown()

@@ -1,0 +1,75 @@
+"""Worker output reaches the controller's console line by line, prefixed ``(role rank N) ``.
+
+Each worker process points its file descriptors 1 and 2 straight at a TCP connection to the
+controller's `LogServer` (`forward_output`), so prints, C++ warnings and NCCL logs all travel; the
+server writes every complete line to the controller's *current* ``sys.stdout`` / ``sys.stderr``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+
+_HEADER_END = b"\n"
+
+
+class LogServer:
+    """Accepts worker output connections and prints their lines with the worker's prefix."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._sock = socket.create_server((host, 0))
+        self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name="hybridflow-log-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read_loop, args=(conn,), name="hybridflow-log", daemon=True).start()
+
+    def _read_loop(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as stream:
+            header = json.loads(stream.readline())
+            prefix, target = header["prefix"], header["stream"]
+            for raw in stream:
+                line = raw.decode("utf-8", errors="replace")
+                self._write(target, prefix + (line if line.endswith("\n") else line + "\n"))
+
+    def _write(self, target: str, text: str) -> None:
+        out = sys.stdout if target == "stdout" else sys.stderr
+        with self._lock:
+            try:
+                out.write(text)
+                out.flush()
+            except (OSError, ValueError):  # the console went away (interpreter shutdown)
+                pass
+
+
+_servers: dict[str, LogServer] = {}
+_servers_lock = threading.Lock()
+
+
+def log_server(host: str = "127.0.0.1") -> LogServer:
+    """The controller's log server listening on `host` (started once per host)."""
+    with _servers_lock:
+        if host not in _servers:
+            _servers[host] = LogServer(host)
+        return _servers[host]
+
+
+def forward_output(address: tuple[str, int], prefix: str) -> None:
+    """In a worker process: sends fds 1 and 2 (and Python's sys.stdout/stderr) to the log server."""
+    for name, fd, stream in (("stdout", 1, sys.stdout), ("stderr", 2, sys.stderr)):
+        stream.flush()
+        sock = socket.create_connection(address)
+        sock.sendall(json.dumps({"prefix": prefix, "stream": name}).encode() + _HEADER_END)
+        os.dup2(sock.fileno(), fd)
+        sock.close()
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)

@@ -1,0 +1,46 @@
+"""Module-scoped worker groups for the controller tests, on both backends (Ray when installed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hybridflow.controller import ResourcePool, WorkerGroup, colocate
+
+from controller_workers import RefWorker, ToyWorker
+
+
+@pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
+def backend(request):
+    if request.param == "local":
+        yield "local"
+        return
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield "ray"
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cpu_pool(backend):
+    """Two CPU slots that every group of a module shares."""
+    return ResourcePool(2, "cpu", name=f"test-{backend}")
+
+
+@pytest.fixture(scope="module")
+def toy_group(backend, cpu_pool):
+    group = WorkerGroup(ToyWorker, 2, backend=backend, pool=cpu_pool, name="actor", init_kwargs={"hidden": 4})
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trio_group(backend, cpu_pool):
+    cls = colocate(actor=ToyWorker, ref=RefWorker)
+    group = WorkerGroup(
+        cls, 2, backend=backend, pool=cpu_pool, name="trio", init_kwargs={"actor": {"hidden": 4}, "ref": {"scale": 2.0}}
+    )
+    yield group
+    group.shutdown()

@@ -1,0 +1,64 @@
+"""No orphan workers: a controller that exits without shutdown() (atexit) or is SIGKILLed (the
+workers' parent watchdog) leaves no worker process behind. Local backend."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from controller_workers import alive
+
+CONTROLLER = """
+import sys, time
+from hybridflow.controller import WorkerGroup
+from controller_workers import ToyWorker
+
+group = WorkerGroup(ToyWorker, 1, inline=False, name="orphan")
+print("PIDS", *group.pids(), flush=True)
+if sys.argv[1] == "hang":
+    time.sleep(600)
+"""
+
+
+def _start(mode: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    return subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, mode], stdout=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _worker_pids(proc: subprocess.Popen) -> list[int]:
+    for line in proc.stdout:
+        if line.startswith("PIDS"):
+            return [int(p) for p in line.split()[1:]]
+    raise AssertionError(f"controller ended (rc={proc.wait()}) before reporting its workers")
+
+
+def _wait_gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_controller_exit_and_death_leave_no_orphans():
+    exiting, hanging = _start("exit"), _start("hang")
+    try:
+        exit_pids, hang_pids = _worker_pids(exiting), _worker_pids(hanging)
+        assert exiting.wait(timeout=60) == 0
+        assert _wait_gone(exit_pids, 10), "atexit did not stop the workers"
+        assert all(alive(p) for p in hang_pids)
+        hanging.send_signal(signal.SIGKILL)
+        hanging.wait(timeout=10)
+        assert _wait_gone(hang_pids, 10), "workers outlived their SIGKILLed controller"
+    finally:
+        for proc in (exiting, hanging):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,182 @@
+"""Controller pieces without worker processes: dispatch, register, pools, colocate, inline groups."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridflow.batch import Batch
+from hybridflow.controller import Dispatch, ResourcePool, Worker, WorkerError, WorkerGroup, colocate, register
+from hybridflow.controller.dispatch import gather, registered_methods, scatter
+
+from controller_workers import RefWorker, ToyWorker, tiny_model
+
+
+def numbered(n: int) -> Batch:
+    return Batch({"x": torch.arange(n)}, {"uid": [f"u{i}" for i in range(n)]})
+
+
+@pytest.mark.parametrize("world, sizes", [(2, [4, 3]), (3, [3, 2, 2]), (8, [1] * 7 + [0])])
+def test_data_parallel_scatter_is_uneven_and_ordered(world, sizes):
+    spec = registered_methods(ToyWorker)["score"]
+    batch = numbered(7)
+    scattered = scatter(spec, "score", (batch,), {}, world)
+    pieces = [call[1][0] for call in scattered.calls]
+    assert [len(p) for p in pieces] == sizes
+    assert gather(spec, "score", scattered, pieces) == batch
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_data_parallel_pad_strips_padding(world):
+    spec = registered_methods(ToyWorker)["score_padded"]
+    batch = numbered(7)
+    scattered = scatter(spec, "score_padded", (), {"batch": batch}, world)
+    pieces = [call[2]["batch"] for call in scattered.calls]
+    assert len({len(p) for p in pieces}) == 1 and sum(len(p) for p in pieces) == 7 + scattered.n_pad
+    assert gather(spec, "score_padded", scattered, pieces) == batch
+    with pytest.raises(ValueError, match="padding can only be stripped"):
+        gather(spec, "score_padded", scattered, [p[:1] for p in pieces])
+
+
+def test_data_parallel_broadcasts_other_args_and_lists_other_results():
+    spec = registered_methods(ToyWorker)["row_count"]
+    scattered = scatter(spec, "row_count", (numbered(5),), {"offset": 3}, 2)
+    assert [call[2] for call in scattered.calls] == [{"offset": 3}, {"offset": 3}]
+    assert gather(spec, "row_count", scattered, [3, 2]) == [3, 2]
+    with pytest.raises(TypeError, match="got no Batch argument"):
+        scatter(spec, "row_count", (5,), {}, 2)
+    with pytest.raises(ValueError, match="equal lengths"):
+        scatter(spec, "row_count", (numbered(5), numbered(4)), {}, 2)
+
+
+def test_other_dispatch_modes():
+    specs = registered_methods(ToyWorker)
+    bcast = scatter(specs["allreduce_sum"], "allreduce_sum", (1.0,), {}, 3)
+    assert [c[0] for c in bcast.calls] == [0, 1, 2] and all(c[1] == (1.0,) for c in bcast.calls)
+    assert gather(specs["allreduce_sum"], "allreduce_sum", bcast, [5, 6, 7]) == 5
+    assert gather(specs["info"], "info", bcast, [5, 6, 7]) == [5, 6, 7]
+    zero = scatter(specs["only_rank_zero"], "only_rank_zero", (), {}, 3)
+    assert [c[0] for c in zero.calls] == [0]
+    per = scatter(specs["add_rank"], "add_rank", ([1, 2, 3],), {"y": (4, 5, 6)}, 3)
+    assert [(c[1], c[2]) for c in per.calls] == [((1,), {"y": 4}), ((2,), {"y": 5}), ((3,), {"y": 6})]
+    with pytest.raises(ValueError, match="argument 0 must be a list of 3 values.*got int"):
+        scatter(specs["add_rank"], "add_rank", (1,), {}, 3)
+
+
+def test_register_validates_its_options():
+    with pytest.raises(ValueError, match="collect='all' exists only for Dispatch.BROADCAST"):
+        register(Dispatch.DATA_PARALLEL, collect="all")
+    with pytest.raises(ValueError, match="pad=True is only valid with Dispatch.DATA_PARALLEL"):
+        register(Dispatch.BROADCAST, pad=True)
+    with pytest.raises(TypeError, match="with parentheses"):
+        register(lambda self: None)
+
+
+def test_registered_methods_follow_inheritance():
+    class Child(ToyWorker):
+        def score(self, batch):  # an undecorated override keeps the parent's dispatch
+            return batch
+
+    methods = registered_methods(Child)
+    assert methods["score"].mode is Dispatch.DATA_PARALLEL
+    assert "helper" not in methods and "get_pid" in methods
+
+
+def test_pool_refuses_oversubscription():
+    pool = ResourcePool(2, name="small")
+    with pytest.raises(ValueError, match=r"group 'big' asks for 3 processes but ResourcePool 'small'.*n_workers <= 2"):
+        WorkerGroup(ToyWorker, 3, pool=pool, name="big")
+    assert pool.groups == []
+    with pytest.raises(ValueError, match="cannot be spread evenly over nodes=2"):
+        ResourcePool(3, nodes=2)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        ResourcePool(1, "tpu")
+    with pytest.raises(ValueError, match="use nodes=1 or backend='ray'"):
+        ResourcePool(2, nodes=2).attach("actor", 2, "local")
+
+
+def test_gpu_pool_holds_one_group_and_checks_devices():
+    pool = ResourcePool(2, "cuda", name="gpus")
+    pool.attach("actor", 2, "ray")  # Ray places GPUs itself: no local device check
+    with pytest.raises(ValueError, match=r"cannot join ResourcePool 'gpus'.*held by group\(s\) \['actor'\].*colocate"):
+        pool.attach("critic", 2, "ray")
+    pool.detach("actor")
+    pool.attach("critic", 2, "ray")
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=rf"needs {too_many} GPU\(s\) but this machine has {too_many - 1}"):
+        WorkerGroup(ToyWorker, too_many, device="cuda", name="greedy")
+    with pytest.raises(ValueError, match="wants device 'cuda'"):
+        WorkerGroup(ToyWorker, 1, device="cuda", pool=ResourcePool(1, "cpu"))
+
+
+def test_colocate_validation_and_pickling():
+    cls = colocate(actor=ToyWorker, ref=RefWorker)
+    assert pickle.loads(pickle.dumps(cls)).members == {"actor": ToyWorker, "ref": RefWorker}
+    with pytest.raises(TypeError, match="must be a Worker subclass"):
+        colocate(actor=int)
+    with pytest.raises(ValueError, match="at least one member"):
+        colocate()
+    with pytest.raises(ValueError, match="clash with WorkerGroup attributes"):
+        WorkerGroup(colocate(pool=ToyWorker), 1)
+
+
+def test_ray_backend_error_without_ray(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ImportError, match=r"backend='ray' needs the ray package"):
+        WorkerGroup(ToyWorker, 1, backend="ray", name="noray")
+
+
+class Recorder(Worker):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    @register(Dispatch.DATA_PARALLEL)
+    def consume(self, batch: Batch) -> Batch:
+        batch.pop("x")
+        self.seen.append(",".join(batch["uid"]))
+        return batch
+
+    @register(Dispatch.BROADCAST)
+    def state(self) -> tuple:
+        return (os.getpid(), self.rank, self.world_size, str(self.device), dist.get_world_size(), self.seen)
+
+    @register(Dispatch.BROADCAST)
+    def crash(self) -> None:
+        raise KeyError("missing thing")
+
+
+def test_inline_group_runs_in_the_controller():
+    first = WorkerGroup(Recorder, 1, name="inline-a")
+    second = WorkerGroup(ToyWorker, 1, name="inline-b")
+    try:
+        batch = numbered(3)
+        out = first.consume(batch)
+        assert "x" in batch and out.keys() == ["uid"]  # the caller's batch is untouched
+        assert first.consume.submit(numbered(2)).result(timeout=10).keys() == ["uid"]
+        assert first.state() == (os.getpid(), 0, 1, "cpu", 1, ["u0,u1,u2", "u0,u1"])
+        assert second.allreduce_sum(2.0) == 2.0  # both share the one world-size-1 process group
+        with torch.no_grad():
+            expected = tiny_model(4)(torch.ones(2, 4)).squeeze(-1)
+        got = second.score(Batch({"features": torch.ones(2, 4)}, {"uid": ["a", "b"]}))
+        torch.testing.assert_close(got["score"], expected)
+        with pytest.raises(WorkerError, match=r"\(inline-a rank 0\) crash failed: KeyError: 'missing thing'") as info:
+            first.crash()
+        assert isinstance(info.value.__cause__, KeyError) or "raise KeyError" in str(info.value)
+    finally:
+        first.shutdown()
+        second.shutdown()
+    with pytest.raises(RuntimeError, match="is shut down"):
+        first.state()
