@@ -1,11 +1,14 @@
 """May this checkpoint be resumed under this config? Refuse another model, name every difference.
 
-Configs are compared as flattened dotted keys (`actor.model.path`), matched against glob patterns:
+Configs are compared as flattened dotted keys (`critic.model.path`, from `hybridflow.config.config_diff`),
+matched against glob patterns:
 
-- `MAY_DIFFER`: run length, logging, output paths, checkpoint cadence and world sizes. World sizes
-  may change because DCP reshards model and optimizer state on load (2 → 1 workers, 4 → 8, ...).
+- `MAY_DIFFER`: run length, logging, output paths, checkpoint cadence, validation, world sizes and
+  memory/speed knobs. World sizes may change because DCP reshards model and optimizer state on load
+  (2 → 1 workers, 4 → 8, ...); every FSDP2 layout can be resharded, so no world size is refused.
 - `MUST_MATCH`: what identifies the model and its vocabulary (model / tokenizer paths, architecture,
-  vocabulary size). A difference here raises `IncompatibleCheckpoint` naming each key and both values.
+  vocabulary size) and the data-loader's batch size (its saved position counts batches). A difference
+  here raises `IncompatibleCheckpoint` naming each key and both values.
 - anything else that differs (learning rate, batch sizes, ...) is allowed but returned, so the
   trainer can log that the resumed run is not the same experiment.
 
@@ -19,18 +22,30 @@ from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
+from hybridflow.config import config_diff
+
 MAY_DIFFER: tuple[str, ...] = (
-    "trainer.total_steps", "trainer.total_epochs", "trainer.total_training_steps",
-    "trainer.logger", "trainer.logger.*", "trainer.loggers", "trainer.loggers.*", "tracking.*",
-    "trainer.project_name", "trainer.experiment_name", "trainer.run_name",
-    "trainer.output_dir", "*.output_dir", "trainer.save_every", "trainer.keep_checkpoints",
-    "trainer.resume", "trainer.val_every", "trainer.test_every", "trainer.log_every",
-    "*world_size", "*n_gpus*", "*num_gpus*", "*gpus_per_node", "*nnodes", "*num_workers", "*.resources.*",
-    "trainer.device", "*.backend",
+    # run length, outputs, logging, checkpoint cadence
+    "trainer.total_steps", "trainer.total_epochs", "trainer.output_dir", "trainer.resume",
+    "trainer.save_every", "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.loggers",
+    "trainer.loggers.*", "trainer.project_name", "trainer.experiment_name", "trainer.log_samples",
+    # validation only
+    "trainer.val_every", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
+    "rollout.val_temperature", "rollout.val_n",
+    # where and how many: DCP reshards model and optimizer state to any world size
+    "trainer.backend", "trainer.device", "trainer.n_workers", "trainer.placement", "reward.num_workers",
+    "*world_size", "*n_gpus*", "*nnodes",
+    # memory and speed knobs that do not change what is computed
+    "*param_offload", "*optimizer_offload", "*.micro_batch_size", "*.max_tokens_per_micro_batch",
+    "*.gradient_checkpointing", "*.attn_implementation", "rollout.max_num_seqs",
+    "rollout.kv_cache_fraction", "rollout.cuda_graphs", "rollout.free_cache_after_generate",
 )
 MUST_MATCH: tuple[str, ...] = (
-    "*model.path", "*model_path", "*model.name_or_path", "*tokenizer", "*tokenizer.path",
-    "*tokenizer_path", "*vocab_size", "*architecture", "*architectures", "*model_type",
+    # which model and vocabulary the weights belong to
+    "*model.path", "*tokenizer_path", "*model.name_or_path", "*vocab_size", "*architectures",
+    "*model_type",
+    # the data-loader position counts batches of this many prompts
+    "data.train_batch_size",
 )
 HF_ARCH_KEYS: tuple[str, ...] = (
     "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
@@ -51,38 +66,22 @@ class IncompatibleCheckpoint(ValueError):
                            "or resume with the checkpoint's values")
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} → {"a.b": 1}; lists stay whole values."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
-
-
 def _matches(key: str, patterns: Iterable[str]) -> bool:
     return any(fnmatchcase(key, pattern) for pattern in patterns)
 
 
-def diff_configs(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Every dotted key whose value differs: {key: (saved value, new value)}, absent as "<absent>"."""
-    flat_saved, flat_new = flatten(saved), flatten(new)
-    keys = sorted(set(flat_saved) | set(flat_new))
-    return {key: (flat_saved.get(key, _ABSENT), flat_new.get(key, _ABSENT)) for key in keys
-            if flat_saved.get(key, _ABSENT) != flat_new.get(key, _ABSENT)}
-
-
-def check_compatible(saved_config: Mapping[str, Any], new_config: Mapping[str, Any],
+def check_compatible(saved_config: Any, new_config: Any,
                      must_match: Iterable[str] = MUST_MATCH, may_differ: Iterable[str] = MAY_DIFFER,
                      allow: Iterable[str] = ()) -> list[str]:
     """Raise `IncompatibleCheckpoint` if a `must_match` key differs (unless it matches `allow`);
-    return the other differences (not in `may_differ`) as "key: saved -> new" lines for the log."""
+    return the other differences (not in `may_differ`) as "key: saved vs now" lines for the log.
+
+    Configs are dataclasses (`RLConfig`) or nested mappings (the checkpoint's `config.yaml`); tuples
+    and lists compare equal, so a YAML round trip is not a difference.
+    """
     must_match, may_differ, allow = tuple(must_match), tuple(may_differ), tuple(allow)
     fatal, changed = [], []
-    for key, (before, after) in diff_configs(saved_config, new_config).items():
+    for key, (before, after) in sorted(config_diff(saved_config, new_config).items()):
         line = f"{key}: {before!r} (checkpoint) vs {after!r} (now)"
         if _matches(key, may_differ) or _matches(key, allow):
             continue

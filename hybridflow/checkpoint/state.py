@@ -49,7 +49,7 @@ CONFIG_FILE, META_FILE, CONTROLLER_FILE = "config.yaml", "meta.json", "controlle
 ROLE_STATE_FILE = "state.pt"
 
 __all__ = ["capture_rng_state", "restore_rng_state", "save_model_state", "load_model_state",
-           "read_full_model_state", "save_worker_state", "load_worker_state", "save_controller_state", "load_controller_state",
+           "read_full_model_state", "estimate_checkpoint_bytes", "save_worker_state", "load_worker_state", "save_controller_state", "load_controller_state",
            "ControllerState", "read_config", "read_meta"]
 
 
@@ -138,6 +138,22 @@ def read_full_model_state(path: str | Path, dtype: torch.dtype | None = None) ->
     if dtype is not None:
         state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
     return state
+
+
+def estimate_checkpoint_bytes(*modules: torch.nn.Module, optimizer_slots: int = 2) -> int:
+    """Disk bytes one checkpoint of `modules` needs: every distinct parameter at its dtype (global
+    size, also under FSDP2), plus `optimizer_slots` fp32 tensors per trainable parameter (AdamW: 2).
+    Modules on the meta device work, so it can be called before any weights load."""
+    seen, total = set(), 0
+    for module in modules:
+        for param in module.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            total += param.numel() * param.element_size()
+            if param.requires_grad:
+                total += optimizer_slots * param.numel() * 4
+    return total
 
 
 def _state_of(value: Any) -> Any:

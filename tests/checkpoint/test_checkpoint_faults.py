@@ -1,9 +1,13 @@
-"""GracefulStop on SIGTERM/SIGINT, and BadStepCounter's skip-then-stop on non-finite steps."""
+"""GracefulStop on SIGTERM/SIGINT (in-process, and a loop that saves then exits), and BadStepCounter's skip-then-stop on non-finite steps."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -52,3 +56,43 @@ def test_bad_step_counts_survive_resume():
         resumed.update(2, loss=float("nan"))
     with pytest.raises(ValueError, match="max_in_row=0"):
         BadStepCounter(0)
+
+
+STOPPABLE_LOOP = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import torch
+    from hybridflow.checkpoint import CheckpointManager, GracefulStop, save_controller_state
+    out, ready = sys.argv[1], Path(sys.argv[2])
+    manager = CheckpointManager(out, keep=2)
+    with GracefulStop() as stop:
+        step = 0
+        while True:
+            step += 1
+            time.sleep(0.02)
+            if step == 3:
+                ready.write_text("running")
+            if stop.requested:
+                tmp = manager.begin(step)
+                save_controller_state(tmp, step, {"stopped_by": stop.signal_name})
+                manager.commit(step, tmp)
+                print(f"stopped at step {step} by {stop.signal_name}")
+                break
+""")
+
+
+def test_sigterm_stops_a_loop_after_saving(tmp_path):
+    from hybridflow.checkpoint import CheckpointManager, read_config
+
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", STOPPABLE_LOOP, str(tmp_path / "run"), str(ready)],
+                             stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not ready.exists() and child.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0 and "by SIGTERM" in out
+    checkpoint = CheckpointManager(tmp_path / "run").latest()
+    assert read_config(checkpoint) == {"stopped_by": "SIGTERM"}
+    assert f"stopped at step {int(checkpoint.name.split('_')[1])} " in out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.checkpoint import load_worker_state, read_full_model_state
+from hybridflow.checkpoint import CheckpointManager, load_worker_state, read_full_model_state
+from hybridflow.checkpoint.manager import read_manifest
 
 
 def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: str) -> None:
@@ -14,7 +15,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: st
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.checkpoint import save_worker_state
+    from hybridflow.checkpoint import CheckpointManager, save_worker_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -29,7 +30,10 @@ def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: st
         ids = torch.randint(4, 260, (2, 12))
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-        save_worker_state(f"{out}/actor", model, optimizer, {"note": {"world": world}})
+        manager = CheckpointManager(out, keep=2, process_group=dist.group.WORLD)
+        tmp = manager.begin(5)
+        save_worker_state(tmp / "actor", model, optimizer, {"note": {"world": world}})
+        manager.commit(5, tmp)
         names = {param: name for name, param in model.named_parameters()}
         full = {name: param.full_tensor() for name, param in model.named_parameters()}
         exp_avg = {names[p]: s["exp_avg"].full_tensor() for p, s in optimizer.state.items()}
@@ -43,17 +47,21 @@ def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: st
 
 
 def test_fsdp2_two_ranks_to_one(tmp_path, tiny_qwen2):
+    """Collective begin/commit over 2 ranks, then the checkpoint loaded by one plain process."""
     from transformers import AutoModelForCausalLM
 
     # fork: the children inherit the imported torch/transformers instead of importing them again
     mp.start_processes(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tiny_qwen2), str(tmp_path)),
                        nprocs=2, start_method="fork")
     expected = torch.load(tmp_path / "expected.pt")
-    assert sorted(p.name for p in (tmp_path / "actor" / "model").glob("*.distcp")) == ["__0_0.distcp",
-                                                                                       "__1_0.distcp"]
+    checkpoint = CheckpointManager(tmp_path).latest()
+    assert checkpoint.name == "step_00000005" and [p.name for p in checkpoint.parent.iterdir()] == [checkpoint.name]
+    assert sorted(p.name for p in (checkpoint / "actor" / "model").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                         "__1_0.distcp"]
+    assert {"actor/rng_rank0.pt", "actor/rng_rank1.pt", "actor/state.pt"} <= set(read_manifest(checkpoint)["files"])
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rest = load_worker_state(tmp_path / "actor", model, optimizer)
+    rest = load_worker_state(checkpoint / "actor", model, optimizer)
 
     assert rest == {"note": {"world": 2}}
     assert torch.equal(torch.rand(3), expected["draw"]), "rank 0's RNG state should be restored"
@@ -63,5 +71,5 @@ def test_fsdp2_two_ranks_to_one(tmp_path, tiny_qwen2):
     assert len(optimizer.state) == len(expected["exp_avg"])
     for param, slots in optimizer.state.items():
         assert torch.equal(slots["exp_avg"], expected["exp_avg"][names[param]]), names[param]
-    full = read_full_model_state(tmp_path / "actor")
+    full = read_full_model_state(checkpoint / "actor")
     assert torch.equal(full["model.norm.weight"], expected["params"]["model.norm.weight"])

@@ -146,3 +146,20 @@ def test_exact_resume(tmp_path, tiny_qwen2):
 
     assert first == {1: straight[1], 2: straight[2]}
     assert resumed == {3: straight[3], 4: straight[4]}
+
+
+def test_estimate_checkpoint_bytes_counts_tied_weights_once():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridflow.checkpoint import estimate_checkpoint_bytes
+
+    linear = torch.nn.Linear(4, 4)
+    assert estimate_checkpoint_bytes(linear) == 20 * 4 * 3
+    assert estimate_checkpoint_bytes(linear, optimizer_slots=0) == 20 * 4
+    linear.bias.requires_grad_(False)
+    assert estimate_checkpoint_bytes(linear) == 16 * 4 * 3 + 4 * 4
+    with torch.device("meta"):
+        embed = torch.nn.Embedding(10, 8)
+        head = torch.nn.Linear(8, 10, bias=False)
+    head.weight = embed.weight
+    assert estimate_checkpoint_bytes(embed, head) == 80 * 4 * 3
