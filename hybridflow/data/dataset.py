@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hybridflow.config.schema import TRUNCATION_MODES
 from hybridflow.data.chat import check_messages, encode_prompts, pad_token_id
 from hybridflow.data.files import DataError, Record, as_path_list, read_records
@@ -65,7 +67,8 @@ def parse_row(record: Record, prompt_key: str = "prompt") -> dict[str, Any]:
 
 
 class RLDataset:
-    """Checked, tokenized prompts; `ds[i]` is a dict with `input_ids` (list[int]) and the row's fields.
+    """Checked, tokenized prompts; `ds[i]` is a dict with `input_ids` (1-D int64 numpy array), the
+    row's fields (`raw_prompt`, `data_source`, `ability`, `ground_truth`, `extra_info`) and `index`.
 
     Args:
         files: one path or a list (.parquet or .jsonl).
@@ -104,7 +107,7 @@ class RLDataset:
                 row_ids = row_ids[-max_prompt_length:] if truncation == "left" else row_ids[:max_prompt_length]
             if not row_ids:
                 raise record.error(prompt_key, "a prompt that tokenizes to at least one token", show_value=False)
-            self._rows.append({**row, "input_ids": row_ids})
+            self._rows.append({**row, "input_ids": np.asarray(row_ids, dtype=np.int64)})
         if too_long and truncation == "error":
             record, length = too_long[0]
             raise DataError(

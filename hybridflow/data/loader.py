@@ -24,16 +24,15 @@ from hybridflow.data.dataset import RLDataset
 PROMPT_FIELDS = ("index", "data_source", "ground_truth", "extra_info", "raw_prompt", "ability")
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: Sequence[Sequence[int] | np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids [B, P], mask [B, P])`: rows right-aligned to the longest, padded on the left with `pad_id`."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if len(row):
-            ids[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-    return ids, mask
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    width = int(lengths.max(initial=0))
+    mask = np.arange(width) >= (width - lengths)[:, None]
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    if width:
+        ids[mask] = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+    return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
 
 def collate_prompts(items: Sequence[dict[str, Any]], pad_id: int, epoch: int) -> Batch:

@@ -30,7 +30,7 @@ def test_batch_is_left_padded(dataset):
     assert prompts.shape == (4, max(lengths)) and prompts.dtype == torch.long
     assert mask.sum(1).tolist() == lengths and torch.equal(batch["prompt_mask"], mask)
     for i, n in enumerate(lengths):
-        assert prompts[i, -n:].tolist() == dataset[i]["input_ids"]
+        assert prompts[i, -n:].tolist() == dataset[i]["input_ids"].tolist()
         assert (prompts[i, : max(lengths) - n] == 0).all() and (mask[i, : max(lengths) - n] == 0).all()
     assert list(batch["uid"]) == ["0-0", "0-1", "0-2", "0-3"]
     assert list(batch["ground_truth"]) == ["0", "1", "2", "3"]
@@ -100,3 +100,16 @@ def test_build_from_config(tmp_path, tokenizer):
     assert [len(b) for b in val_loader] == [5]
     assert build_prompt_loaders(load_config([f"data.train_files={train}", "data.train_batch_size=4"]),
                                 tokenizer)[1] is None
+
+
+def test_saved_hf_tokenizer_end_to_end(tmp_path, tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    train, _ = write_gsm8k_synthetic(tmp_path, n_train=8, n_val=2)
+    ds = RLDataset(train, tok, max_prompt_length=256)
+    batch = PromptLoader(ds, 4, seed=1).next_batch()
+    for row, mask, messages in zip(batch["prompts"], batch["attention_mask"], batch["raw_prompt"]):
+        text = tok.decode(row[mask.bool()].tolist())
+        assert text == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (batch["prompts"][batch["attention_mask"] == 0] == tok.pad_token_id).all()

@@ -26,18 +26,18 @@ def test_verl_parquet_round_trip(tmp_path, tokenizer):
         assert item["data_source"] == "openai/gsm8k" and item["ability"] == "math"
         assert item["ground_truth"] == row["reward_model"]["ground_truth"]
         assert item["extra_info"] == row["extra_info"]
-        assert item["input_ids"] == _chat_ids(tokenizer, row["prompt"])
+        assert item["input_ids"].tolist() == _chat_ids(tokenizer, row["prompt"])
         assert item["index"] == i
 
 
 def test_jsonl_plain_strings_with_and_without_template(write_jsonl, tokenizer):
     path = write_jsonl([{"prompt": "2+2?", "ground_truth": "4"}, {"prompt": "3+3?", "data_source": "mine"}])
     ds = RLDataset(path, tokenizer)
-    assert ds[0]["input_ids"] == _chat_ids(tokenizer, [{"role": "user", "content": "2+2?"}])
+    assert ds[0]["input_ids"].tolist() == _chat_ids(tokenizer, [{"role": "user", "content": "2+2?"}])
     assert ds[0]["ground_truth"] == "4" and ds[0]["data_source"] == "unknown" and ds[0]["extra_info"] == {}
     assert ds[1]["data_source"] == "mine" and ds[1]["ground_truth"] is None
     raw = RLDataset(path, tokenizer, apply_chat_template=False)
-    assert raw[0]["input_ids"] == tokenizer("2+2?")["input_ids"]
+    assert raw[0]["input_ids"].tolist() == tokenizer("2+2?")["input_ids"]
     assert raw[0]["raw_prompt"] == "2+2?"
 
 
@@ -116,6 +116,6 @@ def test_filter_and_truncate_counts(write_jsonl, tokenizer):
     right = RLDataset(path, tokenizer, max_prompt_length=6, truncation="right", apply_chat_template=False)
     assert len(left) == 4 and left.num_truncated == 2 and left.num_filtered == 0
     full = tokenizer("b" * 12)["input_ids"]
-    assert left[3]["input_ids"] == full[-6:] and right[3]["input_ids"] == full[:6]
+    assert left[3]["input_ids"].tolist() == full[-6:] and right[3]["input_ids"].tolist() == full[:6]
     with pytest.raises(DataError, match="all 4 prompts are longer"):
         RLDataset(path, tokenizer, max_prompt_length=2, truncation="filter", apply_chat_template=False)
