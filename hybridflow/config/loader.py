@@ -245,8 +245,8 @@ def split_config_arg(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return config_file, rest
 
 
-def _check_choices(obj: Any, known: dict[str, FieldInfo]) -> None:
-    """Refuses values outside a field's `choices` (list fields: every element)."""
+def _check_choices(obj: Any, known: dict[str, FieldInfo], sources: dict[str, str]) -> None:
+    """Refuses values outside a field's `choices` (list fields: every element), naming their source."""
     for key, info in known.items():
         if not info.choices:
             continue
@@ -257,7 +257,7 @@ def _check_choices(obj: Any, known: dict[str, FieldInfo]) -> None:
             if item not in info.choices:
                 hint = difflib.get_close_matches(str(item), [str(c) for c in info.choices], n=1)
                 mean = f"; did you mean '{hint[0]}'?" if hint else ""
-                raise ConfigError(f"invalid value {item!r} for '{key}'; valid: "
+                raise ConfigError(f"{_source_of(key, sources)}: invalid value {item!r} for '{key}'; valid: "
                                   f"{', '.join(map(str, info.choices))}{mean}")
 
 
@@ -288,7 +288,7 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:  # e.g. an interpolation `${...}` that does not resolve
         raise ConfigError(f"cannot build the config: {e}") from None
-    _check_choices(obj, known)
+    _check_choices(obj, known, sources)
     return obj
 
 

@@ -84,7 +84,8 @@ def test_wrong_type_names_its_source(tmp_path):
 
 
 def test_choices_name_valid_values():
-    with pytest.raises(ConfigError, match=r"'actor.lr_schedule'; valid: constant, cosine; did you mean 'cosine'"):
+    with pytest.raises(ConfigError, match=r"^override 'actor.lr_schedule=cosin': invalid value 'cosin' for "
+                                          r"'actor.lr_schedule'; valid: constant, cosine; did you mean 'cosine'"):
         load_config(["actor.lr_schedule=cosin"])
     with pytest.raises(ConfigError, match=r"invalid value 'tensorbord' for 'trainer.loggers'.*tensorboard"):
         load_config(["trainer.loggers=[console,tensorbord]"])
