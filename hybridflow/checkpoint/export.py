@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.checkpoint.manager import MANIFEST, CheckpointError, CheckpointManager
+from hybridflow.checkpoint.manager import CheckpointError, find_checkpoint
 from hybridflow.checkpoint.state import read_full_model_state
 
 HF_DIR, SOURCE_FILE = "hf", "source.json"
@@ -43,15 +43,6 @@ def save_hf_assets(role_dir: str | Path, model_path: str | Path) -> Path:
     return dest
 
 
-def _resolve_checkpoint(path: Path) -> Path:
-    if (path / MANIFEST).exists():
-        return path
-    found = CheckpointManager(path, keep=None).resolve(path)
-    if found is None:
-        raise CheckpointError(f"no complete checkpoint at {path}")
-    return found
-
-
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_config=None,
               role: str = "actor", dtype: str | torch.dtype | None = None) -> Path:
     """Write a Hugging Face model directory for `role` of a checkpoint; return `out_dir`.
@@ -63,7 +54,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-    checkpoint = _resolve_checkpoint(Path(checkpoint_dir).expanduser().resolve())
+    checkpoint = find_checkpoint(checkpoint_dir)
     role_dir = checkpoint / role
     if not (role_dir / "model").is_dir():
         roles = sorted(p.name for p in checkpoint.iterdir() if (p / "model").is_dir())

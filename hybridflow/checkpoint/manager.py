@@ -102,6 +102,22 @@ def _complete_in(root: Path) -> list[Path]:
     return [p for p in _step_dirs(root) if is_complete(p)]
 
 
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint `path` names: itself when it has a manifest (refused if damaged), else the newest
+    complete checkpoint in a run's output dir or its `checkpoints/` dir; `CheckpointError` otherwise."""
+    path = Path(path).expanduser().resolve()
+    if (path / MANIFEST).exists():
+        if not is_complete(path):
+            raise CheckpointError(f"checkpoint {path} is damaged (a file listed in its {MANIFEST} "
+                                  f"manifest is missing or has another size)")
+        return path
+    for root in (path / "checkpoints", path):
+        if (found := _complete_in(root)):
+            return found[-1]
+    raise CheckpointError(f"{path} is neither a complete checkpoint (a dir with a {MANIFEST} manifest) "
+                          f"nor a dir holding some")
+
+
 def check_writable(output_dir: str | Path, min_free_bytes: int = 0) -> Path:
     """Create `output_dir` if needed, prove a file can be written and fsynced there, and that at least
     `min_free_bytes` are free. Raise `CheckpointError` naming the path and the free space otherwise.
@@ -256,22 +272,16 @@ class CheckpointManager:
         """What `trainer.resume` means: "auto" → the newest complete checkpoint or None (fresh start);
         "never" / None / "" → None; a path → that checkpoint (or the newest complete one inside a run's
         output dir or its `checkpoints/` dir), refused with a clear error if it is not complete."""
-        if resume is None or str(resume).strip().lower() in ("", "never", "none", "false"):
+        word = str(resume).strip().lower() if resume is not None else "never"
+        if word in ("", "never", "none", "false"):
             return None
-        if str(resume).strip().lower() == "auto":
+        if word == "auto":
             return self.latest()
-        path = Path(resume).expanduser().resolve()
-        if (path / MANIFEST).exists():
-            if not is_complete(path):
-                raise CheckpointError(f"trainer.resume={resume}: checkpoint {path} is damaged (a file "
-                                      f"listed in its {MANIFEST} manifest is missing or has another size)")
-            return path
-        for root in (path / "checkpoints", path):
-            if (found := _complete_in(root)):
-                return found[-1]
-        raise CheckpointError(
-            f"trainer.resume={resume}: {path} is neither a complete checkpoint (a dir with a {MANIFEST} "
-            f"manifest) nor a dir holding some; valid values: auto, never, or such a path")
+        try:
+            return find_checkpoint(resume)
+        except CheckpointError as exc:
+            raise CheckpointError(f"trainer.resume={resume}: {exc}; valid values: auto, never, or a "
+                                  f"checkpoint path") from None
 
     def step_of(self, checkpoint_dir: str | Path) -> int:
         """The step recorded in a complete checkpoint's manifest."""

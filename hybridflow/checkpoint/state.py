@@ -71,8 +71,9 @@ def _rank(process_group) -> int:
     return dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _check_shapes(path: Path, state_dict: Mapping[str, Any], what: str) -> None:
-    """Refuse, with the keys named, a checkpoint whose tensors do not match `state_dict`'s."""
+def _check_shapes(path: Path, state_dict: Mapping[str, Any], what: str, exact_keys: bool) -> None:
+    """Refuse, with the keys named, a checkpoint whose tensors do not match `state_dict`'s (and, with
+    `exact_keys`, one holding tensors the model lacks, e.g. the layers of a deeper model)."""
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     problems = []
     for key, value in state_dict.items():
@@ -83,6 +84,9 @@ def _check_shapes(path: Path, state_dict: Mapping[str, Any], what: str) -> None:
             problems.append(f"{key}: missing in the checkpoint")
         elif hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
             problems.append(f"{key}: checkpoint {list(meta.size)} vs now {list(value.shape)}")
+    if exact_keys:
+        problems += [f"{key}: in the checkpoint, not in the model" for key, meta in saved.items()
+                     if isinstance(meta, TensorStorageMetadata) and key not in state_dict]
     if problems:
         shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"{what} at {path} does not fit this model ({shown}); was it saved "
@@ -117,7 +121,7 @@ def load_model_state(path: str | Path, model: torch.nn.Module,
                               f"the weights only")
     optimizers = (optimizer,) if optimizer is not None else ()
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    _check_shapes(path / "model", model_sd, "model state")
+    _check_shapes(path / "model", model_sd, "model state", exact_keys=True)
     with _single_process_quiet():
         dcp.load(model_sd, checkpoint_id=str(path / "model"), **_dist_args(process_group))
         if optimizer is not None:

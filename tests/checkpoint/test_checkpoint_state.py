@@ -65,9 +65,12 @@ def test_load_into_other_model_names_the_keys(tmp_path, tiny_model_factory, trai
     save_worker_state(tmp_path / "actor", model, optimizer)
     from transformers import AutoModelForCausalLM
 
-    wider = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2", hidden=32, heads=2, kv_heads=1))
+    narrower = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2", hidden=32, heads=2, kv_heads=1))
     with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: checkpoint \[260, 64\] vs now \[260, 32\]"):
-        load_worker_state(tmp_path / "actor", wider)
+        load_worker_state(tmp_path / "actor", narrower)
+    shallower = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2", layers=1))
+    with pytest.raises(CheckpointError, match=r"model.layers.1.\S+: in the checkpoint, not in the model"):
+        load_worker_state(tmp_path / "actor", shallower)
 
 
 class Opaque:
