@@ -115,15 +115,17 @@ class TrainEngine:
                 pack: bool = True) -> tuple[dict[str, torch.Tensor], int]:
         """One forward over micro-batch `mb`. Returns ({"log_probs", ["entropy"]} or {"values"}, each
         float32 `[B, R]` and zero off real response tokens; real tokens in the forward)."""
-        mb = {k: v.to(self.device) for k, v in mb.items()}
         width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
-        inputs = build_inputs(mb["input_ids"], mb["attention_mask"], width, mb.get("position_ids"), pack)
+        position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
+        # indices are built on the host (no device syncs), then moved once
+        inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
+        inputs = inputs.to(self.device)
         attn = varlen_attention(self.model) if pack else contextlib.nullcontext()
         with attn, self._autocast():
             if self.head == "lm":
                 keep, index = inputs.lm_keep()
                 logits = self.model(**inputs.kwargs, logits_to_keep=keep).logits
-                logits = logits.flatten(0, 1)[index]
+                logits = logits.flatten(0, 1) if index is None else logits.flatten(0, 1)[index]
                 logp, entropy = token_log_probs(logits, inputs.targets, temperature, with_entropy)
                 out = {"log_probs": inputs.unflatten(logp)}
                 if entropy is not None:
@@ -180,21 +182,25 @@ class TrainEngine:
         counts = self._all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
                                                dtype=torch.float64))
         ctx = LossContext(global_tokens=float(counts[0]), global_seqs=float(counts[1]), dp_size=self.world_size)
-        sums: dict[str, float] = {}
-        total_loss, local_tokens = 0.0, 0.0
+        # metric sums stay on the device until the end: no host sync per micro-batch
+        sums: dict[str, torch.Tensor] = {}
+        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        local_tokens = 0.0
         for rows in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
             mb = _take(batch, rows)
             out, _ = self.forward(mb, temperature, with_entropy, pack)
-            loss, metrics = loss_fn(out, {k: v.to(self.device) for k, v in mb.items()}, ctx)
+            loss, metrics = loss_fn(out, {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}, ctx)
             (loss * self.world_size).backward()
             weight = float(mb["response_mask"].sum())
             local_tokens += weight
-            total_loss += float(loss.detach())
+            total_loss += loss.detach()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
+                v = torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
+                sums[k] = sums.get(k, 0.0) + v * weight
         keys = sorted(sums)
-        reduced = self._all_reduce(torch.tensor([sums[k] for k in keys] + [local_tokens, total_loss],
-                                                dtype=torch.float64))
+        local = torch.stack([sums[k] for k in keys] + [torch.tensor(local_tokens, dtype=torch.float64,
+                                                                    device=self.device), total_loss])
+        reduced = self._all_reduce(local)
         tokens = max(float(reduced[-2]), 1.0)
         result = {k: float(reduced[i]) / tokens for i, k in enumerate(keys)}
         result["loss"] = float(reduced[-1])

@@ -36,14 +36,22 @@ class ModelInputs:
     packed: bool
     num_tokens: int
 
-    def lm_keep(self) -> tuple[int | torch.Tensor, torch.Tensor]:
-        """(`logits_to_keep` for a causal-LM call, index `[K]` into its flattened `[*, V]` logits).
+    def to(self, device: torch.device) -> ModelInputs:
+        """The same inputs with every tensor on `device`."""
+        move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return ModelInputs({k: move(v) for k, v in self.kwargs.items()}, move(self.positions),
+                           move(self.targets), move(self.scatter), self.rows, self.response_width, self.packed,
+                           self.num_tokens)
+
+    def lm_keep(self) -> tuple[int | torch.Tensor, torch.Tensor | None]:
+        """(`logits_to_keep` for a causal-LM call, index `[K]` into its flattened `[*, V]` logits, or
+        None when the kept logits are already exactly the `K` wanted rows in order).
 
         Packed: keep exactly the `K` positions. Padded (one index set for all rows): keep the last
         `R + 1` positions of every row, then pick the response ones.
         """
         if self.packed:
-            return self.positions, torch.arange(len(self.positions), device=self.positions.device)
+            return self.positions, None
         width = self.kwargs["input_ids"].shape[1]
         kept = self.response_width + 1
         b, pos = self.positions // width, self.positions % width

@@ -1,0 +1,45 @@
+"""`EngineWorker`: what the trained roles (actor, critic) share — offload between uses, checkpoints.
+
+Subclasses set `self.engine` (a `TrainEngine`) and `self.cfg` (their config section, with
+`param_offload` / `optimizer_offload`) in `__init__`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine.train import TrainEngine
+
+
+class EngineWorker(Worker):
+    engine: TrainEngine
+    cfg: Any
+
+    def _offload_idle(self) -> None:
+        """Between uses: parameter shards / optimizer state to the CPU where the config says so."""
+        if self.cfg.param_offload or self.cfg.optimizer_offload:
+            self.engine.offload(params=self.cfg.param_offload, optimizer=self.cfg.optimizer_offload)
+
+    def _onload(self) -> None:
+        """Before a use: bring back what `_offload_idle` moved."""
+        if self.cfg.param_offload or self.cfg.optimizer_offload:
+            self.engine.onload(params=self.cfg.param_offload, optimizer=self.cfg.optimizer_offload)
+
+    def stateful(self) -> dict[str, Any]:
+        """The small state saved beside the shards: the lr schedule."""
+        return {"lr": self.engine.scheduler}
+
+    @register(Dispatch.BROADCAST)
+    def save_checkpoint(self, role_dir: str) -> None:
+        """Model + optimizer shards, lr schedule and RNG of every rank under `role_dir` (collective)."""
+        from hybridflow.checkpoint import save_worker_state
+
+        save_worker_state(role_dir, self.engine.model, self.engine.optimizer, self.stateful())
+
+    @register(Dispatch.BROADCAST)
+    def load_checkpoint(self, role_dir: str) -> None:
+        """Inverse of `save_checkpoint`, on any number of ranks."""
+        from hybridflow.checkpoint import load_worker_state
+
+        load_worker_state(role_dir, self.engine.model, self.engine.optimizer, self.stateful())

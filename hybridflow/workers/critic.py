@@ -1,0 +1,57 @@
+"""`CriticWorker`: the value model role — backbone + scalar head under the FSDP2 engine.
+
+The critic may start from a different model directory than the actor (`critic_cfg.model.path`; None
+takes the actor's). Values for response token t come from the hidden state at position
+prompt_end + t - 1, the alignment of the log-probs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hybridflow.batch import Batch
+from hybridflow.controller import Dispatch, register
+from hybridflow.engine.train import TrainEngine
+from hybridflow.workers.base import EngineWorker
+from hybridflow.workers.update import critic_loss, run_update
+
+
+class CriticWorker(EngineWorker):
+    """Args: critic_cfg (with `.model`), actor_model_cfg (whose `path` fills a missing critic path),
+    total_steps (the lr schedule's length), rollout_n (samples per prompt, for mini-batch sizes)."""
+
+    def __init__(self, critic_cfg: Any, actor_model_cfg: Any | None = None, total_steps: int = 1,
+                 rollout_n: int = 1) -> None:
+        model_cfg = copy.copy(critic_cfg.model)
+        if model_cfg.path is None:
+            if actor_model_cfg is None:
+                raise ValueError("critic.model.path is null and no actor model config was given to inherit from")
+            model_cfg.path = actor_model_cfg.path
+        self.cfg, self.rollout_n = critic_cfg, rollout_n
+        self.engine = TrainEngine(model_cfg, critic_cfg, head="value", total_steps=total_steps, device=self.device)
+        self.update_count = 0
+        self._offload_idle()
+
+    @register(Dispatch.DATA_PARALLEL)
+    def compute_values(self, batch: Batch) -> Batch:
+        """Batch{values [B, R]} for prompt + response rows."""
+        self._onload()
+        out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
+                                max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing)
+        self._offload_idle()
+        return Batch({"values": out["values"]})
+
+    @register(Dispatch.DATA_PARALLEL)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss epochs over mini-batches: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm,
+        critic/lr, ... (identical on all ranks). Needs `values` (old), `returns`, `response_mask`."""
+        for key in ("values", "returns"):
+            if key not in batch:
+                raise KeyError(f"update_critic needs `{key}` in the batch; it has {batch.keys()}")
+        self._onload()
+        metrics = run_update(self.engine, batch.tensors, self.cfg, critic_loss(self.cfg), prefix="critic",
+                             rollout_n=int(batch.meta.get("rollout_n", self.rollout_n)), seed=self.update_count)
+        self._offload_idle()
+        self.update_count += 1
+        return metrics

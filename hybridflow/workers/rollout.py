@@ -1,0 +1,74 @@
+"""Glue between the actor and its colocated rollout engine: building it, the sampling parameters of a
+call, and turning the engine's completions into the RL batch layout of docs/architecture.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
+
+
+def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torch.dtype, max_model_len: int):
+    """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path`."""
+    return RolloutEngine.from_pretrained(
+        path, device=device, dtype=dtype, max_num_seqs=rollout_cfg.max_num_seqs, max_model_len=max_model_len,
+        kv_cache_memory=rollout_cfg.kv_cache_fraction if device.type == "cuda" else None,
+        cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine)
+
+
+def sampling_params(meta: dict, rollout_cfg: Any, max_tokens: int, rank: int) -> SamplingParams:
+    """`SamplingParams` from the rollout config, overridden by `meta["sampling"]` (a dict or a
+    SamplingParams). A seed is offset by the rank, so data-parallel replicas draw different samples."""
+    fields = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                  top_k=rollout_cfg.top_k, max_tokens=max_tokens)
+    given = meta.get("sampling") or {}
+    if isinstance(given, SamplingParams):
+        given = {k: getattr(given, k) for k in SAMPLING_FIELDS}
+    unknown = set(given) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(f"meta['sampling'] has unknown keys {sorted(unknown)}; valid: {', '.join(SAMPLING_FIELDS)}")
+    fields.update({k: v for k, v in given.items() if v is not None})
+    if fields.get("seed") is not None:
+        fields["seed"] = int(fields["seed"]) + 1_000_003 * rank
+    return SamplingParams(**fields)
+
+
+def prompt_token_lists(prompts: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Left-padded prompts `[B, P]` -> the real token ids of each row."""
+    if prompts.shape != attention_mask.shape:
+        raise ValueError(f"generate needs `attention_mask` of the prompt, shape {tuple(prompts.shape)}; "
+                         f"got {tuple(attention_mask.shape)}")
+    return [row[mask.bool()].tolist() for row, mask in zip(prompts, attention_mask)]
+
+
+def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, pad_id: int) -> Batch:
+    """The input rows repeated `n` times (interleaved) plus the sampled responses, right-padded to
+    `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs."""
+    rows = len(outs) * n
+    responses = torch.full((rows, response_width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(rows, response_width, dtype=torch.float32)
+    response_mask = torch.zeros(rows, response_width, dtype=torch.float32)
+    finished = []
+    for i, samples in enumerate(outs):
+        for j, c in enumerate(samples):
+            r, k = i * n + j, min(len(c.token_ids), response_width)
+            responses[r, :k] = torch.tensor(c.token_ids[:k], dtype=torch.long)
+            logprobs[r, :k] = torch.tensor(c.logprobs[:k], dtype=torch.float32)
+            response_mask[r, :k] = 1.0
+            finished.append(c.finish_reason)
+    out = batch.repeat_interleave(n)
+    prompts, prompt_mask = out["prompts"], out["attention_mask"]
+    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    out["responses"] = responses
+    out["input_ids"] = torch.cat([prompts, responses], dim=1)
+    out["attention_mask"] = attention_mask
+    out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out["response_mask"] = response_mask
+    out["rollout_log_probs"] = logprobs
+    out["finish_reason"] = finished
+    return out

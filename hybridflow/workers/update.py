@@ -1,0 +1,134 @@
+"""The PPO-style update loop shared by the actor and the critic, and the losses each of them trains on.
+
+`run_update` makes `ppo_epochs` passes over this rank's rows, each pass cut into the same number of
+(shuffled) mini-batches on every rank — one optimizer step each, verl's semantics: a mini-batch is
+`mini_batch_size x rollout.n` rows over all ranks. `actor_loss` and `critic_loss` build the engine's
+`loss_fn` from `hybridflow.algorithms` (policy loss + optional KL loss and entropy bonus; clipped value
+loss), aggregating with the mini-batch's global token and sequence counts so micro-batching and data
+parallelism leave the loss unchanged. Reported loss metrics are the mini-batch's value (exact for
+`token-mean`; for sequence-mean modes a token-weighted average of micro-batch values).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.algorithms import aggregate, compute_policy_loss, kl_loss, value_loss
+from hybridflow.engine.train import LossContext, TrainEngine, timed
+from hybridflow.engine.train.microbatch import mini_batch_slices
+
+
+def _agg(cfg: Any, ctx: LossContext, width: int) -> dict:
+    return dict(agg=cfg.loss_agg, global_token_count=ctx.global_tokens, global_seq_count=ctx.global_seqs,
+                response_len=width)
+
+
+def _scale(ctx: LossContext, mask: torch.Tensor) -> float:
+    """Factor turning a micro-batch's loss share into its own value (token-weighted means sum back)."""
+    return ctx.global_tokens / max(float(mask.sum()), 1.0)
+
+
+def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool):
+    """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
+    (- entropy_coef x entropy). Needs `old_log_probs`, `advantages`, `response_mask` (and `ref_log_probs`)."""
+
+    def loss_fn(out: dict, mb: dict, ctx: LossContext):
+        mask, logp = mb["response_mask"], out["log_probs"]
+        agg, scale = _agg(cfg, ctx, mask.shape[1]), _scale(ctx, mask)
+        old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
+        loss, m = compute_policy_loss(cfg.policy_loss, old, logp, mb["advantages"], mask, clip_low=cfg.clip_low,
+                                      clip_high=cfg.clip_high, clip_c=cfg.clip_c, **agg)
+        metrics = {"actor/pg_loss": loss.detach() * scale, "actor/pg_clipfrac": m["pg_clipfrac"],
+                   "actor/ppo_kl": m["ppo_kl"]}
+        if use_kl:
+            kl = kl_loss(logp, mb["ref_log_probs"], mask, kind=cfg.kl_loss_type, **agg)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach() * scale
+        if use_entropy:
+            entropy = aggregate(out["entropy"], mask, cfg.loss_agg, ctx.global_tokens, ctx.global_seqs,
+                                mask.shape[1])
+            loss = loss - cfg.entropy_coef * entropy
+            metrics["actor/entropy"] = entropy.detach() * scale
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss(cfg: Any):
+    """`loss_fn` for the critic: PPO's clipped value loss. Needs `values` (old), `returns`, `response_mask`."""
+
+    def loss_fn(out: dict, mb: dict, ctx: LossContext):
+        mask = mb["response_mask"]
+        loss, clipfrac = value_loss(out["values"], mb["returns"], mb["values"], mask,
+                                    clip_range=cfg.cliprange_value, **_agg(cfg, ctx, mask.shape[1]))
+        vpred = (out["values"].detach() * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {"critic/vf_loss": loss.detach() * _scale(ctx, mask), "critic/vf_clipfrac": clipfrac,
+                      "critic/vpred_mean": vpred}
+
+    return loss_fn
+
+
+def _global_rows(rows: int, device: torch.device) -> int:
+    if not dist.is_initialized():
+        return rows
+    t = torch.tensor([rows], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    if not dist.is_initialized() or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64,
+                     device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
+
+
+def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, loss_fn, *, prefix: str,
+               rollout_n: int = 1, temperature: float = 1.0, with_entropy: bool = False, seed: int = 0
+               ) -> dict[str, float]:
+    """All optimizer steps of one trainer step; metrics identical on every rank.
+
+    Returns the loss metrics averaged over steps, `{prefix}/grad_norm` (mean pre-clip norm),
+    `{prefix}/lr` (of the last step), `{prefix}/skipped_steps` (non-finite norms so far),
+    `perf/throughput/{prefix}` (real tokens per second per device) and `perf/mfu/{prefix}` (on a GPU).
+    """
+    rows = tensors["input_ids"].shape[0]
+    global_rows = _global_rows(rows, engine.device)
+    per_step = global_rows if cfg.mini_batch_size is None else cfg.mini_batch_size * rollout_n
+    if per_step <= 0:
+        raise ValueError(f"{prefix}.mini_batch_size={cfg.mini_batch_size} gives {per_step} rows per step")
+    steps = max(1, math.ceil(global_rows / per_step))
+    history: dict[str, list[float]] = defaultdict(list)
+
+    def train() -> None:
+        for epoch in range(cfg.ppo_epochs):
+            for idx in mini_batch_slices(rows, steps, cfg.shuffle, seed * 1000 + epoch):
+                mb = {k: v[idx] for k, v in tensors.items()}
+                m = engine.train_step(mb, loss_fn, micro_batch_size=cfg.micro_batch_size,
+                                      max_tokens=cfg.max_tokens_per_micro_batch, temperature=temperature,
+                                      with_entropy=with_entropy, pack=cfg.use_packing)
+                for k, v in m.items():
+                    history[k].append(v)
+
+    _, seconds = timed(train, engine.device)
+    metrics = {k: sum(v) / len(v) for k, v in history.items() if k.startswith(f"{prefix}/")}
+    metrics[f"{prefix}/grad_norm"] = sum(history["grad_norm"]) / len(history["grad_norm"])
+    metrics[f"{prefix}/lr"] = history["lr"][-1]
+    metrics[f"{prefix}/skipped_steps"] = float(engine.skipped_steps)
+    seq_lens = tensors["attention_mask"].sum(-1).tolist()
+    perf = engine.perf_metrics(seq_lens, seconds, passes=cfg.ppo_epochs)
+    local = {f"perf/throughput/{prefix}": perf["throughput"]}
+    if "mfu" in perf:
+        local[f"perf/mfu/{prefix}"] = perf["mfu"]
+    if engine.device.type == "cuda":
+        local["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+    metrics.update(_mean_over_ranks(local, engine.device))
+    return metrics
