@@ -132,6 +132,9 @@ class OptimizedRoleConfig:
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")
     optimizer_offload: bool = opt(False, "keep optimizer state on the CPU between uses")
 
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # OmegaConf < 2.4 hands tuples over as lists
+
 
 @dataclass
 class ActorConfig(OptimizedRoleConfig):
