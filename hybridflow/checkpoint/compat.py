@@ -22,8 +22,6 @@ from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
-from hybridflow.config import config_diff
-
 MAY_DIFFER: tuple[str, ...] = (
     # run length, outputs, logging, checkpoint cadence
     "trainer.total_steps", "trainer.total_epochs", "trainer.output_dir", "trainer.resume",
@@ -79,6 +77,8 @@ def check_compatible(saved_config: Any, new_config: Any,
     Configs are dataclasses (`RLConfig`) or nested mappings (the checkpoint's `config.yaml`); tuples
     and lists compare equal, so a YAML round trip is not a difference.
     """
+    from hybridflow.config import config_diff  # here, so worker processes need no config stack
+
     must_match, may_differ, allow = tuple(must_match), tuple(may_differ), tuple(allow)
     fatal, changed = [], []
     for key, (before, after) in sorted(config_diff(saved_config, new_config).items()):
