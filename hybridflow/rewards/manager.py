@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.rewards.pool import Outcome, Row, ScoringPool
-from hybridflow.rewards.registry import get_reward_fn, route_data_source, split_result
+from hybridflow.rewards.registry import check_requirements, get_reward_fn, route_data_source, split_result
 
 if TYPE_CHECKING:
     import torch
@@ -112,10 +112,14 @@ class RewardManager:
         self._finalizer = weakref.finalize(self, RewardManager._shutdown, self._pool, self._executor)
 
     def check_data_sources(self, data_sources: Sequence[str]) -> None:
-        """With ``auto``, raises ValueError (naming it) for a data source no built-in covers."""
+        """With ``auto``: raises ValueError (naming it) for a data source no built-in covers, and
+        ImportError (with the pip command) when a routed built-in's package is missing.
+
+        The trainer calls it on the datasets' data sources before training; `submit` calls it per batch.
+        """
         if self.fn_spec == "auto":
-            for ds in sorted({str(d) for d in data_sources}):
-                route_data_source(ds)
+            for name in sorted({route_data_source(str(d)) for d in set(data_sources)}):
+                check_requirements(name)
 
     def submit(self, batch_like: Any) -> Future:
         """Starts scoring; returns a Future of `RewardResult`. Input errors raise here, at once."""

@@ -4,7 +4,7 @@
 the ground truth and the response, and ``math_verify.verify`` compares them symbolically, so
 ``\\frac{1}{2}``, ``0.5`` and ``1/2`` are the same answer. A ground truth without ``$`` or ``\\boxed``
 (the MATH parquet's plain ``\\frac{1}{2}``) is wrapped in ``\\boxed{}`` first, as verl does.
-math-verify is imported on first use (``pip install math-verify``).
+math-verify is imported on first use (``pip install math-verify``, or ``hybridflow[math]``).
 """
 
 from __future__ import annotations
@@ -15,18 +15,7 @@ from typing import Any
 from hybridflow.rewards.registry import register_reward
 
 
-def _math_verify():
-    try:
-        import math_verify
-    except ImportError as e:
-        raise ImportError(
-            "the 'math' reward needs the math-verify package: pip install 'math-verify>=0.7' "
-            "(or pip install 'hybridflow[math]')"
-        ) from e
-    return math_verify
-
-
-@register_reward("math")
+@register_reward("math", requires=("math_verify", "math-verify>=0.7"))
 def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
                 timeout_s: int = 5) -> float:
     """1.0 when the response's answer equals `ground_truth` mathematically, else 0.0.
@@ -34,7 +23,8 @@ def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
     `timeout_s` bounds parsing and verification (math-verify's own alarm; it works only on the main
     thread, elsewhere the reward manager's per-sample timeout is the bound).
     """
-    mv = _math_verify()
+    import math_verify as mv
+
     truth = str(ground_truth)
     if "$" not in truth and "\\boxed" not in truth:
         truth = "\\boxed{" + truth + "}"

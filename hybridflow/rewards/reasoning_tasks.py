@@ -9,7 +9,8 @@ credit, given the task's *entry* (question, answer, metadata). The entry travels
   (what ``reasoning_gym.create_dataset`` produces), or in the data source ``reasoning_gym/<task>``.
 
 The answer is the text inside the last ``<answer>...</answer>`` when the response has one (the tag
-reasoning-gym's prompts ask for), else the whole stripped response.
+reasoning-gym's prompts ask for), else the whole stripped response. reasoning-gym is imported on first
+use (``pip install reasoning-gym``, or ``hybridflow[gym]``).
 """
 
 from __future__ import annotations
@@ -22,22 +23,10 @@ from typing import Any
 from hybridflow.rewards.registry import register_reward
 
 
-def _reasoning_gym():
-    try:
-        import reasoning_gym
-    except ImportError as e:
-        raise ImportError(
-            "the 'reasoning_gym' reward needs the reasoning-gym package: pip install reasoning-gym "
-            "(or pip install 'hybridflow[gym]')"
-        ) from e
-    return reasoning_gym
-
-
 @functools.lru_cache(maxsize=None)
 def _score_answer_fn(dataset: str) -> Callable[[str | None, dict], float]:
     from reasoning_gym.factory import get_score_answer_fn
 
-    _reasoning_gym()
     return get_score_answer_fn(dataset)
 
 
@@ -74,7 +63,7 @@ def _task_and_entry(data_source: str, ground_truth: Any, extra_info: Any) -> tup
     return dataset, entry
 
 
-@register_reward("reasoning_gym")
+@register_reward("reasoning_gym", requires=("reasoning_gym", "reasoning-gym>=0.1.20"))
 def reasoning_gym_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
                          answer_tag: str = "answer") -> float:
     """The task's own ``score_answer(answer, entry)`` (a float in [0, 1])."""

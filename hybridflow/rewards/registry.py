@@ -28,6 +28,8 @@ from typing import Any
 RewardFn = Callable[[str, str, Any, Any], "float | dict"]
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+# name -> (module imported on first use, pip requirement that provides it)
+REQUIREMENTS: dict[str, tuple[str, str]] = {}
 
 # (fnmatch pattern on the lower-cased data_source, built-in name); the first match wins.
 AUTO_ROUTES: list[tuple[str, str]] = [
@@ -47,19 +49,33 @@ AUTO_ROUTES: list[tuple[str, str]] = [
 _VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, requires: tuple[str, str] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator adding a reward function to `REWARD_FUNCTIONS` under `name`.
 
     ``@register_reward("my_task")`` then ``reward.function=my_task``. Re-registering a name replaces it.
+    `requires` is ``(module, pip requirement)`` for a function that imports an optional package on
+    first use; `check_requirements` refuses the name early, with the install command, when it is missing.
     """
     if not name or ":" in name or name == "auto":
         raise ValueError(f"invalid reward name {name!r}: it must be non-empty, not 'auto', and contain no ':'")
 
     def decorator(fn: RewardFn) -> RewardFn:
         REWARD_FUNCTIONS[name] = fn
+        if requires:
+            REQUIREMENTS[name] = requires
+        else:
+            REQUIREMENTS.pop(name, None)
         return fn
 
     return decorator
+
+
+def check_requirements(name: str) -> None:
+    """Raises ImportError, with the pip command, when the package reward `name` needs is not installed."""
+    if name in REQUIREMENTS:
+        module, requirement = REQUIREMENTS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"the {name!r} reward needs the {module} module: pip install '{requirement}'")
 
 
 def register_route(pattern: str, name: str) -> None:
@@ -172,6 +188,7 @@ def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
     elif ":" in spec or spec.endswith(".py"):
         fn = load_file_function(spec)
     elif spec in REWARD_FUNCTIONS:
+        check_requirements(spec)
         fn = REWARD_FUNCTIONS[spec]
     else:
         hint = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)

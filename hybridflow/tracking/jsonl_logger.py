@@ -32,7 +32,7 @@ class JsonlLogger:
         return json.dumps({k: _strict(v) for k, v in record.items()}, ensure_ascii=False, default=str) + "\n"
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self._metrics.write(self._line({"step": step, **metrics}))
+        self._metrics.write(self._line({"step": step, **{k: v for k, v in metrics.items() if k != "step"}}))
         self._metrics.flush()
 
     def log_samples(self, samples: list[dict], step: int) -> None:

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from hybridflow.rewards import REWARD_FUNCTIONS, get_reward_fn, register_reward, route_data_source, split_result
+from hybridflow.rewards.registry import REQUIREMENTS
 
 
 @pytest.mark.parametrize(
@@ -96,3 +97,32 @@ def test_split_result_validates():
         split_result("1.0")
     with pytest.raises(ValueError, match="not finite"):
         split_result(float("nan"))
+
+
+def test_a_missing_optional_package_is_refused_early_with_the_install_command(monkeypatch):
+    from hybridflow.rewards import RewardManager
+
+    @register_reward("test_needs_pkg", requires=("hybridflow_no_such_module", "no-such-package>=1"))
+    def needs(data_source, solution_str, ground_truth, extra_info):
+        return 1.0
+
+    monkeypatch.setattr("hybridflow.rewards.registry.AUTO_ROUTES", [("needs*", "test_needs_pkg")])
+    try:
+        with pytest.raises(ImportError, match=r"needs the hybridflow_no_such_module module: pip install 'no-such-package>=1'"):
+            get_reward_fn("test_needs_pkg")
+        manager = RewardManager("auto", num_workers=0)
+        with pytest.raises(ImportError, match="pip install 'no-such-package>=1'"):
+            manager.check_data_sources(["needs_it"])
+    finally:
+        REWARD_FUNCTIONS.pop("test_needs_pkg")
+        REQUIREMENTS.pop("test_needs_pkg")
+
+
+def test_register_route_is_tried_first(monkeypatch):
+    from hybridflow.rewards import register_route
+    from hybridflow.rewards.registry import AUTO_ROUTES
+
+    monkeypatch.setattr("hybridflow.rewards.registry.AUTO_ROUTES", list(AUTO_ROUTES))
+    register_route("GSM8K_Strings*", "exact_match")
+    assert route_data_source("gsm8k_strings_v2") == "exact_match"
+    assert route_data_source("gsm8k_main") == "gsm8k"
