@@ -138,7 +138,7 @@ class RewardManager:
     def _score_inline(self, row: Row) -> Outcome:
         try:
             return ("ok", split_result(self._fn(*row)))
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a user's sys.exit() must not end the run
             return ("error", f"{type(e).__name__}: {e}")
 
     def _result(self, rows: list[Row], outcomes: list[Outcome]) -> RewardResult:

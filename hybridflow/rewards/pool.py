@@ -45,7 +45,7 @@ def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection) -> None:
         for index, row in msg:
             try:
                 outcome: Outcome = ("ok", split_result(fn(*row)))
-            except Exception as e:
+            except (Exception, SystemExit) as e:
                 outcome = ("error", f"{type(e).__name__}: {e}")
             conn.send((index, outcome))
 

@@ -20,6 +20,8 @@ def score(data_source, solution_str, ground_truth, extra_info):
         time.sleep(60)
     if solution_str == "die":
         os._exit(3)
+    if solution_str == "exit":
+        raise SystemExit(2)
     if solution_str == "slow":
         time.sleep(0.3)
         return {"score": 1.0, "pid": os.getpid()}
@@ -68,10 +70,11 @@ def test_submit_is_asynchronous(reward_file):
 
 def test_inline_mode_scores_in_the_callers_thread(reward_file):
     manager = RewardManager(reward_file, num_workers=0, fallback_score=0.25)
-    future = manager.submit(_rows(["a", "raise", "b"]))
+    future = manager.submit(_rows(["a", "raise", "b", "exit"]))
     assert future.done()
     result = future.result()
-    assert result.scores == [1.0, 0.25, 0.0] and result.metrics["reward/errors"] == 1.0
+    assert result.scores == [1.0, 0.25, 0.0, 0.25] and result.metrics["reward/errors"] == 2.0
+    assert result.errors[3] == "error: SystemExit: 2"
 
 
 def test_builtin_auto_on_a_batch():
