@@ -17,6 +17,7 @@ A profiler pass over one engine step says where the time goes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -94,7 +95,7 @@ def flops_conventions(config, params: int, seq_lens: list[int], seconds: float, 
             "mfu_perf_md": 6 * params * tokens / seconds / (ceiling * 1e12)}
 
 
-def bench_engine(path, params, batch, args, ceiling) -> dict:
+def bench_engine(path, params, batch, args, ceiling, max_tokens: int) -> dict:
     from hybridflow.engine.train import TrainEngine
 
     model_cfg = SimpleNamespace(path=path, dtype="bf16", gradient_checkpointing=False,
@@ -105,7 +106,7 @@ def bench_engine(path, params, batch, args, ceiling) -> dict:
     seq_lens = batch["attention_mask"].sum(-1).tolist()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    old = engine.infer(batch, max_tokens=args.max_tokens * 2)["log_probs"]
+    old = engine.infer(batch, max_tokens=max_tokens * 2)["log_probs"]
     torch.cuda.synchronize()
     infer_s = time.perf_counter() - t
     batch = dict(batch, old_log_probs=old)
@@ -113,7 +114,7 @@ def bench_engine(path, params, batch, args, ceiling) -> dict:
     def loss_fn(out, mb, ctx):
         return ppo_loss(out["log_probs"], mb, ctx.global_tokens)
 
-    step = lambda: engine.train_step(batch, loss_fn, max_tokens=args.max_tokens)  # noqa: E731
+    step = lambda: engine.train_step(batch, loss_fn, max_tokens=max_tokens)  # noqa: E731
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -125,7 +126,7 @@ def bench_engine(path, params, batch, args, ceiling) -> dict:
     out = flops_conventions(engine.config, params, seq_lens, seconds, ceiling)
     out.update(step_s=seconds, log_prob_pass_tokens_per_s=sum(seq_lens) / infer_s,
                peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, grad_norm=metrics["grad_norm"],
-               max_tokens_per_micro_batch=args.max_tokens)
+               max_tokens_per_micro_batch=max_tokens)
     out["time_breakdown"] = profile(step)
     out["parity"] = parity(engine, batch)
     del engine
@@ -226,8 +227,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="0.5b,1.5b")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--budgets", default="0.5b:16384/32768,1.5b:16384/24576",
+                        help="max_tokens_per_micro_batch values to try per shape")
     args = parser.parse_args()
+    budgets = {k: [int(b) for b in v.split("/")] for k, v in (item.split(":") for item in args.budgets.split(","))}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -246,9 +249,18 @@ def main() -> None:
             real = int(batch["attention_mask"].sum())
             entry = {"params": params, "real_tokens_per_step": real,
                      "padded_tokens_per_step": int(batch["attention_mask"].numel())}
-            entry["hybridflow"] = bench_engine(path, params, batch, args, ceiling)
-            print(shape, "hybridflow", json.dumps({k: v for k, v in entry["hybridflow"].items()
-                                                   if k != "time_breakdown"}), flush=True)
+            runs = {}
+            for budget in budgets[shape]:
+                try:
+                    runs[budget] = bench_engine(path, params, batch, args, ceiling, budget)
+                except torch.OutOfMemoryError:
+                    runs[budget] = {"error": "out of memory", "tokens_per_s": 0.0}
+                gc.collect()
+                torch.cuda.empty_cache()
+                print(shape, "hybridflow", budget, json.dumps({k: v for k, v in runs[budget].items()
+                                                               if k != "time_breakdown"}), flush=True)
+            entry["hybridflow_by_budget"] = runs
+            entry["hybridflow"] = max(runs.values(), key=lambda r: r["tokens_per_s"])
             entry["hf_eager"] = bench_hf(path, params, batch, args, ceiling)
             print(shape, "hf_eager", json.dumps(entry["hf_eager"]), flush=True)
             entry["speedup_tokens_per_s"] = entry["hybridflow"]["tokens_per_s"] / entry["hf_eager"]["tokens_per_s"]

@@ -4,6 +4,7 @@
 `AutoModelForTokenClassification` with one label: the backbone's weights come from `path` (a causal-LM
 checkpoint loads into it; only the head starts fresh), so a critic may start from any model directory.
 Weights are loaded in fp32 (the master copy); low-precision compute is FSDP's mixed-precision policy.
+RMSNorms run the fused kernel (`kernels.fuse_rms_norms`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     from hybridflow.engine.train import attention
+    from hybridflow.engine.train.kernels import fuse_rms_norms
 
     if head not in HEADS:
         raise ValueError(f"model head {head!r} is not valid; valid: {', '.join(HEADS)}")
@@ -65,6 +67,7 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
     model.config.use_cache = False
+    fuse_rms_norms(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -2,7 +2,9 @@
 
 `shard_model` calls `fully_shard` on every decoder layer, then on the root (embeddings, final norm, head),
 over a 1-D data-parallel mesh of the current process group. Mixed precision: parameters are gathered in
-the compute dtype, gradients reduced in fp32, and the sharded master weights stay fp32.
+the compute dtype, gradients reduced in fp32, and the sharded master weights stay fp32. On one rank
+nothing is sharded, so layers keep their gathered parameters from forward to backward (no second
+gather); on several, they are resharded after forward (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) 
     """`fully_shard` per decoder layer, then the root; returns the same (now sharded) module."""
     mp = MixedPrecisionPolicy(param_dtype=precision.param, reduce_dtype=precision.reduce) \
         if precision.mixed else MixedPrecisionPolicy()
+    reshard = mesh.size() > 1
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model

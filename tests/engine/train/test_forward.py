@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from train_helpers import model_cfg, rl_batch
 
 from hybridflow.engine.train import TrainEngine, token_log_probs
@@ -30,7 +31,8 @@ def test_log_probs_match_plain_hf_forward_packed_and_padded(tiny_model_factory, 
     path = tiny_model_factory(arch)
     engine = TrainEngine(model_cfg(path), None, head="lm")
     batch = rl_batch(rows=5, prompt_width=7, response_width=6, seed=1)
-    ref_logp, ref_ent = _hf_reference(engine.model, batch, temperature=0.7)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # unpatched, unsharded
+    ref_logp, ref_ent = _hf_reference(plain, batch, temperature=0.7)
     for pack in (True, False):
         out = engine.infer(batch, micro_batch_size=2, temperature=0.7, with_entropy=True, pack=pack)
         torch.testing.assert_close(out["log_probs"], ref_logp, atol=1e-5, rtol=1e-5)
@@ -67,16 +69,18 @@ def test_critic_values_come_from_the_position_before_each_response_token(tiny_qw
     assert values.abs().sum() > 0
 
 
-def test_chunked_log_probs_and_entropy_gradients_match_autograd():
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_chunked_log_probs_and_entropy_gradients_match_autograd(temperature, entropy_grad):
     torch.manual_seed(0)
     logits = torch.randn(37, 50, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
-    w1, w2 = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
-    logp, ent = token_log_probs(logits, targets, temperature=0.6, with_entropy=True, chunk_size=8)
-    (w1 * logp + w2 * ent).sum().backward()
+    w1, w2 = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64) * entropy_grad
+    logp, ent = token_log_probs(logits, targets, temperature=temperature, with_entropy=True, chunk_size=8)
+    (w1 * logp + (w2 * ent if entropy_grad else 0)).sum().backward()
     got = logits.grad.clone()
     logits.grad = None
-    ref_all = (logits / 0.6).log_softmax(-1)
+    ref_all = (logits / temperature).log_softmax(-1)
     ref_logp = ref_all.gather(-1, targets[:, None]).squeeze(-1)
     ref_ent = -(ref_all.exp() * ref_all).sum(-1)
     (w1 * ref_logp + w2 * ref_ent).sum().backward()
