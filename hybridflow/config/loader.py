@@ -1,4 +1,5 @@
-"""Loading a typed config: schema defaults, then a YAML file, then dotted `key=value` overrides.
+"""Loading a typed config: schema defaults, then a YAML file (and its `base:` files), then dotted
+`key=value` overrides.
 
     cfg = load_config(["rollout.n=8", "data.train_files=[a.parquet,b.parquet]"], "recipes/grpo.yaml")
     validate(cfg)                         # batch-size relations, before any model loads
@@ -188,8 +189,7 @@ def _merge(schema: type, tree: dict, known: dict[str, FieldInfo], sources: dict[
                           f"expected {expected}") from None
 
 
-def _read_yaml(path: str | Path) -> dict:
-    path = Path(path)
+def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
@@ -201,6 +201,25 @@ def _read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections at the top, got {data!r}")
     return data
+
+
+def _yaml_layers(path: str | Path, chain: tuple[Path, ...] = ()) -> list[tuple[str, dict]]:
+    """`[(source, tree), ...]` of a YAML file and its `base:` files (paths relative to it), bases first.
+
+    `base: grpo.yaml` (or a list) makes a recipe a set of changes to another one.
+    """
+    path = Path(path)
+    if path.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path.resolve()))
+        raise ConfigError(f"config file {path}: 'base' files form a cycle: {cycle}")
+    data = _read_yaml(path)
+    bases = data.pop("base", None)
+    layers: list[tuple[str, dict]] = []
+    for base in [bases] if isinstance(bases, str) else bases or []:
+        if not isinstance(base, str):
+            raise ConfigError(f"config file {path}: 'base' must be a file name or a list of them, got {base!r}")
+        layers += _yaml_layers(path.parent / base, (*chain, path.resolve()))
+    return layers + [(f"config file {path}", data)]
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -276,9 +295,8 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     known = schema_fields(schema)
     tree: dict = {}
     sources: dict[str, str] = {}
-    if config_file is not None:
-        source = f"config file {config_file}"
-        _deep_update(tree, _check_tree(_read_yaml(config_file), known, source), sources, source)
+    for source, layer in _yaml_layers(config_file) if config_file is not None else []:
+        _deep_update(tree, _check_tree(layer, known, source), sources, source)
     for item in overrides:
         key, value = _parse_override(item)
         source = f"override {item!r}"

@@ -15,7 +15,8 @@ from hybridflow.config.schema import RLConfig, field_default
 INTRO = """# Configuration reference
 
 `hybridflow train [--config FILE.yaml] key=value ...` builds one typed config: the defaults below, then
-the YAML file (a recipe from `recipes/`), then each dotted override in order. Lists are written
+the YAML file (a recipe from `recipes/`; a top-level `base: other.yaml`, or a list, layers the file on
+top of others, relative to it), then each dotted override in order. Lists are written
 `data.train_files=[a.parquet,b.parquet]` (one value alone becomes a one-element list), `null` unsets an
 optional value. Unknown keys fail with a did-you-mean, a value of the wrong type or outside a key's
 choices names the valid ones, and the batch-size relations are checked before any model loads

@@ -57,6 +57,22 @@ def test_unknown_key_did_you_mean():
         load_config(["foo.bar=1"])
 
 
+def test_base_files_layer_under_a_recipe(tmp_path):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "root.yaml").write_text("rollout:\n  n: 2\n  top_p: 0.9\n")
+    (tmp_path / "mid.yaml").write_text("base: common/root.yaml\nrollout:\n  n: 4\nactor:\n  lr: 3.0e-6\n")
+    top = tmp_path / "top.yaml"
+    top.write_text("base: [mid.yaml]\nrollout:\n  n: 8\n")
+    cfg = load_config(["actor.lr=1e-5"], config_file=top)
+    assert (cfg.rollout.n, cfg.rollout.top_p, cfg.actor.lr) == (8, 0.9, 1e-5)
+    (tmp_path / "common" / "root.yaml").write_text("rollout:\n  nn: 2\n")
+    with pytest.raises(ConfigError, match=r"root.yaml: unknown key 'rollout.nn'; did you mean 'rollout.n'"):
+        load_config([], config_file=top)
+    (tmp_path / "common" / "root.yaml").write_text("base: ../top.yaml\n")
+    with pytest.raises(ConfigError, match="'base' files form a cycle"):
+        load_config([], config_file=top)
+
+
 def test_unknown_key_in_yaml_names_the_file(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("actor:\n  learning_rate: 1e-5\n")

@@ -25,6 +25,14 @@ def test_recipe_loads_and_validates(recipe):
         validate(cfg, n_workers=n_workers, check_paths=False)
 
 
+def test_dapo_is_grpo_plus_its_changes():
+    grpo = load_config([], config_file=ROOT / "recipes" / "grpo.yaml")
+    dapo = load_config([], config_file=ROOT / "recipes" / "dapo.yaml")
+    assert dapo.rollout.n == grpo.rollout.n and dapo.algorithm.adv_estimator == "grpo"
+    assert dapo.actor.clip_high > dapo.actor.clip_low and dapo.actor.kl_loss_coef == 0.0
+    assert dapo.algorithm.overlong_buffer.enable and dapo.algorithm.filter_groups.enable
+
+
 def test_ppo_recipe_has_a_critic():
     cfg = load_config([], config_file=ROOT / "recipes" / "ppo.yaml")
     assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.lr > cfg.actor.lr
