@@ -35,9 +35,12 @@ class WorkerSpec:
     device_type: str
     init_kwargs: dict = field(default_factory=dict)
 
-    def dumps(self) -> tuple[list[str], bytes]:
-        """``(controller sys.path, pickled spec)``: the path must be applied before unpickling."""
-        return list(sys.path), pickle.dumps(self)
+    def dumps(self, pickler: Any = pickle) -> tuple[list[str], bytes]:
+        """``(controller sys.path, pickled spec)``: the path must be applied before unpickling.
+
+        `pickler` is a module with ``dumps`` (``pickle``, or cloudpickle for workers that cannot
+        import the controller's ``__main__``)."""
+        return list(sys.path), pickler.dumps(self)
 
 
 def load_spec(sys_path: list[str], blob: bytes) -> WorkerSpec:

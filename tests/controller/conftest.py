@@ -30,17 +30,10 @@ def cpu_pool(backend):
 
 
 @pytest.fixture(scope="module")
-def toy_group(backend, cpu_pool):
-    group = WorkerGroup(ToyWorker, 2, backend=backend, pool=cpu_pool, name="actor", init_kwargs={"hidden": 4})
-    yield group
-    group.shutdown()
-
-
-@pytest.fixture(scope="module")
-def trio_group(backend, cpu_pool):
+def group(backend, cpu_pool):
+    """Two ranks, each one process holding a ToyWorker ("actor") and a RefWorker ("ref")."""
     cls = colocate(actor=ToyWorker, ref=RefWorker)
-    group = WorkerGroup(
-        cls, 2, backend=backend, pool=cpu_pool, name="trio", init_kwargs={"actor": {"hidden": 4}, "ref": {"scale": 2.0}}
-    )
+    init_kwargs = {"actor": {"hidden": 4}, "ref": {"scale": 2.0}}
+    group = WorkerGroup(cls, 2, backend=backend, pool=cpu_pool, name="policy", init_kwargs=init_kwargs)
     yield group
     group.shutdown()

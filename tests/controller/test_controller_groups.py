@@ -20,29 +20,30 @@ def rows(n: int) -> Batch:
     return Batch({"features": torch.randn(n, 4, generator=gen)}, {"uid": [f"row{i}" for i in range(n)]})
 
 
-def test_worker_context(toy_group):
-    infos = toy_group.info()
+def test_worker_context(group):
+    infos = group.actor.info()
     assert [i["rank"] for i in infos] == [0, 1]
     assert all(i["world_size"] == 2 and i["dist_world"] == 2 and i["device"] == "cpu" for i in infos)
     assert [i["local_rank"] for i in infos] == [0, 1]
     assert {i["role"] for i in infos} == {"actor"}
     assert len({i["pid"] for i in infos} | {os.getpid()}) == 3
-    assert toy_group.world_size == 2
+    assert group.world_size == 2
+    assert group.pids() == [i["pid"] for i in infos]
 
 
-def test_collectives_and_dispatch_modes(toy_group):
-    assert toy_group.allreduce_sum(1.5) == pytest.approx(1.5 * 1 + 1.5 * 2)
-    assert toy_group.only_rank_zero() == 0
-    assert toy_group.add_rank([1, 2], y=[10, 20]) == [11, 122]
-    assert toy_group.row_count(rows(7), offset=1) == [5, 4]
+def test_collectives_and_dispatch_modes(group):
+    assert group.actor.allreduce_sum(1.5) == pytest.approx(1.5 * 1 + 1.5 * 2)
+    assert group.actor.only_rank_zero() == 0
+    assert group.actor.add_rank([1, 2], y=[10, 20]) == [11, 122]
+    assert group.actor.row_count(rows(7), offset=1) == [5, 4]
     with pytest.raises(ValueError, match="must be a list of 2 values"):
-        toy_group.add_rank([1])
+        group.actor.add_rank([1])
 
 
 @pytest.mark.parametrize("method", ["score", "score_padded"])
-def test_seven_rows_round_trip_in_order(toy_group, method):
+def test_seven_rows_round_trip_in_order(group, method):
     batch = rows(7)
-    out = getattr(toy_group, method)(batch)
+    out = getattr(group.actor, method)(batch)
     with torch.no_grad():
         expected = tiny_model(4)(batch["features"]).squeeze(-1)
     assert len(out) == 7
@@ -52,72 +53,67 @@ def test_seven_rows_round_trip_in_order(toy_group, method):
     assert out.meta["total_rows"] == (8 if method == "score_padded" else 7)
 
 
-def test_submit_returns_future(toy_group):
-    future = toy_group.allreduce_sum.submit(2.0)
+def test_submit_returns_future(group):
+    future = group.actor.allreduce_sum.submit(2.0)
     assert future.result(timeout=60) == pytest.approx(6.0)
 
 
-def test_worker_exception_has_role_rank_and_traceback(toy_group):
+def test_worker_exception_has_role_rank_and_traceback(group):
     with pytest.raises(WorkerError) as info:
-        toy_group.fail_on(1, "bad row 17")
+        group.actor.fail_on(1, "bad row 17")
     err = info.value
-    assert (err.role, err.rank) == ("actor", 1)
-    assert "(actor rank 1) fail_on failed: ValueError: bad row 17" in str(err)
+    assert (err.role, err.rank) == ("policy", 1)
+    assert "(policy rank 1) actor.fail_on failed: ValueError: bad row 17" in str(err)
     assert "controller_workers.py" in str(err) and "raise ValueError(message)" in str(err)
-    assert toy_group.allreduce_sum(1.0) == pytest.approx(3.0)  # the group keeps working
+    assert group.actor.allreduce_sum(1.0) == pytest.approx(3.0)  # the group keeps working
 
 
-def test_worker_output_is_forwarded_with_prefix(toy_group, capfd):
-    assert toy_group.shout("hello-from-worker")
+def test_worker_output_is_forwarded_with_prefix(group, capfd):
+    assert group.actor.shout("hello-from-worker")
     seen_out = seen_err = ""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         out, err = capfd.readouterr()
         seen_out, seen_err = seen_out + out, seen_err + err
-        if all(f"(actor rank {r}) hello-from-worker (out)" in seen_out for r in (0, 1)) and all(
-            f"(actor rank {r}) hello-from-worker (err)" in seen_err for r in (0, 1)
+        if all(f"(policy rank {r}) hello-from-worker (out)" in seen_out for r in (0, 1)) and all(
+            f"(policy rank {r}) hello-from-worker (err)" in seen_err for r in (0, 1)
         ):
             break
         time.sleep(0.05)
     for r in (0, 1):
-        assert f"(actor rank {r}) hello-from-worker (out)\n" in seen_out
-        assert f"(actor rank {r}) hello-from-worker (err)\n" in seen_err
+        assert f"(policy rank {r}) hello-from-worker (out)\n" in seen_out
+        assert f"(policy rank {r}) hello-from-worker (err)\n" in seen_err
 
 
-def test_undecorated_method_is_not_callable(toy_group):
+def test_undecorated_method_is_not_callable(group):
     with pytest.raises(AttributeError, match=r"ToyWorker.helper is not callable from the controller.*allreduce_sum"):
-        toy_group.helper
+        group.actor.helper
     with pytest.raises(AttributeError, match="has no method 'nope'"):
-        toy_group.nope
+        group.actor.nope
 
 
-def test_colocated_members_share_the_process(trio_group):
-    where = trio_group.ref.where()
-    infos = trio_group.actor.info()
+def test_colocated_members_share_the_process(group):
+    where = group.ref.where()
+    infos = group.actor.info()
     assert [w[0] for w in where] == ["ref", "ref"] and [w[1] for w in where] == [0, 1]
     assert [w[3] for w in where] == [i["pid"] for i in infos]
-    assert {i["role"] for i in infos} == {"actor"}
     batch = rows(5)
-    ref = trio_group.ref.log_probs(batch)
+    ref = group.ref.log_probs(batch)
     torch.testing.assert_close(ref["ref"], batch["features"].sum(-1) * 2.0)
-    assert trio_group.actor.allreduce_sum(1.0) == pytest.approx(3.0)
     with pytest.raises(AttributeError, match="colocated members: actor, ref"):
-        trio_group.log_probs
+        group.log_probs
 
 
-def test_two_groups_run_at_the_same_time(toy_group, trio_group, tmp_path):
-    first = toy_group.rendezvous.submit(str(tmp_path), "toy", "trio")
-    second = trio_group.actor.rendezvous.submit(str(tmp_path), "trio", "toy")
-    # each call waits until the other group's call has started: they can only finish together
-    assert second.result(timeout=90) == "trio"
-    assert first.result(timeout=90) == "toy"
-
-
-def test_killed_worker_is_detected(backend, cpu_pool):
-    group = WorkerGroup(ToyWorker, 2, backend=backend, pool=cpu_pool, name="victim")
+def test_second_group_overlaps_then_detects_a_killed_worker(backend, cpu_pool, group, tmp_path):
+    victim = WorkerGroup(ToyWorker, 2, backend=backend, pool=cpu_pool, name="victim")
     try:
-        pids = group.pids()
-        pending = group.block.submit(120)
+        # each call waits until the other group's call has started: they can only finish together
+        first = group.actor.rendezvous.submit(str(tmp_path), "policy", "victim")
+        second = victim.rendezvous.submit(str(tmp_path), "victim", "policy")
+        assert second.result(timeout=90) == "victim" and first.result(timeout=90) == "policy"
+
+        pids = victim.pids()
+        pending = victim.block.submit(120)
         os.kill(pids[1], signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(WorkerDiedError, match=rf"worker victim rank 1 died \(pid {pids[1]}") as info:
@@ -126,11 +122,11 @@ def test_killed_worker_is_detected(backend, cpu_pool):
         if backend == "local":
             assert "SIGKILL" in str(info.value)
         with pytest.raises(WorkerDiedError):
-            group.allreduce_sum(1.0)
+            victim.allreduce_sum(1.0)
+        assert group.actor.allreduce_sum(1.0) == pytest.approx(3.0)  # other groups are unaffected
     finally:
-        group.shutdown()
+        victim.shutdown()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     assert not any(alive(p) for p in pids), "worker processes outlived shutdown()"
-

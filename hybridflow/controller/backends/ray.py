@@ -120,7 +120,7 @@ class RayBackend(Backend):
         self._lock = threading.Lock()
         pg = _placement_group(ray, self.pool)
         actor_cls = ray.remote(RayWorkerActor)
-        sys_path, blob = self.spec.dumps()
+        sys_path, blob = self.spec.dumps(ray.cloudpickle)  # classes of the driver's __main__ travel by value
         log_addr = log_server(ray.util.get_node_ip_address()).address
         options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
         if self.spec.device_type == "cuda":
