@@ -5,11 +5,12 @@ from __future__ import annotations
 import builtins
 import io
 import json
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from hybridflow.tracking import Tracker, format_line
+from hybridflow.tracking import Tracker, config_dict, format_line
 
 STEP_METRICS = {
     "reward/mean": 0.5312, "actor/pg_loss": -0.0123, "actor/grad_norm": torch.tensor(1.25),
@@ -103,3 +104,25 @@ def test_metric_values_must_be_numbers_or_strings(tmp_path):
             tracker.log({"x": [1, 2]}, step=1)
         tracker.log({"x": torch.tensor(2.5), "n": 3}, step=1)
     assert _read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "x": 2.5, "n": 3}]
+
+
+@dataclass
+class _Inner:
+    lr: float = 1e-6
+
+
+@dataclass
+class _Cfg:
+    actor: _Inner = field(default_factory=_Inner)
+    loggers: list = field(default_factory=lambda: ["console"])
+
+
+def test_config_dict_from_dataclass_omegaconf_and_mapping():
+    from omegaconf import OmegaConf
+
+    expected = {"actor": {"lr": 1e-6}, "loggers": ["console"]}
+    assert config_dict(_Cfg()) == expected
+    assert config_dict(OmegaConf.structured(_Cfg)) == expected
+    assert config_dict(expected) == expected and config_dict(None) == {}
+    with pytest.raises(TypeError, match="config must be a dataclass"):
+        config_dict(42)
