@@ -29,6 +29,7 @@ class AttnMeta:
     n: copies of each prefill token written (the samples per prompt); 1 in decode.
     cu_seqlens: prefill [S + 1] int32 prompt starts in the packed tokens; decode [B + 1] int32 row
         starts in the flattened cache (slot * max_len).
+    cu_seqlens_q: decode [B + 1] int32, 0..B (one query per row).
     seqlens: prefill, the prompt lengths as Python ints (for the SDPA loop).
     max_seqlen: prefill, the longest prompt; decode, the largest context any row may have.
     context_lens: decode [B] int32, each row's context length including the new token.
@@ -39,6 +40,7 @@ class AttnMeta:
     write_index: torch.Tensor
     n: int = 1
     cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
     seqlens: list[int] | None = None
     max_seqlen: int = 0
     context_lens: torch.Tensor | None = None
@@ -79,10 +81,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, backend: str) -> torch.Tensor:
     """One query per row over its slot's first context_lens positions. q [B, H, D] -> [B, H, D]."""
     if backend == "flash":
-        batch = q.shape[0]
-        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         return torch.ops.aten._flash_attention_forward(
-            q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), cu_q,
+            q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta.cu_seqlens_q,
             meta.cu_seqlens, 1, meta.max_seqlen, 0.0, False, False, scale=scale,
             seqused_k=meta.context_lens)[0]
     length = meta.max_seqlen

@@ -18,7 +18,8 @@ from hybridflow.engine.rollout.kv_cache import KVCache
 
 def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, max_context: int) -> torch.Tensor:
-    """One new token per row. tokens/positions/slots [B] int64 (rows sorted by slot) -> logits [B, V] fp32.
+    """One new token per row. tokens/positions/slots [B] int64 (rows sorted by slot) -> logits [B, V] in the
+    model's dtype (the sampler computes in fp32).
 
     max_context: an upper bound on any row's context length (the flash kernel's max_seqlen_k, and the
     width of the gathered cache on the SDPA path).
@@ -26,8 +27,9 @@ def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, po
     starts = slots * kv.max_len
     meta = AttnMeta(prefill=False, write_index=starts + positions,
                     cu_seqlens=torch.cat([starts, starts[-1:] + kv.max_len]).to(torch.int32),
+                    cu_seqlens_q=torch.arange(tokens.shape[0] + 1, dtype=torch.int32, device=tokens.device),
                     max_seqlen=max_context, context_lens=(positions + 1).to(torch.int32), slots=slots)
-    return model(tokens, positions, meta, kv).float()
+    return model(tokens, positions, meta, kv)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -64,7 +66,7 @@ class DecodeGraphs:
                               self.slots[:size], self.kv.max_len)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Replay the smallest bucket holding B = len(tokens) rows; returns logits [B, V] fp32."""
+        """Replay the smallest bucket holding B = len(tokens) rows; returns logits [B, V]."""
         batch = tokens.shape[0]
         size = next(s for s in self.sizes if s >= batch)
         self.tokens[:batch].copy_(tokens)

@@ -113,8 +113,6 @@ class RolloutEngine:
             raise ValueError(f"engine={engine!r} is invalid; valid: 'auto', 'fast', 'hf'")
         config = AutoConfig.from_pretrained(path)
         device = resolve_device(device)
-        limit = getattr(config, "max_position_embeddings", None) or 4096
-        max_model_len = max_model_len or min(limit, 4096)
         stop_ids = model_stop_ids(path, config)
         fast = config.model_type in FAST_ARCHITECTURES
         if engine == "fast" and not fast:
@@ -123,15 +121,34 @@ class RolloutEngine:
         if engine == "hf" or not fast:
             from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
-            return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len)
+            return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096)
+        return cls.from_config(config, checkpoint_tensors(path), device, dtype, stop_ids, max_num_seqs,
+                               max_model_len, kv_cache_memory, cuda_graphs, max_prefill_tokens)
+
+    @classmethod
+    def from_config(cls, config, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    stop_token_ids: list[int] | None = None, max_num_seqs: int = 256,
+                    max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
+                    cuda_graphs: bool = True, max_prefill_tokens: int = 16384) -> RolloutEngine:
+        """A fast engine from a HF config and (HF name, tensor) weights, e.g. a trainer's state dict, with
+        no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id)."""
+        device = resolve_device(device)
+        max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
         uses_window = config.model_type in ("llama", "mistral") or getattr(config, "use_sliding_window", False)
         if window and uses_window and max_model_len > window:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
                              f"which the fast path does not implement; pass max_model_len <= {window}")
+        if stop_token_ids is None:
+            eos = getattr(config, "eos_token_id", None)
+            stop_token_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
         model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype))
-        model.load_weights(checkpoint_tensors(path))
-        return cls(model, device, dtype, stop_ids, max_num_seqs, max_model_len, kv_cache_memory,
+        missing = model.expected_weights() - set(model.load_weights(named_tensors))
+        if missing:
+            raise ValueError(f"the weights lack {len(missing)} tensors the model needs, e.g. "
+                             f"{sorted(str(m) for m in missing)[:4]}")
+        return cls(model, device, dtype, stop_token_ids, max_num_seqs, max_model_len, kv_cache_memory,
                    cuda_graphs, max_prefill_tokens)
 
     # ---- generation -------------------------------------------------------------------------------
@@ -153,8 +170,10 @@ class RolloutEngine:
         owner: dict[int, tuple[int, int]] = {}
         outs: list[list[Completion | None]] = [[None] * params.n for _ in prompt_token_ids]
         steps = prefills = prefill_tokens = 0
+        prefill_s = 0.0
         while scheduler.has_waiting or len(batch):
             admitted = scheduler.admit()
+            tick = time.perf_counter()
             if admitted:
                 self._prefill(admitted, batch, params, generator, owner)
                 prefills += 1
@@ -162,7 +181,9 @@ class RolloutEngine:
             else:
                 self._decode(batch, params, generator)
                 steps += 1
-            finished = batch.pop_finished()
+            finished = batch.pop_finished()  # syncs, so the timings below are real
+            if admitted:
+                prefill_s += time.perf_counter() - tick
             if finished is not None:
                 for slot, tokens, logprobs, stopped in zip(finished.slots, finished.token_ids,
                                                            finished.logprobs, finished.stopped):
@@ -171,8 +192,9 @@ class RolloutEngine:
                 scheduler.release(finished.slots)
         elapsed = time.perf_counter() - start
         generated = sum(len(c.token_ids) for row in outs for c in row)
-        self.stats.update(generate_s=elapsed, generated_tokens=generated, decode_steps=steps,
-                          prefill_forwards=prefills, prefill_tokens=prefill_tokens, tokens_per_s=generated / max(elapsed, 1e-9))
+        self.stats.update(generate_s=elapsed, prefill_s=prefill_s, decode_s=elapsed - prefill_s,
+                          generated_tokens=generated, decode_steps=steps, prefill_forwards=prefills,
+                          prefill_tokens=prefill_tokens, tokens_per_s=generated / max(elapsed, 1e-9))
         return outs
 
     def _prefill(self, admitted: list[Request], batch: RunningBatch, params: SamplingParams,
@@ -188,7 +210,7 @@ class RolloutEngine:
         meta = AttnMeta(prefill=True, write_index=write_index.to(dev), n=params.n,
                         cu_seqlens=cu.to(dev, torch.int32), seqlens=lens, max_seqlen=max(lens))
         logits = self.model(ids.to(dev), positions.to(dev), meta, self.kv, (cu[1:] - 1).to(dev))
-        tokens, logprobs = sample(logits.float().repeat_interleave(params.n, dim=0), params, generator)
+        tokens, logprobs = sample(logits.repeat_interleave(params.n, dim=0), params, generator)
         slots = [s for r in admitted for s in r.slots]
         for r in admitted:
             owner.update({slot: (r.index, j) for j, slot in enumerate(r.slots)})
@@ -208,8 +230,9 @@ class RolloutEngine:
     # ---- weights and memory -----------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy (HF name, tensor) pairs into the weights in place (see `CausalLM.load_weights`)."""
-        return self.model.load_weights(named_tensors)
+        """Copy (HF name, tensor) pairs into the weights in place (see `CausalLM.load_weights`); returns
+        how many tensors were loaded."""
+        return len(self.model.load_weights(named_tensors))
 
     def sleep(self, offload_weights: bool = False) -> None:
         """Free the KV cache and CUDA graphs; with offload_weights, also move the weights to CPU."""

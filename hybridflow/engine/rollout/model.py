@@ -9,7 +9,8 @@ shard)` serves its parameters; others take `default_weight_loader`). Weights are
 replaced, so captured CUDA graphs stay valid across updates.
 
 Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
-other rope_scaling types), precomputed for all positions. The forward takes packed tokens:
+other rope_scaling types), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
+kernels of `kernels` on CUDA. The forward takes packed tokens:
 input_ids [T], positions [T] and an `AttnMeta`, and returns fp32-ready logits for the rows named by
 `logits_index` (the last token of each prompt in prefill; every row in decode).
 """
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.engine.rollout.attention import AttnMeta, decode_attention, prefill_attention, write_kv
+from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul
 from hybridflow.engine.rollout.kv_cache import KVCache
 
 FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
@@ -61,23 +63,16 @@ class FusedLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalise in fp32, cast back, then scale."""
+    """HF's RMSNorm (normalise in fp32, cast back, then scale), optionally fused with the residual add."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, HF's rotate-half convention. x [T, heads, D]; cos/sin [T, 1, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + delta), h + delta); delta None normalises h."""
+        return add_rms_norm(h, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -96,16 +91,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.splits = [q_size, kv_size, kv_size]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
-                kv: KVCache) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = q.view(tokens, self.heads, self.head_dim)
-        k = k.view(tokens, self.kv_heads, self.head_dim)
-        v = v.view(tokens, self.kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttnMeta, kv: KVCache) -> torch.Tensor:
+        tokens, (q_size, kv_size, _) = x.shape[0], self.splits
+        qkv = self.qkv_proj(x)
+        v = qkv[:, q_size + kv_size:].view(tokens, self.kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
+            q = self.q_norm(q.reshape(tokens, self.heads, self.head_dim))[0]
+            k = self.k_norm(k.reshape(tokens, self.kv_heads, self.head_dim))[0]
+            rotary_(q, positions, *rope)
+            rotary_(k, positions, *rope)
+        else:  # q and k heads are adjacent in qkv: rotate them together, in place
+            qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
+            rotary_(qk, positions, *rope)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
         k_cache, v_cache = kv.layer(self.layer_index)
         write_kv(k_cache, v_cache, k, v, meta)
         if meta.prefill:
@@ -123,10 +123,13 @@ class MLP(nn.Module):
         size, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is None:
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -138,9 +141,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, cos, sin, meta: AttnMeta, kv: KVCache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope,
+                meta: AttnMeta, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream h and the previous layer's pending output delta -> (h, this layer's output);
+        the residual add is fused into the next norm."""
+        x, h = self.input_layernorm(h, delta)
+        x, h = self.post_attention_layernorm(h, self.self_attn(x, positions, rope, meta, kv))
+        return h, self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -193,24 +200,31 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, kv: KVCache,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions [T] -> logits [R, V] for rows `logits_index` (all T when None)."""
-        h = self.model.embed_tokens(input_ids)
-        cos = self.cos[positions].to(h.dtype)[:, None]
-        sin = self.sin[positions].to(h.dtype)[:, None]
+        h, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, meta, kv)
+            h, delta = layer(h, delta, positions, (self.cos, self.sin), meta, kv)
         if logits_index is not None:
-            h = h[logits_index]
-        return self.lm_head(self.model.norm(h))
+            h, delta = h[logits_index], delta[logits_index]
+        return self.lm_head(self.model.norm(h, delta)[0])
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the parameters in place; returns how many were loaded.
+    def expected_weights(self) -> set[tuple[str, str | None]]:
+        """(parameter, shard) pairs a full checkpoint must provide (a tied lm_head is not needed)."""
+        expected = set()
+        for name, _ in self.named_parameters():
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            shards = list(owner.offsets) if isinstance(owner, FusedLinear) else [None]
+            expected.update((name, shard) for shard in shards)
+        return expected
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str | None]]:
+        """Copy HF-named tensors into the parameters in place; returns the (parameter, shard) per tensor.
 
         Names may carry HF's `model.` prefix or not (`layers.0...` as in the inner model's state dict);
         `lm_head.weight` is accepted whether or not the embeddings are tied. Tensors on another device
         or dtype are converted by `copy_`; DTensors are gathered first. An unknown name raises KeyError.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
-        count = 0
+        loaded = []
         for name, tensor in named_tensors:
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
@@ -233,5 +247,5 @@ class CausalLM(nn.Module):
                 getattr(owner, "weight_loader", default_weight_loader)(param, tensor.detach(), shard)
             except ValueError as err:
                 raise ValueError(f"cannot load {name!r}: {err}") from None
-            count += 1
-        return count
+            loaded.append((target, shard))
+        return loaded

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.engine.rollout.kernels import sample_plain, use_triton
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 
@@ -36,8 +37,12 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     """Draw one token per row.
 
     logits: [R, V], any float dtype (converted to fp32; may be modified in place when already fp32).
-    Returns (tokens [R] int64, logprobs [R] fp32).
+    Returns (tokens [R] int64, logprobs [R] fp32). On CUDA without top-k / top-p, one fused pass
+    (`kernels.sample_plain`, Philox noise seeded from `generator`) does the same.
     """
+    if use_triton(logits) and params.top_k == -1 and params.top_p == 1.0:
+        seed = torch.randint(2**62, (1,), generator=generator, device=logits.device)
+        return sample_plain(logits, 1.0 / max(params.temperature, 1e-6), seed, params.greedy)
     x = logits.float()
     if params.greedy:
         tokens = x.argmax(dim=-1)

@@ -2,9 +2,10 @@
 
 Every iteration of the engine loop first admits as many waiting requests as there are free slots for
 (a request needs one slot per sample, n in all) and as the prefill token budget allows; otherwise it
-runs one decode step over all running rows. A row that finishes returns its slot at once, so the next
-iteration can admit a waiting request into it. Requests are admitted in arrival order; the lowest free
-slots are handed out first.
+runs one decode step over all running rows. A row that finishes returns its slot at once; waiting
+requests take the free slots as soon as 1/8 of all slots are free (or all the waiting requests fit,
+or nothing runs), so one prefill forward serves many prompts instead of one forward per freed slot.
+Requests are admitted in arrival order; the lowest free slots are handed out first.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ class Scheduler:
 
     def __init__(self, num_slots: int, max_prefill_tokens: int) -> None:
         self.num_slots, self.max_prefill_tokens = num_slots, max_prefill_tokens
+        self.admit_batch = max(1, num_slots // 8)
         self.free_slots = list(range(num_slots))
         self.waiting: deque[Request] = deque()
+        self.waiting_slots = 0
 
     def add(self, requests: list[Request]) -> None:
         for request in requests:
@@ -33,6 +36,7 @@ class Scheduler:
                 raise ValueError(f"SamplingParams.n={request.n} exceeds the engine's {self.num_slots} KV "
                                  f"slots; build the engine with max_num_seqs >= n (or a larger KV budget)")
         self.waiting.extend(requests)
+        self.waiting_slots += sum(r.n for r in requests)
 
     @property
     def has_waiting(self) -> bool:
@@ -41,11 +45,15 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Pop the waiting requests that fit now, giving each its n slots."""
         admitted, tokens = [], 0
+        free = len(self.free_slots)
+        if free < min(self.admit_batch, self.waiting_slots) and free < self.num_slots:
+            return admitted
         while self.waiting and self.waiting[0].n <= len(self.free_slots):
             request = self.waiting[0]
             if admitted and tokens + len(request.prompt) > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
+            self.waiting_slots -= request.n
             request.slots = [heapq.heappop(self.free_slots) for _ in range(request.n)]
             tokens += len(request.prompt)
             admitted.append(request)

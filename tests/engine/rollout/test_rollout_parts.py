@@ -55,6 +55,21 @@ def test_scheduler_fills_free_slots_in_order_within_the_token_budget():
         sched.add([Request(9, [1], n=5)])
 
 
+def test_scheduler_batches_admissions_until_an_eighth_of_the_slots_are_free():
+    sched = Scheduler(num_slots=16, max_prefill_tokens=1000)
+    sched.add([Request(i, [1, 2], n=1) for i in range(40)])
+    assert len(sched.admit()) == 16
+    sched.release([3])
+    assert sched.admit() == []  # one free slot: wait for more, so one prefill serves several prompts
+    sched.release([5])
+    assert [r.slots for r in sched.admit()] == [[3], [5]]  # 2 = 16 // 8 free
+    sched = Scheduler(num_slots=16, max_prefill_tokens=1000)
+    sched.add([Request(i, [1], n=1) for i in range(17)])
+    sched.admit()
+    sched.release([0])
+    assert len(sched.admit()) == 1  # the last waiting request needs only one slot
+
+
 def test_bucket_sizes_cover_every_batch():
     sizes = bucket_sizes(100)
     assert sizes == [1, 2, 4, 8, 16, 32, 64, 96, 100]

@@ -1,0 +1,176 @@
+"""Fused elementwise kernels for the decoder and the sampler: Triton on CUDA, plain torch elsewhere.
+
+A decode step of a small model is bound by kernel count, not FLOPs: HF-style RMSNorm is eight kernels,
+rotary ten, silu-and-mul two. Each op here is one Triton kernel on CUDA and reproduces the torch
+reference's rounding (every bf16 op of the reference is an fp32 compute followed by one rounding), so
+the fast path stays close to `transformers`; on CPU (or without Triton) the torch reference runs.
+
+- `add_rms_norm(h, delta, weight, eps)` -> (norm(h + delta) * weight, h + delta)   rows [T, N]
+- `rotary_(x, positions, cos, sin)`: HF rotate-half RoPE in place on x [T, heads, D]
+- `silu_mul(gate_up)` -> silu(gate) * up                                          [T, 2I] -> [T, I]
+- `sample_plain(logits, inv_temp, seed, greedy)` -> (token, log-prob) per row, one pass over the
+  logits (Gumbel-max with counter-based Philox noise; log-prob from an online logsumexp).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def _rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = h.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(h.dtype)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF RMSNorm of (h + delta) (delta None: of h). h, delta [T, N] -> (normed [T, N], h + delta)."""
+    if not use_triton(h) or h.dim() != 2:
+        h = h if delta is None else h + delta
+        return _rms_norm_torch(h, weight, eps), h
+    rows, n = h.shape
+    out = torch.empty(rows, n, dtype=h.dtype, device=h.device)
+    total = out if delta is None else torch.empty_like(out)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_kernel[(rows,)](h, h if delta is None else delta, weight, out, total, h.stride(0),
+                                  0 if delta is None else delta.stride(0), n, eps,
+                                  HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if n <= 2048 else 8)
+    return out, (h if delta is None else total)
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] in place by positions [T]; cos/sin [max_len, D] fp32 tables."""
+    half = x.shape[-1] // 2
+    if not use_triton(x) or half & (half - 1) or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        c = cos[positions].to(x.dtype)[:, None]
+        s = sin[positions].to(x.dtype)[:, None]
+        x1, x2 = x.chunk(2, dim=-1)
+        x.copy_(x * c + torch.cat((-x2, x1), dim=-1) * s)
+        return
+    tokens, heads, _ = x.shape
+    _rotary_kernel[(tokens, heads)](x, positions, cos, sin, x.stride(0), cos.stride(0), HALF=half)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] on the last dim: [T, 2I] -> [T, I]."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    if not use_triton(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
+    return out
+
+
+def sample_plain(logits: torch.Tensor, inv_temp: float, seed: torch.Tensor,
+                 greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Untruncated sampling from softmax(logits * inv_temp), or argmax when greedy, in one pass.
+
+    logits [R, V] (any float dtype, computed in fp32); seed [1] int64 on the device (noise for row r,
+    token v is Philox(seed, r * V + v)). Returns (tokens [R] int64, logprobs [R] fp32); greedy
+    log-probs are log_softmax(logits) (inv_temp is ignored).
+    """
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(rows,)](logits, logits.stride(0), vocab, 1.0 if greedy else inv_temp, seed, tokens,
+                            logprobs, GREEDY=greedy, BLOCK=4096, num_warps=8)
+    return tokens, logprobs
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, stride_h, stride_d, n, eps,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + d.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * n + cols, h, mask=mask)
+        x = h.to(tl.float32)
+        var = tl.sum(x * x, axis=0) / n
+        y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_c, HALF: tl.constexpr):
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        pos = tl.load(pos_ptr + t)
+        offs = tl.arange(0, HALF)
+        base = x_ptr + t * stride_t + head * 2 * HALF
+        dt = x_ptr.dtype.element_ty
+        x1 = tl.load(base + offs).to(tl.float32)
+        x2 = tl.load(base + HALF + offs).to(tl.float32)
+        c1 = tl.load(cos_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
+        # reference: x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        tl.store(base + offs, o1.to(dt))
+        tl.store(base + HALF + offs, o2.to(dt))
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        dt = out_ptr.dtype.element_ty
+        g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=mask)
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, stride, vocab, inv_temp, seed_ptr, tok_ptr, lp_ptr,
+                       GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        seed = tl.load(seed_ptr)
+        best_score = tl.full([], float("-inf"), tl.float32)
+        best_x = tl.full([], float("-inf"), tl.float32)
+        best_idx = tl.full([], 0, tl.int32)
+        run_max = tl.full([], float("-inf"), tl.float32)
+        run_sum = tl.full([], 0.0, tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < vocab
+            x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            x = x * inv_temp
+            if GREEDY:
+                score = x
+            else:
+                u = tl.rand(seed, row * vocab + cols)
+                score = x - tl.log(-tl.log(u))  # + Gumbel noise; u == 0 gives -inf (never picked)
+            score = tl.where(mask, score, float("-inf"))
+            block_best = tl.max(score, axis=0)
+            block_idx = tl.argmax(score, axis=0)
+            block_x = tl.sum(tl.where(cols == start + block_idx, x, 0.0), axis=0)
+            better = block_best > best_score
+            best_score = tl.where(better, block_best, best_score)
+            best_idx = tl.where(better, start + block_idx, best_idx)
+            best_x = tl.where(better, block_x, best_x)
+            new_max = tl.maximum(run_max, tl.max(x, axis=0))
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            run_max = new_max
+        tl.store(tok_ptr + row, best_idx.to(tl.int64))
+        tl.store(lp_ptr + row, best_x - run_max - tl.log(run_sum))
