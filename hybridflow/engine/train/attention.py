@@ -1,19 +1,19 @@
 """Packed (variable-length) causal attention for Hugging Face models.
 
-Registers the attention implementation ``"hybridflow_varlen"`` with `transformers`' attention
-registry. A model switched to it (see `varlen_attention`) takes rows concatenated into one sequence
-`[1, T]` plus ``cu_seq_lens_q`` (int32 `[N+1]` row starts) and ``max_length_q`` keyword arguments, which
-`transformers` forwards from the model call to every attention layer. No row attends across another.
+Registers the attention implementation ``"hybridflow_varlen"`` with `transformers`' attention and
+mask registries; the engine loads models with it. A call with rows concatenated into one sequence
+`[1, T]` plus ``cu_seq_lens_q`` (int32 `[N+1]` row starts) and ``max_length_q`` keyword arguments (which
+`transformers` forwards from the model call to every attention layer) runs packed attention, no row
+attending across another; any other call (padded rows and their mask) runs plain SDPA. The choice is
+made per call from the arguments, so recomputation under gradient checkpointing takes the same path.
 
-On CUDA the kernel is `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative
+On CUDA the packed kernel is `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative
 lengths, no padding, no mask); elsewhere SDPA over a block-diagonal causal mask (for tests on CPU).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +66,15 @@ def _masked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: torch.Tensor | None,
                              scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """The `transformers` attention-function contract: q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` ->
-    (`[1, T, Hq, D]`, None). Needs ``cu_seq_lens_q`` and ``max_length_q`` in `kwargs`."""
+    """The `transformers` attention-function contract: q `[B, Hq, T, D]`, k/v `[B, Hkv, T, D]` ->
+    (`[B, T, Hq, D]`, None). Packed when ``cu_seq_lens_q`` and ``max_length_q`` are in `kwargs`."""
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None or query.shape[0] != 1:
-        raise ValueError(f"{VARLEN_ATTENTION} attention needs one packed row [1, T] and cu_seq_lens_q; "
-                         f"got a batch of {query.shape[0]} rows and cu_seq_lens_q={cu!r}")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention needs one row [1, T]; got a batch of {query.shape[0]} rows")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if q.is_cuda and _varlen_attn is not None:
         out = _flash_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
@@ -80,20 +83,19 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.unsqueeze(0), None
 
 
+def _mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """SDPA's mask for padded rows; none for packed rows (their attention takes no mask)."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def register() -> None:
     """Make ``"hybridflow_varlen"`` a valid `attn_implementation` (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-
-
-@contextlib.contextmanager
-def varlen_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, every attention layer of `model` runs `varlen_attention_forward`."""
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = VARLEN_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
+    AttentionMaskInterface.register(VARLEN_ATTENTION, _mask)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.train import flops as flops_lib
-from hybridflow.engine.train.attention import varlen_attention
+from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.logprobs import token_log_probs
 from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows
 from hybridflow.engine.train.model import load_model, resolve_precision
@@ -120,8 +120,10 @@ class TrainEngine:
         # indices are built on the host (no device syncs), then moved once
         inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
         inputs = inputs.to(self.device)
-        attn = varlen_attention(self.model) if pack else contextlib.nullcontext()
-        with attn, self._autocast():
+        if pack and self.config._attn_implementation != VARLEN_ATTENTION:
+            raise ValueError(f"use_packing needs model attn_implementation='sdpa' (packed rows run varlen "
+                             f"attention); this model uses {self.config._attn_implementation!r}")
+        with self._autocast():
             if self.head == "lm":
                 keep, index = inputs.lm_keep()
                 logits = self.model(**inputs.kwargs, logits_to_keep=keep).logits

@@ -57,6 +57,8 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     if head not in HEADS:
         raise ValueError(f"model head {head!r} is not valid; valid: {', '.join(HEADS)}")
     attention.register()
+    if attn_implementation == "sdpa":  # SDPA for padded rows, varlen flash attention for packed ones
+        attn_implementation = attention.VARLEN_ATTENTION
     kwargs = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     if head == "lm":
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -69,7 +71,10 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     model.config.use_cache = False
     fuse_rms_norms(model)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
