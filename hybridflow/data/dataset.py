@@ -96,34 +96,36 @@ class RLDataset:
         except ValueError as e:
             raise DataError(f"{self.files[0]}, column '{prompt_key}': {e}") from None
         self.num_rows = len(rows)
-        self.num_filtered = self.num_truncated = 0
-        self._rows: list[dict[str, Any]] = []
-        too_long = []
+        self._rows = self._limit_lengths(records, rows, ids, prompt_key, truncation)
+
+    def _limit_lengths(self, records: list[Record], rows: list[dict], ids: list[list[int]], prompt_key: str,
+                       truncation: str) -> list[dict[str, Any]]:
+        """The rows with their token ids, after refusing, dropping or cutting prompts over the limit."""
+        limit, kept, too_long = self.max_prompt_length, [], []
         for record, row, row_ids in zip(records, rows, ids):
-            if max_prompt_length is not None and len(row_ids) > max_prompt_length:
+            if limit is not None and len(row_ids) > limit:
                 too_long.append((record, len(row_ids)))
                 if truncation == "filter":
                     continue
-                row_ids = row_ids[-max_prompt_length:] if truncation == "left" else row_ids[:max_prompt_length]
+                row_ids = row_ids[-limit:] if truncation == "left" else row_ids[:limit]
             if not row_ids:
                 raise record.error(prompt_key, "a prompt that tokenizes to at least one token", show_value=False)
-            self._rows.append({**row, "input_ids": np.asarray(row_ids, dtype=np.int64)})
+            kept.append({**row, "input_ids": np.asarray(row_ids, dtype=np.int64)})
         if too_long and truncation == "error":
             record, length = too_long[0]
             raise DataError(
-                f"{len(too_long)} of {self.num_rows} prompts are longer than max_prompt_length={max_prompt_length} "
+                f"{len(too_long)} of {self.num_rows} prompts are longer than max_prompt_length={limit} "
                 f"tokens (first: {record.where}, {length} tokens); set data.truncation=filter to drop them, "
                 f"left/right to cut them, or raise data.max_prompt_length")
-        if truncation == "filter":
-            self.num_filtered = len(too_long)
-        else:
-            self.num_truncated = len(too_long)
-        if not self._rows:
+        self.num_filtered = len(too_long) if truncation == "filter" else 0
+        self.num_truncated = len(too_long) if truncation in ("left", "right") else 0
+        if not kept:
             raise DataError(f"{', '.join(self.files)}: all {self.num_rows} prompts are longer than "
-                            f"max_prompt_length={max_prompt_length}")
-        logger.info("%s: %d prompts (%d read, %d filtered, %d truncated; max_prompt_length=%s)",
-                    ", ".join(self.files), len(self._rows), self.num_rows, self.num_filtered, self.num_truncated,
-                    max_prompt_length)
+                            f"max_prompt_length={limit}")
+        level = logging.WARNING if too_long else logging.INFO  # dropped or cut data is worth seeing
+        logger.log(level, "%s: %d prompts (%d read, %d filtered, %d truncated; max_prompt_length=%s)",
+                   ", ".join(self.files), len(kept), self.num_rows, self.num_filtered, self.num_truncated, limit)
+        return kept
 
     def __len__(self) -> int:
         return len(self._rows)

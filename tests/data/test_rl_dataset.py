@@ -107,9 +107,11 @@ def test_long_prompts_refused_by_default(write_jsonl, tokenizer):
         RLDataset(path, tokenizer, max_prompt_length=6, apply_chat_template=False)
 
 
-def test_filter_and_truncate_counts(write_jsonl, tokenizer):
+def test_filter_and_truncate_counts(write_jsonl, tokenizer, caplog):
     path = _length_data(write_jsonl)
-    kept = RLDataset(path, tokenizer, max_prompt_length=6, truncation="filter", apply_chat_template=False)
+    with caplog.at_level("WARNING", logger="hybridflow.data.dataset"):
+        kept = RLDataset(path, tokenizer, max_prompt_length=6, truncation="filter", apply_chat_template=False)
+    assert "2 prompts (4 read, 2 filtered, 0 truncated; max_prompt_length=6)" in caplog.text
     assert len(kept) == 2 and kept.num_filtered == 2 and kept.num_truncated == 0
     assert [kept[i]["raw_prompt"] for i in range(2)] == ["abc", "hello"]
     left = RLDataset(path, tokenizer, max_prompt_length=6, truncation="left", apply_chat_template=False)
