@@ -1,11 +1,16 @@
 """`ScoringPool`: reward functions run in spawned processes with a per-sample timeout.
 
 Each worker process loads the reward function itself from its spec (so user functions need no
-pickling), tells the pool it is ready, then scores chunks of rows, sending one result per row. The pool
-sends a chunk only to an idle worker, so the controller never blocks on a busy one. A row that raises
-gives an ``error`` outcome; a row still running `timeout_s` after it started gives ``timeout``: that
-worker is killed, a fresh one is started, and the rest of its chunk goes back to the queue. A worker
-that dies (segfault, ``os._exit``) costs only the row it was on.
+pickling), tells the pool it is ready, then scores chunks of rows. The pool sends a chunk only to an
+idle worker, so the controller never blocks on a busy one. Results come back in batches (every
+`_FLUSH_S` seconds and at the end of a chunk), so a fast rule-based reward costs microseconds of IPC
+per row; the worker publishes the row it is on, and when it started, in a small shared-memory slot,
+which is what the timeout watches.
+
+A row that raises gives an ``error`` outcome. A row still running `timeout_s` after it started gives
+``timeout``: that worker is killed, a fresh one is started, and the rest of its chunk (including rows
+it had finished but not yet reported) goes back to the queue. A worker that dies (segfault,
+``os._exit``) costs only the row it was on.
 """
 
 from __future__ import annotations
@@ -26,12 +31,18 @@ Row = tuple[str, str, Any, Any]
 # ("ok", (score, extras)) | ("error", message) | ("timeout", message)
 Outcome = tuple[str, Any]
 
-_MAX_CHUNK = 16
+_MAX_CHUNK = 64
+_FLUSH_S = 0.02
 _STARTUP_TIMEOUT_S = 300.0
+_IDLE = -1.0  # value of the shared "current row" slot between rows
 
 
-def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection) -> None:
-    """Worker process body: load the function, then score ``[(index, row), ...]`` chunks until ``None``."""
+def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection, current: Any) -> None:
+    """Worker process body: load the function, then score ``[(index, row), ...]`` chunks until ``None``.
+
+    `current` is a shared ``[row index, start time]`` pair; the index is set to `_IDLE` while the pair
+    is being written and between rows, so the controller never reads a torn pair.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     from hybridflow.rewards.registry import get_reward_fn, split_result
 
@@ -41,23 +52,40 @@ def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    while (msg := conn.recv()) is not None:
-        for index, row in msg:
+    while (chunk := conn.recv()) is not None:
+        results: list[tuple[int, Outcome]] = []
+        flushed = time.monotonic()
+        for index, row in chunk:
+            current[0], current[1] = _IDLE, time.monotonic()
+            current[0] = float(index)
             try:
                 outcome: Outcome = ("ok", split_result(fn(*row)))
             except (Exception, SystemExit) as e:
                 outcome = ("error", f"{type(e).__name__}: {e}")
-            conn.send((index, outcome))
+            results.append((index, outcome))
+            if time.monotonic() - flushed > _FLUSH_S:
+                conn.send(results)
+                results, flushed = [], time.monotonic()
+        current[0] = _IDLE
+        if results:
+            conn.send(results)
 
 
 @dataclass
 class _Worker:
     process: Any
     conn: Connection
+    current: Any  # shared [row index or _IDLE, start time]
     ready: bool = False
-    inflight: deque = field(default_factory=deque)  # row indices sent, in order
-    head_started: float = 0.0  # when the row at inflight[0] began
+    inflight: set = field(default_factory=set)  # row indices sent and not yet answered
     spawned: float = field(default_factory=time.monotonic)
+
+    def running(self) -> tuple[int, float] | None:
+        """``(row index, start time)`` of the row the worker is scoring, or None between rows."""
+        index, started = self.current[0], self.current[1]
+        if index == _IDLE or self.current[0] != index or int(index) not in self.inflight:
+            return None
+        return int(index), started
 
 
 class ScoringPool:
@@ -81,11 +109,12 @@ class ScoringPool:
 
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(self.spec, self.fn_kwargs, child),
+        current = self._ctx.Array("d", [_IDLE, 0.0], lock=False)
+        process = self._ctx.Process(target=_worker_main, args=(self.spec, self.fn_kwargs, child, current),
                                     daemon=True, name="hybridflow-reward")
         process.start()
         child.close()
-        return _Worker(process, parent)
+        return _Worker(process, parent, current)
 
     def _replace(self, i: int) -> None:
         worker = self._workers[i]
@@ -105,33 +134,38 @@ class ScoringPool:
         return outcomes  # type: ignore[return-value]
 
     def _dispatch(self, rows: list[Row], queue: deque) -> None:
-        idle = [w for w in self._workers if w.ready and not w.inflight]
-        for worker in idle:
+        for worker in self._workers:
             if not queue:
                 return
-            size = max(1, min(_MAX_CHUNK, len(queue) // (2 * len(self._workers))))
+            if not worker.ready or worker.inflight:
+                continue
+            size = max(1, min(_MAX_CHUNK, len(queue) // (4 * len(self._workers))))
             indices = [queue.popleft() for _ in range(min(size, len(queue)))]
             try:
                 worker.conn.send([(i, rows[i]) for i in indices])
             except OSError:  # the worker died while idle: `_collect` sees its EOF and replaces it
                 queue.extendleft(reversed(indices))
                 continue
-            worker.inflight.extend(indices)
-            worker.head_started = time.monotonic()
+            worker.inflight.update(indices)
 
     def _collect(self, outcomes: list, queue: deque) -> None:
-        now = time.monotonic()
-        deadlines = [w.head_started + self.timeout_s for w in self._workers
-                     if self.timeout_s and w.ready and w.inflight]
-        wait_s = max(0.0, min(deadlines) - now) if deadlines else 1.0
+        wait_s = 1.0
+        if self.timeout_s:
+            for worker in self._workers:
+                if worker.ready and worker.inflight:
+                    running = worker.running()
+                    # Between rows the slot is idle for microseconds: look again soon.
+                    left = running[1] + self.timeout_s - time.monotonic() if running else _FLUSH_S
+                    wait_s = min(wait_s, max(0.0, left))
         ready = wait([w.conn for w in self._workers], timeout=wait_s)
         for i, worker in enumerate(self._workers):
             if worker.conn in ready:
                 self._drain(i, outcomes, queue)
         now = time.monotonic()
         for i, worker in enumerate(self._workers):
-            if self.timeout_s and worker.ready and worker.inflight and now - worker.head_started > self.timeout_s:
-                self._fail_head(i, outcomes, queue, ("timeout", f"no result within {self.timeout_s:g} s"))
+            running = worker.running() if self.timeout_s and worker.ready and worker.inflight else None
+            if running and now - running[1] > self.timeout_s:
+                self._fail(i, running[0], outcomes, queue, ("timeout", f"no result within {self.timeout_s:g} s"))
             elif not worker.ready and now - worker.spawned > _STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:g} s "
                                    f"(loading reward function {self.spec!r})")
@@ -140,34 +174,35 @@ class ScoringPool:
         worker = self._workers[i]
         try:
             while worker.conn.poll():
-                tag, payload = worker.conn.recv()
-                if tag == "ready":
-                    worker.ready, worker.head_started = True, time.monotonic()
-                elif tag == "failed":
-                    raise RuntimeError(f"reward worker could not load reward function {self.spec!r}: {payload}")
+                message = worker.conn.recv()
+                if isinstance(message, list):
+                    for index, outcome in message:
+                        worker.inflight.discard(index)
+                        outcomes[index] = outcome
+                elif message[0] == "ready":
+                    worker.ready = True
                 else:
-                    expected = worker.inflight.popleft()
-                    if tag != expected:
-                        raise RuntimeError(f"reward worker answered row {tag}, expected row {expected}")
-                    outcomes[tag] = payload
-                    worker.head_started = time.monotonic()
+                    raise RuntimeError(f"reward worker could not load reward function {self.spec!r}: {message[1]}")
         except (EOFError, OSError):
             worker.process.join(timeout=1)
             code = worker.process.exitcode
             if not worker.ready:
                 raise RuntimeError(f"reward worker exited with code {code} while loading {self.spec!r}") from None
             if worker.inflight:
-                self._fail_head(i, outcomes, queue, ("error", f"reward worker died (exit code {code})"))
+                running = worker.running()
+                culprit = running[0] if running else min(worker.inflight)
+                self._fail(i, culprit, outcomes, queue, ("error", f"reward worker died (exit code {code})"))
             else:
                 self._replace(i)
 
-    def _fail_head(self, i: int, outcomes: list, queue: deque, outcome: Outcome) -> None:
-        """Records `outcome` for the worker's current row, requeues the rest, and replaces the worker."""
+    def _fail(self, i: int, index: int, outcomes: list, queue: deque, outcome: Outcome) -> None:
+        """Records `outcome` for row `index`, requeues the worker's other rows, and replaces the worker."""
         worker = self._workers[i]
-        head = worker.inflight.popleft()
-        outcomes[head] = outcome
-        logger.warning("reward row %d: %s; restarting the reward worker", head, outcome[1])
-        queue.extendleft(reversed(worker.inflight))
+        worker.inflight.discard(index)
+        outcomes[index] = outcome
+        logger.warning("reward row %d: %s; restarting the reward worker", index, outcome[1])
+        queue.extendleft(sorted(worker.inflight, reverse=True))
+        worker.inflight.clear()
         self._replace(i)
 
     def close(self) -> None:

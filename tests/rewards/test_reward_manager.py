@@ -136,3 +136,13 @@ def test_a_worker_that_died_while_idle_is_replaced(reward_file):
         result = manager.score(_rows(["a", "b", "a"]))
         assert result.scores == [1.0, 0.0, 1.0] and result.metrics["reward/errors"] == 0.0
         assert manager._pool.restarts == 1
+
+
+def test_timeout_blames_the_hung_row_not_its_finished_chunk_mates(reward_file):
+    # One worker; the hung row sits mid-chunk after rows it finished but had not reported yet.
+    texts = ["a"] * 20 + ["sleep"] + ["b"] * 20
+    with RewardManager(reward_file, num_workers=1, timeout_s=1.0) as manager:
+        result = manager.score(_rows(texts))
+    assert [i for i, e in enumerate(result.errors) if e] == [20]
+    assert result.errors[20].startswith("timeout")
+    assert result.scores == [1.0] * 20 + [0.0] * 21
