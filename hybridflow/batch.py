@@ -177,9 +177,8 @@ class Batch:
             arr = np.array([int(index)], dtype=np.int64)
         else:
             if isinstance(index, torch.Tensor):
-                arr = index.detach().cpu().numpy()
-            else:
-                arr = np.asarray(index)
+                index = index.detach().cpu().numpy()
+            arr = np.atleast_1d(np.asarray(index))
             if arr.ndim != 1:
                 raise IndexError(f"row index must be 1-D, got shape {arr.shape}")
             if arr.dtype == np.bool_:

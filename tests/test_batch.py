@@ -80,6 +80,7 @@ def test_getitem_missing_key():
         ([4, 0, 4], [4, 0, 4]),
         (np.array([5, -7]), [5, 0]),
         (torch.tensor([3, 1]), [3, 1]),
+        (torch.tensor(4), [4]),
         (torch.tensor([True, False, False, True, False, False, True]), [0, 3, 6]),
         (np.array([False] * 7), []),
         ([], []),

@@ -47,7 +47,7 @@ class Worker:
     process_group: Any
 
     @classmethod
-    def create(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
+    def _construct(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
         """Builds an instance whose context attributes are set before `__init__(**init_kwargs)` runs."""
         obj = cls.__new__(cls)
         obj._bind(context)

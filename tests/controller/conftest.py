@@ -34,6 +34,9 @@ def group(backend, cpu_pool):
     """Two ranks, each one process holding a ToyWorker ("actor") and a RefWorker ("ref")."""
     cls = colocate(actor=ToyWorker, ref=RefWorker)
     init_kwargs = {"actor": {"hidden": 4}, "ref": {"scale": 2.0}}
-    group = WorkerGroup(cls, 2, backend=backend, pool=cpu_pool, name="policy", init_kwargs=init_kwargs)
+    group = WorkerGroup(
+        cls, 2, backend=backend, pool=cpu_pool, name="policy", init_kwargs=init_kwargs,
+        env={"HYBRIDFLOW_TEST_ENV": "on"},
+    )
     yield group
     group.shutdown()

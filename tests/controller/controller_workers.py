@@ -49,6 +49,7 @@ class ToyWorker(Worker):
             "role": self.role,
             "dist_world": dist.get_world_size(self.process_group),
             "pid": os.getpid(),
+            "env": os.environ.get("HYBRIDFLOW_TEST_ENV"),
         }
 
     @register(Dispatch.BROADCAST)
@@ -129,3 +130,12 @@ class RefWorker(Worker):
     @register(Dispatch.BROADCAST, collect="all")
     def where(self) -> tuple:
         return (self.role, self.rank, str(self.device), os.getpid())
+
+
+class BrokenInit(Worker):
+    """Rank 1 fails to build while rank 0 waits for it in a collective."""
+
+    def __init__(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("cannot load weights")
+        dist.barrier(group=self.process_group)

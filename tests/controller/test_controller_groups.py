@@ -26,6 +26,7 @@ def test_worker_context(group):
     assert all(i["world_size"] == 2 and i["dist_world"] == 2 and i["device"] == "cpu" for i in infos)
     assert [i["local_rank"] for i in infos] == [0, 1]
     assert {i["role"] for i in infos} == {"actor"}
+    assert {i["env"] for i in infos} == {"on"} and "HYBRIDFLOW_TEST_ENV" not in os.environ
     assert len({i["pid"] for i in infos} | {os.getpid()}) == 3
     assert group.world_size == 2
     assert group.pids() == [i["pid"] for i in infos]

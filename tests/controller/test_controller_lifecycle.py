@@ -10,7 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from controller_workers import alive
+import pytest
+
+from hybridflow.controller import ResourcePool, WorkerError, WorkerGroup
+
+from controller_workers import BrokenInit, alive
 
 CONTROLLER = """
 import sys, time
@@ -62,3 +66,11 @@ def test_controller_exit_and_death_leave_no_orphans():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_failing_init_raises_at_start_and_frees_the_pool():
+    pool = ResourcePool(2, name="init-pool")
+    with pytest.raises(WorkerError, match=r"\(broken rank 1\) __init__ failed: RuntimeError: cannot load weights") as info:
+        WorkerGroup(BrokenInit, 2, pool=pool, name="broken")
+    assert "controller_workers.py" in str(info.value)
+    assert pool.groups == []

@@ -3,7 +3,7 @@ worker) and `ray` (actors in a placement group). They share one small interface,
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from hybridflow.controller.errors import WorkerError
@@ -42,6 +42,16 @@ def settle(future: Future, reply: Reply, role: str, rank: int, path: str) -> Non
         future.set_result(value)
     else:
         future.set_exception(WorkerError(role, rank, path, value))
+
+
+def wait_all(futures: list[Future]) -> list[Any]:
+    """Every future's result, raising the first failure as soon as it happens (a rank stuck in a
+    collective because another rank failed must not hide that failure)."""
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in futures:
+        if future in done and future.exception() is not None:
+            raise future.exception()
+    return [f.result() for f in futures]
 
 
 def make_backend(name: str, spec: WorkerSpec, pool: ResourcePool, env: dict[str, str], inline: bool | None) -> Any:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow.controller.backends import Backend, settle
+from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
 from hybridflow.controller.logs import forward_output, log_server
 from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
@@ -122,8 +122,7 @@ class LocalBackend(Backend):
             threading.Thread(target=self._read_loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-rx").start()
             threading.Thread(target=self._send_loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-tx").start()
         try:
-            for future in ready:
-                future.result()
+            wait_all(ready)
         except BaseException:
             self.shutdown()
             raise

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.controller.backends import Backend, settle
+from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.logs import forward_output, log_server
 from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
@@ -88,6 +88,13 @@ def _placement_group(ray: Any, pool: Any) -> Any:
     if pool.placement is None:
         from ray.util.placement_group import placement_group
 
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if pool.device == "cuda" and gpus < pool.n_processes:
+            raise ValueError(
+                f"{pool!r} needs {pool.n_processes} GPUs but the Ray cluster has {gpus:g}; "
+                f"use at most {int(gpus)} processes, or device='cpu'"
+            )
+
         bundle = {"CPU": pool.cpus_per_process}
         if pool.device == "cuda":
             bundle["GPU"] = 1
@@ -154,7 +161,7 @@ class RayBackend(Backend):
             for rank, actor in enumerate(self.actors)
             for gpus in [",".join(node_gpus[infos[rank][0]])]
         ]
-        self._pids = [future.result() for future in replies]
+        self._pids = wait_all(replies)
 
     def _wrap(self, rank: int, path: str, ref: Any, pickled: bool) -> Future:
         """Turns an actor ObjectRef into a Future of the reply's value (errors translated)."""
