@@ -121,6 +121,12 @@ def _algorithm_problems(cfg: Any) -> list[str]:
     if est in GROUP_ESTIMATORS and n < 2:
         problems.append(f"algorithm.adv_estimator={est} compares the responses of one prompt: "
                         f"rollout.n={n} must be >= 2")
+    if est in GROUP_ESTIMATORS and n >= 2 and cfg.rollout.temperature <= 0:
+        problems.append(f"algorithm.adv_estimator={est} with rollout.temperature=0 (greedy): the {n} responses "
+                        f"of a prompt are identical, so every advantage is 0; use rollout.temperature > 0")
+    if cfg.rollout.val_n > 1 and cfg.rollout.val_temperature <= 0:
+        problems.append(f"rollout.val_n={cfg.rollout.val_n} with rollout.val_temperature=0 (greedy) repeats one "
+                        f"response; use rollout.val_n=1 or rollout.val_temperature > 0")
     if est == "remax" and cfg.rollout.temperature <= 0:
         problems.append("algorithm.adv_estimator=remax subtracts a greedy response's reward as baseline: "
                         f"rollout.temperature={cfg.rollout.temperature} must be > 0 (sampled responses)")

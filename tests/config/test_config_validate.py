@@ -62,6 +62,8 @@ def test_estimator_needs():
     assert "rollout.n=1 must be >= 2" in _problems(_cfg("rollout.n=1", "algorithm.adv_estimator=rloo"))
     assert "rollout.temperature=0.0 must be > 0" in _problems(
         _cfg("algorithm.adv_estimator=remax", "rollout.temperature=0"))
+    assert "every advantage is 0; use rollout.temperature > 0" in _problems(_cfg("rollout.temperature=0"))
+    assert "rollout.val_n=4 with rollout.val_temperature=0" in _problems(_cfg("rollout.val_n=4"))
     assert "set algorithm.use_kl_in_reward=true" in _problems(_cfg("algorithm.kl_ctrl.type=adaptive"))
     assert "overlong_buffer.len=600 must be in [1, data.max_response_length=512)" in _problems(
         _cfg("algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=600"))
