@@ -1,4 +1,9 @@
-"""The `hybridflow` command line: one entry point, one subcommand per job."""
+"""The `hybridflow` command line: one entry point, one subcommand per job.
+
+    hybridflow train --config recipes/grpo.yaml model.path=MODEL data.train_files=train.parquet
+    hybridflow export outputs/run/checkpoints/step_00000010 outputs/run/hf
+    hybridflow config [--config FILE] [key=value ...]     # print the resolved config
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,57 @@ import argparse
 import sys
 
 
+def _train(args: argparse.Namespace) -> int:
+    from hybridflow.config.loader import load_config
+    from hybridflow.trainer.rl import train
+
+    train(load_config(args.overrides, args.config))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from hybridflow.config.loader import load_config, to_yaml
+
+    print(to_yaml(load_config(args.overrides, args.config)), end="")
+    return 0
+
+
+PASSTHROUGH_HELP = {"export": "write a checkpoint as a Hugging Face model directory"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hybridflow",
-        description="Reinforcement-learning post-training of language models.",
-    )
+    parser = argparse.ArgumentParser(prog="hybridflow",
+                                     description="Reinforcement-learning post-training of language models.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    for name, fn, text in (("train", _train, "RL training (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO ...)"),
+                           ("config", _config, "print the resolved configuration of a train command")):
+        p = sub.add_parser(name, help=text, description=text + ". Options are dotted key=value overrides; "
+                           "see docs/config.md for every key.")
+        p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.n=8 actor.lr=1e-6")
+        p.set_defaults(fn=fn)
+
+    # Commands that own their argument parsing; listed here so `hybridflow --help` shows them.
+    for name, text in PASSTHROUGH_HELP.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
+def _passthrough(name: str):
+    """The `main(argv)` of a command that parses its own arguments."""
+    if name == "export":
+        from hybridflow.checkpoint import main_export
+
+        return main_export
+    raise KeyError(name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASSTHROUGH_HELP:
+        return _passthrough(argv[0])(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -24,8 +69,16 @@ def main(argv: list[str] | None = None) -> int:
 
         print(__version__)
         return 0
-    parser.print_help()
-    return 0
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return 0
+    from hybridflow.config.validate import ConfigError
+
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"hybridflow {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Controller programs: `rl` (the PPO-family loop behind `hybridflow train`) and `sft`."""

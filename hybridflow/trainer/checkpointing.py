@@ -1,0 +1,59 @@
+"""Checkpoints of an RL run: what is saved each `trainer.save_every` steps, and resuming from one.
+
+A checkpoint holds the workers' sharded model + optimizer state, lr schedules and RNG (written by the
+workers themselves, `save_checkpoint`), the Hugging Face assets export needs, and the controller's
+state: the step, the data-loader position, the KL controller, the bad-step counter, its RNG, and the
+resolved config. It is written to a temporary directory and renamed when complete (see
+`hybridflow.checkpoint`), so a crash mid-save leaves the previous checkpoint usable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.checkpoint import (CheckpointManager, check_compatible, load_controller_state, read_config,
+                                   save_controller_state, save_hf_assets)
+
+
+class RunCheckpoints:
+    """Saves and restores the whole state of an `RLTrainer`."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.manager = CheckpointManager(trainer.cfg.trainer.output_dir, keep=trainer.cfg.trainer.keep_checkpoints)
+
+    def stateful(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"data": t.train_loader, "kl_ctrl": t.kl_ctrl, "bad_steps": t.bad_steps}
+
+    def roles(self) -> dict[str, Any]:
+        roles = {"actor": self.trainer.roles.actor}
+        if self.trainer.roles.critic is not None:
+            roles["critic"] = self.trainer.roles.critic
+        return roles
+
+    def save(self) -> None:
+        """Writes the checkpoint of the current step (atomic) and prunes old ones."""
+        t = self.trainer
+        if self.manager.list() and self.manager.step_of(self.manager.list()[-1]) == t.step:
+            return
+        tmp = self.manager.begin(t.step)
+        for name, role in self.roles().items():
+            role.save_checkpoint(str(tmp / name))
+        save_hf_assets(tmp / "actor", t.cfg.model.path)
+        save_controller_state(tmp, t.step, t.cfg, self.stateful(),
+                              meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path})
+        self.manager.commit(t.step, tmp)
+
+    def maybe_resume(self) -> None:
+        """Continues from `trainer.resume` (auto: the newest complete checkpoint) when there is one."""
+        t = self.trainer
+        path = self.manager.resolve(t.cfg.trainer.resume)
+        if path is None:
+            return
+        changed = check_compatible(read_config(path), t.cfg)
+        for name, role in self.roles().items():
+            role.load_checkpoint(str(path / name))
+        state = load_controller_state(path, self.stateful())
+        t.step = state.step
+        print(f"resumed from {path} at step {t.step}" + (f"; changed: {'; '.join(changed)}" if changed else ""))

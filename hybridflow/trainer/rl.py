@@ -1,0 +1,164 @@
+"""`RLTrainer`: the PPO-family controller loop behind `hybridflow train`.
+
+    hybridflow train --config recipes/grpo.yaml model.path=MODEL_DIR data.train_files=train.parquet
+
+One step reads like the algorithm: generate n responses per prompt → score them (in a process pool,
+overlapped with the log-prob passes) → old and reference log-probs → values → advantages → critic
+update → actor update → weight sync into the rollout engine. Each arrow is a worker-group call or a
+pure function of `hybridflow.trainer.core`; nothing here touches devices or process groups.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridflow import algorithms
+from hybridflow.batch import Batch
+from hybridflow.checkpoint import BadStepCounter, GracefulStop, check_writable
+from hybridflow.config.validate import validate
+from hybridflow.data.loader import build_prompt_loaders
+from hybridflow.rewards.manager import RewardManager
+from hybridflow.tracking import ProgressBar, Tracker
+from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughput, compute_timing_metrics,
+                                         compute_validation_metrics, timer)
+from hybridflow.trainer import core
+from hybridflow.trainer.checkpointing import RunCheckpoints
+from hybridflow.trainer.roles import build_roles, needs_critic, needs_reference
+
+
+class RLTrainer:
+    """Builds everything a run needs from an `RLConfig`, then `fit()` trains."""
+
+    def __init__(self, cfg: Any) -> None:
+        from transformers import AutoTokenizer
+
+        validate(cfg)
+        self.cfg = cfg
+        self.output_dir = check_writable(cfg.trainer.output_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+                                                       trust_remote_code=cfg.model.trust_remote_code)
+        self.train_loader, self.val_loader = build_prompt_loaders(cfg, self.tokenizer)
+        self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
+        self.rewards = RewardManager(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s,
+                                     cfg.reward.fallback_score, cfg.reward.kwargs)
+        for loader in (self.train_loader, self.val_loader):
+            if loader is not None:
+                ds = loader.dataset
+                self.rewards.check_data_sources({ds[i]["data_source"] for i in range(len(ds))})
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = algorithms.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)
+        self.step = 0
+        self.roles = build_roles(cfg, self.total_steps)
+        self.checkpoints = RunCheckpoints(self)
+        self.checkpoints.maybe_resume()
+        self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
+                               cfg.trainer.experiment_name, cfg, self.total_steps)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Trains to `total_steps` (validating and checkpointing as configured); returns the last metrics."""
+        cfg, metrics = self.cfg.trainer, {}
+        try:
+            if self.val_loader is not None and cfg.val_before_train and self.step == 0:
+                self.tracker.log(self.validate(), self.step)
+            with GracefulStop() as stop, ProgressBar(self.total_steps, initial=self.step) as bar:
+                while self.step < self.total_steps:
+                    metrics = self.train_step(self.train_loader.next_batch())
+                    self.step += 1
+                    last = self.step == self.total_steps
+                    if self.val_loader is not None and cfg.val_every and (self.step % cfg.val_every == 0 or last):
+                        metrics.update(self.validate())
+                    self.tracker.log(metrics, self.step)
+                    bar.update(self.step, metrics)
+                    if last or stop.requested or (cfg.save_every and self.step % cfg.save_every == 0):
+                        self.checkpoints.save()
+                    if stop.requested:
+                        print(f"stopped by {stop.signal_name} after step {self.step}; checkpoint saved")
+                        break
+        finally:
+            self.close()
+        return metrics
+
+    def train_step(self, prompts: Batch) -> dict[str, float]:
+        """One RL iteration on a batch of prompts; returns its metrics."""
+        cfg, actor, critic = self.cfg, self.roles.actor, self.roles.critic
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        with timer("step", timings):
+            prompts.meta["sampling"] = {"seed": cfg.trainer.seed * 100_003 + self.step}
+            with timer("gen", timings):
+                batch = actor.generate(prompts)
+            batch["response_text"] = core.decode_responses(batch, self.tokenizer)
+            scoring = self.rewards.submit(batch)
+            with timer("old_log_prob", timings):
+                batch = batch.union(actor.compute_log_probs(batch))
+            if needs_reference(cfg):
+                with timer("ref", timings):
+                    batch = batch.union(actor.compute_ref_log_probs(batch))
+            if critic is not None:
+                with timer("values", timings):
+                    batch = batch.union(critic.compute_values(batch))
+            with timer("reward", timings):
+                metrics.update(core.apply_scores(batch, scoring.result(), cfg))
+            if cfg.algorithm.filter_groups.enable:
+                batch, kept = core.group_filter(batch, cfg.algorithm.filter_groups.metric)
+                metrics.update(kept)
+            with timer("adv", timings):
+                metrics.update(core.apply_kl_in_reward(batch, self.kl_ctrl, cfg))
+                core.compute_advantages(batch, cfg)
+            batch.meta["rollout_n"] = cfg.rollout.n
+            if critic is not None:
+                with timer("update_critic", timings):
+                    metrics.update(critic.update_critic(batch)[0])
+            if critic is None or self.step >= cfg.critic.warmup_steps:
+                with timer("update_actor", timings):
+                    metrics.update(actor.update_actor(batch)[0])
+                with timer("update_weights", timings):
+                    actor.sync_weights()
+        metrics.update(compute_data_metrics(batch, cfg.data.max_response_length))
+        metrics.update(compute_timing_metrics(timings, batch))
+        metrics.update(compute_throughput(batch, timings["step"], cfg.trainer.n_workers))
+        self.bad_steps.update(self.step + 1, **{k: v for k, v in metrics.items()
+                                                if k in ("actor/grad_norm", "actor/pg_loss", "critic/vf_loss")})
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (by default) generation on the validation prompts; `val/...` scores per data source."""
+        cfg = self.cfg
+        sources, scores, samples = [], [], []
+        start = time.perf_counter()
+        for prompts in self.val_loader:
+            prompts.meta["sampling"] = {"n": cfg.rollout.val_n, "temperature": cfg.rollout.val_temperature,
+                                        "seed": cfg.trainer.seed}
+            batch = self.roles.actor.generate(prompts)
+            batch["response_text"] = core.decode_responses(batch, self.tokenizer)
+            result = self.rewards.score(batch)
+            batch["score"] = list(result.scores)
+            sources += [str(s) for s in batch["data_source"]]
+            scores += list(result.scores)
+            if len(samples) < cfg.trainer.log_samples:
+                texts = self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=False)
+                texts = [t.replace(self.tokenizer.pad_token or "", "") for t in texts]
+                samples += core.sample_rows(batch, list(batch["response_text"]), texts,
+                                            cfg.trainer.log_samples - len(samples))
+        self.tracker.log_samples(samples, self.step)
+        metrics = compute_validation_metrics(sources, scores)
+        metrics["timing_s/val"] = time.perf_counter() - start
+        return metrics
+
+    def close(self) -> None:
+        """Stops the workers and the reward pool, flushes the loggers (safe to call twice)."""
+        for closing in (self.roles.shutdown, self.rewards.close, self.tracker.close):
+            closing()
+
+
+def train(cfg: Any) -> dict[str, float]:
+    """Runs `hybridflow train` for a loaded `RLConfig`; returns the last step's metrics."""
+    return RLTrainer(cfg).fit()
+
+
+def output_path(cfg: Any) -> Path:
+    return Path(cfg.trainer.output_dir)

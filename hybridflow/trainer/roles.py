@@ -1,0 +1,70 @@
+"""Placing the model roles of an RL run on worker groups.
+
+`build_roles(cfg, total_steps)` returns `Roles(actor, critic)`: handles on which the loop calls
+worker methods (`roles.actor.generate(batch)`). With `trainer.placement=colocate` (the default) the
+actor (with its rollout engine and, when a KL term needs it, the reference) and the critic share one
+process per device; with `split` the critic gets its own group of processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridflow.controller import WorkerGroup, colocate
+from hybridflow.workers import ActorWorker, CriticWorker
+
+
+@dataclass
+class Roles:
+    """Controller-side handles on the role workers; `critic` is None without a value model."""
+
+    actor: Any
+    critic: Any
+    groups: list[WorkerGroup]
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+
+
+def resolve_device(device: str) -> str:
+    """`auto` → `cuda` when a GPU is visible, else `cpu`."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def needs_reference(cfg: Any) -> bool:
+    """A reference model is held only when a KL term uses it (KL loss or KL in reward)."""
+    return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
+
+
+def needs_critic(cfg: Any) -> bool:
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def build_roles(cfg: Any, total_steps: int) -> Roles:
+    """Starts the worker groups of `cfg` (see the module docstring) and returns their handles."""
+    device = resolve_device(cfg.trainer.device)
+    common = dict(n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend, device=device)
+    actor_kwargs = dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
+                        total_steps=total_steps, with_ref=needs_reference(cfg))
+    critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model, total_steps=total_steps,
+                         rollout_n=cfg.rollout.n)
+    if not needs_critic(cfg):
+        group = WorkerGroup(ActorWorker, name="actor", init_kwargs=actor_kwargs, **common)
+        return Roles(actor=group, critic=None, groups=[group])
+    if cfg.trainer.placement == "colocate":
+        group = WorkerGroup(colocate(actor=ActorWorker, critic=CriticWorker), name="actor_critic",
+                            init_kwargs={"actor": actor_kwargs, "critic": critic_kwargs}, **common)
+        return Roles(actor=group.actor, critic=group.critic, groups=[group])
+    actor = WorkerGroup(ActorWorker, name="actor", init_kwargs=actor_kwargs, **common)
+    try:
+        critic = WorkerGroup(CriticWorker, name="critic", init_kwargs=critic_kwargs, **common)
+    except BaseException:
+        actor.shutdown()
+        raise
+    return Roles(actor=actor, critic=critic, groups=[actor, critic])

@@ -1,0 +1,99 @@
+"""End-to-end `hybridflow train` runs on a tiny random model and a tiny verl-format parquet."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from hybridflow.cli import main as cli_main
+from hybridflow.config.loader import load_config
+from hybridflow.data.files import DataError
+from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
+from hybridflow.trainer.rl import train
+
+REQUIRED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "timing_s/gen",
+            "timing_s/step", "perf/throughput")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gsm8k")
+    write_gsm8k_synthetic(out, n_train=16, n_val=4, seed=0)
+    return out
+
+
+def base_overrides(model, data_dir, out, *extra):
+    return [f"model.path={model}", f"data.train_files={data_dir}/train.parquet",
+            f"data.val_files={data_dir}/test.parquet", "data.train_batch_size=2", "data.max_prompt_length=256",
+            "data.max_response_length=8", "rollout.n=2", "actor.lr=1e-4", "trainer.total_steps=2",
+            "actor.mini_batch_size=null", "critic.mini_batch_size=null",
+            "trainer.val_every=2", "reward.num_workers=1", f"trainer.output_dir={out}", *extra]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(model, data_dir, out, *extra, recipe="recipes/grpo.yaml"):
+    train(load_config(base_overrides(model, data_dir, out, *extra), recipe))
+    return read_metrics(out)
+
+
+def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path):
+    rows = run(tiny_qwen2, data_dir, tmp_path, "trainer.loggers=[console,jsonl,tensorboard]")
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:
+        for key in REQUIRED:
+            assert key in row and math.isfinite(row[key]), key
+    assert "val/reward/mean" in rows[0] and rows[0]["step"] == 0  # validation before training
+    assert "val/reward/mean" in steps[-1]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_ppo_with_critic_trains_both(tiny_qwen2, data_dir, tmp_path):
+    rows = run(tiny_qwen2, data_dir, tmp_path, "trainer.val_before_train=false", recipe="recipes/ppo.yaml")
+    last = rows[-1]
+    assert last["step"] == 2
+    for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "values/mean"):
+        assert key in last and math.isfinite(last[key]), key
+
+
+def test_custom_reward_file_and_extras_are_logged(tiny_qwen2, data_dir, tmp_path):
+    fn = tmp_path / "my_reward.py"
+    fn.write_text("def char_reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    code = sum(map(ord, solution_str)) % 7\n"
+                  "    return {'score': code / 7.0, 'code': code}\n")
+    rows = run(tiny_qwen2, data_dir, tmp_path / "out", f"reward.function={fn}:char_reward",
+               "trainer.val_before_train=false", "trainer.total_steps=1")
+    assert "reward/code/mean" in rows[-1]
+    assert rows[-1]["reward/mean"] == pytest.approx(rows[-1]["reward/code/mean"] / 7.0, rel=1e-5)
+    assert rows[-1]["actor/grad_norm"] > 0  # rewards differ within groups, so the policy moves
+
+
+def test_raising_reward_uses_fallback_and_run_continues(tiny_qwen2, data_dir, tmp_path):
+    fn = tmp_path / "bad_reward.py"
+    fn.write_text("def broken(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    raise RuntimeError('boom')\n")
+    rows = run(tiny_qwen2, data_dir, tmp_path / "out", f"reward.function={fn}:broken", "reward.fallback_score=-1",
+               "trainer.val_before_train=false", "trainer.total_steps=1")
+    assert rows[-1]["reward/errors"] == 4  # 2 prompts x 2 samples, all failed
+    assert rows[-1]["reward/mean"] == -1.0
+
+
+def test_malformed_dataset_is_refused_before_any_model_loads(tiny_qwen2, data_dir, tmp_path):
+    bad = tmp_path / "bad.parquet"
+    df = pd.read_parquet(f"{data_dir}/train.parquet").drop(columns=["prompt"])
+    df.to_parquet(bad)
+    with pytest.raises(DataError, match=r"bad\.parquet.*prompt"):
+        train(load_config([f"model.path={tiny_qwen2}", f"data.train_files={bad}",
+                           f"trainer.output_dir={tmp_path / 'out'}"], "recipes/grpo.yaml"))
+
+
+def test_bad_key_fails_with_did_you_mean(capsys):
+    assert cli_main(["train", "--config", "recipes/grpo.yaml", "rollout.temprature=0.5"]) == 2
+    assert "did you mean 'rollout.temperature'" in capsys.readouterr().err
