@@ -202,8 +202,9 @@ class CheckpointManager:
         final = self.step_dir(step)
         self._barrier()
         if self._is_coordinator():
-            if not tmp.is_dir():
-                raise CheckpointError(f"cannot commit step {step}: temp dir {tmp} does not exist")
+            if not tmp.is_dir() or tmp.resolve().parent != self.root:
+                raise CheckpointError(f"cannot commit step {step}: {tmp} is not a temp dir made by "
+                                      f"begin() under {self.root}")
             files = _fsync_tree(tmp)
             manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
             with open(tmp / MANIFEST, "w") as fh:

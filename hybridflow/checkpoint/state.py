@@ -47,6 +47,7 @@ from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 
 CONFIG_FILE, META_FILE, CONTROLLER_FILE = "config.yaml", "meta.json", "controller.pt"
 ROLE_STATE_FILE = "state.pt"
+ALIASES_KEY = "_hybridflow_tied_aliases"
 
 __all__ = ["capture_rng_state", "restore_rng_state", "save_model_state", "load_model_state",
            "read_full_model_state", "estimate_checkpoint_bytes", "save_worker_state", "load_worker_state", "save_controller_state", "load_controller_state",
@@ -93,18 +94,33 @@ def _check_shapes(path: Path, state_dict: Mapping[str, Any], what: str, exact_ke
                               f"from another model?")
 
 
+def _split_aliases(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the state dict with each tied parameter once, {alias key: key it repeats}): a tied
+    `lm_head.weight` is written once, as `model.embed_tokens.weight`, and restored from it. Ties come
+    from parameter identity, so every rank finds the same ones whatever its shards hold."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        source = first.setdefault(id(param), name)
+        if source != name and name in state_dict and source in state_dict:
+            aliases[name] = source
+    return {key: value for key, value in state_dict.items() if key not in aliases}, aliases
+
+
 def save_model_state(path: str | Path, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer | None = None, *, process_group=None) -> None:
     """Save `model` (plain or FSDP2-sharded) to `<path>/model/` and `optimizer` to `<path>/optim/`.
 
     Collective over `process_group` when torch.distributed is initialised: every rank calls it with
-    the same `path` and writes its own shards.
+    the same `path` and writes its own shards. Tied parameters are written once (`_split_aliases`).
     """
     path = Path(path)
     optimizers = (optimizer,) if optimizer is not None else ()
     model_sd, optim_sd = get_state_dict(model, optimizers)
+    unique, aliases = _split_aliases(model, model_sd)
+    unique[ALIASES_KEY] = json.dumps(aliases)
     with _single_process_quiet():
-        dcp.save(model_sd, checkpoint_id=str(path / "model"), **_dist_args(process_group))
+        dcp.save(unique, checkpoint_id=str(path / "model"), **_dist_args(process_group))
         if optimizer is not None:
             dcp.save(optim_sd, checkpoint_id=str(path / "optim"), **_dist_args(process_group))
 
@@ -121,26 +137,33 @@ def load_model_state(path: str | Path, model: torch.nn.Module,
                               f"the weights only")
     optimizers = (optimizer,) if optimizer is not None else ()
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    _check_shapes(path / "model", model_sd, "model state", exact_keys=True)
+    unique, aliases = _split_aliases(model, model_sd)
+    _check_shapes(path / "model", unique, "model state", exact_keys=True)
     with _single_process_quiet():
-        dcp.load(model_sd, checkpoint_id=str(path / "model"), **_dist_args(process_group))
+        dcp.load(unique, checkpoint_id=str(path / "model"), **_dist_args(process_group))
         if optimizer is not None:
             dcp.load(optim_sd, checkpoint_id=str(path / "optim"), **_dist_args(process_group))
-    set_state_dict(model, optimizers, model_state_dict=model_sd,
+    unique.update({alias: unique[source] for alias, source in aliases.items()})
+    set_state_dict(model, optimizers, model_state_dict=unique,
                    optim_state_dict=optim_sd if optimizer is not None else {})
 
 
 def read_full_model_state(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU tensors of `<path>/model/`, whatever world size saved it, read in this
-    process alone: {parameter name: tensor}, cast to `dtype` (floating tensors only) when given."""
+    process alone: {parameter name: tensor} (tied names share one tensor), floating tensors cast to
+    `dtype` when given."""
     reader = FileSystemReader(str(Path(path) / "model"))
     metadata = reader.read_metadata()
-    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    state: dict[str, Any] = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                             for key, meta in metadata.state_dict_metadata.items()
+                             if isinstance(meta, TensorStorageMetadata)}
+    state[ALIASES_KEY] = ""
     with _single_process_quiet():
         dcp.load(state, storage_reader=reader, no_dist=True)
+    aliases = json.loads(state.pop(ALIASES_KEY))
     if dtype is not None:
         state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
+    state.update({alias: state[source] for alias, source in aliases.items()})
     return state
 
 

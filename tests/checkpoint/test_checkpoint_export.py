@@ -52,3 +52,24 @@ def test_cli_export_bf16_from_run_dir(tmp_path, checkpoint, capsys):
     assert "no model for role 'critic'; roles: ['actor']" in capsys.readouterr().out
     with pytest.raises(CheckpointError, match="neither a complete checkpoint"):
         export_hf(tmp_path / "empty", tmp_path / "x")
+
+
+def test_export_untied_llama(tmp_path, tiny_model_factory):
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model_factory("llama", tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    manager = CheckpointManager(tmp_path)
+    tmp = manager.begin(4)
+    save_worker_state(tmp / "actor", model)
+    save_hf_assets(tmp / "actor", source)
+    with pytest.raises(CheckpointError, match="not a temp dir made by begin"):
+        manager.commit(4, tmp_path / "elsewhere")
+    loaded = AutoModelForCausalLM.from_pretrained(export_hf(manager.commit(4, tmp), tmp_path / "hf"))
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    ids = torch.randint(4, 260, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -51,8 +54,16 @@ def test_fsdp2_two_ranks_to_one(tmp_path, tiny_qwen2):
     from transformers import AutoModelForCausalLM
 
     # fork: the children inherit the imported torch/transformers instead of importing them again
-    mp.start_processes(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tiny_qwen2), str(tmp_path)),
-                       nprocs=2, start_method="fork")
+    # (not once CUDA is initialised in this process, as after the GPU tests: a forked CUDA context breaks)
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    context = mp.start_processes(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tiny_qwen2), str(tmp_path)),
+                                 nprocs=2, start_method=method, join=False)
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the two FSDP2 ranks did not finish within 180 s")
     expected = torch.load(tmp_path / "expected.pt")
     checkpoint = CheckpointManager(tmp_path).latest()
     assert checkpoint.name == "step_00000005" and [p.name for p in checkpoint.parent.iterdir()] == [checkpoint.name]

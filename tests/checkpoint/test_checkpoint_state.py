@@ -166,3 +166,18 @@ def test_estimate_checkpoint_bytes_counts_tied_weights_once():
         head = torch.nn.Linear(8, 10, bias=False)
     head.weight = embed.weight
     assert estimate_checkpoint_bytes(embed, head) == 80 * 4 * 3
+
+
+def test_tied_embedding_is_written_once(tmp_path, trained):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hybridflow.checkpoint import read_full_model_state
+
+    model, optimizer, _ = trained
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_worker_state(tmp_path / "actor", model, optimizer)
+    saved = FileSystemReader(str(tmp_path / "actor" / "model")).read_metadata().state_dict_metadata
+    assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved
+    full = read_full_model_state(tmp_path / "actor")
+    assert full["lm_head.weight"] is full["model.embed_tokens.weight"]
+    assert torch.equal(full["lm_head.weight"], model.lm_head.weight.detach())
