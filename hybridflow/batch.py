@@ -8,8 +8,8 @@ A `Batch` holds three things that travel together:
 - ``meta``: a dict that is not per-row (temperature, token counts...) and travels unchanged.
 
 Row operations (indexing, ``chunk`` with uneven sizes, ``split``, ``concat``, ``repeat_interleave``,
-``pad_to_multiple``/``unpad``) keep tensors and non-tensors in step. Pickling sends each tensor as a
-compact tensor (a slice never drags its parent's whole storage along).
+``pad_to_multiple``/``unpad``) keep tensors and non-tensors in step. Pickling sends each CPU tensor
+as its raw bytes (a slice never drags its parent's storage along) and rebuilds tensors on arrival.
 """
 
 from __future__ import annotations
@@ -72,11 +72,23 @@ def _values_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """Returns `t` itself when it owns exactly its storage, else a compact copy (cheap to pickle)."""
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+def _tensor_state(t: torch.Tensor) -> tuple | torch.Tensor:
+    """A CPU tensor as ``(dtype, shape, requires_grad, uint8 numpy view)``.
+
+    Pickle writes the view's bytes straight into its output: a row slice costs one copy of its
+    own bytes (not of its parent's storage, not an intermediate clone), and unpickling rebuilds the
+    tensor on the received buffer without another copy. Device tensors are left to torch."""
+    if t.device.type != "cpu":
         return t
-    return t.contiguous().clone()
+    flat = t.detach().contiguous().reshape(-1)
+    return (t.dtype, tuple(t.shape), t.requires_grad, flat.view(torch.uint8).numpy())
+
+
+def _tensor_from_state(state: tuple | torch.Tensor) -> torch.Tensor:
+    if isinstance(state, torch.Tensor):
+        return state
+    dtype, shape, requires_grad, data = state
+    return torch.from_numpy(data).view(dtype).reshape(shape).requires_grad_(requires_grad)
 
 
 class Batch:
@@ -365,14 +377,15 @@ class Batch:
 
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict:
-        """Tensors stay tensors, compacted so a slice does not pickle its parent's whole storage."""
+        """Tensors travel as raw bytes (see `_tensor_state`) and come back as tensors."""
         return {
-            "tensors": {k: _compact(t) for k, t in self.tensors.items()},
+            "tensors": {k: _tensor_state(t) for k, t in self.tensors.items()},
             "non_tensors": self.non_tensors,
             "meta": self.meta,
             "len": self._len,
         }
 
     def __setstate__(self, state: dict) -> None:
-        self.tensors, self.non_tensors = state["tensors"], state["non_tensors"]
+        self.tensors = {k: _tensor_from_state(v) for k, v in state["tensors"].items()}
+        self.non_tensors = state["non_tensors"]
         self.meta, self._len = state["meta"], state["len"]

@@ -230,6 +230,17 @@ def test_pickle_roundtrip_and_slices_are_compact():
     assert restored == big[:16] and isinstance(restored["input_ids"], torch.Tensor)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.bool, torch.float16, torch.int32, torch.float64])
+def test_pickle_keeps_dtype_shape_grad_and_writability(dtype):
+    t = (torch.arange(24).reshape(2, 3, 4) % 3).to(dtype)
+    b = Batch({"t": t, "col": t[:, 1], "w": torch.ones(2, 2, requires_grad=True)})
+    restored = pickle.loads(pickle.dumps(b))
+    assert restored == b
+    assert restored["col"].shape == (2, 4) and restored["w"].requires_grad
+    restored["t"][0, 0, 0] = 1  # received tensors are ordinary writable tensors
+    assert b["t"][0, 0, 0] == 0
+
+
 def test_torch_multiprocessing_pickler_roundtrip():
     import io
 

@@ -16,6 +16,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 
 import torch
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
 from hybridflow.controller.logs import forward_output, log_server
-from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
+from hybridflow.controller.runtime import Reply, WorkerRuntime, join_process_group, load_spec
 
 _env_lock = threading.Lock()
 GRACEFUL_EXIT_S = 5.0
@@ -38,7 +39,22 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _worker_main(conn, sys_path: list[str], blob: bytes, rank: int, store_port: int, log_addr: tuple, parent_pid: int) -> None:
+def _send(conn, header: object, payload: bytes) -> None:
+    """One message = two frames: a small pickled header, then the (large) payload bytes."""
+    conn.send_bytes(pickle.dumps(header))
+    conn.send_bytes(payload)
+
+
+def _dump_reply(reply: Reply) -> bytes:
+    try:
+        return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - a result that cannot be pickled is the method's error
+        return pickle.dumps(("error", traceback.format_exc()))
+
+
+def _worker_main(
+    conn, sys_path: list[str], blob: bytes, rank: int, store_port: int, log_addr: tuple, parent_pid: int
+) -> None:
     """Entry point of a worker process: output forwarding, process group, worker, then the call loop."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     spec = load_spec(sys_path, blob)
@@ -47,30 +63,26 @@ def _worker_main(conn, sys_path: list[str], blob: bytes, rank: int, store_port: 
         join_process_group(spec, rank, ("127.0.0.1", store_port))
         device = torch.device(f"cuda:{rank}") if spec.device_type == "cuda" else torch.device("cpu")
         runtime = WorkerRuntime(spec, rank, rank, device)
-        reply = ("ok", os.getpid())
     except BaseException:  # noqa: BLE001 - reported to the controller as a WorkerError
-        import traceback
-
-        conn.send_bytes(pickle.dumps((0, ("error", traceback.format_exc()))))
+        _send(conn, 0, _dump_reply(("error", traceback.format_exc())))
         return
-    conn.send_bytes(pickle.dumps((0, reply)))
+    _send(conn, 0, _dump_reply(("ok", os.getpid())))
     while True:
         try:
-            message = conn.recv_bytes()
+            header = conn.recv_bytes()
+            if not header:
+                break
+            call_id, path = pickle.loads(header)
+            payload = conn.recv_bytes()
         except EOFError:
             break
-        if not message:
-            break
-        call_id, path, payload = pickle.loads(message)
         try:
             args, kwargs = pickle.loads(payload)
+        except BaseException:  # noqa: BLE001 - e.g. an argument class this process cannot import
+            reply: Reply = ("error", traceback.format_exc())
+        else:
             reply = runtime.call(path, args, kwargs)
-            data = pickle.dumps((call_id, reply), protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException:  # noqa: BLE001 - e.g. an argument or result that cannot be pickled
-            import traceback
-
-            data = pickle.dumps((call_id, ("error", traceback.format_exc())))
-        conn.send_bytes(data)
+        _send(conn, call_id, _dump_reply(reply))
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -128,25 +140,32 @@ class LocalBackend(Backend):
             raise
 
     def _send_loop(self, rank: int) -> None:
+        """Writes queued calls to the pipe, so `submit` never blocks on a busy worker."""
         conn, outbox = self._conns[rank], self._outboxes[rank]
         while True:
-            data = outbox.get()
+            message = outbox.get()
             try:
-                conn.send_bytes(data)
+                if message is None:
+                    conn.send_bytes(b"")
+                    return
+                _send(conn, *message)
             except OSError:  # the process is gone; the reader reports it
-                return
-            if not data:
                 return
 
     def _read_loop(self, rank: int) -> None:
         conn = self._conns[rank]
         while True:
             try:
-                call_id, reply = pickle.loads(conn.recv_bytes())
+                call_id = pickle.loads(conn.recv_bytes())
+                payload = conn.recv_bytes()
             except (EOFError, OSError):
                 break
             with self._lock:
                 future, path = self._pending[rank].pop(call_id)
+            try:
+                reply = pickle.loads(payload)
+            except Exception:  # noqa: BLE001 - e.g. a result class the controller cannot import
+                reply = ("error", "the controller could not unpickle the result:\n" + traceback.format_exc())
             settle(future, reply, self.spec.role, rank, path)
         self._on_exit(rank)
 
@@ -171,7 +190,7 @@ class LocalBackend(Backend):
                 return future
             call_id = next(self._ids)
             self._pending[rank][call_id] = (future, path)
-        self._outboxes[rank].put(pickle.dumps((call_id, path, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        self._outboxes[rank].put(((call_id, path), payload))
         return future
 
     def shutdown(self) -> None:
@@ -179,7 +198,7 @@ class LocalBackend(Backend):
         self._closing = True
         healthy = not self._dead
         for outbox in self._outboxes:
-            outbox.put(b"")
+            outbox.put(None)
         deadline = time.monotonic() + (GRACEFUL_EXIT_S if healthy else 0.5)
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
