@@ -22,7 +22,7 @@ class ColocatedWorker(Worker, metaclass=_ColocatedMeta):
     members: dict[str, type[Worker]] = {}
 
     @classmethod
-    def _construct(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
+    def create(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
         """`init_kwargs` maps member name -> that member's constructor kwargs."""
         init_kwargs = dict(init_kwargs or {})
         unknown = set(init_kwargs) - set(cls.members)
@@ -34,7 +34,7 @@ class ColocatedWorker(Worker, metaclass=_ColocatedMeta):
         obj = cls.__new__(cls)
         obj._bind(context)
         obj.instances = {
-            name: member._construct(
+            name: member.create(
                 WorkerContext(
                     context.rank, context.world_size, context.local_rank, context.device, name,
                     context.process_group,

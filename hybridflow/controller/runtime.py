@@ -85,7 +85,7 @@ class WorkerRuntime:
             torch.cuda.set_device(device)
         context = WorkerContext(rank, spec.world_size, local_rank, device, spec.role, dist.group.WORLD)
         self.spec = spec
-        self.worker = spec.worker_cls._construct(context, spec.init_kwargs)
+        self.worker = spec.worker_cls.create(context, spec.init_kwargs)
 
     def resolve(self, path: str) -> Any:
         """``"method"`` or ``"member.method"`` (colocated) -> the bound, registered method."""

@@ -47,8 +47,10 @@ class Worker:
     process_group: Any
 
     @classmethod
-    def _construct(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
-        """Builds an instance whose context attributes are set before `__init__(**init_kwargs)` runs."""
+    def create(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
+        """Builds an instance whose context attributes are set before `__init__(**init_kwargs)` runs.
+
+        Backends call this; tests may too, to build a worker in-process from a hand-made context."""
         obj = cls.__new__(cls)
         obj._bind(context)
         obj.__init__(**(init_kwargs or {}))
