@@ -84,13 +84,15 @@ def main() -> None:
     data = Batch({"x": x, "y": x @ torch.tensor([1.0, -2.0, 0.5, 3.0])}, {"uid": [f"p{i}" for i in range(7)]})
 
     pool = ResourcePool(args.workers, "cpu", name="cpus")  # both groups share these CPU slots
-    policy = WorkerGroup(colocate(actor=Actor, ref=Reference), args.workers, backend=args.backend, pool=pool, name="policy")
-    scorer = WorkerGroup(Scorer, args.workers, backend=args.backend, pool=pool, name="scorer")
+    common = dict(n_workers=args.workers, backend=args.backend, pool=pool)
+    policy = WorkerGroup(colocate(actor=Actor, ref=Reference), name="policy", **common)
+    scorer = WorkerGroup(Scorer, name="scorer", **common)
     with policy, scorer:
         scored = scorer.score.submit(data)  # runs while the policy trains
         for step in range(3):
             parts = policy.actor.train_step(data)
-            print(f"step {step}: loss {sum(p['loss_part'] for p in parts):.4f}, rows per rank {[p['rows'] for p in parts]}")
+            loss = sum(p["loss_part"] for p in parts)
+            print(f"step {step}: loss {loss:.4f}, rows per rank {[p['rows'] for p in parts]}")
         out = policy.actor.predict(data).union(policy.ref.predict(data)).union(data).union(scored.result())
         print(out)
         print("actor - ref on the first rows:", (out["pred"] - out["ref_pred"])[:3].tolist())

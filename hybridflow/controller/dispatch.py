@@ -109,7 +109,9 @@ def scatter(spec: DispatchSpec, method: str, args: tuple, kwargs: dict, world_si
     if spec.mode is Dispatch.PER_RANK:
         for name, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
             if not isinstance(value, (list, tuple)) or len(value) != world_size:
-                got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+                got = type(value).__name__
+                if isinstance(value, (list, tuple)):
+                    got += f" of length {len(value)}"
                 raise ValueError(
                     f"{method} is Dispatch.PER_RANK: {name} must be a list of {world_size} values "
                     f"(one per rank), got {got}"

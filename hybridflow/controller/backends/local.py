@@ -9,6 +9,7 @@ pickled calls, its reader thread matches replies to futures by call id and notic
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import torch
@@ -88,6 +90,29 @@ def _worker_main(
     sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """Sets `updates` in os.environ while processes are spawned (they copy it), then restores it."""
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in updates}
+        os.environ.update(updates)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _visible_devices(gpu_ids: list[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for the pool's GPUs, which index the controller's own visible list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = visible.split(",") if visible else [str(i) for i in range(max(gpu_ids) + 1)]
+    return ",".join(names[g] for g in gpu_ids)
+
+
 class LocalBackend(Backend):
     """A group of `world_size` spawned worker processes on this machine."""
 
@@ -99,45 +124,38 @@ class LocalBackend(Backend):
         self._closing = False
         self._lock = threading.Lock()
         self._store = dist.TCPStore("127.0.0.1", 0, spec.world_size + 1, is_master=True, wait_for_workers=False)
-        ctx = mp.get_context("spawn")
-        sys_path, blob = spec.dumps()
         env = dict(self.env)
         if spec.device_type == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.pool.gpu_ids[: self.world_size]))
+            env["CUDA_VISIBLE_DEVICES"] = _visible_devices(self.pool.gpu_ids[: self.world_size])
         self.procs, self._conns, self._outboxes = [], [], []
-        ready = []
-        with _env_lock:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                for rank in range(self.world_size):
-                    parent, child = ctx.Pipe(duplex=True)
-                    proc = ctx.Process(
-                        target=_worker_main,
-                        args=(child, sys_path, blob, rank, self._store.port, log_server().address, os.getpid()),
-                        name=f"hybridflow-{spec.role}-{rank}",
-                    )
-                    proc.start()
-                    child.close()
-                    self.procs.append(proc)
-                    self._conns.append(parent)
-                    self._outboxes.append(queue.SimpleQueue())
-                    ready.append(Future())
-                    self._pending[rank][0] = (ready[-1], "__init__")
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+        with _environ(env):
+            ready = [self._spawn(rank) for rank in range(self.world_size)]
         for rank in range(self.world_size):
-            threading.Thread(target=self._read_loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-rx").start()
-            threading.Thread(target=self._send_loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-tx").start()
+            for loop, tag in ((self._read_loop, "rx"), (self._send_loop, "tx")):
+                threading.Thread(target=loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-{tag}").start()
         try:
             wait_all(ready)
         except BaseException:
             self.shutdown()
             raise
+
+    def _spawn(self, rank: int) -> Future:
+        """Starts rank `rank`'s process; returns the Future of its start-up reply (its pid)."""
+        parent, child = mp.get_context("spawn").Pipe(duplex=True)
+        sys_path, blob = self.spec.dumps()
+        proc = mp.get_context("spawn").Process(
+            target=_worker_main,
+            args=(child, sys_path, blob, rank, self._store.port, log_server().address, os.getpid()),
+            name=f"hybridflow-{self.spec.role}-{rank}",
+        )
+        proc.start()
+        child.close()  # the pipe now closes as soon as the worker dies
+        self.procs.append(proc)
+        self._conns.append(parent)
+        self._outboxes.append(queue.SimpleQueue())
+        ready: Future = Future()
+        self._pending[rank][0] = (ready, "__init__")
+        return ready
 
     def _send_loop(self, rank: int) -> None:
         """Writes queued calls to the pipe, so `submit` never blocks on a busy worker."""

@@ -1,5 +1,5 @@
 """The Ray backend: one Ray actor per rank, placed on its pool's placement group (one bundle per
-slot). Ray is imported here only, lazily, so the rest of hybridflow works without it.
+node, spread over distinct nodes). Ray is imported here only, lazily, so the rest of hybridflow works without it.
 
 Calls travel as our own pickles (the same bytes as the local backend), so both backends give the
 same results; output forwarding, `WorkerError` and `WorkerDiedError` behave as in `local`.
@@ -84,7 +84,8 @@ class RayWorkerActor:
 
 
 def _placement_group(ray: Any, pool: Any) -> Any:
-    """The pool's placement group (made on first use): one bundle per slot."""
+    """The pool's placement group (made on first use): one bundle per node holding that node's slots,
+    so rank ``r`` lives on node ``r // pool.per_node`` and a node's ranks are consecutive."""
     if pool.placement is None:
         from ray.util.placement_group import placement_group
 
@@ -95,16 +96,16 @@ def _placement_group(ray: Any, pool: Any) -> Any:
                 f"use at most {int(gpus)} processes, or device='cpu'"
             )
 
-        bundle = {"CPU": pool.cpus_per_process}
+        bundle = {"CPU": pool.cpus_per_process * pool.per_node}
         if pool.device == "cuda":
-            bundle["GPU"] = 1
-        strategy = "STRICT_PACK" if pool.nodes == 1 else "PACK"
-        pg = placement_group([dict(bundle) for _ in range(pool.n_processes)], strategy=strategy)
+            bundle["GPU"] = pool.per_node
+        strategy = "STRICT_SPREAD" if pool.nodes > 1 else "PACK"
+        pg = placement_group([dict(bundle) for _ in range(pool.nodes)], strategy=strategy)
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(pg)
             raise RuntimeError(
-                f"Ray could not place {pool!r}: {pool.n_processes} bundles of {bundle} "
+                f"Ray could not place {pool!r}: {pool.nodes} bundle(s) of {bundle} "
                 f"(strategy {strategy}) did not fit within {PLACEMENT_TIMEOUT_S:.0f} s; cluster has "
                 f"{ray.cluster_resources()}. Use a smaller pool or a lower cpus_per_process"
             )
@@ -136,7 +137,9 @@ class RayBackend(Backend):
             options["runtime_env"] = {"env_vars": dict(self.env)}
         self.actors = [
             actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=rank // self.pool.per_node
+                ),
                 **options,
             ).remote(sys_path, blob, rank, log_addr)
             for rank in range(self.world_size)
@@ -172,7 +175,8 @@ class RayBackend(Backend):
                 reply = raw.result()
             except self._ray.exceptions.RayActorError as exc:
                 pid = self._pids[rank] if rank < len(self._pids) else "unknown"
-                error = WorkerDiedError(self.spec.role, rank, f"pid {pid}, its Ray actor died", str(exc).splitlines()[0])
+                how = f"pid {pid}, its Ray actor died"
+                error = WorkerDiedError(self.spec.role, rank, how, str(exc).splitlines()[0])
                 with self._lock:
                     self._dead.setdefault(rank, error)
                 out.set_exception(error)
