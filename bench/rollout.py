@@ -9,7 +9,7 @@ the first tokens and the log-probs are compared), the device-copy bandwidth, the
 1.5B shapes (random bf16 weights): the weight sync (`load_weights` from the HF model's parameters),
 sleep/wake, tokens/s of ours and of `generate` at batch 64 and 256 (prompt 128, 256 new tokens, EOS
 ignored, temperature 1), the decode step against the bandwidth roofline, and a run with varied stop
-lengths (2x as many prompts as slots; ~1 % of the vocabulary are stop ids) comparing continuous
+lengths (4x as many prompts as slots; ~1 % of the vocabulary are stop ids) comparing continuous
 batching with waves of static batches. Prints a table and writes JSON.
 """
 
@@ -230,7 +230,7 @@ def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip
 
 
 def bench_varied(shape: str, device, dtype, slots: int, prompt_len: int, new_tokens: int) -> dict:
-    """2 x slots prompts whose samples stop at varied lengths (random stop ids); continuous batching vs
+    """4 x slots prompts whose samples stop at varied lengths (random stop ids); continuous batching vs
     static waves of `slots` prompts (a wave ends with its longest sample)."""
     model = make_model(shape, dtype, device)
     engine = engine_from(model, device, dtype, max_num_seqs=slots, max_model_len=prompt_len + new_tokens)
@@ -238,7 +238,7 @@ def bench_varied(shape: str, device, dtype, slots: int, prompt_len: int, new_tok
     stop_ids = list(range(4, 4 + vocab // 100))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=stop_ids, seed=0)
     gen = torch.Generator().manual_seed(2)
-    prompts = torch.randint(4 + len(stop_ids), vocab, (2 * slots, prompt_len), generator=gen).tolist()
+    prompts = torch.randint(4 + len(stop_ids), vocab, (4 * slots, prompt_len), generator=gen).tolist()
     engine.generate(prompts[:4], SamplingParams(max_tokens=8, stop_token_ids=[]))  # warm-up
     outs, cont_s = ours_generate(engine, prompts, params)
     lengths = [len(o[0].token_ids) for o in outs]

@@ -85,9 +85,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta.cu_seqlens_q,
             meta.cu_seqlens, 1, meta.max_seqlen, 0.0, False, False, scale=scale,
             seqused_k=meta.context_lens)[0]
-    length = meta.max_seqlen
-    keys = k_cache[meta.slots, :length].transpose(1, 2)
-    values = v_cache[meta.slots, :length].transpose(1, 2)
+    length, rows = meta.max_seqlen, meta.slots
+    if not q.is_cuda:  # rows are sorted by slot: a contiguous run of slots is a view, not a gather
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first + 1 == rows.shape[0]:
+            rows = slice(first, last + 1)
+    keys = k_cache[rows, :length].transpose(1, 2)
+    values = v_cache[rows, :length].transpose(1, 2)
     mask = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None],
                                          scale=scale, enable_gqa=True)

@@ -2,17 +2,17 @@
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
 and k per head, Llama may have `attention_bias` / `mlp_bias`, Mistral is Llama's shape. q/k/v are
-fused into `qkv_proj` and gate/up into `gate_up_proj`; every parameter carries a `weight_loader`, so
-checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes the HF
-names (`...self_attn.q_proj.weight`) and copies in place (a module's `weight_loader(param, tensor,
-shard)` serves its parameters; others take `default_weight_loader`). Weights are only ever `copy_`-ed into, never
-replaced, so captured CUDA graphs stay valid across updates.
+fused into `qkv_proj` and gate/up into `gate_up_proj`. Checkpoint loading and the trainer -> rollout
+sync (`load_weights`) share one path that takes HF names (`...self_attn.q_proj.weight`) and copies in
+place: a module's `weight_loader(param, tensor, shard)` serves its parameters (the fused ones place a
+shard at its offset), others take `default_weight_loader`. Weights are only ever `copy_`-ed into,
+never replaced, so captured CUDA graphs stay valid across updates.
 
 Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
 other rope_scaling types), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
-kernels of `kernels` on CUDA. The forward takes packed tokens:
-input_ids [T], positions [T] and an `AttnMeta`, and returns fp32-ready logits for the rows named by
-`logits_index` (the last token of each prompt in prefill; every row in decode).
+kernels of `kernels` on CUDA; the residual add is fused into the following norm. The forward takes
+packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for the
+rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
 """
 
 from __future__ import annotations
