@@ -3,6 +3,7 @@
     hybridflow train --config recipes/grpo.yaml model.path=MODEL data.train_files=train.parquet
     hybridflow export outputs/run/checkpoints/step_00000010 outputs/run/hf
     hybridflow config [--config FILE] [key=value ...]     # print the resolved config
+    hybridflow report outputs/run [--out FILE.html]        # plots + HTML page of a run
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from hybridflow.report import ReportError, write_report
+
+    try:
+        print(write_report(args.run_dir, args.out))
+    except ReportError as e:
+        print(f"hybridflow report: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 PASSTHROUGH_HELP = {"export": "write a checkpoint as a Hugging Face model directory"}
 
 
@@ -42,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.n=8 actor.lr=1e-6")
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("report", help="plots and an HTML page of a run's metrics, config and samples",
+                       description="Writes PNG plots and one HTML page (default <run_dir>/report.html).")
+    p.add_argument("run_dir", help="a run's trainer.output_dir (holding metrics.jsonl)")
+    p.add_argument("--out", help="the HTML file to write (default <run_dir>/report.html)")
+    p.set_defaults(fn=_report)
 
     # Commands that own their argument parsing; listed here so `hybridflow --help` shows them.
     for name, text in PASSTHROUGH_HELP.items():
