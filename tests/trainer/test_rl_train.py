@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pandas as pd
@@ -11,35 +10,11 @@ import pytest
 from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
 from hybridflow.data.files import DataError
-from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
 from hybridflow.trainer.rl import train
+from rl_helpers import run
 
 REQUIRED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "timing_s/gen",
             "timing_s/step", "perf/throughput")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gsm8k")
-    write_gsm8k_synthetic(out, n_train=16, n_val=4, seed=0)
-    return out
-
-
-def base_overrides(model, data_dir, out, *extra):
-    return [f"model.path={model}", f"data.train_files={data_dir}/train.parquet",
-            f"data.val_files={data_dir}/test.parquet", "data.train_batch_size=2", "data.max_prompt_length=256",
-            "data.max_response_length=8", "rollout.n=2", "actor.lr=1e-4", "trainer.total_steps=2",
-            "actor.mini_batch_size=null", "critic.mini_batch_size=null",
-            "trainer.val_every=2", "reward.num_workers=1", f"trainer.output_dir={out}", *extra]
-
-
-def read_metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def run(model, data_dir, out, *extra, recipe="recipes/grpo.yaml"):
-    train(load_config(base_overrides(model, data_dir, out, *extra), recipe))
-    return read_metrics(out)
 
 
 def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path):

@@ -1,0 +1,216 @@
+"""One GRPO configuration run by hybridflow and by TRL's `GRPOTrainer`, side by side in one invocation.
+
+    python bench/grpo_vs_trl.py --device cpu                       # tiny Qwen2, 2 CPU cores
+    python bench/grpo_vs_trl.py --device cuda --shape qwen2-0.5b   # the 0.5B shape on one GPU
+
+Both get the same randomly initialised model (Qwen2 architecture, a byte-level BPE tokenizer), the same
+prompts, the same reward function (`bench/grpo_reward.py`), prompts per step, group size, response
+length limit, learning rate, loss aggregation (token-mean: TRL's default `dapo` loss), no KL term
+(TRL's default `beta=0`), one optimizer step per batch, sampling at temperature 1. TRL uses its default
+`transformers.generate` path (no vLLM). Each framework runs in its own subprocess (so peak memory is its
+own); seconds per step are the median of the steps after the first `--warmup` ones. Prints a table and
+writes JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+SHAPES = {
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2),
+    "cpu-small": dict(hidden=128, layers=4, heads=4, kv_heads=2),
+    "qwen2-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
+}
+
+
+def make_inputs(work: Path, shape: str, n_prompts: int, seed: int) -> tuple[Path, Path]:
+    """A random model of `shape` and a prompt parquet (synthetic GSM8K-style, verl format)."""
+    from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
+    from hybridflow.utils.tiny_model import build_tiny_model
+
+    rows = make_rows(n_prompts, "train", seed)
+    texts = [r["prompt"][0]["content"] for r in rows]
+    model = build_tiny_model(work / "model", arch="qwen2", seed=seed, train_texts=texts, vocab_size=400,
+                             max_positions=2048, **SHAPES[shape])
+    return model, write_parquet(rows, work / "train.parquet")
+
+
+def peak_memory_gb(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+
+
+def run_hybridflow(a: argparse.Namespace) -> dict:
+    from hybridflow.config.loader import load_config
+    from hybridflow.trainer.rl import RLTrainer
+
+    out = Path(a.work) / "hf_run"
+    cfg = load_config([
+        f"model.path={a.work}/model", f"data.train_files={a.work}/train.parquet",
+        f"data.train_batch_size={a.prompts}", f"data.max_prompt_length=512",
+        f"data.max_response_length={a.max_new_tokens}", f"rollout.n={a.n}", "rollout.temperature=1.0",
+        f"actor.lr={a.lr}", "actor.mini_batch_size=null", "actor.kl_loss_coef=0", "actor.loss_agg=token-mean",
+        "actor.weight_decay=0.0", "actor.grad_clip=1.0", "algorithm.adv_estimator=grpo",
+        f"reward.function={HERE / 'grpo_reward.py'}:reward", "reward.num_workers=1",
+        f"trainer.total_steps={a.steps}", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
+        f"trainer.output_dir={out}", "trainer.resume=never", f"trainer.device={a.device}",
+        f"trainer.seed={a.seed}", "trainer.save_every=0",
+    ])
+    trainer = RLTrainer(cfg)
+    step_s, gen_tok_s, lengths = [], [], []
+    try:
+        for _ in range(a.steps):
+            m = trainer.train_step(trainer.train_loader.next_batch())
+            trainer.step += 1
+            step_s.append(m["timing_s/step"])
+            tokens = m["response_length/mean"] * a.prompts * a.n
+            gen_tok_s.append(tokens / m["timing_s/gen"])
+            lengths.append(m["response_length/mean"])
+            print(f"hybridflow step {trainer.step}: {m['timing_s/step']:.3f}s", flush=True)
+    finally:
+        trainer.roles.shutdown()
+        trainer.rewards.close()
+        trainer.tracker.close()
+    return {"step_s": step_s, "gen_tokens_per_s": gen_tok_s, "response_length_mean": lengths,
+            "peak_memory_gb": peak_memory_gb(a.device)}
+
+
+def run_trl(a: argparse.Namespace) -> dict:
+    import pandas as pd
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(HERE))
+    from grpo_reward import trl_reward
+
+    df = pd.read_parquet(Path(a.work) / "train.parquet")
+    ds = Dataset.from_dict({"prompt": [list(p) for p in df["prompt"]],
+                            "ground_truth": [r["ground_truth"] for r in df["reward_model"]]})
+    tok = AutoTokenizer.from_pretrained(Path(a.work) / "model")
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(Path(a.work) / "model", dtype=dtype)
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+            print(f"trl step {state.global_step}: {times[-1]:.3f}s", flush=True)
+
+    rows = a.prompts * a.n
+    cfg = GRPOConfig(
+        output_dir=str(Path(a.work) / "trl_run"), per_device_train_batch_size=rows, gradient_accumulation_steps=1,
+        num_generations=a.n, max_completion_length=a.max_new_tokens, learning_rate=a.lr, beta=0.0,
+        loss_type="dapo", temperature=1.0, max_steps=a.steps, logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=a.device == "cpu", bf16=a.device == "cuda", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=1.0, seed=a.seed, disable_dropout=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=cfg, train_dataset=ds, processing_class=tok,
+                          callbacks=[Clock()])
+    trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    return {"step_s": times, "response_length_mean": lengths,
+            "gen_tokens_per_s": None, "peak_memory_gb": peak_memory_gb(a.device)}
+
+
+def child(a: argparse.Namespace) -> None:
+    result = (run_hybridflow if a.child == "hybridflow" else run_trl)(a)
+    Path(a.result).write_text(json.dumps(result))
+
+
+def summarize(name: str, r: dict, warmup: int) -> dict:
+    steady = r["step_s"][warmup:] or r["step_s"]
+    out = {"framework": name, "step_s_median": statistics.median(steady), "step_s_all": r["step_s"],
+           "first_step_s": r["step_s"][0], "peak_memory_gb": r["peak_memory_gb"],
+           "response_length_mean": statistics.mean(r["response_length_mean"]) if r["response_length_mean"] else None}
+    if r.get("gen_tokens_per_s"):
+        out["gen_tokens_per_s_median"] = statistics.median(r["gen_tokens_per_s"][warmup:] or r["gen_tokens_per_s"])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: tiny on cpu, qwen2-0.5b on cuda")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8 cpu / 32 cuda)")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 32 cpu / 256 cuda")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=("hybridflow", "trl"), default=None)
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/grpo_vs_trl_<device>.json)")
+    p.add_argument("--child", choices=("hybridflow", "trl"), help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    cpu = a.device == "cpu"
+    a.shape = a.shape or ("tiny" if cpu else "qwen2-0.5b")
+    a.prompts = a.prompts or (8 if cpu else 32)
+    a.max_new_tokens = a.max_new_tokens or (32 if cpu else 256)
+    if a.child:
+        return child(a)
+    work = Path(tempfile.mkdtemp(prefix="grpo_vs_trl_"))
+    make_inputs(work, a.shape, max(64, a.prompts * (a.steps + 1)), a.seed)
+    results = {}
+    for name in ("hybridflow", "trl"):
+        if a.only and name != a.only:
+            continue
+        res = work / f"{name}.json"
+        cmd = [sys.executable, __file__, "--child", name, "--work", str(work), "--result", str(res)]
+        cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+                if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "lr", "seed")]
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        results[name] = summarize(name, json.loads(res.read_text()), a.warmup)
+        results[name]["wall_s"] = time.perf_counter() - start
+    import torch
+
+    report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
+              "cpus": os.cpu_count(), "torch": torch.__version__, "settings": {k: v for k, v in vars(a).items()
+              if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "warmup", "lr", "seed")},
+              "results": results}
+    if "hybridflow" in results and "trl" in results:
+        report["speedup_step"] = results["trl"]["step_s_median"] / results["hybridflow"]["step_s_median"]
+    try:
+        import transformers
+        import trl
+
+        report["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
+    except ImportError:
+        pass
+    print(f"\n{'framework':<12}{'s/step (median)':>17}{'first step s':>14}{'peak GiB':>10}{'resp len':>10}")
+    for r in results.values():
+        print(f"{r['framework']:<12}{r['step_s_median']:>17.3f}{r['first_step_s']:>14.2f}{r['peak_memory_gb']:>10.2f}"
+              f"{(r['response_length_mean'] or 0):>10.1f}")
+    if "speedup_step" in report:
+        print(f"hybridflow speed-up per step: {report['speedup_step']:.2f}x")
+    out = Path(a.out or HERE / "results" / f"grpo_vs_trl_{a.device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

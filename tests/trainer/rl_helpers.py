@@ -1,0 +1,25 @@
+"""Helpers shared by the trainer tests: small-run overrides, running `train`, reading metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+from hybridflow.config.loader import load_config
+from hybridflow.trainer.rl import train
+
+
+def base_overrides(model, data_dir, out, *extra):
+    return [f"model.path={model}", f"data.train_files={data_dir}/train.parquet",
+            f"data.val_files={data_dir}/test.parquet", "data.train_batch_size=2", "data.max_prompt_length=256",
+            "data.max_response_length=8", "rollout.n=2", "actor.lr=1e-4", "trainer.total_steps=2",
+            "actor.mini_batch_size=null", "critic.mini_batch_size=null",
+            "trainer.val_every=2", "reward.num_workers=1", f"trainer.output_dir={out}", *extra]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(model, data_dir, out, *extra, recipe="recipes/grpo.yaml"):
+    train(load_config(base_overrides(model, data_dir, out, *extra), recipe))
+    return read_metrics(out)
