@@ -36,7 +36,8 @@ from hybridflow.checkpoint.state import (
 __all__ = [
     "BadStepCounter", "CheckpointError", "CheckpointManager", "ControllerState", "GracefulStop",
     "IncompatibleCheckpoint", "TrainingDiverged", "capture_rng_state", "check_compatible",
-    "check_model_config", "check_writable", "estimate_checkpoint_bytes", "export_hf", "is_complete", "load_controller_state",
+    "check_model_config", "check_writable", "estimate_checkpoint_bytes", "export_hf", "is_complete",
+    "load_controller_state",
     "load_model_state", "load_worker_state", "main_export", "read_config", "read_full_model_state",
     "read_meta", "restore_rng_state", "save_controller_state", "save_hf_assets", "save_model_state",
     "save_worker_state",

@@ -49,9 +49,9 @@ CONFIG_FILE, META_FILE, CONTROLLER_FILE = "config.yaml", "meta.json", "controlle
 ROLE_STATE_FILE = "state.pt"
 ALIASES_KEY = "_hybridflow_tied_aliases"
 
-__all__ = ["capture_rng_state", "restore_rng_state", "save_model_state", "load_model_state",
-           "read_full_model_state", "estimate_checkpoint_bytes", "save_worker_state", "load_worker_state", "save_controller_state", "load_controller_state",
-           "ControllerState", "read_config", "read_meta"]
+__all__ = ["ControllerState", "capture_rng_state", "estimate_checkpoint_bytes", "load_controller_state",
+           "load_model_state", "load_worker_state", "read_config", "read_full_model_state", "read_meta",
+           "restore_rng_state", "save_controller_state", "save_model_state", "save_worker_state"]
 
 
 def _dist_args(process_group) -> dict[str, Any]:

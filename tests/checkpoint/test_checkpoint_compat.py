@@ -8,7 +8,12 @@ import copy
 
 import yaml
 
-from hybridflow.checkpoint import IncompatibleCheckpoint, check_compatible, check_model_config, save_controller_state
+from hybridflow.checkpoint import (
+    IncompatibleCheckpoint,
+    check_compatible,
+    check_model_config,
+    save_controller_state,
+)
 
 SAVED = {
     "model": {"path": "/models/qwen2-0.5b", "tokenizer_path": None, "gradient_checkpointing": False},

@@ -1,4 +1,5 @@
-"""GracefulStop on SIGTERM/SIGINT (in-process, and a loop that saves then exits), and BadStepCounter's skip-then-stop on non-finite steps."""
+"""GracefulStop on SIGTERM/SIGINT (in-process, and a loop that saves then exits), and
+BadStepCounter's skip-then-stop on non-finite steps."""
 
 from __future__ import annotations
 

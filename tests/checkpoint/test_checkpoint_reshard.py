@@ -66,10 +66,12 @@ def test_fsdp2_two_ranks_to_one(tmp_path, tiny_qwen2):
             pytest.fail("the two FSDP2 ranks did not finish within 180 s")
     expected = torch.load(tmp_path / "expected.pt")
     checkpoint = CheckpointManager(tmp_path).latest()
-    assert checkpoint.name == "step_00000005" and [p.name for p in checkpoint.parent.iterdir()] == [checkpoint.name]
-    assert sorted(p.name for p in (checkpoint / "actor" / "model").glob("*.distcp")) == ["__0_0.distcp",
-                                                                                         "__1_0.distcp"]
-    assert {"actor/rng_rank0.pt", "actor/rng_rank1.pt", "actor/state.pt"} <= set(read_manifest(checkpoint)["files"])
+    assert checkpoint.name == "step_00000005"
+    assert [p.name for p in checkpoint.parent.iterdir()] == [checkpoint.name]
+    shards = sorted(p.name for p in (checkpoint / "actor" / "model").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    files = set(read_manifest(checkpoint)["files"])
+    assert {"actor/rng_rank0.pt", "actor/rng_rank1.pt", "actor/state.pt"} <= files
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rest = load_worker_state(checkpoint / "actor", model, optimizer)

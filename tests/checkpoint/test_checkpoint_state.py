@@ -66,7 +66,8 @@ def test_load_into_other_model_names_the_keys(tmp_path, tiny_model_factory, trai
     from transformers import AutoModelForCausalLM
 
     narrower = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2", hidden=32, heads=2, kv_heads=1))
-    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: checkpoint \[260, 64\] vs now \[260, 32\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"model.embed_tokens.weight: checkpoint \[260, 64\] vs now \[260, 32\]"):
         load_worker_state(tmp_path / "actor", narrower)
     shallower = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2", layers=1))
     with pytest.raises(CheckpointError, match=r"model.layers.1.\S+: in the checkpoint, not in the model"):
