@@ -5,9 +5,10 @@ One checkpoint is written like this (controller and workers; see docs/checkpoint
     manager = CheckpointManager(cfg.trainer.output_dir, keep=cfg.trainer.keep_checkpoints)
     tmp = manager.begin(step)                                       # controller
     save_worker_state(tmp / "actor", model, optimizer, {"lr": sched})   # every actor rank
-    save_hf_assets(tmp / "actor", actor_model_path)                 # controller, for export
+    save_hf_assets(tmp / "actor", cfg.model.path)                   # controller, for export
     save_controller_state(tmp, step, cfg, {"kl": kl_ctl, "data": loader_position})
     manager.commit(step, tmp)                                       # atomic rename, prune
+                                                                    # (manager.abort(tmp) on failure)
 
 and resumed with `manager.resolve(cfg.trainer.resume)`, `check_compatible(read_config(ckpt), cfg)`,
 `load_worker_state(ckpt / "actor", ...)` and `load_controller_state(ckpt, ...)`.

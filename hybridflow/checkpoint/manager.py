@@ -176,10 +176,20 @@ class CheckpointManager:
         """Where the complete checkpoint of `step` lives (whether or not it exists)."""
         return self.root / f"step_{step:08d}"
 
-    def begin(self, step: int) -> Path:
-        """Make and return a fresh temp dir for the checkpoint of `step` (same path on every rank)."""
+    def begin(self, step: int, min_free_bytes: int = 0) -> Path:
+        """Make and return a fresh temp dir for the checkpoint of `step` (same path on every rank).
+
+        `min_free_bytes` (e.g. `estimate_checkpoint_bytes(...)`): refuse, before anything is written,
+        when the disk has less free space, instead of failing half-way through the save.
+        """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: must be an int >= 0")
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if free < min_free_bytes:
+            raise CheckpointError(
+                f"cannot save step {step}: {self.root} has {free / 2**30:.2f} GiB free, the checkpoint "
+                f"needs about {min_free_bytes / 2**30:.2f} GiB; the previous checkpoints are intact")
         name = [f".tmp_step_{step:08d}_{socket.gethostname()}_{os.getpid()}"]
         if self._distributed():
             dist.broadcast_object_list(name, src=dist.get_global_rank(self.process_group, 0),
@@ -219,6 +229,14 @@ class CheckpointManager:
             self.prune()
         self._barrier()
         return final
+
+    def abort(self, tmp_dir: str | Path) -> None:
+        """Delete the temp dir of a save that failed (a worker died, the disk filled); the complete
+        checkpoints are untouched. Safe to call from several ranks at once."""
+        tmp = Path(tmp_dir)
+        if not _TMP_RE.match(tmp.name) or tmp.resolve().parent != self.root:
+            raise CheckpointError(f"refusing to delete {tmp}: not a temp dir made by begin() under {self.root}")
+        shutil.rmtree(tmp, ignore_errors=True)
 
     def _remove(self, checkpoint_dir: Path) -> None:
         """Delete a checkpoint so that it is never seen half-deleted as complete."""

@@ -164,3 +164,17 @@ def test_check_writable_read_only_dir(tmp_path):
             check_writable(locked)
     finally:
         locked.chmod(0o700)
+
+
+def test_failed_save_is_refused_early_or_aborted(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=2)
+    done = _commit(manager, 1)
+    with pytest.raises(CheckpointError, match="cannot save step 2: .* GiB free.*previous checkpoints are intact"):
+        manager.begin(2, min_free_bytes=2**62)
+    tmp = manager.begin(2, min_free_bytes=1)
+    (tmp / "half.bin").write_bytes(b"x")
+    manager.abort(tmp)
+    assert not tmp.exists() and manager.latest() == done
+    with pytest.raises(CheckpointError, match="refusing to delete"):
+        manager.abort(done)
+    assert is_complete(done)
