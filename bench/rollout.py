@@ -1,9 +1,13 @@
 """Rollout throughput: hybridflow's RolloutEngine against `transformers.generate`, in the same run.
 
-    python bench/rollout.py --device cpu                 # ~10M-param Qwen2 shape, fp32, batch 64
+    python bench/rollout.py --device cpu                 # ~10M-param Qwen2 shape, fp32, batch 64, 3 runs
+    python bench/rollout.py --device cpu --rl-only       # only the RL-shaped (varied lengths) run
     python bench/rollout.py --device cuda --out bench/results/rollout_h200.json
     python bench/rollout.py --device cuda --quick --skip-hf   # smoke: 0.5B, batch 256, ours only
 
+On CPU: the fixed-length run at batch 64 (prompt 32, 64 new tokens; ours and `generate` alternate
+three times and the medians are reported, since the 2-core machine is shared), then an RL-shaped one (prompts of varied length, ~2 % of
+the vocabulary as stop ids) where `generate` pads and keeps computing finished rows.
 On CUDA: a parity check (greedy on a small random Qwen2 in fp32 must match HF token for token; in bf16
 the first tokens and the log-probs are compared), the device-copy bandwidth, then at the Qwen2-0.5B and
 1.5B shapes (random bf16 weights): the weight sync (`load_weights` from the HF model's parameters),
@@ -32,6 +36,10 @@ SHAPES = {
     "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        intermediate_size=8960, vocab_size=151936),
 }
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def sync(device: torch.device) -> None:
@@ -171,7 +179,8 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * x.numel() / (time.perf_counter() - start)
 
 
-def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip_hf, bandwidth) -> dict:
+def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip_hf, bandwidth,
+                repeats: int = 1) -> dict:
     model = make_model(shape, dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
     engine = engine_from(model, device, dtype, max_num_seqs=max(batches),
@@ -203,21 +212,27 @@ def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip
         prompts = torch.randint(4, cfg.vocab_size, (batch, prompt_len), generator=gen)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        outs, seconds = ours_generate(engine, prompts.tolist(), params)
-        tokens = sum(len(o[0].token_ids) for o in outs)
+        ours_runs, hf_runs = [], []
+        for _ in range(repeats):  # ours and generate alternate, so a shared machine's load hits both
+            outs, seconds = ours_generate(engine, prompts.tolist(), params)
+            ours_runs.append(sum(len(o[0].token_ids) for o in outs) / seconds)
+            if not skip_hf:
+                hf_tokens, hf_seconds = hf_generate(model, prompts.to(device), new_tokens)
+                hf_runs.append(hf_tokens.numel() / hf_seconds)
         stats = engine.stats
         step_ms = 1e3 * stats["decode_s"] / max(stats["decode_steps"], 1)
         avg_ctx = prompt_len + new_tokens / 2
         kv_bytes = batch * avg_ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
         roofline_ms = 1e3 * (n_params * dtype.itemsize + kv_bytes) / bandwidth if bandwidth else None
-        entry = dict(ours_tok_s=tokens / seconds, ours_s=seconds, prefill_s=stats["prefill_s"],
-                     decode_step_ms=step_ms, roofline_step_ms=roofline_ms,
+        entry = dict(ours_tok_s=median(ours_runs), ours_s=batch * new_tokens / median(ours_runs),
+                     prefill_s=stats["prefill_s"], decode_step_ms=step_ms, roofline_step_ms=roofline_ms,
                      roofline_fraction=roofline_ms / step_ms if roofline_ms else None,
                      peak_memory_gb=torch.cuda.max_memory_allocated(device) / 2**30
                      if device.type == "cuda" else None)
+        if repeats > 1:
+            entry.update(ours_runs_tok_s=ours_runs, hf_runs_tok_s=hf_runs)
         if not skip_hf:
-            hf_tokens, hf_seconds = hf_generate(model, prompts.to(device), new_tokens)
-            entry.update(hf_tok_s=hf_tokens.numel() / hf_seconds, hf_s=hf_seconds)
+            entry.update(hf_tok_s=median(hf_runs), hf_s=batch * new_tokens / median(hf_runs))
             entry["speedup"] = entry["ours_tok_s"] / entry["hf_tok_s"]
         row["batches"][batch] = entry
         print(shape, batch, {k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()},
@@ -255,6 +270,38 @@ def bench_varied(shape: str, device, dtype, slots: int, prompt_len: int, new_tok
     return result
 
 
+def bench_rl_shaped(shape: str, device, dtype, batch: int, new_tokens: int) -> dict:
+    """RL-shaped: prompts of 8-32 tokens (left-padded for `generate`), ~2 % of the vocabulary as stop
+    ids; useful tokens (up to and including the stop token) per second, ours against `generate`."""
+    model = make_model(shape, dtype, device)
+    engine = engine_from(model, device, dtype, max_num_seqs=batch, max_model_len=32 + new_tokens)
+    vocab = model.config.vocab_size
+    stop_ids = list(range(4, 4 + vocab // 50))
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(8, 33, (batch,), generator=gen).tolist()
+    prompts = [torch.randint(4 + len(stop_ids), vocab, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=stop_ids, seed=0)
+    engine.generate(prompts[:4], SamplingParams(max_tokens=4, stop_token_ids=[]))  # warm-up
+    outs, ours_s = ours_generate(engine, prompts, params)
+    ours_useful = sum(len(o[0].token_ids) for o in outs)
+    width = max(lengths)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long().to(device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
+                         temperature=1.0, top_k=0, top_p=1.0, eos_token_id=stop_ids, pad_token_id=0)
+    hf_s = time.perf_counter() - start
+    stop = set(stop_ids)
+    hf_useful = 0
+    for row in out[:, width:].tolist():
+        hf_useful += next((k + 1 for k, t in enumerate(row) if t in stop), len(row))
+    result = dict(batch=batch, ours_mean_length=ours_useful / batch, hf_mean_length=hf_useful / batch,
+                  ours_tok_s=ours_useful / ours_s, hf_tok_s=hf_useful / hf_s,
+                  speedup=(ours_useful / ours_s) / (hf_useful / hf_s))
+    print("rl_shaped", result, flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -262,6 +309,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="0.5B at batch 256 only (CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="do not time transformers.generate")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
+    parser.add_argument("--rl-only", action="store_true", help="CPU: only the RL-shaped run")
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
@@ -272,8 +320,10 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
         result["threads"] = args.threads
-        result["shapes"] = {"cpu-10m": bench_shape("cpu-10m", device, torch.float32, [64], 32, 128,
-                                                   args.skip_hf, None)}
+        if not args.rl_only:
+            result["shapes"] = {"cpu-10m": bench_shape("cpu-10m", device, torch.float32, [64], 32, 64,
+                                                       args.skip_hf, None, repeats=3)}
+        result["rl_shaped"] = bench_rl_shaped("cpu-10m", device, torch.float32, 64, 128)
     else:
         result["kernels"] = check_kernels(device)
         print("kernels", result["kernels"], flush=True)

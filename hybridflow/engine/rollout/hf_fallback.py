@@ -61,8 +61,9 @@ class HFRolloutEngine:
         limits = [min(params.max_tokens, self.max_model_len - len(p)) for p in prompts]
         sampling = {} if params.greedy else dict(temperature=params.temperature, top_p=params.top_p,
                                                  top_k=max(params.top_k, 0))
+        copies = 1 if params.greedy else params.n  # greedy samples are all the same: decode once
         config = GenerationConfig(max_new_tokens=max(limits), do_sample=not params.greedy,
-                                  num_return_sequences=params.n, eos_token_id=stop_ids or None,
+                                  num_return_sequences=copies, eos_token_id=stop_ids or None,
                                   pad_token_id=pad, output_scores=True, return_dict_in_generate=True,
                                   **sampling)
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -74,11 +75,11 @@ class HFRolloutEngine:
         for i, limit in enumerate(limits):
             row = []
             for j in range(params.n):
-                tokens = new_tokens[i * params.n + j, :limit].tolist()
+                r = i * copies + j % copies
+                tokens = new_tokens[r, :limit].tolist()
                 end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
                 tokens = tokens[:end] if end else tokens
-                row.append(Completion(tokens, logprobs[i * params.n + j, :len(tokens)].tolist(),
-                                      "stop" if end else "length"))
+                row.append(Completion(tokens, logprobs[r, :len(tokens)].tolist(), "stop" if end else "length"))
             results.append(row)
         return results
 

@@ -32,9 +32,27 @@ def full_logits(model, prompt, tokens):
     return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)].float()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
-def test_greedy_matches_transformers_generate(spread_model, arch):
-    path = spread_model(arch)
+@pytest.fixture(scope="module")
+def llama3_rope(spread_model, tmp_path_factory):
+    """The spread Llama with llama3 rope scaling and a non-default rope_theta."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    src, dst = spread_model("llama"), tmp_path_factory.mktemp("llama3_rope")
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    config = AutoConfig.from_pretrained(src)
+    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 16}
+    config.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "llama3-rope"])
+def test_greedy_matches_transformers_generate(spread_model, llama3_rope, arch):
+    path = llama3_rope if arch == "llama3-rope" else spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=3)  # fewer slots than prompts
     outs = engine.generate(PROMPTS, GREEDY)
     model = hf_model(path)

@@ -104,6 +104,8 @@ def test_unsupported_architecture_uses_the_hf_fallback(tiny_gpt2):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref and out.finish_reason == "length"
+    greedy_n = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_tokens=12, stop_token_ids=[]))
+    assert [[s.token_ids for s in row] for row in greedy_n] == [[o[0].token_ids] * 3 for o in free]
     stop = free[0][0].token_ids[2]
     stopped = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop]))
     assert stopped[0][0].token_ids == free[0][0].token_ids[:3] and stopped[0][0].finish_reason == "stop"
@@ -118,3 +120,16 @@ def test_unsupported_architecture_uses_the_hf_fallback(tiny_gpt2):
             torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="prompt 0 has 128 tokens"):
         engine.generate([[5] * 128], SamplingParams())
+
+
+def test_engine_hf_on_a_fast_architecture_matches_the_fast_engine(spread_model):
+    path = spread_model("qwen2")
+    params = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[])
+    prompts = [[5, 6, 7], [8] * 11]
+    hf = RolloutEngine.from_pretrained(path, engine="hf", max_num_seqs=4)
+    fast = RolloutEngine.from_pretrained(path, engine="fast", max_num_seqs=4)
+    assert isinstance(hf, HFRolloutEngine) and isinstance(fast, RolloutEngine)
+    assert [o[0].token_ids for o in hf.generate(prompts, params)] == \
+        [o[0].token_ids for o in fast.generate(prompts, params)]
+    with pytest.raises(ValueError, match="engine='vllm' is invalid"):
+        RolloutEngine.from_pretrained(path, engine="vllm")
