@@ -106,10 +106,11 @@ SLOW_SAVER = textwrap.dedent("""
     model = torch.nn.Linear(4, 4)
     save_worker_state(tmp / "actor", model, torch.optim.AdamW(model.parameters()))
     with open(tmp / "actor" / "big.bin", "wb") as fh:
-        ready.write_text(str(tmp))
         while True:
             fh.write(b"0" * 4096)
             fh.flush()
+            if not ready.exists():
+                ready.write_text(str(tmp))
             time.sleep(0.01)
 """)
 
