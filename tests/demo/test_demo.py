@@ -1,0 +1,53 @@
+"""The demo pipeline at a minuscule size (seconds): its files and summary, not its accuracy gain."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from hybridflow.demo import make_splits, run_demo, write_task_data
+from hybridflow.demo.tasks import TASKS
+
+
+def test_smoke_demo_writes_summary_metrics_tensorboard_and_report(tmp_path):
+    summary = run_demo(tmp_path, "smoke")
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved == json.loads(json.dumps(summary))
+    for key in ("accuracy_before_rl", "accuracy_after_rl"):
+        assert 0.0 <= saved[key] <= 1.0
+    assert saved["minutes"] > 0 and set(saved["minutes_by_phase"]) == {"data", "model", "sft", "rl", "report"}
+    assert saved["minutes"] >= sum(saved["minutes_by_phase"].values()) - 0.01
+    assert [step for step, _ in saved["validation_curve"]] == [0, 2]  # before RL and after its last step
+    assert (tmp_path / "metrics.jsonl").is_file() and list((tmp_path / "tensorboard").glob("events.*"))
+    assert saved["report"] == str(tmp_path / "report.html") and (tmp_path / "report.html").is_file()
+    assert (tmp_path / "sft" / "hf" / "model.safetensors").is_file()
+    sft_last = json.loads((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert sft_last["step"] == 2 and "train/loss" in sft_last
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_splits_are_disjoint_and_answers_are_right(task):
+    splits = make_splits(task, {"heldout": 50, "sft": 200, "rl": 100}, seed=3)
+    questions = [q for problems in splits.values() for q, _ in problems]
+    assert len(questions) == len(set(questions)) == 350
+    for question, answer in splits["heldout"]:
+        verb, arg = question.split(" ", 1)
+        expected = {"reverse": lambda s: s[::-1], "sort": lambda s: "".join(sorted(s)),
+                    "add": lambda s: str(sum(map(int, s.split("+"))))}[verb](arg)
+        assert verb == task and answer == expected
+
+
+def test_task_files_feed_both_trainers(tmp_path):
+    files = write_task_data(tmp_path, "reverse", n_sft=6, n_rl=4, n_heldout=3)
+    sft = [json.loads(line) for line in files["sft"].read_text().splitlines()]
+    assert len(sft) == 6 and [m["role"] for m in sft[0]["messages"]] == ["user", "assistant"]
+    held = pd.read_parquet(files["heldout"])
+    assert len(held) == 3 and held["reward_model"][0]["ground_truth"] == held["prompt"][0][0]["content"][8:][::-1]
+    assert not set(held["prompt"].map(lambda p: p[0]["content"])) & {r["messages"][0]["content"] for r in sft}
+
+
+def test_too_small_a_task_space_is_refused():
+    with pytest.raises(ValueError, match="too few distinct questions"):
+        make_splits("reverse", {"heldout": 100, "sft": 1000}, min_len=1, max_len=1)
