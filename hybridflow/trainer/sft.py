@@ -64,9 +64,14 @@ class SFTDataConfig:
 
 @dataclass
 class SFTOptimConfig(OptimizedRoleConfig):
-    """Optimisation of the model (mini_batch_size counts conversations; null = one step per batch)."""
+    """Optimisation of the model (AdamW, lr schedule, micro-batching and packing)."""
 
     lr: float = opt(1e-5, "peak learning rate")
+    ppo_epochs: int = opt(1, "passes over each step's batch (each pass one optimizer step per mini-batch)")
+    mini_batch_size: Optional[int] = opt(None, "conversations per optimizer step; null = the whole batch")
+    micro_batch_size: Optional[int] = opt(None, "conversations per forward per rank; null = all of the rank's")
+    max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per forward (rows packed up to it; "
+                                                          "overrides micro_batch_size)")
 
 
 @dataclass

@@ -106,3 +106,12 @@ def test_config_errors_name_key_and_valid_values(tiny_qwen2, chats, tmp_path):
     with pytest.raises(ConfigError, match="did you mean"):
         load_config(["optim.lrr=1"], schema=SFTConfig)
     assert cli_main(["sft", f"model.path={tiny_qwen2}", f"trainer.output_dir={tmp_path}"]) == 2
+
+
+def test_docs_reference_matches_the_schema():
+    from pathlib import Path
+
+    from hybridflow.config.reference import INTRO, render_reference
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "sft.md").read_text()
+    assert render_reference(SFTConfig)[len(INTRO):].strip() in docs
