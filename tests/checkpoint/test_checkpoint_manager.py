@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -88,7 +89,7 @@ def test_stale_temp_dir_of_dead_process_is_cleaned(tmp_path):
     done = _commit(manager, 1)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = manager.root / f".tmp_step_00000002_{os.uname().nodename}_{dead.pid}"
+    stale = manager.root / f".tmp_step_00000002_{socket.gethostname()}_{dead.pid}"
     stale.mkdir()
     alive = manager.begin(3)
     assert manager.latest() == done

@@ -1,4 +1,5 @@
-"""DCP resharding: a 2-process gloo FSDP2 model + AdamW saved, then loaded into one plain process."""
+"""DCP resharding both ways: a plain 1-process checkpoint loaded by 2 gloo FSDP2 ranks, and their
+2-rank checkpoint (model + AdamW) loaded back into one plain process."""
 
 from __future__ import annotations
 
@@ -8,8 +9,25 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.checkpoint import CheckpointManager, load_worker_state, read_full_model_state
+from hybridflow.checkpoint import CheckpointManager, load_worker_state, read_full_model_state, save_worker_state
 from hybridflow.checkpoint.manager import read_manifest
+
+
+def _full_state(model, optimizer) -> dict:
+    """{"params": {name: full tensor}, "exp_avg": {name: full tensor}} of a plain or FSDP2 model."""
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+
+    names = {param: name for name, param in model.named_parameters()}
+    return {"params": {name: full(param) for name, param in model.named_parameters()},
+            "exp_avg": {names[p]: full(s["exp_avg"]) for p, s in optimizer.state.items()}}
+
+
+def _assert_same(got: dict, expected: dict) -> None:
+    for kind in ("params", "exp_avg"):
+        assert got[kind].keys() == expected[kind].keys(), kind
+        for name, value in got[kind].items():
+            assert torch.equal(value, expected[kind][name]), (kind, name)
 
 
 def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: str) -> None:
@@ -17,8 +35,6 @@ def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: st
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
-
-    from hybridflow.checkpoint import CheckpointManager, save_worker_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -29,6 +45,8 @@ def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: st
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        load_worker_state(f"{out}/one/actor", model, optimizer)  # resharding 1 -> 2
+        _assert_same(_full_state(model, optimizer), torch.load(f"{out}/one_expected.pt"))
         torch.manual_seed(0)
         ids = torch.randint(4, 260, (2, 12))
         model(input_ids=ids, labels=ids).loss.backward()
@@ -37,11 +55,9 @@ def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: st
         tmp = manager.begin(5)
         save_worker_state(tmp / "actor", model, optimizer, {"note": {"world": world}})
         manager.commit(5, tmp)
-        names = {param: name for name, param in model.named_parameters()}
-        full = {name: param.full_tensor() for name, param in model.named_parameters()}
-        exp_avg = {names[p]: s["exp_avg"].full_tensor() for p, s in optimizer.state.items()}
+        expected = _full_state(model, optimizer)
         if rank == 0:
-            torch.save({"params": full, "exp_avg": exp_avg, "draw": torch.rand(3)}, f"{out}/expected.pt")
+            torch.save({**expected, "draw": torch.rand(3)}, f"{out}/expected.pt")
         else:
             torch.rand(3)
         dist.barrier()
@@ -49,9 +65,14 @@ def _fsdp_worker(rank: int, world: int, init_file: str, model_path: str, out: st
         dist.destroy_process_group()
 
 
-def test_fsdp2_two_ranks_to_one(tmp_path, tiny_qwen2):
-    """Collective begin/commit over 2 ranks, then the checkpoint loaded by one plain process."""
+def test_fsdp2_reshard_one_to_two_to_one(tmp_path, tiny_qwen2, trained):
+    """1 plain process → 2 FSDP2 ranks (they check it), a collective begin/commit over the 2 ranks,
+    then their checkpoint loaded by one plain process."""
     from transformers import AutoModelForCausalLM
+
+    model, optimizer, _ = trained
+    save_worker_state(tmp_path / "one" / "actor", model, optimizer)
+    torch.save(_full_state(model, optimizer), tmp_path / "one_expected.pt")
 
     # fork: the children inherit the imported torch/transformers instead of importing them again
     # (not once CUDA is initialised in this process, as after the GPU tests: a forked CUDA context breaks)
@@ -78,11 +99,6 @@ def test_fsdp2_two_ranks_to_one(tmp_path, tiny_qwen2):
 
     assert rest == {"note": {"world": 2}}
     assert torch.equal(torch.rand(3), expected["draw"]), "rank 0's RNG state should be restored"
-    for name, param in model.named_parameters():
-        assert torch.equal(param.detach(), expected["params"][name]), name
-    names = {param: name for name, param in model.named_parameters()}
-    assert len(optimizer.state) == len(expected["exp_avg"])
-    for param, slots in optimizer.state.items():
-        assert torch.equal(slots["exp_avg"], expected["exp_avg"][names[param]]), names[param]
+    _assert_same(_full_state(model, optimizer), expected)
     full = read_full_model_state(checkpoint / "actor")
     assert torch.equal(full["model.norm.weight"], expected["params"]["model.norm.weight"])
