@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -108,7 +109,7 @@ def main_export(argv: list[str] | None = None) -> int:
     try:
         out = export_hf(args.checkpoint_dir, args.out_dir, args.model, role=args.role, dtype=args.dtype)
     except CheckpointError as exc:
-        print(f"hybridflow export: error: {exc}")
+        print(f"hybridflow export: error: {exc}", file=sys.stderr)
         return 1
     print(f"exported {args.role} to {out}")
     return 0

@@ -49,7 +49,7 @@ def test_cli_export_bf16_from_run_dir(tmp_path, checkpoint, capsys):
     assert "exported actor" in capsys.readouterr().out
     assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
     assert main_export([str(path), str(tmp_path / "nope"), "--role", "critic"]) == 1
-    assert "no model for role 'critic'; roles: ['actor']" in capsys.readouterr().out
+    assert "no model for role 'critic'; roles: ['actor']" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match="neither a complete checkpoint"):
         export_hf(tmp_path / "empty", tmp_path / "x")
 
