@@ -1,12 +1,13 @@
 """Training steps of the engine on 2 gloo ranks against 1 process: gradient equality under data
 parallelism and micro-batching (by count and by tokens), one global clip, non-finite steps skipped,
-and offload round trips. One forked group runs every distributed case (start-up costs the most)."""
+offload round trips, and gathered bf16 weights for a sync. One forked group runs every distributed case (start-up costs the most)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 from train_helpers import model_cfg, optim_cfg, rl_batch, run_ranks
 
 from hybridflow.engine.train import TrainEngine
@@ -61,6 +62,7 @@ def _ranks(rank, path):
     results = {}
     for name, kw in {"count": dict(micro_batch_size=2), "tokens": dict(max_tokens=14)}.items():
         engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e9), head="lm")
+        results["full_bf16"] = dict(engine.iter_full_params(torch.bfloat16))  # what a weight sync sends
         metrics = engine.train_step(local, pg_loss, **kw)
         results[name] = (_first_moments(engine), metrics["grad_norm"], metrics["loss"])
     engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e-3), head="lm")
@@ -92,7 +94,12 @@ def test_data_parallel_micro_batched_step_matches_one_process(tiny_qwen2):
     ref_grads, ref_norm = _first_moments(ref), ref_metrics["grad_norm"]
     assert ref_norm > 1e-3
 
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_qwen2).named_parameters())
     for rank_results in results:
+        full = rank_results["full_bf16"]
+        assert set(full) == set(initial)
+        for name, t in full.items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, initial[name].detach().to(torch.bfloat16)), name
         for mode in ("count", "tokens"):
             grads, norm, loss = rank_results[mode]
             assert abs(norm - ref_norm) < 1e-4 * ref_norm, mode
