@@ -1,6 +1,7 @@
 """Training steps of the engine on 2 gloo ranks against 1 process: gradient equality under data
 parallelism and micro-batching (by count and by tokens), one global clip, non-finite steps skipped,
-offload round trips, and gathered bf16 weights for a sync. One forked group runs every distributed case (start-up costs the most)."""
+offload round trips, and gathered bf16 weights for a sync. One forked group runs every distributed
+case (start-up costs the most)."""
 
 from __future__ import annotations
 
