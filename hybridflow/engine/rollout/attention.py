@@ -5,8 +5,9 @@ Two kernels per phase, picked by `Backend`:
   prefill; for decode, the slot cache flattened to `[slots * max_len, kv_heads, head_dim]` with
   `cu_seqlens_k[b] = slot_b * max_len` and `seqused_k[b]` = the row's context length. Static shapes, so
   it runs inside CUDA graphs.
-- "sdpa" (CPU, or fp32 on CUDA): `scaled_dot_product_attention` per prompt (causal) for prefill and over
-  the gathered, padded cache rows with a length mask for decode.
+- "sdpa" (CPU, or fp32 on CUDA): `scaled_dot_product_attention` once over the prompts padded to the
+  longest (causal and padding mask; per prompt when that would be large) for prefill, and over the
+  slot rows (a view when the rows' slots are contiguous) with a length mask for decode.
 
 Shapes: T packed tokens, B decode rows, H query heads, Hkv kv heads, D head dim.
 """
@@ -34,6 +35,7 @@ class AttnMeta:
     max_seqlen: prefill, the longest prompt; decode, the largest context any row may have.
     context_lens: decode [B] int32, each row's context length including the new token.
     slots: decode [B] int64, each row's slot.
+    padding: the SDPA layout (prefill: padded prompts; decode: rows and mask), made by the first layer.
     """
 
     prefill: bool
@@ -45,6 +47,7 @@ class AttnMeta:
     max_seqlen: int = 0
     context_lens: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    padding: tuple | None = None
 
 
 def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -61,6 +64,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.write_index, v)
 
 
+_PADDED_LIMIT = 2**24  # prompts x longest^2 up to which SDPA prefill runs once over padded prompts
+
+
+def _padding(meta: AttnMeta, tokens: int, device: torch.device):
+    """Once per forward: gather index [S, L] from packed tokens to padded prompts, the valid positions
+    [S, L], and the causal mask over valid keys [S, 1, L, L] (L = longest prompt)."""
+    if meta.padding is None:
+        steps = torch.arange(meta.max_seqlen, device=device)
+        valid = steps[None, :] < torch.tensor(meta.seqlens, device=device)[:, None]
+        index = (meta.cu_seqlens[:-1, None].long() + steps[None, :]).clamp(max=tokens - 1)
+        causal = steps[:, None] >= steps[None, :]
+        meta.padding = (index, valid, (causal[None] & valid[:, None, :])[:, None])
+    return meta.padding
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, scale: float,
                       backend: str) -> torch.Tensor:
     """Causal attention within each packed prompt. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
@@ -68,6 +86,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
         return torch.ops.aten._flash_attention_forward(
             q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, 0.0, True, False,
             scale=scale)[0]
+    if len(meta.seqlens) * meta.max_seqlen ** 2 <= _PADDED_LIMIT:
+        index, valid, mask = _padding(meta, q.shape[0], q.device)
+        out = F.scaled_dot_product_attention(q[index].transpose(1, 2), k[index].transpose(1, 2),
+                                             v[index].transpose(1, 2), attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(1, 2)[valid]
     outs = []
     for qs, ks, vs in zip(q.split(meta.seqlens), k.split(meta.seqlens), v.split(meta.seqlens)):
         o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
@@ -85,14 +109,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta.cu_seqlens_q,
             meta.cu_seqlens, 1, meta.max_seqlen, 0.0, False, False, scale=scale,
             seqused_k=meta.context_lens)[0]
-    length, rows = meta.max_seqlen, meta.slots
-    if not q.is_cuda:  # rows are sorted by slot: a contiguous run of slots is a view, not a gather
-        first, last = int(rows[0]), int(rows[-1])
-        if last - first + 1 == rows.shape[0]:
-            rows = slice(first, last + 1)
-    keys = k_cache[rows, :length].transpose(1, 2)
-    values = v_cache[rows, :length].transpose(1, 2)
-    mask = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None],
-                                         scale=scale, enable_gqa=True)
+    rows, mask = _decode_layout(meta)
+    keys = k_cache[rows, :meta.max_seqlen].transpose(1, 2)
+    values = v_cache[rows, :meta.max_seqlen].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
     return out[:, :, 0]
+
+
+def _decode_layout(meta: AttnMeta):
+    """Once per step: the cache rows to read (a slice when the sorted slots are contiguous, on CPU, so
+    no gather) and the length mask [B, 1, 1, max_seqlen]."""
+    if meta.padding is None:
+        rows = meta.slots
+        if not rows.is_cuda:
+            first, last = int(rows[0]), int(rows[-1])
+            if last - first + 1 == rows.shape[0]:
+                rows = slice(first, last + 1)
+        steps = torch.arange(meta.max_seqlen, device=meta.slots.device)
+        meta.padding = (rows, (steps[None, :] < meta.context_lens[:, None])[:, None, None])
+    return meta.padding

@@ -49,12 +49,14 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return out, (h if delta is None else total)
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate x [T, heads, D] in place by positions [T]; cos/sin [max_len, D] fp32 tables."""
+def rotary_(x: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] in place by positions [T]; cos/sin [max_len, D] fp32 tables, or, with
+    positions None, already gathered per token ([T, D] in x's dtype: the torch path)."""
     half = x.shape[-1] // 2
-    if not use_triton(x) or half & (half - 1) or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
-        c = cos[positions].to(x.dtype)[:, None]
-        s = sin[positions].to(x.dtype)[:, None]
+    if positions is None or not use_triton(x) or half & (half - 1) or x.stride(-1) != 1 \
+            or x.stride(-2) != x.shape[-1]:
+        c = (cos if positions is None else cos[positions].to(x.dtype))[:, None]
+        s = (sin if positions is None else sin[positions].to(x.dtype))[:, None]
         x1, x2 = x.chunk(2, dim=-1)
         x.copy_(x * c + torch.cat((-x2, x1), dim=-1) * s)
         return

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.engine.rollout.attention import AttnMeta, decode_attention, prefill_attention, write_kv
-from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul
+from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
 
 FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
@@ -91,7 +91,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.splits = [q_size, kv_size, kv_size]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMeta, kv: KVCache) -> torch.Tensor:
         tokens, (q_size, kv_size, _) = x.shape[0], self.splits
         qkv = self.qkv_proj(x)
@@ -141,7 +141,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rope,
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor | None, rope,
                 meta: AttnMeta, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream h and the previous layer's pending output delta -> (h, this layer's output);
         the residual add is fused into the next norm."""
@@ -201,8 +201,11 @@ class CausalLM(nn.Module):
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions [T] -> logits [R, V] for rows `logits_index` (all T when None)."""
         h, delta = self.model.embed_tokens(input_ids), None
+        rope = (self.cos, self.sin)
+        if not use_triton(h):  # the torch rotary gathers once per forward, not per layer
+            rope, positions = (self.cos[positions].to(h.dtype), self.sin[positions].to(h.dtype)), None
         for layer in self.model.layers:
-            h, delta = layer(h, delta, positions, (self.cos, self.sin), meta, kv)
+            h, delta = layer(h, delta, positions, rope, meta, kv)
         if logits_index is not None:
             h, delta = h[logits_index], delta[logits_index]
         return self.lm_head(self.model.norm(h, delta)[0])
