@@ -181,8 +181,9 @@ class WorkerGroup:
         if self._backend is None:
             raise RuntimeError(f"worker group '{self.name}' is shut down")
         scattered = scatter(spec, path, args, kwargs, self.world_size)
+        encoded = [self._backend.encode(a, k) for _, a, k in scattered.calls]
         with self._submit_lock:  # every rank sees calls in the same order
-            parts = [self._backend.submit(r, path, a, k, blocking) for r, a, k in scattered.calls]
+            parts = [self._backend.submit(r, path, e, blocking) for (r, _, _), e in zip(scattered.calls, encoded)]
         return _combine(parts, lambda results: gather(spec, path, scattered, results))
 
     def shutdown(self) -> None:

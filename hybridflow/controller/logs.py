@@ -3,6 +3,9 @@
 Each worker process points its file descriptors 1 and 2 straight at a TCP connection to the
 controller's `LogServer` (`forward_output`), so prints, C++ warnings and NCCL logs all travel; the
 server writes every complete line to the controller's *current* ``sys.stdout`` / ``sys.stderr``.
+After each call a worker writes a sync mark (`mark_synced`) into both streams, and the backend
+waits for it (`LogServer.wait_synced`) before returning the call's result, so a call's output is
+on the console before the controller continues.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import sys
 import threading
 
 _HEADER_END = b"\n"
+_SYNC = "\x1ehybridflow-sync "
+SYNC_WAIT_S = 2.0
+_STREAMS = ("stdout", "stderr")
+_forwarding = False
 
 
 class LogServer:
@@ -23,6 +30,8 @@ class LogServer:
         self._sock = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
         self._lock = threading.Lock()
+        self._synced = threading.Condition()
+        self._marks: dict[tuple[str, str], int] = {}  # (worker key, stream) -> last call id seen
         threading.Thread(target=self._accept_loop, name="hybridflow-log-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -36,10 +45,22 @@ class LogServer:
     def _read_loop(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as stream:
             header = json.loads(stream.readline())
-            prefix, target = header["prefix"], header["stream"]
+            prefix, target, key = header["prefix"], header["stream"], header["key"]
             for raw in stream:
-                line = raw.decode("utf-8", errors="replace")
-                self._write(target, prefix + (line if line.endswith("\n") else line + "\n"))
+                line, _, mark = raw.decode("utf-8", errors="replace").partition(_SYNC)
+                if line:
+                    self._write(target, prefix + line.rstrip("\n") + "\n")
+                if mark:
+                    with self._synced:
+                        self._marks[(key, target)] = int(mark)
+                        self._synced.notify_all()
+
+    def wait_synced(self, key: str, call_id: int, timeout: float = SYNC_WAIT_S) -> bool:
+        """Waits until both streams of worker `key` have been printed up to call `call_id`'s end."""
+        with self._synced:
+            return self._synced.wait_for(
+                lambda: all(self._marks.get((key, s), -1) >= call_id for s in _STREAMS), timeout
+            )
 
     def _write(self, target: str, text: str) -> None:
         out = sys.stdout if target == "stdout" else sys.stderr
@@ -63,13 +84,26 @@ def log_server(host: str = "127.0.0.1") -> LogServer:
         return _servers[host]
 
 
-def forward_output(address: tuple[str, int], prefix: str) -> None:
-    """In a worker process: sends fds 1 and 2 (and Python's sys.stdout/stderr) to the log server."""
+def forward_output(address: tuple[str, int], prefix: str, key: str) -> None:
+    """In a worker process: sends fds 1 and 2 (and Python's sys.stdout/stderr) to the log server.
+
+    `key` names this worker uniquely for `LogServer.wait_synced`."""
+    global _forwarding
+    _forwarding = True
     for name, fd, stream in (("stdout", 1, sys.stdout), ("stderr", 2, sys.stderr)):
         stream.flush()
         sock = socket.create_connection(address)
-        sock.sendall(json.dumps({"prefix": prefix, "stream": name}).encode() + _HEADER_END)
+        sock.sendall(json.dumps({"prefix": prefix, "stream": name, "key": key}).encode() + _HEADER_END)
         os.dup2(sock.fileno(), fd)
         sock.close()
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
+
+
+def mark_synced(call_id: int) -> None:
+    """In a worker process, after call `call_id`: flushes and marks both forwarded streams."""
+    if not _forwarding:
+        return
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        stream.flush()
+        os.write(fd, f"{_SYNC}{call_id}\n".encode())

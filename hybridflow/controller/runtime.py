@@ -7,6 +7,7 @@ process (or in the controller for inline groups) and turns ``(method, args, kwar
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import traceback
@@ -83,6 +84,8 @@ class WorkerRuntime:
     def __init__(self, spec: WorkerSpec, rank: int, local_rank: int, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        else:  # ranks of a CPU group share the cores: one OpenMP pool each, no oversubscription
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         context = WorkerContext(rank, spec.world_size, local_rank, device, spec.role, dist.group.WORLD)
         self.spec = spec
         self.worker = spec.worker_cls.create(context, spec.init_kwargs)

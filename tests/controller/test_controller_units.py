@@ -180,3 +180,27 @@ def test_inline_group_runs_in_the_controller():
         second.shutdown()
     with pytest.raises(RuntimeError, match="is shut down"):
         first.state()
+
+
+
+def test_log_server_prefixes_lines_and_tracks_sync_marks(capsys):
+    import json
+    import socket
+
+    from hybridflow.controller.logs import _SYNC, LogServer
+
+    server = LogServer()
+    conns = []
+    for stream in ("stdout", "stderr"):
+        conn = socket.create_connection(server.address)
+        conn.sendall(json.dumps({"prefix": "(critic rank 3) ", "stream": stream, "key": "w3"}).encode() + b"\n")
+        conns.append(conn)
+    conns[0].sendall(b"step 1\n\nno newline yet" + f"{_SYNC}7\n".encode())
+    assert not server.wait_synced("w3", 7, timeout=0.2)  # stderr has not reached call 7 yet
+    conns[1].sendall(f"warning\n{_SYNC}7\n".encode())
+    assert server.wait_synced("w3", 7, timeout=10)
+    out, err = capsys.readouterr()
+    assert out == "(critic rank 3) step 1\n(critic rank 3) \n(critic rank 3) no newline yet\n"
+    assert err == "(critic rank 3) warning\n"
+    for conn in conns:
+        conn.close()

@@ -3,6 +3,7 @@ worker) and `ray` (actors in a placement group). They share one small interface,
 
 from __future__ import annotations
 
+import pickle
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
@@ -14,7 +15,8 @@ from hybridflow.controller.runtime import Reply, WorkerSpec
 class Backend:
     """Starts the group's workers and runs one method call on one rank at a time per call.
 
-    `submit` returns a Future that resolves to the rank's return value, or fails with
+    A call is first `encode`d for every rank (so an argument that cannot travel fails before any
+    rank starts), then `submit`ted; the Future resolves to the rank's return value, or fails with
     `WorkerError` (the method raised) or `WorkerDiedError` (the process ended).
     """
 
@@ -28,7 +30,11 @@ class Backend:
     def start(self) -> None:
         raise NotImplementedError
 
-    def submit(self, rank: int, path: str, args: tuple, kwargs: dict, blocking: bool) -> Future:
+    def encode(self, args: tuple, kwargs: dict) -> Any:
+        """One rank's arguments in the form `submit` sends (pickled bytes for process backends)."""
+        return pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def submit(self, rank: int, path: str, encoded: Any, blocking: bool) -> Future:
         raise NotImplementedError
 
     def shutdown(self) -> None:

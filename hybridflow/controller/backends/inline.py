@@ -35,20 +35,22 @@ class InlineBackend(Backend):
         except Exception as exc:
             raise WorkerError(self.spec.role, 0, "__init__", traceback.format_exc()) from exc
 
-    def _run(self, future: Future, path: str, args: tuple, kwargs: dict) -> None:
-        with self._lock:
-            args = tuple(_detach(a) for a in args)
-            kwargs = {k: _detach(v) for k, v in kwargs.items()}
-            settle(future, self.runtime.call(path, args, kwargs), self.spec.role, 0, path)
+    def encode(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Arguments are passed by reference; Batches get fresh key dicts."""
+        return tuple(_detach(a) for a in args), {k: _detach(v) for k, v in kwargs.items()}
 
-    def submit(self, rank: int, path: str, args: tuple, kwargs: dict, blocking: bool) -> Future:
+    def _run(self, future: Future, path: str, encoded: tuple[tuple, dict]) -> None:
+        with self._lock:
+            settle(future, self.runtime.call(path, *encoded), self.spec.role, 0, path)
+
+    def submit(self, rank: int, path: str, encoded: tuple[tuple, dict], blocking: bool) -> Future:
         future: Future = Future()
         if self._closed:
             future.set_exception(WorkerDiedError(self.spec.role, rank, "the group was shut down"))
         elif blocking:
-            self._run(future, path, args, kwargs)
+            self._run(future, path, encoded)
         else:
-            self._executor.submit(self._run, future, path, args, kwargs)
+            self._executor.submit(self._run, future, path, encoded)
         return future
 
     def shutdown(self) -> None:

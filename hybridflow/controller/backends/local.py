@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -27,7 +28,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
-from hybridflow.controller.logs import forward_output, log_server
+from hybridflow.controller.logs import forward_output, log_server, mark_synced
 from hybridflow.controller.runtime import Reply, WorkerRuntime, join_process_group, load_spec
 
 _env_lock = threading.Lock()
@@ -55,19 +56,22 @@ def _dump_reply(reply: Reply) -> bytes:
 
 
 def _worker_main(
-    conn, sys_path: list[str], blob: bytes, rank: int, store_port: int, log_addr: tuple, parent_pid: int
+    conn, sys_path: list[str], blob: bytes, rank: int, store_port: int, log_addr: tuple, log_key: str,
+    parent_pid: int,
 ) -> None:
     """Entry point of a worker process: output forwarding, process group, worker, then the call loop."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     spec = load_spec(sys_path, blob)
-    forward_output(log_addr, f"({spec.role} rank {rank}) ")
+    forward_output(log_addr, f"({spec.role} rank {rank}) ", log_key)
     try:
         join_process_group(spec, rank, ("127.0.0.1", store_port))
         device = torch.device(f"cuda:{rank}") if spec.device_type == "cuda" else torch.device("cpu")
         runtime = WorkerRuntime(spec, rank, rank, device)
     except BaseException:  # noqa: BLE001 - reported to the controller as a WorkerError
+        mark_synced(0)
         _send(conn, 0, _dump_reply(("error", traceback.format_exc())))
         return
+    mark_synced(0)
     _send(conn, 0, _dump_reply(("ok", os.getpid())))
     while True:
         try:
@@ -84,6 +88,7 @@ def _worker_main(
             reply: Reply = ("error", traceback.format_exc())
         else:
             reply = runtime.call(path, args, kwargs)
+        mark_synced(call_id)
         _send(conn, call_id, _dump_reply(reply))
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -119,6 +124,7 @@ class LocalBackend(Backend):
     def start(self) -> None:
         spec = self.spec
         self._ids = itertools.count(1)
+        self._uid = uuid.uuid4().hex
         self._pending: list[dict[int, tuple[Future, str]]] = [{} for _ in range(self.world_size)]
         self._dead: dict[int, WorkerDiedError] = {}
         self._closing = False
@@ -139,13 +145,19 @@ class LocalBackend(Backend):
             self.shutdown()
             raise
 
+    def _log_key(self, rank: int) -> str:
+        return f"{self._uid}-{rank}"
+
     def _spawn(self, rank: int) -> Future:
         """Starts rank `rank`'s process; returns the Future of its start-up reply (its pid)."""
         parent, child = mp.get_context("spawn").Pipe(duplex=True)
         sys_path, blob = self.spec.dumps()
         proc = mp.get_context("spawn").Process(
             target=_worker_main,
-            args=(child, sys_path, blob, rank, self._store.port, log_server().address, os.getpid()),
+            args=(
+                child, sys_path, blob, rank, self._store.port, log_server().address, self._log_key(rank),
+                os.getpid(),
+            ),
             name=f"hybridflow-{self.spec.role}-{rank}",
         )
         proc.start()
@@ -176,10 +188,11 @@ class LocalBackend(Backend):
             try:
                 call_id = pickle.loads(conn.recv_bytes())
                 payload = conn.recv_bytes()
-            except (EOFError, OSError):
+            except Exception:  # noqa: BLE001 - EOF (the process died) or a broken stream alike
                 break
             with self._lock:
                 future, path = self._pending[rank].pop(call_id)
+            log_server().wait_synced(self._log_key(rank), call_id)
             try:
                 reply = pickle.loads(payload)
             except Exception:  # noqa: BLE001 - e.g. a result class the controller cannot import
@@ -199,16 +212,15 @@ class LocalBackend(Backend):
         for future, _ in pending.values():
             future.set_exception(error)
 
-    def submit(self, rank: int, path: str, args: tuple, kwargs: dict, blocking: bool) -> Future:
+    def submit(self, rank: int, path: str, encoded: bytes, blocking: bool) -> Future:
         future: Future = Future()
-        payload = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             if rank in self._dead:
                 future.set_exception(self._dead[rank])
                 return future
             call_id = next(self._ids)
             self._pending[rank][call_id] = (future, path)
-        self._outboxes[rank].put(((call_id, path), payload))
+        self._outboxes[rank].put(((call_id, path), encoded))
         return future
 
     def shutdown(self) -> None:

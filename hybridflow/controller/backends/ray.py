@@ -7,9 +7,12 @@ same results; output forwarding, `WorkerError` and `WorkerDiedError` behave as i
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import threading
+import traceback
+import uuid
 from concurrent.futures import Future
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError
-from hybridflow.controller.logs import forward_output, log_server
+from hybridflow.controller.logs import forward_output, log_server, mark_synced
 from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -37,12 +40,12 @@ def import_ray() -> Any:
 class RayWorkerActor:
     """The body of each Ray actor: the same `WorkerRuntime` the local backend runs in a process."""
 
-    def __init__(self, sys_path: list[str], blob: bytes, rank: int, log_addr: tuple[str, int]) -> None:
+    def __init__(self, sys_path: list[str], blob: bytes, rank: int, log_addr: tuple[str, int], log_key: str) -> None:
         self.spec = load_spec(sys_path, blob)
         self.rank = rank
         self.runtime: WorkerRuntime | None = None
         self.store: Any = None
-        forward_output(log_addr, f"({self.spec.role} rank {rank}) ")
+        forward_output(log_addr, f"({self.spec.role} rank {rank}) ", log_key)
 
     def node_info(self) -> tuple[str, list[str]]:
         """(node IP, GPU ids Ray assigned to this actor)."""
@@ -67,20 +70,20 @@ class RayWorkerActor:
             cuda = self.spec.device_type == "cuda"
             device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
             self.runtime = WorkerRuntime(self.spec, self.rank, local_rank, device)
-            return ("ok", os.getpid())
+            reply: tuple[str, Any] = ("ok", os.getpid())
         except BaseException:  # noqa: BLE001 - reported to the controller as a WorkerError
-            import traceback
+            reply = ("error", traceback.format_exc())
+        mark_synced(0)
+        return reply
 
-            return ("error", traceback.format_exc())
-
-    def call(self, path: str, payload: bytes) -> bytes:
+    def call(self, path: str, call_id: int, payload: bytes) -> bytes:
         try:
             args, kwargs = pickle.loads(payload)
-            return pickle.dumps(self.runtime.call(path, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(self.runtime.call(path, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            import traceback
-
-            return pickle.dumps(("error", traceback.format_exc()))
+            data = pickle.dumps(("error", traceback.format_exc()))
+        mark_synced(call_id)
+        return data
 
 
 def _placement_group(ray: Any, pool: Any) -> Any:
@@ -125,11 +128,14 @@ class RayBackend(Backend):
         self._ray = ray
         self._dead: dict[int, WorkerDiedError] = {}
         self._pids: list[int] = []
+        self._uid = uuid.uuid4().hex
+        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         pg = _placement_group(ray, self.pool)
         actor_cls = ray.remote(RayWorkerActor)
         sys_path, blob = self.spec.dumps(ray.cloudpickle)  # classes of the driver's __main__ travel by value
-        log_addr = log_server(ray.util.get_node_ip_address()).address
+        self._logs = log_server(ray.util.get_node_ip_address())
+        log_addr = self._logs.address
         options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
         if self.spec.device_type == "cuda":
             options["num_gpus"] = 1
@@ -141,7 +147,7 @@ class RayBackend(Backend):
                     pg, placement_group_bundle_index=rank // self.pool.per_node
                 ),
                 **options,
-            ).remote(sys_path, blob, rank, log_addr)
+            ).remote(sys_path, blob, rank, log_addr, f"{self._uid}-{rank}")
             for rank in range(self.world_size)
         ]
         try:
@@ -160,13 +166,13 @@ class RayBackend(Backend):
             node_ranks[ip] = local_ranks[-1] + 1
             node_gpus.setdefault(ip, []).extend(gpus)
         replies = [
-            self._wrap(rank, "__init__", actor.setup.remote((infos[0][0], port), local_ranks[rank], gpus), False)
+            self._wrap(rank, 0, "__init__", actor.setup.remote((infos[0][0], port), local_ranks[rank], gpus), False)
             for rank, actor in enumerate(self.actors)
             for gpus in [",".join(node_gpus[infos[rank][0]])]
         ]
         self._pids = wait_all(replies)
 
-    def _wrap(self, rank: int, path: str, ref: Any, pickled: bool) -> Future:
+    def _wrap(self, rank: int, call_id: int, path: str, ref: Any, pickled: bool) -> Future:
         """Turns an actor ObjectRef into a Future of the reply's value (errors translated)."""
         out: Future = Future()
 
@@ -184,20 +190,21 @@ class RayBackend(Backend):
             except BaseException as exc:  # noqa: BLE001 - any Ray failure fails the call
                 out.set_exception(exc)
                 return
+            self._logs.wait_synced(f"{self._uid}-{rank}", call_id)
             settle(out, pickle.loads(reply) if pickled else reply, self.spec.role, rank, path)
 
         ref.future().add_done_callback(done)
         return out
 
-    def submit(self, rank: int, path: str, args: tuple, kwargs: dict, blocking: bool) -> Future:
+    def submit(self, rank: int, path: str, encoded: bytes, blocking: bool) -> Future:
         with self._lock:
             dead = self._dead.get(rank)
         if dead is not None:
             future: Future = Future()
             future.set_exception(dead)
             return future
-        payload = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-        return self._wrap(rank, path, self.actors[rank].call.remote(path, payload), True)
+        call_id = next(self._ids)
+        return self._wrap(rank, call_id, path, self.actors[rank].call.remote(path, call_id, encoded), True)
 
     def shutdown(self) -> None:
         for actor in self.actors:
