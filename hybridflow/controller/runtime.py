@@ -58,7 +58,11 @@ def dist_backend(device_type: str) -> str:
 
 
 def join_process_group(spec: WorkerSpec, rank: int, store_addr: tuple[str, int]) -> None:
-    """Initialises the default process group of a worker process from the group's TCP store."""
+    """Initialises the default process group of a worker process from the group's TCP store.
+
+    Ranks of a CPU group share the machine's cores: each gets its share of OpenMP threads."""
+    if spec.device_type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     store = dist.TCPStore(store_addr[0], store_addr[1], spec.world_size, is_master=False, timeout=INIT_TIMEOUT)
     dist.init_process_group(
         dist_backend(spec.device_type), store=store, rank=rank, world_size=spec.world_size, timeout=INIT_TIMEOUT
@@ -84,8 +88,6 @@ class WorkerRuntime:
     def __init__(self, spec: WorkerSpec, rank: int, local_rank: int, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        else:  # ranks of a CPU group share the cores: one OpenMP pool each, no oversubscription
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         context = WorkerContext(rank, spec.world_size, local_rank, device, spec.role, dist.group.WORLD)
         self.spec = spec
         self.worker = spec.worker_cls.create(context, spec.init_kwargs)
