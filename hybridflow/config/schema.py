@@ -126,7 +126,8 @@ class OptimizedRoleConfig:
     micro_batch_size: Optional[int] = opt(None, "rows per forward per rank; null = the rank's whole mini-batch")
     max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per micro-batch (dynamic batch "
                                                           "sizing; overrides micro_batch_size)")
-    use_packing: bool = opt(True, "remove padding: pack sequences into one row")
+    use_packing: bool = opt(True, "remove padding: pack sequences into one row (on CUDA; CPU forwards stay "
+                                  "padded, which is faster there)")
     shuffle: bool = opt(True, "shuffle rows between mini-batches")
     loss_agg: str = opt("token-mean", "how per-token losses are aggregated", registered("AGG_MODES"))
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")
@@ -148,6 +149,9 @@ class ActorConfig(OptimizedRoleConfig):
     kl_loss_type: str = opt("low_var_kl", "KL estimator for the KL loss", registered("KL_KINDS"))
     entropy_coef: float = opt(0.0, "weight of the entropy bonus")
     ref_param_offload: bool = opt(False, "keep the reference model's parameters on the CPU")
+    skip_old_log_probs: bool = opt(True, "when each batch gets exactly one optimizer step (ppo_epochs=1, one "
+                                         "mini-batch) and no KL in reward, the old log-probs equal the update's "
+                                         "own (detached): skip their separate forward pass")
 
 
 @dataclass

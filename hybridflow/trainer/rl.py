@@ -25,7 +25,7 @@ from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughpu
                                          compute_validation_metrics, timer)
 from hybridflow.trainer import core
 from hybridflow.trainer.checkpointing import RunCheckpoints
-from hybridflow.trainer.roles import build_roles, needs_critic, needs_reference
+from hybridflow.trainer.roles import build_roles, needs_reference, skips_old_log_probs
 
 
 class RLTrainer:
@@ -93,8 +93,9 @@ class RLTrainer:
                 batch = actor.generate(prompts)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)
             scoring = self.rewards.submit(batch)
-            with timer("old_log_prob", timings):
-                batch = batch.union(actor.compute_log_probs(batch))
+            if not skips_old_log_probs(cfg):
+                with timer("old_log_prob", timings):
+                    batch = batch.union(actor.compute_log_probs(batch))
             if needs_reference(cfg):
                 with timer("ref", timings):
                     batch = batch.union(actor.compute_ref_log_probs(batch))

@@ -46,6 +46,14 @@ def needs_critic(cfg: Any) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
 
+def skips_old_log_probs(cfg: Any) -> bool:
+    """On-policy (one optimizer step per batch, no KL in reward): the update's own log-probs, detached,
+    are the old ones, so their separate forward pass is skipped (`actor.skip_old_log_probs`)."""
+    a = cfg.actor
+    one_step = a.ppo_epochs == 1 and (a.mini_batch_size is None or a.mini_batch_size >= cfg.data.train_batch_size)
+    return a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward
+
+
 def build_roles(cfg: Any, total_steps: int) -> Roles:
     """Starts the worker groups of `cfg` (see the module docstring) and returns their handles."""
     device = resolve_device(cfg.trainer.device)

@@ -35,7 +35,9 @@ def _scale(ctx: LossContext, mask: torch.Tensor) -> float:
 
 def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool):
     """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
-    (- entropy_coef x entropy). Needs `old_log_probs`, `advantages`, `response_mask` (and `ref_log_probs`)."""
+    (- entropy_coef x entropy). Needs `advantages`, `response_mask` (and `ref_log_probs`); without
+    `old_log_probs` (on-policy: one optimizer step per batch) the current log-probs, detached, stand in.
+    Entropy is reported whenever the forward computed it."""
 
     def loss_fn(out: dict, mb: dict, ctx: LossContext):
         mask, logp = mb["response_mask"], out["log_probs"]
@@ -49,11 +51,12 @@ def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool):
             kl = kl_loss(logp, mb["ref_log_probs"], mask, kind=cfg.kl_loss_type, **agg)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.detach() * scale
-        if use_entropy:
+        if "entropy" in out:
             entropy = aggregate(out["entropy"], mask, cfg.loss_agg, ctx.global_tokens, ctx.global_seqs,
                                 mask.shape[1])
-            loss = loss - cfg.entropy_coef * entropy
             metrics["actor/entropy"] = entropy.detach() * scale
+            if use_entropy:
+                loss = loss - cfg.entropy_coef * entropy
         return loss, metrics
 
     return loss_fn

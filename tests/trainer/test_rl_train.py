@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
 from hybridflow.cli import main as cli_main
@@ -24,6 +24,8 @@ def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path)
     for row in steps:
         for key in REQUIRED:
             assert key in row and math.isfinite(row[key]), key
+        assert "actor/entropy" in row
+        assert "timing_s/old_log_prob" not in row  # on-policy: the update's own log-probs are the old ones
     assert "val/reward/mean" in rows[0] and rows[0]["step"] == 0  # validation before training
     assert "val/reward/mean" in steps[-1]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -34,7 +36,8 @@ def test_ppo_with_critic_trains_both(tiny_qwen2, data_dir, tmp_path):
     rows = run(tiny_qwen2, data_dir, tmp_path, "trainer.val_before_train=false", recipe="recipes/ppo.yaml")
     last = rows[-1]
     assert last["step"] == 2
-    for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "values/mean"):
+    for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "values/mean", "timing_s/old_log_prob",
+                "actor/entropy"):
         assert key in last and math.isfinite(last[key]), key
 
 
@@ -62,8 +65,8 @@ def test_raising_reward_uses_fallback_and_run_continues(tiny_qwen2, data_dir, tm
 
 def test_malformed_dataset_is_refused_before_any_model_loads(tiny_qwen2, data_dir, tmp_path):
     bad = tmp_path / "bad.parquet"
-    df = pd.read_parquet(f"{data_dir}/train.parquet").drop(columns=["prompt"])
-    df.to_parquet(bad)
+    table = pq.read_table(f"{data_dir}/train.parquet")
+    pq.write_table(table.drop_columns(["prompt"]), bad)
     with pytest.raises(DataError, match=r"bad\.parquet.*prompt"):
         train(load_config([f"model.path={tiny_qwen2}", f"data.train_files={bad}",
                            f"trainer.output_dir={tmp_path / 'out'}"], "recipes/grpo.yaml"))

@@ -17,7 +17,7 @@ def _ranks(rank, path):
     rows = [0, 1, 2] if rank == 0 else [3]  # 4 rows; 2 steps of 2 rows: rank 1 has none in one of them
     local = {k: v[rows] for k, v in batch.items()}
     cfg = ActorConfig(lr=1e-3, mini_batch_size=1, micro_batch_size=1)
-    engine = TrainEngine(model_cfg(path), optim_cfg(), head="lm", total_steps=2)
+    engine = TrainEngine(model_cfg(path), optim_cfg(), head="lm", total_steps=2, pack_on_cpu=True)
     metrics = run_update(engine, local, cfg, actor_loss(cfg, use_kl=False, use_entropy=False), prefix="actor",
                          rollout_n=2)
     return metrics, engine.scheduler.last_epoch

@@ -8,7 +8,7 @@ attending across another; any other call (padded rows and their mask) runs plain
 made per call from the arguments, so recomputation under gradient checkpointing takes the same path.
 
 On CUDA the packed kernel is `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative
-lengths, no padding, no mask); elsewhere SDPA over a block-diagonal causal mask (for tests on CPU).
+lengths, no padding, no mask); elsewhere one causal SDPA call per row.
 """
 
 from __future__ import annotations
@@ -48,19 +48,15 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-def _masked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+def _looped_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
                    scale: float | None) -> torch.Tensor:
-    """Same contract as `_flash_varlen`, through SDPA and a block-diagonal causal mask."""
-    total = q.shape[0]
-    lengths = (cu[1:] - cu[:-1]).long()
-    row = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
-    pos = torch.arange(total, device=q.device)
-    mask = (row[:, None] == row[None, :]) & (pos[:, None] >= pos[None, :])
-    groups = q.shape[1] // k.shape[1]
-    k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    """Same contract as `_flash_varlen`, as one causal SDPA call per row: O(sum of L^2) work, where a
+    block-diagonal mask over the whole pack would cost O(T^2) (seconds on a CPU for a few thousand tokens)."""
+    bounds = cu.tolist()
+    rows = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                                           is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(rows, dim=0) if rows else q.new_empty(q.shape)
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -79,7 +75,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if q.is_cuda and _varlen_attn is not None:
         out = _flash_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
     else:
-        out = _masked_varlen(q, k, v, cu, scaling)
+        out = _looped_varlen(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
 
 

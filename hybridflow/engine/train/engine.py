@@ -74,11 +74,16 @@ class TrainEngine:
         optim_cfg: an actor/critic section (lr, schedule, `grad_clip`, ...) or None for a frozen model.
         head: ``"lm"`` (log-probs) or ``"value"`` (critic values).
         total_steps: optimizer steps the lr schedule spans.
+        pack_on_cpu: honour `pack=True` on a CPU device too (by default CPU forwards stay padded).
     """
 
     def __init__(self, model_cfg: Any, optim_cfg: Any | None = None, *, head: str = "lm",
-                 total_steps: int = 1, device: torch.device | None = None) -> None:
+                 total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
+        # Packing pays on CUDA (varlen flash attention, no padded work). On a CPU the padded forward
+        # is faster (bench/grpo_vs_trl.py: ~2x on the log-prob and update passes), so `pack` is
+        # honoured there only with `pack_on_cpu` (tests use it to check packed == padded).
+        self.pack_allowed = self.device.type == "cuda" or pack_on_cpu
         self.head = head
         self.trainable = optim_cfg is not None
         self.precision = resolve_precision(getattr(model_cfg, "dtype", "auto"), self.device, self.trainable)
@@ -115,6 +120,7 @@ class TrainEngine:
                 pack: bool = True) -> tuple[dict[str, torch.Tensor], int]:
         """One forward over micro-batch `mb`. Returns ({"log_probs", ["entropy"]} or {"values"}, each
         float32 `[B, R]` and zero off real response tokens; real tokens in the forward)."""
+        pack = pack and self.pack_allowed
         width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
         position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
         # indices are built on the host (no device syncs), then moved once

@@ -29,7 +29,7 @@ def _hf_reference(model, batch, temperature):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_log_probs_match_plain_hf_forward_packed_and_padded(tiny_model_factory, arch):
     path = tiny_model_factory(arch)
-    engine = TrainEngine(model_cfg(path), None, head="lm")
+    engine = TrainEngine(model_cfg(path), None, head="lm", pack_on_cpu=True)
     batch = rl_batch(rows=5, prompt_width=7, response_width=6, seed=1)
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # unpatched, unsharded
     ref_logp, ref_ent = _hf_reference(plain, batch, temperature=0.7)
@@ -42,7 +42,7 @@ def test_log_probs_match_plain_hf_forward_packed_and_padded(tiny_model_factory, 
 
 
 def test_packed_gradients_equal_padded(tiny_qwen2):
-    engine = TrainEngine(model_cfg(tiny_qwen2), None, head="lm")
+    engine = TrainEngine(model_cfg(tiny_qwen2), None, head="lm", pack_on_cpu=True)
     engine.model.requires_grad_(True)
     batch = rl_batch(rows=4, prompt_width=6, response_width=5, seed=2)
     grads = []
@@ -56,7 +56,7 @@ def test_packed_gradients_equal_padded(tiny_qwen2):
 
 
 def test_critic_values_come_from_the_position_before_each_response_token(tiny_qwen2):
-    engine = TrainEngine(model_cfg(tiny_qwen2), None, head="value")
+    engine = TrainEngine(model_cfg(tiny_qwen2), None, head="value", pack_on_cpu=True)
     batch = rl_batch(rows=3, prompt_width=5, response_width=4, seed=3)
     R = 4
     with torch.no_grad():

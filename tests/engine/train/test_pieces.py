@@ -60,7 +60,8 @@ def test_gradient_checkpointing_changes_no_gradient(tiny_qwen2):
 
     moments = []
     for ckpt in (False, True):
-        engine = TrainEngine(model_cfg(tiny_qwen2, gradient_checkpointing=ckpt), optim_cfg(), head="lm")
+        engine = TrainEngine(model_cfg(tiny_qwen2, gradient_checkpointing=ckpt), optim_cfg(), head="lm",
+                             pack_on_cpu=True)
         engine.train_step(batch, loss_fn, micro_batch_size=2)
         moments.append([engine.optimizer.state[p]["exp_avg"].clone() for p in engine.model.parameters()])
     for a, b in zip(*moments):

@@ -62,11 +62,11 @@ def _ranks(rank, path):
     local = {k: v[shard] for k, v in batch.items()}
     results = {}
     for name, kw in {"count": dict(micro_batch_size=2), "tokens": dict(max_tokens=14)}.items():
-        engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e9), head="lm")
+        engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e9), head="lm", pack_on_cpu=True)
         results["full_bf16"] = dict(engine.iter_full_params(torch.bfloat16))  # what a weight sync sends
         metrics = engine.train_step(local, pg_loss, **kw)
         results[name] = (_first_moments(engine), metrics["grad_norm"], metrics["loss"])
-    engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e-3), head="lm")
+    engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e-3), head="lm", pack_on_cpu=True)
     metrics = engine.train_step(local, pg_loss, micro_batch_size=1)
     results["clipped"] = (_first_moments(engine), metrics["grad_norm"])
     before = _full_params(engine)
@@ -90,7 +90,7 @@ def test_data_parallel_micro_batched_step_matches_one_process(tiny_qwen2):
     batch = _batch()
     results = run_ranks(2, _ranks, str(tiny_qwen2))
 
-    ref = TrainEngine(model_cfg(tiny_qwen2), optim_cfg(grad_clip=1e9), head="lm")
+    ref = TrainEngine(model_cfg(tiny_qwen2), optim_cfg(grad_clip=1e9), head="lm", pack_on_cpu=True)
     ref_metrics = ref.train_step(batch, pg_loss)
     ref_grads, ref_norm = _first_moments(ref), ref_metrics["grad_norm"]
     assert ref_norm > 1e-3
