@@ -29,7 +29,8 @@ figure { margin: 0; } figure img { width: 100%; border: 1px solid #eee; }
 figcaption { color: #666; font-size: 0.85em; }
 pre { background: #f7f7f7; padding: 8px; white-space: pre-wrap; word-break: break-word; margin: 0; }
 pre.config { max-height: 36em; overflow: auto; }
-td.text { max-width: 560px; } .warn { color: #a40; }
+table.samples { width: 100%; } table.samples td { vertical-align: top; } td.text { width: 45%; }
+.warn { color: #a40; } .note { color: #888; font-style: italic; }
 """
 
 
@@ -102,11 +103,21 @@ def _samples(run: RunLog, max_steps: int) -> str:
     for step in shown:
         rows = "".join(
             f'<tr><td class="num">{_fmt(_float(r.get("reward")))}</td><td>{_e(r.get("data_source", ""))}</td>'
-            f'<td class="text"><pre>{_e(r.get("prompt", ""))}</pre></td>'
-            f'<td class="text"><pre>{_e(r.get("response", ""))}</pre></td></tr>' for r in by_step[step])
-        parts.append(f"<h3>step {_e(step)}</h3><table><tr><th>reward</th><th>data source</th><th>prompt</th>"
-                     f"<th>response</th></tr>{rows}</table>")
+            f'<td class="text">{_shown(r.get("prompt"))}</td><td class="text">{_shown(r.get("response"))}</td></tr>'
+            for r in by_step[step])
+        parts.append(f'<h3>step {_e(step)}</h3><table class="samples"><tr><th>reward</th><th>data source</th>'
+                     f"<th>prompt</th><th>response</th></tr>{rows}</table>")
     return "".join(parts)
+
+
+def _shown(text: Any, max_chars: int = 2000) -> str:
+    """Run text for a sample cell: escaped, cut at `max_chars`; whitespace-only text shown escaped
+    (`'\\n\\n'`), so a model that emits only newlines is visible, not an empty box."""
+    text = "" if text is None else str(text)
+    if not text.strip():
+        return f'<span class="note">{_e(repr(text)[:max_chars]) if text else "(empty)"}</span>'
+    cut = f'<span class="note"> … {len(text) - max_chars} more characters</span>' if len(text) > max_chars else ""
+    return f"<pre>{_e(text[:max_chars])}</pre>{cut}"
 
 
 def _float(value: Any) -> float | None:

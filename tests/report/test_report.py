@@ -40,6 +40,7 @@ def write_run(root, steps=4, critic=False, samples=True, extra_lines=()):
     if samples:
         rows = [{"step": 0, "prompt": "What is 2+3?", "response": "It is <b>6</b>", "reward": 0.0,
                  "data_source": "gsm8k"},
+                {"step": 0, "prompt": "What is 1+1?", "response": "\n\n", "reward": 0.0, "data_source": "gsm8k"},
                 {"step": steps, "prompt": "What is 2+3?", "response": "#### 5 exactly", "reward": 1.0,
                  "data_source": "gsm8k"}]
         (root / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -80,6 +81,7 @@ def test_report_has_plots_samples_and_newest_config(tmp_path):
     assert "step_00000004" in text  # where the config came from
     assert "#### 5 exactly" in text and "What is 2+3?" in text
     assert "It is &lt;b&gt;6&lt;/b&gt;" in text and "<b>6</b>" not in text  # run text is escaped
+    assert "&#x27;\\n\\n&#x27;" in text  # a whitespace-only response is shown escaped, not as an empty box
     assert text.count("data:image/png;base64,") == len(names)  # self-contained
     assert "val/math/reward/mean" in text  # per-source validation is drawn
 
