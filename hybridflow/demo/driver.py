@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -63,6 +64,20 @@ SIZES = {
 }
 
 
+# What a demo run writes under its output dir; a new run removes these first (the loggers append).
+OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "report.html", "report",
+           "sft", "model", "data")
+
+
+def _clear_previous(out: Path) -> None:
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def _accuracies(metrics_file: Path) -> tuple[float, float, list[tuple[int, float]]]:
     """(first validation score, last validation score, [(step, score)]) of a run's metrics.jsonl."""
     curve = [(row["step"], row["val/reward/mean"]) for row in map(json.loads, metrics_file.read_text().splitlines())
@@ -87,6 +102,8 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
              sft_overrides: Sequence[str] = (), rl_overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Runs the whole demo into `output_dir` and returns the summary it writes to `summary.json`.
 
+    A previous demo's files there (`OUTPUTS`) are removed first; nothing else in the directory is touched.
+
     `size`: a `SIZES` name or a `DemoSize`; `*_overrides`: `key=value` applied last to each recipe.
     """
     from hybridflow.config.loader import load_config
@@ -98,6 +115,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
     spec = SIZES[size] if isinstance(size, str) else size
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out)
     minutes: dict[str, float] = {}
     start = last = time.perf_counter()
 

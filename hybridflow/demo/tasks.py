@@ -42,13 +42,21 @@ def sort_task(rng: random.Random, min_len: int = 3, max_len: int = 7) -> Problem
     return f"sort {word}", "".join(sorted(word))
 
 
+def pick_task(rng: random.Random, min_len: int = 3, max_len: int = 7) -> Problem:
+    """`pick 2 kdpqa` -> `d` (the letter at a 1-based position)."""
+    word = _letters(rng, min_len, max_len)
+    k = rng.randint(1, len(word))
+    return f"pick {k} {word}", word[k - 1]
+
+
 def add_task(rng: random.Random, min_len: int = 2, max_len: int = 3) -> Problem:
     """`add 417+58` -> `475` (operands of min_len..max_len digits)."""
     a, b = (rng.randint(10 ** (rng.randint(min_len, max_len) - 1), 10 ** max_len - 1) for _ in range(2))
     return f"add {a}+{b}", str(a + b)
 
 
-TASKS: dict[str, Callable[..., Problem]] = {"reverse": reverse_task, "sort": sort_task, "add": add_task}
+TASKS: dict[str, Callable[..., Problem]] = {"reverse": reverse_task, "sort": sort_task, "pick": pick_task,
+                                            "add": add_task}
 
 
 def make_problem_fn(task: str, min_len: int | None = None, max_len: int | None = None) -> Callable[..., Problem]:

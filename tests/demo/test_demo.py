@@ -35,6 +35,7 @@ def test_splits_are_disjoint_and_answers_are_right(task):
     for question, answer in splits["heldout"]:
         verb, arg = question.split(" ", 1)
         expected = {"reverse": lambda s: s[::-1], "sort": lambda s: "".join(sorted(s)),
+                    "pick": lambda s: s.split()[1][int(s.split()[0]) - 1],
                     "add": lambda s: str(sum(map(int, s.split("+"))))}[verb](arg)
         assert verb == task and answer == expected
 
@@ -51,3 +52,13 @@ def test_task_files_feed_both_trainers(tmp_path):
 def test_too_small_a_task_space_is_refused():
     with pytest.raises(ValueError, match="too few distinct questions"):
         make_splits("reverse", {"heldout": 100, "sft": 1000}, min_len=1, max_len=1)
+
+
+def test_a_new_run_removes_only_the_previous_demo_outputs(tmp_path):
+    from hybridflow.demo.driver import _clear_previous
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val/reward/mean": 1.0}\n')
+    (tmp_path / "sft" / "hf").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("mine")
+    _clear_previous(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
