@@ -113,7 +113,8 @@ def _stacked(ax, run: RunLog, spec: PlotSpec, keys: list[str]) -> None:
     bottom = [0.0] * len(steps)
     for key in keys:
         heights = [run.metrics[s].get(key, 0.0) for s in steps]
-        ax.bar(steps, heights, width, bottom=bottom, label=key.rsplit("/", 1)[-1])
+        ax.bar(steps, heights, width, bottom=bottom, label=key.rsplit("/", 1)[-1],
+               color=f"C{spec.keys.index(key) % 10}")  # a phase keeps its colour across runs
         bottom = [b + h for b, h in zip(bottom, heights)]
     if spec.total:
         other = [max(run.metrics[s].get(spec.total, b) - b, 0.0) for s, b in zip(steps, bottom)]
