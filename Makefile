@@ -25,7 +25,9 @@ demo: $(STAMP)
 	$(VENV)/bin/hybridflow demo
 
 bench-cpu: $(STAMP)
-	$(PY) bench/run_cpu.py
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(PY) bench/rollout.py --device cpu --out bench/results/rollout_cpu.json
+	$(PY) bench/grpo_vs_trl.py --device cpu --out bench/results/grpo_vs_trl_cpu.json
 
 clean:
 	rm -rf $(VENV)

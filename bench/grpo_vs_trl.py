@@ -74,7 +74,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         f"trainer.seed={a.seed}", "trainer.save_every=0",
     ])
     trainer = RLTrainer(cfg)
-    step_s, gen_tok_s, lengths = [], [], []
+    step_s, gen_tok_s, lengths, phases = [], [], [], []
     try:
         for _ in range(a.steps):
             m = trainer.train_step(trainer.train_loader.next_batch())
@@ -83,13 +83,14 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
             tokens = m["response_length/mean"] * a.prompts * a.n
             gen_tok_s.append(tokens / m["timing_s/gen"])
             lengths.append(m["response_length/mean"])
+            phases.append({k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")})
             print(f"hybridflow step {trainer.step}: {m['timing_s/step']:.3f}s", flush=True)
     finally:
         trainer.roles.shutdown()
         trainer.rewards.close()
         trainer.tracker.close()
     return {"step_s": step_s, "gen_tokens_per_s": gen_tok_s, "response_length_mean": lengths,
-            "peak_memory_gb": peak_memory_gb(a.device)}
+            "phases_s": phases, "peak_memory_gb": peak_memory_gb(a.device)}
 
 
 def run_trl(a: argparse.Namespace) -> dict:
@@ -143,6 +144,9 @@ def summarize(name: str, r: dict, warmup: int) -> dict:
     out = {"framework": name, "step_s_median": statistics.median(steady), "step_s_all": r["step_s"],
            "first_step_s": r["step_s"][0], "peak_memory_gb": r["peak_memory_gb"],
            "response_length_mean": statistics.mean(r["response_length_mean"]) if r["response_length_mean"] else None}
+    if r.get("phases_s"):
+        kept = r["phases_s"][warmup:] or r["phases_s"]
+        out["phases_s_median"] = {k: statistics.median(p[k] for p in kept if k in p) for k in kept[-1]}
     if r.get("gen_tokens_per_s"):
         out["gen_tokens_per_s_median"] = statistics.median(r["gen_tokens_per_s"][warmup:] or r["gen_tokens_per_s"])
     return out
@@ -204,6 +208,8 @@ def main() -> None:
     for r in results.values():
         print(f"{r['framework']:<12}{r['step_s_median']:>17.3f}{r['first_step_s']:>14.2f}{r['peak_memory_gb']:>10.2f}"
               f"{(r['response_length_mean'] or 0):>10.1f}")
+    if "phases_s_median" in results.get("hybridflow", {}):
+        print("hybridflow phases (s):", {k: round(v, 3) for k, v in results["hybridflow"]["phases_s_median"].items()})
     if "speedup_step" in report:
         print(f"hybridflow speed-up per step: {report['speedup_step']:.2f}x")
     out = Path(a.out or HERE / "results" / f"grpo_vs_trl_{a.device}.json")

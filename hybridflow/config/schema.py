@@ -249,7 +249,8 @@ class TrainerConfig:
     experiment_name: Optional[str] = opt(None, "run name; null = the output_dir's last component")
     log_samples: int = opt(4, "sample completions logged per validation")
     max_bad_steps: int = opt(3, "non-finite steps in a row before the run stops")
-    placement: str = opt("colocate", "roles share devices, or rollout and training use separate ones",
+    placement: str = opt("colocate", "colocate: actor and critic share each device's process; split: the "
+                                     "critic gets its own processes (rollout stays with the actor)",
                          ("colocate", "split"))
 
 

@@ -1,10 +1,12 @@
-"""Test helpers: RL-shaped batches (left-padded prompts, right-padded responses) and forked gloo ranks."""
+"""Test helpers: RL-shaped batches (left-padded prompts, right-padded responses) and gloo ranks."""
 
 from __future__ import annotations
 
 import io
 import os
+import queue as queue_lib
 import socket
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -61,36 +63,51 @@ def _free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         buf = io.BytesIO()
         torch.save(fn(rank, *args), buf)  # plain bytes: tensors must outlive this process
         queue.put((rank, buf.getvalue(), None))
     except Exception:  # the parent re-raises it with the traceback
         queue.put((rank, None, traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args) -> list:
-    """`fn(rank, *args)` on `world` forked processes in one gloo group; their results by rank.
+def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
+    """`fn(rank, *args)` on `world` processes in one gloo group; their results by rank.
 
-    Fork (not spawn) keeps start-up to a fraction of a second: the children reuse the imported modules.
+    Children come from a fork server (a clean process that has imported torch once), so each start
+    costs a fraction of a second, and no state of this process — such as the default process group an
+    inline worker group made — leaks into them (a plain fork inherits it and cannot join a new group).
+    A child that dies without reporting (a crash, a signal) fails the call with its exit code at once.
     """
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "hybridflow.engine.train"])
+    queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
-    for _ in range(world):
-        rank, value, error = queue.get()
-        if error:
-            for p in procs:
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, value, error = queue.get(timeout=1.0)
+            except queue_lib.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks died without a result (rank, exit code): {dead}" if dead
+                                       else f"no result from every rank within {timeout:.0f} s") from None
+                continue
+            if error:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            if p.is_alive() and len(results) < world:
                 p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{error}")
-        results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    for p in procs:
-        p.join()
+            p.join()
     return [results[r] for r in range(world)]
