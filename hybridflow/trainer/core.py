@@ -45,6 +45,16 @@ def apply_scores(batch: Batch, result: RewardResult, cfg: Any) -> dict[str, floa
     return metrics
 
 
+def with_model_scores(result: RewardResult, rm_scores: torch.Tensor | None, weight: float) -> RewardResult:
+    """The function scores plus `weight` × the reward model's scores (when there is a reward model)."""
+    if rm_scores is None:
+        return result
+    scores = [s + weight * float(m) for s, m in zip(result.scores, rm_scores.tolist())]
+    metrics = {**result.metrics, "reward/model/mean": float(rm_scores.mean()),
+               "reward/mean": sum(scores) / max(len(scores), 1)}
+    return RewardResult(scores, result.extras, result.errors, metrics)
+
+
 def apply_kl_in_reward(batch: Batch, kl_ctrl: Any, cfg: Any) -> dict[str, float]:
     """`token_rewards` = `token_scores` − β·KL(actor ‖ reference) when `algorithm.use_kl_in_reward`, else the scores.
 

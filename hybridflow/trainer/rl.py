@@ -92,7 +92,7 @@ class RLTrainer:
             with timer("gen", timings):
                 batch = actor.generate(prompts)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)
-            scoring = self.rewards.submit(batch)
+            scoring = self.submit_scoring(batch)
             if not skips_old_log_probs(cfg):
                 with timer("old_log_prob", timings):
                     batch = batch.union(actor.compute_log_probs(batch))
@@ -103,7 +103,7 @@ class RLTrainer:
                 with timer("values", timings):
                     batch = batch.union(critic.compute_values(batch))
             with timer("reward", timings):
-                metrics.update(core.apply_scores(batch, scoring.result(), cfg))
+                metrics.update(core.apply_scores(batch, scoring(), cfg))
             if cfg.algorithm.filter_groups.enable:
                 batch, kept = core.group_filter(batch, cfg.algorithm.filter_groups.metric)
                 metrics.update(kept)
@@ -126,6 +126,18 @@ class RLTrainer:
                                                 if k in ("actor/grad_norm", "actor/pg_loss", "critic/vf_loss")})
         return metrics
 
+    def submit_scoring(self, batch: Batch):
+        """Starts scoring `batch` (reward function in its pool, reward model on its workers) and returns
+        a callable that waits for the combined `RewardResult`."""
+        function = self.rewards.submit(batch)
+        model = self.roles.reward_model.score.submit(batch) if self.roles.reward_model is not None else None
+
+        def result():
+            rm_scores = model.result()["rm_scores"] if model is not None else None
+            return core.with_model_scores(function.result(), rm_scores, self.cfg.reward.reward_model.weight)
+
+        return result
+
     def validate(self) -> dict[str, float]:
         """Greedy (by default) generation on the validation prompts; `val/...` scores per data source."""
         cfg = self.cfg
@@ -136,7 +148,7 @@ class RLTrainer:
                                         "seed": cfg.trainer.seed}
             batch = self.roles.actor.generate(prompts)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)
-            result = self.rewards.score(batch)
+            result = self.submit_scoring(batch)()
             batch["score"] = list(result.scores)
             sources += [str(s) for s in batch["data_source"]]
             scores += list(result.scores)

@@ -2,8 +2,8 @@
 
 `build_roles(cfg, total_steps)` returns `Roles(actor, critic)`: handles on which the loop calls
 worker methods (`roles.actor.generate(batch)`). With `trainer.placement=colocate` (the default) the
-actor (with its rollout engine and, when a KL term needs it, the reference) and the critic share one
-process per device; with `split` the critic gets its own group of processes.
+actor (with its rollout engine and, when a KL term needs it, the reference), the critic and the
+reward model share one process per device; with `split` the critic gets its own group of processes.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from typing import Any
 import torch
 
 from hybridflow.controller import WorkerGroup, colocate
-from hybridflow.workers import ActorWorker, CriticWorker
+from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker
 
 
 @dataclass
 class Roles:
-    """Controller-side handles on the role workers; `critic` is None without a value model."""
+    """Controller-side handles on the role workers; `critic` / `reward_model` are None when not used."""
 
     actor: Any
     critic: Any
+    reward_model: Any
     groups: list[WorkerGroup]
 
     def shutdown(self) -> None:
@@ -58,21 +59,29 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
     """Starts the worker groups of `cfg` (see the module docstring) and returns their handles."""
     device = resolve_device(cfg.trainer.device)
     common = dict(n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend, device=device)
-    actor_kwargs = dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
-                        total_steps=total_steps, with_ref=needs_reference(cfg))
+    kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
+                            total_steps=total_steps, with_ref=needs_reference(cfg))}
+    classes: dict[str, type] = {"actor": ActorWorker}
+    if cfg.reward.reward_model.path:
+        classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
     critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model, total_steps=total_steps,
                          rollout_n=cfg.rollout.n)
-    if not needs_critic(cfg):
-        group = WorkerGroup(ActorWorker, name="actor", init_kwargs=actor_kwargs, **common)
-        return Roles(actor=group, critic=None, groups=[group])
-    if cfg.trainer.placement == "colocate":
-        group = WorkerGroup(colocate(actor=ActorWorker, critic=CriticWorker), name="actor_critic",
-                            init_kwargs={"actor": actor_kwargs, "critic": critic_kwargs}, **common)
-        return Roles(actor=group.actor, critic=group.critic, groups=[group])
-    actor = WorkerGroup(ActorWorker, name="actor", init_kwargs=actor_kwargs, **common)
-    try:
-        critic = WorkerGroup(CriticWorker, name="critic", init_kwargs=critic_kwargs, **common)
-    except BaseException:
-        actor.shutdown()
-        raise
-    return Roles(actor=actor, critic=critic, groups=[actor, critic])
+    split_critic = needs_critic(cfg) and cfg.trainer.placement == "split"
+    if needs_critic(cfg) and not split_critic:
+        classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs
+    if len(classes) == 1:
+        group = WorkerGroup(ActorWorker, name="actor", init_kwargs=kwargs["actor"], **common)
+        handles = {"actor": group}
+    else:
+        group = WorkerGroup(colocate(**classes), name="_".join(classes), init_kwargs=kwargs, **common)
+        handles = {name: getattr(group, name) for name in classes}
+    groups = [group]
+    if split_critic:
+        try:
+            handles["critic"] = WorkerGroup(CriticWorker, name="critic", init_kwargs=critic_kwargs, **common)
+        except BaseException:
+            group.shutdown()
+            raise
+        groups.append(handles["critic"])
+    return Roles(actor=handles["actor"], critic=handles.get("critic"), reward_model=handles.get("reward_model"),
+                 groups=groups)

@@ -47,3 +47,11 @@ def test_local_and_ray_backends_give_the_same_metrics(tiny_qwen2, data_dir, tmp_
     assert len(local) == len(ray) == 2
     for a, b in zip(local, ray):
         assert_same_metrics(a, b)
+
+
+def test_resume_with_fewer_workers_reshards(tiny_qwen2, data_dir, tmp_path):
+    common = ("trainer.val_before_train=false", "trainer.val_every=0")
+    run(tiny_qwen2, data_dir, tmp_path, *common, "trainer.n_workers=2", "trainer.total_steps=1")
+    rows = run(tiny_qwen2, data_dir, tmp_path, *common, "trainer.n_workers=1", "trainer.total_steps=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert math.isfinite(rows[-1]["actor/grad_norm"]) and math.isfinite(rows[-1]["actor/pg_loss"])
