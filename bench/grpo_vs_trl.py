@@ -64,7 +64,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
     out = Path(a.work) / "hf_run"
     cfg = load_config([
         f"model.path={a.work}/model", f"data.train_files={a.work}/train.parquet",
-        f"data.train_batch_size={a.prompts}", f"data.max_prompt_length=512",
+        f"data.train_batch_size={a.prompts}", "data.max_prompt_length=512",
         f"data.max_response_length={a.max_new_tokens}", f"rollout.n={a.n}", "rollout.temperature=1.0",
         f"actor.lr={a.lr}", "actor.mini_batch_size=null", "actor.kl_loss_coef=0", "actor.loss_agg=token-mean",
         "actor.weight_decay=0.0", "actor.grad_clip=1.0", "algorithm.adv_estimator=grpo",

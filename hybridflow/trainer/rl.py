@@ -16,14 +16,15 @@ from typing import Any
 
 from hybridflow import algorithms
 from hybridflow.batch import Batch
-from hybridflow.checkpoint import BadStepCounter, GracefulStop, check_writable
+from hybridflow.checkpoint import BadStepCounter, check_writable
 from hybridflow.config.validate import validate
 from hybridflow.data.loader import build_prompt_loaders
 from hybridflow.rewards.manager import RewardManager
-from hybridflow.tracking import ProgressBar, Tracker
+from hybridflow.tracking import Tracker
 from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughput, compute_timing_metrics,
                                          compute_validation_metrics, timer)
 from hybridflow.trainer import core
+from hybridflow.trainer.loop import run_steps
 from hybridflow.trainer.checkpointing import RunCheckpoints
 from hybridflow.trainer.roles import build_roles, needs_reference, skips_old_log_probs
 
@@ -60,24 +61,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Trains to `total_steps` (validating and checkpointing as configured); returns the last metrics."""
-        cfg, metrics = self.cfg.trainer, {}
         try:
-            if self.val_loader is not None and cfg.val_before_train and self.step == 0:
-                self.tracker.log(self.validate(), self.step)
-            with GracefulStop() as stop, ProgressBar(self.total_steps, initial=self.step) as bar:
-                while self.step < self.total_steps:
-                    metrics = self.train_step(self.train_loader.next_batch())
-                    self.step += 1
-                    last = self.step == self.total_steps
-                    if self.val_loader is not None and cfg.val_every and (self.step % cfg.val_every == 0 or last):
-                        metrics.update(self.validate())
-                    self.tracker.log(metrics, self.step)
-                    bar.update(self.step, metrics)
-                    if last or stop.requested or (cfg.save_every and self.step % cfg.save_every == 0):
-                        self.checkpoints.save()
-                    if stop.requested:
-                        print(f"stopped by {stop.signal_name} after step {self.step}; checkpoint saved")
-                        break
+            metrics = run_steps(self)
         finally:
             self.close()
         return metrics

@@ -28,16 +28,17 @@ import torch
 
 from hybridflow.algorithms import aggregate
 from hybridflow.batch import Batch
-from hybridflow.checkpoint import BadStepCounter, GracefulStop, check_writable, export_hf
+from hybridflow.checkpoint import BadStepCounter, check_writable, export_hf
 from hybridflow.config.schema import ModelConfig, OptimizedRoleConfig, TrainerConfig, opt
 from hybridflow.config.validate import ConfigError
 from hybridflow.controller import Dispatch, WorkerGroup, register
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.sft import SFT_TRUNCATION_MODES, SFTDataset
 from hybridflow.engine.train import LossContext, TrainEngine
-from hybridflow.tracking import ProgressBar, Tracker
+from hybridflow.tracking import Tracker
 from hybridflow.tracking.metrics import compute_throughput, timer
 from hybridflow.trainer.checkpointing import RunCheckpoints
+from hybridflow.trainer.loop import run_steps
 from hybridflow.trainer.roles import resolve_device
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.update import run_update
@@ -246,24 +247,8 @@ class SFTTrainer:
     def fit(self) -> dict[str, float]:
         """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf`;
         returns the last step's metrics."""
-        cfg, metrics = self.cfg.trainer, {}
         try:
-            if self.val_loader is not None and cfg.val_before_train and self.step == 0:
-                self.tracker.log(self.validate(), self.step)
-            with GracefulStop() as stop, ProgressBar(self.total_steps, initial=self.step) as bar:
-                while self.step < self.total_steps:
-                    metrics = self.train_step(self.train_loader.next_batch())
-                    self.step += 1
-                    last = self.step == self.total_steps
-                    if self.val_loader is not None and cfg.val_every and (self.step % cfg.val_every == 0 or last):
-                        metrics.update(self.validate())
-                    self.tracker.log(metrics, self.step)
-                    bar.update(self.step, metrics)
-                    if last or stop.requested or (cfg.save_every and self.step % cfg.save_every == 0):
-                        self.checkpoints.save()
-                    if stop.requested:
-                        print(f"stopped by {stop.signal_name} after step {self.step}; checkpoint saved")
-                        break
+            metrics = run_steps(self)
             if self.step >= self.total_steps:
                 export_hf(self.checkpoints.manager.latest(), self.output_dir / "hf")
         finally:
