@@ -32,9 +32,9 @@ from typing import Any
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # The SFT warm-start, as `hybridflow sft` overrides of the SFTConfig defaults.
-SFT_SETTINGS = ("data.train_batch_size=64", "data.max_length=64", "optim.lr=1e-3", "optim.lr_schedule=cosine",
-                "optim.lr_warmup_steps=20", "optim.min_lr_ratio=0.1", "optim.weight_decay=0.0", "optim.use_packing=false",
-                "trainer.total_steps=300", "trainer.loggers=[console,jsonl]")
+SFT_SETTINGS = ("data.train_batch_size=64", "data.max_length=64", "optim.lr=2e-3", "optim.lr_schedule=cosine",
+                "optim.lr_warmup_steps=20", "optim.min_lr_ratio=0.1", "optim.weight_decay=0.0",
+                "trainer.total_steps=400", "trainer.loggers=[console,jsonl]")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class DemoSize:
 
     task: str = "reverse"
     min_len: int = 3
-    max_len: int = 7
+    max_len: int = 5
     hidden: int = 128
     layers: int = 4
     heads: int = 4
