@@ -66,11 +66,12 @@ class KVCache:
         return self.num_slots
 
     def allocate(self) -> None:
-        """(Re-)make the K/V tensors; contents are undefined until prefill writes them."""
+        """(Re-)make the K/V tensors, zero-filled: the padded decode path (CPU) reads positions past a
+        row's length under a mask, and a softmax weight of 0 times a NaN left in fresh memory is NaN."""
         if self.k is None:
             shape = (self.layers, self.num_slots + 1, *self.shape_tail)
-            self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def free(self) -> None:
         self.k = self.v = None
