@@ -88,6 +88,10 @@ def _accuracies(metrics_file: Path) -> tuple[float, float, list[tuple[int, float
     return curve[0][1], curve[-1][1], curve
 
 
+def _decoding(temperature: float) -> str:
+    return "greedy" if temperature <= 0 else f"sampled, temperature {temperature:g}, one sample per problem"
+
+
 def _report(run_dir: Path) -> str:
     """Writes the run report (`hybridflow report <run_dir>`); returns its path, or why it failed."""
     from hybridflow.report import ReportError, write_report
@@ -136,9 +140,10 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
                            f"trainer.output_dir={out / 'sft'}", *common, *SFT_SETTINGS, *spec.sft,
                            *sft_overrides], schema=SFTConfig))
     lap("sft")
-    train(load_config([f"model.path={out / 'sft' / 'hf'}", f"data.train_files={files['rl']}",
-                       f"data.val_files={files['heldout']}", f"trainer.output_dir={out}", *common, *spec.rl,
-                       *rl_overrides], RECIPES / "demo_grpo.yaml"))
+    rl_cfg = load_config([f"model.path={out / 'sft' / 'hf'}", f"data.train_files={files['rl']}",
+                          f"data.val_files={files['heldout']}", f"trainer.output_dir={out}", *common, *spec.rl,
+                          *rl_overrides], RECIPES / "demo_grpo.yaml")
+    train(rl_cfg)
     lap("rl")
     before, after, curve = _accuracies(out / "metrics.jsonl")
     report = _report(out)
@@ -146,7 +151,8 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
     summary = {
         "accuracy_before_rl": before, "accuracy_after_rl": after, "gain_points": round(100 * (after - before), 2),
         "minutes": round((time.perf_counter() - start) / 60, 3), "minutes_by_phase": minutes,
-        "decoding": "greedy", "heldout_problems": spec.n_heldout, "validation_curve": curve,
+        "decoding": _decoding(rl_cfg.rollout.val_temperature), "heldout_problems": spec.n_heldout,
+        "validation_curve": curve,
         "report": report, "size": asdict(spec), "sft_overrides": list(sft_overrides),
         "rl_overrides": list(rl_overrides), "seed": seed,
     }

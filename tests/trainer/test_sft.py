@@ -53,7 +53,8 @@ def test_reported_loss_is_the_mean_nll_of_assistant_tokens(tiny_qwen2, chats, tm
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(overrides(tiny_qwen2, chats, tmp_path, "data.train_batch_size=8", "trainer.total_steps=1",
-                                "data.shuffle=false", "data.max_length=64", "optim.max_tokens_per_micro_batch=64"), schema=SFTConfig)
+                                "data.shuffle=false", "data.max_length=64", "optim.max_tokens_per_micro_batch=64"),
+                      schema=SFTConfig)
     trainer = SFTTrainer(cfg)
     batch = trainer.train_loader.batch_at(0, 0)
     metrics = trainer.fit()
