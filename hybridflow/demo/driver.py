@@ -51,6 +51,7 @@ class DemoSize:
     n_sft: int = 8192
     n_rl: int = 4096
     n_heldout: int = 200
+    sft_noise: float = 0.5
     sft: tuple[str, ...] = ()
     rl: tuple[str, ...] = ()
 
@@ -130,7 +131,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
         last = now
 
     files = write_task_data(out / "data", spec.task, spec.n_sft, spec.n_rl, spec.n_heldout, seed,
-                            spec.min_len, spec.max_len)
+                            spec.min_len, spec.max_len, spec.sft_noise)
     lap("data")
     model = build_tiny_model(out / "model", "qwen2", spec.hidden, spec.layers, spec.heads, spec.kv_heads,
                              max_positions=128, seed=seed)

@@ -99,15 +99,31 @@ def rl_rows(problems: list[Problem], task: str, split: str) -> list[dict[str, An
             for i, (q, a) in enumerate(problems)]
 
 
+def echo_answer(question: str) -> str:
+    """The demo's noisy demonstration: the input echoed back (`reverse abcd` -> `abcd`), a plausible,
+    systematic mistake that the exact-match reward scores 0."""
+    return question.split()[-1]
+
+
 def write_task_data(out_dir: str | Path, task: str, n_sft: int, n_rl: int, n_heldout: int, seed: int = 0,
-                    min_len: int | None = None, max_len: int | None = None) -> dict[str, Path]:
-    """Writes `sft.jsonl`, `rl_train.parquet`, `heldout.parquet` under `out_dir`; returns their paths."""
+                    min_len: int | None = None, max_len: int | None = None,
+                    sft_noise: float = 0.0) -> dict[str, Path]:
+    """Writes `sft.jsonl`, `rl_train.parquet`, `heldout.parquet` under `out_dir`; returns their paths.
+
+    `sft_noise`: the share of SFT demonstrations whose answer is `echo_answer` instead of the right
+    one (imperfect demonstrations, as human or model-written SFT data has): the SFT model then gives
+    the right answer only part of the time, which is what RL with a verifiable reward can fix.
+    """
+    if not 0.0 <= sft_noise < 1.0:
+        raise ValueError(f"sft_noise={sft_noise}: must be in [0, 1)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = make_splits(task, {"heldout": n_heldout, "sft": n_sft, "rl": n_rl}, seed, min_len, max_len)
+    noise = random.Random(f"demo-noise-{seed}")
     sft = out / "sft.jsonl"
     sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                    {"role": "assistant", "content": a}]}) + "\n"
+                                                    {"role": "assistant", "content": echo_answer(q)
+                                                     if noise.random() < sft_noise else a}]}) + "\n"
                            for q, a in splits["sft"]))
     return {"sft": sft, "rl": write_parquet(rl_rows(splits["rl"], task, "rl"), out / "rl_train.parquet"),
             "heldout": write_parquet(rl_rows(splits["heldout"], task, "heldout"), out / "heldout.parquet")}

@@ -62,3 +62,16 @@ def test_a_new_run_removes_only_the_previous_demo_outputs(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     _clear_previous(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_sft_noise_echoes_the_input_in_that_share_of_demonstrations(tmp_path):
+    from hybridflow.demo.tasks import echo_answer
+
+    files = write_task_data(tmp_path, "reverse", n_sft=400, n_rl=4, n_heldout=4, sft_noise=0.5, min_len=4, max_len=6)
+    rows = [json.loads(line)["messages"] for line in files["sft"].read_text().splitlines()]
+    echoed = [m[1]["content"] == echo_answer(m[0]["content"]) for m in rows]
+    right = [m[1]["content"] == m[0]["content"].split()[-1][::-1] for m in rows]
+    assert 0.4 < sum(echoed) / len(rows) < 0.6
+    assert all(e or r for e, r in zip(echoed, right))  # every answer is either the echo or the right one
+    with pytest.raises(ValueError, match="sft_noise"):
+        write_task_data(tmp_path, "reverse", n_sft=4, n_rl=4, n_heldout=4, sft_noise=1.0)
