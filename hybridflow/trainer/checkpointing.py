@@ -9,10 +9,24 @@ resolved config. It is written to a temporary directory and renamed when complet
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hybridflow.checkpoint import (CheckpointManager, check_compatible, load_controller_state, read_config,
                                    save_controller_state, save_hf_assets)
+
+
+def checkpoint_bytes_needed(cfg: Any) -> int:
+    """A lower bound on one checkpoint's size, before any model loads: weights plus AdamW's two moments of
+    every trained model, 3 x its weight files' size (exact for fp32 files, low for bf16 ones, whose fp32
+    master copy is twice their size)."""
+    total = 0
+    paths = [cfg.model.path] + ([cfg.critic.model.path or cfg.model.path] if cfg.algorithm.adv_estimator == "gae"
+                                else [])
+    for path in paths:
+        files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin"))
+        total += 3 * sum(f.stat().st_size for f in files)
+    return total
 
 
 class RunCheckpoints:

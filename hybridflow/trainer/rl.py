@@ -25,7 +25,7 @@ from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughpu
                                          compute_validation_metrics, timer)
 from hybridflow.trainer import core
 from hybridflow.trainer.loop import run_steps
-from hybridflow.trainer.checkpointing import RunCheckpoints
+from hybridflow.trainer.checkpointing import RunCheckpoints, checkpoint_bytes_needed
 from hybridflow.trainer.roles import build_roles, needs_reference, skips_old_log_probs
 
 
@@ -37,7 +37,7 @@ class RLTrainer:
 
         validate(cfg)
         self.cfg = cfg
-        self.output_dir = check_writable(cfg.trainer.output_dir)
+        self.output_dir = check_writable(cfg.trainer.output_dir, checkpoint_bytes_needed(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
                                                        trust_remote_code=cfg.model.trust_remote_code)
         self.train_loader, self.val_loader = build_prompt_loaders(cfg, self.tokenizer)

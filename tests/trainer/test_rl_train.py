@@ -95,3 +95,14 @@ def test_reward_model_scores_are_added_to_the_function_reward(tiny_qwen2, data_d
     assert math.isfinite(last["reward/model/mean"]) and last["reward/model/mean"] != 0
     # gsm8k scores of a random model are 0, so the step's reward is the weighted reward-model score
     assert last["reward/mean"] == pytest.approx(0.5 * last["reward/model/mean"], rel=1e-4, abs=1e-6)
+
+
+def test_output_dir_without_room_for_a_checkpoint_is_refused_before_training(tiny_qwen2, data_dir, tmp_path,
+                                                                             monkeypatch):
+    from hybridflow.checkpoint import CheckpointError
+    from hybridflow.trainer import rl
+
+    monkeypatch.setattr(rl, "checkpoint_bytes_needed", lambda cfg: 2**62)
+    with pytest.raises(CheckpointError, match="free"):
+        run(tiny_qwen2, data_dir, tmp_path / "out")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
