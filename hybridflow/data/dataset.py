@@ -66,7 +66,23 @@ def parse_row(record: Record, prompt_key: str = "prompt") -> dict[str, Any]:
     }
 
 
-class RLDataset:
+class RowDataset:
+    """What every dataset here serves: its checked rows (`self._rows`, dicts) by position, each with its
+    `index`, and the pad id of its `self.tokenizer`."""
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self._rows[index], "index": index}
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id (its eos id when it has none)."""
+        return pad_token_id(self.tokenizer)
+
+
+class RLDataset(RowDataset):
     """Checked, tokenized prompts; `ds[i]` is a dict with `input_ids` (1-D int64 numpy array), the
     row's fields (`raw_prompt`, `data_source`, `ability`, `ground_truth`, `extra_info`) and `index`.
 
@@ -126,14 +142,3 @@ class RLDataset:
         logger.log(level, "%s: %d prompts (%d read, %d filtered, %d truncated; max_prompt_length=%s)",
                    ", ".join(self.files), len(kept), self.num_rows, self.num_filtered, self.num_truncated, limit)
         return kept
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {**self._rows[index], "index": index}
-
-    @property
-    def pad_token_id(self) -> int:
-        """The tokenizer's pad id (its eos id when it has none)."""
-        return pad_token_id(self.tokenizer)

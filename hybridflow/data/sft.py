@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.data.chat import check_messages, encode_conversation, has_chat_template, pad_token_id
+from hybridflow.data.chat import check_messages, encode_conversation, has_chat_template
+from hybridflow.data.dataset import RowDataset
 from hybridflow.data.files import DataError, Record, as_path_list, read_records
 
 SFT_TRUNCATION_MODES = ("error", "filter", "right")
@@ -52,7 +53,7 @@ def _conversation(record: Record, messages_key: str, prompt_key: str, response_k
                     f"columns: {have}")
 
 
-class SFTDataset:
+class SFTDataset(RowDataset):
     """Tokenized conversations; `ds[i]` is `{"input_ids": list[int], "loss_mask": list[int], "index": i}`.
 
     Args:
@@ -90,17 +91,6 @@ class SFTDataset:
         if not self._rows:
             raise DataError(f"{', '.join(self.files)}: no conversations left ({self.num_rows} read, "
                             f"{self.num_filtered} over max_length)")
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {**self._rows[index], "index": index}
-
-    @property
-    def pad_token_id(self) -> int:
-        """The tokenizer's pad id (its eos id when it has none)."""
-        return pad_token_id(self.tokenizer)
 
 
 def pack_lengths(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
