@@ -49,7 +49,8 @@ class RunCheckpoints:
     def save(self) -> None:
         """Writes the checkpoint of the current step (atomic) and prunes old ones."""
         t = self.trainer
-        if self.manager.list() and self.manager.step_of(self.manager.list()[-1]) == t.step:
+        saved = self.manager.list()
+        if saved and self.manager.step_of(saved[-1]) == t.step:
             return
         tmp = self.manager.begin(t.step)
         for name, role in self.roles().items():

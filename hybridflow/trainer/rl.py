@@ -11,7 +11,6 @@ pure function of `hybridflow.trainer.core`; nothing here touches devices or proc
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from hybridflow import algorithms
@@ -156,7 +155,3 @@ class RLTrainer:
 def train(cfg: Any) -> dict[str, float]:
     """Runs `hybridflow train` for a loaded `RLConfig`; returns the last step's metrics."""
     return RLTrainer(cfg).fit()
-
-
-def output_path(cfg: Any) -> Path:
-    return Path(cfg.trainer.output_dir)
