@@ -71,7 +71,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         f"reward.function={HERE / 'grpo_reward.py'}:reward", "reward.num_workers=1",
         f"trainer.total_steps={a.steps}", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
         f"trainer.output_dir={out}", "trainer.resume=never", f"trainer.device={a.device}",
-        f"trainer.seed={a.seed}", "trainer.save_every=0",
+        f"trainer.seed={a.seed}", "trainer.save_every=0", *a.set,
     ])
     trainer = RLTrainer(cfg)
     step_s, gen_tok_s, lengths, phases = [], [], [], []
@@ -164,6 +164,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("hybridflow", "trl"), default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra hybridflow config override (repeatable), e.g. rollout.cuda_graphs=false")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/grpo_vs_trl_<device>.json)")
     p.add_argument("--child", choices=("hybridflow", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -185,6 +187,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", name, "--work", str(work), "--result", str(res)]
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                 if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "lr", "seed")]
+        cmd += [f"--set={kv}" for kv in a.set]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         results[name] = summarize(name, json.loads(res.read_text()), a.warmup)
@@ -193,7 +196,7 @@ def main() -> None:
 
     report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
               "cpus": os.cpu_count(), "torch": torch.__version__, "settings": {k: v for k, v in vars(a).items()
-              if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "warmup", "lr", "seed")},
+              if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "warmup", "lr", "seed", "set")},
               "results": results}
     if "hybridflow" in results and "trl" in results:
         report["speedup_step"] = results["trl"]["step_s_median"] / results["hybridflow"]["step_s_median"]
