@@ -107,6 +107,11 @@ class RolloutConfig:
     free_cache_after_generate: bool = opt(True, "free the KV cache between generation and training")
     val_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
     val_n: int = opt(1, "responses per prompt during validation")
+    placement: str = opt("colocate", "colocate: the engine lives in the actor's processes and is fed the weights "
+                                     "in place; separate: its own group of processes (and GPUs), fed over "
+                                     "torch.distributed after each update", ("colocate", "separate"))
+    n_workers: Optional[int] = opt(None, "processes (one per device) of the separate rollout group; "
+                                         "null = trainer.n_workers (rollout.placement=separate only)")
 
 
 @dataclass

@@ -145,6 +145,25 @@ def _algorithm_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def _rollout_placement_problems(cfg: Any) -> list[str]:
+    """`rollout.placement` and `rollout.n_workers`: the separate rollout group's size and its share of prompts."""
+    rollout, prompts = cfg.rollout, cfg.data.train_batch_size
+    if rollout.placement != "separate":
+        if rollout.n_workers is not None:
+            return [f"rollout.n_workers={rollout.n_workers} sizes the separate rollout group, but "
+                    f"rollout.placement={rollout.placement} runs the engine in the actor's trainer.n_workers "
+                    f"processes; set rollout.placement=separate or rollout.n_workers=null"]
+        return []
+    if rollout.n_workers is not None and rollout.n_workers < 1:
+        return [f"rollout.n_workers={rollout.n_workers} must be >= 1 or null (= trainer.n_workers)"]
+    workers = rollout.n_workers or cfg.trainer.n_workers
+    if prompts >= 1 and workers >= 1 and prompts % workers:
+        return [f"data.train_batch_size={prompts} prompts must split evenly over the {workers} rollout ranks "
+                f"(rollout.n_workers={rollout.n_workers}, null = trainer.n_workers); valid rollout.n_workers: "
+                f"{_join(divisors(prompts))}"]
+    return []
+
+
 def _path_problems(cfg: Any) -> list[str]:
     """What the run will read: data files, the reward function, a resume checkpoint, model directories."""
     problems = []
@@ -189,7 +208,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     `data.train_files` may then be unset), e.g. to check a recipe on its own.
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
-    problems = _range_problems(cfg) + _algorithm_problems(cfg)
+    problems = _range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
     if check_paths:
         problems += _path_problems(cfg)
     if n_workers >= 1:
