@@ -2,7 +2,9 @@
 
 One process per device holds all three; the controller drives them in the order of an RL step:
 `generate` (rollout engine) -> `compute_log_probs` / `compute_ref_log_probs` -> `update_actor` ->
-`sync_weights` (trained shards -> rollout engine, in place). Memory is handed back and forth: the KV
+`sync_weights` (trained shards -> rollout engine, in place). With `rollout.placement=separate` it is built
+without a rollout engine and `send_weights` streams the gathered weights to the `RolloutWorker` group
+instead (`hybridflow.workers.weight_sync`). Memory is handed back and forth: the KV
 cache sleeps outside generation (`free_cache_after_generate`), and with `optimizer_offload` /
 `param_offload` the optimizer state / parameter shards stay on the CPU except while they are used.
 With world size > 1 each rank runs its own rollout replica on its shard of the prompts.
@@ -11,6 +13,7 @@ With world size > 1 each rank runs its own rollout replica on its shard of the p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,13 +23,9 @@ from hybridflow.controller import Dispatch, register
 from hybridflow.engine.train import TrainEngine
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.reference import ReferenceModel, temperature_of
-from hybridflow.workers.rollout import build_rollout, completions_to_batch, prompt_token_lists, sampling_params
+from hybridflow.workers.rollout import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss, run_update
-
-
-def _pad_id(config) -> int:
-    pad = getattr(config, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
+from hybridflow.workers.weight_sync import BUCKET_BYTES, WeightChannel, drain, plan_buckets
 
 
 class ActorWorker(EngineWorker):
@@ -43,49 +42,24 @@ class ActorWorker(EngineWorker):
     def __init__(self, model_cfg: Any, actor_cfg: Any, rollout_cfg: Any, data_cfg: Any, total_steps: int = 1,
                  with_ref: bool = False, ref_model_path: str | None = None, with_rollout: bool = True) -> None:
         self.cfg, self.rollout_cfg = actor_cfg, rollout_cfg
-        self.max_response_length = data_cfg.max_response_length
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=total_steps, device=self.device)
         self.ref = ReferenceModel(model_cfg, actor_cfg, ref_model_path, self.device) if with_ref else None
-        self.pad_id = _pad_id(self.engine.config)
         self.rollout = None
         if with_rollout:
-            max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-            self.rollout = build_rollout(model_cfg.path, rollout_cfg, self.device, self.engine.precision.param,
-                                         max_len)
-            self._rollout_awake = True
-            if rollout_cfg.free_cache_after_generate:
-                self._sleep_rollout()
+            self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
+                                          self.engine.precision.param, pad_token_id(self.engine.config))
+        self.channel: WeightChannel | None = None
         self.update_count = 0
         self._offload_idle()
-
-    # ------------------------------------------------------------------ memory hand-over
-    def _sleep_rollout(self) -> None:
-        if self.rollout is not None and self._rollout_awake:
-            self.rollout.sleep()
-            self._rollout_awake = False
-
-    def _wake_rollout(self) -> None:
-        if self.rollout is None:
-            raise RuntimeError("this ActorWorker was built with with_rollout=False; it cannot generate")
-        if not self._rollout_awake:
-            self.rollout.wake()
-            self._rollout_awake = True
 
     # ------------------------------------------------------------------ RL-step methods
     @register(Dispatch.DATA_PARALLEL)
     def generate(self, batch: Batch) -> Batch:
-        """Prompts (`prompts` left-padded + their `attention_mask`; meta `sampling`) -> rows of the RL
-        batch, `n` samples per prompt interleaved; meta gets `temperature` and `timing_s/gen`."""
-        start = time.perf_counter()
-        params = sampling_params(batch.meta, self.rollout_cfg, self.max_response_length, self.rank)
-        prompts = prompt_token_lists(batch["prompts"], batch["attention_mask"])
-        self._wake_rollout()
-        outs = self.rollout.generate(prompts, params)
-        if self.rollout_cfg.free_cache_after_generate:
-            self._sleep_rollout()
-        out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id)
-        out.meta.update(temperature=params.temperature, gen_seconds=time.perf_counter() - start)
-        return out
+        """Prompts -> rows of the RL batch, `n` samples per prompt interleaved (see `RolloutReplica.generate`)."""
+        if self.rollout is None:
+            raise RuntimeError("this ActorWorker was built with with_rollout=False; it cannot generate "
+                               "(with rollout.placement=separate the RolloutWorker group generates)")
+        return self.rollout.generate(batch, self.rank)
 
     @register(Dispatch.DATA_PARALLEL)
     def compute_log_probs(self, batch: Batch) -> Batch:
@@ -112,7 +86,8 @@ class ActorWorker(EngineWorker):
         if use_kl and "ref_log_probs" not in batch:
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
-        self._sleep_rollout()
+        if self.rollout is not None:
+            self.rollout.sleep()
         self._onload()
         metrics = run_update(self.engine, batch.tensors, self.cfg, actor_loss(self.cfg, use_kl, use_entropy),
                              prefix="actor", rollout_n=int(batch.meta.get("rollout_n", self.rollout_cfg.n)),
@@ -125,16 +100,44 @@ class ActorWorker(EngineWorker):
         self.update_count += 1
         return metrics
 
-    @register(Dispatch.BROADCAST)
-    def sync_weights(self) -> dict[str, float]:
-        """Trained shards -> the rollout engine's weights, in place, one gathered parameter at a time
-        cast to the rollout dtype; returns `timing_s/update_weights`."""
+    # ------------------------------------------------------------------ weight sync
+    def _with_full_params(self, consume: Callable[[Iterator], Any]) -> dict[str, float]:
+        """`consume`s the trained weights, gathered one parameter at a time and cast to the rollout dtype
+        (a collective: every rank calls it); returns `timing_s/update_weights`."""
         start = time.perf_counter()
         if self.cfg.param_offload:
             self.engine.onload(params=True, optimizer=False)
-        self.rollout.load_weights(self.engine.iter_full_params(dtype=self.engine.precision.param))
+        consume(self.engine.iter_full_params(dtype=self.engine.precision.param))
         if self.cfg.param_offload:
             self.engine.offload(params=True, optimizer=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"timing_s/update_weights": time.perf_counter() - start}
+
+    @register(Dispatch.BROADCAST)
+    def sync_weights(self) -> dict[str, float]:
+        """Trained shards -> the colocated rollout engine's weights, in place; returns `timing_s/update_weights`."""
+        if self.rollout is None:
+            raise RuntimeError("this ActorWorker has no rollout engine (with_rollout=False); with "
+                               "rollout.placement=separate the weights go out by send_weights")
+        return self._with_full_params(self.rollout.load_weights)
+
+    @register(Dispatch.BROADCAST)
+    def join_weight_sync(self, host: str, port: int, world_size: int,
+                         bucket_bytes: int = BUCKET_BYTES) -> None:
+        """Rank 0 joins the weight-sync group at `host:port` as its sender (rank 0 of `world_size`) and
+        publishes the bucket plan; the other ranks only gather in `send_weights`. Runs concurrently with
+        the rollout group's `join_weight_sync`."""
+        if self.rank == 0:
+            self.channel = WeightChannel(host, port, 0, world_size, self.device)
+            shapes = [(name, tuple(p.shape)) for name, p in self.engine.model.named_parameters()]
+            self.channel.publish_plan(plan_buckets(shapes, self.engine.precision.param, bucket_bytes),
+                                      self.engine.precision.param)
+
+    @register(Dispatch.BROADCAST)
+    def send_weights(self) -> dict[str, float]:
+        """Trained shards -> the separate rollout group, bucket by bucket from rank 0 (every rank gathers);
+        runs concurrently with the rollout group's `receive_weights`; returns `timing_s/update_weights`."""
+        if self.rank == 0 and self.channel is None:
+            raise RuntimeError("send_weights needs join_weight_sync first (rollout.placement=separate)")
+        return self._with_full_params(self.channel.send if self.rank == 0 else drain)

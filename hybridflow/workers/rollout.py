@@ -1,8 +1,12 @@
-"""Glue between the actor and its colocated rollout engine: building it, the sampling parameters of a
-call, and turning the engine's completions into the RL batch layout of docs/architecture.md."""
+"""A rank's rollout engine and the `generate` call around it, shared by the actor (engine colocated with
+the trainer) and `RolloutWorker` (engine on its own device): building the engine, its sleep/wake
+policy, the sampling parameters of a call, and turning the completions into the RL batch layout of
+docs/architecture.md."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,6 +23,56 @@ def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torc
         path, device=device, dtype=dtype, max_num_seqs=rollout_cfg.max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=rollout_cfg.kv_cache_fraction if device.type == "cuda" else None,
         cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine)
+
+
+def pad_token_id(config: Any) -> int:
+    """The model config's pad id (0 when it has none): the fill of the responses' padding."""
+    pad = getattr(config, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+class RolloutReplica:
+    """This rank's rollout engine: awake only while it generates when `rollout.free_cache_after_generate`
+    (the KV cache and CUDA graphs are freed between calls), weights updated in place by `load_weights`."""
+
+    def __init__(self, model_path: str, rollout_cfg: Any, data_cfg: Any, device: torch.device, dtype: torch.dtype,
+                 pad_id: int) -> None:
+        self.cfg, self.pad_id = rollout_cfg, pad_id
+        self.max_response_length = data_cfg.max_response_length
+        max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
+        self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len)
+        self.awake = True
+        if rollout_cfg.free_cache_after_generate:
+            self.sleep()
+
+    def sleep(self) -> None:
+        if self.awake:
+            self.engine.sleep()
+            self.awake = False
+
+    def wake(self) -> None:
+        if not self.awake:
+            self.engine.wake()
+            self.awake = True
+
+    def generate(self, batch: Batch, rank: int) -> Batch:
+        """Prompts (`prompts` left-padded + their `attention_mask`; meta `sampling`) -> rows of the RL
+        batch, `n` samples per prompt interleaved; meta gets `temperature` and `gen_seconds`. `rank` offsets
+        a given seed (see `sampling_params`)."""
+        start = time.perf_counter()
+        params = sampling_params(batch.meta, self.cfg, self.max_response_length, rank)
+        prompts = prompt_token_lists(batch["prompts"], batch["attention_mask"])
+        self.wake()
+        outs = self.engine.generate(prompts, params)
+        if self.cfg.free_cache_after_generate:
+            self.sleep()
+        out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id)
+        out.meta.update(temperature=params.temperature, gen_seconds=time.perf_counter() - start)
+        return out
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """(HF name, tensor) pairs copied into the engine in place, consumed one at a time; returns the count."""
+        return self.engine.load_weights(named_tensors)
 
 
 def sampling_params(meta: dict, rollout_cfg: Any, max_tokens: int, rank: int) -> SamplingParams:

@@ -1,0 +1,126 @@
+"""Sending the actor's weights to a rollout group on other devices, over torch.distributed.
+
+The weight-sync group is a second process group, independent of each worker group's default one:
+rank 0 is the actor group's rank 0 (the sender), ranks 1..R are the rollout group's ranks. The
+controller hosts its store (`Rendezvous`); each member builds its `WeightChannel` from that store
+(`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA, made directly from store, rank and size, so no
+second default group is needed). At join time the sender publishes the bucket plan in the store: the
+parameters' HF names and shapes in order, grouped into buckets of at most `bucket_bytes` in the rollout
+dtype (a larger parameter gets a bucket of its own). Each sync then broadcasts one flat buffer per
+bucket; a receiver turns it back into (name, view) pairs for `RolloutEngine.load_weights`, which
+copies each view before the next bucket overwrites the buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 256 << 20
+TIMEOUT = timedelta(minutes=10)
+_PLAN_KEY = "plan"
+
+Plan = list[list[tuple[str, tuple[int, ...]]]]
+
+
+class Rendezvous:
+    """The controller-hosted store the members of one weight-sync group meet on."""
+
+    def __init__(self, host: str | None = None) -> None:
+        self.host = host or "127.0.0.1"
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        self.port = self.store.port
+
+
+def controller_host(backend: str) -> str:
+    """The address workers reach the controller's store on: loopback locally, the node's IP with Ray."""
+    if backend == "ray":
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
+def plan_buckets(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                 bucket_bytes: int = BUCKET_BYTES) -> Plan:
+    """Consecutive parameters grouped into buckets of at most `bucket_bytes` (a larger one alone)."""
+    limit = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+    plan: Plan = []
+    used = limit
+    for name, shape in shapes:
+        numel = math.prod(shape)
+        if used + numel > limit:
+            plan.append([])
+            used = 0
+        plan[-1].append((name, tuple(shape)))
+        used += numel
+    return plan
+
+
+def _numel(bucket: list[tuple[str, tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) for _, shape in bucket)
+
+
+class WeightChannel:
+    """One member's end of the weight-sync group: rank 0 sends, every other rank receives."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device) -> None:
+        store = dist.PrefixStore("weight_sync", dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT))
+        self.store, self.rank, self.device = store, rank, device
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = TIMEOUT
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
+        self.plan: Plan | None = None
+        self.dtype: torch.dtype | None = None
+
+    def publish_plan(self, plan: Plan, dtype: torch.dtype) -> None:
+        """Sender: the bucket layout every sync follows (read by the receivers when they first receive)."""
+        self.plan, self.dtype = plan, dtype
+        self.store.set(_PLAN_KEY, pickle.dumps((plan, dtype)))
+
+    def _load_plan(self) -> None:
+        if self.plan is None:
+            self.plan, self.dtype = pickle.loads(self.store.get(_PLAN_KEY))
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(max(map(_numel, self.plan)), dtype=self.dtype, device=self.device)
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Sender: packs the tensors (in plan order) into buckets and broadcasts each; returns the bucket count."""
+        buffer, tensors = self._buffer(), iter(named_tensors)
+        for bucket in self.plan:
+            offset = 0
+            for name, shape in bucket:
+                got, tensor = next(tensors)
+                if got != name or tuple(tensor.shape) != shape:
+                    raise ValueError(f"weight sync: expected {name} {shape} (the plan made at join), got "
+                                     f"{got} {tuple(tensor.shape)}; the model's parameters changed")
+                buffer[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+                offset += tensor.numel()
+            self.group.broadcast(buffer[:offset], 0).wait()
+        return len(self.plan)
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receiver: (HF name, view into the bucket buffer) per parameter; consume each view before the next."""
+        self._load_plan()
+        buffer = self._buffer()
+        for bucket in self.plan:
+            self.group.broadcast(buffer[:_numel(bucket)], 0).wait()
+            offset = 0
+            for name, shape in bucket:
+                numel = math.prod(shape)
+                yield name, buffer[offset:offset + numel].view(shape)
+                offset += numel
+
+
+def drain(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """An actor rank other than the sender: takes part in each parameter's gather and drops the result."""
+    return sum(1 for _ in named_tensors)

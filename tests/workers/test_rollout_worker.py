@@ -1,0 +1,68 @@
+"""`RolloutWorker` on its own processes, fed by a 2-rank FSDP actor over the gloo weight-sync group: after
+an update and a sync its greedy outputs are those of the actor's current weights (and not the stale
+ones); the bucket plan bounds each bucket and keeps the parameter order."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from hybridflow.controller import WorkerGroup
+from hybridflow.trainer.roles import SeparateRollout
+from hybridflow.workers import ActorWorker, RolloutWorker
+from hybridflow.workers.weight_sync import plan_buckets
+
+RESP = 6
+
+
+def _prompts(temperature: float) -> Batch:
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.zeros(4, 5, dtype=torch.long)
+    mask = torch.zeros(4, 5, dtype=torch.long)
+    for i, length in enumerate((5, 3, 2, 4)):
+        prompts[i, 5 - length:] = torch.randint(4, 250, (length,), generator=g)
+        mask[i, 5 - length:] = 1
+    return Batch({"prompts": prompts, "attention_mask": mask}, {"uid": [f"p{i}" for i in range(4)]},
+                 meta={"sampling": {"seed": 3, "temperature": temperature, "n": 1 if temperature == 0 else 2}})
+
+
+def test_plan_buckets_bounds_each_bucket_and_keeps_the_order():
+    shapes = [("a", (10,)), ("b", (3, 2)), ("big", (40,)), ("c", (5,)), ("d", (6,))]
+    plan = plan_buckets(shapes, torch.float32, bucket_bytes=64)  # 16 floats per bucket
+    assert [[name for name, _ in bucket] for bucket in plan] == [["a", "b"], ["big"], ["c", "d"]]
+    assert [p for bucket in plan for p in bucket] == shapes
+    assert len(plan_buckets(shapes, torch.bfloat16, bucket_bytes=1 << 20)) == 1
+
+
+def test_separate_rollout_generates_with_the_synced_weights(tiny_qwen2):
+    model_cfg = ModelConfig(path=str(tiny_qwen2), dtype="fp32")
+    rollout_cfg = RolloutConfig(n=2, temperature=1.0, cuda_graphs=False)
+    data_cfg = DataConfig(max_prompt_length=5, max_response_length=RESP)
+    actor_kwargs = dict(model_cfg=model_cfg, actor_cfg=ActorConfig(lr=0.05, micro_batch_size=4),
+                        rollout_cfg=rollout_cfg, data_cfg=data_cfg)
+    with WorkerGroup(ActorWorker, n_workers=2, name="actor", init_kwargs=actor_kwargs) as actor, \
+            WorkerGroup(RolloutWorker, n_workers=2, name="rollout",
+                        init_kwargs=dict(model_cfg=model_cfg, rollout_cfg=rollout_cfg, data_cfg=data_cfg)) as rollout:
+        sync = SeparateRollout(actor, rollout, "local", bucket_bytes=16 << 10)  # several buckets, one per big matrix
+        greedy = _prompts(0.0)
+        before = rollout.generate(greedy)
+        batch = rollout.generate(_prompts(1.0))
+        batch = batch.union(actor.compute_log_probs(batch))
+        batch["advantages"] = torch.randn(len(batch), RESP, generator=torch.Generator().manual_seed(0))
+        actor.update_actor(batch)
+        stale = rollout.generate(greedy)
+        timing = sync.sync_weights()
+        got = rollout.generate(greedy)
+        actor.sync_weights()  # the actor's own engine, fed in place from the same weights
+        expected = actor.generate(greedy)
+        trained = actor.compute_log_probs(got)["old_log_probs"]
+
+    mask = got["response_mask"]
+    assert torch.equal(stale["responses"], before["responses"])  # nothing moves before the sync
+    assert torch.equal(got["responses"], expected["responses"])
+    assert torch.allclose(got["rollout_log_probs"], expected["rollout_log_probs"], atol=1e-5)
+    assert float(((got["rollout_log_probs"] - trained).abs() * mask).max()) < 1e-4  # = the trainer's weights
+    moved = ((stale["rollout_log_probs"] - got["rollout_log_probs"]).abs() * mask).max()
+    assert float(moved) > 1e-3  # the update changed the weights, and the sync delivered the change
+    assert timing["timing_s/update_weights"] > 0
