@@ -4,7 +4,8 @@
 
 One step reads like the algorithm: generate n responses per prompt → score them (in a process pool,
 overlapped with the log-prob passes) → old and reference log-probs → values → advantages → critic
-update → actor update → weight sync into the rollout engine. Each arrow is a worker-group call or a
+update → actor update → weight sync into the rollout engine (in place, or over torch.distributed to a
+separate rollout group: `hybridflow.trainer.roles`). Each arrow is a worker-group call or a
 pure function of `hybridflow.trainer.core`; nothing here touches devices or process groups.
 """
 
@@ -54,6 +55,8 @@ class RLTrainer:
         self.roles = build_roles(cfg, self.total_steps)
         self.checkpoints = RunCheckpoints(self)
         self.checkpoints.maybe_resume()
+        if self.step:  # the rollout engines were built from model.path: give them the resumed weights
+            self.roles.sync_weights()
         self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
                                cfg.trainer.experiment_name, cfg, self.total_steps)
 
@@ -68,13 +71,13 @@ class RLTrainer:
 
     def train_step(self, prompts: Batch) -> dict[str, float]:
         """One RL iteration on a batch of prompts; returns its metrics."""
-        cfg, actor, critic = self.cfg, self.roles.actor, self.roles.critic
+        cfg, actor, critic, rollout = self.cfg, self.roles.actor, self.roles.critic, self.roles.rollout
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with timer("step", timings):
             prompts.meta["sampling"] = {"seed": cfg.trainer.seed * 100_003 + self.step}
             with timer("gen", timings):
-                batch = actor.generate(prompts)
+                batch = rollout.generate(prompts)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)
             scoring = self.submit_scoring(batch)
             if not skips_old_log_probs(cfg):
@@ -102,10 +105,10 @@ class RLTrainer:
                 with timer("update_actor", timings):
                     metrics.update(actor.update_actor(batch)[0])
                 with timer("update_weights", timings):
-                    actor.sync_weights()
+                    self.roles.sync_weights()
         metrics.update(compute_data_metrics(batch, cfg.data.max_response_length))
         metrics.update(compute_timing_metrics(timings, batch))
-        metrics.update(compute_throughput(batch, timings["step"], cfg.trainer.n_workers))
+        metrics.update(compute_throughput(batch, timings["step"], self.roles.n_devices))
         self.bad_steps.update(self.step + 1, **{k: v for k, v in metrics.items()
                                                 if k in ("actor/grad_norm", "actor/pg_loss", "critic/vf_loss")})
         return metrics
@@ -130,7 +133,7 @@ class RLTrainer:
         for prompts in self.val_loader:
             prompts.meta["sampling"] = {"n": cfg.rollout.val_n, "temperature": cfg.rollout.val_temperature,
                                         "seed": cfg.trainer.seed}
-            batch = self.roles.actor.generate(prompts)
+            batch = self.roles.rollout.generate(prompts)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)
             result = self.submit_scoring(batch)()
             batch["score"] = list(result.scores)

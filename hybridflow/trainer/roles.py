@@ -1,30 +1,77 @@
 """Placing the model roles of an RL run on worker groups.
 
-`build_roles(cfg, total_steps)` returns `Roles(actor, critic)`: handles on which the loop calls
-worker methods (`roles.actor.generate(batch)`). With `trainer.placement=colocate` (the default) the
-actor (with its rollout engine and, when a KL term needs it, the reference), the critic and the
-reward model share one process per device; with `split` the critic gets its own group of processes.
+`build_roles(cfg, total_steps)` returns `Roles`: handles on which the loop calls worker methods
+(`roles.rollout.generate(batch)`, `roles.actor.update_actor(batch)`, `roles.sync_weights()`). With
+`trainer.placement=colocate` (the default) the actor (with its rollout engine and, when a KL term needs
+it, the reference), the critic and the reward model share one process per device; with `split` the
+critic gets its own group of processes. With `rollout.placement=separate` the rollout engine leaves the
+actor for a `RolloutWorker` group of its own, fed over a weight-sync process group (`SeparateRollout`).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybridflow.controller import WorkerGroup, colocate
-from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker
+from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
+from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
+
+
+def _together(*futures: Future) -> list[Any]:
+    """The results of calls that run at once, raising the first failure as soon as it happens."""
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in futures:
+        if future in done and future.exception() is not None:
+            raise future.exception()
+    return [f.result() for f in futures]
+
+
+class SeparateRollout:
+    """`rollout.placement=separate` seen from the controller: the rollout group, the store its weight-sync
+    group (the actor's rank 0 + every rollout rank) meets on, and the sync that runs both halves at once."""
+
+    def __init__(self, actor: Any, group: WorkerGroup, backend: str, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.actor, self.group = actor, group
+        self.rendezvous = Rendezvous(controller_host(backend))
+        address = (self.rendezvous.host, self.rendezvous.port, 1 + group.world_size)
+        _together(actor.join_weight_sync.submit(*address, bucket_bytes=bucket_bytes),
+                  group.join_weight_sync.submit(*address))
+
+    def sync_weights(self) -> dict[str, float]:
+        """The actor gathers and sends its weights while the rollout ranks receive them into their engines."""
+        sent, received = _together(self.actor.send_weights.submit(), self.group.receive_weights.submit())
+        return {"timing_s/update_weights": max(sent["timing_s/update_weights"], received["timing_s/update_weights"])}
 
 
 @dataclass
 class Roles:
-    """Controller-side handles on the role workers; `critic` / `reward_model` are None when not used."""
+    """Controller-side handles on the role workers; `critic` / `reward_model` / `separate` are None when
+    not used."""
 
     actor: Any
     critic: Any
     reward_model: Any
     groups: list[WorkerGroup]
+    separate: SeparateRollout | None = None
+
+    @property
+    def rollout(self) -> Any:
+        """What generates: the actor (its colocated engine) or the separate rollout group."""
+        return self.actor if self.separate is None else self.separate.group
+
+    @property
+    def n_devices(self) -> int:
+        """Devices (processes) the run holds, over all its groups."""
+        return sum(group.world_size for group in self.groups)
+
+    def sync_weights(self) -> dict[str, float]:
+        """The actor's trained weights into the rollout engines: in place when colocated, over the
+        weight-sync group when separate; returns `timing_s/update_weights`."""
+        return (self.actor if self.separate is None else self.separate).sync_weights()
 
     def shutdown(self) -> None:
         for group in self.groups:
@@ -55,12 +102,37 @@ def skips_old_log_probs(cfg: Any) -> bool:
     return a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward
 
 
+def rollout_workers(cfg: Any) -> int:
+    """Processes of the separate rollout group (`rollout.n_workers`, null = `trainer.n_workers`)."""
+    return cfg.rollout.n_workers or cfg.trainer.n_workers
+
+
+def check_gpus(cfg: Any, device: str) -> None:
+    """Refuses, before any model loads, a local CUDA run whose groups need more GPUs than this machine has
+    (each group gets GPUs of its own; the pools would refuse the last group only after the first loaded)."""
+    if device != "cuda" or cfg.trainer.backend != "local":
+        return
+    need = {"actor": cfg.trainer.n_workers}
+    if needs_critic(cfg) and cfg.trainer.placement == "split":
+        need["critic (trainer.placement=split)"] = cfg.trainer.n_workers
+    if cfg.rollout.placement == "separate":
+        need["rollout (rollout.placement=separate)"] = rollout_workers(cfg)
+    have = torch.cuda.device_count()
+    if sum(need.values()) > have:
+        groups = ", ".join(f"{n} for {name}" for name, n in need.items())
+        raise ValueError(f"this run needs {sum(need.values())} GPUs ({groups}) but this machine has {have} "
+                         f"(torch.cuda.device_count()); lower trainer.n_workers / rollout.n_workers, or use "
+                         f"rollout.placement=colocate / trainer.placement=colocate")
+
+
 def build_roles(cfg: Any, total_steps: int) -> Roles:
     """Starts the worker groups of `cfg` (see the module docstring) and returns their handles."""
     device = resolve_device(cfg.trainer.device)
+    check_gpus(cfg, device)
     common = dict(n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend, device=device)
+    separate = cfg.rollout.placement == "separate"
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
-                            total_steps=total_steps, with_ref=needs_reference(cfg))}
+                            total_steps=total_steps, with_ref=needs_reference(cfg), with_rollout=not separate)}
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
@@ -76,12 +148,18 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
         group = WorkerGroup(colocate(**classes), name="_".join(classes), init_kwargs=kwargs, **common)
         handles = {name: getattr(group, name) for name in classes}
     groups = [group]
-    if split_critic:
-        try:
+    try:
+        if split_critic:
             handles["critic"] = WorkerGroup(CriticWorker, name="critic", init_kwargs=critic_kwargs, **common)
-        except BaseException:
-            group.shutdown()
-            raise
-        groups.append(handles["critic"])
+            groups.append(handles["critic"])
+        if separate:
+            rollout = WorkerGroup(RolloutWorker, name="rollout", **{**common, "n_workers": rollout_workers(cfg)},
+                                  init_kwargs=dict(model_cfg=cfg.model, rollout_cfg=cfg.rollout, data_cfg=cfg.data))
+            groups.append(rollout)
+            handles["separate"] = SeparateRollout(handles["actor"], rollout, cfg.trainer.backend)
+    except BaseException:
+        for started in groups:
+            started.shutdown()
+        raise
     return Roles(actor=handles["actor"], critic=handles.get("critic"), reward_model=handles.get("reward_model"),
-                 groups=groups)
+                 groups=groups, separate=handles.get("separate"))
