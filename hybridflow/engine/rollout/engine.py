@@ -235,8 +235,11 @@ class RolloutEngine:
         return len(self.model.load_weights(named_tensors))
 
     def sleep(self, offload_weights: bool = False) -> None:
-        """Free the KV cache and CUDA graphs; with offload_weights, also move the weights to CPU."""
-        self.graphs = None
+        """Free the KV cache; with offload_weights, also move the weights to CPU. The CUDA graphs are
+        kept when the cache comes back at the same addresses and the weights stay put (else dropped,
+        and captured again on `wake`)."""
+        if offload_weights or not self.kv.keeps_address:
+            self.graphs = None
         self.kv.free()
         if offload_weights and not self.weights_offloaded:
             self._move_weights(torch.device("cpu"))
@@ -245,12 +248,15 @@ class RolloutEngine:
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
-        """Bring the weights back (if offloaded), re-make the KV cache, re-capture the CUDA graphs."""
+        """Bring the weights back (if offloaded), re-make the KV cache, capture the CUDA graphs if they
+        were dropped."""
+        start = time.perf_counter()
         if self.weights_offloaded:
             self._move_weights(self.device)
             self.weights_offloaded = False
         self.kv.allocate()
         self._capture()
+        self.stats["wake_s"] = time.perf_counter() - start
 
     def _move_weights(self, device: torch.device) -> None:
         for tensor in [*self.model.parameters(), *self.model.buffers()]:

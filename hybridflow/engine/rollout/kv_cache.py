@@ -5,12 +5,17 @@ one slot (its row of `max_len` positions) for its whole life, so decode attentio
 prefix of the row and a finished sequence frees its slot at once. The extra last slot is scratch: the
 padding rows of a CUDA-graph bucket write there, so they never touch a live sequence.
 
-`free()` drops the tensors (the engine's `sleep`); `allocate()` re-makes them at the same size.
+`free()` gives the memory back (the engine's `sleep`); `allocate()` re-makes the tensors at the same
+size. On a GPU with virtual memory management the cache lives in a `StableBuffer` (vmm.py), so it comes
+back at the same addresses and the decode CUDA graphs captured over it stay valid (`keeps_address`);
+elsewhere the tensors are ordinary allocations and land wherever the allocator puts them.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hybridflow.engine.rollout.vmm import StableBuffer
 
 
 def resolve_budget(kv_cache_memory: float | int | None, device: torch.device) -> int | None:
@@ -59,7 +64,13 @@ class KVCache:
         self.bytes = per_slot * (self.num_slots + 1)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self._buffer = StableBuffer(self.bytes, device) if StableBuffer.supported(device) else None
         self.allocate()
+
+    @property
+    def keeps_address(self) -> bool:
+        """True when `free()` + `allocate()` give the tensors their old addresses back."""
+        return self._buffer is not None
 
     @property
     def scratch_slot(self) -> int:
@@ -68,13 +79,27 @@ class KVCache:
     def allocate(self) -> None:
         """(Re-)make the K/V tensors, zero-filled: the padded decode path (CPU) reads positions past a
         row's length under a mask, and a softmax weight of 0 times a NaN left in fresh memory is NaN."""
-        if self.k is None:
-            shape = (self.layers, self.num_slots + 1, *self.shape_tail)
+        if self.k is not None:
+            return
+        shape = (self.layers, self.num_slots + 1, *self.shape_tail)
+        if self._buffer is None:
             self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return
+        try:
+            self._buffer.map()
+        except RuntimeError:  # the memory may sit in the caching allocator's pool: hand it back, retry
+            torch.cuda.empty_cache()
+            self._buffer.map()
+        half = self.bytes // 2
+        raw = self._buffer.tensor
+        self.k, self.v = (raw[i * half:(i + 1) * half].view(self.dtype).view(shape) for i in range(2))
+        raw[:self.bytes].zero_()
 
     def free(self) -> None:
         self.k = self.v = None
+        if self._buffer is not None:
+            self._buffer.unmap()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (k, v), each [slots + 1, max_len, kv_heads, head_dim]."""

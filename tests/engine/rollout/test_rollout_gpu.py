@@ -32,3 +32,27 @@ def test_fused_kernels_match_torch_references():
     gate_up = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_sleep_gives_memory_back_and_wake_keeps_the_graphs(spread_model):
+    path = spread_model("qwen2")
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
+    prompts = [[5, 6, 7], [8] * 9, [9, 10]]
+    engine = RolloutEngine.from_pretrained(path, device="cuda", max_num_seqs=8)
+    assert engine.kv.keeps_address, "this GPU should support CUDA virtual memory management"
+    before = [o[0].token_ids for o in engine.generate(prompts, params)]
+    graphs, k_address = engine.graphs, engine.kv.k.data_ptr()
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert torch.cuda.mem_get_info()[0] - free_awake >= 0.9 * engine.kv.bytes
+    hog = torch.empty(engine.kv.bytes, dtype=torch.uint8, device="cuda")  # someone else uses the memory
+    del hog
+    engine.wake()
+    assert engine.graphs is graphs and engine.kv.k.data_ptr() == k_address
+    assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
+    engine.sleep(offload_weights=True)  # weights move: the graphs must be captured again
+    assert engine.graphs is None
+    engine.wake()
+    assert engine.graphs is not graphs
+    assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
