@@ -51,7 +51,7 @@ class DemoSize:
     n_sft: int = 8192
     n_rl: int = 4096
     n_heldout: int = 200
-    sft_noise: float = 0.5
+    sft_noise: float = 0.65
     sft: tuple[str, ...] = ()
     rl: tuple[str, ...] = ()
 
