@@ -66,7 +66,8 @@ def _take(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Te
 
 
 class TrainEngine:
-    """A Hugging Face model under FSDP2 (when torch.distributed is initialised) on this rank's device.
+    """A Hugging Face model under FSDP2 (when torch.distributed is initialised with more than one rank,
+    or the compute dtype differs from the fp32 master weights) on this rank's device.
 
     Args:
         model_cfg: `ModelConfig`-like (`path`, `dtype`, `gradient_checkpointing`, `attn_implementation`,
@@ -93,7 +94,9 @@ class TrainEngine:
                            getattr(model_cfg, "attn_implementation", "sdpa"),
                            getattr(model_cfg, "trust_remote_code", False),
                            self.trainable and getattr(model_cfg, "gradient_checkpointing", False))
-        if self.distributed:
+        # One rank in full precision: FSDP2 would shard nothing and cast nothing, only add its hooks
+        # (~20 % of a tiny CPU model's update), so the model stays a plain module there.
+        if self.distributed and (self.world_size > 1 or self.precision.mixed):
             model = shard_model(model.to(self.device), dp_mesh(self.device), self.precision)
         else:
             model = model.to(self.device)
