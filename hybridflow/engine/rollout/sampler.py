@@ -1,11 +1,12 @@
 """The sampler: fp32 logits -> (token, log-prob) per row, with temperature, top-k, top-p and a seed.
 
-Sampling uses the Gumbel-max trick: `argmax(logp + g)` with `g = -log(E)`, `E ~ Exponential(1)` drawn
-from the caller's `torch.Generator`, which is an exact sample from `softmax(logp)`. The log-prob of the
-sampled token comes from the same logits (no second forward): it is the token's log-probability under
-the distribution actually sampled from, i.e. after temperature and after top-k / top-p truncation and
-renormalisation. Without truncation this equals `log_softmax(logits / T)`, which is what verl-style
-trainers recompute. Greedy rows (temperature 0) take the argmax and report `log_softmax(logits)`.
+Sampling uses the Gumbel-max trick: `argmax(logp + g)` with `g = -log(E)`, `E = -log(U) ~ Exponential(1)`,
+`U` uniform from the caller's `torch.Generator`, which is an exact sample from `softmax(logp)`. The
+log-prob of the sampled token comes from the same logits (no second forward): it is the token's
+log-probability under the distribution actually sampled from, i.e. after temperature and after top-k /
+top-p truncation and renormalisation. Without truncation this equals `log_softmax(logits / T)`, which
+is what verl-style trainers recompute. Greedy rows (temperature 0) take the argmax and report
+`log_softmax(logits)`.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         x = x.div_(params.temperature)
     x = _truncate(x, params.top_k, params.top_p)
     lse = torch.logsumexp(x, dim=-1)
-    # E == 0 would give a +inf Gumbel and a NaN on a -inf (truncated) logit; clamp it away.
-    noise = torch.empty_like(x).exponential_(generator=generator).clamp_min_(1e-30).log_()
+    # E = -log(U) with U uniform is Exponential(1); drawn this way because `exponential_` costs ~7x a
+    # uniform draw on a CPU (0.41 vs 0.06 ms for 64 x 400). E == 0 would give a +inf Gumbel and a NaN
+    # on a -inf (truncated) logit; clamp it away.
+    noise = torch.rand(x.shape, generator=generator, device=x.device).log_().neg_().clamp_min_(1e-30).log_()
     tokens = torch.sub(x, noise, out=noise).argmax(dim=-1)
     logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse
     return tokens, logprobs
