@@ -8,8 +8,12 @@ prompts, the same reward function (`bench/grpo_reward.py`), prompts per step, gr
 length limit, learning rate, loss aggregation (token-mean: TRL's default `dapo` loss), no KL term
 (TRL's default `beta=0`), one optimizer step per batch, sampling at temperature 1. TRL uses its default
 `transformers.generate` path (no vLLM). Each framework runs in its own subprocess (so peak memory is its
-own); seconds per step are the median of the steps after the first `--warmup` ones. Prints a table and
-writes JSON (`--out`).
+own); seconds per step are the median of the steps after the first `--warmup` ones. Generation tokens
+per second: ours from the step's `timing_s/gen`, TRL's from the time inside `model.generate`. Peak
+memory: the allocator's peak (RSS on a CPU) and, on a GPU, the device's whole used memory sampled every
+50 ms. hybridflow's phases (`timing_s/...`, `other` = the controller's time between them) and, with
+`--profile`, a torch-profiler op table of its last step go to the JSON. Prints a table and writes JSON
+(`--out`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def make_inputs(work: Path, shape: str, n_prompts: int, seed: int) -> tuple[Path
 
 
 def peak_memory_gb(device: str) -> float:
+    """Peak tensor memory: PyTorch's allocator peak on a GPU (memory outside it, such as our KV cache in
+    CUDA virtual memory, is in `DeviceMemoryWatch`), the process's peak RSS on a CPU."""
     import torch
 
     if device == "cuda":
@@ -55,6 +61,34 @@ def peak_memory_gb(device: str) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+
+
+class DeviceMemoryWatch:
+    """Samples the GPU's used memory (`cudaMemGetInfo`: everything on the device, allocator cache, CUDA
+    context and memory mapped outside PyTorch included) every `interval` s in a thread until `stop()`."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        import threading
+
+        import torch
+
+        self.peak = 0
+        self._stop = threading.Event()
+
+        def poll() -> None:
+            while not self._stop.is_set():
+                free, total = torch.cuda.mem_get_info()
+                self.peak = max(self.peak, total - free)
+                self._stop.wait(interval)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> float:
+        """Stops sampling; returns the peak in GiB."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**30
 
 
 def run_hybridflow(a: argparse.Namespace) -> dict:
@@ -74,23 +108,44 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         f"trainer.seed={a.seed}", "trainer.save_every=0", *a.set,
     ])
     trainer = RLTrainer(cfg)
-    step_s, gen_tok_s, lengths, phases = [], [], [], []
+    step_s, gen_tok_s, lengths, phases, mfu = [], [], [], [], []
+    profile = None
     try:
-        for _ in range(a.steps):
-            m = trainer.train_step(trainer.train_loader.next_batch())
+        for i in range(a.steps):
+            batch = trainer.train_loader.next_batch()
+            if a.profile and i == a.steps - 1:
+                m, profile = profiled(lambda b=batch: trainer.train_step(b), a.device)
+            else:
+                m = trainer.train_step(batch)
             trainer.step += 1
             step_s.append(m["timing_s/step"])
             tokens = m["response_length/mean"] * a.prompts * a.n
             gen_tok_s.append(tokens / m["timing_s/gen"])
+            if "perf/mfu/actor" in m:  # on a GPU: the actor update's model FLOPs utilisation
+                mfu.append(m["perf/mfu/actor"])
             lengths.append(m["response_length/mean"])
-            phases.append({k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")})
+            phase = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")}
+            # the controller's own time between phases: dispatch, batch assembly, metrics
+            phase["other"] = phase["step"] - sum(v for k, v in phase.items() if k != "step")
+            phases.append(phase)
             print(f"hybridflow step {trainer.step}: {m['timing_s/step']:.3f}s", flush=True)
     finally:
         trainer.roles.shutdown()
         trainer.rewards.close()
         trainer.tracker.close()
     return {"step_s": step_s, "gen_tokens_per_s": gen_tok_s, "response_length_mean": lengths,
-            "phases_s": phases, "peak_memory_gb": peak_memory_gb(a.device)}
+            "phases_s": phases, "mfu_actor": mfu, "peak_memory_gb": peak_memory_gb(a.device), "profile": profile}
+
+
+def profiled(fn, device: str, rows: int = 30):
+    """(fn(), the torch profiler's table of the ops that took the most device time during it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        result = fn()
+    sort = "device_time_total" if device == "cuda" else "self_cpu_time_total"
+    return result, prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
 
 
 def run_trl(a: argparse.Namespace) -> dict:
@@ -110,9 +165,23 @@ def run_trl(a: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(Path(a.work) / "model", dtype=dtype)
     times: list[float] = []
+    gen_s: list[float] = []  # seconds inside `model.generate` per step (TRL calls it once per step here)
+    generate = model.generate
+
+    def timed_generate(*args, **kwargs):
+        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        out = generate(*args, **kwargs)
+        sync()
+        gen_s[-1] += time.perf_counter() - start
+        return out
+
+    model.generate = timed_generate
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            gen_s.append(0.0)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
@@ -130,25 +199,48 @@ def run_trl(a: argparse.Namespace) -> dict:
                           callbacks=[Clock()])
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    return {"step_s": times, "response_length_mean": lengths,
-            "gen_tokens_per_s": None, "peak_memory_gb": peak_memory_gb(a.device)}
+    gen_tok_s = [n * rows / g for n, g in zip(lengths, gen_s) if g > 0]
+    return {"step_s": times, "response_length_mean": lengths, "gen_s": gen_s,
+            "gen_tokens_per_s": gen_tok_s if len(gen_tok_s) == len(times) else None,
+            "peak_memory_gb": peak_memory_gb(a.device)}
 
 
 def child(a: argparse.Namespace) -> None:
+    watch = DeviceMemoryWatch() if a.device == "cuda" else None
     result = (run_hybridflow if a.child == "hybridflow" else run_trl)(a)
+    if watch is not None:
+        result["peak_device_memory_gb"] = watch.stop()
     Path(a.result).write_text(json.dumps(result))
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, `-dirty` with local changes (None outside git): what a run measured."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=HERE,
+                             check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def summarize(name: str, r: dict, warmup: int) -> dict:
     steady = r["step_s"][warmup:] or r["step_s"]
     out = {"framework": name, "step_s_median": statistics.median(steady), "step_s_all": r["step_s"],
            "first_step_s": r["step_s"][0], "peak_memory_gb": r["peak_memory_gb"],
+           "peak_device_memory_gb": r.get("peak_device_memory_gb"),
            "response_length_mean": statistics.mean(r["response_length_mean"]) if r["response_length_mean"] else None}
     if r.get("phases_s"):
         kept = r["phases_s"][warmup:] or r["phases_s"]
         out["phases_s_median"] = {k: statistics.median(p[k] for p in kept if k in p) for k in kept[-1]}
-    if r.get("gen_tokens_per_s"):
-        out["gen_tokens_per_s_median"] = statistics.median(r["gen_tokens_per_s"][warmup:] or r["gen_tokens_per_s"])
+        out["phases_s_all"] = r["phases_s"]
+        out["response_length_all"] = r["response_length_mean"]
+    if r.get("profile"):
+        out["profile_last_step"] = r["profile"]
+    if r.get("gen_s"):
+        out["gen_s_median"] = statistics.median(r["gen_s"][warmup:] or r["gen_s"])
+    for key in ("gen_tokens_per_s", "mfu_actor"):
+        if r.get(key):
+            out[f"{key}_median"] = statistics.median(r[key][warmup:] or r[key])
     return out
 
 
@@ -159,11 +251,15 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8 cpu / 32 cuda)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 32 cpu / 256 cuda")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
+    p.add_argument("--steps", type=int, default=None, help="default 20 cpu / 10 cuda")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="first steps left out of the median (default 4 cpu / 2 cuda: on a CPU the allocator "
+                        "takes a few steps to settle)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("hybridflow", "trl"), default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="run hybridflow's last step under the torch profiler; its op table goes to the JSON")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra hybridflow config override (repeatable), e.g. rollout.cuda_graphs=false")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/grpo_vs_trl_<device>.json)")
@@ -175,6 +271,8 @@ def main() -> None:
     a.shape = a.shape or ("tiny" if cpu else "qwen2-0.5b")
     a.prompts = a.prompts or (8 if cpu else 32)
     a.max_new_tokens = a.max_new_tokens or (32 if cpu else 256)
+    a.steps = a.steps or (20 if cpu else 10)
+    a.warmup = a.warmup if a.warmup is not None else (4 if cpu else 2)
     if a.child:
         return child(a)
     work = Path(tempfile.mkdtemp(prefix="grpo_vs_trl_"))
@@ -187,6 +285,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", name, "--work", str(work), "--result", str(res)]
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                 if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "lr", "seed")]
+        cmd += ["--profile"] if a.profile else []
         cmd += [f"--set={kv}" for kv in a.set]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -197,6 +296,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
               "cpus": os.cpu_count(), "torch": torch.__version__, "settings": {k: v for k, v in vars(a).items()
               if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "warmup", "lr", "seed", "set")},
+              "commit": git_commit(),
               "results": results}
     if "hybridflow" in results and "trl" in results:
         report["speedup_step"] = results["trl"]["step_s_median"] / results["hybridflow"]["step_s_median"]
@@ -207,12 +307,18 @@ def main() -> None:
         report["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
     except ImportError:
         pass
-    print(f"\n{'framework':<12}{'s/step (median)':>17}{'first step s':>14}{'peak GiB':>10}{'resp len':>10}")
+    print(f"\n{'framework':<12}{'s/step (median)':>17}{'first step s':>14}{'gen tok/s':>11}{'peak GiB':>10}"
+          f"{'device GiB':>12}{'resp len':>10}")
     for r in results.values():
-        print(f"{r['framework']:<12}{r['step_s_median']:>17.3f}{r['first_step_s']:>14.2f}{r['peak_memory_gb']:>10.2f}"
-              f"{(r['response_length_mean'] or 0):>10.1f}")
+        print(f"{r['framework']:<12}{r['step_s_median']:>17.3f}{r['first_step_s']:>14.2f}"
+              f"{r.get('gen_tokens_per_s_median') or 0:>11,.0f}{r['peak_memory_gb']:>10.2f}"
+              f"{r['peak_device_memory_gb'] or 0:>12.2f}{r['response_length_mean'] or 0:>10.1f}")
     if "phases_s_median" in results.get("hybridflow", {}):
         print("hybridflow phases (s):", {k: round(v, 3) for k, v in results["hybridflow"]["phases_s_median"].items()})
+    if "profile_last_step" in results.get("hybridflow", {}):
+        print(results["hybridflow"]["profile_last_step"])
+    if "mfu_actor_median" in results.get("hybridflow", {}):
+        print(f"hybridflow actor update MFU: {results['hybridflow']['mfu_actor_median']:.1%}")
     if "speedup_step" in report:
         print(f"hybridflow speed-up per step: {report['speedup_step']:.2f}x")
     out = Path(a.out or HERE / "results" / f"grpo_vs_trl_{a.device}.json")
