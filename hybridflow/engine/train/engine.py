@@ -268,9 +268,14 @@ class TrainEngine:
 
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) per parameter, gathered one at a time and cast to `dtype`: never more
-        than one full parameter beyond the shards exists at once (before the consumer drops it)."""
+        than one full parameter beyond the shards exists at once (before the consumer drops it). On one
+        rank the local shard is the whole tensor and is taken as it is: a collective per parameter cost
+        ~40 ms of a 0.5B model's sync on an H200."""
         for name, p in self.model.named_parameters():
-            t = p.detach() if dtype is None else p.detach().to(dtype)  # cast the shard: half the traffic
+            t = p.detach()
+            if isinstance(t, DTensor) and t.device_mesh.size() == 1 and t.to_local().shape == t.shape:
+                t = t.to_local()
+            t = t if dtype is None else t.to(dtype)  # cast the shard before gathering: half the traffic
             yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
     def state_dict(self) -> dict[str, Any]:

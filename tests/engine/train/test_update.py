@@ -123,3 +123,23 @@ def test_data_parallel_micro_batched_step_matches_one_process(tiny_qwen2):
         assert moved and same
     for name in results[0]["offload"][2]:
         torch.testing.assert_close(results[0]["offload"][2][name], results[1]["offload"][2][name])
+
+
+def _one_rank(rank, path):
+    fp32 = TrainEngine(model_cfg(path), optim_cfg(), head="lm")
+    bf16 = TrainEngine(model_cfg(path, dtype="bf16"), optim_cfg(), head="lm")
+    return (sum(isinstance(p, DTensor) for p in fp32.model.parameters()),
+            all(isinstance(p, DTensor) for p in bf16.model.parameters()),
+            {n: t.clone() for n, t in bf16.iter_full_params(torch.bfloat16)})
+
+
+def test_one_rank_shards_only_for_mixed_precision_and_syncs_local_weights(tiny_qwen2):
+    """One rank in fp32: a plain module (FSDP2 would shard and cast nothing). One rank in bf16: FSDP2 for
+    its mixed precision, and a weight sync hands over the local tensors, equal to the model's weights."""
+    fp32_dtensors, bf16_sharded, full = run_ranks(1, _one_rank, str(tiny_qwen2))[0]
+    assert fp32_dtensors == 0 and bf16_sharded
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_qwen2).named_parameters())
+    assert set(full) == set(initial)
+    for name, t in full.items():
+        assert not isinstance(t, DTensor) and t.dtype == torch.bfloat16, name
+        assert torch.equal(t, initial[name].detach().to(torch.bfloat16)), name
