@@ -256,7 +256,8 @@ class TrainerConfig:
     log_samples: int = opt(4, "sample completions logged per validation")
     max_bad_steps: int = opt(3, "non-finite steps in a row before the run stops")
     placement: str = opt("colocate", "colocate: actor and critic share each device's process; split: the "
-                                     "critic gets its own processes (rollout stays with the actor)",
+                                     "critic gets its own processes (where the rollout runs is "
+                                     "rollout.placement)",
                          ("colocate", "split"))
 
 
