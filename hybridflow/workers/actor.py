@@ -4,8 +4,8 @@ One process per device holds all three; the controller drives them in the order 
 `generate` (rollout engine) -> `compute_log_probs` / `compute_ref_log_probs` -> `update_actor` ->
 `sync_weights` (trained shards -> rollout engine, in place). With `rollout.placement=separate` it is built
 without a rollout engine and `send_weights` streams the gathered weights to the `RolloutWorker` group
-instead (`hybridflow.workers.weight_sync`). Memory is handed back and forth: the KV
-cache sleeps outside generation (`free_cache_after_generate`), and with `optimizer_offload` /
+instead (`hybridflow.workers.weight_sync`). Memory is handed back and forth: a GPU's
+KV cache sleeps outside generation (`free_cache_after_generate`), and with `optimizer_offload` /
 `param_offload` the optimizer state / parameter shards stay on the CPU except while they are used.
 With world size > 1 each rank runs its own rollout replica on its shard of the prompts.
 """
