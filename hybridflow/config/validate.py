@@ -145,6 +145,11 @@ def _algorithm_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def rollout_workers(cfg: Any) -> int:
+    """Processes of the separate rollout group (`rollout.n_workers`, null = `trainer.n_workers`)."""
+    return cfg.rollout.n_workers or cfg.trainer.n_workers
+
+
 def _rollout_placement_problems(cfg: Any) -> list[str]:
     """`rollout.placement` and `rollout.n_workers`: the separate rollout group's size and its share of prompts."""
     rollout, prompts = cfg.rollout, cfg.data.train_batch_size
@@ -156,7 +161,7 @@ def _rollout_placement_problems(cfg: Any) -> list[str]:
         return []
     if rollout.n_workers is not None and rollout.n_workers < 1:
         return [f"rollout.n_workers={rollout.n_workers} must be >= 1 or null (= trainer.n_workers)"]
-    workers = rollout.n_workers or cfg.trainer.n_workers
+    workers = rollout_workers(cfg)
     if prompts >= 1 and workers >= 1 and prompts % workers:
         return [f"data.train_batch_size={prompts} prompts must split evenly over the {workers} rollout ranks "
                 f"(rollout.n_workers={rollout.n_workers}, null = trainer.n_workers); valid rollout.n_workers: "

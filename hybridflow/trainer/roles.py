@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.validate import rollout_workers
 from hybridflow.controller import WorkerGroup, colocate
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
@@ -100,11 +101,6 @@ def skips_old_log_probs(cfg: Any) -> bool:
     a = cfg.actor
     one_step = a.ppo_epochs == 1 and (a.mini_batch_size is None or a.mini_batch_size >= cfg.data.train_batch_size)
     return a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward
-
-
-def rollout_workers(cfg: Any) -> int:
-    """Processes of the separate rollout group (`rollout.n_workers`, null = `trainer.n_workers`)."""
-    return cfg.rollout.n_workers or cfg.trainer.n_workers
 
 
 def check_gpus(cfg: Any, device: str) -> None:
