@@ -1,6 +1,7 @@
 """The controller layer: workers, the `@register` dispatch decorator, worker groups, resource pools
 and the `local` / `ray` backends. See docs/workers.md."""
 
+from hybridflow.controller.backends import wait_all
 from hybridflow.controller.colocate import colocate
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.errors import WorkerDiedError, WorkerError
@@ -17,4 +18,5 @@ __all__ = [
     "WorkerGroup",
     "colocate",
     "register",
+    "wait_all",
 ]

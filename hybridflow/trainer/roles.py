@@ -10,25 +10,15 @@ actor for a `RolloutWorker` group of its own, fed over a weight-sync process gro
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybridflow.config.validate import rollout_workers
-from hybridflow.controller import WorkerGroup, colocate
+from hybridflow.controller import WorkerGroup, colocate, wait_all
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
-
-
-def _together(*futures: Future) -> list[Any]:
-    """The results of calls that run at once, raising the first failure as soon as it happens."""
-    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-    for future in futures:
-        if future in done and future.exception() is not None:
-            raise future.exception()
-    return [f.result() for f in futures]
 
 
 class SeparateRollout:
@@ -39,12 +29,12 @@ class SeparateRollout:
         self.actor, self.group = actor, group
         self.rendezvous = Rendezvous(controller_host(backend))
         address = (self.rendezvous.host, self.rendezvous.port, 1 + group.world_size)
-        _together(actor.join_weight_sync.submit(*address, bucket_bytes=bucket_bytes),
-                  group.join_weight_sync.submit(*address))
+        wait_all([actor.join_weight_sync.submit(*address, bucket_bytes=bucket_bytes),
+                  group.join_weight_sync.submit(*address)])
 
     def sync_weights(self) -> dict[str, float]:
         """The actor gathers and sends its weights while the rollout ranks receive them into their engines."""
-        sent, received = _together(self.actor.send_weights.submit(), self.group.receive_weights.submit())
+        sent, received = wait_all([self.actor.send_weights.submit(), self.group.receive_weights.submit()])
         return {"timing_s/update_weights": max(sent["timing_s/update_weights"], received["timing_s/update_weights"])}
 
 
