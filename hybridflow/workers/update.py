@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hybridflow.algorithms import aggregate, compute_policy_loss, kl_loss, value_loss
 from hybridflow.engine.train import LossContext, TrainEngine, timed
-from hybridflow.engine.train.microbatch import mini_batch_slices
+from hybridflow.engine.train.microbatch import mini_batch_slices, take_rows
 
 
 def _agg(cfg: Any, ctx: LossContext, width: int) -> dict:
@@ -94,14 +94,6 @@ def _mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
 
 
-def _masked_row(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One row that adds nothing (response masked out): a rank with no rows in a mini-batch still
-    joins the step's collectives."""
-    row = {k: v[:1].clone() for k, v in tensors.items()}
-    row["response_mask"].zero_()
-    return row
-
-
 def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, loss_fn, *, prefix: str,
                rollout_n: int = 1, temperature: float = 1.0, with_entropy: bool = False, seed: int = 0
                ) -> dict[str, float]:
@@ -122,7 +114,7 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
     def train() -> None:
         for epoch in range(cfg.ppo_epochs):
             for idx in mini_batch_slices(rows, steps, cfg.shuffle, seed * 1000 + epoch):
-                mb = {k: v[idx] for k, v in tensors.items()} if len(idx) else _masked_row(tensors)
+                mb = take_rows(tensors, idx)
                 m = engine.train_step(mb, loss_fn, micro_batch_size=cfg.micro_batch_size,
                                       max_tokens=cfg.max_tokens_per_micro_batch, temperature=temperature,
                                       with_entropy=with_entropy, pack=cfg.use_packing)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.logprobs import token_log_probs
-from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows
+from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows, take_rows
 from hybridflow.engine.train.model import load_model, resolve_precision
 from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
@@ -52,17 +52,6 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _take(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
-    """Rows of `batch`; no rows -> row 0 with its response masked out (a forward that adds nothing)."""
-    if rows:
-        idx = torch.tensor(rows, dtype=torch.long)
-        return {k: v[idx.to(v.device)] for k, v in batch.items()}
-    out = {k: v[:1].clone() for k, v in batch.items()}
-    if "response_mask" in out:
-        out["response_mask"].zero_()
-    return out
 
 
 class TrainEngine:
@@ -164,7 +153,7 @@ class TrainEngine:
         rows = batch["input_ids"].shape[0]
         outs: dict[str, torch.Tensor] = {}
         for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
-            out, _ = self.forward(_take(batch, g), temperature, with_entropy, pack)
+            out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack)
             for k, v in out.items():
                 if k not in outs:
                     outs[k] = torch.zeros(rows, v.shape[1], dtype=torch.float32)
@@ -198,7 +187,7 @@ class TrainEngine:
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         local_tokens = 0.0
         for rows in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
-            mb = _take(batch, rows)
+            mb = take_rows(batch, rows)
             out, _ = self.forward(mb, temperature, with_entropy, pack)
             loss, metrics = loss_fn(out, {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}, ctx)
             (loss * self.world_size).backward()

@@ -14,6 +14,7 @@ putting each row, longest first, into the group with the fewest tokens so far.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,3 +90,15 @@ def mini_batch_slices(rows: int, mini_batches: int, shuffle: bool, seed: int) ->
     else:
         order = torch.arange(rows)
     return list(torch.tensor_split(order, mini_batches))
+
+
+def take_rows(batch: dict[str, torch.Tensor], rows: Sequence[int] | torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows `rows` of `batch`; no rows -> row 0 with its response masked out, a forward that adds nothing
+    (so a rank with no rows in a micro- or mini-batch still joins the step's collectives)."""
+    if len(rows):
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return {k: v[idx.to(v.device)] for k, v in batch.items()}
+    out = {k: v[:1].clone() for k, v in batch.items()}
+    if "response_mask" in out:
+        out["response_mask"].zero_()
+    return out

@@ -10,7 +10,7 @@ from train_helpers import model_cfg, optim_cfg, rl_batch
 
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.flops import matmul_params, train_flops
-from hybridflow.engine.train.microbatch import count_micro_batches, mini_batch_slices, split_rows
+from hybridflow.engine.train.microbatch import count_micro_batches, mini_batch_slices, split_rows, take_rows
 from hybridflow.engine.train.optim import lr_factor
 
 
@@ -37,6 +37,15 @@ def test_token_budget_groups_stay_under_budget_and_balance():
         count_micro_batches(lengths, None, 0)
     parts = mini_batch_slices(7, 3, shuffle=True, seed=1)
     assert sorted(torch.cat(parts).tolist()) == list(range(7)) and [len(p) for p in parts] == [3, 2, 2]
+
+
+def test_take_rows_picks_rows_or_one_masked_row():
+    batch = {"input_ids": torch.arange(12).view(4, 3), "response_mask": torch.ones(4, 2)}
+    picked = take_rows(batch, torch.tensor([2, 0]))
+    assert picked["input_ids"].tolist() == [[6, 7, 8], [0, 1, 2]] and take_rows(batch, [3])["input_ids"].shape == (1, 3)
+    empty = take_rows(batch, [])  # a rank without rows still runs one forward, which adds nothing
+    assert empty["input_ids"].tolist() == [[0, 1, 2]] and empty["response_mask"].sum() == 0
+    assert batch["response_mask"].sum() == 8  # the caller's rows are untouched
 
 
 def test_flops_count_matches_the_model_matmuls(tiny_model_factory):
