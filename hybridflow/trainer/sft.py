@@ -153,8 +153,7 @@ def sft_loss(cfg: Any):
     def loss_fn(out: dict, mb: dict, ctx: LossContext):
         mask = mb["response_mask"]
         loss = aggregate(-out["log_probs"], mask, cfg.loss_agg, ctx.global_tokens, ctx.global_seqs, mask.shape[1])
-        share = ctx.global_tokens / max(float(mask.sum()), 1.0)  # micro-batch share -> its own mean
-        return loss, {"train/loss": loss.detach() * share}
+        return loss, {"train/loss": loss.detach() * ctx.share_to_value(mask)}
 
     return loss_fn
 

@@ -28,11 +28,6 @@ def _agg(cfg: Any, ctx: LossContext, width: int) -> dict:
                 response_len=width)
 
 
-def _scale(ctx: LossContext, mask: torch.Tensor) -> float:
-    """Factor turning a micro-batch's loss share into its own value (token-weighted means sum back)."""
-    return ctx.global_tokens / max(float(mask.sum()), 1.0)
-
-
 def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool):
     """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
     (- entropy_coef x entropy). Needs `advantages`, `response_mask` (and `ref_log_probs`); without
@@ -41,7 +36,7 @@ def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool):
 
     def loss_fn(out: dict, mb: dict, ctx: LossContext):
         mask, logp = mb["response_mask"], out["log_probs"]
-        agg, scale = _agg(cfg, ctx, mask.shape[1]), _scale(ctx, mask)
+        agg, scale = _agg(cfg, ctx, mask.shape[1]), ctx.share_to_value(mask)
         old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
         loss, m = compute_policy_loss(cfg.policy_loss, old, logp, mb["advantages"], mask, clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, clip_c=cfg.clip_c, **agg)
@@ -70,8 +65,8 @@ def critic_loss(cfg: Any):
         loss, clipfrac = value_loss(out["values"], mb["returns"], mb["values"], mask,
                                     clip_range=cfg.cliprange_value, **_agg(cfg, ctx, mask.shape[1]))
         vpred = (out["values"].detach() * mask).sum() / mask.sum().clamp(min=1)
-        return loss, {"critic/vf_loss": loss.detach() * _scale(ctx, mask), "critic/vf_clipfrac": clipfrac,
-                      "critic/vpred_mean": vpred}
+        return loss, {"critic/vf_loss": loss.detach() * ctx.share_to_value(mask),
+                      "critic/vf_clipfrac": clipfrac, "critic/vpred_mean": vpred}
 
     return loss_fn
 

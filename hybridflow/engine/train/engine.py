@@ -43,6 +43,12 @@ class LossContext:
     global_seqs: float
     dp_size: int
 
+    def share_to_value(self, mask: torch.Tensor) -> float:
+        """The factor turning a micro-batch's share of a token-weighted mean back into the micro-batch's
+        own value (`mask`: its response mask), so the engine's token-weighted average of reported
+        metrics gives the mini-batch's value."""
+        return self.global_tokens / max(float(mask.sum()), 1.0)
+
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossContext],
                   tuple[torch.Tensor, dict[str, float]]]
