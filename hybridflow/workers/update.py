@@ -16,10 +16,10 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hybridflow.algorithms import aggregate, compute_policy_loss, kl_loss, value_loss
 from hybridflow.engine.train import LossContext, TrainEngine, timed
+from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.microbatch import mini_batch_slices, take_rows
 
 
@@ -71,22 +71,10 @@ def critic_loss(cfg: Any):
     return loss_fn
 
 
-def _global_rows(rows: int, device: torch.device) -> int:
-    if not dist.is_initialized():
-        return rows
-    t = torch.tensor([rows], device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return int(t.item())
-
-
-def _mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    if not dist.is_initialized() or not values:
-        return values
+def _mean_over_ranks(values: dict[str, float], engine: TrainEngine) -> dict[str, float]:
     keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64,
-                     device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
+    summed = all_reduce(torch.tensor([values[k] for k in keys], dtype=torch.float64), engine.device)
+    return {k: float(v) / engine.world_size for k, v in zip(keys, summed.tolist())}
 
 
 def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, loss_fn, *, prefix: str,
@@ -99,7 +87,7 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
     `perf/throughput/{prefix}` (real tokens per second per device) and `perf/mfu/{prefix}` (on a GPU).
     """
     rows = tensors["input_ids"].shape[0]
-    global_rows = _global_rows(rows, engine.device)
+    global_rows = int(all_reduce(torch.tensor([rows]), engine.device).item())
     per_step = global_rows if cfg.mini_batch_size is None else cfg.mini_batch_size * rollout_n
     if per_step <= 0:
         raise ValueError(f"{prefix}.mini_batch_size={cfg.mini_batch_size} gives {per_step} rows per step")
@@ -128,5 +116,5 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
         local[f"perf/mfu/{prefix}"] = perf["mfu"]
     if engine.device.type == "cuda":
         local["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
-    metrics.update(_mean_over_ranks(local, engine.device))
+    metrics.update(_mean_over_ranks(local, engine))
     return metrics

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
+from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.logprobs import token_log_probs
 from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows, take_rows
 from hybridflow.engine.train.model import load_model, resolve_precision
@@ -141,15 +142,14 @@ class TrainEngine:
                 out = {"values": inputs.unflatten(scores[inputs.positions])}
         return out, inputs.num_tokens
 
-    @staticmethod
-    def micro_batch_rows(batch: dict[str, torch.Tensor], micro_batch_size: int | None,
+    def micro_batch_rows(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None,
                          max_tokens: int | None) -> list[list[int]]:
         """Row indices of each micro-batch; the same number of micro-batches on every rank."""
         if batch["input_ids"].shape[0] == 0:
             raise ValueError("this rank got an empty batch; every data-parallel rank needs at least one row")
         lengths = batch["attention_mask"].sum(-1).tolist()
         local = count_micro_batches(lengths, micro_batch_size, max_tokens)
-        return split_rows(lengths, agree_count(local), by_tokens=max_tokens is not None)
+        return split_rows(lengths, agree_count(local, self.device), by_tokens=max_tokens is not None)
 
     @torch.no_grad()
     def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
@@ -168,12 +168,6 @@ class TrainEngine:
         return outs
 
     # ------------------------------------------------------------------ training
-    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.distributed:
-            t = t.to(self.device)
-            dist.all_reduce(t, op=op)
-        return t.cpu()
-
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None = None,
                    max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
                    pack: bool = True) -> dict[str, float]:
@@ -185,8 +179,8 @@ class TrainEngine:
         loss), `grad_norm` (before clipping), `lr` and `stepped` (0 if the norm was not finite).
         """
         mask = batch["response_mask"]
-        counts = self._all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
-                                               dtype=torch.float64))
+        counts = all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
+                                         dtype=torch.float64), self.device)
         ctx = LossContext(global_tokens=float(counts[0]), global_seqs=float(counts[1]), dp_size=self.world_size)
         # metric sums stay on the device until the end: no host sync per micro-batch
         sums: dict[str, torch.Tensor] = {}
@@ -206,7 +200,7 @@ class TrainEngine:
         keys = sorted(sums)
         local = torch.stack([sums[k] for k in keys] + [torch.tensor(local_tokens, dtype=torch.float64,
                                                                     device=self.device), total_loss])
-        reduced = self._all_reduce(local)
+        reduced = all_reduce(local, self.device)
         tokens = max(float(reduced[-2]), 1.0)
         result = {k: float(reduced[i]) / tokens for i, k in enumerate(keys)}
         result["loss"] = float(reduced[-1])

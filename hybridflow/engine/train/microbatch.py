@@ -19,16 +19,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from hybridflow.engine.train.collectives import all_reduce
 
-def agree_count(local: int, group: dist.ProcessGroup | None = None) -> int:
-    """The largest `local` over the process group (just `local` without torch.distributed)."""
-    if not dist.is_initialized():
-        return local
-    t = torch.tensor([local], dtype=torch.long)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+
+def agree_count(local: int, device: torch.device) -> int:
+    """The largest `local` over the data-parallel ranks (just `local` without torch.distributed)."""
+    return int(all_reduce(torch.tensor([local], dtype=torch.long), device, dist.ReduceOp.MAX).item())
 
 
 def count_micro_batches(lengths: list[int], micro_batch_size: int | None, max_tokens: int | None) -> int:
