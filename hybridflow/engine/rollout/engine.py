@@ -49,19 +49,23 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
+def eos_ids(config) -> list[int] | None:
+    """A (generation) config's `eos_token_id` as a list (it may hold one id or several); None if unset."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return None
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
 def model_stop_ids(path: str | Path, config) -> list[int]:
     """The eos ids of the model's generation config (falling back to its config); [] if none."""
     from transformers import GenerationConfig
 
     try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        ids = eos_ids(GenerationConfig.from_pretrained(path))
     except OSError:
-        eos = None
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        ids = None
+    return ids if ids is not None else eos_ids(config) or []
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -141,8 +145,7 @@ class RolloutEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
                              f"which the fast path does not implement; pass max_model_len <= {window}")
         if stop_token_ids is None:
-            eos = getattr(config, "eos_token_id", None)
-            stop_token_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+            stop_token_ids = eos_ids(config) or []
         model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype))
         missing = model.expected_weights() - set(model.load_weights(named_tensors))
         if missing:
