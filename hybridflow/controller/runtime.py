@@ -78,8 +78,8 @@ def ensure_single_process_group(device_type: str) -> None:
                 f"already belongs to one of size {dist.get_world_size()}; use inline=False"
             )
         return
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group(dist_backend(device_type), store=dist.HashStore(), rank=0, world_size=1)
 
 
 class WorkerRuntime:
