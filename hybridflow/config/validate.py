@@ -139,10 +139,20 @@ def _algorithm_problems(cfg: Any) -> list[str]:
     if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward:
         problems.append("algorithm.kl_ctrl.type=adaptive controls the in-reward KL: "
                         "set algorithm.use_kl_in_reward=true")
-    if est != "gae" and cfg.critic.warmup_steps > 0:
+    if not needs_critic(cfg) and cfg.critic.warmup_steps > 0:
         problems.append(f"critic.warmup_steps={cfg.critic.warmup_steps} needs a critic "
                         f"(algorithm.adv_estimator=gae), got adv_estimator={est}")
     return problems
+
+
+def needs_critic(cfg: Any) -> bool:
+    """A critic (value model) is trained only for the estimator that uses values (`gae`)."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def needs_reference(cfg: Any) -> bool:
+    """A reference model is held only when a KL term uses it (KL loss or KL in reward)."""
+    return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
 
 
 def rollout_workers(cfg: Any) -> int:
@@ -174,7 +184,7 @@ def _path_problems(cfg: Any) -> list[str]:
     problems = []
     if cfg.model.path is None:
         problems.append("model.path is required (a Hugging Face model directory)")
-        if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path is None:
+        if needs_critic(cfg) and cfg.critic.model.path is None:
             problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
                             "or model.path (the critic then starts from the actor's model)")
     for key in ("model.path", "model.tokenizer_path", "critic.model.path", "reward.reward_model.path"):
@@ -217,7 +227,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     if check_paths:
         problems += _path_problems(cfg)
     if n_workers >= 1:
-        roles = ["actor", "critic"] if cfg.algorithm.adv_estimator == "gae" else ["actor"]
+        roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]
         for role in roles:
             problems += _batch_problems(role, cfg, n_workers)
     if problems:

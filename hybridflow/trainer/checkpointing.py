@@ -14,6 +14,7 @@ from typing import Any
 
 from hybridflow.checkpoint import (CheckpointManager, check_compatible, load_controller_state, read_config,
                                    save_controller_state, save_hf_assets)
+from hybridflow.config.validate import needs_critic
 
 
 def checkpoint_bytes_needed(cfg: Any) -> int:
@@ -21,8 +22,7 @@ def checkpoint_bytes_needed(cfg: Any) -> int:
     every trained model, 3 x its weight files' size (exact for fp32 files, low for bf16 ones, whose fp32
     master copy is twice their size)."""
     total = 0
-    paths = [cfg.model.path] + ([cfg.critic.model.path or cfg.model.path] if cfg.algorithm.adv_estimator == "gae"
-                                else [])
+    paths = [cfg.model.path] + ([cfg.critic.model.path or cfg.model.path] if needs_critic(cfg) else [])
     for path in paths:
         files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin"))
         total += 3 * sum(f.stat().st_size for f in files)

@@ -17,7 +17,7 @@ from typing import Any
 from hybridflow import algorithms
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import BadStepCounter, check_writable
-from hybridflow.config.validate import validate
+from hybridflow.config.validate import needs_reference, validate
 from hybridflow.data.loader import build_prompt_loaders
 from hybridflow.rewards.manager import RewardManager
 from hybridflow.tracking import Tracker
@@ -26,7 +26,7 @@ from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughpu
 from hybridflow.trainer import core
 from hybridflow.trainer.loop import run_steps
 from hybridflow.trainer.checkpointing import RunCheckpoints, checkpoint_bytes_needed
-from hybridflow.trainer.roles import build_roles, needs_reference, skips_old_log_probs
+from hybridflow.trainer.roles import build_roles, skips_old_log_probs
 
 
 class RLTrainer:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.config.validate import rollout_workers
+from hybridflow.config.validate import needs_critic, needs_reference, rollout_workers
 from hybridflow.controller import WorkerGroup, colocate, wait_all
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
@@ -74,15 +74,6 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def needs_reference(cfg: Any) -> bool:
-    """A reference model is held only when a KL term uses it (KL loss or KL in reward)."""
-    return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
-
-
-def needs_critic(cfg: Any) -> bool:
-    return cfg.algorithm.adv_estimator == "gae"
 
 
 def skips_old_log_probs(cfg: Any) -> bool:
