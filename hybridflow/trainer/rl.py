@@ -75,7 +75,7 @@ class RLTrainer:
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with timer("step", timings):
-            prompts.meta["sampling"] = {"seed": cfg.trainer.seed * 100_003 + self.step}
+            prompts.meta.update(sampling={"seed": cfg.trainer.seed}, step=self.step)
             with timer("gen", timings):
                 batch = rollout.generate(prompts)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)

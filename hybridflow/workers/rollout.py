@@ -81,7 +81,7 @@ class RolloutReplica:
 
 def sampling_params(meta: dict, rollout_cfg: Any, max_tokens: int, rank: int) -> SamplingParams:
     """`SamplingParams` from the rollout config, overridden by `meta["sampling"]` (a dict or a
-    SamplingParams). A seed is offset by the rank, so data-parallel replicas draw different samples."""
+    SamplingParams). A seed is mixed with the step and the rank (`sampling_seed`)."""
     fields = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                   top_k=rollout_cfg.top_k, max_tokens=max_tokens)
     given = meta.get("sampling") or {}
@@ -92,8 +92,15 @@ def sampling_params(meta: dict, rollout_cfg: Any, max_tokens: int, rank: int) ->
         raise ValueError(f"meta['sampling'] has unknown keys {sorted(unknown)}; valid: {', '.join(SAMPLING_FIELDS)}")
     fields.update({k: v for k, v in given.items() if v is not None})
     if fields.get("seed") is not None:
-        fields["seed"] = int(fields["seed"]) + 1_000_003 * rank
+        fields["seed"] = sampling_seed(int(fields["seed"]), int(meta.get("step", 0)), rank)
     return SamplingParams(**fields)
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """The engine seed of one `generate` call on one rank: the given seed mixed with the trainer step
+    (`meta["step"]`) and the rank, so each step draws new samples and data-parallel replicas draw different
+    ones (distinct for every (step, rank) of a run shorter than 100,003 steps)."""
+    return seed * 100_003 + step + 1_000_003 * rank
 
 
 def prompt_token_lists(prompts: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
