@@ -6,7 +6,6 @@ ran before; the loader's state is `(epoch, position)` (batches already taken in 
 
     prompts         [B, P] long   token ids, left-padded with the pad id (P = longest prompt in batch)
     attention_mask  [B, P] long   1 on real tokens
-    prompt_mask     [B, P] long   the same (kept under both names)
     non-tensors     uid ("<epoch>-<index>"), index, data_source, ground_truth, extra_info, raw_prompt, ability
 """
 
@@ -40,8 +39,7 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_id: int, epoch: int) ->
     ids, mask = left_pad([it["input_ids"] for it in items], pad_id)
     non_tensors: dict[str, list] = {"uid": [f"{epoch}-{it['index']}" for it in items]}
     non_tensors.update({k: [it[k] for it in items] for k in PROMPT_FIELDS})
-    return Batch({"prompts": ids, "attention_mask": mask, "prompt_mask": mask.clone()}, non_tensors,
-                 {"epoch": epoch})
+    return Batch({"prompts": ids, "attention_mask": mask}, non_tensors, {"epoch": epoch})
 
 
 class PromptLoader:

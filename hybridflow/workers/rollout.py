@@ -127,10 +127,9 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
             response_mask[r, :k] = 1.0
             finished.append(c.finish_reason)
     out = batch.repeat_interleave(n)
-    prompts, prompt_mask = out["prompts"], out["attention_mask"]
-    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    attention_mask = torch.cat([out["attention_mask"].long(), response_mask.long()], dim=1)
     out["responses"] = responses
-    out["input_ids"] = torch.cat([prompts, responses], dim=1)
+    out["input_ids"] = torch.cat([out["prompts"], responses], dim=1)
     out["attention_mask"] = attention_mask
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out["response_mask"] = response_mask
