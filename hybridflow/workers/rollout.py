@@ -5,7 +5,6 @@ docs/architecture.md."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,9 +60,8 @@ class RolloutReplica:
 
     def generate(self, batch: Batch, rank: int) -> Batch:
         """Prompts (`prompts` left-padded + their `attention_mask`; meta `sampling`) -> rows of the RL
-        batch, `n` samples per prompt interleaved; meta gets `temperature` and `gen_seconds`. `rank` offsets
+        batch, `n` samples per prompt interleaved; meta gets `temperature`. `rank` offsets
         a given seed (see `sampling_params`)."""
-        start = time.perf_counter()
         params = sampling_params(batch.meta, self.cfg, self.max_response_length, rank)
         prompts = prompt_token_lists(batch["prompts"], batch["attention_mask"])
         self.wake()
@@ -71,7 +69,7 @@ class RolloutReplica:
         if self.cfg.free_cache_after_generate:
             self.sleep()
         out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id)
-        out.meta.update(temperature=params.temperature, gen_seconds=time.perf_counter() - start)
+        out.meta["temperature"] = params.temperature
         return out
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
