@@ -75,7 +75,6 @@ def main() -> None:
             batch["token_rewards"] = scores_to_token_scores(scores, batch["response_mask"])
             batch = batch.union(actor.compute_log_probs(batch))      # old_log_probs, entropy
             batch["advantages"], batch["returns"] = algorithms.compute_advantages("grpo", batch)
-            batch.meta["rollout_n"] = args.n
             metrics = actor.update_actor(batch)[0]                   # one dict per rank; all equal
             actor.sync_weights()                                     # trained weights -> rollout engine
             print(f"step {step}: digit share {scores.mean():.3f} | pg_loss {metrics['actor/pg_loss']:+.4f} | "

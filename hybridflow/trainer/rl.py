@@ -97,7 +97,6 @@ class RLTrainer:
             with timer("adv", timings):
                 metrics.update(core.apply_kl_in_reward(batch, self.kl_ctrl, cfg))
                 core.compute_advantages(batch, cfg)
-            batch.meta["rollout_n"] = cfg.rollout.n
             if critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(critic.update_critic(batch)[0])

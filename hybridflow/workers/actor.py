@@ -90,7 +90,7 @@ class ActorWorker(EngineWorker):
             self.rollout.sleep()
         self._onload()
         metrics = run_update(self.engine, batch.tensors, self.cfg, actor_loss(self.cfg, use_kl, use_entropy),
-                             prefix="actor", rollout_n=int(batch.meta.get("rollout_n", self.rollout_cfg.n)),
+                             prefix="actor", rollout_n=self.rollout_cfg.n,
                              temperature=temperature_of(batch, self.rollout_cfg.temperature),
                              with_entropy=use_entropy or "entropy" not in batch, seed=self.update_count)
         self._offload_idle()

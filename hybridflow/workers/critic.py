@@ -51,7 +51,7 @@ class CriticWorker(EngineWorker):
                 raise KeyError(f"update_critic needs `{key}` in the batch; it has {batch.keys()}")
         self._onload()
         metrics = run_update(self.engine, batch.tensors, self.cfg, critic_loss(self.cfg), prefix="critic",
-                             rollout_n=int(batch.meta.get("rollout_n", self.rollout_n)), seed=self.update_count)
+                             rollout_n=self.rollout_n, seed=self.update_count)
         self._offload_idle()
         self.update_count += 1
         return metrics
