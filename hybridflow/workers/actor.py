@@ -35,15 +35,15 @@ class ActorWorker(EngineWorker):
         model_cfg, actor_cfg, rollout_cfg: the config sections (read by attribute).
         data_cfg: anything with `max_prompt_length` and `max_response_length`.
         total_steps: optimizer steps of the whole run (the lr schedule's length).
-        with_ref: also hold a frozen reference model (from `ref_model_path`, default the actor's path).
-        with_rollout: build the rollout engine (False for log-prob-only uses such as SFT evaluation).
+        with_ref: also hold a frozen reference model (a copy of the initial actor).
+        with_rollout: build the rollout engine (False when a separate rollout group generates).
     """
 
     def __init__(self, model_cfg: Any, actor_cfg: Any, rollout_cfg: Any, data_cfg: Any, total_steps: int = 1,
-                 with_ref: bool = False, ref_model_path: str | None = None, with_rollout: bool = True) -> None:
+                 with_ref: bool = False, with_rollout: bool = True) -> None:
         self.cfg, self.rollout_cfg = actor_cfg, rollout_cfg
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=total_steps, device=self.device)
-        self.ref = ReferenceModel(model_cfg, actor_cfg, ref_model_path, self.device) if with_ref else None
+        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) if with_ref else None
         self.rollout = None
         if with_rollout:
             self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
