@@ -26,20 +26,20 @@ class EngineWorker(Worker):
         if self.cfg.param_offload or self.cfg.optimizer_offload:
             self.engine.onload(params=self.cfg.param_offload, optimizer=self.cfg.optimizer_offload)
 
-    def stateful(self) -> dict[str, Any]:
-        """The small state saved beside the shards: the lr schedule."""
-        return {"lr": self.engine.scheduler}
-
     @register(Dispatch.BROADCAST)
     def save_checkpoint(self, role_dir: str) -> None:
-        """Model + optimizer shards, lr schedule and RNG of every rank under `role_dir` (collective)."""
+        """Model + optimizer shards, RNG of every rank, and the small state beside them (the lr schedule,
+        the count of skipped non-finite steps) under `role_dir` (collective)."""
         from hybridflow.checkpoint import save_worker_state
 
-        save_worker_state(role_dir, self.engine.model, self.engine.optimizer, self.stateful())
+        save_worker_state(role_dir, self.engine.model, self.engine.optimizer,
+                          {"lr": self.engine.scheduler, "skipped_steps": self.engine.skipped_steps})
 
     @register(Dispatch.BROADCAST)
     def load_checkpoint(self, role_dir: str) -> None:
-        """Inverse of `save_checkpoint`, on any number of ranks."""
+        """Inverse of `save_checkpoint`, on any number of ranks (a checkpoint without a skipped-step count
+        counts from 0)."""
         from hybridflow.checkpoint import load_worker_state
 
-        load_worker_state(role_dir, self.engine.model, self.engine.optimizer, self.stateful())
+        rest = load_worker_state(role_dir, self.engine.model, self.engine.optimizer, {"lr": self.engine.scheduler})
+        self.engine.skipped_steps = int(rest.get("skipped_steps", 0))

@@ -227,7 +227,7 @@ class TrainEngine:
         self.scheduler.step()
         return float(norm), finite
 
-    # ------------------------------------------------------------------ perf, memory, weights, state
+    # ------------------------------------------------------------------ perf, memory, weights
     def perf_metrics(self, seq_lens: list[int], seconds: float, passes: int = 1) -> dict[str, float]:
         """Throughput (real tokens per second per rank) and MFU of `passes` training passes over rows of
         `seq_lens` real tokens (this rank's rows) that took `seconds`."""
@@ -266,27 +266,6 @@ class TrainEngine:
                 t = t.to_local()
             t = t if dtype is None else t.to(dtype)  # cast the shard before gathering: half the traffic
             yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and scheduler state (sharded DTensors under FSDP2) for the checkpoint layer."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        out: dict[str, Any] = {"model": get_model_state_dict(self.model)}
-        if self.optimizer is not None:
-            out["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-            out["scheduler"] = self.scheduler.state_dict()
-            out["skipped_steps"] = self.skipped_steps
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of `state_dict`."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        set_model_state_dict(self.model, state["model"])
-        if self.optimizer is not None and "optimizer" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
