@@ -9,23 +9,29 @@ resolved config. It is written to a temporary directory and renamed when complet
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from hybridflow.checkpoint import (CheckpointManager, check_compatible, load_controller_state, read_config,
-                                   save_controller_state, save_hf_assets)
+from hybridflow.checkpoint import (CheckpointManager, check_compatible, estimate_checkpoint_bytes,
+                                   load_controller_state, read_config, save_controller_state, save_hf_assets)
 from hybridflow.config.validate import needs_critic
 
 
 def checkpoint_bytes_needed(cfg: Any) -> int:
-    """A lower bound on one checkpoint's size, before any model loads: weights plus AdamW's two moments of
-    every trained model, 3 x its weight files' size (exact for fp32 files, low for bf16 ones, whose fp32
-    master copy is twice their size)."""
+    """One checkpoint's size, before any weights load: every trained model's fp32 master weights plus
+    AdamW's two moments, counted by `estimate_checkpoint_bytes` on a meta-device copy built from the model's
+    config (the policy as a causal LM; the critic, when there is one, as a one-label token classifier)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    models = [(cfg.model.path, AutoModelForCausalLM, {})]
+    if needs_critic(cfg):
+        models.append((cfg.critic.model.path or cfg.model.path, AutoModelForTokenClassification, {"num_labels": 1}))
     total = 0
-    paths = [cfg.model.path] + ([cfg.critic.model.path or cfg.model.path] if needs_critic(cfg) else [])
-    for path in paths:
-        files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin"))
-        total += 3 * sum(f.stat().st_size for f in files)
+    for path, auto_class, overrides in models:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code, **overrides)
+        with torch.device("meta"):
+            model = auto_class.from_config(config, dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code)
+        total += estimate_checkpoint_bytes(model)
     return total
 
 
@@ -53,11 +59,15 @@ class RunCheckpoints:
         if saved and self.manager.step_of(saved[-1]) == t.step:
             return
         tmp = self.manager.begin(t.step)
-        for name, role in self.roles().items():
-            role.save_checkpoint(str(tmp / name))
-        save_hf_assets(tmp / "actor", t.cfg.model.path)
-        save_controller_state(tmp, t.step, t.cfg, self.stateful(),
-                              meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path})
+        try:
+            for name, role in self.roles().items():
+                role.save_checkpoint(str(tmp / name))
+            save_hf_assets(tmp / "actor", t.cfg.model.path)
+            save_controller_state(tmp, t.step, t.cfg, self.stateful(),
+                                  meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path})
+        except BaseException:
+            self.manager.abort(tmp)  # a failed save (a worker died, the disk filled) leaves no temp dir
+            raise
         self.manager.commit(t.step, tmp)
 
     def maybe_resume(self) -> None:
