@@ -23,7 +23,7 @@ from hybridflow.controller import Dispatch, register
 from hybridflow.engine.train import TrainEngine
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.reference import ReferenceModel, temperature_of
-from hybridflow.workers.rollout import RolloutReplica, pad_token_id
+from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss, run_update
 from hybridflow.workers.weight_sync import BUCKET_BYTES, WeightChannel, drain, plan_buckets
 

@@ -17,7 +17,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.train.model import resolve_precision
-from hybridflow.workers.rollout import RolloutReplica, pad_token_id
+from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.weight_sync import WeightChannel
 
 
