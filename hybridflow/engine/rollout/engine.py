@@ -25,7 +25,7 @@ from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM
 from hybridflow.engine.rollout.sampler import sample
-from hybridflow.engine.rollout.sampling import Completion, SamplingParams, check_prompts
+from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 from hybridflow.engine.rollout.scheduler import Scheduler
 from hybridflow.engine.rollout.sequence import Request, RunningBatch
 

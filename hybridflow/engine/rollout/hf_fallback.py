@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.engine.rollout.sampling import Completion, SamplingParams, check_prompts
+from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 
 
 class HFRolloutEngine:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engine.rollout.kernels import sample_plain, use_triton
-from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.types import SamplingParams
 
 
 def _truncate(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
