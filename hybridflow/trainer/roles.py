@@ -69,11 +69,12 @@ class Roles:
             group.shutdown()
 
 
-def resolve_device(device: str) -> str:
-    """`auto` → `cuda` when a GPU is visible, else `cpu`."""
-    if device == "auto":
+def device_type(setting: str) -> str:
+    """The device type worker groups run on for a `trainer.device` setting: `auto` -> `cuda` when a GPU is
+    visible, else `cpu`; `cpu` and `cuda` as they are."""
+    if setting == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    return setting
 
 
 def skips_old_log_probs(cfg: Any) -> bool:
@@ -104,7 +105,7 @@ def check_gpus(cfg: Any, device: str) -> None:
 
 def build_roles(cfg: Any, total_steps: int) -> Roles:
     """Starts the worker groups of `cfg` (see the module docstring) and returns their handles."""
-    device = resolve_device(cfg.trainer.device)
+    device = device_type(cfg.trainer.device)
     check_gpus(cfg, device)
     common = dict(n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend, device=device)
     separate = cfg.rollout.placement == "separate"

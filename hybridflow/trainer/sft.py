@@ -39,7 +39,7 @@ from hybridflow.tracking import Tracker
 from hybridflow.tracking.metrics import compute_throughput, timer
 from hybridflow.trainer.checkpointing import RunCheckpoints
 from hybridflow.trainer.loop import run_steps
-from hybridflow.trainer.roles import resolve_device
+from hybridflow.trainer.roles import device_type
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.update import run_update
 
@@ -228,7 +228,7 @@ class SFTTrainer:
         mini = cfg.optim.mini_batch_size
         optimizer_steps = self.total_steps * cfg.optim.ppo_epochs * (data.train_batch_size // mini if mini else 1)
         self.worker = WorkerGroup(SFTWorker, name="sft", n_workers=cfg.trainer.n_workers,
-                                  backend=cfg.trainer.backend, device=resolve_device(cfg.trainer.device),
+                                  backend=cfg.trainer.backend, device=device_type(cfg.trainer.device),
                                   init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim,
                                                    total_steps=optimizer_steps))
         self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)

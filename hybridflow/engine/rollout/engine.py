@@ -68,7 +68,9 @@ def model_stop_ids(path: str | Path, config) -> list[int]:
     return ids if ids is not None else eos_ids(config) or []
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
+def indexed_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device with its index filled in (`cuda` -> `cuda:<current device>`), so the cache,
+    graphs and generator all land on one GPU."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -116,7 +118,7 @@ class RolloutEngine:
         if engine not in ("auto", "fast", "hf"):
             raise ValueError(f"engine={engine!r} is invalid; valid: 'auto', 'fast', 'hf'")
         config = AutoConfig.from_pretrained(path)
-        device = resolve_device(device)
+        device = indexed_device(device)
         stop_ids = model_stop_ids(path, config)
         fast = config.model_type in FAST_ARCHITECTURES
         if engine == "fast" and not fast:
@@ -137,7 +139,7 @@ class RolloutEngine:
                     cuda_graphs: bool = True, max_prefill_tokens: int = 16384) -> RolloutEngine:
         """A fast engine from a HF config and (HF name, tensor) weights, e.g. a trainer's state dict, with
         no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id)."""
-        device = resolve_device(device)
+        device = indexed_device(device)
         max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
         uses_window = config.model_type in ("llama", "mistral") or getattr(config, "use_sliding_window", False)
