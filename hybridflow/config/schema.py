@@ -104,8 +104,9 @@ class RolloutConfig:
     max_num_seqs: int = opt(256, "most sequences decoded together")
     kv_cache_fraction: float = opt(0.4, "fraction of free GPU memory given to the KV cache")
     cuda_graphs: bool = opt(True, "capture decode steps in CUDA graphs")
-    free_cache_after_generate: bool = opt(True, "free the KV cache between generation and training (on a GPU; "
-                                          "a CPU cache stays allocated)")
+    free_cache_after_generate: bool = opt(True, "free the KV cache after each generation, so training gets its "
+                                                "memory (on a GPU; a CPU cache stays allocated); false keeps "
+                                                "it allocated through training")
     val_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
     val_n: int = opt(1, "responses per prompt during validation")
     placement: str = opt("colocate", "colocate: the engine lives in the actor's processes and is fed the weights "

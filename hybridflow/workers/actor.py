@@ -86,8 +86,6 @@ class ActorWorker(EngineWorker):
         if use_kl and "ref_log_probs" not in batch:
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
-        if self.rollout is not None:
-            self.rollout.sleep()
         self._onload()
         metrics = run_update(self.engine, batch.tensors, self.cfg, actor_loss(self.cfg, use_kl, use_entropy),
                              prefix="actor", rollout_n=self.rollout_cfg.n,

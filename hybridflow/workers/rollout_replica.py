@@ -32,8 +32,8 @@ def pad_token_id(config: Any) -> int:
 
 class RolloutReplica:
     """This rank's rollout engine: on an accelerator, awake only while it generates when
-    `rollout.free_cache_after_generate` (the KV cache is freed between calls, and before every update),
-    weights updated in place by `load_weights`."""
+    `rollout.free_cache_after_generate` (the KV cache is freed after each call, so training has its
+    memory), else allocated for the whole run; weights updated in place by `load_weights`."""
 
     def __init__(self, model_path: str, rollout_cfg: Any, data_cfg: Any, device: torch.device, dtype: torch.dtype,
                  pad_id: int) -> None:

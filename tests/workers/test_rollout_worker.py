@@ -66,3 +66,37 @@ def test_separate_rollout_generates_with_the_synced_weights(tiny_qwen2):
     moved = ((stale["rollout_log_probs"] - got["rollout_log_probs"]).abs() * mask).max()
     assert float(moved) > 1e-3  # the update changed the weights, and the sync delivered the change
     assert timing["timing_s/update_weights"] > 0
+
+
+class _GPUEngineStub:
+    """Records the sleep/wake calls a replica makes on an accelerator's engine."""
+
+    device = torch.device("cuda")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def sleep(self) -> None:
+        self.calls.append("sleep")
+
+    def wake(self) -> None:
+        self.calls.append("wake")
+
+    def generate(self, prompts, params):
+        from hybridflow.engine.rollout import Completion
+
+        return [[Completion([7, 8], [-0.5, -0.25], "stop") for _ in range(params.n)] for _ in prompts]
+
+
+def test_free_cache_after_generate_frees_the_cache_after_each_generation_or_never(monkeypatch):
+    from hybridflow.workers import rollout_replica
+
+    for free, expected in ((True, ["sleep", "wake", "sleep"]), (False, [])):
+        engine = _GPUEngineStub()
+        monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args: engine)
+        replica = rollout_replica.RolloutReplica("unused", RolloutConfig(free_cache_after_generate=free),
+                                                 DataConfig(max_prompt_length=5, max_response_length=RESP),
+                                                 torch.device("cuda"), torch.float32, pad_id=0)
+        out = replica.generate(_prompts(1.0), rank=0)
+        assert len(out) == 8 and out["response_mask"].sum() == 16
+        assert engine.calls == expected and replica.awake == (not free)
