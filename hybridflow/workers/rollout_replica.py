@@ -47,8 +47,8 @@ class RolloutReplica:
 
     def sleep(self) -> None:
         """Hands the KV cache's memory back until the next `generate`. Only an accelerator's: a CPU cache
-        stays: re-making and zero-filling it cost ~10 ms of a 0.17 s tiny-model GRPO step on 2 cores, and
-        host memory is not what colocation has to share."""
+        stays, since host memory is not what colocation has to share and re-making and zero-filling the
+        cache each step costs time (docs/benchmarks.md)."""
         if self.awake and self.engine.device.type != "cpu":
             self.engine.sleep()
             self.awake = False

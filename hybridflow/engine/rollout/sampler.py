@@ -53,9 +53,9 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         x = x.div_(params.temperature)
     x = _truncate(x, params.top_k, params.top_p)
     lse = torch.logsumexp(x, dim=-1)
-    # E = -log(U) with U uniform is Exponential(1); drawn this way because `exponential_` costs ~7x a
-    # uniform draw on a CPU (0.41 vs 0.06 ms for 64 x 400). E == 0 would give a +inf Gumbel and a NaN
-    # on a -inf (truncated) logit; clamp it away.
+    # E = -log(U) with U uniform is Exponential(1); drawn this way because `exponential_` costs several
+    # times a uniform draw on a CPU (docs/benchmarks.md). E == 0 would give a +inf Gumbel and a NaN on
+    # a -inf (truncated) logit; clamp it away.
     noise = torch.rand(x.shape, generator=generator, device=x.device).log_().neg_().clamp_min_(1e-30).log_()
     tokens = torch.sub(x, noise, out=noise).argmax(dim=-1)
     logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse

@@ -78,7 +78,7 @@ class TrainEngine:
                  total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
         # Packing pays on CUDA (varlen flash attention, no padded work). On a CPU the padded forward
-        # is faster (bench/grpo_vs_trl.py: ~2x on the log-prob and update passes), so `pack` is
+        # is faster (docs/benchmarks.md, "Measurements behind choices in the code"), so `pack` is
         # honoured there only with `pack_on_cpu` (tests use it to check packed == padded).
         self.pack_allowed = self.device.type == "cuda" or pack_on_cpu
         self.head = head
@@ -91,7 +91,8 @@ class TrainEngine:
                            getattr(model_cfg, "trust_remote_code", False),
                            self.trainable and getattr(model_cfg, "gradient_checkpointing", False))
         # One rank in full precision: FSDP2 would shard nothing and cast nothing, only add its hooks
-        # (~20 % of a tiny CPU model's update), so the model stays a plain module there.
+        # (a measurable share of a small model's update: docs/benchmarks.md), so the model stays a
+        # plain module there.
         if self.distributed and (self.world_size > 1 or self.precision.mixed):
             model = shard_model(model.to(self.device), dp_mesh(self.device), self.precision)
         else:
@@ -258,8 +259,8 @@ class TrainEngine:
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) per parameter, gathered one at a time and cast to `dtype`: never more
         than one full parameter beyond the shards exists at once (before the consumer drops it). On one
-        rank the local shard is the whole tensor and is taken as it is: a collective per parameter cost
-        ~40 ms of a 0.5B model's sync on an H200."""
+        rank the local shard is the whole tensor and is taken as it is: a collective per parameter would
+        cost time for nothing (docs/benchmarks.md)."""
         for name, p in self.model.named_parameters():
             t = p.detach()
             if isinstance(t, DTensor) and t.device_mesh.size() == 1 and t.to_local().shape == t.shape:
