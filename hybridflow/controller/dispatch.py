@@ -7,13 +7,17 @@ uses `scatter` to build each rank's arguments and `gather` to collect the per-ra
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hybridflow.batch import Batch
 
 _ATTR = "__hybridflow_dispatch__"
+COLLECT_MODES = ("default", "all", "same")
 
 
 class Dispatch(enum.Enum):
@@ -28,6 +32,10 @@ class Dispatch(enum.Enum):
     - ``RANK_ZERO``: only rank 0 runs the method (it must not use collectives); returns its result.
     - ``PER_RANK``: every argument is a list of ``world_size`` values, one per rank; returns the
       list of per-rank results.
+
+    With ``collect="same"`` (any mode but ``RANK_ZERO``) the method promises a result equal on every
+    rank (e.g. metrics already reduced over the ranks): the call returns that one result, and fails,
+    naming the method, the rank and the differing keys, when the ranks disagree.
     """
 
     BROADCAST = "broadcast"
@@ -50,7 +58,8 @@ def register(mode: Dispatch = Dispatch.BROADCAST, *, collect: str = "default", p
 
     Args:
         mode: a `Dispatch` member.
-        collect: ``"default"``, or ``"all"`` with ``Dispatch.BROADCAST`` to get every rank's result.
+        collect: ``"default"``; ``"all"`` with ``Dispatch.BROADCAST`` to get every rank's result; ``"same"``
+            for a result equal on every rank, returned once (checked; see `Dispatch`).
         pad: with ``Dispatch.DATA_PARALLEL``, pad Batch arguments to a multiple of the world size
             (repeating their last rows) and strip the padding rows from Batch results.
     """
@@ -59,9 +68,12 @@ def register(mode: Dispatch = Dispatch.BROADCAST, *, collect: str = "default", p
             f"register() takes a Dispatch member ({', '.join(m.name for m in Dispatch)}), got {mode!r}"
             + ("; write @register(Dispatch.BROADCAST) with parentheses" if callable(mode) else "")
         )
-    if collect not in ("default", "all") or (collect == "all" and mode is not Dispatch.BROADCAST):
+    if collect not in COLLECT_MODES:
+        raise ValueError(f"collect={collect!r} is not valid; valid: {', '.join(map(repr, COLLECT_MODES))}")
+    if (collect == "all" and mode is not Dispatch.BROADCAST) or (collect == "same" and mode is Dispatch.RANK_ZERO):
         raise ValueError(
-            f"collect={collect!r} is not valid with {mode}; collect='all' exists only for Dispatch.BROADCAST"
+            f"collect={collect!r} is not valid with {mode}; collect='all' exists only for Dispatch.BROADCAST, "
+            f"collect='same' for every mode that runs on all ranks (not Dispatch.RANK_ZERO)"
         )
     if pad and mode is not Dispatch.DATA_PARALLEL:
         raise ValueError(f"pad=True is only valid with Dispatch.DATA_PARALLEL, not {mode}")
@@ -149,6 +161,8 @@ def _scatter_data_parallel(
 
 def gather(spec: DispatchSpec, method: str, scattered: Scattered, results: list[Any]) -> Any:
     """Collects the per-rank results (ordered like ``scattered.calls``) into the call's return value."""
+    if spec.collect == "same":
+        return _agreed(method, results)
     if spec.mode is Dispatch.RANK_ZERO or (spec.mode is Dispatch.BROADCAST and spec.collect == "default"):
         return results[0]
     if spec.mode is not Dispatch.DATA_PARALLEL or not all(isinstance(r, Batch) for r in results):
@@ -162,3 +176,35 @@ def gather(spec: DispatchSpec, method: str, scattered: Scattered, results: list[
             )
         merged = merged.unpad(scattered.n_pad)
     return merged
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """`a == b`, element-wise for dicts, lists and tuples, `torch.equal` for tensors, NaN equal to NaN."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+def _agreed(method: str, results: list[Any]) -> Any:
+    """The one result every rank returned (`collect="same"`); a disagreement names the rank and the keys."""
+    first = results[0]
+    for rank, other in enumerate(results[1:], start=1):
+        if _equal(first, other):
+            continue
+        if isinstance(first, dict) and isinstance(other, dict):
+            keys = [k for k in sorted({*first, *other}, key=str)
+                    if k not in first or k not in other or not _equal(first[k], other[k])]
+            where = "; ".join(f"{k}: {first.get(k, '<absent>')!r} vs {other.get(k, '<absent>')!r}"
+                              for k in keys[:5])
+        else:
+            where = f"{first!r:.200} vs {other!r:.200}"
+        raise ValueError(f"{method} is registered with collect='same' but rank {rank}'s result differs from "
+                         f"rank 0's ({where}); reduce the value over the ranks in the method, or use the "
+                         f"default collect to get one result per rank")
+    return first

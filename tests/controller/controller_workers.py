@@ -79,6 +79,13 @@ class ToyWorker(Worker):
     def row_count(self, batch: Batch, offset: int = 0) -> int:
         return len(batch) + offset
 
+    @register(Dispatch.DATA_PARALLEL, collect="same")
+    def total_rows(self, batch: Batch) -> dict[str, int]:
+        """The same on every rank (reduced over them): one dict comes back."""
+        rows = torch.tensor([len(batch)])
+        dist.all_reduce(rows, group=self.process_group)
+        return {"rows": int(rows)}
+
     @register(Dispatch.RANK_ZERO)
     def only_rank_zero(self) -> int:
         return self.rank

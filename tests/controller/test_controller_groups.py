@@ -37,6 +37,7 @@ def test_collectives_and_dispatch_modes(group):
     assert group.actor.only_rank_zero() == 0
     assert group.actor.add_rank([1, 2], y=[10, 20]) == [11, 122]
     assert group.actor.row_count(rows(7), offset=1) == [5, 4]
+    assert group.actor.total_rows(rows(7)) == {"rows": 7}  # collect="same": one result, not one per rank
     with pytest.raises(ValueError, match="must be a list of 2 values"):
         group.actor.add_rank([1])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 
@@ -67,9 +68,25 @@ def test_other_dispatch_modes():
         scatter(specs["add_rank"], "add_rank", (1,), {}, 3)
 
 
+def test_collect_same_returns_the_one_result_or_names_where_ranks_disagree():
+    spec = registered_methods(ToyWorker)["total_rows"]
+    scattered = scatter(spec, "total_rows", (numbered(5),), {}, 3)
+    nan = float("nan")
+    agreed = gather(spec, "total_rows", scattered, [{"loss": 1.5, "norm": nan}] * 3)
+    assert agreed["loss"] == 1.5 and math.isnan(agreed["norm"])  # NaN on every rank is agreement
+    assert gather(spec, "total_rows", scattered, [torch.tensor([1.0, nan])] * 3).shape == (2,)
+    with pytest.raises(ValueError, match=r"total_rows is registered with collect='same' but rank 2's result "
+                                         r"differs from rank 0's \(loss: 1.5 vs 2.5; lr: 0.1 vs '<absent>'\)"):
+        gather(spec, "total_rows", scattered, [{"loss": 1.5, "lr": 0.1}] * 2 + [{"loss": 2.5}])
+
+
 def test_register_validates_its_options():
     with pytest.raises(ValueError, match="collect='all' exists only for Dispatch.BROADCAST"):
         register(Dispatch.DATA_PARALLEL, collect="all")
+    with pytest.raises(ValueError, match="collect='same' for every mode that runs on all ranks"):
+        register(Dispatch.RANK_ZERO, collect="same")
+    with pytest.raises(ValueError, match="collect='any' is not valid; valid: 'default', 'all', 'same'"):
+        register(Dispatch.BROADCAST, collect="any")
     with pytest.raises(ValueError, match="pad=True is only valid with Dispatch.DATA_PARALLEL"):
         register(Dispatch.BROADCAST, pad=True)
     with pytest.raises(TypeError, match="with parentheses"):
