@@ -75,7 +75,7 @@ def main() -> None:
             batch["token_rewards"] = scores_to_token_scores(scores, batch["response_mask"])
             batch = batch.union(actor.compute_log_probs(batch))      # old_log_probs, entropy
             batch["advantages"], batch["returns"] = algorithms.compute_advantages("grpo", batch)
-            metrics = actor.update_actor(batch)[0]                   # one dict per rank; all equal
+            metrics = actor.update_actor(batch)                      # the same on every rank: one dict
             actor.sync_weights()                                     # trained weights -> rollout engine
             print(f"step {step}: digit share {scores.mean():.3f} | pg_loss {metrics['actor/pg_loss']:+.4f} | "
                   f"entropy {metrics['actor/entropy']:.3f}")

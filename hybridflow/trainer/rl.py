@@ -99,10 +99,10 @@ class RLTrainer:
                 core.compute_advantages(batch, cfg)
             if critic is not None:
                 with timer("update_critic", timings):
-                    metrics.update(critic.update_critic(batch)[0])
+                    metrics.update(critic.update_critic(batch))
             if critic is None or self.step >= cfg.critic.warmup_steps:
                 with timer("update_actor", timings):
-                    metrics.update(actor.update_actor(batch)[0])
+                    metrics.update(actor.update_actor(batch))
                 with timer("update_weights", timings):
                     self.roles.sync_weights()
         metrics.update(compute_data_metrics(batch, cfg.data.max_response_length))

@@ -167,7 +167,7 @@ class SFTWorker(EngineWorker):
         self.update_count = 0
         self._offload_idle()
 
-    @register(Dispatch.DATA_PARALLEL)
+    @register(Dispatch.DATA_PARALLEL, collect="same")
     def train_batch(self, batch: Batch) -> dict[str, float]:
         """Optimizer step(s) on this rank's rows; `train/{loss,grad_norm,lr}`, identical on all ranks."""
         self._onload()
@@ -258,7 +258,7 @@ class SFTTrainer:
         """One optimizer step (or `optim.ppo_epochs` x mini-batches) on a batch of conversations."""
         timings: dict[str, float] = {}
         with timer("step", timings):
-            metrics = self.worker.train_batch(batch)[0]
+            metrics = self.worker.train_batch(batch)
         metrics.update(compute_throughput(batch, timings["step"], self.cfg.trainer.n_workers))
         metrics["timing_s/step"] = timings["step"]
         self.bad_steps.update(self.step + 1, **{k: metrics[k] for k in ("train/loss", "train/grad_norm")})

@@ -21,6 +21,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine.train import TrainEngine
+from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.reference import ReferenceModel, temperature_of
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
@@ -79,7 +80,7 @@ class ActorWorker(EngineWorker):
             raise RuntimeError("compute_ref_log_probs needs the ActorWorker built with with_ref=True")
         return self.ref.log_probs(batch, temperature_of(batch, self.rollout_cfg.temperature))
 
-    @register(Dispatch.DATA_PARALLEL)
+    @register(Dispatch.DATA_PARALLEL, collect="same")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; metrics (identical on all ranks) with the field's names."""
         use_kl = self.cfg.kl_loss_coef > 0
@@ -92,9 +93,10 @@ class ActorWorker(EngineWorker):
                              temperature=temperature_of(batch, self.rollout_cfg.temperature),
                              with_entropy=use_entropy or "entropy" not in batch, seed=self.update_count)
         self._offload_idle()
-        if not use_entropy and "entropy" in batch:
+        if not use_entropy and "entropy" in batch:  # the token mean over every rank's rows
             mask = batch["response_mask"]
-            metrics["actor/entropy"] = float((batch["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+            summed = all_reduce(torch.stack([(batch["entropy"] * mask).sum(), mask.sum()]), self.device)
+            metrics["actor/entropy"] = float(summed[0] / summed[1].clamp(min=1))
         self.update_count += 1
         return metrics
 

@@ -42,7 +42,7 @@ class CriticWorker(EngineWorker):
         self._offload_idle()
         return Batch({"values": out["values"]})
 
-    @register(Dispatch.DATA_PARALLEL)
+    @register(Dispatch.DATA_PARALLEL, collect="same")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss epochs over mini-batches: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm,
         critic/lr, ... (identical on all ranks). Needs `values` (old), `returns`, `response_mask`."""
