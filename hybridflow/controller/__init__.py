@@ -5,12 +5,14 @@ from hybridflow.controller.backends import wait_all
 from hybridflow.controller.colocate import colocate
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.errors import WorkerDiedError, WorkerError
-from hybridflow.controller.group import WorkerGroup
+from hybridflow.controller.group import MemberView, Remote, WorkerGroup
 from hybridflow.controller.pool import ResourcePool
 from hybridflow.controller.worker import Worker
 
 __all__ = [
     "Dispatch",
+    "MemberView",
+    "Remote",
     "ResourcePool",
     "Worker",
     "WorkerDiedError",

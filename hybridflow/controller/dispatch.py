@@ -10,12 +10,13 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hybridflow.batch import Batch
 
+F = TypeVar("F", bound=Callable[..., Any])  # a decorated method keeps its signature for type checkers
 _ATTR = "__hybridflow_dispatch__"
 COLLECT_MODES = ("default", "all", "same")
 
@@ -53,7 +54,8 @@ class DispatchSpec:
     pad: bool = False
 
 
-def register(mode: Dispatch = Dispatch.BROADCAST, *, collect: str = "default", pad: bool = False) -> Callable:
+def register(mode: Dispatch = Dispatch.BROADCAST, *, collect: str = "default",
+             pad: bool = False) -> Callable[[F], F]:
     """Decorator exposing a `Worker` method to the controller with the given dispatch mode.
 
     Args:
@@ -79,7 +81,7 @@ def register(mode: Dispatch = Dispatch.BROADCAST, *, collect: str = "default", p
         raise ValueError(f"pad=True is only valid with Dispatch.DATA_PARALLEL, not {mode}")
     spec = DispatchSpec(mode, collect, pad)
 
-    def decorate(fn: Callable) -> Callable:
+    def decorate(fn: F) -> F:
         setattr(fn, _ATTR, spec)
         return fn
 

@@ -4,6 +4,13 @@
 and returns the collected result; ``group.method.submit(*args)`` returns a Future instead, so
 several groups can work at once. Groups built from `colocate(...)` expose each member role as an
 attribute: ``group.actor.update(batch)``.
+
+`Remote[W]` is how code that holds a handle on a group of `W` workers types it (`Remote[ActorWorker]`):
+a type checker and an editor see the worker class itself, so go-to-definition from
+``roles.actor.update_actor(batch)`` reaches `ActorWorker.update_actor`, and a call takes the method's
+arguments and returns its result, collected as its `@register` says (a Batch, or one value with
+``collect="same"``). At run time the object is a `WorkerGroup[W]` or a `MemberView[W]`; ``.submit`` exists
+only there.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import atexit
 import threading
 import weakref
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import Annotated, Any, Generic, TypeVar
 
 from hybridflow.controller.backends import make_backend
 from hybridflow.controller.colocate import ColocatedWorker
@@ -20,6 +27,9 @@ from hybridflow.controller.dispatch import DispatchSpec, gather, registered_meth
 from hybridflow.controller.pool import ResourcePool
 from hybridflow.controller.runtime import WorkerSpec
 from hybridflow.controller.worker import Worker
+
+W = TypeVar("W", bound=Worker)
+Remote = Annotated[W, "a WorkerGroup or MemberView dispatching each call over the ranks"]
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
 _INSTANCE_ATTRS = {"name", "worker_cls", "pool"}
@@ -86,10 +96,10 @@ def _lookup(cls: type, owner: str, name: str) -> DispatchSpec:
     raise AttributeError(f"{cls.__name__} has no method '{name}' ({owner}); registered methods: {listed}")
 
 
-class MemberView:
+class MemberView(Generic[W]):
     """One member role of a colocated group: ``group.ref.compute_log_probs(batch)``."""
 
-    def __init__(self, group: WorkerGroup, member: str, cls: type[Worker]) -> None:
+    def __init__(self, group: WorkerGroup, member: str, cls: type[W]) -> None:
         self._group, self._member, self._cls = group, member, cls
 
     def __getattr__(self, name: str) -> RemoteMethod:
@@ -99,7 +109,7 @@ class MemberView:
         return RemoteMethod(self._group, f"{self._member}.{name}", spec)
 
 
-class WorkerGroup:
+class WorkerGroup(Generic[W]):
     """`n_workers` processes running `worker_cls`, addressed as one object by the controller.
 
     Args:
@@ -117,7 +127,7 @@ class WorkerGroup:
 
     def __init__(
         self,
-        worker_cls: type[Worker],
+        worker_cls: type[W],
         n_workers: int = 1,
         backend: str = "local",
         device: str | None = None,

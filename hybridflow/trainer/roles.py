@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hybridflow.config.validate import needs_critic, needs_reference, rollout_workers
-from hybridflow.controller import WorkerGroup, colocate, wait_all
+from hybridflow.controller import Remote, WorkerGroup, colocate, wait_all
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
 
@@ -25,7 +25,8 @@ class SeparateRollout:
     """`rollout.placement=separate` seen from the controller: the rollout group, the store its weight-sync
     group (the actor's rank 0 + every rollout rank) meets on, and the sync that runs both halves at once."""
 
-    def __init__(self, actor: Any, group: WorkerGroup, backend: str, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, actor: Remote[ActorWorker], group: WorkerGroup[RolloutWorker], backend: str,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
         self.actor, self.group = actor, group
         self.rendezvous = Rendezvous(controller_host(backend))
         address = (self.rendezvous.host, self.rendezvous.port, 1 + group.world_size)
@@ -43,14 +44,14 @@ class Roles:
     """Controller-side handles on the role workers; `critic` / `reward_model` / `separate` are None when
     not used."""
 
-    actor: Any
-    critic: Any
-    reward_model: Any
+    actor: Remote[ActorWorker]
+    critic: Remote[CriticWorker] | None
+    reward_model: Remote[RewardModelWorker] | None
     groups: list[WorkerGroup]
     separate: SeparateRollout | None = None
 
     @property
-    def rollout(self) -> Any:
+    def rollout(self) -> Remote[ActorWorker] | Remote[RolloutWorker]:
         """What generates: the actor (its colocated engine) or the separate rollout group."""
         return self.actor if self.separate is None else self.separate.group
 
@@ -119,6 +120,7 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
     split_critic = needs_critic(cfg) and cfg.trainer.placement == "split"
     if needs_critic(cfg) and not split_critic:
         classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs
+    handles: dict[str, Any]  # a group, or a colocated group's member views, per role
     if len(classes) == 1:
         group = WorkerGroup(ActorWorker, name="actor", init_kwargs=kwargs["actor"], **common)
         handles = {"actor": group}
