@@ -42,7 +42,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def _sft(args: argparse.Namespace) -> int:
     from hybridflow.config.loader import load_config
-    from hybridflow.trainer.sft import SFTConfig, train_sft
+    from hybridflow.config.sft import SFTConfig
+    from hybridflow.trainer.sft import train_sft
 
     train_sft(load_config(args.overrides, args.config, schema=SFTConfig))
     return 0

@@ -1,4 +1,5 @@
-"""Checks across keys of an `RLConfig`, run before any model loads: batch sizes, ranges, estimators.
+"""Checks across keys of an `RLConfig` (and an `SFTConfig`), run before any model loads: batch sizes,
+ranges, estimators, paths.
 
 `validate(cfg, n_workers)` collects every problem and raises one `ConfigError` listing them all, each
 naming the keys, their values and the values that would be valid, e.g.
@@ -37,12 +38,12 @@ def _batch_problems(role: str, cfg: Any, n_workers: int) -> list[str]:
     prompts, n = cfg.data.train_batch_size, cfg.rollout.n
     if prompts < 1 or n < 1:
         return []  # reported by the range checks
+    problems = _mini_batch_problems(f"{role}.mini_batch_size", section.mini_batch_size, prompts)
+    if problems:
+        return problems
     mini = section.mini_batch_size if section.mini_batch_size is not None else prompts
     mini_desc = (f"{role}.mini_batch_size={mini}" if section.mini_batch_size is not None
                  else f"{role}.mini_batch_size=null (the whole batch, {prompts} prompts)")
-    if mini < 1 or prompts % mini:
-        return [f"{role}.mini_batch_size={mini} must divide data.train_batch_size={prompts}; "
-                f"valid: {_join(divisors(prompts))}"]
     rows = mini * n
     if rows % n_workers:
         valid = [m for m in divisors(prompts) if m * n % n_workers == 0]
@@ -85,6 +86,20 @@ def _range_problems(cfg: Any) -> list[str]:
         "actor.lr": (0.0, float("inf"), False, False), "critic.lr": (0.0, float("inf"), False, False),
         "reward.timeout_s": (0.0, float("inf"), False, False),
     }
+    problems = _bound_problems(cfg, at_least, intervals)
+    for key in ("data.val_batch_size", "actor.mini_batch_size", "critic.mini_batch_size"):
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            problems.append(f"{key}={value} must be >= 1 or null")
+    if cfg.actor.clip_c <= 1.0:
+        problems.append(f"actor.clip_c={cfg.actor.clip_c} must be > 1 (dual-clip bound)")
+    return problems
+
+
+def _bound_problems(cfg: Any, at_least: dict[int, list[str]],
+                    intervals: dict[str, tuple[float, float, bool, bool]]) -> list[str]:
+    """Keys below their lower bound, keys outside their interval (low, high, low inclusive, high inclusive),
+    and `trainer.total_steps` below 1."""
     problems = []
     for low, keys in at_least.items():
         for key in keys:
@@ -99,13 +114,14 @@ def _range_problems(cfg: Any) -> list[str]:
     steps = cfg.trainer.total_steps
     if steps is not None and steps < 1:
         problems.append(f"trainer.total_steps={steps} must be >= 1 (or null = trainer.total_epochs)")
-    for key in ("data.val_batch_size", "actor.mini_batch_size", "critic.mini_batch_size"):
-        value = _get(cfg, key)
-        if value is not None and value < 1:
-            problems.append(f"{key}={value} must be >= 1 or null")
-    if cfg.actor.clip_c <= 1.0:
-        problems.append(f"actor.clip_c={cfg.actor.clip_c} must be > 1 (dual-clip bound)")
     return problems
+
+
+def _mini_batch_problems(key: str, mini: int | None, batch: int) -> list[str]:
+    """A mini-batch size (null = the whole batch) must divide `data.train_batch_size`."""
+    if mini is None or (mini >= 1 and batch % mini == 0):
+        return []
+    return [f"{key}={mini} must divide data.train_batch_size={batch}; valid: {_join(divisors(batch))} or null"]
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -179,30 +195,33 @@ def _rollout_placement_problems(cfg: Any) -> list[str]:
     return []
 
 
-def _path_problems(cfg: Any) -> list[str]:
-    """What the run will read: data files, the reward function, a resume checkpoint, model directories."""
+def _model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
+    """`model.path` is required; each local model directory under `keys` must exist."""
     problems = []
     if cfg.model.path is None:
         problems.append("model.path is required (a Hugging Face model directory)")
-        if needs_critic(cfg) and cfg.critic.model.path is None:
-            problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
-                            "or model.path (the critic then starts from the actor's model)")
-    for key in ("model.path", "model.tokenizer_path", "critic.model.path", "reward.reward_model.path"):
+    for key in keys:
         value = _get(cfg, key)
         if value is not None and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
             problems.append(f"{key}={value}: no such directory")
+    return problems
+
+
+def _data_file_problems(cfg: Any) -> list[str]:
+    """`data.train_files` is required; every training and validation file must exist."""
+    problems = []
     if not cfg.data.train_files:
         problems.append("data.train_files is required (one parquet/jsonl path or a list)")
     for key in ("data.train_files", "data.val_files"):
         for path in _get(cfg, key):
             if not Path(path).expanduser().is_file():
                 problems.append(f"{key}: file {path} not found")
-    from hybridflow.rewards import get_reward_fn
+    return problems
 
-    try:  # resolves a name, or imports a user's file and finds the function in it
-        get_reward_fn(cfg.reward.function, cfg.reward.kwargs)
-    except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
-        problems.append(f"reward.function={cfg.reward.function!r}: {e}")
+
+def _run_problems(cfg: Any) -> list[str]:
+    """The run's resume checkpoint must exist; `trainer.device=cuda` needs a visible GPU."""
+    problems = []
     resume = cfg.trainer.resume
     if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
         problems.append(f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path")
@@ -212,6 +231,23 @@ def _path_problems(cfg: Any) -> list[str]:
         if not torch.cuda.is_available():
             problems.append("trainer.device=cuda but no CUDA device is visible; valid here: auto, cpu")
     return problems
+
+
+def _path_problems(cfg: Any) -> list[str]:
+    """What the run will read: data files, the reward function, a resume checkpoint, model directories."""
+    problems = _model_problems(cfg, ("model.path", "model.tokenizer_path", "critic.model.path",
+                                     "reward.reward_model.path"))
+    if cfg.model.path is None and needs_critic(cfg) and cfg.critic.model.path is None:
+        problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
+                        "or model.path (the critic then starts from the actor's model)")
+    problems += _data_file_problems(cfg)
+    from hybridflow.rewards import get_reward_fn
+
+    try:  # resolves a name, or imports a user's file and finds the function in it
+        get_reward_fn(cfg.reward.function, cfg.reward.kwargs)
+    except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
+        problems.append(f"reward.function={cfg.reward.function!r}: {e}")
+    return problems + _run_problems(cfg)
 
 
 def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -> None:
@@ -230,6 +266,31 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
         roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]
         for role in roles:
             problems += _batch_problems(role, cfg, n_workers)
+    _raise_if_any(problems)
+
+
+def validate_sft(cfg: Any) -> None:
+    """Raises one `ConfigError` listing every problem of an `SFTConfig` (`hybridflow.config.sft`), before
+    any model loads: the RL checks that apply to it (bounds, model and data paths, resume, device, the
+    mini-batch relation) and its own."""
+    data, optim, run = cfg.data, cfg.optim, cfg.trainer
+    problems = _bound_problems(cfg, {1: ["data.train_batch_size", "trainer.n_workers", "optim.ppo_epochs",
+                                         "trainer.total_epochs"]},
+                               {"optim.lr": (0.0, float("inf"), False, False)})
+    problems += _model_problems(cfg, ("model.path", "model.tokenizer_path")) + _data_file_problems(cfg)
+    problems += _run_problems(cfg)
+    if data.train_batch_size < run.n_workers:
+        problems.append(f"data.train_batch_size={data.train_batch_size} gives some of trainer.n_workers="
+                        f"{run.n_workers} ranks no conversation; use >= {run.n_workers}")
+    problems += _mini_batch_problems("optim.mini_batch_size", optim.mini_batch_size, data.train_batch_size)
+    budget = optim.max_tokens_per_micro_batch
+    if budget is not None and data.max_length is not None and budget < data.max_length:
+        problems.append(f"optim.max_tokens_per_micro_batch={budget} is below data.max_length={data.max_length}; "
+                        f"use >= {data.max_length}")
+    _raise_if_any(problems)
+
+
+def _raise_if_any(problems: list[str]) -> None:
     if problems:
         head = "invalid configuration:" if len(problems) == 1 else f"{len(problems)} problems in the configuration:"
         raise ConfigError(head + "\n  - " + "\n  - ".join(problems))

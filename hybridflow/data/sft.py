@@ -24,12 +24,10 @@ from typing import Any
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.config.sft import SFT_TRUNCATION_MODES
 from hybridflow.data.chat import check_messages, encode_conversation, has_chat_template
 from hybridflow.data.dataset import RowDataset
 from hybridflow.data.files import DataError, Record, as_path_list, read_records
-
-SFT_TRUNCATION_MODES = ("error", "filter", "right")
-
 
 def _conversation(record: Record, messages_key: str, prompt_key: str, response_key: str) -> list[dict]:
     if messages_key in record.data:

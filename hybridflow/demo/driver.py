@@ -112,9 +112,10 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
     `size`: a `SIZES` name or a `DemoSize`; `*_overrides`: `key=value` applied last to each recipe.
     """
     from hybridflow.config.loader import load_config
+    from hybridflow.config.sft import SFTConfig
     from hybridflow.demo.tasks import write_task_data
     from hybridflow.trainer.rl import train
-    from hybridflow.trainer.sft import SFTConfig, train_sft
+    from hybridflow.trainer.sft import train_sft
     from hybridflow.utils.tiny_model import build_tiny_model
 
     spec = SIZES[size] if isinstance(size, str) else size

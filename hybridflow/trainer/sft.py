@@ -20,20 +20,17 @@ Rows reach the engine right-padded, as "prompt" = the first token and "response"
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from hybridflow.algorithms import aggregate
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import BadStepCounter, check_writable, export_hf
-from hybridflow.config.schema import ModelConfig, OptimizedRoleConfig, TrainerConfig, opt
-from hybridflow.config.validate import ConfigError
+from hybridflow.config.validate import validate_sft
 from hybridflow.controller import Dispatch, WorkerGroup, register
 from hybridflow.data.loader import PromptLoader
-from hybridflow.data.sft import SFT_TRUNCATION_MODES, SFTDataset
+from hybridflow.data.sft import SFTDataset
 from hybridflow.engine.train import LossContext, TrainEngine
 from hybridflow.tracking import Tracker
 from hybridflow.tracking.metrics import compute_throughput, timer
@@ -42,91 +39,6 @@ from hybridflow.trainer.loop import run_steps
 from hybridflow.trainer.roles import device_type
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.update import run_update
-
-
-# ---------------------------------------------------------------------- config
-@dataclass
-class SFTDataConfig:
-    """Chat conversations to learn from."""
-
-    train_files: list[str] = opt([], "training conversation files: one path or a list (parquet or jsonl)")
-    val_files: list[str] = opt([], "validation conversation files (val/loss); [] = no validation")
-    messages_key: str = opt("messages", "column holding a conversation (a list of {role, content})")
-    prompt_key: str = opt("prompt", "without messages_key: column of the user turn")
-    response_key: str = opt("response", "without messages_key: column of the assistant turn")
-    max_length: Optional[int] = opt(1024, "longest conversation in tokens; null = no limit")
-    truncation: str = opt("error", "conversations over max_length: refuse, drop, or keep the first tokens",
-                          SFT_TRUNCATION_MODES)
-    train_batch_size: int = opt(32, "conversations per training step")
-    val_batch_size: Optional[int] = opt(None, "conversations per validation forward batch; null = all")
-    shuffle: bool = opt(True, "shuffle conversations each epoch (seeded)")
-    seed: Optional[int] = opt(None, "shuffling seed; null = trainer.seed")
-
-
-@dataclass
-class SFTOptimConfig(OptimizedRoleConfig):
-    """Optimisation of the model (AdamW, lr schedule, micro-batching and packing)."""
-
-    lr: float = opt(1e-5, "peak learning rate")
-    ppo_epochs: int = opt(1, "passes over each step's batch (each pass one optimizer step per mini-batch)")
-    mini_batch_size: Optional[int] = opt(None, "conversations per optimizer step; null = the whole batch")
-    micro_batch_size: Optional[int] = opt(None, "conversations per forward per rank; null = all of the rank's")
-    max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per forward (rows packed up to it; "
-                                                          "overrides micro_batch_size)")
-
-
-@dataclass
-class SFTTrainerConfig(TrainerConfig):
-    """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
-
-    output_dir: str = opt("outputs/sft", "where metrics, checkpoints and the final model (hf/) go")
-    val_before_train: bool = opt(False, "compute val/loss once before the first step")
-
-
-@dataclass
-class SFTConfig:
-    """Everything `hybridflow sft` reads."""
-
-    model: ModelConfig = opt(ModelConfig, "the model to fine-tune")
-    data: SFTDataConfig = opt(SFTDataConfig, "conversation data")
-    optim: SFTOptimConfig = opt(SFTOptimConfig, "optimisation")
-    trainer: SFTTrainerConfig = opt(SFTTrainerConfig, "the run")
-
-
-def validate_sft(cfg: Any) -> None:
-    """Raises one `ConfigError` naming every problem of an `SFTConfig`, before any model loads."""
-    data, optim, run = cfg.data, cfg.optim, cfg.trainer
-    problems = []
-    if cfg.model.path is None:
-        problems.append("model.path is required (a Hugging Face model directory)")
-    elif cfg.model.path.startswith(("/", ".", "~")) and not Path(cfg.model.path).expanduser().exists():
-        problems.append(f"model.path={cfg.model.path}: no such directory")
-    if not data.train_files:
-        problems.append("data.train_files is required (one parquet/jsonl path or a list)")
-    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
-        problems += [f"{key}: file {p} not found" for p in files if not Path(p).expanduser().is_file()]
-    for key, value in (("data.train_batch_size", data.train_batch_size), ("trainer.n_workers", run.n_workers),
-                       ("optim.ppo_epochs", optim.ppo_epochs), ("trainer.total_epochs", run.total_epochs)):
-        if value < 1:
-            problems.append(f"{key}={value} must be >= 1")
-    if not optim.lr > 0:
-        problems.append(f"optim.lr={optim.lr} must be > 0")
-    if data.train_batch_size < run.n_workers:
-        problems.append(f"data.train_batch_size={data.train_batch_size} gives some of trainer.n_workers="
-                        f"{run.n_workers} ranks no conversation; use >= {run.n_workers}")
-    mini = optim.mini_batch_size
-    if mini is not None and (mini < 1 or data.train_batch_size % mini):
-        valid = [d for d in range(1, data.train_batch_size + 1) if data.train_batch_size % d == 0]
-        problems.append(f"optim.mini_batch_size={mini} must divide data.train_batch_size="
-                        f"{data.train_batch_size}; valid: {', '.join(map(str, valid))} or null")
-    budget = optim.max_tokens_per_micro_batch
-    if budget is not None and data.max_length is not None and budget < data.max_length:
-        problems.append(f"optim.max_tokens_per_micro_batch={budget} is below data.max_length={data.max_length}; "
-                        f"use >= {data.max_length}")
-    if run.total_steps is not None and run.total_steps < 1:
-        problems.append(f"trainer.total_steps={run.total_steps} must be >= 1 (or null = trainer.total_epochs)")
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
 # ---------------------------------------------------------------------- data → engine rows

@@ -96,6 +96,27 @@ def test_paths(tmp_path):
         validate(_cfg(f"data.train_files={data}"))
 
 
+def test_sft_config_gets_the_shared_checks_and_its_own(tmp_path):
+    from hybridflow.config.sft import SFTConfig
+    from hybridflow.config.validate import validate_sft
+
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(b"")
+    base = [f"model.path={tmp_path}", f"data.train_files={data}", "data.train_batch_size=4"]
+    validate_sft(load_config(base, schema=SFTConfig))
+    with pytest.raises(ConfigError) as e:
+        validate_sft(load_config([*base, f"model.tokenizer_path={tmp_path}/tok", "trainer.resume=/no/such/ckpt",
+                                  "trainer.n_workers=8", "optim.mini_batch_size=3", "optim.lr=0",
+                                  "trainer.total_steps=0", f"data.val_files={tmp_path}/val.jsonl"], schema=SFTConfig))
+    msg = str(e.value)
+    assert msg.startswith("7 problems in the configuration:")
+    assert f"model.tokenizer_path={tmp_path}/tok: no such directory" in msg and "val.jsonl not found" in msg
+    assert "trainer.resume='/no/such/ckpt': no such checkpoint" in msg and "optim.lr=0.0 must be in (0.0, inf)" in msg
+    assert "data.train_batch_size=4 gives some of trainer.n_workers=8 ranks no conversation" in msg
+    assert "optim.mini_batch_size=3 must divide data.train_batch_size=4; valid: 1, 2, 4 or null" in msg
+    assert "trainer.total_steps=0 must be >= 1" in msg
+
+
 def test_reward_function_resolved_before_training(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "hi"}\n')

@@ -11,7 +11,8 @@ from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
 from hybridflow.config.validate import ConfigError
 from hybridflow.data.sft import SFTDataset
-from hybridflow.trainer.sft import SFTConfig, SFTTrainer, collate_sft_rows
+from hybridflow.config.sft import SFTConfig
+from hybridflow.trainer.sft import SFTTrainer, collate_sft_rows
 
 WORDS = ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]
 
