@@ -117,8 +117,8 @@ class RolloutConfig:
 
 
 @dataclass
-class OptimizedRoleConfig:
-    """Optimisation settings shared by the trained roles (actor, critic)."""
+class OptimConfig:
+    """Optimisation of a trained model: AdamW, lr schedule, clipping, mini-/micro-batching, packing, offload."""
 
     lr: float = opt(1e-6, "peak learning rate")
     lr_schedule: str = opt("constant", "learning-rate schedule after warm-up", LR_SCHEDULES)
@@ -127,7 +127,6 @@ class OptimizedRoleConfig:
     weight_decay: float = opt(0.01, "AdamW weight decay")
     betas: tuple[float, float] = opt((0.9, 0.999), "AdamW betas")
     grad_clip: float = opt(1.0, "gradient-norm clipping threshold")
-    ppo_epochs: int = opt(1, "passes over each step's batch")
     mini_batch_size: Optional[int] = opt(None, "prompts per optimizer step (rows = this x rollout.n); "
                                                "null = the whole batch")
     micro_batch_size: Optional[int] = opt(None, "rows per forward per rank; null = the rank's whole mini-batch")
@@ -142,6 +141,13 @@ class OptimizedRoleConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # OmegaConf < 2.4 hands tuples over as lists
+
+
+@dataclass
+class OptimizedRoleConfig(OptimConfig):
+    """Optimisation settings shared by the RL-trained roles (actor, critic)."""
+
+    ppo_epochs: int = opt(1, "passes over each step's batch")
 
 
 @dataclass

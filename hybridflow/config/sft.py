@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from hybridflow.config.schema import ModelConfig, OptimizedRoleConfig, TrainerConfig, opt
+from hybridflow.config.schema import ModelConfig, OptimConfig, TrainerConfig, opt
 
 SFT_TRUNCATION_MODES = ("error", "filter", "right")
 
@@ -34,15 +34,15 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTOptimConfig(OptimizedRoleConfig):
+class SFTOptimConfig(OptimConfig):
     """Optimisation of the model (AdamW, lr schedule, micro-batching and packing)."""
 
     lr: float = opt(1e-5, "peak learning rate")
-    ppo_epochs: int = opt(1, "passes over each step's batch (each pass one optimizer step per mini-batch)")
     mini_batch_size: Optional[int] = opt(None, "conversations per optimizer step; null = the whole batch")
     micro_batch_size: Optional[int] = opt(None, "conversations per forward per rank; null = all of the rank's")
     max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per forward (rows packed up to it; "
                                                           "overrides micro_batch_size)")
+    passes_per_batch: int = opt(1, "passes over each step's batch (each pass one optimizer step per mini-batch)")
 
 
 @dataclass

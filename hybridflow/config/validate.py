@@ -274,7 +274,7 @@ def validate_sft(cfg: Any) -> None:
     any model loads: the RL checks that apply to it (bounds, model and data paths, resume, device, the
     mini-batch relation) and its own."""
     data, optim, run = cfg.data, cfg.optim, cfg.trainer
-    problems = _bound_problems(cfg, {1: ["data.train_batch_size", "trainer.n_workers", "optim.ppo_epochs",
+    problems = _bound_problems(cfg, {1: ["data.train_batch_size", "trainer.n_workers", "optim.passes_per_batch",
                                          "trainer.total_epochs"]},
                                {"optim.lr": (0.0, float("inf"), False, False)})
     problems += _model_problems(cfg, ("model.path", "model.tokenizer_path")) + _data_file_problems(cfg)

@@ -83,7 +83,8 @@ class SFTWorker(EngineWorker):
     def train_batch(self, batch: Batch) -> dict[str, float]:
         """Optimizer step(s) on this rank's rows; `train/{loss,grad_norm,lr}`, identical on all ranks."""
         self._onload()
-        metrics = run_update(self.engine, batch.tensors, self.cfg, sft_loss(self.cfg), prefix="train",
+        metrics = run_update(self.engine, batch.tensors, self.cfg, sft_loss(self.cfg),
+                             passes=self.cfg.passes_per_batch, prefix="train",
                              seed=self.update_count)
         self._offload_idle()
         self.update_count += 1
@@ -138,7 +139,7 @@ class SFTTrainer:
                                            drop_last=False, collate=collate)
         self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
         mini = cfg.optim.mini_batch_size
-        optimizer_steps = self.total_steps * cfg.optim.ppo_epochs * (data.train_batch_size // mini if mini else 1)
+        optimizer_steps = self.total_steps * cfg.optim.passes_per_batch * (data.train_batch_size // mini if mini else 1)
         self.worker = WorkerGroup(SFTWorker, name="sft", n_workers=cfg.trainer.n_workers,
                                   backend=cfg.trainer.backend, device=device_type(cfg.trainer.device),
                                   init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim,
@@ -167,7 +168,7 @@ class SFTTrainer:
         return metrics
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step (or `optim.ppo_epochs` x mini-batches) on a batch of conversations."""
+        """One optimizer step (or `optim.passes_per_batch` x mini-batches) on a batch of conversations."""
         timings: dict[str, float] = {}
         with timer("step", timings):
             metrics = self.worker.train_batch(batch)

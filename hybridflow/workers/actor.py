@@ -89,7 +89,7 @@ class ActorWorker(EngineWorker):
         use_entropy = self.cfg.entropy_coef != 0
         self._onload()
         metrics = run_update(self.engine, batch.tensors, self.cfg, actor_loss(self.cfg, use_kl, use_entropy),
-                             prefix="actor", rollout_n=self.rollout_cfg.n,
+                             passes=self.cfg.ppo_epochs, prefix="actor", rollout_n=self.rollout_cfg.n,
                              temperature=temperature_of(batch, self.rollout_cfg.temperature),
                              with_entropy=use_entropy or "entropy" not in batch, seed=self.update_count)
         self._offload_idle()

@@ -50,7 +50,8 @@ class CriticWorker(EngineWorker):
             if key not in batch:
                 raise KeyError(f"update_critic needs `{key}` in the batch; it has {batch.keys()}")
         self._onload()
-        metrics = run_update(self.engine, batch.tensors, self.cfg, critic_loss(self.cfg), prefix="critic",
+        metrics = run_update(self.engine, batch.tensors, self.cfg, critic_loss(self.cfg),
+                             passes=self.cfg.ppo_epochs, prefix="critic",
                              rollout_n=self.rollout_n, seed=self.update_count)
         self._offload_idle()
         self.update_count += 1

@@ -1,7 +1,7 @@
-"""The PPO-style update loop shared by the actor and the critic, and the losses each of them trains on.
+"""The PPO-style update loop shared by the actor, the critic and SFT, and the losses actor and critic train on.
 
-`run_update` makes `ppo_epochs` passes over this rank's rows, each pass cut into the same number of
-(shuffled) mini-batches on every rank — one optimizer step each, verl's semantics: a mini-batch is
+`run_update` makes `passes` passes over this rank's rows (the actor's and critic's `ppo_epochs`, SFT's
+`passes_per_batch`), each pass cut into the same number of (shuffled) mini-batches on every rank — one optimizer step each, verl's semantics: a mini-batch is
 `mini_batch_size x rollout.n` rows over all ranks. `actor_loss` and `critic_loss` build the engine's
 `loss_fn` from `hybridflow.algorithms` (policy loss + optional KL loss and entropy bonus; clipped value
 loss), aggregating with the mini-batch's global token and sequence counts so micro-batching and data
@@ -77,10 +77,11 @@ def _mean_over_ranks(values: dict[str, float], engine: TrainEngine) -> dict[str,
     return {k: float(v) / engine.world_size for k, v in zip(keys, summed.tolist())}
 
 
-def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, loss_fn, *, prefix: str,
-               rollout_n: int = 1, temperature: float = 1.0, with_entropy: bool = False, seed: int = 0
+def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, loss_fn, *, passes: int,
+               prefix: str, rollout_n: int = 1, temperature: float = 1.0, with_entropy: bool = False, seed: int = 0
                ) -> dict[str, float]:
-    """All optimizer steps of one trainer step; metrics identical on every rank.
+    """All optimizer steps of one trainer step: `passes` passes over the rows, `cfg` (an `OptimConfig`)
+    cutting each into mini- and micro-batches; metrics identical on every rank.
 
     Returns the loss metrics averaged over steps, `{prefix}/grad_norm` (mean pre-clip norm),
     `{prefix}/lr` (of the last step), `{prefix}/skipped_steps` (non-finite norms so far),
@@ -95,7 +96,7 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
     history: dict[str, list[float]] = defaultdict(list)
 
     def train() -> None:
-        for epoch in range(cfg.ppo_epochs):
+        for epoch in range(passes):
             for idx in mini_batch_slices(rows, steps, cfg.shuffle, seed * 1000 + epoch):
                 mb = take_rows(tensors, idx)
                 m = engine.train_step(mb, loss_fn, micro_batch_size=cfg.micro_batch_size,
@@ -110,7 +111,7 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
     metrics[f"{prefix}/lr"] = history["lr"][-1]
     metrics[f"{prefix}/skipped_steps"] = float(engine.skipped_steps)
     seq_lens = tensors["attention_mask"].sum(-1).tolist()
-    perf = engine.perf_metrics(seq_lens, seconds, passes=cfg.ppo_epochs)
+    perf = engine.perf_metrics(seq_lens, seconds, passes=passes)
     local = {f"perf/throughput/{prefix}": perf["throughput"]}
     if "mfu" in perf:
         local[f"perf/mfu/{prefix}"] = perf["mfu"]
