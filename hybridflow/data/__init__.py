@@ -2,8 +2,8 @@
 
 from hybridflow.data.dataset import RLDataset
 from hybridflow.data.files import DataError
-from hybridflow.data.loader import PromptLoader, build_prompt_loaders, collate_prompts
+from hybridflow.data.loader import BatchLoader, build_prompt_loaders, collate_prompts
 from hybridflow.data.sft import PackingCollator, SFTDataset, pack_lengths
 
-__all__ = ["DataError", "PackingCollator", "PromptLoader", "RLDataset", "SFTDataset", "build_prompt_loaders",
+__all__ = ["BatchLoader", "DataError", "PackingCollator", "RLDataset", "SFTDataset", "build_prompt_loaders",
            "collate_prompts", "pack_lengths"]

@@ -1,8 +1,10 @@
-"""`PromptLoader`: seeded, resumable batches of a dataset, as `hybridflow.batch.Batch` objects.
+"""`BatchLoader`: seeded, resumable batches of a dataset, as `hybridflow.batch.Batch` objects.
 
 The order of epoch `e` is a permutation drawn from `(seed, e)` alone, so it does not depend on what
 ran before; the loader's state is `(epoch, position)` (batches already taken in that epoch), and
-`load_state_dict(state_dict())` continues with exactly the next batch. Prompt batches are left-padded:
+`load_state_dict(state_dict())` continues with exactly the next batch. The loader serves any dataset
+through its `collate` (the SFT trainer's conversations, for one); by default it makes prompt batches,
+left-padded:
 
     prompts         [B, P] long   token ids, left-padded with the pad id (P = longest prompt in batch)
     attention_mask  [B, P] long   1 on real tokens
@@ -42,7 +44,7 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_id: int, epoch: int) ->
     return Batch({"prompts": ids, "attention_mask": mask}, non_tensors, {"epoch": epoch})
 
 
-class PromptLoader:
+class BatchLoader:
     """Batches of `dataset` in a seeded order per epoch, with a checkpointable position.
 
     Args:
@@ -121,7 +123,7 @@ class PromptLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def build_prompt_loaders(cfg: Any, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
+def build_prompt_loaders(cfg: Any, tokenizer: Any) -> tuple[BatchLoader, BatchLoader | None]:
     """`(train, val)` loaders from an `RLConfig`'s `data` (and `trainer.seed`); val is None without files.
 
     Validation batches keep the file order, keep every row, and hold `data.val_batch_size` prompts
@@ -134,9 +136,9 @@ def build_prompt_loaders(cfg: Any, tokenizer: Any) -> tuple[PromptLoader, Prompt
                          data.apply_chat_template)
 
     seed = data.seed if data.seed is not None else cfg.trainer.seed
-    train = PromptLoader(dataset(data.train_files), data.train_batch_size, seed, shuffle=data.shuffle)
+    train = BatchLoader(dataset(data.train_files), data.train_batch_size, seed, shuffle=data.shuffle)
     if not data.val_files:
         return train, None
     val_ds = dataset(data.val_files)
-    val = PromptLoader(val_ds, data.val_batch_size or len(val_ds), seed, shuffle=False, drop_last=False)
+    val = BatchLoader(val_ds, data.val_batch_size or len(val_ds), seed, shuffle=False, drop_last=False)
     return train, val

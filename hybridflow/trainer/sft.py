@@ -29,7 +29,7 @@ from hybridflow.batch import Batch
 from hybridflow.checkpoint import BadStepCounter, check_writable, export_hf
 from hybridflow.config.validate import validate_sft
 from hybridflow.controller import Dispatch, WorkerGroup, register
-from hybridflow.data.loader import PromptLoader
+from hybridflow.data.loader import BatchLoader
 from hybridflow.data.sft import SFTDataset
 from hybridflow.engine.train import LossContext, TrainEngine
 from hybridflow.tracking import Tracker
@@ -131,11 +131,11 @@ class SFTTrainer:
         def collate(items: list[dict[str, Any]], epoch: int) -> Batch:
             return collate_sft_rows(items, pad_id, epoch)
 
-        self.train_loader = PromptLoader(train_ds, data.train_batch_size, seed, data.shuffle, collate=collate)
+        self.train_loader = BatchLoader(train_ds, data.train_batch_size, seed, data.shuffle, collate=collate)
         self.val_loader = None
         if data.val_files:
             val_ds = self.dataset(data.val_files)
-            self.val_loader = PromptLoader(val_ds, data.val_batch_size or len(val_ds), seed, shuffle=False,
+            self.val_loader = BatchLoader(val_ds, data.val_batch_size or len(val_ds), seed, shuffle=False,
                                            drop_last=False, collate=collate)
         self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
         mini = cfg.optim.mini_batch_size

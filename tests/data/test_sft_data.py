@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.data import DataError, PackingCollator, PromptLoader, SFTDataset, pack_lengths
+from hybridflow.data import DataError, PackingCollator, BatchLoader, SFTDataset, pack_lengths
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -97,7 +97,7 @@ def test_packing_collator_keeps_rows_positions_and_masks():
 
 def test_sft_through_the_loader(write_jsonl, tokenizer):
     ds = SFTDataset(write_jsonl([{"prompt": f"Q{i}", "response": "A" * i} for i in range(1, 7)]), tokenizer)
-    loader = PromptLoader(ds, batch_size=3, seed=0, collate=PackingCollator(64, ds.pad_token_id))
+    loader = BatchLoader(ds, batch_size=3, seed=0, collate=PackingCollator(64, ds.pad_token_id))
     batches = list(loader)
     assert len(batches) == 2
     assert sum(b.meta["num_sequences"] for b in batches) == 6

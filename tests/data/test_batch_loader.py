@@ -1,4 +1,4 @@
-"""PromptLoader: left-padded prompt batches, seeded epochs, exact resume, config wiring."""
+"""BatchLoader: left-padded prompt batches, seeded epochs, exact resume, config wiring."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config import load_config
-from hybridflow.data import PromptLoader, RLDataset, build_prompt_loaders
+from hybridflow.data import BatchLoader, RLDataset, build_prompt_loaders
 from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
 
 
@@ -23,7 +23,7 @@ def _uids(batches):
 
 
 def test_batch_is_left_padded(dataset):
-    batch = PromptLoader(dataset, batch_size=4, shuffle=False).next_batch()
+    batch = BatchLoader(dataset, batch_size=4, shuffle=False).next_batch()
     assert isinstance(batch, Batch) and len(batch) == 4
     lengths = [len(dataset[i]["input_ids"]) for i in range(4)]  # 1, 2, 3, 4 tokens
     prompts, mask = batch["prompts"], batch["attention_mask"]
@@ -40,7 +40,7 @@ def test_batch_is_left_padded(dataset):
 
 
 def test_seeded_epochs(dataset):
-    a, b = PromptLoader(dataset, 2, seed=3), PromptLoader(dataset, 2, seed=3)
+    a, b = BatchLoader(dataset, 2, seed=3), BatchLoader(dataset, 2, seed=3)
     epoch0, epoch1 = list(a), list(a)
     assert _uids(epoch0) == _uids(list(b))
     assert len(epoch0) == len(a) == 5
@@ -48,46 +48,46 @@ def test_seeded_epochs(dataset):
     assert idx0 == list(range(10))  # each epoch is a permutation
     assert [u.split("-")[0] for u in _uids(epoch1)[0]] == ["1", "1"]
     assert [int(i) for bt in epoch0 for i in bt["index"]] != [int(i) for bt in epoch1 for i in bt["index"]]
-    other = list(PromptLoader(dataset, 2, seed=4))
+    other = list(BatchLoader(dataset, 2, seed=4))
     assert _uids(other) != _uids(epoch0)
 
 
 def test_resume_continues_with_the_exact_next_batch(dataset):
-    ref = PromptLoader(dataset, 3, seed=7)  # 3 batches per epoch (drop_last)
+    ref = BatchLoader(dataset, 3, seed=7)  # 3 batches per epoch (drop_last)
     expected = [ref.next_batch() for _ in range(8)]
-    run = PromptLoader(dataset, 3, seed=7)
+    run = BatchLoader(dataset, 3, seed=7)
     for _ in range(5):  # into the second epoch
         run.next_batch()
     state = run.state_dict()
     assert state == {"epoch": 1, "position": 2, "seed": 7, "batch_size": 3, "shuffle": True}
-    resumed = PromptLoader(dataset, 3, seed=0)
+    resumed = BatchLoader(dataset, 3, seed=0)
     resumed.load_state_dict(state)
     for want in expected[5:]:
         assert resumed.next_batch() == want
 
 
 def test_state_at_epoch_end_and_iteration_resume(dataset):
-    loader = PromptLoader(dataset, 5, seed=1)
+    loader = BatchLoader(dataset, 5, seed=1)
     batches = iter(loader)
     next(batches), next(batches)
     assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["position"] == 0
-    mid = PromptLoader(dataset, 5, seed=1)
+    mid = BatchLoader(dataset, 5, seed=1)
     next(iter(mid))
-    again = PromptLoader(dataset, 5, seed=1)
+    again = BatchLoader(dataset, 5, seed=1)
     again.load_state_dict(mid.state_dict())
     assert _uids(list(again)) == _uids(list(mid))  # the rest of epoch 0: one batch
 
 
 def test_bad_states_and_sizes(dataset):
-    loader = PromptLoader(dataset, 2)
+    loader = BatchLoader(dataset, 2)
     with pytest.raises(ValueError, match="batch_size=4, this loader 2"):
         loader.load_state_dict({"epoch": 0, "position": 0, "seed": 0, "batch_size": 4, "shuffle": True})
     with pytest.raises(ValueError, match="larger than the dataset"):
-        PromptLoader(dataset, 11)
+        BatchLoader(dataset, 11)
 
 
 def test_validation_loader_keeps_every_row(dataset):
-    loader = PromptLoader(dataset, 4, shuffle=False, drop_last=False)
+    loader = BatchLoader(dataset, 4, shuffle=False, drop_last=False)
     assert [len(b) for b in loader] == [4, 4, 2]
 
 
@@ -108,7 +108,7 @@ def test_saved_hf_tokenizer_end_to_end(tmp_path, tiny_qwen2):
     tok = AutoTokenizer.from_pretrained(tiny_qwen2)
     train, _ = write_gsm8k_synthetic(tmp_path, n_train=8, n_val=2)
     ds = RLDataset(train, tok, max_prompt_length=256)
-    batch = PromptLoader(ds, 4, seed=1).next_batch()
+    batch = BatchLoader(ds, 4, seed=1).next_batch()
     for row, mask, messages in zip(batch["prompts"], batch["attention_mask"], batch["raw_prompt"]):
         text = tok.decode(row[mask.bool()].tolist())
         assert text == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
