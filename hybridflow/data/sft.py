@@ -13,6 +13,14 @@ decreasing), each row keeping its own position ids, so no compute is spent on pa
     loss_mask     [K, W] float32  1.0 on assistant tokens
     segment_ids   [K, W] long     1, 2, ... per row inside a pack, 0 on padding (for varlen attention)
     attention_mask [K, W] long    1 on real tokens
+
+`collate_sft_rows` makes the rows the training engine takes instead, one conversation per row,
+right-padded, as "prompt" = the first token and "response" = the rest:
+
+    input_ids       [B, W]    long     conversation tokens, right-padded with the pad id
+    attention_mask  [B, W]    long     1 on real tokens
+    position_ids    [B, W]    long     0.. per row
+    response_mask   [B, W-1]  float32  the loss mask of tokens 1..W-1 (1.0 on assistant tokens)
 """
 
 from __future__ import annotations
@@ -143,3 +151,19 @@ class PackingCollator:
             {"index": [[items[i]["index"] for i in p] for p in packs]},
             {"epoch": epoch, "num_sequences": len(items)},
         )
+
+
+def collate_sft_rows(items: list[dict[str, Any]], pad_id: int, epoch: int = 0) -> Batch:
+    """A `Batch` of right-padded conversations (keys in the module docstring) from `SFTDataset` items."""
+    lengths = [len(it["input_ids"]) for it in items]
+    width = max(max(lengths), 2)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(items), width, dtype=torch.float32)
+    for i, it in enumerate(items):
+        input_ids[i, :lengths[i]] = torch.as_tensor(it["input_ids"], dtype=torch.long)
+        loss_mask[i, :lengths[i]] = torch.as_tensor(it["loss_mask"], dtype=torch.float32)
+    attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "response_mask": loss_mask[:, 1:].contiguous()},
+                 {"index": [it["index"] for it in items]}, {"epoch": epoch})

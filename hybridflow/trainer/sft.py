@@ -3,18 +3,12 @@
     hybridflow sft --config recipes/sft.yaml model.path=MODEL_DIR data.train_files=chats.jsonl
 
 A step takes `data.train_batch_size` conversations (`messages`, or `prompt` + `response`, from parquet
-or jsonl; `hybridflow.data.SFTDataset`), and one `SFTWorker` group trains on them with the FSDP2
-`TrainEngine`: negative log-likelihood on assistant tokens only, rows packed into token-budget
-micro-batches (`optim.use_packing`, `optim.max_tokens_per_micro_batch`). Checkpoints, resume and the
-metric sinks are the RL trainer's; the final model is written as a Hugging Face directory under
-`<trainer.output_dir>/hf`, ready for `hybridflow train model.path=<that>`.
-
-Rows reach the engine right-padded, as "prompt" = the first token and "response" = the rest:
-
-    input_ids       [B, W]    long     conversation tokens, right-padded with the pad id
-    attention_mask  [B, W]    long     1 on real tokens
-    position_ids    [B, W]    long     0.. per row
-    response_mask   [B, W-1]  float32  the loss mask of tokens 1..W-1 (1.0 on assistant tokens)
+or jsonl; `hybridflow.data.SFTDataset`, rows made by `hybridflow.data.sft.collate_sft_rows`), and one
+`SFTWorker` group (`hybridflow.workers.sft`) trains on them with the FSDP2 `TrainEngine`: negative
+log-likelihood on assistant tokens only, rows packed into token-budget micro-batches (`optim.use_packing`,
+`optim.max_tokens_per_micro_batch`). Checkpoints, resume and the metric sinks are the RL trainer's; the
+final model is written as a Hugging Face directory under `<trainer.output_dir>/hf`, ready for
+`hybridflow train model.path=<that>`.
 """
 
 from __future__ import annotations
@@ -22,83 +16,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
-from hybridflow.algorithms import aggregate
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import BadStepCounter, check_writable, export_hf
 from hybridflow.config.validate import validate_sft
-from hybridflow.controller import Dispatch, WorkerGroup, register
+from hybridflow.controller import WorkerGroup
 from hybridflow.data.loader import BatchLoader
-from hybridflow.data.sft import SFTDataset
-from hybridflow.engine.train import LossContext, TrainEngine
+from hybridflow.data.sft import SFTDataset, collate_sft_rows
 from hybridflow.tracking import Tracker
 from hybridflow.tracking.metrics import compute_throughput, timer
 from hybridflow.trainer.checkpointing import RunCheckpoints
 from hybridflow.trainer.loop import run_steps
 from hybridflow.trainer.roles import device_type
-from hybridflow.workers.base import EngineWorker
-from hybridflow.workers.update import run_update
-
-
-# ---------------------------------------------------------------------- data → engine rows
-def collate_sft_rows(items: list[dict[str, Any]], pad_id: int, epoch: int = 0) -> Batch:
-    """A `Batch` of right-padded conversations (keys in the module docstring) from `SFTDataset` items."""
-    lengths = [len(it["input_ids"]) for it in items]
-    width = max(max(lengths), 2)
-    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(items), width, dtype=torch.float32)
-    for i, it in enumerate(items):
-        input_ids[i, :lengths[i]] = torch.as_tensor(it["input_ids"], dtype=torch.long)
-        loss_mask[i, :lengths[i]] = torch.as_tensor(it["loss_mask"], dtype=torch.float32)
-    attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  "response_mask": loss_mask[:, 1:].contiguous()},
-                 {"index": [it["index"] for it in items]}, {"epoch": epoch})
-
-
-def sft_loss(cfg: Any):
-    """`loss_fn` for `TrainEngine.train_step`: negative log-likelihood of the masked tokens, aggregated
-    with `cfg.loss_agg` over the whole mini-batch; reports `train/loss`."""
-
-    def loss_fn(out: dict, mb: dict, ctx: LossContext):
-        mask = mb["response_mask"]
-        loss = aggregate(-out["log_probs"], mask, cfg.loss_agg, ctx.global_tokens, ctx.global_seqs, mask.shape[1])
-        return loss, {"train/loss": loss.detach() * ctx.share_to_value(mask)}
-
-    return loss_fn
-
-
-class SFTWorker(EngineWorker):
-    """The model being fine-tuned on this rank: a `TrainEngine` and the SFT loss."""
-
-    def __init__(self, model_cfg: Any, optim_cfg: Any, total_steps: int = 1) -> None:
-        self.cfg = optim_cfg
-        self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=total_steps, device=self.device)
-        self.update_count = 0
-        self._offload_idle()
-
-    @register(Dispatch.DATA_PARALLEL, collect="same")
-    def train_batch(self, batch: Batch) -> dict[str, float]:
-        """Optimizer step(s) on this rank's rows; `train/{loss,grad_norm,lr}`, identical on all ranks."""
-        self._onload()
-        metrics = run_update(self.engine, batch.tensors, self.cfg, sft_loss(self.cfg),
-                             passes=self.cfg.passes_per_batch, prefix="train",
-                             seed=self.update_count)
-        self._offload_idle()
-        self.update_count += 1
-        return metrics
-
-    @register(Dispatch.DATA_PARALLEL)
-    def eval_nll(self, batch: Batch) -> dict[str, float]:
-        """`{"nll": summed NLL of the masked tokens, "tokens": their count}` over this rank's rows."""
-        self._onload()
-        out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
-                                max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing)
-        self._offload_idle()
-        mask = batch["response_mask"]
-        return {"nll": float(-(out["log_probs"] * mask).sum()), "tokens": float(mask.sum())}
+from hybridflow.workers.sft import SFTWorker
 
 
 class SFTCheckpoints(RunCheckpoints):
@@ -182,8 +111,8 @@ class SFTTrainer:
         start = time.perf_counter()
         nll = tokens = 0.0
         for batch in self.val_loader:
-            for part in self.worker.eval_nll(batch):
-                nll, tokens = nll + part["nll"], tokens + part["tokens"]
+            part = self.worker.eval_nll(batch)
+            nll, tokens = nll + part["nll"], tokens + part["tokens"]
         return {"val/loss": nll / max(tokens, 1.0), "timing_s/val": time.perf_counter() - start}
 
     def close(self) -> None:

@@ -10,9 +10,9 @@ import torch
 from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
 from hybridflow.config.validate import ConfigError
-from hybridflow.data.sft import SFTDataset
 from hybridflow.config.sft import SFTConfig
-from hybridflow.trainer.sft import SFTTrainer, collate_sft_rows
+from hybridflow.data.sft import SFTDataset, collate_sft_rows
+from hybridflow.trainer.sft import SFTTrainer
 
 WORDS = ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]
 

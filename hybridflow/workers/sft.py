@@ -1,0 +1,65 @@
+"""`SFTWorker`: the model being fine-tuned on one rank, and the SFT loss it trains on.
+
+The loss is the negative log-likelihood of the assistant tokens (`response_mask` of the rows
+`hybridflow.data.sft.collate_sft_rows` makes), aggregated over the whole mini-batch like the RL losses;
+`train_batch` runs the shared update loop (`hybridflow.workers.update.run_update`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.algorithms import aggregate
+from hybridflow.batch import Batch
+from hybridflow.controller import Dispatch, register
+from hybridflow.engine.train import LossContext, TrainEngine
+from hybridflow.engine.train.collectives import all_reduce
+from hybridflow.workers.base import EngineWorker
+from hybridflow.workers.update import run_update
+
+
+def sft_loss(cfg: Any):
+    """`loss_fn` for `TrainEngine.train_step`: negative log-likelihood of the masked tokens, aggregated
+    with `cfg.loss_agg` over the whole mini-batch; reports `train/loss`."""
+
+    def loss_fn(out: dict, mb: dict, ctx: LossContext):
+        mask = mb["response_mask"]
+        loss = aggregate(-out["log_probs"], mask, cfg.loss_agg, ctx.global_tokens, ctx.global_seqs, mask.shape[1])
+        return loss, {"train/loss": loss.detach() * ctx.share_to_value(mask)}
+
+    return loss_fn
+
+
+class SFTWorker(EngineWorker):
+    """The model being fine-tuned on this rank: a `TrainEngine` and the SFT loss."""
+
+    def __init__(self, model_cfg: Any, optim_cfg: Any, total_steps: int = 1) -> None:
+        self.cfg = optim_cfg
+        self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=total_steps, device=self.device)
+        self.update_count = 0
+        self._offload_idle()
+
+    @register(Dispatch.DATA_PARALLEL, collect="same")
+    def train_batch(self, batch: Batch) -> dict[str, float]:
+        """Optimizer step(s) on this rank's rows; `train/{loss,grad_norm,lr}`, identical on all ranks."""
+        self._onload()
+        metrics = run_update(self.engine, batch.tensors, self.cfg, sft_loss(self.cfg),
+                             passes=self.cfg.passes_per_batch, prefix="train",
+                             seed=self.update_count)
+        self._offload_idle()
+        self.update_count += 1
+        return metrics
+
+    @register(Dispatch.DATA_PARALLEL, collect="same")
+    def eval_nll(self, batch: Batch) -> dict[str, float]:
+        """`{"nll": summed NLL of the masked tokens, "tokens": their count}` over every rank's rows."""
+        self._onload()
+        out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
+                                max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing)
+        self._offload_idle()
+        mask = batch["response_mask"]
+        local = torch.stack([-(out["log_probs"] * mask).sum(), mask.sum()]).double()
+        nll, tokens = all_reduce(local, self.device).tolist()
+        return {"nll": nll, "tokens": tokens}
