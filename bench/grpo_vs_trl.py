@@ -130,9 +130,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
             phases.append(phase)
             print(f"hybridflow step {trainer.step}: {m['timing_s/step']:.3f}s", flush=True)
     finally:
-        trainer.roles.shutdown()
-        trainer.rewards.close()
-        trainer.tracker.close()
+        trainer.close()
     return {"step_s": step_s, "gen_tokens_per_s": gen_tok_s, "response_length_mean": lengths,
             "phases_s": phases, "mfu_actor": mfu, "peak_memory_gb": peak_memory_gb(a.device), "profile": profile}
 

@@ -44,18 +44,31 @@ def save_hf_assets(role_dir: str | Path, model_path: str | Path) -> Path:
     return dest
 
 
+def exported_role(checkpoint: Path) -> str:
+    """The role of a checkpoint whose model is exported by default: the one its trainer saved Hugging Face
+    assets for (`actor` in an RL run, `sft` in an SFT run)."""
+    roles = sorted(p.name for p in checkpoint.iterdir() if (p / HF_DIR).is_dir())
+    if len(roles) != 1:
+        saved = sorted(p.name for p in checkpoint.iterdir() if (p / "model").is_dir())
+        raise CheckpointError(f"checkpoint {checkpoint} has Hugging Face assets for {roles or 'no role'}; pick "
+                              f"the model to export with role= (--role): one of {saved}")
+    return roles[0]
+
+
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_config=None,
-              role: str = "actor", dtype: str | torch.dtype | None = None) -> Path:
+              role: str | None = None, dtype: str | torch.dtype | None = None) -> Path:
     """Write a Hugging Face model directory for `role` of a checkpoint; return `out_dir`.
 
     `checkpoint_dir`: a checkpoint (`step_<N>`), or a run's output dir / `checkpoints/` dir (its newest
-    complete checkpoint is used). `model_path_or_config`: None uses the config and tokenizer stored in
-    the checkpoint; a model path takes them from there; a `PretrainedConfig` gives the config only (no
-    tokenizer is written). `dtype`: None keeps the saved dtype, else "float32" / "bfloat16" / "float16".
+    complete checkpoint is used). `role`: None takes `exported_role` (the trained policy). `model_path_or_config`:
+    None uses the config and tokenizer stored in the checkpoint; a model path takes them from there; a
+    `PretrainedConfig` gives the config only (no tokenizer is written). `dtype`: None keeps the saved dtype,
+    else "float32" / "bfloat16" / "float16".
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
     checkpoint = find_checkpoint(checkpoint_dir)
+    role = role or exported_role(checkpoint)
     role_dir = checkpoint / role
     if not (role_dir / "model").is_dir():
         roles = sorted(p.name for p in checkpoint.iterdir() if (p / "model").is_dir())
@@ -102,14 +115,16 @@ def main_export(argv: list[str] | None = None) -> int:
                                      description="Write a Hugging Face model directory from a checkpoint.")
     parser.add_argument("checkpoint_dir", help="a step_<N> checkpoint, or a run's output dir (newest one)")
     parser.add_argument("out_dir", help="where the Hugging Face model directory is written")
-    parser.add_argument("--role", default="actor", help="which model of the checkpoint (default: actor)")
+    parser.add_argument("--role", help="which model of the checkpoint (default: the trained policy, the role "
+                                       "whose Hugging Face files it holds: actor for RL runs, sft for SFT runs)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as saved)")
     parser.add_argument("--model", help="take config and tokenizer from this path, not the checkpoint")
     args = parser.parse_args(argv)
     try:
-        out = export_hf(args.checkpoint_dir, args.out_dir, args.model, role=args.role, dtype=args.dtype)
+        role = args.role or exported_role(find_checkpoint(args.checkpoint_dir))
+        out = export_hf(args.checkpoint_dir, args.out_dir, args.model, role=role, dtype=args.dtype)
     except CheckpointError as exc:
         print(f"hybridflow export: error: {exc}", file=sys.stderr)
         return 1
-    print(f"exported {args.role} to {out}")
+    print(f"exported {role} to {out}")
     return 0

@@ -16,32 +16,35 @@ from typing import Any
 
 from hybridflow import algorithms
 from hybridflow.batch import Batch
-from hybridflow.checkpoint import BadStepCounter, check_writable
 from hybridflow.config.validate import needs_reference, validate
-from hybridflow.data.loader import build_prompt_loaders
+from hybridflow.data.loader import BatchLoader, build_prompt_loaders
 from hybridflow.rewards.manager import RewardManager
-from hybridflow.tracking import Tracker
 from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughput, compute_timing_metrics,
                                          compute_validation_metrics, timer)
 from hybridflow.trainer import core
-from hybridflow.trainer.loop import run_steps
-from hybridflow.trainer.checkpointing import RunCheckpoints, checkpoint_bytes_needed
+from hybridflow.trainer.base import Trainer
+from hybridflow.trainer.checkpointing import checkpoint_bytes_needed
 from hybridflow.trainer.roles import build_roles, skips_old_log_probs
 
 
-class RLTrainer:
-    """Builds everything a run needs from an `RLConfig`, then `fit()` trains."""
+class RLTrainer(Trainer):
+    """Builds everything a run needs from an `RLConfig` (the common parts in `Trainer`), then `fit()` trains."""
+
+    model_role = "actor"
 
     def __init__(self, cfg: Any) -> None:
-        from transformers import AutoTokenizer
-
         validate(cfg)
-        self.cfg = cfg
-        self.output_dir = check_writable(cfg.trainer.output_dir, checkpoint_bytes_needed(cfg))
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
-                                                       trust_remote_code=cfg.model.trust_remote_code)
-        self.train_loader, self.val_loader = build_prompt_loaders(cfg, self.tokenizer)
-        self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
+        super().__init__(cfg, checkpoint_bytes_needed(cfg))
+        if self.step:  # the rollout engines were built from model.path: give them the resumed weights
+            self.roles.sync_weights()
+
+    def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
+        return build_prompt_loaders(self.cfg, self.tokenizer)
+
+    def start_workers(self) -> None:
+        """The reward function's pool (checked against the datasets' data sources first), the KL
+        controller and the role groups (`hybridflow.trainer.roles`)."""
+        cfg = self.cfg
         self.rewards = RewardManager(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s,
                                      cfg.reward.fallback_score, cfg.reward.kwargs)
         for loader in (self.train_loader, self.val_loader):
@@ -50,25 +53,19 @@ class RLTrainer:
                 self.rewards.check_data_sources({ds[i]["data_source"] for i in range(len(ds))})
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algorithms.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)
-        self.step = 0
         self.roles = build_roles(cfg, self.total_steps)
-        self.checkpoints = RunCheckpoints(self)
-        self.checkpoints.maybe_resume()
-        if self.step:  # the rollout engines were built from model.path: give them the resumed weights
-            self.roles.sync_weights()
-        self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
-                               cfg.trainer.experiment_name, cfg, self.total_steps)
+        self.groups = self.roles.groups
+
+    def checkpointed_roles(self) -> dict[str, Any]:
+        roles: dict[str, Any] = {"actor": self.roles.actor}
+        if self.roles.critic is not None:
+            roles["critic"] = self.roles.critic
+        return roles
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        return {**super().checkpointed_state(), "kl_ctrl": self.kl_ctrl}
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, float]:
-        """Trains to `total_steps` (validating and checkpointing as configured); returns the last metrics."""
-        try:
-            metrics = run_steps(self)
-        finally:
-            self.close()
-        return metrics
-
     def train_step(self, prompts: Batch) -> dict[str, float]:
         """One RL iteration on a batch of prompts; returns its metrics."""
         cfg, actor, critic, rollout = self.cfg, self.roles.actor, self.roles.critic, self.roles.rollout
@@ -107,7 +104,7 @@ class RLTrainer:
                     self.roles.sync_weights()
         metrics.update(compute_data_metrics(batch, cfg.data.max_response_length))
         metrics.update(compute_timing_metrics(timings, batch))
-        metrics.update(compute_throughput(batch, timings["step"], self.roles.n_devices))
+        metrics.update(compute_throughput(batch, timings["step"], self.n_devices))
         self.bad_steps.update(self.step + 1, **{k: v for k, v in metrics.items()
                                                 if k in ("actor/grad_norm", "actor/pg_loss", "critic/vf_loss")})
         return metrics
@@ -150,8 +147,8 @@ class RLTrainer:
 
     def close(self) -> None:
         """Stops the workers and the reward pool, flushes the loggers (safe to call twice)."""
-        for closing in (self.roles.shutdown, self.rewards.close, self.tracker.close):
-            closing()
+        super().close()
+        self.rewards.close()
 
 
 def train(cfg: Any) -> dict[str, float]:

@@ -17,6 +17,7 @@ import torch
 
 from hybridflow.config.validate import needs_critic, needs_reference, rollout_workers
 from hybridflow.controller import Remote, WorkerGroup, colocate, wait_all
+from hybridflow.trainer.base import device_type
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
 
@@ -55,27 +56,10 @@ class Roles:
         """What generates: the actor (its colocated engine) or the separate rollout group."""
         return self.actor if self.separate is None else self.separate.group
 
-    @property
-    def n_devices(self) -> int:
-        """Devices (processes) the run holds, over all its groups."""
-        return sum(group.world_size for group in self.groups)
-
     def sync_weights(self) -> dict[str, float]:
         """The actor's trained weights into the rollout engines: in place when colocated, over the
         weight-sync group when separate; returns `timing_s/update_weights`."""
         return (self.actor if self.separate is None else self.separate).sync_weights()
-
-    def shutdown(self) -> None:
-        for group in self.groups:
-            group.shutdown()
-
-
-def device_type(setting: str) -> str:
-    """The device type worker groups run on for a `trainer.device` setting: `auto` -> `cuda` when a GPU is
-    visible, else `cpu`; `cpu` and `cuda` as they are."""
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return setting
 
 
 def skips_old_log_probs(cfg: Any) -> bool:
@@ -105,18 +89,20 @@ def check_gpus(cfg: Any, device: str) -> None:
 
 
 def build_roles(cfg: Any, total_steps: int) -> Roles:
-    """Starts the worker groups of `cfg` (see the module docstring) and returns their handles."""
+    """Starts the worker groups of a run of `total_steps` trainer steps (see the module docstring) and
+    returns their handles."""
     device = device_type(cfg.trainer.device)
     check_gpus(cfg, device)
     common = dict(n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend, device=device)
     separate = cfg.rollout.placement == "separate"
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
-                            total_steps=total_steps, with_ref=needs_reference(cfg), with_rollout=not separate)}
+                            total_steps=total_steps,
+                            with_ref=needs_reference(cfg), with_rollout=not separate)}
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
-    critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model, total_steps=total_steps,
-                         rollout_n=cfg.rollout.n)
+    critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model,
+                         total_steps=total_steps, rollout_n=cfg.rollout.n)
     split_critic = needs_critic(cfg) and cfg.trainer.placement == "split"
     if needs_critic(cfg) and not split_critic:
         classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs

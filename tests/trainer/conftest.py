@@ -1,6 +1,8 @@
-"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset."""
+"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset, a few SFT conversations."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -12,3 +14,12 @@ def data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("gsm8k")
     write_gsm8k_synthetic(out, n_train=16, n_val=4, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft") / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"copy {w}"}, {"role": "assistant", "content": w}]}
+            for w in ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -9,21 +9,12 @@ import torch
 
 from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
-from hybridflow.config.validate import ConfigError
 from hybridflow.config.sft import SFTConfig
+from hybridflow.config.validate import ConfigError
 from hybridflow.data.sft import SFTDataset, collate_sft_rows
 from hybridflow.trainer.sft import SFTTrainer
 
-WORDS = ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]
-
-
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sft") / "chats.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"copy {w}"}, {"role": "assistant", "content": w}]}
-            for w in WORDS]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+WORDS = ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]  # the conversations of the `chats` fixture
 
 
 def overrides(model, chats, out, *extra):

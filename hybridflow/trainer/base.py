@@ -1,0 +1,112 @@
+"""`Trainer`: the parts every trainer builds the same way, in one place.
+
+`Trainer.__init__` builds, in order: the output directory (checked writable, with room for one
+checkpoint), the tokenizer, the train and validation loaders, the run's length, the bad-step counter,
+the worker groups, the checkpoints (resuming from the newest when there is one) and the metric tracker.
+A trainer says what is its own by overriding the methods under "what each trainer says": its loaders,
+its workers, what a checkpoint holds beyond the loader position and the bad-step counter, and
+`train_step` / `validate`, which `fit()` drives through `hybridflow.trainer.loop.run_steps`.
+
+`optimizer_steps` turns the run's length in trainer steps into the length of a role's lr schedule, which
+steps once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.checkpoint import BadStepCounter, check_writable
+from hybridflow.controller import WorkerGroup
+from hybridflow.data.loader import BatchLoader
+from hybridflow.tracking import Tracker
+from hybridflow.trainer.checkpointing import RunCheckpoints
+from hybridflow.trainer.loop import run_steps
+
+
+def device_type(setting: str) -> str:
+    """The device type worker groups run on for a `trainer.device` setting: `auto` -> `cuda` when a GPU is
+    visible, else `cpu`; `cpu` and `cuda` as they are."""
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+def optimizer_steps(trainer_steps: int, passes: int, mini_batch_size: int | None, batch_size: int) -> int:
+    """Optimizer steps of `trainer_steps` steps that each make `passes` passes over a batch of `batch_size`
+    prompts (or conversations), one optimizer step per mini-batch of `mini_batch_size` (None: the batch)."""
+    return max(1, trainer_steps) * passes * (batch_size // mini_batch_size if mini_batch_size else 1)
+
+
+class Trainer:
+    """The skeleton of a trainer (see the module docstring); `fit()` trains.
+
+    Attributes a subclass finds set: `cfg`, `output_dir`, `tokenizer`, `train_loader`, `val_loader`
+    (None without validation files), `total_steps`, `bad_steps`, `step`, `groups` (every worker group of
+    the run, set by `start_workers`), `checkpoints`, `tracker`.
+    """
+
+    model_role: str  # the checkpoint role whose model `hybridflow export` writes out (its HF files are saved)
+
+    def __init__(self, cfg: Any, checkpoint_bytes: int = 0) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.output_dir = check_writable(cfg.trainer.output_dir, checkpoint_bytes)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+                                                       trust_remote_code=cfg.model.trust_remote_code)
+        self.train_loader, self.val_loader = self.build_loaders()
+        self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
+        self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)
+        self.step = 0
+        self.groups: list[WorkerGroup] = []
+        self.start_workers()
+        self.checkpoints = RunCheckpoints(self)
+        self.checkpoints.maybe_resume()
+        self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
+                               cfg.trainer.experiment_name, cfg, self.total_steps)
+
+    # ------------------------------------------------------------------ what each trainer says
+    def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
+        """The train loader and the validation loader (None without validation data)."""
+        raise NotImplementedError
+
+    def start_workers(self) -> None:
+        """Starts the run's worker groups (listing them in `self.groups`) and what drives them."""
+        raise NotImplementedError
+
+    def checkpointed_roles(self) -> dict[str, Any]:
+        """Role name -> handle with `save_checkpoint(dir)` / `load_checkpoint(dir)`, for each trained model."""
+        raise NotImplementedError
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        """The controller's state a checkpoint keeps: the loader position and the bad-step counter, plus
+        what a trainer adds (objects with `state_dict()` / `load_state_dict()`)."""
+        return {"data": self.train_loader, "bad_steps": self.bad_steps}
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        raise NotImplementedError
+
+    def validate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the run
+    @property
+    def n_devices(self) -> int:
+        """Devices (processes) the run holds, over all its groups."""
+        return sum(group.world_size for group in self.groups)
+
+    def fit(self) -> dict[str, float]:
+        """Trains to `total_steps` (validating and checkpointing as configured); returns the last metrics."""
+        try:
+            return run_steps(self)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stops the workers and flushes the loggers (safe to call twice)."""
+        for group in self.groups:
+            group.shutdown()
+        self.tracker.close()

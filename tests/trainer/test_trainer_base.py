@@ -1,0 +1,81 @@
+"""What every trainer shares (`hybridflow.trainer.base`): each lr schedule spans exactly the optimizer steps
+the run takes, the parts every trainer builds, and checkpoint saves that fail without leaving debris."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config.loader import load_config
+from hybridflow.config.sft import SFTConfig
+from hybridflow.controller import WorkerError
+from hybridflow.engine.train import TrainEngine
+from hybridflow.engine.train.optim import lr_factor
+from hybridflow.trainer.sft import SFTTrainer
+
+
+@pytest.fixture
+def optimizer_lrs(monkeypatch):
+    """The lr of every optimizer step of the (in-process) engines, and each engine's scheduler position."""
+    lrs: list[float] = []
+    positions: list[int] = []
+    train_step = TrainEngine.train_step
+
+    def recording(self, *args, **kwargs):
+        result = train_step(self, *args, **kwargs)
+        lrs.append(result["lr"])
+        positions.append(self.scheduler.last_epoch)
+        return result
+
+    monkeypatch.setattr(TrainEngine, "train_step", recording)
+    return lrs, positions
+
+
+def _cosine(lr: float, steps: int) -> list[float]:
+    return [lr * lr_factor(step, steps, "cosine", 0, 0.0) for step in range(steps)]
+
+
+def test_sft_lr_schedule_spans_every_optimizer_step(tiny_qwen2, chats, tmp_path, optimizer_lrs):
+    # 2 trainer steps x 2 passes x 2 mini-batches (of 2 conversations out of 4) = 8 optimizer steps
+    cfg = load_config([f"model.path={tiny_qwen2}", f"data.train_files={chats}", "data.train_batch_size=4",
+                       "optim.mini_batch_size=2", "optim.passes_per_batch=2", "optim.lr=1e-3",
+                       "optim.lr_schedule=cosine", "optim.min_lr_ratio=0", "trainer.total_steps=2",
+                       f"trainer.output_dir={tmp_path}"], schema=SFTConfig)
+    SFTTrainer(cfg).fit()
+    lrs, positions = optimizer_lrs
+    assert lrs == pytest.approx(_cosine(1e-3, 8), rel=1e-6) and positions[-1] == 8
+    assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_sft_validation_loss_is_the_same_on_one_and_two_ranks(tiny_qwen2, chats, tmp_path):
+    losses = []
+    for n in (1, 2):
+        cfg = load_config([f"model.path={tiny_qwen2}", f"data.train_files={chats}", f"data.val_files={chats}",
+                           "data.train_batch_size=4", "data.val_batch_size=5", f"trainer.n_workers={n}",
+                           f"trainer.output_dir={tmp_path / str(n)}"], schema=SFTConfig)
+        trainer = SFTTrainer(cfg)
+        try:
+            assert trainer.n_devices == n and trainer.checkpointed_roles() == {"sft": trainer.workers}
+            losses.append(trainer.validate()["val/loss"])  # eval_nll sums over the ranks (collect="same")
+        finally:
+            trainer.close()
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_a_failed_checkpoint_save_leaves_no_temp_dir(tiny_qwen2, chats, tmp_path, monkeypatch):
+    from hybridflow.workers.sft import SFTWorker
+
+    cfg = load_config([f"model.path={tiny_qwen2}", f"data.train_files={chats}", "data.train_batch_size=4",
+                       "trainer.total_steps=1", f"trainer.output_dir={tmp_path}"], schema=SFTConfig)
+    trainer = SFTTrainer(cfg)
+
+    def disk_full(self, role_dir: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(SFTWorker, "save_checkpoint", disk_full)  # the inline worker runs in this process
+    try:
+        trainer.step = 1
+        with pytest.raises(WorkerError, match="save_checkpoint failed: OSError: .* No space left"):
+            trainer.checkpoints.save()
+    finally:
+        trainer.close()
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # begin() made a temp dir; abort() removed it
