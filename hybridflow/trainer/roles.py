@@ -17,7 +17,7 @@ import torch
 
 from hybridflow.config.validate import needs_critic, needs_reference, rollout_workers
 from hybridflow.controller import Remote, WorkerGroup, colocate, wait_all
-from hybridflow.trainer.base import device_type
+from hybridflow.trainer.base import device_type, optimizer_steps
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
 
@@ -88,6 +88,14 @@ def check_gpus(cfg: Any, device: str) -> None:
                          f"rollout.placement=colocate / trainer.placement=colocate")
 
 
+def role_optimizer_steps(cfg: Any, role: str, total_steps: int) -> int:
+    """The optimizer steps `role` (`actor` or `critic`) takes in a run of `total_steps` trainer steps: its
+    lr schedule's length. The actor does not update during the critic's `critic.warmup_steps`."""
+    section = getattr(cfg, role)
+    updating = total_steps - (cfg.critic.warmup_steps if role == "actor" and needs_critic(cfg) else 0)
+    return optimizer_steps(updating, section.ppo_epochs, section.mini_batch_size, cfg.data.train_batch_size)
+
+
 def build_roles(cfg: Any, total_steps: int) -> Roles:
     """Starts the worker groups of a run of `total_steps` trainer steps (see the module docstring) and
     returns their handles."""
@@ -96,13 +104,13 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
     common = dict(n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend, device=device)
     separate = cfg.rollout.placement == "separate"
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
-                            total_steps=total_steps,
+                            total_steps=role_optimizer_steps(cfg, "actor", total_steps),
                             with_ref=needs_reference(cfg), with_rollout=not separate)}
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
     critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model,
-                         total_steps=total_steps, rollout_n=cfg.rollout.n)
+                         total_steps=role_optimizer_steps(cfg, "critic", total_steps), rollout_n=cfg.rollout.n)
     split_critic = needs_critic(cfg) and cfg.trainer.placement == "split"
     if needs_critic(cfg) and not split_critic:
         classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs

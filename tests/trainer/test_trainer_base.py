@@ -4,12 +4,15 @@ the run takes, the parts every trainer builds, and checkpoint saves that fail wi
 from __future__ import annotations
 
 import pytest
+from rl_helpers import base_overrides
 
 from hybridflow.config.loader import load_config
 from hybridflow.config.sft import SFTConfig
 from hybridflow.controller import WorkerError
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.optim import lr_factor
+from hybridflow.trainer.rl import RLTrainer
+from hybridflow.trainer.roles import role_optimizer_steps
 from hybridflow.trainer.sft import SFTTrainer
 
 
@@ -34,6 +37,16 @@ def _cosine(lr: float, steps: int) -> list[float]:
     return [lr * lr_factor(step, steps, "cosine", 0, 0.0) for step in range(steps)]
 
 
+def test_rl_lr_schedule_spans_every_optimizer_step(tiny_qwen2, data_dir, tmp_path, optimizer_lrs):
+    # 2 trainer steps x 2 PPO epochs x 2 mini-batches (of 1 prompt out of 2) = 8 optimizer steps
+    cfg = load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, "actor.ppo_epochs=2", "actor.mini_batch_size=1",
+                                     "actor.lr_schedule=cosine", "actor.min_lr_ratio=0", "trainer.val_every=0",
+                                     "trainer.val_before_train=false"), "recipes/grpo.yaml")
+    RLTrainer(cfg).fit()
+    lrs, positions = optimizer_lrs
+    assert lrs == pytest.approx(_cosine(1e-4, 8), rel=1e-6) and positions[-1] == 8
+
+
 def test_sft_lr_schedule_spans_every_optimizer_step(tiny_qwen2, chats, tmp_path, optimizer_lrs):
     # 2 trainer steps x 2 passes x 2 mini-batches (of 2 conversations out of 4) = 8 optimizer steps
     cfg = load_config([f"model.path={tiny_qwen2}", f"data.train_files={chats}", "data.train_batch_size=4",
@@ -44,6 +57,15 @@ def test_sft_lr_schedule_spans_every_optimizer_step(tiny_qwen2, chats, tmp_path,
     lrs, positions = optimizer_lrs
     assert lrs == pytest.approx(_cosine(1e-3, 8), rel=1e-6) and positions[-1] == 8
     assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_role_optimizer_steps_count_epochs_mini_batches_and_the_critic_warmup():
+    cfg = load_config(["algorithm.adv_estimator=gae", "data.train_batch_size=8", "actor.mini_batch_size=2",
+                       "actor.ppo_epochs=3", "critic.mini_batch_size=4", "critic.warmup_steps=2"])
+    assert role_optimizer_steps(cfg, "actor", 10) == (10 - 2) * 3 * 4  # no actor update in the critic's warmup
+    assert role_optimizer_steps(cfg, "critic", 10) == 10 * 1 * 2
+    grpo = load_config(["data.train_batch_size=8", "critic.warmup_steps=2"])
+    assert role_optimizer_steps(grpo, "actor", 10) == 10  # no critic, no warmup; null mini-batch = one step
 
 
 def test_sft_validation_loss_is_the_same_on_one_and_two_ranks(tiny_qwen2, chats, tmp_path):
