@@ -25,7 +25,7 @@ from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.reference import ReferenceModel, temperature_of
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
-from hybridflow.workers.update import actor_loss, run_update
+from hybridflow.workers.update import actor_loss
 from hybridflow.workers.weight_sync import BUCKET_BYTES, WeightChannel, drain, plan_buckets
 
 
@@ -50,7 +50,6 @@ class ActorWorker(EngineWorker):
             self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
                                           self.engine.precision.param, pad_token_id(self.engine.config))
         self.channel: WeightChannel | None = None
-        self.update_count = 0
         self._offload_idle()
 
     # ------------------------------------------------------------------ RL-step methods
@@ -65,12 +64,7 @@ class ActorWorker(EngineWorker):
     @register(Dispatch.DATA_PARALLEL)
     def compute_log_probs(self, batch: Batch) -> Batch:
         """Batch{old_log_probs, entropy} (`[B, R]`) of the current actor at the sampling temperature."""
-        self._onload()
-        out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
-                                max_tokens=self.cfg.max_tokens_per_micro_batch,
-                                temperature=temperature_of(batch, self.rollout_cfg.temperature),
-                                with_entropy=True, pack=self.cfg.use_packing)
-        self._offload_idle()
+        out = self._infer(batch, temperature=temperature_of(batch, self.rollout_cfg.temperature), with_entropy=True)
         return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DATA_PARALLEL)
@@ -87,17 +81,14 @@ class ActorWorker(EngineWorker):
         if use_kl and "ref_log_probs" not in batch:
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
-        self._onload()
-        metrics = run_update(self.engine, batch.tensors, self.cfg, actor_loss(self.cfg, use_kl, use_entropy),
-                             passes=self.cfg.ppo_epochs, prefix="actor", rollout_n=self.rollout_cfg.n,
-                             temperature=temperature_of(batch, self.rollout_cfg.temperature),
-                             with_entropy=use_entropy or "entropy" not in batch, seed=self.update_count)
-        self._offload_idle()
+        metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy), passes=self.cfg.ppo_epochs,
+                               prefix="actor", rollout_n=self.rollout_cfg.n,
+                               temperature=temperature_of(batch, self.rollout_cfg.temperature),
+                               with_entropy=use_entropy or "entropy" not in batch)
         if not use_entropy and "entropy" in batch:  # the token mean over every rank's rows
             mask = batch["response_mask"]
             summed = all_reduce(torch.stack([(batch["entropy"] * mask).sum(), mask.sum()]), self.device)
             metrics["actor/entropy"] = float(summed[0] / summed[1].clamp(min=1))
-        self.update_count += 1
         return metrics
 
     # ------------------------------------------------------------------ weight sync

@@ -14,7 +14,7 @@ from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine.train import TrainEngine
 from hybridflow.workers.base import EngineWorker
-from hybridflow.workers.update import critic_loss, run_update
+from hybridflow.workers.update import critic_loss
 
 
 class CriticWorker(EngineWorker):
@@ -30,17 +30,12 @@ class CriticWorker(EngineWorker):
             model_cfg.path = actor_model_cfg.path
         self.cfg, self.rollout_n = critic_cfg, rollout_n
         self.engine = TrainEngine(model_cfg, critic_cfg, head="value", total_steps=total_steps, device=self.device)
-        self.update_count = 0
         self._offload_idle()
 
     @register(Dispatch.DATA_PARALLEL)
     def compute_values(self, batch: Batch) -> Batch:
         """Batch{values [B, R]} for prompt + response rows."""
-        self._onload()
-        out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
-                                max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing)
-        self._offload_idle()
-        return Batch({"values": out["values"]})
+        return Batch({"values": self._infer(batch)["values"]})
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -49,10 +44,5 @@ class CriticWorker(EngineWorker):
         for key in ("values", "returns"):
             if key not in batch:
                 raise KeyError(f"update_critic needs `{key}` in the batch; it has {batch.keys()}")
-        self._onload()
-        metrics = run_update(self.engine, batch.tensors, self.cfg, critic_loss(self.cfg),
-                             passes=self.cfg.ppo_epochs, prefix="critic",
-                             rollout_n=self.rollout_n, seed=self.update_count)
-        self._offload_idle()
-        self.update_count += 1
-        return metrics
+        return self._update(batch, critic_loss(self.cfg), passes=self.cfg.ppo_epochs, prefix="critic",
+                            rollout_n=self.rollout_n)

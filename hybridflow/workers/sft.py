@@ -17,7 +17,6 @@ from hybridflow.controller import Dispatch, register
 from hybridflow.engine.train import LossContext, TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import EngineWorker
-from hybridflow.workers.update import run_update
 
 
 def sft_loss(cfg: Any):
@@ -38,28 +37,17 @@ class SFTWorker(EngineWorker):
     def __init__(self, model_cfg: Any, optim_cfg: Any, total_steps: int = 1) -> None:
         self.cfg = optim_cfg
         self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=total_steps, device=self.device)
-        self.update_count = 0
         self._offload_idle()
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
     def train_batch(self, batch: Batch) -> dict[str, float]:
         """Optimizer step(s) on this rank's rows; `train/{loss,grad_norm,lr}`, identical on all ranks."""
-        self._onload()
-        metrics = run_update(self.engine, batch.tensors, self.cfg, sft_loss(self.cfg),
-                             passes=self.cfg.passes_per_batch, prefix="train",
-                             seed=self.update_count)
-        self._offload_idle()
-        self.update_count += 1
-        return metrics
+        return self._update(batch, sft_loss(self.cfg), passes=self.cfg.passes_per_batch, prefix="train")
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
     def eval_nll(self, batch: Batch) -> dict[str, float]:
         """`{"nll": summed NLL of the masked tokens, "tokens": their count}` over every rank's rows."""
-        self._onload()
-        out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
-                                max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing)
-        self._offload_idle()
-        mask = batch["response_mask"]
-        local = torch.stack([-(out["log_probs"] * mask).sum(), mask.sum()]).double()
+        log_probs, mask = self._infer(batch)["log_probs"], batch["response_mask"]
+        local = torch.stack([-(log_probs * mask).sum(), mask.sum()]).double()
         nll, tokens = all_reduce(local, self.device).tolist()
         return {"nll": nll, "tokens": tokens}
