@@ -13,6 +13,7 @@ steps once per optimizer step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ def optimizer_steps(trainer_steps: int, passes: int, mini_batch_size: int | None
     return max(1, trainer_steps) * passes * (batch_size // mini_batch_size if mini_batch_size else 1)
 
 
-class Trainer:
+class Trainer(ABC):
     """The skeleton of a trainer (see the module docstring); `fit()` trains.
 
     Attributes a subclass finds set: `cfg`, `output_dir`, `tokenizer`, `train_loader`, `val_loader`
@@ -50,7 +51,7 @@ class Trainer:
 
     model_role: str  # the checkpoint role whose model `hybridflow export` writes out (its HF files are saved)
 
-    def __init__(self, cfg: Any, checkpoint_bytes: int = 0) -> None:
+    def __init__(self, cfg: Any, checkpoint_bytes: int) -> None:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -69,28 +70,30 @@ class Trainer:
                                cfg.trainer.experiment_name, cfg, self.total_steps)
 
     # ------------------------------------------------------------------ what each trainer says
+    @abstractmethod
     def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
         """The train loader and the validation loader (None without validation data)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def start_workers(self) -> None:
         """Starts the run's worker groups (listing them in `self.groups`) and what drives them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def checkpointed_roles(self) -> dict[str, Any]:
         """Role name -> handle with `save_checkpoint(dir)` / `load_checkpoint(dir)`, for each trained model."""
-        raise NotImplementedError
 
     def checkpointed_state(self) -> dict[str, Any]:
         """The controller's state a checkpoint keeps: the loader position and the bad-step counter, plus
         what a trainer adds (objects with `state_dict()` / `load_state_dict()`)."""
         return {"data": self.train_loader, "bad_steps": self.bad_steps}
 
+    @abstractmethod
     def train_step(self, batch: Batch) -> dict[str, float]:
-        raise NotImplementedError
+        """One trainer step on a batch of the train loader; returns its metrics."""
 
+    @abstractmethod
     def validate(self) -> dict[str, float]:
-        raise NotImplementedError
+        """Metrics over the validation loader (`val/...`)."""
 
     # ------------------------------------------------------------------ the run
     @property
