@@ -1,9 +1,9 @@
 """The step loop every trainer shares: validate first, train to `total_steps`, validate and checkpoint
 on schedule, log each step, and stop cleanly (after a checkpoint) on SIGINT/SIGTERM.
 
-A trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every, save_every), `step`,
-`total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with `save()`) and the
-methods `train_step(batch) -> metrics` and `validate() -> metrics`.
+A trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every,
+save_every), `step`, `total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
+`save()`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
 """
 
 from __future__ import annotations
