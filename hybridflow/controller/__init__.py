@@ -6,12 +6,13 @@ from hybridflow.controller.colocate import colocate
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.errors import WorkerDiedError, WorkerError
 from hybridflow.controller.group import MemberView, Remote, WorkerGroup
-from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.pool import Placement, ResourcePool
 from hybridflow.controller.worker import Worker
 
 __all__ = [
     "Dispatch",
     "MemberView",
+    "Placement",
     "Remote",
     "ResourcePool",
     "Worker",

@@ -8,6 +8,7 @@ group with its own `role` (the keyword it was given).
 from __future__ import annotations
 
 import copyreg
+from dataclasses import replace
 
 from hybridflow.controller.worker import Worker, WorkerContext
 
@@ -34,13 +35,7 @@ class ColocatedWorker(Worker, metaclass=_ColocatedMeta):
         obj = cls.__new__(cls)
         obj._bind(context)
         obj.instances = {
-            name: member.create(
-                WorkerContext(
-                    context.rank, context.world_size, context.local_rank, context.device, name,
-                    context.process_group,
-                ),
-                init_kwargs.get(name),
-            )
+            name: member.create(replace(context, role=name), init_kwargs.get(name))
             for name, member in cls.members.items()
         }
         return obj

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Generic, TypeVar
 from hybridflow.controller.backends import make_backend
 from hybridflow.controller.colocate import ColocatedWorker
 from hybridflow.controller.dispatch import DispatchSpec, gather, registered_methods, scatter
-from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.pool import Placement, ResourcePool
 from hybridflow.controller.runtime import WorkerSpec
 from hybridflow.controller.worker import Worker
 
@@ -173,6 +173,10 @@ class WorkerGroup(Generic[W]):
     def pids(self) -> list[int]:
         """Process id of each rank (the controller's own pid for inline groups)."""
         return self.get_pid()
+
+    def placement(self) -> Placement:
+        """Each rank's node and the address the group's process group met at."""
+        return self._backend.placement()
 
     def __getattr__(self, name: str) -> Any:
         cls = self.__dict__.get("worker_cls")

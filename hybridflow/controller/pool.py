@@ -3,13 +3,15 @@
 A group takes ranks ``0 … n_workers-1`` of its pool. CPU slots may be shared by several groups
 (their processes time-share the cores); a GPU pool holds one group at a time, so roles that must
 share GPUs are colocated into one worker class (`colocate`). Local CUDA pools claim distinct GPU
-ids of this machine; Ray pools become one placement group each.
+ids of this machine; Ray pools become one placement group each (`hybridflow.controller.cluster`).
+`Placement` says where a started group's ranks landed.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ import torch
 _names = itertools.count()
 _claims_lock = threading.Lock()
 _claimed_gpus: dict[int, str] = {}  # local GPU id -> name of the pool holding it
+STRATEGIES = ("spread", "pack")
 
 
 class ResourcePool:
@@ -25,9 +28,14 @@ class ResourcePool:
     Args:
         n_processes: total processes (one per GPU for cuda pools); must divide by `nodes`.
         device: ``"cpu"`` or ``"cuda"``.
-        nodes: machines the pool spans (the local backend runs on one).
+        nodes: shares the pool is cut into, each of ``n_processes / nodes`` slots on one machine
+            (the local backend runs on one); rank ``r`` is in share ``r // per_node``.
         name: shown in error messages; defaults to ``pool<N>``.
         cpus_per_process: CPUs each slot reserves in a Ray placement group.
+        strategy: Ray only: ``"spread"`` puts every share on a machine of its own; ``"pack"`` puts
+            the shares on as few machines as hold them (several may land on one).
+        node_resource: Ray only: a custom resource every machine of the pool must have
+            (``ray start --resources='{"NAME": 1}'``), which pins the pool to those machines.
     """
 
     def __init__(
@@ -37,6 +45,8 @@ class ResourcePool:
         nodes: int = 1,
         name: str | None = None,
         cpus_per_process: float = 1.0,
+        strategy: str = "spread",
+        node_resource: str | None = None,
     ) -> None:
         self.name = name or f"pool{next(_names)}"
         if device not in ("cpu", "cuda"):
@@ -48,8 +58,13 @@ class ResourcePool:
                 f"ResourcePool '{self.name}': {n_processes} processes cannot be spread evenly over "
                 f"nodes={nodes!r}; use a node count that divides {n_processes}"
             )
+        if strategy not in STRATEGIES:
+            raise ValueError(f"ResourcePool '{self.name}': strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if node_resource is not None and (not isinstance(node_resource, str) or not node_resource):
+            raise ValueError(f"ResourcePool '{self.name}': node_resource must be a resource name or None, "
+                             f"got {node_resource!r}")
         self.n_processes, self.device, self.nodes = n_processes, device, nodes
-        self.cpus_per_process = cpus_per_process
+        self.cpus_per_process, self.strategy, self.node_resource = cpus_per_process, strategy, node_resource
         self.groups: list[str] = []
         self.backend: str | None = None
         self.gpu_ids: list[int] = []
@@ -84,6 +99,9 @@ class ResourcePool:
         if backend == "local":
             if self.nodes != 1:
                 raise ValueError(f"{what}: the local backend runs on one machine; use nodes=1 or backend='ray'")
+            if self.node_resource is not None:
+                raise ValueError(f"{what}: node_resource={self.node_resource!r} picks Ray nodes; the local backend "
+                                 f"runs on this machine, use node_resource=None or backend='ray'")
             if self.device == "cuda" and not self.gpu_ids:
                 self.gpu_ids = _claim_gpus(self.name, self.n_processes)
         self.backend = backend
@@ -96,6 +114,26 @@ class ResourcePool:
         if not self.groups:
             _release_gpus(self.name)
             self.gpu_ids = []
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a started group's ranks run: each rank's node (a Ray node id, or ``"local"``) and its IP, and
+    the address its process group met at (on Ray, a store hosted by rank 0 on rank 0's node)."""
+
+    nodes: list[str]
+    ips: list[str]
+    master: tuple[str, int] | None = None
+
+    def describe(self) -> str:
+        """``ranks 0-1 on node 3f2a1c0d (10.0.0.1), ranks 2-3 on node 9b8e7d6c (10.0.0.2)``."""
+        parts, start = [], 0
+        for rank in range(1, len(self.nodes) + 1):
+            if rank == len(self.nodes) or self.nodes[rank] != self.nodes[start]:
+                ranks = f"rank {start}" if rank - start == 1 else f"ranks {start}-{rank - 1}"
+                parts.append(f"{ranks} on node {self.nodes[start][:8]} ({self.ips[start]})")
+                start = rank
+        return ", ".join(parts)
 
 
 def _claim_gpus(pool: str, count: int) -> list[int]:

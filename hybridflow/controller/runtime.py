@@ -85,10 +85,11 @@ def ensure_single_process_group(device_type: str) -> None:
 class WorkerRuntime:
     """Owns the worker instance inside its process; the process group must already exist."""
 
-    def __init__(self, spec: WorkerSpec, rank: int, local_rank: int, device: torch.device) -> None:
+    def __init__(self, spec: WorkerSpec, rank: int, local_rank: int, device: torch.device,
+                 host: str = "127.0.0.1") -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        context = WorkerContext(rank, spec.world_size, local_rank, device, spec.role, dist.group.WORLD)
+        context = WorkerContext(rank, spec.world_size, local_rank, device, spec.role, dist.group.WORLD, host)
         self.spec = spec
         self.worker = spec.worker_cls.create(context, spec.init_kwargs)
 

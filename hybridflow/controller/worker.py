@@ -1,7 +1,7 @@
 """`Worker`: the base class of every role that lives inside a worker-group process.
 
 The backend fills in the worker's place in its group (`rank`, `world_size`, `local_rank`,
-`device`, `process_group`, `role`) and initialises torch.distributed *before* the subclass'
+`device`, `process_group`, `role`, `host`) and initialises torch.distributed *before* the subclass'
 `__init__` runs, so `__init__` can already build sharded models. Methods become callable from the
 controller with `@register(Dispatch.X)` (see `hybridflow.controller.dispatch`).
 """
@@ -27,6 +27,7 @@ class WorkerContext:
     device: torch.device
     role: str
     process_group: Any = None
+    host: str = "127.0.0.1"
 
 
 class Worker:
@@ -37,6 +38,8 @@ class Worker:
         device: ``torch.device("cuda:<local_rank>")`` in GPU groups, ``torch.device("cpu")`` otherwise.
         process_group: the group's torch.distributed process group.
         role: the group's name (e.g. ``"actor"``), or the member name inside a colocated worker.
+        host: the address other processes reach this worker's machine on (loopback on the local
+            backend, the node's IP on Ray), for servers a worker hosts (e.g. the weight-sync store).
     """
 
     rank: int
@@ -45,6 +48,7 @@ class Worker:
     device: torch.device
     role: str
     process_group: Any
+    host: str
 
     @classmethod
     def create(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
@@ -59,6 +63,7 @@ class Worker:
     def _bind(self, context: WorkerContext) -> None:
         self.rank, self.world_size, self.local_rank = context.rank, context.world_size, context.local_rank
         self.device, self.role, self.process_group = context.device, context.role, context.process_group
+        self.host = context.host
 
     @register(Dispatch.BROADCAST, collect="all")
     def get_pid(self) -> int:

@@ -115,7 +115,7 @@ def test_second_group_overlaps_then_detects_a_killed_worker(backend, cpu_pool, g
         second = victim.rendezvous.submit(str(tmp_path), "victim", "policy")
         assert second.result(timeout=90) == "victim" and first.result(timeout=90) == "policy"
 
-        pids = victim.pids()
+        pids, nodes = victim.pids(), victim.placement().nodes
         pending = victim.block.submit(120)
         os.kill(pids[1], signal.SIGKILL)
         started = time.monotonic()
@@ -123,7 +123,9 @@ def test_second_group_overlaps_then_detects_a_killed_worker(backend, cpu_pool, g
             pending.result(timeout=30)
         assert time.monotonic() - started < 15
         if backend == "local":
-            assert "SIGKILL" in str(info.value)
+            assert "SIGKILL" in str(info.value) and nodes == ["local", "local"]
+        else:  # the error names the Ray node the worker ran on
+            assert f"died (pid {pids[1]} on node {nodes[1][:8]} (" in str(info.value)
         with pytest.raises(WorkerDiedError):
             victim.allreduce_sum(1.0)
         assert group.actor.allreduce_sum(1.0) == pytest.approx(3.0)  # other groups are unaffected

@@ -8,7 +8,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from hybridflow.controller.errors import WorkerError
-from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.pool import Placement, ResourcePool
 from hybridflow.controller.runtime import Reply, WorkerSpec
 
 
@@ -36,6 +36,10 @@ class Backend:
 
     def submit(self, rank: int, path: str, encoded: Any, blocking: bool) -> Future:
         raise NotImplementedError
+
+    def placement(self) -> Placement:
+        """Where the ranks run (every rank on this machine unless the backend places them elsewhere)."""
+        return Placement(["local"] * self.world_size, ["127.0.0.1"] * self.world_size)
 
     def shutdown(self) -> None:
         raise NotImplementedError

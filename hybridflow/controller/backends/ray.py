@@ -1,8 +1,11 @@
-"""The Ray backend: one Ray actor per rank, placed on its pool's placement group (one bundle per
-node, spread over distinct nodes). Ray is imported here only, lazily, so the rest of hybridflow works without it.
+"""The Ray backend: one Ray actor per rank, placed on its pool's placement group (one bundle per share
+of the pool, `hybridflow.controller.cluster.pool_bundle`; rank ``r`` in share ``r // per_node``). Ray is
+imported lazily, so the rest of hybridflow works without it.
 
-Calls travel as our own pickles (the same bytes as the local backend), so both backends give the
-same results; output forwarding, `WorkerError` and `WorkerDiedError` behave as in `local`.
+The group's process group meets at a TCP store its rank-0 actor hosts on its own node, so a group on
+other machines never needs the controller's address. Calls travel as our own pickles (the same bytes as
+the local backend), so both backends give the same results; output forwarding, `WorkerError` and
+`WorkerDiedError` behave as in `local`, and a dead actor's error names its node.
 """
 
 from __future__ import annotations
@@ -19,22 +22,13 @@ from typing import Any
 import torch
 
 from hybridflow.controller.backends import Backend, settle, wait_all
+from hybridflow.controller.cluster import RAY_STRATEGY, alive_nodes, check_capacity, connect, pool_bundle
 from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.logs import forward_output, log_server, mark_synced
+from hybridflow.controller.pool import Placement
 from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
 
 PLACEMENT_TIMEOUT_S = 120.0
-
-
-def import_ray() -> Any:
-    """`ray`, or an ImportError that says how to get it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError(
-            "backend='ray' needs the ray package: pip install 'hybridflow[ray]' (or use backend='local')"
-        ) from exc
-    return ray
 
 
 class RayWorkerActor:
@@ -47,17 +41,19 @@ class RayWorkerActor:
         self.store: Any = None
         forward_output(log_addr, f"({self.spec.role} rank {rank}) ", log_key)
 
-    def node_info(self) -> tuple[str, list[str]]:
-        """(node IP, GPU ids Ray assigned to this actor)."""
-        ray = import_ray()
-        return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
+    def node_info(self) -> tuple[str, str, list[str]]:
+        """(node id, node IP, GPU ids Ray assigned to this actor)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        return ray.get_runtime_context().get_node_id(), ip, [str(g) for g in ray.get_gpu_ids()]
 
     def host_store(self) -> int:
-        """Rank 0 hosts the group's TCP store; returns its port."""
+        """Rank 0 hosts the group's TCP store on its node; returns its port."""
         import torch.distributed as dist
 
         self.store = dist.TCPStore(
-            self.node_info()[0], 0, self.spec.world_size, is_master=True, wait_for_workers=False
+            self.node_info()[1], 0, self.spec.world_size, is_master=True, wait_for_workers=False
         )
         return self.store.port
 
@@ -69,7 +65,7 @@ class RayWorkerActor:
             join_process_group(self.spec, self.rank, store_addr)
             cuda = self.spec.device_type == "cuda"
             device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
-            self.runtime = WorkerRuntime(self.spec, self.rank, local_rank, device)
+            self.runtime = WorkerRuntime(self.spec, self.rank, local_rank, device, host=self.node_info()[1])
             reply: tuple[str, Any] = ("ok", os.getpid())
         except BaseException:  # noqa: BLE001 - reported to the controller as a WorkerError
             reply = ("error", traceback.format_exc())
@@ -87,30 +83,20 @@ class RayWorkerActor:
 
 
 def _placement_group(ray: Any, pool: Any) -> Any:
-    """The pool's placement group (made on first use): one bundle per node holding that node's slots,
-    so rank ``r`` lives on node ``r // pool.per_node`` and a node's ranks are consecutive."""
+    """The pool's placement group (made on first use, after `check_capacity` has found room for it)."""
     if pool.placement is None:
         from ray.util.placement_group import placement_group
 
-        gpus = ray.cluster_resources().get("GPU", 0)
-        if pool.device == "cuda" and gpus < pool.n_processes:
-            raise ValueError(
-                f"{pool!r} needs {pool.n_processes} GPUs but the Ray cluster has {gpus:g}; "
-                f"use at most {int(gpus)} processes, or device='cpu'"
-            )
-
-        bundle = {"CPU": pool.cpus_per_process * pool.per_node}
-        if pool.device == "cuda":
-            bundle["GPU"] = pool.per_node
-        strategy = "STRICT_SPREAD" if pool.nodes > 1 else "PACK"
+        check_capacity([pool], alive_nodes(ray))
+        bundle, strategy = pool_bundle(pool), RAY_STRATEGY[pool.strategy]
         pg = placement_group([dict(bundle) for _ in range(pool.nodes)], strategy=strategy)
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(pg)
             raise RuntimeError(
-                f"Ray could not place {pool!r}: {pool.nodes} bundle(s) of {bundle} "
-                f"(strategy {strategy}) did not fit within {PLACEMENT_TIMEOUT_S:.0f} s; cluster has "
-                f"{ray.cluster_resources()}. Use a smaller pool or a lower cpus_per_process"
+                f"Ray could not place {pool!r}: {pool.nodes} bundle(s) of {bundle} (strategy {strategy}) did "
+                f"not fit within {PLACEMENT_TIMEOUT_S:.0f} s although the cluster's nodes can hold them: other "
+                f"jobs hold part of {ray.cluster_resources()}. Free them, or use a smaller pool"
             )
         pool.placement = pg
     return pool.placement
@@ -120,14 +106,13 @@ class RayBackend(Backend):
     """A group of Ray actors, one per rank of the pool."""
 
     def start(self) -> None:
-        ray = import_ray()
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False)
+        ray = connect()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
         self._dead: dict[int, WorkerDiedError] = {}
         self._pids: list[int] = []
+        self._placement = Placement([], [])
         self._uid = uuid.uuid4().hex
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -160,17 +145,21 @@ class RayBackend(Backend):
         ray = self._ray
         infos = ray.get([a.node_info.remote() for a in self.actors])
         port = ray.get(self.actors[0].host_store.remote())
+        self._placement = Placement([i[0] for i in infos], [i[1] for i in infos], (infos[0][1], port))
         local_ranks, node_ranks, node_gpus = [], {}, {}
-        for ip, gpus in infos:
-            local_ranks.append(node_ranks.get(ip, 0))
-            node_ranks[ip] = local_ranks[-1] + 1
-            node_gpus.setdefault(ip, []).extend(gpus)
+        for node, _, gpus in infos:  # ranks of one node count 0, 1, ... and see all its GPUs of this group
+            local_ranks.append(node_ranks.get(node, 0))
+            node_ranks[node] = local_ranks[-1] + 1
+            node_gpus.setdefault(node, []).extend(gpus)
         replies = [
-            self._wrap(rank, 0, "__init__", actor.setup.remote((infos[0][0], port), local_ranks[rank], gpus), False)
+            self._wrap(rank, 0, "__init__", actor.setup.remote(self._placement.master, local_ranks[rank], gpus), False)
             for rank, actor in enumerate(self.actors)
             for gpus in [",".join(node_gpus[infos[rank][0]])]
         ]
         self._pids = wait_all(replies)
+
+    def placement(self) -> Placement:
+        return self._placement
 
     def _wrap(self, rank: int, call_id: int, path: str, ref: Any, pickled: bool) -> Future:
         """Turns an actor ObjectRef into a Future of the reply's value (errors translated)."""
@@ -180,9 +169,7 @@ class RayBackend(Backend):
             try:
                 reply = raw.result()
             except self._ray.exceptions.RayActorError as exc:
-                pid = self._pids[rank] if rank < len(self._pids) else "unknown"
-                how = f"pid {pid}, its Ray actor died"
-                error = WorkerDiedError(self.spec.role, rank, how, str(exc).splitlines()[0])
+                error = WorkerDiedError(self.spec.role, rank, self._where(rank) + ", its Ray actor died", _reason(exc))
                 with self._lock:
                     self._dead.setdefault(rank, error)
                 out.set_exception(error)
@@ -196,6 +183,12 @@ class RayBackend(Backend):
         ref.future().add_done_callback(done)
         return out
 
+    def _where(self, rank: int) -> str:
+        """``pid 4242 on node 3f2a1c0d (10.0.0.2)``, as far as the rank got before dying."""
+        pid = self._pids[rank] if rank < len(self._pids) else "unknown"
+        nodes, ips = self._placement.nodes, self._placement.ips
+        return f"pid {pid}" + (f" on node {nodes[rank][:8]} ({ips[rank]})" if rank < len(nodes) else "")
+
     def submit(self, rank: int, path: str, encoded: bytes, blocking: bool) -> Future:
         with self._lock:
             dead = self._dead.get(rank)
@@ -207,9 +200,20 @@ class RayBackend(Backend):
         return self._wrap(rank, call_id, path, self.actors[rank].call.remote(path, call_id, encoded), True)
 
     def shutdown(self) -> None:
+        if not self._ray.is_initialized():  # Ray went first (ray.shutdown()): its actors went with it
+            self.actors, self.pool.placement = [], None
+            return
         for actor in self.actors:
             self._ray.kill(actor, no_restart=True)
         self.actors = []
         if self.pool.groups == [self.spec.role] and self.pool.placement is not None:
             self._ray.util.remove_placement_group(self.pool.placement)
             self.pool.placement = None
+
+
+def _reason(exc: BaseException) -> str:
+    """Ray's own account of an actor's death: its first line and the line saying why (e.g. "The actor
+    died because its node has died"), without the actor ids and namespaces around them."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = [line for line in lines[1:] if "because" in line or ("node" in line.lower() and "died" in line)]
+    return "\n".join(lines[:1] + why[:2])
