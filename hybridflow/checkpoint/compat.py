@@ -31,7 +31,7 @@ MAY_DIFFER: tuple[str, ...] = (
     "trainer.val_every", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
     "rollout.val_temperature", "rollout.val_n",
     # where and how many: DCP reshards model and optimizer state to any world size
-    "trainer.backend", "trainer.device", "trainer.n_workers", "trainer.placement", "reward.num_workers",
+    "trainer.backend", "trainer.device", "trainer.n_workers", "trainer.placement", "reward.num_workers", "ray.*",
     "*world_size", "*n_gpus*", "*nnodes",
     # memory and speed knobs that do not change what is computed
     "*param_offload", "*optimizer_offload", "*.micro_batch_size", "*.max_tokens_per_micro_batch",

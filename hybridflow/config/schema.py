@@ -4,7 +4,7 @@ Each field is declared with `opt(default, help, choices=...)`: the help line and
 in the field's metadata, so the loader names valid values in its errors and `docs/config.md` is generated
 from this file (`python scripts/gen_config_docs.py`). Workers read these objects by attribute.
 
-The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, trainer)`; the loader
+The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, trainer, ray)`; the loader
 (`hybridflow.config.loader.load_config`) takes any such root dataclass through `schema=`, so other
 programs (the SFT trainer) bring their own root.
 """
@@ -249,7 +249,8 @@ class TrainerConfig:
     total_epochs: int = opt(1, "epochs over the training data when total_steps is null")
     seed: int = opt(1, "seed of sampling, shuffling and initialisation")
     output_dir: str = opt("outputs/run", "where metrics, checkpoints and the final model go")
-    backend: str = opt("local", "worker processes on this machine, or Ray", ("local", "ray"))
+    backend: str = opt("local", "worker processes on this machine, or Ray (one machine or a cluster: see `ray`)",
+                       ("local", "ray"))
     device: str = opt("auto", "auto = cuda when available", ("auto", "cpu", "cuda"))
     n_workers: int = opt(1, "processes per worker group (one per device)")
     val_every: int = opt(0, "validate every this many steps; 0 = no periodic validation")
@@ -269,6 +270,32 @@ class TrainerConfig:
 
 
 @dataclass
+class PoolConfig:
+    """Where one worker group's processes go on a Ray cluster (`trainer.backend=ray`)."""
+
+    nnodes: int = opt(1, "nodes the group is spread over: its processes are cut into nnodes equal shares, each "
+                         "on one node (processes / nnodes devices per node)")
+    strategy: str = opt("spread", "spread: every share on a node of its own; pack: as few nodes as hold the "
+                                  "shares (several may share a node with room)", ("spread", "pack"))
+    node_resource: Optional[str] = opt(None, "pin the group to nodes that have this custom Ray resource "
+                                             "(ray start --resources='{\"NAME\": 1}'); null = any node")
+
+
+@dataclass
+class RayConfig:
+    """The Ray cluster of `trainer.backend=ray`, and where each worker group goes on it."""
+
+    address: Optional[str] = opt(None, "cluster to join: null = RAY_ADDRESS, else the one last started with "
+                                       "`ray start` on this machine, else a new local one; auto = an existing "
+                                       "cluster (fail if none); HOST:PORT = that head node")
+    actor: PoolConfig = opt(PoolConfig, "the actor's group (with the roles colocated with it) and, with "
+                                        "trainer.placement=split, the critic's own group alike: "
+                                        "trainer.n_workers processes each")
+    rollout: PoolConfig = opt(PoolConfig, "the separate rollout group (rollout.placement=separate): "
+                                          "rollout.n_workers processes")
+
+
+@dataclass
 class RLConfig:
     """Everything `hybridflow train` reads."""
 
@@ -280,3 +307,4 @@ class RLConfig:
     algorithm: AlgorithmConfig = opt(AlgorithmConfig, "advantages and KL")
     reward: RewardConfig = opt(RewardConfig, "scoring")
     trainer: TrainerConfig = opt(TrainerConfig, "the run")
+    ray: RayConfig = opt(RayConfig, "Ray cluster and placement (trainer.backend=ray)")

@@ -13,10 +13,11 @@ optimizer step takes `mini_batch_size` prompts (`mini_batch_size x n` rows), spl
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config.schema import GROUP_ESTIMATORS
+from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 
 class ConfigError(ValueError):
@@ -195,6 +196,59 @@ def _rollout_placement_problems(cfg: Any) -> list[str]:
     return []
 
 
+# Each group's pool: the `ray.<section>` that shapes it and the key that sizes it.
+GROUP_KEYS = {"actor": ("actor", "trainer.n_workers"), "critic": ("actor", "trainer.n_workers"),
+              "rollout": ("rollout", "rollout.n_workers")}
+
+
+def run_groups(cfg: Any) -> dict[str, int]:
+    """The worker groups an RL run starts, named as their `ray.<name>` sections, with their process counts:
+    the actor (with the roles colocated with it), the critic when split off, the rollout when separate."""
+    pools = {"actor": cfg.trainer.n_workers}
+    if needs_critic(cfg) and cfg.trainer.placement == "split":
+        pools["critic"] = cfg.trainer.n_workers
+    if cfg.rollout.placement == "separate":
+        pools["rollout"] = rollout_workers(cfg)
+    return pools
+
+
+def _changed(section: Any, default: Any, prefix: str) -> list[str]:
+    """`prefix.key=value` for every key of a config section that differs from its default (nested too)."""
+    out = []
+    for f in fields(section):
+        value, base = getattr(section, f.name), getattr(default, f.name)
+        if hasattr(value, "__dataclass_fields__"):
+            out += _changed(value, base, f"{prefix}.{f.name}")
+        elif value != base:
+            out.append(f"{prefix}.{f.name}={value}")
+    return out
+
+
+def _ray_problems(cfg: Any) -> list[str]:
+    """`ray.*` needs the Ray backend, `ray.rollout` a separate rollout group, and each group's processes
+    must split evenly over its `nnodes`."""
+    if cfg.trainer.backend != "ray":
+        changed = _changed(cfg.ray, RayConfig(), "ray")
+        return [f"{', '.join(changed)} place worker groups on a Ray cluster, but trainer.backend="
+                f"{cfg.trainer.backend} runs them on this machine; set trainer.backend=ray"] if changed else []
+    problems = []
+    address = cfg.ray.address
+    if address is not None and address.startswith("ray://"):
+        problems.append(f"ray.address={address} is a Ray Client address, which hybridflow does not support (its "
+                        f"workers reach the controller directly); run the controller on a node of the cluster "
+                        f"with ray.address=auto or ray.address=HEAD_IP:6379")
+    pools = run_groups(cfg)
+    if "rollout" not in pools and (changed := _changed(cfg.ray.rollout, PoolConfig(), "ray.rollout")):
+        problems.append(f"{', '.join(changed)} place the separate rollout group, which this run does not start; "
+                        f"set rollout.placement=separate or leave ray.rollout at its defaults")
+    for name in ("actor", "rollout"):
+        nnodes, size_key = getattr(cfg.ray, name).nnodes, GROUP_KEYS[name][1]
+        if name in pools and (nnodes < 1 or pools[name] % nnodes):
+            problems.append(f"ray.{name}.nnodes={nnodes} must divide the {name} group's {pools[name]} processes "
+                            f"({size_key}) into equal shares per node; valid: {_join(divisors(pools[name]))}")
+    return problems
+
+
 def _model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
     """`model.path` is required; each local model directory under `keys` must exist."""
     problems = []
@@ -220,12 +274,12 @@ def _data_file_problems(cfg: Any) -> list[str]:
 
 
 def _run_problems(cfg: Any) -> list[str]:
-    """The run's resume checkpoint must exist; `trainer.device=cuda` needs a visible GPU."""
+    """The run's resume checkpoint must exist; `trainer.device=cuda` on the local backend needs a visible GPU."""
     problems = []
     resume = cfg.trainer.resume
     if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
         problems.append(f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path")
-    if cfg.trainer.device == "cuda":
+    if cfg.trainer.device == "cuda" and cfg.trainer.backend == "local":  # Ray's GPUs: `check_capacity`
         import torch
 
         if not torch.cuda.is_available():
@@ -259,7 +313,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     `data.train_files` may then be unset), e.g. to check a recipe on its own.
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
-    problems = _range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
+    problems = _range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg) + _ray_problems(cfg)
     if check_paths:
         problems += _path_problems(cfg)
     if n_workers >= 1:

@@ -21,18 +21,22 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import BadStepCounter, check_writable
 from hybridflow.controller import WorkerGroup
+from hybridflow.controller.cluster import connect
 from hybridflow.data.loader import BatchLoader
 from hybridflow.tracking import Tracker
 from hybridflow.trainer.checkpointing import RunCheckpoints
 from hybridflow.trainer.loop import run_steps
 
 
-def device_type(setting: str) -> str:
-    """The device type worker groups run on for a `trainer.device` setting: `auto` -> `cuda` when a GPU is
-    visible, else `cpu`; `cpu` and `cuda` as they are."""
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return setting
+def device_type(setting: str, backend: str = "local", ray_address: str | None = None) -> str:
+    """The device type worker groups run on for a `trainer.device` setting: `auto` -> `cuda` when the
+    workers' machines have a GPU (this machine's for the `local` backend; for `ray` the cluster's at
+    `ray_address`, joined here), else `cpu`; `cpu` and `cuda` as they are."""
+    if setting != "auto":
+        return setting
+    if backend == "ray":
+        return "cuda" if connect(ray_address).cluster_resources().get("GPU", 0) else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def optimizer_steps(trainer_steps: int, passes: int, mini_batch_size: int | None, batch_size: int) -> int:

@@ -1,17 +1,34 @@
 """The step loop every trainer shares: validate first, train to `total_steps`, validate and checkpoint
-on schedule, log each step, and stop cleanly (after a checkpoint) on SIGINT/SIGTERM.
+on schedule, log each step, and stop cleanly (after a checkpoint) on SIGINT/SIGTERM; a worker that dies
+stops the run with its error saying which checkpoint to resume from.
 
 A trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every,
 save_every), `step`, `total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
-`save()`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
+`save()` and `manager`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hybridflow.checkpoint import GracefulStop
+from hybridflow.controller import WorkerDiedError
 from hybridflow.tracking import ProgressBar
+
+
+@contextmanager
+def _resume_hint(trainer: Any) -> Iterator[None]:
+    """A worker (or its node) that died ends the run; its error then says where the run can continue from."""
+    try:
+        yield
+    except WorkerDiedError as exc:
+        latest = trainer.checkpoints.manager.latest()
+        exc.add_note(f"the run stopped after {trainer.step} completed step(s); " + (
+            f"its last complete checkpoint is {latest}: run the same command again (trainer.resume=auto) to "
+            f"continue from it" if latest is not None else "it saved no checkpoint yet (trainer.save_every)"))
+        raise
 
 
 def run_steps(trainer: Any) -> dict[str, float]:
@@ -19,7 +36,7 @@ def run_steps(trainer: Any) -> dict[str, float]:
     t, cfg, metrics = trainer, trainer.cfg.trainer, {}
     if t.val_loader is not None and cfg.val_before_train and t.step == 0:
         t.tracker.log(t.validate(), t.step)
-    with GracefulStop() as stop, ProgressBar(t.total_steps, initial=t.step) as bar:
+    with GracefulStop() as stop, ProgressBar(t.total_steps, initial=t.step) as bar, _resume_hint(t):
         while t.step < t.total_steps:
             metrics = t.train_step(t.train_loader.next_batch())
             t.step += 1

@@ -6,6 +6,7 @@
 it, the reference), the critic and the reward model share one process per device; with `split` the
 critic gets its own group of processes. With `rollout.placement=separate` the rollout engine leaves the
 actor for a `RolloutWorker` group of its own, fed over a weight-sync process group (`SeparateRollout`).
+Each group gets a resource pool of its own (`hybridflow.trainer.placement`: sizes, Ray nodes, checks).
 """
 
 from __future__ import annotations
@@ -13,26 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from hybridflow.config.validate import needs_critic, needs_reference, rollout_workers
+from hybridflow.config.validate import needs_critic, needs_reference
 from hybridflow.controller import Remote, WorkerGroup, colocate, wait_all
 from hybridflow.trainer.base import device_type, optimizer_steps
+from hybridflow.trainer.placement import check_placement, make_pools
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
-from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, controller_host
+from hybridflow.workers.weight_sync import BUCKET_BYTES
 
 
 class SeparateRollout:
-    """`rollout.placement=separate` seen from the controller: the rollout group, the store its weight-sync
-    group (the actor's rank 0 + every rollout rank) meets on, and the sync that runs both halves at once."""
+    """`rollout.placement=separate` seen from the controller: the rollout group, the address its weight-sync
+    group (the actor's rank 0 + every rollout rank) meets at (a store the actor's rank 0 hosts on its node),
+    and the sync that runs both halves at once."""
 
-    def __init__(self, actor: Remote[ActorWorker], group: WorkerGroup[RolloutWorker], backend: str,
+    def __init__(self, actor: Remote[ActorWorker], group: WorkerGroup[RolloutWorker],
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         self.actor, self.group = actor, group
-        self.rendezvous = Rendezvous(controller_host(backend))
-        address = (self.rendezvous.host, self.rendezvous.port, 1 + group.world_size)
-        wait_all([actor.join_weight_sync.submit(*address, bucket_bytes=bucket_bytes),
-                  group.join_weight_sync.submit(*address)])
+        self.address: tuple[str, int] = actor.open_weight_sync()
+        members = (*self.address, 1 + group.world_size)
+        wait_all([actor.join_weight_sync.submit(*members, bucket_bytes=bucket_bytes),
+                  group.join_weight_sync.submit(*members)])
 
     def sync_weights(self) -> dict[str, float]:
         """The actor gathers and sends its weights while the rollout ranks receive them into their engines."""
@@ -70,24 +71,6 @@ def skips_old_log_probs(cfg: Any) -> bool:
     return a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward
 
 
-def check_gpus(cfg: Any, device: str) -> None:
-    """Refuses, before any model loads, a local CUDA run whose groups need more GPUs than this machine has
-    (each group gets GPUs of its own; the pools would refuse the last group only after the first loaded)."""
-    if device != "cuda" or cfg.trainer.backend != "local":
-        return
-    need = {"actor": cfg.trainer.n_workers}
-    if needs_critic(cfg) and cfg.trainer.placement == "split":
-        need["critic (trainer.placement=split)"] = cfg.trainer.n_workers
-    if cfg.rollout.placement == "separate":
-        need["rollout (rollout.placement=separate)"] = rollout_workers(cfg)
-    have = torch.cuda.device_count()
-    if sum(need.values()) > have:
-        groups = ", ".join(f"{n} for {name}" for name, n in need.items())
-        raise ValueError(f"this run needs {sum(need.values())} GPUs ({groups}) but this machine has {have} "
-                         f"(torch.cuda.device_count()); lower trainer.n_workers / rollout.n_workers, or use "
-                         f"rollout.placement=colocate / trainer.placement=colocate")
-
-
 def role_optimizer_steps(cfg: Any, role: str, total_steps: int) -> int:
     """The optimizer steps `role` (`actor` or `critic`) takes in a run of `total_steps` trainer steps: its
     lr schedule's length. The actor does not update during the critic's `critic.warmup_steps`."""
@@ -99,9 +82,9 @@ def role_optimizer_steps(cfg: Any, role: str, total_steps: int) -> int:
 def build_roles(cfg: Any, total_steps: int) -> Roles:
     """Starts the worker groups of a run of `total_steps` trainer steps (see the module docstring) and
     returns their handles."""
-    device = device_type(cfg.trainer.device)
-    check_gpus(cfg, device)
-    common = dict(n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend, device=device)
+    device = device_type(cfg.trainer.device, cfg.trainer.backend, cfg.ray.address)
+    placed = {name: dict(pool=pool, n_workers=pool.n_processes, backend=cfg.trainer.backend, device=device)
+              for name, pool in make_pools(cfg, device).items()}
     separate = cfg.rollout.placement == "separate"
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
                             total_steps=role_optimizer_steps(cfg, "actor", total_steps),
@@ -116,21 +99,23 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
         classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs
     handles: dict[str, Any]  # a group, or a colocated group's member views, per role
     if len(classes) == 1:
-        group = WorkerGroup(ActorWorker, name="actor", init_kwargs=kwargs["actor"], **common)
+        group = WorkerGroup(ActorWorker, name="actor", init_kwargs=kwargs["actor"], **placed["actor"])
         handles = {"actor": group}
     else:
-        group = WorkerGroup(colocate(**classes), name="_".join(classes), init_kwargs=kwargs, **common)
+        group = WorkerGroup(colocate(**classes), name="_".join(classes), init_kwargs=kwargs, **placed["actor"])
         handles = {name: getattr(group, name) for name in classes}
     groups = [group]
     try:
         if split_critic:
-            handles["critic"] = WorkerGroup(CriticWorker, name="critic", init_kwargs=critic_kwargs, **common)
+            handles["critic"] = WorkerGroup(CriticWorker, name="critic", init_kwargs=critic_kwargs, **placed["critic"])
             groups.append(handles["critic"])
         if separate:
-            rollout = WorkerGroup(RolloutWorker, name="rollout", **{**common, "n_workers": rollout_workers(cfg)},
+            rollout = WorkerGroup(RolloutWorker, name="rollout", **placed["rollout"],
                                   init_kwargs=dict(model_cfg=cfg.model, rollout_cfg=cfg.rollout, data_cfg=cfg.data))
             groups.append(rollout)
-            handles["separate"] = SeparateRollout(handles["actor"], rollout, cfg.trainer.backend)
+            handles["separate"] = SeparateRollout(handles["actor"], rollout)
+        if cfg.trainer.backend == "ray":
+            check_placement(groups, cfg.trainer.output_dir)
     except BaseException:
         for started in groups:
             started.shutdown()

@@ -64,7 +64,7 @@ class SFTTrainer(Trainer):
         steps = optimizer_steps(self.total_steps, cfg.optim.passes_per_batch, cfg.optim.mini_batch_size,
                                 cfg.data.train_batch_size)
         group = WorkerGroup(SFTWorker, name="sft", n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend,
-                            device=device_type(cfg.trainer.device),
+                            device=device_type(cfg.trainer.device, cfg.trainer.backend),
                             init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim, total_steps=steps))
         self.groups = [group]
         self.workers: Remote[SFTWorker] = group

@@ -26,7 +26,7 @@ from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.reference import ReferenceModel, temperature_of
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss
-from hybridflow.workers.weight_sync import BUCKET_BYTES, WeightChannel, drain, plan_buckets
+from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, WeightChannel, drain, plan_buckets
 
 
 class ActorWorker(EngineWorker):
@@ -50,6 +50,7 @@ class ActorWorker(EngineWorker):
             self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
                                           self.engine.precision.param, pad_token_id(self.engine.config))
         self.channel: WeightChannel | None = None
+        self.rendezvous: Rendezvous | None = None
         self._offload_idle()
 
     # ------------------------------------------------------------------ RL-step methods
@@ -112,6 +113,13 @@ class ActorWorker(EngineWorker):
             raise RuntimeError("this ActorWorker has no rollout engine (with_rollout=False); with "
                                "rollout.placement=separate the weights go out by send_weights")
         return self._with_full_params(self.rollout.load_weights)
+
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_sync(self) -> tuple[str, int]:
+        """Rank 0 hosts the weight-sync group's store on its own node; returns its (host, port) for
+        `join_weight_sync` on both groups."""
+        self.rendezvous = Rendezvous(self.host)
+        return self.rendezvous.host, self.rendezvous.port
 
     @register(Dispatch.BROADCAST)
     def join_weight_sync(self, host: str, port: int, world_size: int,

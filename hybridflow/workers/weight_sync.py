@@ -1,8 +1,9 @@
 """Sending the actor's weights to a rollout group on other devices, over torch.distributed.
 
 The weight-sync group is a second process group, independent of each worker group's default one:
-rank 0 is the actor group's rank 0 (the sender), ranks 1..R are the rollout group's ranks. The
-controller hosts its store (`Rendezvous`); each member builds its `WeightChannel` from that store
+rank 0 is the actor group's rank 0 (the sender), ranks 1..R are the rollout group's ranks. The sender
+hosts its store on its own node (`Rendezvous`, never on the controller's machine, which may be another
+node of a Ray cluster); each member builds its `WeightChannel` from that store
 (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA, made directly from store, rank and size, so no
 second default group is needed). At join time the sender publishes the bucket plan in the store: the
 parameters' HF names and shapes in order, grouped into buckets of at most `bucket_bytes` in the rollout
@@ -29,21 +30,13 @@ Plan = list[list[tuple[str, tuple[int, ...]]]]
 
 
 class Rendezvous:
-    """The controller-hosted store the members of one weight-sync group meet on."""
+    """The store the members of one weight-sync group meet on, hosted by the sender at `host` (its node's
+    address as the other members reach it) on a free port."""
 
-    def __init__(self, host: str | None = None) -> None:
-        self.host = host or "127.0.0.1"
+    def __init__(self, host: str) -> None:
+        self.host = host
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         self.port = self.store.port
-
-
-def controller_host(backend: str) -> str:
-    """The address workers reach the controller's store on: loopback locally, the node's IP with Ray."""
-    if backend == "ray":
-        import ray
-
-        return ray.util.get_node_ip_address()
-    return "127.0.0.1"
 
 
 def plan_buckets(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype,

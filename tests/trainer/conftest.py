@@ -1,4 +1,5 @@
-"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset, a few SFT conversations."""
+"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset, a few SFT conversations, and the
+metrics of one local run that the Ray backend's runs must reproduce."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import pytest
 
 from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
+from rl_helpers import TWO_WORKERS, run
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +25,9 @@ def chats(tmp_path_factory):
             for w in ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def local_two_workers(tiny_qwen2, data_dir, tmp_path_factory):
+    """The metrics rows of a 2-step GRPO run with 2 workers on the local backend (`TWO_WORKERS`)."""
+    return run(tiny_qwen2, data_dir, tmp_path_factory.mktemp("local_two_workers"), *TWO_WORKERS)

@@ -16,6 +16,10 @@ def base_overrides(model, data_dir, out, *extra):
             "trainer.val_every=2", "reward.num_workers=1", f"trainer.output_dir={out}", *extra]
 
 
+# The run both Ray tests compare with the local backend (the `local_two_workers` fixture).
+TWO_WORKERS = ("trainer.val_before_train=false", "trainer.total_steps=2", "trainer.n_workers=2")
+
+
 def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

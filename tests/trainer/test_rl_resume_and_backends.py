@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rl_helpers import run
+from rl_helpers import TWO_WORKERS, run
 
 # Timings, throughput and memory differ between any two runs; everything else must match.
 NONDETERMINISTIC = ("timing_s/", "timing_per_token_ms/", "perf/")
@@ -39,11 +39,11 @@ def test_resume_continues_exactly(tiny_qwen2, data_dir, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
-def test_local_and_ray_backends_give_the_same_metrics(tiny_qwen2, data_dir, tmp_path, monkeypatch):
+def test_local_and_ray_backends_give_the_same_metrics(tiny_qwen2, data_dir, tmp_path, monkeypatch,
+                                                     local_two_workers):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    common = ("trainer.val_before_train=false", "trainer.total_steps=2", "trainer.n_workers=2")
-    local = run(tiny_qwen2, data_dir, tmp_path / "local", *common, "trainer.backend=local")
-    ray = run(tiny_qwen2, data_dir, tmp_path / "ray", *common, "trainer.backend=ray")
+    local = local_two_workers
+    ray = run(tiny_qwen2, data_dir, tmp_path / "ray", *TWO_WORKERS, "trainer.backend=ray")
     assert len(local) == len(ray) == 2
     for a, b in zip(local, ray):
         assert_same_metrics(a, b)

@@ -44,7 +44,7 @@ def test_separate_rollout_generates_with_the_synced_weights(tiny_qwen2):
     with WorkerGroup(ActorWorker, n_workers=2, name="actor", init_kwargs=actor_kwargs) as actor, \
             WorkerGroup(RolloutWorker, n_workers=2, name="rollout",
                         init_kwargs=dict(model_cfg=model_cfg, rollout_cfg=rollout_cfg, data_cfg=data_cfg)) as rollout:
-        sync = SeparateRollout(actor, rollout, "local", bucket_bytes=16 << 10)  # several buckets, one per big matrix
+        sync = SeparateRollout(actor, rollout, bucket_bytes=16 << 10)  # several buckets, one per big matrix
         greedy = _prompts(0.0)
         before = rollout.generate(greedy)
         batch = rollout.generate(_prompts(1.0))
