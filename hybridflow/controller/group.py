@@ -24,6 +24,7 @@ from typing import Annotated, Any, Generic, TypeVar
 from hybridflow.controller.backends import make_backend
 from hybridflow.controller.colocate import ColocatedWorker
 from hybridflow.controller.dispatch import DispatchSpec, gather, registered_methods, scatter
+from hybridflow.controller.errors import WorkerError
 from hybridflow.controller.pool import Placement, ResourcePool
 from hybridflow.controller.runtime import WorkerSpec
 from hybridflow.controller.worker import Worker
@@ -35,24 +36,47 @@ _live_groups: weakref.WeakSet = weakref.WeakSet()
 _INSTANCE_ATTRS = {"name", "worker_cls", "pool"}
 
 
+CAUSE_GRACE_S = 5.0
+
+
 def _combine(parts: list[Future], finish: Any) -> Future:
-    """One Future over the per-rank futures: `finish(results)` when all succeed, the first failure otherwise."""
+    """One Future over the per-rank futures: `finish(results)` when all succeed, else a failure.
+
+    A rank's death fails it at once. A method that raised fails it when the other ranks are done, or after
+    `CAUSE_GRACE_S`: when a rank dies, its peers' collectives break and usually report before the death is
+    known, and the death (role, rank, node) is the error worth reading."""
     out: Future = Future()
     results: list[Any] = [None] * len(parts)
     remaining = [len(parts)]
+    raised: list[BaseException] = []
     lock = threading.Lock()
+
+    def fail(error: BaseException) -> None:
+        with lock:
+            if not out.done():
+                out.set_exception(error)
 
     def on_done(index: int, part: Future) -> None:
         error = part.exception()
         with lock:
             if out.done():
                 return
-            if error is not None:
+            remaining[0] -= 1
+            if error is not None and not isinstance(error, WorkerError):
                 out.set_exception(error)
                 return
-            results[index] = part.result()
-            remaining[0] -= 1
+            if error is not None:
+                raised.append(error)
+                if len(raised) == 1 and remaining[0]:
+                    timer = threading.Timer(CAUSE_GRACE_S, fail, args=(error,))
+                    timer.daemon = True
+                    timer.start()
+            else:
+                results[index] = part.result()
             if remaining[0]:
+                return
+            if raised:
+                out.set_exception(raised[0])
                 return
         try:
             out.set_result(finish(results))

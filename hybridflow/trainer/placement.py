@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from hybridflow.config.validate import GROUP_KEYS, run_groups
+from hybridflow.config.validate import GROUP_KEYS, ConfigError, run_groups
 from hybridflow.controller import ResourcePool, WorkerGroup
-from hybridflow.controller.cluster import alive_nodes, check_capacity, connect, unseen_on
+from hybridflow.controller.cluster import CapacityError, alive_nodes, check_capacity, connect, unseen_on
 
 LOCAL_LABELS = {"critic": "critic (trainer.placement=split)", "rollout": "rollout (rollout.placement=separate)"}
 
@@ -33,14 +33,14 @@ def _check_local_gpus(groups: dict[str, int], device: str) -> None:
     if device != "cuda" or sum(groups.values()) <= have:
         return
     listed = ", ".join(f"{n} for {LOCAL_LABELS.get(name, name)}" for name, n in groups.items())
-    raise ValueError(f"this run needs {sum(groups.values())} GPUs ({listed}) but this machine has {have} "
-                     f"(torch.cuda.device_count()); lower trainer.n_workers / rollout.n_workers, or use "
-                     f"rollout.placement=colocate / trainer.placement=colocate")
+    raise ConfigError(f"this run needs {sum(groups.values())} GPUs ({listed}) but this machine has {have} "
+                      f"(torch.cuda.device_count()); lower trainer.n_workers / rollout.n_workers, or use "
+                      f"rollout.placement=colocate / trainer.placement=colocate")
 
 
 def make_pools(cfg: Any, device: str) -> dict[str, ResourcePool]:
-    """One pool per group of the run (keyed `actor` / `critic` / `rollout`), refused up front when this
-    machine or the Ray cluster cannot hold them all."""
+    """One pool per group of the run (keyed `actor` / `critic` / `rollout`); a `ConfigError` naming the keys
+    to change when this machine or the Ray cluster cannot hold them all."""
     groups = run_groups(cfg)
     if cfg.trainer.backend == "local":
         _check_local_gpus(groups, device)
@@ -53,7 +53,10 @@ def make_pools(cfg: Any, device: str) -> dict[str, ResourcePool]:
                                    node_resource=shape.node_resource)
         fixes[name] = (f"change {size_key}, ray.{section}.nnodes, ray.{section}.strategy or "
                        f"ray.{section}.node_resource, or add nodes")
-    check_capacity(list(pools.values()), alive_nodes(connect(cfg.ray.address)), fixes)
+    try:
+        check_capacity(list(pools.values()), alive_nodes(connect(cfg.ray.address)), fixes)
+    except CapacityError as exc:  # a config the cluster cannot hold: reported like any other config problem
+        raise ConfigError(str(exc)) from None
     return pools
 
 

@@ -221,3 +221,32 @@ def test_log_server_prefixes_lines_and_tracks_sync_marks(capsys):
     assert err == "(critic rank 3) warning\n"
     for conn in conns:
         conn.close()
+
+
+def test_a_peer_death_is_reported_rather_than_the_collective_error_it_caused(monkeypatch):
+    from concurrent.futures import Future
+
+    from hybridflow.controller import WorkerDiedError
+    from hybridflow.controller import group as group_module
+
+    monkeypatch.setattr(group_module, "CAUSE_GRACE_S", 0.3)
+    broken, dead = WorkerError("actor", 0, "update", "RuntimeError: Connection reset by peer"), \
+        WorkerDiedError("actor", 1, "pid 7 on node abcd1234 (10.0.0.2), its Ray actor died")
+
+    parts = [Future(), Future()]
+    combined = group_module._combine(parts, list)
+    parts[0].set_exception(broken)  # rank 0's collective broke first ...
+    assert not combined.done()
+    parts[1].set_exception(dead)  # ... because rank 1 died
+    assert combined.exception() is dead
+
+    parts = [Future(), Future()]
+    combined = group_module._combine(parts, list)
+    parts[0].set_exception(broken)  # rank 1 stays stuck: the error comes after the grace period
+    assert combined.exception(timeout=5) is broken
+
+    parts = [Future(), Future()]
+    combined = group_module._combine(parts, list)
+    parts[1].set_result(2)
+    parts[0].set_exception(broken)  # every rank is done: no wait
+    assert combined.done() and combined.exception() is broken

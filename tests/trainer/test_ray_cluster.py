@@ -17,9 +17,9 @@ import time
 import psutil
 import pytest
 
-from hybridflow.config.loader import load_config
+from hybridflow.config import ConfigError, load_config
 from hybridflow.controller import WorkerDiedError
-from hybridflow.controller.cluster import CapacityError, connect, unseen_on
+from hybridflow.controller.cluster import connect, unseen_on
 from hybridflow.trainer.rl import RLTrainer
 from hybridflow.trainer.roles import build_roles
 from rl_helpers import TWO_WORKERS, base_overrides, read_metrics, run
@@ -87,7 +87,7 @@ def test_actor_over_two_nodes_and_a_pinned_rollout_give_the_local_metrics(cluste
 def test_a_run_the_cluster_cannot_hold_is_refused_with_the_numbers(cluster, tiny_qwen2, data_dir, tmp_path):
     overrides = base_overrides(tiny_qwen2, data_dir, tmp_path, *on(cluster), "trainer.n_workers=4",
                                "ray.actor.nnodes=4", "ray.actor.node_resource=train")
-    with pytest.raises(CapacityError) as refused:
+    with pytest.raises(ConfigError) as refused:
         build_roles(load_config(overrides, "recipes/grpo.yaml"), total_steps=1)
     assert ("pool 'actor' wants 4 shares of 1 CPU on nodes with resource 'train', each on a node of its own "
             "(strategy spread); a share reserves 1 CPU, 0.001 train; but 2 of the cluster's 3 alive node(s) can hold "

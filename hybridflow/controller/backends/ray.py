@@ -169,7 +169,9 @@ class RayBackend(Backend):
             try:
                 reply = raw.result()
             except self._ray.exceptions.RayActorError as exc:
-                error = WorkerDiedError(self.spec.role, rank, self._where(rank) + ", its Ray actor died", _reason(exc))
+                lost = isinstance(exc, self._ray.exceptions.ActorUnavailableError)  # max_restarts=0: never back
+                how = ", its Ray actor " + ("stopped answering (its process or node is gone)" if lost else "died")
+                error = WorkerDiedError(self.spec.role, rank, self._where(rank) + how, _reason(exc))
                 with self._lock:
                     self._dead.setdefault(rank, error)
                 out.set_exception(error)
