@@ -249,8 +249,7 @@ class TrainerConfig:
     total_epochs: int = opt(1, "epochs over the training data when total_steps is null")
     seed: int = opt(1, "seed of sampling, shuffling and initialisation")
     output_dir: str = opt("outputs/run", "where metrics, checkpoints and the final model go")
-    backend: str = opt("local", "worker processes on this machine, or Ray (one machine or a cluster: see `ray`)",
-                       ("local", "ray"))
+    backend: str = opt("local", "worker processes on this machine, or Ray", ("local", "ray"))
     device: str = opt("auto", "auto = cuda when available", ("auto", "cpu", "cuda"))
     n_workers: int = opt(1, "processes per worker group (one per device)")
     val_every: int = opt(0, "validate every this many steps; 0 = no periodic validation")
