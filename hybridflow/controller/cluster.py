@@ -1,8 +1,8 @@
 """Ray clusters seen from the controller: joining one (`connect`), what its alive nodes hold
-(`alive_nodes`), the placement-group bundle a `ResourcePool` asks for on each of its nodes
-(`pool_bundle`: one bundle per share of the pool), refusing up front, with the numbers, pools the cluster cannot hold
-(`check_capacity`), so a run fails before any model loads instead of waiting on Ray, and asking nodes
-whether they see a path (`unseen_on`).
+(`alive_nodes`), the placement-group bundle each share of a `ResourcePool` reserves on its node
+(`pool_bundle`), refusing up front, with the numbers, pools the cluster cannot hold (`check_capacity`, so
+a run fails before any model loads instead of waiting on Ray), and asking nodes whether they see a path
+(`unseen_on`).
 
 Ray is imported lazily (`import_ray`), so the rest of hybridflow works without it.
 """
