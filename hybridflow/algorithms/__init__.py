@@ -1,9 +1,11 @@
 """hybridflow.algorithms: pure tensor functions of the RL algorithms, with registries.
 
 Advantage estimators (`advantages`), policy and value losses (`losses`), KL estimators and KL in
-reward (`kl`), loss aggregation (`aggregation`), KL controllers (`kl_control`), DAPO helpers (`dapo`)
-and masked statistics (`utils`). No I/O and no distributed calls: the trainer and the workers call
-these. Add an estimator or a loss by name with `register_adv_estimator` / `register_policy_loss`.
+reward (`kl`), loss aggregation (`aggregation`), KL controllers (`kl_control`), DAPO helpers (`dapo`),
+the training–inference mismatch (`mismatch`) and its correction (`rollout_correction`), and masked
+statistics (`utils`). No I/O and no distributed calls: the trainer and the workers call
+these. Add an estimator, a loss or a rollout correction by name with `register_adv_estimator` /
+`register_policy_loss` / `register_rollout_correction`.
 """
 
 from hybridflow.algorithms.advantages import (
@@ -32,7 +34,18 @@ from hybridflow.algorithms.losses import (
     register_policy_loss,
     value_loss,
 )
+from hybridflow.algorithms.mismatch import (
+    merge_mismatch_stats,
+    mismatch_metrics,
+    mismatch_stats,
+    training_rollout_mismatch,
+)
 from hybridflow.algorithms.registry import Registry
+from hybridflow.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    register_rollout_correction,
+    rollout_correction,
+)
 from hybridflow.algorithms.utils import group_index, group_stats, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -40,6 +53,7 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
@@ -64,13 +78,19 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "mean_kl",
+    "merge_mismatch_stats",
+    "mismatch_metrics",
+    "mismatch_stats",
     "overlong_penalty",
     "ppo_policy_loss",
     "register_adv_estimator",
     "register_policy_loss",
+    "register_rollout_correction",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
     "rloo",
+    "rollout_correction",
+    "training_rollout_mismatch",
     "value_loss",
 ]

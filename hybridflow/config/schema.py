@@ -144,6 +144,20 @@ class OptimConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance weights for the gap between the rollout engine's and the trainer's log-probs."""
+
+    mode: str = opt("none", "weight on each token's policy loss from rho = pi_train/pi_rollout: none; token_tis / "
+                            "seq_tis: min(rho, threshold) per token / per sequence; token_mis / seq_mis: rho inside "
+                            "[threshold_lower, threshold], the token / sequence dropped outside",
+                    registered("ROLLOUT_CORRECTIONS"))
+    threshold: float = opt(2.0, "upper bound C of the importance ratio (truncation point, or upper edge of the "
+                                "kept range)")
+    threshold_lower: Optional[float] = opt(None, "lower edge of the kept range of the *_mis modes; "
+                                                 "null = 1/threshold")
+
+
+@dataclass
 class OptimizedRoleConfig(OptimConfig):
     """Optimisation settings shared by the RL-trained roles (actor, critic)."""
 
@@ -165,6 +179,8 @@ class ActorConfig(OptimizedRoleConfig):
     skip_old_log_probs: bool = opt(True, "when each batch gets exactly one optimizer step (ppo_epochs=1, one "
                                          "mini-batch) and no KL in reward, the old log-probs equal the update's "
                                          "own (detached): skip their separate forward pass")
+    rollout_correction: RolloutCorrectionConfig = opt(RolloutCorrectionConfig, "training-inference mismatch "
+                                                                               "correction")
 
 
 @dataclass

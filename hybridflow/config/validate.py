@@ -94,6 +94,12 @@ def _range_problems(cfg: Any) -> list[str]:
             problems.append(f"{key}={value} must be >= 1 or null")
     if cfg.actor.clip_c <= 1.0:
         problems.append(f"actor.clip_c={cfg.actor.clip_c} must be > 1 (dual-clip bound)")
+    corr = cfg.actor.rollout_correction
+    if corr.threshold <= 0:
+        problems.append(f"actor.rollout_correction.threshold={corr.threshold} must be > 0")
+    elif corr.threshold_lower is not None and not 0 < corr.threshold_lower < corr.threshold:
+        problems.append(f"actor.rollout_correction.threshold_lower={corr.threshold_lower} must be in (0, "
+                        f"actor.rollout_correction.threshold={corr.threshold}), or null (= 1/threshold)")
     return problems
 
 

@@ -23,6 +23,7 @@ from hybridflow.controller import Dispatch, register
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import EngineWorker
+from hybridflow.workers.mismatch import RolloutMismatch
 from hybridflow.workers.reference import ReferenceModel, temperature_of
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss
@@ -77,15 +78,18 @@ class ActorWorker(EngineWorker):
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; metrics (identical on all ranks) with the field's names."""
+        """PPO epochs over shuffled mini-batches; metrics (identical on all ranks) with the field's names,
+        the training–inference mismatch and the rollout correction's (`hybridflow.workers.mismatch`)."""
         use_kl = self.cfg.kl_loss_coef > 0
         if use_kl and "ref_log_probs" not in batch:
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
-        metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy), passes=self.cfg.ppo_epochs,
+        mismatch = RolloutMismatch(self.cfg.rollout_correction, self.device)
+        metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy, mismatch), passes=self.cfg.ppo_epochs,
                                prefix="actor", rollout_n=self.rollout_cfg.n,
                                temperature=temperature_of(batch, self.rollout_cfg.temperature),
                                with_entropy=use_entropy or "entropy" not in batch)
+        metrics.update(mismatch.metrics())
         if not use_entropy and "entropy" in batch:  # the token mean over every rank's rows
             mask = batch["response_mask"]
             summed = all_reduce(torch.stack([(batch["entropy"] * mask).sum(), mask.sum()]), self.device)

@@ -21,6 +21,7 @@ from hybridflow.algorithms import aggregate, compute_policy_loss, kl_loss, value
 from hybridflow.engine.train import LossContext, TrainEngine, timed
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.microbatch import mini_batch_slices, take_rows
+from hybridflow.workers.mismatch import RolloutMismatch
 
 
 def _agg(cfg: Any, ctx: LossContext, width: int) -> dict:
@@ -28,20 +29,22 @@ def _agg(cfg: Any, ctx: LossContext, width: int) -> dict:
                 response_len=width)
 
 
-def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool):
+def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool, mismatch: RolloutMismatch | None = None):
     """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
     (- entropy_coef x entropy). Needs `advantages`, `response_mask` (and `ref_log_probs`); without
     `old_log_probs` (on-policy: one optimizer step per batch) the current log-probs, detached, stand in.
-    Entropy is reported whenever the forward computed it."""
+    Entropy is reported whenever the forward computed it. With `mismatch`, the advantages are weighted
+    by the rollout correction and the training–inference mismatch is recorded."""
 
     def loss_fn(out: dict, mb: dict, ctx: LossContext):
         mask, logp = mb["response_mask"], out["log_probs"]
         agg, scale = _agg(cfg, ctx, mask.shape[1]), ctx.share_to_value(mask)
         old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
-        loss, m = compute_policy_loss(cfg.policy_loss, old, logp, mb["advantages"], mask, clip_low=cfg.clip_low,
+        advantages, corrected = (mb["advantages"], {}) if mismatch is None else mismatch.correct(old, mb)
+        loss, m = compute_policy_loss(cfg.policy_loss, old, logp, advantages, mask, clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, clip_c=cfg.clip_c, **agg)
         metrics = {"actor/pg_loss": loss.detach() * scale, "actor/pg_clipfrac": m["pg_clipfrac"],
-                   "actor/ppo_kl": m["ppo_kl"]}
+                   "actor/ppo_kl": m["ppo_kl"], **corrected}
         if use_kl:
             kl = kl_loss(logp, mb["ref_log_probs"], mask, kind=cfg.kl_loss_type, **agg)
             loss = loss + cfg.kl_loss_coef * kl
@@ -106,7 +109,7 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
                     history[k].append(v)
 
     _, seconds = timed(train, engine.device)
-    metrics = {k: sum(v) / len(v) for k, v in history.items() if k.startswith(f"{prefix}/")}
+    metrics = {k: sum(v) / len(v) for k, v in history.items() if "/" in k}  # the loss_fn's, not the engine's
     metrics[f"{prefix}/grad_norm"] = sum(history["grad_norm"]) / len(history["grad_norm"])
     metrics[f"{prefix}/lr"] = history["lr"][-1]
     metrics[f"{prefix}/skipped_steps"] = float(engine.skipped_steps)

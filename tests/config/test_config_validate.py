@@ -158,3 +158,12 @@ def test_ray_keys_need_the_ray_backend_and_a_group_to_place():
         _cfg(*ray, "rollout.placement=separate", "rollout.n_workers=2", "ray.rollout.nnodes=3"))
     assert "ray.address=ray://head:10001 is a Ray Client address" in _problems(
         _cfg(*ray, "ray.address=ray://head:10001"))
+
+
+def test_rollout_correction_mode_and_bounds():
+    with pytest.raises(ConfigError, match="valid: none, token_tis, seq_tis, token_mis, seq_mis"):
+        load_config(["actor.rollout_correction.mode=token_ts"])
+    assert "actor.rollout_correction.threshold=0.0 must be > 0" in _problems(
+        _cfg("actor.rollout_correction.mode=token_tis", "actor.rollout_correction.threshold=0"))
+    msg = _problems(_cfg("actor.rollout_correction.mode=token_mis", "actor.rollout_correction.threshold_lower=3"))
+    assert "actor.rollout_correction.threshold_lower=3.0 must be in (0, actor.rollout_correction.threshold=2.0)" in msg

@@ -1,0 +1,53 @@
+"""`RolloutMismatch`: the actor's training–inference mismatch during one update, measured and corrected.
+
+Inside the update's loss, each micro-batch compares the rollout engine's `rollout_log_probs` with the
+trainer's log-probs of the same tokens — `old_log_probs` when they were computed, else the update's own
+log-probs, detached (`actor.skip_old_log_probs`: one optimizer step per batch, so the forward runs on
+the weights that generated). `correct` records the mismatch statistics and returns the advantages
+weighted by `actor.rollout_correction` (a positive per-token weight on the advantage scales every
+built-in policy loss's token term by that weight: each is positively homogeneous in the advantage);
+`metrics` reduces the statistics over all ranks (a collective). The maths is in
+`hybridflow.algorithms.mismatch` and `hybridflow.algorithms.rollout_correction`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.algorithms import merge_mismatch_stats, mismatch_metrics, mismatch_stats, rollout_correction
+from hybridflow.engine.train.collectives import all_reduce
+
+
+class RolloutMismatch:
+    """One update's mismatch statistics and its rollout correction (`cfg`: `actor.rollout_correction`)."""
+
+    def __init__(self, cfg: Any, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.stats: torch.Tensor | None = None
+
+    def correct(self, train_logp: torch.Tensor, mb: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(advantages to train on, `rollout_corr/...` metrics) for micro-batch `mb`, recording its
+        statistics. Without `rollout_log_probs` (a batch from elsewhere than the rollout engine) only
+        `mode=none` works."""
+        if "rollout_log_probs" not in mb:
+            if self.cfg.mode != "none":
+                raise KeyError(f"actor.rollout_correction.mode={self.cfg.mode} needs `rollout_log_probs` in the "
+                               f"batch (the log-probs the rollout engine sampled with)")
+            return mb["advantages"], {}
+        rollout, mask = mb["rollout_log_probs"], mb["response_mask"]
+        stats = mismatch_stats(train_logp, rollout, mask)
+        self.stats = stats if self.stats is None else merge_mismatch_stats(self.stats, stats)
+        weights, metrics = rollout_correction(self.cfg.mode, train_logp, rollout, mask, threshold=self.cfg.threshold,
+                                              threshold_lower=self.cfg.threshold_lower)
+        return mb["advantages"] * weights, {f"rollout_corr/{k}": v for k, v in metrics.items()}
+
+    def metrics(self) -> dict[str, float]:
+        """The mismatch metrics over every rank's recorded tokens (every rank must call it)."""
+        stats = self.stats if self.stats is not None else mismatch_stats(*(torch.zeros(1, 1),) * 3)
+        sums = all_reduce(stats[:-1], self.device)
+        largest = all_reduce(stats[-1:], self.device, op=dist.ReduceOp.MAX)
+        return mismatch_metrics(torch.cat([sums, largest]))
