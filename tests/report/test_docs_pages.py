@@ -18,7 +18,7 @@ from hybridflow.config.schema import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-PAGES = ("index", "quickstart", "custom_loop", "placement", "migrating_from_verl", "troubleshooting")
+PAGES = ("index", "quickstart", "custom_loop", "placement", "migrating_from_verl", "troubleshooting", "real_model")
 KEYS = set(schema_fields(RLConfig))
 
 
@@ -98,6 +98,16 @@ def test_translated_verl_script_and_quickstart_commands_validate():
     cfg = load_config(quick[4:], ROOT / quick[3])
     validate(cfg, check_paths=False)
     assert cfg.trainer.output_dir == "outputs/grpo_tiny" and "tensorboard" in cfg.trainer.loggers
+
+
+def test_real_model_page_commands_validate():
+    page = (DOCS / "real_model.md").read_text()
+    for words in (command_after(page, "--n-val 300\n"), command_after(page.split("## 3.", 1)[1], "```bash\n")):
+        assert words[:4] == ["hybridflow", "train", "--config", "recipes/gsm8k_smollm2.yaml"]
+        cfg = load_config(words[4:], ROOT / words[3])
+        validate(cfg, check_paths=False)
+        assert cfg.reward.kwargs == {"method": "flexible"} and cfg.actor.kl_loss_coef == 0.0
+    assert cfg.actor.rollout_correction.mode == "token_tis"
 
 
 def source_text() -> str:
