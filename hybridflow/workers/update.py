@@ -2,9 +2,10 @@
 
 `run_update` makes `passes` passes over this rank's rows (the actor's and critic's `ppo_epochs`, SFT's
 `passes_per_batch`), each pass cut into the same number of (shuffled) mini-batches on every rank — one
-optimizer step each, verl's semantics: a mini-batch is `mini_batch_size x rollout.n` rows over all ranks. `actor_loss` and `critic_loss` build the engine's
-`loss_fn` from `hybridflow.algorithms` (policy loss + optional KL loss and entropy bonus; clipped value
-loss), aggregating with the mini-batch's global token and sequence counts so micro-batching and data
+optimizer step each, verl's semantics: a mini-batch is `mini_batch_size x rollout.n` rows over all ranks.
+`actor_loss` and `critic_loss` build the engine's `loss_fn` from `hybridflow.algorithms` (policy loss, its
+advantages weighted by the rollout correction, + optional KL loss and entropy bonus; clipped value loss),
+aggregating with the mini-batch's global token and sequence counts so micro-batching and data
 parallelism leave the loss unchanged. Reported loss metrics are the mini-batch's value (exact for
 `token-mean`; for sequence-mean modes a token-weighted average of micro-batch values).
 """
