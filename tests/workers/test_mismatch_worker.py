@@ -31,7 +31,8 @@ def _ranks(rank, path):
     engine = TrainEngine(model_cfg(path), optim_cfg(), head="lm", total_steps=1)
     mismatch = RolloutMismatch(cfg.rollout_correction, engine.device)
     metrics = run_update(engine, {k: v[rows] for k, v in batch.items()}, cfg,
-                         actor_loss(cfg, use_kl=False, use_entropy=False, mismatch=mismatch), prefix="actor")
+                         actor_loss(cfg, use_kl=False, use_entropy=False, mismatch=mismatch), passes=1,
+                         prefix="actor")
     return {**metrics, **mismatch.metrics()}
 
 
