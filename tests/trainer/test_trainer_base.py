@@ -10,7 +10,6 @@ from hybridflow.config.loader import load_config
 from hybridflow.config.sft import SFTConfig
 from hybridflow.controller import WorkerError
 from hybridflow.engine.train import TrainEngine
-from hybridflow.engine.train.optim import lr_factor
 from hybridflow.trainer.rl import RLTrainer
 from hybridflow.trainer.roles import role_optimizer_steps
 from hybridflow.trainer.sft import SFTTrainer
@@ -18,44 +17,60 @@ from hybridflow.trainer.sft import SFTTrainer
 
 @pytest.fixture
 def optimizer_lrs(monkeypatch):
-    """The lr of every optimizer step of the (in-process) engines, and each engine's scheduler position."""
-    lrs: list[float] = []
-    positions: list[int] = []
+    """The lr of every optimizer step of the (in-process) engines, by head (`lm`: actor or SFT, `value`: critic),
+    and each engine's scheduler position after its last step."""
+    lrs: dict[str, list[float]] = {}
+    positions: dict[str, int] = {}
     train_step = TrainEngine.train_step
 
     def recording(self, *args, **kwargs):
         result = train_step(self, *args, **kwargs)
-        lrs.append(result["lr"])
-        positions.append(self.scheduler.last_epoch)
+        lrs.setdefault(self.head, []).append(result["lr"])
+        positions[self.head] = self.scheduler.last_epoch
         return result
 
     monkeypatch.setattr(TrainEngine, "train_step", recording)
     return lrs, positions
 
 
-def _cosine(lr: float, steps: int) -> list[float]:
-    return [lr * lr_factor(step, steps, "cosine", 0, 0.0) for step in range(steps)]
+def assert_warmup_then_cosine(lrs: list[float], lr: float, warmup: int, floor: float, steps: int) -> None:
+    """Linear warm-up that reaches `lr` at the `warmup`-th optimizer step, then a cosine strictly falling to
+    `floor` x lr, reached at the last of `steps` optimizer steps and not before."""
+    assert len(lrs) == steps
+    assert lrs[:warmup] == pytest.approx([lr * (k + 1) / warmup for k in range(warmup)], rel=1e-6)
+    decay = lrs[warmup - 1:]
+    assert all(a > b for a, b in zip(decay, decay[1:])), lrs
+    assert decay[-2] > floor * lr * (1 + 1e-3) and decay[-1] == pytest.approx(floor * lr, rel=1e-6), lrs
 
 
-def test_rl_lr_schedule_spans_every_optimizer_step(tiny_qwen2, data_dir, tmp_path, optimizer_lrs):
-    # 2 trainer steps x 2 PPO epochs x 2 mini-batches (of 1 prompt out of 2) = 8 optimizer steps
-    cfg = load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, "actor.ppo_epochs=2", "actor.mini_batch_size=1",
-                                     "actor.lr_schedule=cosine", "actor.min_lr_ratio=0", "trainer.val_every=0",
+def test_rl_lr_schedules_span_every_optimizer_step(tiny_qwen2, data_dir, tmp_path, optimizer_lrs):
+    # gae trains a critic; critic.warmup_steps=1 leaves the actor 1 of the 2 trainer steps.
+    # actor: 1 step x 2 PPO epochs x 2 mini-batches (of 1 prompt out of 2) = 4 optimizer steps;
+    # critic: 2 steps x 2 epochs x 2 mini-batches = 8.
+    cfg = load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, "algorithm.adv_estimator=gae",
+                                     "critic.warmup_steps=1", "actor.ppo_epochs=2", "critic.ppo_epochs=2",
+                                     "actor.mini_batch_size=1", "critic.mini_batch_size=1",
+                                     "actor.lr_schedule=cosine", "actor.lr_warmup_steps=2", "actor.min_lr_ratio=0.1",
+                                     "critic.lr=1e-3", "critic.lr_schedule=cosine", "critic.lr_warmup_steps=3",
+                                     "critic.min_lr_ratio=0", "trainer.val_every=0",
                                      "trainer.val_before_train=false"), "recipes/grpo.yaml")
     RLTrainer(cfg).fit()
     lrs, positions = optimizer_lrs
-    assert lrs == pytest.approx(_cosine(1e-4, 8), rel=1e-6) and positions[-1] == 8
+    assert_warmup_then_cosine(lrs["lm"], 1e-4, warmup=2, floor=0.1, steps=4)
+    assert_warmup_then_cosine(lrs["value"], 1e-3, warmup=3, floor=0.0, steps=8)
+    assert positions == {"lm": 4, "value": 8}
 
 
 def test_sft_lr_schedule_spans_every_optimizer_step(tiny_qwen2, chats, tmp_path, optimizer_lrs):
     # 2 trainer steps x 2 passes x 2 mini-batches (of 2 conversations out of 4) = 8 optimizer steps
     cfg = load_config([f"model.path={tiny_qwen2}", f"data.train_files={chats}", "data.train_batch_size=4",
                        "optim.mini_batch_size=2", "optim.passes_per_batch=2", "optim.lr=1e-3",
-                       "optim.lr_schedule=cosine", "optim.min_lr_ratio=0", "trainer.total_steps=2",
-                       f"trainer.output_dir={tmp_path}"], schema=SFTConfig)
+                       "optim.lr_schedule=cosine", "optim.lr_warmup_steps=1", "optim.min_lr_ratio=0.2",
+                       "trainer.total_steps=2", f"trainer.output_dir={tmp_path}"], schema=SFTConfig)
     SFTTrainer(cfg).fit()
     lrs, positions = optimizer_lrs
-    assert lrs == pytest.approx(_cosine(1e-3, 8), rel=1e-6) and positions[-1] == 8
+    assert_warmup_then_cosine(lrs["lm"], 1e-3, warmup=1, floor=0.2, steps=8)
+    assert positions == {"lm": 8}
     assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "hf" / "config.json").is_file()
 
 

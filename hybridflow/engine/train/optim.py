@@ -22,16 +22,17 @@ def build_optimizer(params, cfg: Any, device: torch.device) -> torch.optim.Optim
 
 
 def lr_factor(step: int, total_steps: int, schedule: str, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based): linear warm-up over `warmup_steps`,
-    then constant, or cosine from 1 down to `min_lr_ratio` at `total_steps`."""
+    """Multiplier of the base lr at optimizer step `step` (0-based) of a run of `total_steps` optimizer steps:
+    linear warm-up reaching 1 at the `warmup_steps`-th step, then constant, or cosine from 1 at that step
+    (the first step without warm-up) down to `min_lr_ratio` at the last step (`total_steps - 1`) and after."""
     if schedule not in SCHEDULES:
         raise ValueError(f"lr_schedule {schedule!r} is not valid; valid: {', '.join(SCHEDULES)}")
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
+    peak = max(warmup_steps - 1, 0)
+    progress = min(1.0, (step - peak) / max(1, total_steps - 1 - peak))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

@@ -16,9 +16,12 @@ from hybridflow.engine.train.optim import lr_factor
 
 def test_lr_warmup_then_constant_or_cosine():
     assert [lr_factor(s, 10, "constant", 4, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert lr_factor(4, 10, "cosine", 4, 0.1) == pytest.approx(1.0)
-    assert lr_factor(7, 10, "cosine", 4, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
-    assert lr_factor(10, 10, "cosine", 4, 0.1) == pytest.approx(0.1)
+    # warm-up peaks at the 4th step (index 3); cosine runs from there to the floor at the 10th (index 9)
+    assert lr_factor(3, 10, "cosine", 4, 0.1) == pytest.approx(1.0)
+    assert lr_factor(6, 10, "cosine", 4, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert lr_factor(8, 10, "cosine", 4, 0.1) > 0.1
+    assert lr_factor(9, 10, "cosine", 4, 0.1) == lr_factor(12, 10, "cosine", 4, 0.1) == pytest.approx(0.1)
+    assert [lr_factor(s, 3, "cosine", 0, 0.0) for s in range(3)] == pytest.approx([1.0, 0.5, 0.0])
     with pytest.raises(ValueError, match="cosine"):
         lr_factor(0, 10, "linear", 0, 0.0)
 
