@@ -1,4 +1,4 @@
-"""Worker output reaches the controller's console line by line, prefixed ``(role rank N) ``.
+"""Worker output reaches the controller's console line by line, prefixed ``(role rank N) `` (`prefix`).
 
 Each worker process points its file descriptors 1 and 2 straight at a TCP connection to the
 controller's `LogServer` (`forward_output`), so prints, C++ warnings and NCCL logs all travel; the
@@ -6,6 +6,10 @@ server writes every complete line to the controller's *current* ``sys.stdout`` /
 After each call a worker writes a sync mark (`mark_synced`) into both streams, and the backend
 waits for it (`LogServer.wait_synced`) before returning the call's result, so a call's output is
 on the console before the controller continues.
+
+An inline worker (a one-worker group running in the controller) prints in the controller's own
+process: `prefixed_output` gives the lines its calls write to ``sys.stdout`` / ``sys.stderr`` the same
+prefix, leaving the controller's other threads' lines as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _HEADER_END = b"\n"
 _SYNC = "\x1ehybridflow-sync "
@@ -107,3 +113,56 @@ def mark_synced(call_id: int) -> None:
     for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
         stream.flush()
         os.write(fd, f"{_SYNC}{call_id}\n".encode())
+
+
+def prefix(role: str, rank: int) -> str:
+    """The prefix of a worker's output lines."""
+    return f"({role} rank {rank}) "
+
+
+_inline = threading.local()  # .prefix: the prefix of this thread's running inline call; .line_start
+_installed_lock = threading.Lock()
+_installed = 0  # inline calls running: while > 0, sys.stdout / sys.stderr are `_PrefixingStream`s
+
+
+class _PrefixingStream:
+    """A text stream that starts each line with the writing thread's inline-call prefix (none outside one)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        lead = getattr(_inline, "prefix", None)
+        if lead is None:
+            return self.stream.write(text)
+        pieces = []
+        for line in text.splitlines(keepends=True):
+            pieces.append(lead + line if _inline.line_start else line)
+            _inline.line_start = line.endswith("\n")
+        self.stream.write("".join(pieces))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def prefixed_output(lead: str) -> Iterator[None]:
+    """Within the block, what this thread writes to ``sys.stdout`` / ``sys.stderr`` starts each line with `lead`."""
+    global _installed
+    with _installed_lock:
+        for name in _STREAMS:
+            if not isinstance(getattr(sys, name), _PrefixingStream):
+                setattr(sys, name, _PrefixingStream(getattr(sys, name)))
+        _installed += 1
+    _inline.prefix, _inline.line_start = lead, True
+    try:
+        yield
+    finally:
+        _inline.prefix = None
+        with _installed_lock:
+            _installed -= 1
+            for name in _STREAMS if not _installed else ():
+                stream = getattr(sys, name)
+                if isinstance(stream, _PrefixingStream):
+                    setattr(sys, name, stream.stream)

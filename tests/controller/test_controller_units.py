@@ -200,6 +200,21 @@ def test_inline_group_runs_in_the_controller():
 
 
 
+def test_inline_group_output_has_the_process_groups_prefix(capsys):
+    group = WorkerGroup(ToyWorker, 1, name="solo")  # one worker: inline, in this process
+    try:
+        print("controller line")
+        assert group.shout("hello")
+        assert group.shout.submit("from a thread").result(timeout=60)  # submits run in a helper thread
+    finally:
+        group.shutdown()
+    print("controller again", end="")
+    out, err = capsys.readouterr()
+    assert out == ("(solo rank 0) toy ready rank 0\ncontroller line\n(solo rank 0) hello (out)\n"
+                   "(solo rank 0) from a thread (out)\ncontroller again")
+    assert err == "(solo rank 0) hello (err)\n(solo rank 0) from a thread (err)\n"
+
+
 def test_log_server_prefixes_lines_and_tracks_sync_marks(capsys):
     import json
     import socket

@@ -1,5 +1,6 @@
 """The in-process backend: a one-worker group that runs inside the controller (so `breakpoint()`
-works). All inline groups share the controller's world-size-1 default process group."""
+works). All inline groups share the controller's world-size-1 default process group. What the worker
+prints while it builds and while it runs a call starts with ``(role rank 0) ``, as a process worker's does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.controller.backends import Backend, settle
 from hybridflow.controller.errors import WorkerDiedError, WorkerError
+from hybridflow.controller.logs import prefix, prefixed_output
 from hybridflow.controller.runtime import WorkerRuntime, ensure_single_process_group
 
 
@@ -31,7 +33,8 @@ class InlineBackend(Backend):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"hybridflow-{self.spec.role}")
         self._closed = False
         try:
-            self.runtime = WorkerRuntime(self.spec, rank=0, local_rank=0, device=device)
+            with prefixed_output(prefix(self.spec.role, 0)):
+                self.runtime = WorkerRuntime(self.spec, rank=0, local_rank=0, device=device)
         except Exception as exc:
             raise WorkerError(self.spec.role, 0, "__init__", traceback.format_exc()) from exc
 
@@ -40,8 +43,9 @@ class InlineBackend(Backend):
         return tuple(_detach(a) for a in args), {k: _detach(v) for k, v in kwargs.items()}
 
     def _run(self, future: Future, path: str, encoded: tuple[tuple, dict]) -> None:
-        with self._lock:
-            settle(future, self.runtime.call(path, *encoded), self.spec.role, 0, path)
+        with self._lock, prefixed_output(prefix(self.spec.role, 0)):
+            reply = self.runtime.call(path, *encoded)
+        settle(future, reply, self.spec.role, 0, path)
 
     def submit(self, rank: int, path: str, encoded: tuple[tuple, dict], blocking: bool) -> Future:
         future: Future = Future()

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
-from hybridflow.controller.logs import forward_output, log_server, mark_synced
+from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
 from hybridflow.controller.runtime import Reply, WorkerRuntime, join_process_group, load_spec
 
 _env_lock = threading.Lock()
@@ -62,7 +62,7 @@ def _worker_main(
     """Entry point of a worker process: output forwarding, process group, worker, then the call loop."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     spec = load_spec(sys_path, blob)
-    forward_output(log_addr, f"({spec.role} rank {rank}) ", log_key)
+    forward_output(log_addr, prefix(spec.role, rank), log_key)
     try:
         join_process_group(spec, rank, ("127.0.0.1", store_port))
         device = torch.device(f"cuda:{rank}") if spec.device_type == "cuda" else torch.device("cpu")

@@ -24,7 +24,7 @@ import torch
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.cluster import RAY_STRATEGY, alive_nodes, check_capacity, connect, pool_bundle
 from hybridflow.controller.errors import WorkerDiedError
-from hybridflow.controller.logs import forward_output, log_server, mark_synced
+from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
 from hybridflow.controller.pool import Placement
 from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
 
@@ -39,7 +39,7 @@ class RayWorkerActor:
         self.rank = rank
         self.runtime: WorkerRuntime | None = None
         self.store: Any = None
-        forward_output(log_addr, f"({self.spec.role} rank {rank}) ", log_key)
+        forward_output(log_addr, prefix(self.spec.role, rank), log_key)
 
     def node_info(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, GPU ids Ray assigned to this actor)."""
