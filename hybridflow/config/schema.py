@@ -216,9 +216,13 @@ class OverlongBufferConfig:
 class FilterGroupsConfig:
     """DAPO's dynamic sampling: drop prompt groups whose samples all score the same."""
 
-    enable: bool = opt(False, "drop groups with zero variance of `metric` and generate more")
+    enable: bool = opt(False, "drop groups with zero variance of `metric` and generate more prompt batches until "
+                              "data.train_batch_size groups are kept (the surplus is dropped)")
     metric: str = opt("score", "per-sample value compared within a group (score or a reward extra)")
-    max_num_gen_batches: int = opt(10, "generation rounds per step before giving up; 0 = unlimited")
+    max_num_gen_batches: int = opt(10, "prompt batches generated per step before giving up; 0 = unlimited")
+    allow_partial_batch: bool = opt(False, "when max_num_gen_batches is reached short of data.train_batch_size "
+                                           "groups, train on the groups kept (fewer optimizer steps that step) "
+                                           "instead of stopping with an error")
 
 
 @dataclass
@@ -252,7 +256,8 @@ class RewardConfig:
     function: str = opt("auto", "auto (by data_source), a built-in name, or path/to/file.py:function_name")
     timeout_s: float = opt(10.0, "per-sample scoring time limit in seconds")
     fallback_score: float = opt(0.0, "score given when the function raises or times out")
-    num_workers: int = opt(2, "reward scoring processes")
+    num_workers: int = opt(2, "reward scoring processes; 0 = score in the controller's thread (no timeout; a "
+                              "breakpoint() in the reward function works)")
     reward_model: RewardModelConfig = opt(RewardModelConfig, "model-based reward")
     kwargs: dict[str, Any] = opt({}, "extra keyword arguments passed to the reward function")
 

@@ -19,6 +19,9 @@ from typing import Any
 
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
+# GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
+GSPO_CLIP_LIMIT = 0.01
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key, the value and what would be valid."""
@@ -71,14 +74,14 @@ def _range_problems(cfg: Any) -> list[str]:
     at_least = {
         1: ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
             "rollout.val_n", "rollout.max_num_seqs", "actor.ppo_epochs", "critic.ppo_epochs",
-            "trainer.total_epochs", "trainer.n_workers", "trainer.keep_checkpoints", "reward.num_workers",
+            "trainer.total_epochs", "trainer.n_workers", "trainer.keep_checkpoints",
             "reward.reward_model.micro_batch_size"],
         0: ["trainer.val_every", "trainer.save_every", "trainer.log_samples", "trainer.max_bad_steps",
             "actor.lr_warmup_steps", "critic.lr_warmup_steps", "critic.warmup_steps", "actor.kl_loss_coef",
             "actor.entropy_coef", "actor.clip_low", "actor.clip_high", "critic.cliprange_value",
             "rollout.temperature", "rollout.val_temperature", "actor.grad_clip", "critic.grad_clip",
             "actor.weight_decay", "critic.weight_decay", "algorithm.kl_ctrl.kl_coef",
-            "algorithm.filter_groups.max_num_gen_batches"],
+            "algorithm.filter_groups.max_num_gen_batches", "reward.num_workers"],
     }
     intervals = {  # key: (low, high, low inclusive, high inclusive)
         "rollout.top_p": (0.0, 1.0, False, True), "rollout.kv_cache_fraction": (0.0, 1.0, False, False),
@@ -150,9 +153,16 @@ def _algorithm_problems(cfg: Any) -> list[str]:
     if cfg.rollout.val_n > 1 and cfg.rollout.val_temperature <= 0:
         problems.append(f"rollout.val_n={cfg.rollout.val_n} with rollout.val_temperature=0 (greedy) repeats one "
                         f"response; use rollout.val_n=1 or rollout.val_temperature > 0")
-    if est == "remax" and cfg.rollout.temperature <= 0:
+    if needs_greedy_baseline(cfg) and cfg.rollout.temperature <= 0:
         problems.append("algorithm.adv_estimator=remax subtracts a greedy response's reward as baseline: "
                         f"rollout.temperature={cfg.rollout.temperature} must be > 0 (sampled responses)")
+    actor = cfg.actor
+    if actor.policy_loss == "gspo" and max(actor.clip_low, actor.clip_high) >= GSPO_CLIP_LIMIT:
+        problems.append(f"actor.policy_loss=gspo clips a sequence-level ratio (the geometric mean of the token "
+                        f"ratios, far closer to 1 than one token's): actor.clip_low={actor.clip_low} / "
+                        f"actor.clip_high={actor.clip_high} are PPO-sized (>= {GSPO_CLIP_LIMIT}) and would almost "
+                        f"never clip; use the GSPO paper's actor.clip_low=3e-4 actor.clip_high=4e-4 "
+                        f"(recipes/gspo.yaml)")
     if alg.filter_groups.enable and n < 2:
         problems.append(f"algorithm.filter_groups.enable=true needs rollout.n >= 2 (got {n})")
     buf, max_len = alg.overlong_buffer, cfg.data.max_response_length
@@ -171,6 +181,11 @@ def _algorithm_problems(cfg: Any) -> list[str]:
 def needs_critic(cfg: Any) -> bool:
     """A critic (value model) is trained only for the estimator that uses values (`gae`)."""
     return cfg.algorithm.adv_estimator == "gae"
+
+
+def needs_greedy_baseline(cfg: Any) -> bool:
+    """ReMax's baseline: each prompt's greedy response, generated and scored beside its n samples."""
+    return cfg.algorithm.adv_estimator == "remax"
 
 
 def needs_reference(cfg: Any) -> bool:

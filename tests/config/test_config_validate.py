@@ -167,3 +167,20 @@ def test_rollout_correction_mode_and_bounds():
         _cfg("actor.rollout_correction.mode=token_tis", "actor.rollout_correction.threshold=0"))
     msg = _problems(_cfg("actor.rollout_correction.mode=token_mis", "actor.rollout_correction.threshold_lower=3"))
     assert "actor.rollout_correction.threshold_lower=3.0 must be in (0, actor.rollout_correction.threshold=2.0)" in msg
+
+
+def test_gspo_refuses_ppo_sized_clip_bounds_and_names_the_papers():
+    msg = _problems(_cfg("actor.policy_loss=gspo"))
+    assert ("actor.policy_loss=gspo clips a sequence-level ratio (the geometric mean of the token ratios, far closer "
+            "to 1 than one token's): actor.clip_low=0.2 / actor.clip_high=0.2 are PPO-sized (>= 0.01) and would "
+            "almost never clip; use the GSPO paper's actor.clip_low=3e-4 actor.clip_high=4e-4 "
+            "(recipes/gspo.yaml)") in msg
+    assert "actor.clip_high=0.01 are PPO-sized" in _problems(_cfg("actor.policy_loss=gspo", "actor.clip_low=3e-4",
+                                                                  "actor.clip_high=0.01"))
+    validate(_cfg("actor.policy_loss=gspo", "actor.clip_low=3e-4", "actor.clip_high=4e-4"), check_paths=False)
+    validate(_cfg("actor.policy_loss=ppo", "actor.clip_low=3e-4"), check_paths=False)
+
+
+def test_reward_workers_may_be_zero_but_not_negative():
+    validate(_cfg("reward.num_workers=0"), check_paths=False)
+    assert "reward.num_workers=-1 must be >= 0" in _problems(_cfg("reward.num_workers=-1"))

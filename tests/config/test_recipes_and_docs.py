@@ -15,7 +15,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 def test_required_recipes_exist():
     names = {p.stem for p in RECIPES}
-    assert {"grpo", "ppo", "dapo", "rloo", "reinforce_pp"} <= names
+    assert {"grpo", "ppo", "dapo", "gspo", "rloo", "reinforce_pp"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -31,6 +31,12 @@ def test_dapo_is_grpo_plus_its_changes():
     assert dapo.rollout.n == grpo.rollout.n and dapo.algorithm.adv_estimator == "grpo"
     assert dapo.actor.clip_high > dapo.actor.clip_low and dapo.actor.kl_loss_coef == 0.0
     assert dapo.algorithm.overlong_buffer.enable and dapo.algorithm.filter_groups.enable
+
+
+def test_gspo_is_grpo_with_the_papers_clip_bounds():
+    gspo = load_config([], config_file=ROOT / "recipes" / "gspo.yaml")
+    assert gspo.actor.policy_loss == "gspo" and gspo.algorithm.adv_estimator == "grpo"
+    assert (gspo.actor.clip_low, gspo.actor.clip_high) == (3e-4, 4e-4)
 
 
 def test_ppo_recipe_has_a_critic():
