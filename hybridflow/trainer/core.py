@@ -2,7 +2,8 @@
 
 Each function takes the step's batch (row keys of docs/architecture.md) and the run config, adds
 its outputs as new row keys and returns the metrics it produced, so `rl.py` reads like the
-algorithm: rewards → (KL in reward) → advantages. No worker calls happen here.
+algorithm: rewards (and ReMax's greedy baselines) → DAPO's group filter → (KL in reward) → advantages.
+No worker calls happen here.
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
     return [tokenizer.decode(responses[i, :n].tolist(), skip_special_tokens=True) for i, n in enumerate(lengths)]
 
 
-def apply_scores(batch: Batch, result: RewardResult, cfg: Any) -> dict[str, float]:
-    """Sets `token_scores` (score on the last response token) and `score` per row; returns reward metrics.
-
-    DAPO's overlong penalty (`algorithm.overlong_buffer`) is added to the scores when enabled.
-    """
+def row_scores(batch: Batch, result: RewardResult, cfg: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each row's score `[B]` (the reward, plus DAPO's overlong penalty when `algorithm.overlong_buffer` is
+    enabled) and the reward metrics."""
     scores = torch.tensor(result.scores, dtype=torch.float32)
     metrics = dict(result.metrics)
     buffer = cfg.algorithm.overlong_buffer
@@ -38,11 +37,31 @@ def apply_scores(batch: Batch, result: RewardResult, cfg: Any) -> dict[str, floa
                                               buffer.penalty_factor)
         scores = scores + penalty
         metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
+    return scores, metrics
+
+
+def apply_scores(batch: Batch, result: RewardResult, cfg: Any) -> dict[str, float]:
+    """Sets `token_scores` (the row's score, `row_scores`, on its last response token), `score` and the
+    reward's extras (`reward_extra/<name>`) per row; returns the reward metrics."""
+    scores, metrics = row_scores(batch, result, cfg)
     batch["token_scores"] = scores_to_token_scores(scores, batch["response_mask"])
     batch["score"] = [float(s) for s in scores]
     for name, values in result.extras.items():
         batch[f"reward_extra/{name}"] = list(values)
     return metrics
+
+
+def apply_baselines(batch: Batch, greedy: Batch, result: RewardResult, cfg: Any) -> dict[str, float]:
+    """ReMax: sets `baselines` `[B]`, each row's the score (`row_scores`) of its prompt's greedy response.
+    `greedy` holds one row per prompt in the order of `batch`'s groups of `rollout.n` rows; returns
+    `reward/baseline/mean`."""
+    scores, _ = row_scores(greedy, result, cfg)
+    n = cfg.rollout.n
+    if list(np.repeat(greedy["uid"], n)) != list(batch["uid"]):
+        raise ValueError(f"ReMax baselines: the greedy responses' prompts (uid {list(greedy['uid'])}) are not "
+                         f"the prompts of the batch's groups of rollout.n={n} rows")
+    batch["baselines"] = scores.repeat_interleave(n)
+    return {"reward/baseline/mean": scores.mean().item()}
 
 
 def with_model_scores(result: RewardResult, rm_scores: torch.Tensor | None, weight: float) -> RewardResult:
@@ -82,12 +101,39 @@ def compute_advantages(batch: Batch, cfg: Any) -> None:
     batch["advantages"], batch["returns"] = advantages.float(), returns.float()
 
 
-def group_filter(batch: Batch, metric: str) -> tuple[Batch, dict[str, float]]:
-    """DAPO dynamic sampling: the rows of groups whose `metric` varies (groups that teach something)."""
+def varied_groups(batch: Batch, metric: str) -> torch.Tensor:
+    """DAPO dynamic sampling's filter: a row mask `[B]` keeping the groups whose `metric` (`score` or a
+    reward extra) varies, the groups that teach something."""
     values = batch["score"] if metric == "score" else batch[f"reward_extra/{metric}"]
-    keep = algorithms.filter_groups(torch.tensor(np.asarray(values, dtype=np.float64)), batch["uid"])
-    kept = batch[keep]
-    return kept, {"filter_groups/kept_ratio": float(keep.float().mean().item())}
+    return algorithms.filter_groups(torch.tensor(np.asarray(values, dtype=np.float64)), batch["uid"])
+
+
+PROMPT_WIDTH_FILL = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}  # None: pad id
+
+
+def concat_rounds(batches: list[Batch], pad_id: int) -> Batch:
+    """`Batch.concat` of batches from different prompt batches (dynamic sampling's rounds), whose prompts
+    were left-padded to different widths: the keys that start with the prompt are left-padded to the widest
+    first (`pad_id` on token ids, 0 on masks and positions)."""
+    width = max(b["prompts"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        extra = width - b["prompts"].shape[1]
+        if extra:
+            b = b.select(*b.keys())
+            for key, fill in PROMPT_WIDTH_FILL.items():
+                if key in b:
+                    b[key] = torch.nn.functional.pad(b[key], (extra, 0), value=pad_id if fill is None else fill)
+        padded.append(b)
+    return Batch.concat(padded)
+
+
+def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of several equal-sized generation rounds as one step's: `.../mean` values averaged,
+    counts (`reward/errors`, `reward/timeouts`) added up."""
+    keys = {k for r in rounds for k in r}
+    merged = {k: sum(r.get(k, 0.0) for r in rounds) for k in keys}
+    return {k: v / len(rounds) if k.endswith("/mean") else v for k, v in merged.items()}
 
 
 def sample_rows(batch: Batch, texts: list[str], prompts: list[str], k: int) -> list[dict]:

@@ -7,6 +7,10 @@ overlapped with the log-prob passes) → old and reference log-probs → values 
 update → actor update → weight sync into the rollout engine (in place, or over torch.distributed to a
 separate rollout group: `hybridflow.trainer.roles`). Each arrow is a worker-group call or a
 pure function of `hybridflow.trainer.core`; nothing here touches devices or process groups.
+Two algorithms add to the first arrows: ReMax generates one greedy response per prompt beside the
+samples, whose score is the prompt's baseline (`submit_baselines`); DAPO's dynamic sampling generates and
+scores more prompt batches until `data.train_batch_size` groups with differing scores are kept
+(`sample_varied_groups`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from hybridflow import algorithms
 from hybridflow.batch import Batch
-from hybridflow.config.validate import needs_reference, validate
+from hybridflow.config.validate import needs_greedy_baseline, needs_reference, validate
 from hybridflow.data.loader import BatchLoader, build_prompt_loaders
 from hybridflow.rewards.manager import RewardManager
 from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughput, compute_timing_metrics,
@@ -67,16 +71,18 @@ class RLTrainer(Trainer):
 
     # ------------------------------------------------------------------ the loop
     def train_step(self, prompts: Batch) -> dict[str, float]:
-        """One RL iteration on a batch of prompts; returns its metrics."""
-        cfg, actor, critic, rollout = self.cfg, self.roles.actor, self.roles.critic, self.roles.rollout
+        """One RL iteration on a batch of prompts (more with dynamic sampling); returns its metrics."""
+        cfg, actor, critic = self.cfg, self.roles.actor, self.roles.critic
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with timer("step", timings):
-            prompts.meta.update(sampling={"seed": cfg.trainer.seed}, step=self.step)
-            with timer("gen", timings):
-                batch = rollout.generate(prompts)
-            batch["response_text"] = core.decode_responses(batch, self.tokenizer)
-            scoring = self.submit_scoring(batch)
+            if cfg.algorithm.filter_groups.enable:
+                prompts, batch = self.sample_varied_groups(prompts, timings, metrics)
+                scoring = None
+            else:
+                batch = self.generate(prompts, timings)
+                scoring = self.submit_scoring(batch)
+            baselines = self.submit_baselines(prompts, timings) if needs_greedy_baseline(cfg) else None
             if not skips_old_log_probs(cfg):
                 with timer("old_log_prob", timings):
                     batch = batch.union(actor.compute_log_probs(batch))
@@ -87,10 +93,10 @@ class RLTrainer(Trainer):
                 with timer("values", timings):
                     batch = batch.union(critic.compute_values(batch))
             with timer("reward", timings):
-                metrics.update(core.apply_scores(batch, scoring(), cfg))
-            if cfg.algorithm.filter_groups.enable:
-                batch, kept = core.group_filter(batch, cfg.algorithm.filter_groups.metric)
-                metrics.update(kept)
+                if scoring is not None:
+                    metrics.update(core.apply_scores(batch, scoring(), cfg))
+                if baselines is not None:
+                    metrics.update(core.apply_baselines(batch, *baselines(), cfg))
             with timer("adv", timings):
                 metrics.update(core.apply_kl_in_reward(batch, self.kl_ctrl, cfg))
                 core.compute_advantages(batch, cfg)
@@ -108,6 +114,63 @@ class RLTrainer(Trainer):
         self.bad_steps.update(self.step + 1, **{k: v for k, v in metrics.items()
                                                 if k in ("actor/grad_norm", "actor/pg_loss", "critic/vf_loss")})
         return metrics
+
+    def generate(self, prompts: Batch, timings: dict[str, float]) -> Batch:
+        """`rollout.n` responses to each of the prompts the train loader served last (`response_text` decoded).
+        The sampling seed mixes `trainer.seed` with the number of that prompt batch in the run, so every batch
+        drawn (several per step with dynamic sampling) gets samples of its own, and a resumed run the same."""
+        loader = self.train_loader.state_dict()
+        served = loader["epoch"] * len(self.train_loader) + loader["position"]
+        prompts.meta.update(sampling={"seed": self.cfg.trainer.seed}, step=served - 1)
+        with timer("gen", timings):
+            batch = self.roles.rollout.generate(prompts)
+        batch["response_text"] = core.decode_responses(batch, self.tokenizer)
+        return batch
+
+    def sample_varied_groups(self, prompts: Batch, timings: dict[str, float],
+                             metrics: dict[str, float]) -> tuple[Batch, Batch]:
+        """DAPO's dynamic sampling: generates and scores prompt batches (the first is `prompts`, the next ones
+        come from the train loader) until `data.train_batch_size` groups whose `filter_groups.metric` varies
+        are kept, then returns exactly that many (prompts, and their scored rows), the surplus dropped.
+        After `filter_groups.max_num_gen_batches` batches (0: no limit) it stops with an error, or, with
+        `filter_groups.allow_partial_batch`, returns the groups kept. Adds `filter_groups/num_gen_batches`,
+        `filter_groups/kept_ratio` (kept groups / generated groups) and the rounds' reward metrics."""
+        cfg, fg = self.cfg, self.cfg.algorithm.filter_groups
+        want, n = cfg.data.train_batch_size, cfg.rollout.n
+        kept_prompts: list[Batch] = []
+        kept_rows: list[Batch] = []
+        rounds: list[dict[str, float]] = []
+        kept = 0
+        while kept < want:
+            if rounds:
+                if fg.max_num_gen_batches and len(rounds) >= fg.max_num_gen_batches:
+                    if fg.allow_partial_batch and kept:
+                        break
+                    raise RuntimeError(dynamic_sampling_failure(cfg, kept, len(rounds)))
+                prompts = self.train_loader.next_batch()
+            batch = self.generate(prompts, timings)
+            with timer("reward", timings):
+                rounds.append(core.apply_scores(batch, self.submit_scoring(batch)(), cfg))
+            rows = core.varied_groups(batch, fg.metric)
+            kept_rows.append(batch[rows])
+            kept_prompts.append(prompts[rows.view(-1, n)[:, 0]])  # rows are interleaved: n per prompt
+            kept += len(kept_prompts[-1])
+        pad_id = self.train_loader.dataset.pad_token_id
+        metrics.update(core.merge_round_metrics(rounds))
+        metrics.update({"filter_groups/num_gen_batches": float(len(rounds)),
+                        "filter_groups/kept_ratio": kept / (len(rounds) * want)})
+        return core.concat_rounds(kept_prompts, pad_id)[:want], core.concat_rounds(kept_rows, pad_id)[:want * n]
+
+    def submit_baselines(self, prompts: Batch, timings: dict[str, float]):
+        """ReMax: one greedy (temperature 0) response per prompt, generated now and scored in the background
+        like the samples; returns a callable that waits for `(greedy batch, its RewardResult)`."""
+        greedy = prompts.select(*prompts.keys())
+        greedy.meta["sampling"] = {"n": 1, "temperature": 0.0}
+        with timer("gen_baseline", timings):
+            greedy = self.roles.rollout.generate(greedy)
+        greedy["response_text"] = core.decode_responses(greedy, self.tokenizer)
+        scoring = self.submit_scoring(greedy)
+        return lambda: (greedy, scoring())
 
     def submit_scoring(self, batch: Batch):
         """Starts scoring `batch` (reward function in its pool, reward model on its workers) and returns
@@ -149,6 +212,18 @@ class RLTrainer(Trainer):
         """Stops the workers and the reward pool, flushes the loggers (safe to call twice)."""
         super().close()
         self.rewards.close()
+
+
+def dynamic_sampling_failure(cfg: Any, kept: int, rounds: int) -> str:
+    """What to change when dynamic sampling ran out of prompt batches short of a full batch."""
+    fg, want = cfg.algorithm.filter_groups, cfg.data.train_batch_size
+    return (f"dynamic sampling (algorithm.filter_groups) kept {kept} of the data.train_batch_size={want} prompt "
+            f"groups it needs after {rounds} prompt batches (algorithm.filter_groups.max_num_gen_batches="
+            f"{fg.max_num_gen_batches}): the other {rounds * want - kept} groups' {cfg.rollout.n} responses all had "
+            f"the same {fg.metric}. Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), make "
+            f"responses differ more (a larger rollout.n or rollout.temperature), use prompts that are neither "
+            f"always solved nor never, or set algorithm.filter_groups.allow_partial_batch=true to train on the "
+            f"groups kept")
 
 
 def train(cfg: Any) -> dict[str, float]:

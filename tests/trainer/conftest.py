@@ -1,13 +1,16 @@
-"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset, a few SFT conversations, and the
-metrics of one local run that the Ray backend's runs must reproduce."""
+"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset, a few SFT conversations, the
+metrics of one local run that the Ray backend's runs must reproduce, and a record of every optimizer step the
+in-process engines take."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
+from hybridflow.engine.train import TrainEngine
 from rl_helpers import TWO_WORKERS, run
 
 
@@ -31,3 +34,24 @@ def chats(tmp_path_factory):
 def local_two_workers(tiny_qwen2, data_dir, tmp_path_factory):
     """The metrics rows of a 2-step GRPO run with 2 workers on the local backend (`TWO_WORKERS`)."""
     return run(tiny_qwen2, data_dir, tmp_path_factory.mktemp("local_two_workers"), *TWO_WORKERS)
+
+
+@pytest.fixture
+def engine_steps(monkeypatch):
+    """Every optimizer step of the engines in this process (one-worker groups run inline), by head (`lm`: the
+    actor or SFT, `value`: the critic): dicts of `rows` (this step's mini-batch), `lr`, `grad_norm` (before
+    clipping), `changed` (the step changed the weights) and `position` (the lr scheduler's, after the step)."""
+    steps: dict[str, list[dict]] = {}
+    train_step = TrainEngine.train_step
+
+    def recording(self, batch, *args, **kwargs):
+        before = [p.detach().clone() for p in self.model.parameters()]
+        result = train_step(self, batch, *args, **kwargs)
+        changed = any(not torch.equal(old, new) for old, new in zip(before, self.model.parameters()))
+        steps.setdefault(self.head, []).append({"rows": len(batch["input_ids"]), "lr": result["lr"],
+                                                "grad_norm": result["grad_norm"], "changed": changed,
+                                                "position": self.scheduler.last_epoch})
+        return result
+
+    monkeypatch.setattr(TrainEngine, "train_step", recording)
+    return steps

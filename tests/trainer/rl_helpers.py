@@ -1,4 +1,5 @@
-"""Helpers shared by the trainer tests: small-run overrides, running `train`, reading metrics.jsonl."""
+"""Helpers shared by the trainer tests: small-run overrides, running `train`, reading metrics.jsonl, reward
+functions whose scores differ between the responses to one prompt."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def read_metrics(out):
 def run(model, data_dir, out, *extra, recipe="recipes/grpo.yaml"):
     train(load_config(base_overrides(model, data_dir, out, *extra), recipe))
     return read_metrics(out)
+
+
+# A score that differs between almost any two responses (a random tiny model never earns the GSM8K reward).
+VARIED = "sum(map(ord, solution_str)) % 997 / 997"
+
+
+def reward_file(folder, body: str = VARIED) -> str:
+    """`reward.function=<this>`: a file defining `reward(data_source, solution_str, ground_truth, extra_info)`
+    that returns the Python expression `body`."""
+    path = folder / "reward_fn.py"
+    path.write_text(f"def reward(data_source, solution_str, ground_truth, extra_info=None):\n    return {body}\n")
+    return f"{path}:reward"

@@ -9,28 +9,9 @@ from rl_helpers import base_overrides
 from hybridflow.config.loader import load_config
 from hybridflow.config.sft import SFTConfig
 from hybridflow.controller import WorkerError
-from hybridflow.engine.train import TrainEngine
 from hybridflow.trainer.rl import RLTrainer
 from hybridflow.trainer.roles import role_optimizer_steps
 from hybridflow.trainer.sft import SFTTrainer
-
-
-@pytest.fixture
-def optimizer_lrs(monkeypatch):
-    """The lr of every optimizer step of the (in-process) engines, by head (`lm`: actor or SFT, `value`: critic),
-    and each engine's scheduler position after its last step."""
-    lrs: dict[str, list[float]] = {}
-    positions: dict[str, int] = {}
-    train_step = TrainEngine.train_step
-
-    def recording(self, *args, **kwargs):
-        result = train_step(self, *args, **kwargs)
-        lrs.setdefault(self.head, []).append(result["lr"])
-        positions[self.head] = self.scheduler.last_epoch
-        return result
-
-    monkeypatch.setattr(TrainEngine, "train_step", recording)
-    return lrs, positions
 
 
 def assert_warmup_then_cosine(lrs: list[float], lr: float, warmup: int, floor: float, steps: int) -> None:
@@ -43,7 +24,7 @@ def assert_warmup_then_cosine(lrs: list[float], lr: float, warmup: int, floor: f
     assert decay[-2] > floor * lr * (1 + 1e-3) and decay[-1] == pytest.approx(floor * lr, rel=1e-6), lrs
 
 
-def test_rl_lr_schedules_span_every_optimizer_step(tiny_qwen2, data_dir, tmp_path, optimizer_lrs):
+def test_rl_lr_schedules_span_every_optimizer_step(tiny_qwen2, data_dir, tmp_path, engine_steps):
     # gae trains a critic; critic.warmup_steps=1 leaves the actor 1 of the 2 trainer steps.
     # actor: 1 step x 2 PPO epochs x 2 mini-batches (of 1 prompt out of 2) = 4 optimizer steps;
     # critic: 2 steps x 2 epochs x 2 mini-batches = 8.
@@ -55,22 +36,20 @@ def test_rl_lr_schedules_span_every_optimizer_step(tiny_qwen2, data_dir, tmp_pat
                                      "critic.min_lr_ratio=0", "trainer.val_every=0",
                                      "trainer.val_before_train=false"), "recipes/grpo.yaml")
     RLTrainer(cfg).fit()
-    lrs, positions = optimizer_lrs
-    assert_warmup_then_cosine(lrs["lm"], 1e-4, warmup=2, floor=0.1, steps=4)
-    assert_warmup_then_cosine(lrs["value"], 1e-3, warmup=3, floor=0.0, steps=8)
-    assert positions == {"lm": 4, "value": 8}
+    assert_warmup_then_cosine([s["lr"] for s in engine_steps["lm"]], 1e-4, warmup=2, floor=0.1, steps=4)
+    assert_warmup_then_cosine([s["lr"] for s in engine_steps["value"]], 1e-3, warmup=3, floor=0.0, steps=8)
+    assert engine_steps["lm"][-1]["position"] == 4 and engine_steps["value"][-1]["position"] == 8
 
 
-def test_sft_lr_schedule_spans_every_optimizer_step(tiny_qwen2, chats, tmp_path, optimizer_lrs):
+def test_sft_lr_schedule_spans_every_optimizer_step(tiny_qwen2, chats, tmp_path, engine_steps):
     # 2 trainer steps x 2 passes x 2 mini-batches (of 2 conversations out of 4) = 8 optimizer steps
     cfg = load_config([f"model.path={tiny_qwen2}", f"data.train_files={chats}", "data.train_batch_size=4",
                        "optim.mini_batch_size=2", "optim.passes_per_batch=2", "optim.lr=1e-3",
                        "optim.lr_schedule=cosine", "optim.lr_warmup_steps=1", "optim.min_lr_ratio=0.2",
                        "trainer.total_steps=2", f"trainer.output_dir={tmp_path}"], schema=SFTConfig)
     SFTTrainer(cfg).fit()
-    lrs, positions = optimizer_lrs
-    assert_warmup_then_cosine(lrs["lm"], 1e-3, warmup=1, floor=0.2, steps=8)
-    assert positions == {"lm": 8}
+    assert_warmup_then_cosine([s["lr"] for s in engine_steps["lm"]], 1e-3, warmup=1, floor=0.2, steps=8)
+    assert engine_steps["lm"][-1]["position"] == 8
     assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "hf" / "config.json").is_file()
 
 
