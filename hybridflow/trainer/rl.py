@@ -217,13 +217,14 @@ class RLTrainer(Trainer):
 def dynamic_sampling_failure(cfg: Any, kept: int, rounds: int) -> str:
     """What to change when dynamic sampling ran out of prompt batches short of a full batch."""
     fg, want = cfg.algorithm.filter_groups, cfg.data.train_batch_size
+    partial = ("" if fg.allow_partial_batch else
+               ", or set algorithm.filter_groups.allow_partial_batch=true to train on the groups kept")
     return (f"dynamic sampling (algorithm.filter_groups) kept {kept} of the data.train_batch_size={want} prompt "
             f"groups it needs after {rounds} prompt batches (algorithm.filter_groups.max_num_gen_batches="
             f"{fg.max_num_gen_batches}): the other {rounds * want - kept} groups' {cfg.rollout.n} responses all had "
             f"the same {fg.metric}. Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), make "
             f"responses differ more (a larger rollout.n or rollout.temperature), use prompts that are neither "
-            f"always solved nor never, or set algorithm.filter_groups.allow_partial_batch=true to train on the "
-            f"groups kept")
+            f"always solved nor never{partial}")
 
 
 def train(cfg: Any) -> dict[str, float]:

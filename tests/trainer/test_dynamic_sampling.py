@@ -5,6 +5,7 @@ run stay exact, and running out of prompt batches stops with what to change (or 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridflow.config.loader import load_config
 from hybridflow.trainer import core
@@ -58,6 +59,10 @@ def test_running_out_of_prompt_batches_says_what_to_change(tiny_qwen2, data_dir,
     assert ("kept 0 of the data.train_batch_size=2 prompt groups it needs after 3 prompt batches "
             "(algorithm.filter_groups.max_num_gen_batches=3)") in text
     assert "algorithm.filter_groups.allow_partial_batch=true" in text
+    with pytest.raises(RuntimeError, match="kept 0 of") as err:  # nothing kept: nothing to train on
+        run(tiny_qwen2, data_dir, tmp_path / "partial", *COMMON, "algorithm.filter_groups.max_num_gen_batches=1",
+            "algorithm.filter_groups.allow_partial_batch=true", f"reward.function={reward_file(tmp_path, '1.0')}")
+    assert "allow_partial_batch" not in str(err.value)
 
 
 def test_partial_batches_train_on_the_groups_kept(tiny_qwen2, data_dir, tmp_path, engine_steps):
@@ -72,3 +77,27 @@ def test_partial_batches_train_on_the_groups_kept(tiny_qwen2, data_dir, tmp_path
                   "algorithm.filter_groups.max_num_gen_batches=1", "algorithm.filter_groups.allow_partial_batch=true")
     assert [r["filter_groups/kept_ratio"] for r in partial] == [0.5, 0.5]
     assert [s["rows"] for s in engine_steps["lm"]] == [2, 2]  # one group of rollout.n=2 rows per step
+
+
+def test_rounds_with_different_prompt_widths_concatenate_left_padded():
+    from hybridflow.batch import Batch
+
+    def rows(prompt: list[list[int]], response: list[int]) -> Batch:
+        prompts = torch.tensor(prompt)
+        mask = torch.cat([(prompts != 0).long(), torch.ones(len(prompt), len(response), dtype=torch.long)], 1)
+        return Batch({"prompts": prompts, "input_ids": torch.cat([prompts, torch.tensor([response] * len(prompt))], 1),
+                      "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+                      "responses": torch.tensor([response] * len(prompt))}, {"uid": [str(p) for p in prompt]})
+
+    merged = core.concat_rounds([rows([[5, 6]], [9]), rows([[0, 7, 8, 4]], [3])], pad_id=0)
+    assert merged["prompts"].tolist() == [[0, 0, 5, 6], [0, 7, 8, 4]]
+    assert merged["input_ids"].tolist() == [[0, 0, 5, 6, 9], [0, 7, 8, 4, 3]]
+    assert merged["attention_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
+    assert merged["position_ids"].tolist() == [[0, 0, 0, 1, 2], [0, 0, 1, 2, 3]]
+    assert merged["responses"].tolist() == [[9], [3]] and list(merged["uid"]) == ["[5, 6]", "[0, 7, 8, 4]"]
+
+
+def test_round_metrics_average_means_and_add_counts():
+    merged = core.merge_round_metrics([{"reward/mean": 0.2, "reward/errors": 1.0, "reward/acc/mean": 1.0},
+                                       {"reward/mean": 0.4, "reward/errors": 2.0, "reward/acc/mean": 0.0}])
+    assert merged == pytest.approx({"reward/mean": 0.3, "reward/errors": 3.0, "reward/acc/mean": 0.5})
