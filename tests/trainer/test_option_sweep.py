@@ -52,6 +52,7 @@ def option_cases() -> list[tuple[str, tuple[str, ...], str | None]]:
     cases[("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")] = "adaptive_kl"
     cases[("algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=4")] = "overlong_buffer"
     cases[("algorithm.filter_groups.enable=true",)] = "filter_groups"
+    cases[("algorithm.adv_estimator=remax", "algorithm.filter_groups.enable=true")] = "remax+filter_groups"
     cases[("actor.ppo_epochs=2", "actor.mini_batch_size=1")] = "ppo_epochs=2,mini_batches=2"
     cases[("algorithm.norm_adv_by_std=false", "actor.loss_agg=seq-mean-token-sum-norm")] = "dr_grpo"
     cases[("actor.entropy_coef=0.01",)] = "entropy_bonus"
@@ -90,6 +91,8 @@ def check_option(overrides: tuple[str, ...], rows: list[dict], engine_steps: dic
         assert rows[-1]["reward/overlong_penalty/mean"] <= 0
     if "algorithm.filter_groups.enable=true" in overrides:
         assert all(r["filter_groups/num_gen_batches"] >= 1 for r in rows)
+    if "algorithm.adv_estimator=remax" in overrides:
+        assert all(math.isfinite(r["reward/baseline/mean"]) for r in rows)
     if "actor.ppo_epochs=2" in overrides:  # 2 epochs x 2 mini-batches x 2 steps
         assert len(engine_steps["lm"]) == 8
     if any(o.startswith("actor.kl_loss_coef=") for o in overrides):
