@@ -221,8 +221,8 @@ class FilterGroupsConfig:
     metric: str = opt("score", "per-sample value compared within a group (score or a reward extra)")
     max_num_gen_batches: int = opt(10, "prompt batches generated per step before giving up; 0 = unlimited")
     allow_partial_batch: bool = opt(False, "when max_num_gen_batches is reached short of data.train_batch_size "
-                                           "groups, train on the groups kept (fewer optimizer steps that step) "
-                                           "instead of stopping with an error")
+                                           "groups, train on the groups kept (a short step may take fewer "
+                                           "optimizer steps) instead of stopping with an error")
 
 
 @dataclass

@@ -23,8 +23,8 @@ def build_optimizer(params, cfg: Any, device: torch.device) -> torch.optim.Optim
 
 def lr_factor(step: int, total_steps: int, schedule: str, warmup_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the base lr at optimizer step `step` (0-based) of a run of `total_steps` optimizer steps:
-    linear warm-up reaching 1 at the `warmup_steps`-th step, then constant, or cosine from 1 at that step
-    (the first step without warm-up) down to `min_lr_ratio` at the last step (`total_steps - 1`) and after."""
+    linear warm-up reaching 1 at the `warmup_steps`-th step, then constant, or a cosine from 1 at that peak
+    (step 0 without warm-up) down to `min_lr_ratio` at the last step (`total_steps - 1`) and after."""
     if schedule not in SCHEDULES:
         raise ValueError(f"lr_schedule {schedule!r} is not valid; valid: {', '.join(SCHEDULES)}")
     if step < warmup_steps:
