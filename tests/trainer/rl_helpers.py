@@ -36,7 +36,8 @@ VARIED = "sum(map(ord, solution_str)) % 997 / 997"
 
 def reward_file(folder, body: str = VARIED) -> str:
     """`reward.function=<this>`: a file defining `reward(data_source, solution_str, ground_truth, extra_info)`
-    that returns the Python expression `body`."""
+    that returns the Python expression `body` (and takes any `reward.kwargs` a recipe sets)."""
     path = folder / "reward_fn.py"
-    path.write_text(f"def reward(data_source, solution_str, ground_truth, extra_info=None):\n    return {body}\n")
+    path.write_text(f"def reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+                    f"    return {body}\n")
     return f"{path}:reward"

@@ -1,9 +1,10 @@
 """Every option the config, the recipes and the README advertise trains end to end: `hybridflow train` for 2
 steps on the tiny model, with a reward that differs between the responses to one prompt, for every
-registered advantage estimator and policy loss, every loss aggregation, each KL estimator in the reward and
-as a loss, adaptive KL, the critic (and its warm-up), DAPO's overlong penalty and group filter, Dr.GRPO, the
-entropy bonus, several PPO epochs and mini-batches, and every file under `recipes/` (shrunk). Each run must take optimizer steps with finite,
-non-zero gradient norms that change the weights, for the actor and (when there is one) the critic.
+registered advantage estimator, policy loss and rollout correction, every loss aggregation, each KL
+estimator in the reward and as a loss, adaptive KL, the critic (and its warm-up), DAPO's overlong penalty
+and group filter, Dr.GRPO, the entropy bonus, several PPO epochs and mini-batches, and every file under
+`recipes/` (shrunk). Each run must take optimizer steps with finite, non-zero gradient norms that change
+the weights, for the actor and (when there is one) the critic.
 
 The cases are read from the registries, so an estimator or loss registered later is swept too: one that
 cannot run fails here. All cases share one tiny model and one data file, and run in this process (a
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.algorithms import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES
+from hybridflow.algorithms import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
 from hybridflow.config.validate import needs_critic
@@ -40,9 +41,9 @@ def option_cases() -> list[tuple[str, tuple[str, ...], str | None]]:
     options = [f"algorithm.adv_estimator={name}" for name in ADV_ESTIMATORS]
     options += [f"actor.policy_loss={name}" for name in POLICY_LOSSES]
     options += [f"actor.loss_agg={mode}" for mode in AGG_MODES]
+    options += [f"actor.rollout_correction.mode={mode}" for mode in ROLLOUT_CORRECTIONS]
     defaults = load_config([])
-    default = [o for o in options if str(getattr(getattr(defaults, o.split(".")[0]), o.split("=")[0].split(".")[1]))
-               == o.split("=")[1]]
+    default = [o for o in options if value_of(defaults, o.split("=")[0]) == o.split("=")[1]]
     cases = {(): ",".join(default)}  # the defaults' run covers every option equal to its default
     cases.update({(o, *NEEDS.get(o, ())): o for o in options if o not in default})
     for i, kind in enumerate(KL_KINDS):  # each estimator once in the reward and once as a loss
@@ -59,6 +60,13 @@ def option_cases() -> list[tuple[str, tuple[str, ...], str | None]]:
     cases[("algorithm.adv_estimator=gae", "critic.warmup_steps=1")] = "critic_warmup"
     out = [(case_id, overrides, None) for overrides, case_id in cases.items()]
     return out + [(f"recipe={recipe.stem}", SHRINK, str(recipe)) for recipe in RECIPES]
+
+
+def value_of(cfg, key: str) -> str:
+    """The value of dotted `key` in `cfg`, as an override would write it."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return str(cfg)
 
 
 CASES = option_cases()
