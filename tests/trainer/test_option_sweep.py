@@ -37,7 +37,7 @@ SHRINK = (*SMALL, "actor.mini_batch_size=1", "critic.mini_batch_size=1", "algori
 
 
 def option_cases() -> list[tuple[str, tuple[str, ...], str | None]]:
-    """(id, overrides, recipe) of every case; an option equal to the defaults runs once, as `defaults`."""
+    """(id, overrides, recipe) of every case; the options equal to their defaults run once, together."""
     options = [f"algorithm.adv_estimator={name}" for name in ADV_ESTIMATORS]
     options += [f"actor.policy_loss={name}" for name in POLICY_LOSSES]
     options += [f"actor.loss_agg={mode}" for mode in AGG_MODES]
