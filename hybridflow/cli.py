@@ -6,6 +6,12 @@
     hybridflow report outputs/run [--out FILE.html]        # plots + HTML page of a run
     hybridflow sft --config recipes/sft.yaml model.path=MODEL data.train_files=chats.jsonl
     hybridflow demo [--output-dir outputs/demo]            # SFT then GRPO on a tiny model, offline
+
+Exit status of `train` and `sft`: 0 the run finished; 2 it was refused or stopped on something to fix
+first (config, data, output directory, checkpoint, disk space, a reward function that fails every row),
+printed as `hybridflow <command>: ...`; 75 (`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after
+saving a checkpoint (run the same command again to resume); 130 a second signal ended it at once; 1 any
+other error (a traceback).
 """
 
 from __future__ import annotations
@@ -123,13 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 0
+    from hybridflow.checkpoint import CheckpointError, IncompatibleCheckpoint, Preempted
     from hybridflow.config.validate import ConfigError
 
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError, IncompatibleCheckpoint) as e:
         print(f"hybridflow {args.command}: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"hybridflow {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"hybridflow {args.command}: interrupted by a second signal; the step under way was not saved, "
+              f"the run resumes from its last checkpoint", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,16 +10,18 @@ One checkpoint is written like this (controller and workers; see docs/checkpoint
     manager.commit(step, tmp)                                       # atomic rename, prune
                                                                     # (manager.abort(tmp) on failure)
 
-and resumed with `manager.resolve(cfg.trainer.resume)`, `check_compatible(read_config(ckpt), cfg)`,
+and resumed with `manager.resolve(cfg.trainer.resume)` (every file checked against the manifest's checksums), `check_compatible(read_config(ckpt), cfg)`,
 `load_worker_state(ckpt / "actor", ...)` and `load_controller_state(ckpt, ...)`.
 """
 
 from hybridflow.checkpoint.bad_steps import BadStepCounter, TrainingDiverged
 from hybridflow.checkpoint.compat import IncompatibleCheckpoint, check_compatible, check_model_config
 from hybridflow.checkpoint.export import export_hf, main_export, save_hf_assets
-from hybridflow.checkpoint.manager import CheckpointError, CheckpointManager, check_writable, is_complete
+from hybridflow.checkpoint.lock import RunLock
+from hybridflow.checkpoint.manager import CheckpointManager, check_writable, find_checkpoint
+from hybridflow.checkpoint.manifest import CheckpointError, is_complete, verify
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
-from hybridflow.checkpoint.signals import GracefulStop
+from hybridflow.checkpoint.signals import PREEMPTED_EXIT_CODE, GracefulStop, Preempted
 from hybridflow.checkpoint.state import (
     ControllerState,
     estimate_checkpoint_bytes,
@@ -35,11 +37,10 @@ from hybridflow.checkpoint.state import (
 )
 
 __all__ = [
-    "BadStepCounter", "CheckpointError", "CheckpointManager", "ControllerState", "GracefulStop",
-    "IncompatibleCheckpoint", "TrainingDiverged", "capture_rng_state", "check_compatible",
-    "check_model_config", "check_writable", "estimate_checkpoint_bytes", "export_hf", "is_complete",
-    "load_controller_state",
-    "load_model_state", "load_worker_state", "main_export", "read_config", "read_full_model_state",
-    "read_meta", "restore_rng_state", "save_controller_state", "save_hf_assets", "save_model_state",
-    "save_worker_state",
+    "PREEMPTED_EXIT_CODE", "BadStepCounter", "CheckpointError", "CheckpointManager", "ControllerState",
+    "GracefulStop", "IncompatibleCheckpoint", "Preempted", "RunLock", "TrainingDiverged", "capture_rng_state",
+    "check_compatible", "check_model_config", "check_writable", "estimate_checkpoint_bytes", "export_hf",
+    "find_checkpoint", "is_complete", "load_controller_state", "load_model_state", "load_worker_state",
+    "main_export", "read_config", "read_full_model_state", "read_meta", "restore_rng_state",
+    "save_controller_state", "save_hf_assets", "save_model_state", "save_worker_state", "verify",
 ]

@@ -4,58 +4,42 @@ Layout under `<output_dir>/checkpoints/`:
 
     step_00000012/           a complete checkpoint (it has a COMPLETE manifest)
     .tmp_step_00000014_<host>_<pid>/   one being written by process <pid> on <host>
+    damaged_step_00000016/   a checkpoint that failed verification, set aside by `resolve("auto")`
 
 A checkpoint is written into a temp dir (`begin`), then `commit` fsyncs every file and directory,
-writes the `COMPLETE` manifest (step, every file with its size), renames the temp dir to `step_<N>`
-atomically and fsyncs the parent. A process killed at any point leaves either the previous checkpoints
-untouched plus a temp dir (cleaned later, once its process is gone) or the new checkpoint complete.
+writes the `COMPLETE` manifest (step, every file with its size and checksum: `manifest.py`), renames the
+temp dir to `step_<N>` atomically and fsyncs the parent. A process killed at any point leaves either the
+previous checkpoints untouched plus a temp dir (cleaned later, once its process is gone) or the new
+checkpoint complete. A step that already has a checkpoint is refused by `begin`, before anything is
+written: a checkpoint is never replaced, so one run never silently keeps (or overwrites) another's.
 Pruning removes the `COMPLETE` marker of an old checkpoint before its files, so a half-deleted
 checkpoint never looks complete; the previous checkpoint is pruned only after the new one is committed.
 
+`begin` checks the free space against the size of the newest checkpoint (or a caller's estimate).
 `check_writable` finds an unwritable or full output directory before training starts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import socket
-import time
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-MANIFEST = "COMPLETE"
-FORMAT_VERSION = 1
+from hybridflow.checkpoint.manifest import (MANIFEST, CheckpointError, checkpoint_bytes_on_disk, fsync_path,
+                                            is_complete, read_manifest, verify, write_manifest)
+
+__all__ = ["MANIFEST", "CheckpointError", "CheckpointManager", "check_writable", "find_checkpoint",
+           "human_bytes", "is_complete", "read_manifest", "verify", "warn"]
+
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^\.tmp_step_(\d+)_(.+)_(\d+)$")
 _TRASH_PREFIX = ".trash_"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, found or read; the message names the path and the fix."""
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> dict[str, int]:
-    """fsync every file and directory under `root` (deepest first); return {relative path: size}."""
-    files: dict[str, int] = {}
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            path = Path(dirpath) / name
-            _fsync_path(path)
-            files[path.relative_to(root).as_posix()] = path.stat().st_size
-        _fsync_path(Path(dirpath))
-    return dict(sorted(files.items()))
+DAMAGED_PREFIX = "damaged_"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -68,25 +52,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def read_manifest(checkpoint_dir: str | Path) -> dict:
-    """The `COMPLETE` manifest of a checkpoint: {"step", "files": {path: size}, "format", "time"}."""
-    path = Path(checkpoint_dir) / MANIFEST
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint: no {MANIFEST} file") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is corrupt ({exc}); this checkpoint cannot be trusted") from None
+def human_bytes(n: float) -> str:
+    """`1536` -> `1.5 KiB`: sizes in messages, readable from bytes to TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
-def is_complete(checkpoint_dir: str | Path) -> bool:
-    """True when the manifest exists and every file it lists is present with its recorded size."""
-    root = Path(checkpoint_dir)
-    try:
-        manifest = read_manifest(root)
-        return all((root / rel).stat().st_size == size for rel, size in manifest["files"].items())
-    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
-        return False
+def warn(message: str) -> None:
+    """A loud warning on stderr: something was wrong and the run went on another way."""
+    print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -97,23 +74,47 @@ def _step_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _complete_in(root: Path) -> list[Path]:
-    """Complete checkpoints directly under `root`, oldest first."""
-    return [p for p in _step_dirs(root) if is_complete(p)]
+def _marked_in(root: Path) -> list[Path]:
+    """Checkpoints directly under `root` that have a manifest (complete or damaged), oldest first."""
+    return [p for p in _step_dirs(root) if (p / MANIFEST).exists()]
 
 
-def find_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint `path` names: itself when it has a manifest (refused if damaged), else the newest
-    complete checkpoint in a run's output dir or its `checkpoints/` dir; `CheckpointError` otherwise."""
+def newest_verified(candidates: list[Path], checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest of `candidates` that passes `verify`, or None; [(damaged newer one, what failed)])."""
+    damaged = []
+    for path in reversed(candidates):
+        try:
+            verify(path, checksums)
+            return path, damaged
+        except CheckpointError as exc:
+            damaged.append((path, str(exc)))
+    return None, damaged
+
+
+def _pick(root: Path, checksums: bool) -> Path | None:
+    """The newest verified checkpoint under `root`, warning about each damaged newer one; None if there is
+    none; `CheckpointError` when there are checkpoints and every one is damaged."""
+    candidates = _marked_in(root)
+    good, damaged = newest_verified(candidates, checksums)
+    if candidates and good is None:
+        raise CheckpointError(f"every checkpoint in {root} is damaged: " + "; ".join(r for _, r in damaged))
+    for _, reason in damaged:
+        warn(f"{reason}; falling back to the older checkpoint {good}")
+    return good
+
+
+def find_checkpoint(path: str | os.PathLike, checksums: bool = True) -> Path:
+    """The checkpoint `path` names: itself when it has a manifest (verified, refused naming the damaged
+    file), else the newest verified checkpoint in a run's output dir or its `checkpoints/` dir (a damaged
+    newer one is skipped with a warning naming the file and the checkpoint used instead). `checksums=False`
+    checks file sizes only (to read a checkpoint's config, say)."""
     path = Path(path).expanduser().resolve()
     if (path / MANIFEST).exists():
-        if not is_complete(path):
-            raise CheckpointError(f"checkpoint {path} is damaged (a file listed in its {MANIFEST} "
-                                  f"manifest is missing or has another size)")
+        verify(path, checksums)
         return path
     for root in (path / "checkpoints", path):
-        if (found := _complete_in(root)):
-            return found[-1]
+        if (found := _pick(root, checksums)) is not None:
+            return found
     raise CheckpointError(f"{path} is neither a complete checkpoint (a dir with a {MANIFEST} manifest) "
                           f"nor a dir holding some")
 
@@ -139,8 +140,8 @@ def check_writable(output_dir: str | Path, min_free_bytes: int = 0) -> Path:
     free = shutil.disk_usage(root).free
     if free < min_free_bytes:
         raise CheckpointError(
-            f"output directory {root} has {free / 2**30:.2f} GiB free, but checkpoints need at least "
-            f"{min_free_bytes / 2**30:.2f} GiB; free space, lower trainer.keep_checkpoints or choose "
+            f"output directory {root} has {human_bytes(free)} free, but a checkpoint needs about "
+            f"{human_bytes(min_free_bytes)}; free space, lower trainer.keep_checkpoints or choose "
             f"another trainer.output_dir")
     return root
 
@@ -179,17 +180,19 @@ class CheckpointManager:
     def begin(self, step: int, min_free_bytes: int = 0) -> Path:
         """Make and return a fresh temp dir for the checkpoint of `step` (same path on every rank).
 
-        `min_free_bytes` (e.g. `estimate_checkpoint_bytes(...)`): refuse, before anything is written,
-        when the disk has less free space, instead of failing half-way through the save.
+        Refused with `CheckpointError` before anything is written when `step` already has a checkpoint
+        (checkpoints are never replaced), or when the disk has less free space than one checkpoint: the
+        newest complete one's size, or `min_free_bytes` (e.g. `estimate_checkpoint_bytes(...)`) when that
+        is larger or there is none yet.
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: must be an int >= 0")
+        final = self.step_dir(step)
+        if final.exists():
+            raise CheckpointError(f"cannot save step {step}: {final} already exists, and a checkpoint is never "
+                                  f"replaced; move it away, or resume from it")
         self.root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.root).free
-        if free < min_free_bytes:
-            raise CheckpointError(
-                f"cannot save step {step}: {self.root} has {free / 2**30:.2f} GiB free, the checkpoint "
-                f"needs about {min_free_bytes / 2**30:.2f} GiB; the previous checkpoints are intact")
+        self._check_space(step, min_free_bytes)
         name = [f".tmp_step_{step:08d}_{socket.gethostname()}_{os.getpid()}"]
         if self._distributed():
             dist.broadcast_object_list(name, src=dist.get_global_rank(self.process_group, 0),
@@ -199,9 +202,20 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-            _fsync_path(self.root)
+            fsync_path(self.root)
         self._barrier()
         return tmp
+
+    def _check_space(self, step: int, min_free_bytes: int) -> None:
+        need, basis = min_free_bytes, "estimated from the model sizes"
+        if (newest := self.latest()) is not None and checkpoint_bytes_on_disk(newest) >= need:
+            need, basis = checkpoint_bytes_on_disk(newest), f"the size of {newest.name}"
+        free = shutil.disk_usage(self.root).free
+        if free < need:
+            raise CheckpointError(
+                f"cannot save step {step}: {self.root} has {human_bytes(free)} free, a checkpoint needs about "
+                f"{human_bytes(need)} ({basis}); the previous checkpoints are intact. Free space, lower "
+                f"trainer.keep_checkpoints or choose another trainer.output_dir, then run again to resume")
 
     def commit(self, step: int, tmp_dir: str | Path) -> Path:
         """Make `tmp_dir` the complete checkpoint `step_<N>` and prune to the last `keep`; return it.
@@ -215,17 +229,12 @@ class CheckpointManager:
             if not tmp.is_dir() or tmp.resolve().parent != self.root:
                 raise CheckpointError(f"cannot commit step {step}: {tmp} is not a temp dir made by "
                                       f"begin() under {self.root}")
-            files = _fsync_tree(tmp)
-            manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
-            with open(tmp / MANIFEST, "w") as fh:
-                json.dump(manifest, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_path(tmp)
             if final.exists():
-                self._remove(final)
+                raise CheckpointError(f"cannot commit step {step}: {final} appeared while it was being "
+                                      f"written (another run on {self.root.parent}?)")
+            write_manifest(tmp, step)
             os.rename(tmp, final)
-            _fsync_path(self.root)
+            fsync_path(self.root)
             self.prune()
         self._barrier()
         return final
@@ -238,13 +247,24 @@ class CheckpointManager:
             raise CheckpointError(f"refusing to delete {tmp}: not a temp dir made by begin() under {self.root}")
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def _remove(self, checkpoint_dir: Path) -> None:
+    def remove(self, checkpoint_dir: Path) -> None:
         """Delete a checkpoint so that it is never seen half-deleted as complete."""
         (checkpoint_dir / MANIFEST).unlink(missing_ok=True)
         trash = checkpoint_dir.with_name(f"{_TRASH_PREFIX}{checkpoint_dir.name}_{os.getpid()}")
         os.rename(checkpoint_dir, trash)
-        _fsync_path(checkpoint_dir.parent)
+        fsync_path(checkpoint_dir.parent)
         shutil.rmtree(trash, ignore_errors=True)
+
+    def set_aside(self, checkpoint_dir: Path) -> Path:
+        """Rename a damaged checkpoint to `damaged_step_<N>` (kept for inspection, never resumed or
+        written over); return the new path."""
+        target = checkpoint_dir.with_name(DAMAGED_PREFIX + checkpoint_dir.name)
+        n = 1
+        while target.exists():
+            target, n = checkpoint_dir.with_name(f"{DAMAGED_PREFIX}{checkpoint_dir.name}.{n}"), n + 1
+        os.rename(checkpoint_dir, target)
+        fsync_path(self.root)
+        return target
 
     def prune(self) -> list[Path]:
         """Remove complete checkpoints beyond the newest `keep`, and step dirs without a manifest
@@ -253,11 +273,11 @@ class CheckpointManager:
         removed = []
         for path in _step_dirs(self.root):
             if not (path / MANIFEST).exists():
-                self._remove(path)
+                self.remove(path)
                 removed.append(path)
         if self.keep is not None:
             for path in self.list()[:-self.keep]:
-                self._remove(path)
+                self.remove(path)
                 removed.append(path)
         return removed
 
@@ -277,8 +297,12 @@ class CheckpointManager:
         return removed
 
     def list(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        return _complete_in(self.root)
+        """Complete checkpoints (every file of the manifest there, with its size), oldest first."""
+        return [p for p in _marked_in(self.root) if is_complete(p)]
+
+    def existing(self) -> list[Path]:
+        """Every checkpoint with a manifest, complete or damaged, oldest first."""
+        return _marked_in(self.root)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None; cleans stale temp dirs of dead processes."""
@@ -288,14 +312,31 @@ class CheckpointManager:
         return complete[-1] if complete else None
 
     def resolve(self, resume: str | os.PathLike | None) -> Path | None:
-        """What `trainer.resume` means: "auto" → the newest complete checkpoint or None (fresh start);
-        "never" / None / "" → None; a path → that checkpoint (or the newest complete one inside a run's
-        output dir or its `checkpoints/` dir), refused with a clear error if it is not complete."""
+        """What `trainer.resume` means, every checkpoint verified against its manifest's checksums:
+
+        - "auto": the newest checkpoint that verifies, or None (fresh start). A damaged newer one is
+          reported on stderr, naming the file that failed and the checkpoint used instead, and set aside
+          (`damaged_step_<N>`) so this run never writes over it; when every checkpoint is damaged,
+          `CheckpointError` (nothing is set aside).
+        - "never" / None / "": None.
+        - a path: that checkpoint, refused naming the damaged file; or the newest verified one inside a
+          run's output dir or its `checkpoints/` dir.
+        """
         word = str(resume).strip().lower() if resume is not None else "never"
         if word in ("", "never", "none", "false"):
             return None
         if word == "auto":
-            return self.latest()
+            if self._is_coordinator():
+                self.clean_stale()
+            good, damaged = newest_verified(self.existing())
+            if damaged and good is None:
+                raise CheckpointError(f"trainer.resume=auto: every checkpoint in {self.root} is damaged: "
+                                      + "; ".join(reason for _, reason in damaged))
+            for path, reason in damaged:
+                moved = self.set_aside(path) if self._is_coordinator() else path
+                warn(f"{reason}; resuming from the older checkpoint {good} instead ({path.name} is kept as "
+                     f"{moved.name} for inspection)")
+            return good
         try:
             return find_checkpoint(resume)
         except CheckpointError as exc:

@@ -4,7 +4,8 @@
         for step in ...:
             train_step()
             if stop.requested:
-                save_checkpoint(); break
+                save_checkpoint()
+                raise Preempted(stop.signal_name, step, checkpoint)
 
 The first signal only sets `requested` (and `signal_name`), so the current step finishes and a
 checkpoint can be written; a second signal raises `KeyboardInterrupt` at once for a user who really
@@ -16,7 +17,23 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
+
+# `hybridflow train` / `sft` exit with this after a stop by signal that saved a checkpoint: "preempted,
+# run the same command again to resume". 75 is EX_TEMPFAIL of sysexits.h (a temporary failure; retry).
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(Exception):
+    """A run stopped by SIGINT / SIGTERM after saving the checkpoint of its last finished step."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path | None) -> None:
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint} saved; run the "
+                         f"same command again (trainer.resume=auto) to continue from it")
 
 
 class GracefulStop:

@@ -278,6 +278,9 @@ class TrainerConfig:
     save_every: int = opt(0, "checkpoint every this many steps; 0 = only at the end")
     keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)")
     resume: str = opt("auto", "auto (latest checkpoint in output_dir), never, or a checkpoint path")
+    discard_checkpoints: bool = opt(False, "delete the checkpoints in output_dir this run would mix with (all of "
+                                           "them with resume=never; those after the resumed step when resuming "
+                                           "an older one) instead of refusing to start")
     loggers: list[str] = opt(["console", "jsonl"], "metric sinks", LOGGERS)
     project_name: str = opt("hybridflow", "project name for TensorBoard / W&B")
     experiment_name: Optional[str] = opt(None, "run name; null = the output_dir's last component")

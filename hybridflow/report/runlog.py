@@ -104,7 +104,7 @@ def find_config(run_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
 
     candidates = []
     try:
-        candidates.append(find_checkpoint(run_dir) / CONFIG_FILE)
+        candidates.append(find_checkpoint(run_dir, checksums=False) / CONFIG_FILE)
     except CheckpointError:
         pass
     candidates.append(run_dir / CONFIG_FILE)

@@ -43,7 +43,8 @@ def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection, current: A
     `current` is a shared ``[row index, start time]`` pair; the index is set to `_IDLE` while the pair
     is being written and between rows, so the controller never reads a torn pair.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM to the run are the controller's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from hybridflow.rewards.registry import get_reward_fn, split_result
 
     try:

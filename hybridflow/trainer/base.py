@@ -1,8 +1,10 @@
 """`Trainer`: the parts every trainer builds the same way, in one place.
 
 `Trainer.__init__` builds, in order: the output directory (checked writable, with room for one
-checkpoint), the tokenizer, the train and validation loaders, the run's length, the bad-step counter,
-the worker groups, the checkpoints (resuming from the newest when there is one) and the metric tracker.
+checkpoint, and locked to this run: `RunLock`), the checkpoints (the one to resume from found, verified and
+checked against this config, before any model loads), the tokenizer, the train and validation loaders,
+the run's length, the bad-step counter, the worker groups (then loaded from the checkpoint) and the metric
+tracker. If any of it fails, what was started is stopped and the lock released.
 A trainer says what is its own by overriding the methods under "what each trainer says": its loaders,
 its workers, what a checkpoint holds beyond the loader position and the bad-step counter, and
 `train_step` / `validate`, which `fit()` drives through `hybridflow.trainer.loop.run_steps`.
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.checkpoint import BadStepCounter, check_writable
+from hybridflow.checkpoint import BadStepCounter, RunLock, check_writable
 from hybridflow.controller import WorkerGroup
 from hybridflow.controller.cluster import connect
 from hybridflow.data.loader import BatchLoader
@@ -60,18 +62,26 @@ class Trainer(ABC):
 
         self.cfg = cfg
         self.output_dir = check_writable(cfg.trainer.output_dir, checkpoint_bytes)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
-                                                       trust_remote_code=cfg.model.trust_remote_code)
-        self.train_loader, self.val_loader = self.build_loaders()
-        self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
-        self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)
-        self.step = 0
+        self.lock = RunLock(self.output_dir)
+        if self.lock.stale_holder:
+            print(f"{self.lock.path}: taking over the lock of a run that has ended ({self.lock.stale_holder})")
         self.groups: list[WorkerGroup] = []
-        self.start_workers()
-        self.checkpoints = RunCheckpoints(self)
-        self.checkpoints.maybe_resume()
-        self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
-                               cfg.trainer.experiment_name, cfg, self.total_steps)
+        self.tracker: Tracker | None = None
+        try:
+            self.checkpoints = RunCheckpoints(self, checkpoint_bytes)
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+                                                           trust_remote_code=cfg.model.trust_remote_code)
+            self.train_loader, self.val_loader = self.build_loaders()
+            self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
+            self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)
+            self.step = 0
+            self.start_workers()
+            self.checkpoints.restore()
+            self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
+                                   cfg.trainer.experiment_name, cfg, self.total_steps)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ what each trainer says
     @abstractmethod
@@ -113,7 +123,11 @@ class Trainer(ABC):
             self.close()
 
     def close(self) -> None:
-        """Stops the workers and flushes the loggers (safe to call twice)."""
-        for group in self.groups:
-            group.shutdown()
-        self.tracker.close()
+        """Stops the workers, flushes the loggers and releases the output directory (safe to call twice)."""
+        try:
+            for group in self.groups:
+                group.shutdown()
+            if self.tracker is not None:
+                self.tracker.close()
+        finally:
+            self.lock.release()

@@ -5,15 +5,24 @@ workers themselves, `save_checkpoint`, one directory per trained role), the Hugg
 needs (beside the trainer's `model_role`), and the controller's state: the step, the data-loader
 position, the bad-step counter and what else the trainer keeps (the RL trainer's KL controller), its
 RNG, and the resolved config. It is written to a temporary directory and renamed when complete (see
-`hybridflow.checkpoint`), so a crash mid-save leaves the previous checkpoint usable.
+`hybridflow.checkpoint`), so a crash mid-save leaves the previous checkpoint usable. Everything that can
+refuse a resume (a damaged or incompatible checkpoint, checkpoints this run would mix with) is checked
+before any model loads.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
-from hybridflow.checkpoint import (CheckpointManager, check_compatible, estimate_checkpoint_bytes,
-                                   load_controller_state, read_config, save_controller_state, save_hf_assets)
+from hybridflow.checkpoint import (CheckpointError, CheckpointManager, check_compatible, check_model_config,
+                                   estimate_checkpoint_bytes, load_controller_state, read_config,
+                                   save_controller_state, save_hf_assets)
+from hybridflow.checkpoint.export import HF_DIR
+from hybridflow.checkpoint.manager import human_bytes
 from hybridflow.config.validate import needs_critic
 
 
@@ -45,39 +54,115 @@ def checkpoint_bytes_needed(cfg: Any) -> int:
 
 class RunCheckpoints:
     """Saves and restores the whole state of a trainer (`hybridflow.trainer.base.Trainer`): the roles of its
-    `checkpointed_roles()`, the controller state of its `checkpointed_state()`."""
+    `checkpointed_roles()`, the controller state of its `checkpointed_state()`.
 
-    def __init__(self, trainer: Any) -> None:
+    Built before any model loads, it finds the checkpoint to resume from (`trainer.resume`, verified
+    against its checksums), refuses one saved with an incompatible config or model, and refuses to start
+    where this run would mix with checkpoints it does not continue from (`clashing`) unless
+    `trainer.discard_checkpoints` lets it delete them. `restore()` then loads the checkpoint into the
+    started workers; `save()` writes one per call, checking the free space first.
+    """
+
+    def __init__(self, trainer: Any, estimate_bytes: int) -> None:
         self.trainer = trainer
-        self.manager = CheckpointManager(trainer.cfg.trainer.output_dir, keep=trainer.cfg.trainer.keep_checkpoints)
+        cfg = trainer.cfg
+        self.estimate_bytes = estimate_bytes
+        self.manager = CheckpointManager(cfg.trainer.output_dir, keep=cfg.trainer.keep_checkpoints)
+        self.resume_from = self.manager.resolve(cfg.trainer.resume)
+        self.changed: list[str] = []
+        if self.resume_from is not None:
+            self.changed = check_compatible(read_config(self.resume_from), cfg)
+            check_hf_config(self.resume_from / trainer.model_role, cfg.model)
+        clash = clashing(self.manager, self.resume_from)
+        if clash and not cfg.trainer.discard_checkpoints:
+            raise CheckpointError(clash_message(self.manager, self.resume_from, clash))
+        for path in clash:
+            self.manager.remove(path)
+        if clash:
+            print(f"trainer.discard_checkpoints=true: deleted {', '.join(p.name for p in clash)} from "
+                  f"{self.manager.root}")
 
-    def save(self) -> None:
-        """Writes the checkpoint of the current step (atomic) and prunes old ones."""
+    def save(self) -> Path:
+        """Writes the checkpoint of the current step (atomic) and prunes old ones; returns it. The space
+        check and a failed write (its temp dir removed, the message naming the disk's free space) are
+        `CheckpointManager.begin`'s and `save_failed`'s."""
         t = self.trainer
-        saved = self.manager.list()
-        if saved and self.manager.step_of(saved[-1]) == t.step:
-            return
-        tmp = self.manager.begin(t.step)
+        tmp = self.manager.begin(t.step, min_free_bytes=self.estimate_bytes)
         try:
             for name, role in t.checkpointed_roles().items():
                 role.save_checkpoint(str(tmp / name))
             save_hf_assets(tmp / t.model_role, t.cfg.model.path)
             save_controller_state(tmp, t.step, t.cfg, t.checkpointed_state(),
                                   meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path})
-        except BaseException:
+        except BaseException as exc:
+            free = shutil.disk_usage(self.manager.root).free
             self.manager.abort(tmp)  # a failed save (a worker died, the disk filled) leaves no temp dir
+            if disk_full(exc, free):
+                raise CheckpointError(save_failed(self.manager, t.step, exc, free)) from exc
             raise
-        self.manager.commit(t.step, tmp)
+        return self.manager.commit(t.step, tmp)
 
-    def maybe_resume(self) -> None:
-        """Continues from `trainer.resume` (auto: the newest complete checkpoint) when there is one."""
-        t = self.trainer
-        path = self.manager.resolve(t.cfg.trainer.resume)
+    def restore(self) -> None:
+        """Loads the checkpoint found at construction into the started workers and the controller."""
+        t, path = self.trainer, self.resume_from
         if path is None:
             return
-        changed = check_compatible(read_config(path), t.cfg)
         for name, role in t.checkpointed_roles().items():
             role.load_checkpoint(str(path / name))
         state = load_controller_state(path, t.checkpointed_state())
         t.step = state.step
-        print(f"resumed from {path} at step {t.step}" + (f"; changed: {'; '.join(changed)}" if changed else ""))
+        print(f"resumed from {path} at step {t.step}"
+              + (f"; changed since the checkpoint (the new values apply): {'; '.join(self.changed)}"
+                 if self.changed else ""))
+
+
+def check_hf_config(role_dir: Path, model_cfg: Any) -> None:
+    """Refuse (`IncompatibleCheckpoint`) a `model.path` whose architecture differs from the one the checkpoint's
+    role was trained from (its saved `hf/config.json`), before any weights load."""
+    from transformers import AutoConfig
+
+    saved = role_dir / HF_DIR / "config.json"
+    if saved.is_file():
+        new = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+        check_model_config(json.loads(saved.read_text()), new.to_dict(), role_dir.name)
+
+
+def clashing(manager: CheckpointManager, resume_from: Path | None) -> list[Path]:
+    """The checkpoints in the output dir that this run would mix with: every one when it starts fresh or
+    continues another directory's checkpoint; those after the resumed step when it continues an older one."""
+    existing = manager.existing()
+    if resume_from is None or resume_from.parent != manager.root:
+        return existing
+    step = manager.step_of(resume_from)
+    return [p for p in existing if manager.step_of(p) > step]
+
+
+def clash_message(manager: CheckpointManager, resume_from: Path | None, clash: list[Path]) -> str:
+    names = ", ".join(p.name for p in clash)
+    what = ("this run starts fresh (trainer.resume=never)" if resume_from is None else
+            f"this run continues {resume_from}, from another directory" if resume_from.parent != manager.root else
+            f"this run continues the older {resume_from.name}")
+    return (f"{manager.root} holds checkpoints of another run ({names}) and {what}: its checkpoints would "
+            f"mix with them. Use another trainer.output_dir, resume the newest (trainer.resume=auto), or set "
+            f"trainer.discard_checkpoints=true to delete them")
+
+
+def disk_full(exc: BaseException, free: int) -> bool:
+    """Did a save fail because the disk filled? ENOSPC anywhere in the exception chain, its text in a
+    worker's traceback, or (torch's zip writer reports "unexpected pos" instead) no space left at all."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return free < (1 << 20)
+
+
+def save_failed(manager: CheckpointManager, step: int, exc: BaseException, free: int) -> str:
+    """The message of a save that failed on a full disk."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    latest = manager.latest()
+    return (f"cannot save step {step}: the disk holding {manager.root} is full ({human_bytes(free)} free when "
+            f"the save failed: {first}); the partial checkpoint was removed, the previous checkpoints and the "
+            f"logs are intact. Free space and run the same command again to resume"
+            + (f" from {latest.name}" if latest is not None else ""))

@@ -1,10 +1,11 @@
 """The step loop every trainer shares: validate first, train to `total_steps`, validate and checkpoint
-on schedule, log each step, and stop cleanly (after a checkpoint) on SIGINT/SIGTERM; a worker that dies
-stops the run with its error saying which checkpoint to resume from.
+on schedule, log each step, and stop cleanly on SIGINT/SIGTERM: the step under way finishes, its checkpoint
+is saved, and `Preempted` is raised (`hybridflow train` exits with `PREEMPTED_EXIT_CODE`). A worker that
+dies stops the run with its error saying which checkpoint to resume from.
 
 A trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every,
 save_every), `step`, `total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
-`save()` and `manager`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
+`save() -> Path` and `manager`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hybridflow.checkpoint import GracefulStop
+from hybridflow.checkpoint import GracefulStop, Preempted
 from hybridflow.controller import WorkerDiedError
 from hybridflow.tracking import ProgressBar
 
@@ -34,9 +35,9 @@ def _resume_hint(trainer: Any) -> Iterator[None]:
 def run_steps(trainer: Any) -> dict[str, float]:
     """Runs the loop from `trainer.step` to `trainer.total_steps`; returns the last step's metrics."""
     t, cfg, metrics = trainer, trainer.cfg.trainer, {}
-    if t.val_loader is not None and cfg.val_before_train and t.step == 0:
-        t.tracker.log(t.validate(), t.step)
     with GracefulStop() as stop, ProgressBar(t.total_steps, initial=t.step) as bar, _resume_hint(t):
+        if t.val_loader is not None and cfg.val_before_train and t.step == 0:
+            t.tracker.log(t.validate(), t.step)
         while t.step < t.total_steps:
             metrics = t.train_step(t.train_loader.next_batch())
             t.step += 1
@@ -45,9 +46,9 @@ def run_steps(trainer: Any) -> dict[str, float]:
                 metrics.update(t.validate())
             t.tracker.log(metrics, t.step)
             bar.update(t.step, metrics)
+            saved = None
             if last or stop.requested or (cfg.save_every and t.step % cfg.save_every == 0):
-                t.checkpoints.save()
-            if stop.requested:
-                print(f"stopped by {stop.signal_name} after step {t.step}; checkpoint saved")
-                break
+                saved = t.checkpoints.save()
+            if stop.requested and not last:
+                raise Preempted(stop.signal_name, t.step, saved)
     return metrics

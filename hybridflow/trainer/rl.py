@@ -38,6 +38,7 @@ class RLTrainer(Trainer):
 
     def __init__(self, cfg: Any) -> None:
         validate(cfg)
+        self.rewards: RewardManager | None = None
         super().__init__(cfg, checkpoint_bytes_needed(cfg))
         if self.step:  # the rollout engines were built from model.path: give them the resumed weights
             self.roles.sync_weights()
@@ -211,7 +212,8 @@ class RLTrainer(Trainer):
     def close(self) -> None:
         """Stops the workers and the reward pool, flushes the loggers (safe to call twice)."""
         super().close()
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
 
 
 def dynamic_sampling_failure(cfg: Any, kept: int, rounds: int) -> str:

@@ -15,6 +15,7 @@ from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.engine import LossFn
+from hybridflow.engine.train.optim import apply_config
 from hybridflow.workers.update import run_update
 
 
@@ -63,8 +64,10 @@ class EngineWorker(Worker):
     @register(Dispatch.BROADCAST)
     def load_checkpoint(self, role_dir: str) -> None:
         """Inverse of `save_checkpoint`, on any number of ranks (a checkpoint without a skipped-step count
-        counts from 0)."""
+        counts from 0); this role's config then sets the lr, its schedule, betas and weight decay
+        (`apply_config`), whatever the checkpoint's run used."""
         from hybridflow.checkpoint import load_worker_state
 
         rest = load_worker_state(role_dir, self.engine.model, self.engine.optimizer, {"lr": self.engine.scheduler})
         self.engine.skipped_steps = int(rest.get("skipped_steps", 0))
+        apply_config(self.engine.optimizer, self.engine.scheduler, self.cfg)

@@ -1,9 +1,11 @@
-"""CheckpointManager: atomic commit, keep-last-k, resolve, stale temp dirs, SIGKILL mid-save, writability."""
+"""CheckpointManager: atomic commit, keep-last-k, resolve, stale temp dirs, SIGKILL mid-save, writability;
+a step is never saved twice, damaged checkpoints are named and skipped loudly, the run lock."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.checkpoint import CheckpointError, CheckpointManager, check_writable, is_complete
+from hybridflow.checkpoint import CheckpointError, CheckpointManager, RunLock, check_writable, find_checkpoint, is_complete
 from hybridflow.checkpoint.manager import MANIFEST
 
 
@@ -33,7 +35,7 @@ def test_commit_writes_manifest_and_renames(tmp_path):
     final = manager.commit(7, tmp)
     assert final == tmp_path / "checkpoints" / "step_00000007" and not tmp.exists()
     manifest = json.loads((final / MANIFEST).read_text())
-    assert manifest["step"] == 7 and manifest["files"] == {"a.bin": 3}
+    assert manifest["step"] == 7 and manifest["files"] == {"a.bin": {"size": 3, "xxh3": "78af5f94892f3950"}}
     assert manager.latest() == final and manager.step_of(final) == 7
 
 
@@ -50,14 +52,17 @@ def test_keep_last_k(tmp_path):
         CheckpointManager(tmp_path, keep=0)
 
 
-def test_recommit_same_step_replaces_it(tmp_path):
+def test_saving_a_step_that_exists_is_refused_before_writing(tmp_path):
     manager = CheckpointManager(tmp_path, keep=2)
-    _commit(manager, 3, b"a")
-    final = _commit(manager, 3, b"b")
-    assert (final / "sub" / "weights.bin").read_bytes() == b"b" * 100 and is_complete(final)
+    final = _commit(manager, 3, b"a")
+    with pytest.raises(CheckpointError, match=r"cannot save step 3: .*step_00000003 already exists, and a "
+                                              r"checkpoint is never replaced"):
+        manager.begin(3)
+    assert (final / "sub" / "weights.bin").read_bytes() == b"a" * 100 and is_complete(final)
+    assert [p.name for p in manager.root.iterdir()] == ["step_00000003"]
 
 
-def test_damaged_or_unmarked_checkpoints_are_not_resumed(tmp_path):
+def test_damaged_or_unmarked_checkpoints_are_not_resumed(tmp_path, capsys):
     manager = CheckpointManager(tmp_path, keep=3)
     good = _commit(manager, 1)
     damaged = _commit(manager, 2)
@@ -65,10 +70,68 @@ def test_damaged_or_unmarked_checkpoints_are_not_resumed(tmp_path):
     unmarked = manager.step_dir(3)
     unmarked.mkdir()
     assert manager.latest() == good
-    with pytest.raises(CheckpointError, match="damaged"):
+    with pytest.raises(CheckpointError, match=r"step_00000002 is damaged: sub/weights.bin has 5 bytes, the "
+                                              r"manifest says 100"):
         manager.resolve(damaged)
     manager.prune()
     assert not unmarked.exists() and damaged.exists()
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_same_size_corruption_is_caught_by_the_checksum(tmp_path, capsys):
+    manager = CheckpointManager(tmp_path, keep=3)
+    good, newest = _commit(manager, 1), _commit(manager, 2, b"y")
+    _flip_a_byte(newest / "sub" / "weights.bin")
+    assert is_complete(newest)  # the sizes still match: only the checksum tells
+    with pytest.raises(CheckpointError, match=r"step_00000002 is damaged: sub/weights.bin has checksum \w+, "
+                                              r"the manifest says \w+ \(its bytes changed\)"):
+        manager.resolve(newest)
+    assert find_checkpoint(tmp_path) == good  # a run dir: the newest that verifies, with a warning
+    err = capsys.readouterr().err
+    assert "WARNING: checkpoint" in err and "sub/weights.bin has checksum" in err
+    assert f"falling back to the older checkpoint {good}" in err
+    assert manager.resolve("auto") == good  # resume=auto also sets the damaged one aside
+    err = capsys.readouterr().err
+    assert f"resuming from the older checkpoint {good} instead (step_00000002 is kept as " \
+           f"damaged_step_00000002 for inspection)" in err
+    assert not newest.exists() and (manager.root / "damaged_step_00000002").is_dir()
+    assert manager.existing() == [good] and manager.begin(2).exists()
+
+
+def test_every_checkpoint_damaged_is_refused(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=3)
+    only = _commit(manager, 1)
+    (only / "sub" / "weights.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged: .*sub/weights.bin is missing"):
+        manager.resolve("auto")
+    assert only.exists()
+
+
+def test_run_lock_refuses_a_second_run_and_takes_over_a_dead_ones(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from hybridflow.checkpoint import RunLock
+        lock = RunLock(sys.argv[1])
+        print("locked", flush=True)
+        time.sleep(120)
+    """), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match=rf"output_dir={tmp_path} is in use by another run: pid "
+                                                  rf"{holder.pid} on host {socket.gethostname()} since "):
+            RunLock(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(tmp_path)  # the holder died without removing its file: the lock is stale
+    assert lock.stale_holder.startswith(f"pid {holder.pid} on host ")
+    lock.release()
+    assert not lock.path.exists()
 
 
 def test_resolve(tmp_path):
@@ -153,7 +216,7 @@ def test_check_writable(tmp_path):
     blocker.write_text("not a dir")
     with pytest.raises(CheckpointError, match=r"a_file/out is not writable"):
         check_writable(blocker / "out")
-    with pytest.raises(CheckpointError, match=r"GiB free, but checkpoints need at least"):
+    with pytest.raises(CheckpointError, match=r" free, but a checkpoint needs about 4194304.0 TiB; free space"):
         check_writable(tmp_path, min_free_bytes=2**62)
 
 
@@ -168,11 +231,18 @@ def test_check_writable_read_only_dir(tmp_path):
         locked.chmod(0o700)
 
 
-def test_failed_save_is_refused_early_or_aborted(tmp_path):
+def test_failed_save_is_refused_early_or_aborted(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path, keep=2)
     done = _commit(manager, 1)
-    with pytest.raises(CheckpointError, match="cannot save step 2: .* GiB free.*previous checkpoints are intact"):
+    with pytest.raises(CheckpointError, match=r"cannot save step 2: .* free, a checkpoint needs about .* \(estimated "
+                                              r"from the model sizes\); the previous checkpoints are intact"):
         manager.begin(2, min_free_bytes=2**62)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=50))
+    with pytest.raises(CheckpointError, match=rf"cannot save step 2: {manager.root} has 50 B free, a checkpoint "
+                                              rf"needs about 1\d\d B \(the size of step_00000001\)"):
+        manager.begin(2)
+    monkeypatch.undo()
     tmp = manager.begin(2, min_free_bytes=1)
     (tmp / "half.bin").write_bytes(b"x")
     manager.abort(tmp)

@@ -4,7 +4,9 @@ group per worker group, calls over pipes.
 Each process talks to the controller over one duplex pipe: the controller's sender thread writes
 pickled calls, its reader thread matches replies to futures by call id and notices a dead process
 (the pipe closes) at once. Workers exit when the controller goes away (a parent watchdog), on
-`shutdown()`, and at controller exit (atexit, see `group.py`).
+`shutdown()`, and at controller exit (atexit, see `group.py`). They ignore SIGINT and SIGTERM: a Ctrl-C,
+`scancel` or `systemctl stop` signals the whole process group, and the controller, which gets the signal
+too, decides how the run stops (`hybridflow.trainer.loop`); a worker killed mid-step would lose it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch.multiprocessing as mp
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
-from hybridflow.controller.runtime import Reply, WorkerRuntime, join_process_group, load_spec
+from hybridflow.controller.runtime import (Reply, WorkerRuntime, ignore_stop_signals, join_process_group,
+                                          load_spec)
 
 _env_lock = threading.Lock()
 GRACEFUL_EXIT_S = 5.0
@@ -60,6 +63,7 @@ def _worker_main(
     parent_pid: int,
 ) -> None:
     """Entry point of a worker process: output forwarding, process group, worker, then the call loop."""
+    ignore_stop_signals()
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     spec = load_spec(sys_path, blob)
     forward_output(log_addr, prefix(spec.role, rank), log_key)
@@ -224,7 +228,7 @@ class LocalBackend(Backend):
         return future
 
     def shutdown(self) -> None:
-        """Asks every live worker to exit, then terminates (and finally kills) whoever remains."""
+        """Asks every live worker to exit, then kills whoever remains."""
         self._closing = True
         healthy = not self._dead
         for outbox in self._outboxes:
@@ -232,12 +236,11 @@ class LocalBackend(Backend):
         deadline = time.monotonic() + (GRACEFUL_EXIT_S if healthy else 0.5)
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for signal_step in ("terminate", "kill"):
-            alive = [p for p in self.procs if p.is_alive()]
-            for proc in alive:
-                getattr(proc, signal_step)()
-            for proc in alive:
-                proc.join(timeout=2.0)
+        alive = [p for p in self.procs if p.is_alive()]  # workers ignore SIGTERM: kill them
+        for proc in alive:
+            proc.kill()
+        for proc in alive:
+            proc.join(timeout=2.0)
         for conn in self._conns:
             conn.close()
         self._store = None

@@ -26,7 +26,7 @@ from hybridflow.controller.cluster import RAY_STRATEGY, alive_nodes, check_capac
 from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
 from hybridflow.controller.pool import Placement
-from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
+from hybridflow.controller.runtime import WorkerRuntime, ignore_stop_signals, join_process_group, load_spec
 
 PLACEMENT_TIMEOUT_S = 120.0
 
@@ -35,6 +35,7 @@ class RayWorkerActor:
     """The body of each Ray actor: the same `WorkerRuntime` the local backend runs in a process."""
 
     def __init__(self, sys_path: list[str], blob: bytes, rank: int, log_addr: tuple[str, int], log_key: str) -> None:
+        ignore_stop_signals()
         self.spec = load_spec(sys_path, blob)
         self.rank = rank
         self.runtime: WorkerRuntime | None = None

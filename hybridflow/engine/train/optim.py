@@ -1,7 +1,8 @@
 """The optimizer and learning-rate schedule of a training engine: AdamW, warm-up, constant or cosine.
 
 Reads an actor/critic config section by attribute: `lr`, `weight_decay`, `betas`, `lr_schedule`
-(``"constant"`` | ``"cosine"``), `lr_warmup_steps`, `min_lr_ratio`.
+(``"constant"`` | ``"cosine"``), `lr_warmup_steps`, `min_lr_ratio`. After a resume, `apply_config` makes
+the config's values win over the ones restored with the optimizer and scheduler state.
 """
 
 from __future__ import annotations
@@ -44,3 +45,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int
     lr_factor(0, total_steps, schedule, warmup, min_ratio)  # validates the schedule name now
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, schedule, warmup, min_ratio))
+
+
+def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: Any) -> None:
+    """After loading a checkpoint's optimizer and scheduler state: this config's lr, betas and weight decay
+    replace the saved ones, and the lr becomes this config's schedule (the scheduler's own function, built
+    from this config) at the restored optimizer step, so a resumed run trains with what its config says."""
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = cfg.lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
