@@ -258,6 +258,8 @@ class RewardConfig:
     fallback_score: float = opt(0.0, "score given when the function raises or times out")
     num_workers: int = opt(2, "reward scoring processes; 0 = score in the controller's thread (no timeout; a "
                               "breakpoint() in the reward function works)")
+    max_failed_steps: int = opt(3, "stop the run when the reward function fails (raises or times out) on every "
+                                   "row of this many scored batches in a row; 0 = never")
     reward_model: RewardModelConfig = opt(RewardModelConfig, "model-based reward")
     kwargs: dict[str, Any] = opt({}, "extra keyword arguments passed to the reward function")
 
@@ -286,6 +288,8 @@ class TrainerConfig:
     experiment_name: Optional[str] = opt(None, "run name; null = the output_dir's last component")
     log_samples: int = opt(4, "sample completions logged per validation")
     max_bad_steps: int = opt(3, "non-finite steps in a row before the run stops")
+    worker_timeout_s: float = opt(30.0, "a worker process silent (no heartbeat) this long while the controller "
+                                        "waits on it is reported as unresponsive and the run stops; 0 = wait forever")
     placement: str = opt("colocate", "colocate: actor and critic share each device's process; split: the "
                                      "critic gets its own processes (where the rollout runs is "
                                      "rollout.placement)",

@@ -77,6 +77,7 @@ def _range_problems(cfg: Any) -> list[str]:
             "trainer.total_epochs", "trainer.n_workers", "trainer.keep_checkpoints",
             "reward.reward_model.micro_batch_size"],
         0: ["trainer.val_every", "trainer.save_every", "trainer.log_samples", "trainer.max_bad_steps",
+            "trainer.worker_timeout_s", "reward.max_failed_steps",
             "actor.lr_warmup_steps", "critic.lr_warmup_steps", "critic.warmup_steps", "actor.kl_loss_coef",
             "actor.entropy_coef", "actor.clip_low", "actor.clip_high", "critic.cliprange_value",
             "rollout.temperature", "rollout.val_temperature", "actor.grad_clip", "critic.grad_clip",
@@ -289,7 +290,10 @@ def _data_file_problems(cfg: Any) -> list[str]:
         problems.append("data.train_files is required (one parquet/jsonl path or a list)")
     for key in ("data.train_files", "data.val_files"):
         for path in _get(cfg, key):
-            if not Path(path).expanduser().is_file():
+            if Path(path).expanduser().is_dir():
+                problems.append(f"{key}: {path} is a directory; give a .parquet or .jsonl file in it (or a list "
+                                f"of them)")
+            elif not Path(path).expanduser().is_file():
                 problems.append(f"{key}: file {path} not found")
     return problems
 

@@ -4,7 +4,7 @@ and the `local` / `ray` backends. See docs/workers.md."""
 from hybridflow.controller.backends import wait_all
 from hybridflow.controller.colocate import colocate
 from hybridflow.controller.dispatch import Dispatch, register
-from hybridflow.controller.errors import WorkerDiedError, WorkerError
+from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerUnresponsiveError
 from hybridflow.controller.group import MemberView, Remote, WorkerGroup
 from hybridflow.controller.pool import Placement, ResourcePool
 from hybridflow.controller.worker import Worker
@@ -19,6 +19,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerGroup",
+    "WorkerUnresponsiveError",
     "colocate",
     "register",
     "wait_all",

@@ -39,3 +39,18 @@ class WorkerDiedError(RuntimeError):
             f"worker {role} rank {rank} died ({how}); the group '{role}' is unusable, "
             f"shut it down and start a new one{extra}"
         )
+
+
+class WorkerUnresponsiveError(WorkerDiedError):
+    """A worker process sent no heartbeat for the group's `worker_timeout_s` while the controller waited on
+    it (stopped by SIGSTOP or a debugger, frozen, its machine overloaded): treated as dead."""
+
+    def __init__(self, role: str, rank: int, where: str, silent_s: float, timeout_s: float, method: str) -> None:
+        self.role, self.rank, self.how = role, rank, f"{where}, unresponsive"
+        RuntimeError.__init__(
+            self,
+            f"worker {role} rank {rank} ({where}) is unresponsive: no heartbeat for {silent_s:.0f} s "
+            f"(trainer.worker_timeout_s={timeout_s:g}) while the controller waited on {method}. It is stopped "
+            f"(SIGSTOP, a debugger), frozen in native code, or its machine is overloaded; the group '{role}' "
+            f"is unusable, shut it down and start a new one"
+        )

@@ -147,6 +147,8 @@ class WorkerGroup(Generic[W]):
         pool: the `ResourcePool` to place the group on (default: a private pool of `n_workers`).
         env: environment variables set in every worker process.
         inline: local backend only; None = in-process when ``n_workers == 1``.
+        worker_timeout_s: when set, a worker process that sends no heartbeat for this many seconds while a
+            call to it is pending fails the call with `WorkerUnresponsiveError` (`controller.liveness`).
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class WorkerGroup(Generic[W]):
         pool: ResourcePool | None = None,
         env: dict[str, str] | None = None,
         inline: bool | None = None,
+        worker_timeout_s: float | None = None,
     ) -> None:
         self._backend = None
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
@@ -182,7 +185,7 @@ class WorkerGroup(Generic[W]):
         self._submit_lock = threading.Lock()
         spec = WorkerSpec(worker_cls, name, n_workers, device, dict(init_kwargs or {}))
         try:
-            backend_obj = make_backend(backend, spec, self.pool, env or {}, inline)
+            backend_obj = make_backend(backend, spec, self.pool, env or {}, inline, worker_timeout_s)
             backend_obj.start()
         except BaseException:
             self.pool.detach(name)

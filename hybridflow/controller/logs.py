@@ -10,6 +10,11 @@ on the console before the controller continues.
 An inline worker (a one-worker group running in the controller) prints in the controller's own
 process: `prefixed_output` gives the lines its calls write to ``sys.stdout`` / ``sys.stderr`` the same
 prefix, leaving the controller's other threads' lines as they are.
+
+A third connection carries the worker's heartbeat: a thread sends a byte every `HEARTBEAT_S`, and the
+server remembers when each worker was last heard (`LogServer.silence`), which is what
+`hybridflow.controller.liveness` watches. The same TCP channel works for local and Ray workers, on this
+machine or another; a stopped (SIGSTOP) or frozen process falls silent.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 _HEADER_END = b"\n"
 _SYNC = "\x1ehybridflow-sync "
 SYNC_WAIT_S = 2.0
+HEARTBEAT_S = 1.0
 _STREAMS = ("stdout", "stderr")
 _forwarding = False
 
@@ -38,6 +45,7 @@ class LogServer:
         self._lock = threading.Lock()
         self._synced = threading.Condition()
         self._marks: dict[tuple[str, str], int] = {}  # (worker key, stream) -> last call id seen
+        self._beats: dict[str, float] = {}  # worker key -> monotonic time of its last heartbeat
         threading.Thread(target=self._accept_loop, name="hybridflow-log-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -52,6 +60,10 @@ class LogServer:
         with conn, conn.makefile("rb") as stream:
             header = json.loads(stream.readline())
             prefix, target, key = header["prefix"], header["stream"], header["key"]
+            if target == "heartbeat":
+                while stream.read(1):
+                    self._beats[key] = time.monotonic()
+                return
             for raw in stream:
                 line, _, mark = raw.decode("utf-8", errors="replace").partition(_SYNC)
                 if line:
@@ -67,6 +79,11 @@ class LogServer:
             return self._synced.wait_for(
                 lambda: all(self._marks.get((key, s), -1) >= call_id for s in _STREAMS), timeout
             )
+
+    def silence(self, key: str) -> float | None:
+        """Seconds since worker `key`'s last heartbeat; None before its first one."""
+        last = self._beats.get(key)
+        return None if last is None else time.monotonic() - last
 
     def _write(self, target: str, text: str) -> None:
         out = sys.stdout if target == "stdout" else sys.stderr
@@ -91,9 +108,10 @@ def log_server(host: str = "127.0.0.1") -> LogServer:
 
 
 def forward_output(address: tuple[str, int], prefix: str, key: str) -> None:
-    """In a worker process: sends fds 1 and 2 (and Python's sys.stdout/stderr) to the log server.
+    """In a worker process: sends fds 1 and 2 (and Python's sys.stdout/stderr) to the log server, and starts
+    the heartbeat.
 
-    `key` names this worker uniquely for `LogServer.wait_synced`."""
+    `key` names this worker uniquely for `LogServer.wait_synced` and `LogServer.silence`."""
     global _forwarding
     _forwarding = True
     for name, fd, stream in (("stdout", 1, sys.stdout), ("stderr", 2, sys.stderr)):
@@ -104,6 +122,18 @@ def forward_output(address: tuple[str, int], prefix: str, key: str) -> None:
         sock.close()
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
+    beat = socket.create_connection(address)
+    beat.sendall(json.dumps({"prefix": prefix, "stream": "heartbeat", "key": key}).encode() + _HEADER_END)
+    threading.Thread(target=_heartbeat, args=(beat,), name="hybridflow-heartbeat", daemon=True).start()
+
+
+def _heartbeat(sock: socket.socket) -> None:
+    while True:
+        try:
+            sock.sendall(b".")
+        except OSError:  # the controller is gone; the parent watchdog ends this process
+            return
+        time.sleep(HEARTBEAT_S)
 
 
 def mark_synced(call_id: int) -> None:

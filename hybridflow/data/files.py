@@ -94,6 +94,8 @@ def read_records(files: str | Path | Sequence[str | Path]) -> list[Record]:
     """All rows of one file or several, in order; unreadable or unsupported files raise `DataError`."""
     records: list[Record] = []
     for path in as_path_list(files):
+        if Path(path).is_dir():
+            raise DataError(f"{path}: is a directory, not a data file; give a .parquet or .jsonl file")
         if not Path(path).is_file():
             raise DataError(f"{path}: file not found")
         suffix = Path(path).suffix.lower()

@@ -11,7 +11,8 @@ passes, so scoring overlaps GPU work::
 
 Rows are scored in a `ScoringPool` of spawned processes. A row whose function raises or runs past
 `timeout_s` gets `fallback_score` and is counted in ``reward/errors`` (timeouts also in
-``reward/timeouts``). With ``num_workers=0`` rows are scored inline in the caller's thread (so a
+``reward/timeouts``). A function that fails every row of `max_failed_batches` batches in a row is broken,
+not unlucky: the next result raises `RewardFunctionFailed` with its last error. With ``num_workers=0`` rows are scored inline in the caller's thread (so a
 ``breakpoint()`` in a reward function works; no timeout is enforced then).
 """
 
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROW_KEYS = ("data_source", "response_text", "ground_truth", "extra_info")
+
+
+class RewardFunctionFailed(RuntimeError):
+    """The reward function failed (raised or timed out) on every row of several batches in a row."""
 
 
 @dataclass
@@ -98,14 +103,17 @@ class RewardManager:
         timeout_s: per-row limit in seconds (pool mode); None or 0 for no limit.
         fallback_score: the score of a row whose function raised or timed out.
         fn_kwargs: keyword arguments for the function (e.g. ``{"method": "flexible"}``).
+        max_failed_batches: raise `RewardFunctionFailed` after this many batches in a row where every row
+            failed; 0 never does.
     """
 
     def __init__(self, fn_spec: str | Callable = "auto", num_workers: int = 2, timeout_s: float | None = 10.0,
-                 fallback_score: float = 0.0, fn_kwargs: dict | None = None) -> None:
+                 fallback_score: float = 0.0, fn_kwargs: dict | None = None, max_failed_batches: int = 3) -> None:
         if num_workers < 0:
             raise ValueError(f"reward num_workers must be >= 0, got {num_workers}")
         self.fn_spec, self.fn_kwargs = fn_spec, dict(fn_kwargs or {})
         self.fallback_score = float(fallback_score)
+        self.max_failed_batches, self.failed_in_row = max_failed_batches, 0
         self._fn = get_reward_fn(fn_spec, self.fn_kwargs)  # fails here, early, on a bad spec
         self._pool = ScoringPool(fn_spec, self.fn_kwargs, num_workers, timeout_s) if num_workers else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") if self._pool else None
@@ -161,6 +169,11 @@ class RewardManager:
             first = next(e for e in errors if e is not None)
             logger.warning("reward function failed on %d of %d rows (fallback score %g); first: %s",
                            n_errors, len(rows), self.fallback_score, first)
+        self.failed_in_row = self.failed_in_row + 1 if rows and n_errors == len(rows) else 0
+        if self.max_failed_batches and self.failed_in_row >= self.max_failed_batches:
+            raise RewardFunctionFailed(
+                f"reward function {self.fn_spec!r} failed on every row of {self.failed_in_row} batches in a row "
+                f"(reward.max_failed_steps={self.max_failed_batches}); its last error: {errors[-1]}")
         metrics = {
             "reward/mean": sum(scores) / len(scores) if scores else math.nan,
             "reward/errors": float(n_errors),

@@ -11,18 +11,28 @@ A row that raises gives an ``error`` outcome. A row still running `timeout_s` af
 ``timeout``: that worker is killed, a fresh one is started, and the rest of its chunk (including rows
 it had finished but not yet reported) goes back to the queue. A worker that dies (segfault,
 ``os._exit``) costs only the row it was on.
+
+After a timeout the pool scores *isolated* until a batch passes without one: each worker forks one child
+per row of its chunk (up to `_MAX_FORKS` at once) and kills the children still running at `timeout_s`, so
+rows that hang time out together, not one after another (a batch where every row hangs costs about one
+`timeout_s`, not one per row), and the worker itself survives them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
+import os
+import pickle
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from hybridflow.rewards.registry import split_result
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +42,8 @@ Row = tuple[str, str, Any, Any]
 Outcome = tuple[str, Any]
 
 _MAX_CHUNK = 64
+_MAX_FORKS = 64  # rows one worker scores at once when isolated
+_ISOLATED_GRACE_S = 10.0  # beyond its rows' timeouts, before an isolated chunk's worker is given up
 _FLUSH_S = 0.02
 _STARTUP_TIMEOUT_S = 300.0
 _IDLE = -1.0  # value of the shared "current row" slot between rows
@@ -45,7 +57,7 @@ def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection, current: A
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM to the run are the controller's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from hybridflow.rewards.registry import get_reward_fn, split_result
+    from hybridflow.rewards.registry import get_reward_fn
 
     try:
         fn = get_reward_fn(spec, fn_kwargs)
@@ -54,20 +66,72 @@ def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection, current: A
         return
     conn.send(("ready", None))
     while (chunk := conn.recv()) is not None:
+        if isinstance(chunk, tuple):  # ("isolated", timeout_s, rows)
+            _score_isolated(fn, chunk[2], chunk[1], conn)
+            continue
         results: list[tuple[int, Outcome]] = []
         flushed = time.monotonic()
         for index, row in chunk:
             current[0], current[1] = _IDLE, time.monotonic()
             current[0] = float(index)
-            try:
-                outcome: Outcome = ("ok", split_result(fn(*row)))
-            except (Exception, SystemExit) as e:
-                outcome = ("error", f"{type(e).__name__}: {e}")
-            results.append((index, outcome))
+            results.append((index, _score(fn, row)))
             if time.monotonic() - flushed > _FLUSH_S:
                 conn.send(results)
                 results, flushed = [], time.monotonic()
         current[0] = _IDLE
+        if results:
+            conn.send(results)
+
+
+def _score(fn: Any, row: Row) -> Outcome:
+    try:
+        return ("ok", split_result(fn(*row)))
+    except (Exception, SystemExit) as e:
+        return ("error", f"{type(e).__name__}: {e}")
+
+
+def _fork_score(fn: Any, row: Row) -> tuple[int, Any]:
+    """Forks a child that scores `row` and writes its pickled outcome to a pipe; returns (pid, pipe reader)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: score, report, leave without running the parent's cleanup
+        try:
+            os.close(read_fd)
+            with os.fdopen(write_fd, "wb") as out:
+                out.write(pickle.dumps(_score(fn, row)))
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    return pid, os.fdopen(read_fd, "rb")
+
+
+def _score_isolated(fn: Any, chunk: list[tuple[int, Row]], timeout_s: float, conn: Connection) -> None:
+    """Scores each row in a forked child of this worker, up to `_MAX_FORKS` at once; a child still running
+    `timeout_s` after it started is killed and its row reported as a timeout."""
+    queue, running = deque(chunk), {}  # reader -> (row index, child pid, start time)
+    while queue or running:
+        while queue and len(running) < _MAX_FORKS:
+            index, row = queue.popleft()
+            pid, reader = _fork_score(fn, row)
+            running[reader] = (index, pid, time.monotonic())
+        first_deadline = min(start for _, _, start in running.values()) + timeout_s
+        results = []
+        for reader in wait(list(running), timeout=max(0.0, first_deadline - time.monotonic())):
+            index, pid, _ = running.pop(reader)
+            data = reader.read()
+            reader.close()
+            _, status = os.waitpid(pid, 0)
+            outcome = pickle.loads(data) if data else (
+                "error", f"reward function process died ({os.waitstatus_to_exitcode(status)})")
+            results.append((index, outcome))
+        now = time.monotonic()
+        for reader, (index, pid, start) in list(running.items()):
+            if now - start > timeout_s:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                reader.close()
+                del running[reader]
+                results.append((index, ("timeout", f"no result within {timeout_s:g} s")))
         if results:
             conn.send(results)
 
@@ -80,6 +144,7 @@ class _Worker:
     ready: bool = False
     inflight: set = field(default_factory=set)  # row indices sent and not yet answered
     spawned: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # when an isolated chunk's worker is given up (None: not isolated)
 
     def running(self) -> tuple[int, float] | None:
         """``(row index, start time)`` of the row the worker is scoring, or None between rows."""
@@ -107,6 +172,8 @@ class ScoringPool:
         self._ctx = mp.get_context("spawn")
         self._workers = [self._start() for _ in range(num_workers)]
         self.restarts = 0
+        self.isolated = False  # score each row in its own forked child (after a timeout; module docstring)
+        self._timed_out = False
 
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
@@ -129,9 +196,11 @@ class ScoringPool:
         """Scores every row; returns one outcome per row, in order. Blocks until all are done."""
         outcomes: list[Outcome | None] = [None] * len(rows)
         queue = deque(range(len(rows)))
+        self._timed_out = False
         while queue or any(w.inflight for w in self._workers):
             self._dispatch(rows, queue)
             self._collect(outcomes, queue)
+        self.isolated = self._timed_out and self.timeout_s is not None
         return outcomes  # type: ignore[return-value]
 
     def _dispatch(self, rows: list[Row], queue: deque) -> None:
@@ -140,14 +209,20 @@ class ScoringPool:
                 return
             if not worker.ready or worker.inflight:
                 continue
-            size = max(1, min(_MAX_CHUNK, len(queue) // (4 * len(self._workers))))
+            if self.isolated:  # every row at once, spread over the idle workers
+                idle = sum(1 for w in self._workers if w.ready and not w.inflight)
+                size = min(_MAX_FORKS, math.ceil(len(queue) / idle))
+            else:
+                size = max(1, min(_MAX_CHUNK, len(queue) // (4 * len(self._workers))))
             indices = [queue.popleft() for _ in range(min(size, len(queue)))]
+            chunk = [(i, rows[i]) for i in indices]
             try:
-                worker.conn.send([(i, rows[i]) for i in indices])
+                worker.conn.send(("isolated", self.timeout_s, chunk) if self.isolated else chunk)
             except OSError:  # the worker died while idle: `_collect` sees its EOF and replaces it
                 queue.extendleft(reversed(indices))
                 continue
             worker.inflight.update(indices)
+            worker.deadline = time.monotonic() + self.timeout_s + _ISOLATED_GRACE_S if self.isolated else None
 
     def _collect(self, outcomes: list, queue: deque) -> None:
         wait_s = 1.0
@@ -167,6 +242,12 @@ class ScoringPool:
             running = worker.running() if self.timeout_s and worker.ready and worker.inflight else None
             if running and now - running[1] > self.timeout_s:
                 self._fail(i, running[0], outcomes, queue, ("timeout", f"no result within {self.timeout_s:g} s"))
+            elif worker.deadline is not None and worker.inflight and now > worker.deadline:
+                logger.warning("reward worker stuck on %d isolated rows; restarting it", len(worker.inflight))
+                for index in worker.inflight:
+                    outcomes[index] = ("timeout", f"no result within {self.timeout_s:g} s")
+                worker.inflight.clear()
+                self._replace(i)
             elif not worker.ready and now - worker.spawned > _STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:g} s "
                                    f"(loading reward function {self.spec!r})")
@@ -180,6 +261,7 @@ class ScoringPool:
                     for index, outcome in message:
                         worker.inflight.discard(index)
                         outcomes[index] = outcome
+                        self._timed_out |= outcome[0] == "timeout"
                 elif message[0] == "ready":
                     worker.ready = True
                 else:
@@ -201,6 +283,8 @@ class ScoringPool:
         worker = self._workers[i]
         worker.inflight.discard(index)
         outcomes[index] = outcome
+        if outcome[0] == "timeout":
+            self._timed_out = self.isolated = True
         logger.warning("reward row %d: %s; restarting the reward worker", index, outcome[1])
         queue.extendleft(sorted(worker.inflight, reverse=True))
         worker.inflight.clear()

@@ -109,38 +109,49 @@ def auto_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
     return REWARD_FUNCTIONS[route_data_source(data_source)](data_source, solution_str, ground_truth, extra_info)
 
 
-def _adapt_signature(fn: Callable, where: str) -> RewardFn:
-    """Returns `fn` callable as ``fn(data_source, solution_str, ground_truth, extra_info)``.
+def _adapt_signature(fn: Callable, where: str, kwargs: dict | None = None) -> RewardFn:
+    """Returns `fn` callable as ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs)``.
 
-    Functions whose parameters carry verl's names are called by keyword (as verl does); others that take
-    four positional arguments are called positionally.
+    Functions whose parameters carry verl's names (in any order, keyword-only included) are called by
+    keyword, as verl does; others that take four positional arguments are called positionally. `kwargs`
+    (`reward.kwargs`) must fit too. Raises TypeError naming the signature otherwise.
     """
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: trust them
         return fn
+    extra = dict(kwargs or {})
     try:
-        sig.bind(**dict.fromkeys(_VERL_PARAMS))
-        return fn
+        sig.bind(**dict.fromkeys(_VERL_PARAMS), **extra)
     except TypeError:
         pass
+    else:
+        @functools.wraps(fn)
+        def by_name(data_source, solution_str, ground_truth, extra_info=None, **kw):
+            return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                      extra_info=extra_info, **kw)
+
+        return by_name
     try:
-        sig.bind(*_VERL_PARAMS)
+        sig.bind(*_VERL_PARAMS, **extra)
     except TypeError:
+        verl = "verl's (data_source, solution_str, ground_truth, extra_info)"
         raise TypeError(
-            f"reward function {where} has signature {sig}; it must accept verl's "
-            f"(data_source, solution_str, ground_truth, extra_info)"
+            f"reward kwargs {extra} do not fit reward function {where} (signature {sig}): it must accept {verl} "
+            f"and these keyword arguments" if extra else
+            f"reward function {where} has signature {sig}; it must accept {verl}"
         ) from None
 
     @functools.wraps(fn)
-    def positional(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-        return fn(data_source, solution_str, ground_truth, extra_info, **kwargs)
+    def positional(data_source, solution_str, ground_truth, extra_info=None, **kw):
+        return fn(data_source, solution_str, ground_truth, extra_info, **kw)
 
     return positional
 
 
 def load_file_function(spec: str) -> RewardFn:
-    """Loads ``path/to/file.py:function_name`` (path relative to the working directory or absolute)."""
+    """Loads ``path/to/file.py:function_name`` (path relative to the working directory or absolute); its
+    signature is checked by `get_reward_fn`."""
     path_str, _, fn_name = spec.rpartition(":")
     if not path_str or not fn_name:
         raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:function_name'")
@@ -165,7 +176,7 @@ def load_file_function(spec: str) -> RewardFn:
     fn = getattr(module, fn_name)
     if not callable(fn):
         raise TypeError(f"{fn_name!r} in reward file {path_str} is a {type(fn).__name__}, not a function")
-    return _adapt_signature(fn, f"{fn_name!r} in {path_str}")
+    return fn
 
 
 def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
@@ -177,7 +188,7 @@ def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
             not allowed with ``auto``, whose rows may reach different functions.
     """
     if callable(spec):
-        fn = _adapt_signature(spec, getattr(spec, "__name__", repr(spec)))
+        fn = _adapt_signature(spec, getattr(spec, "__name__", repr(spec)), kwargs)
     elif not isinstance(spec, str) or not spec:
         raise TypeError(f"reward.function must be a name or 'file.py:function', got {spec!r}")
     elif spec == "auto":
@@ -186,10 +197,10 @@ def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
                              f"name the function instead (one of {sorted(REWARD_FUNCTIONS)})")
         fn = auto_reward
     elif ":" in spec or spec.endswith(".py"):
-        fn = load_file_function(spec)
+        fn = _adapt_signature(load_file_function(spec), spec, kwargs)
     elif spec in REWARD_FUNCTIONS:
         check_requirements(spec)
-        fn = REWARD_FUNCTIONS[spec]
+        fn = _adapt_signature(REWARD_FUNCTIONS[spec], repr(spec), kwargs)
     else:
         hint = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
         raise ValueError(
@@ -197,10 +208,6 @@ def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
             + f"; valid: auto, {', '.join(sorted(REWARD_FUNCTIONS))}, or 'path/to/file.py:function_name'"
         )
     if kwargs:
-        try:
-            inspect.signature(fn).bind(*_VERL_PARAMS, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"reward kwargs {kwargs} do not fit reward function {spec!r}: {e}") from None
         fn = functools.partial(fn, **kwargs)
     return fn
 

@@ -51,7 +51,7 @@ class RLTrainer(Trainer):
         controller and the role groups (`hybridflow.trainer.roles`)."""
         cfg = self.cfg
         self.rewards = RewardManager(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s,
-                                     cfg.reward.fallback_score, cfg.reward.kwargs)
+                                     cfg.reward.fallback_score, cfg.reward.kwargs, cfg.reward.max_failed_steps)
         for loader in (self.train_loader, self.val_loader):
             if loader is not None:
                 ds = loader.dataset

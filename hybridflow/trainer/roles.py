@@ -83,7 +83,8 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
     """Starts the worker groups of a run of `total_steps` trainer steps (see the module docstring) and
     returns their handles."""
     device = device_type(cfg.trainer.device, cfg.trainer.backend, cfg.ray.address)
-    placed = {name: dict(pool=pool, n_workers=pool.n_processes, backend=cfg.trainer.backend, device=device)
+    placed = {name: dict(pool=pool, n_workers=pool.n_processes, backend=cfg.trainer.backend, device=device,
+                         worker_timeout_s=cfg.trainer.worker_timeout_s)
               for name, pool in make_pools(cfg, device).items()}
     separate = cfg.rollout.placement == "separate"
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,

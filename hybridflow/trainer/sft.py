@@ -65,6 +65,7 @@ class SFTTrainer(Trainer):
                                 cfg.data.train_batch_size)
         group = WorkerGroup(SFTWorker, name="sft", n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend,
                             device=device_type(cfg.trainer.device, cfg.trainer.backend),
+                            worker_timeout_s=cfg.trainer.worker_timeout_s,
                             init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim, total_steps=steps))
         self.groups = [group]
         self.workers: Remote[SFTWorker] = group

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from rl_helpers import base_overrides
 
+from hybridflow.checkpoint import CheckpointError
 from hybridflow.config.loader import load_config
 from hybridflow.config.sft import SFTConfig
 from hybridflow.controller import WorkerError
@@ -90,8 +91,11 @@ def test_a_failed_checkpoint_save_leaves_no_temp_dir(tiny_qwen2, chats, tmp_path
     monkeypatch.setattr(SFTWorker, "save_checkpoint", disk_full)  # the inline worker runs in this process
     try:
         trainer.step = 1
-        with pytest.raises(WorkerError, match="save_checkpoint failed: OSError: .* No space left"):
+        with pytest.raises(CheckpointError, match=r"cannot save step 1: the disk holding .* is full \(.* free when "
+                                                  r"the save failed: \(sft rank 0\) save_checkpoint failed: "
+                                                  r"OSError: .* No space left") as failed:
             trainer.checkpoints.save()
+        assert isinstance(failed.value.__cause__, WorkerError)
     finally:
         trainer.close()
     assert list((tmp_path / "checkpoints").iterdir()) == []  # begin() made a temp dir; abort() removed it

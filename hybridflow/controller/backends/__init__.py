@@ -4,7 +4,7 @@ worker) and `ray` (actors in a placement group). They share one small interface,
 from __future__ import annotations
 
 import pickle
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from typing import Any
 
 from hybridflow.controller.errors import WorkerError
@@ -17,11 +17,14 @@ class Backend:
 
     A call is first `encode`d for every rank (so an argument that cannot travel fails before any
     rank starts), then `submit`ted; the Future resolves to the rank's return value, or fails with
-    `WorkerError` (the method raised) or `WorkerDiedError` (the process ended).
+    `WorkerError` (the method raised) or `WorkerDiedError` (the process ended, or, with `worker_timeout_s`,
+    fell silent: `hybridflow.controller.liveness`).
     """
 
-    def __init__(self, spec: WorkerSpec, pool: ResourcePool, env: dict[str, str]) -> None:
+    def __init__(self, spec: WorkerSpec, pool: ResourcePool, env: dict[str, str],
+                 worker_timeout_s: float | None = None) -> None:
         self.spec, self.pool, self.env = spec, pool, dict(env)
+        self.worker_timeout_s = worker_timeout_s or None
 
     @property
     def world_size(self) -> int:
@@ -46,12 +49,16 @@ class Backend:
 
 
 def settle(future: Future, reply: Reply, role: str, rank: int, path: str) -> None:
-    """Completes `future` from a worker reply ``("ok", value)`` / ``("error", traceback)``."""
+    """Completes `future` from a worker reply ``("ok", value)`` / ``("error", traceback)``, unless it was
+    already failed (its rank was given up as unresponsive)."""
     status, value = reply
-    if status == "ok":
-        future.set_result(value)
-    else:
-        future.set_exception(WorkerError(role, rank, path, value))
+    try:
+        if status == "ok":
+            future.set_result(value)
+        else:
+            future.set_exception(WorkerError(role, rank, path, value))
+    except InvalidStateError:
+        pass
 
 
 def wait_all(futures: list[Future]) -> list[Any]:
@@ -64,8 +71,10 @@ def wait_all(futures: list[Future]) -> list[Any]:
     return [f.result() for f in futures]
 
 
-def make_backend(name: str, spec: WorkerSpec, pool: ResourcePool, env: dict[str, str], inline: bool | None) -> Any:
-    """The backend called `name` ("local" or "ray") for one group."""
+def make_backend(name: str, spec: WorkerSpec, pool: ResourcePool, env: dict[str, str], inline: bool | None,
+                 worker_timeout_s: float | None = None) -> Any:
+    """The backend called `name` ("local" or "ray") for one group (`worker_timeout_s`: see `Backend`; an
+    inline group runs in the controller and is not watched)."""
     if name == "local":
         if inline is None:
             inline = spec.world_size == 1
@@ -77,11 +86,11 @@ def make_backend(name: str, spec: WorkerSpec, pool: ResourcePool, env: dict[str,
             return InlineBackend(spec, pool, env)
         from hybridflow.controller.backends.local import LocalBackend
 
-        return LocalBackend(spec, pool, env)
+        return LocalBackend(spec, pool, env, worker_timeout_s)
     if name == "ray":
         if inline:
             raise ValueError("inline=True is a local-backend option; the ray backend always uses actors")
         from hybridflow.controller.backends.ray import RayBackend
 
-        return RayBackend(spec, pool, env)
+        return RayBackend(spec, pool, env, worker_timeout_s)
     raise ValueError(f"unknown backend {name!r}; valid: 'local', 'ray'")

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
+from hybridflow.controller.liveness import Liveness, fail
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
 from hybridflow.controller.runtime import (Reply, WorkerRuntime, ignore_stop_signals, join_process_group,
                                           load_spec)
@@ -143,11 +144,20 @@ class LocalBackend(Backend):
         for rank in range(self.world_size):
             for loop, tag in ((self._read_loop, "rx"), (self._send_loop, "tx")):
                 threading.Thread(target=loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-{tag}").start()
+        self._liveness = None
+        if self.worker_timeout_s:
+            self._liveness = Liveness(spec.role, log_server(), [self._log_key(r) for r in range(self.world_size)],
+                                      lambda r: f"pid {self.procs[r].pid}", self.worker_timeout_s, self._give_up)
         try:
             wait_all(ready)
         except BaseException:
             self.shutdown()
             raise
+
+    def _give_up(self, rank: int, error: Exception) -> None:
+        """`Liveness` found the rank silent: later calls to it fail at once, and shutdown kills it."""
+        with self._lock:
+            self._dead.setdefault(rank, error)
 
     def _log_key(self, rank: int) -> str:
         return f"{self._uid}-{rank}"
@@ -195,7 +205,9 @@ class LocalBackend(Backend):
             except Exception:  # noqa: BLE001 - EOF (the process died) or a broken stream alike
                 break
             with self._lock:
-                future, path = self._pending[rank].pop(call_id)
+                future, path = self._pending[rank].pop(call_id, (None, ""))
+            if future is None:  # the rank was given up as unresponsive, then answered after all
+                continue
             log_server().wait_synced(self._log_key(rank), call_id)
             try:
                 reply = pickle.loads(payload)
@@ -211,10 +223,10 @@ class LocalBackend(Backend):
         how = "the group was shut down" if self._closing else describe_exit(proc.exitcode)
         error = WorkerDiedError(self.spec.role, rank, f"pid {proc.pid}, {how}")
         with self._lock:
-            self._dead[rank] = error
+            self._dead.setdefault(rank, error)
             pending, self._pending[rank] = self._pending[rank], {}
         for future, _ in pending.values():
-            future.set_exception(error)
+            fail(future, error)
 
     def submit(self, rank: int, path: str, encoded: bytes, blocking: bool) -> Future:
         future: Future = Future()
@@ -224,12 +236,16 @@ class LocalBackend(Backend):
                 return future
             call_id = next(self._ids)
             self._pending[rank][call_id] = (future, path)
+        if self._liveness is not None:
+            self._liveness.track(rank, future, path)
         self._outboxes[rank].put(((call_id, path), encoded))
         return future
 
     def shutdown(self) -> None:
         """Asks every live worker to exit, then kills whoever remains."""
         self._closing = True
+        if self._liveness is not None:
+            self._liveness.close()
         healthy = not self._dead
         for outbox in self._outboxes:
             outbox.put(None)

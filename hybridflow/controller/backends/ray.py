@@ -24,6 +24,7 @@ import torch
 from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.cluster import RAY_STRATEGY, alive_nodes, check_capacity, connect, pool_bundle
 from hybridflow.controller.errors import WorkerDiedError
+from hybridflow.controller.liveness import Liveness, fail
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
 from hybridflow.controller.pool import Placement
 from hybridflow.controller.runtime import WorkerRuntime, ignore_stop_signals, join_process_group, load_spec
@@ -117,6 +118,7 @@ class RayBackend(Backend):
         self._uid = uuid.uuid4().hex
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._liveness = None
         pg = _placement_group(ray, self.pool)
         actor_cls = ray.remote(RayWorkerActor)
         sys_path, blob = self.spec.dumps(ray.cloudpickle)  # classes of the driver's __main__ travel by value
@@ -136,11 +138,20 @@ class RayBackend(Backend):
             ).remote(sys_path, blob, rank, log_addr, f"{self._uid}-{rank}")
             for rank in range(self.world_size)
         ]
+        if self.worker_timeout_s:
+            keys = [f"{self._uid}-{rank}" for rank in range(self.world_size)]
+            self._liveness = Liveness(self.spec.role, self._logs, keys, self._where, self.worker_timeout_s,
+                                      self._give_up)
         try:
             self._setup()
         except BaseException:
             self.shutdown()
             raise
+
+    def _give_up(self, rank: int, error: Exception) -> None:
+        """`Liveness` found the rank silent: later calls to it fail at once."""
+        with self._lock:
+            self._dead.setdefault(rank, error)
 
     def _setup(self) -> None:
         ray = self._ray
@@ -175,10 +186,10 @@ class RayBackend(Backend):
                 error = WorkerDiedError(self.spec.role, rank, self._where(rank) + how, _reason(exc))
                 with self._lock:
                     self._dead.setdefault(rank, error)
-                out.set_exception(error)
+                fail(out, error)
                 return
             except BaseException as exc:  # noqa: BLE001 - any Ray failure fails the call
-                out.set_exception(exc)
+                fail(out, exc)
                 return
             self._logs.wait_synced(f"{self._uid}-{rank}", call_id)
             settle(out, pickle.loads(reply) if pickled else reply, self.spec.role, rank, path)
@@ -200,9 +211,14 @@ class RayBackend(Backend):
             future.set_exception(dead)
             return future
         call_id = next(self._ids)
-        return self._wrap(rank, call_id, path, self.actors[rank].call.remote(path, call_id, encoded), True)
+        future = self._wrap(rank, call_id, path, self.actors[rank].call.remote(path, call_id, encoded), True)
+        if self._liveness is not None:
+            self._liveness.track(rank, future, path)
+        return future
 
     def shutdown(self) -> None:
+        if self._liveness is not None:
+            self._liveness.close()
         if not self._ray.is_initialized():  # Ray went first (ray.shutdown()): its actors went with it
             self.actors, self.pool.placement = [], None
             return
