@@ -131,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from hybridflow.checkpoint import CheckpointError, IncompatibleCheckpoint, Preempted
     from hybridflow.config.validate import ConfigError
+    from hybridflow.rewards.manager import RewardFunctionFailed
 
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, IncompatibleCheckpoint) as e:
+    except (ConfigError, CheckpointError, IncompatibleCheckpoint, RewardFunctionFailed) as e:
         print(f"hybridflow {args.command}: {e}", file=sys.stderr)
         return 2
     except Preempted as e:

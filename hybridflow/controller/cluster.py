@@ -9,9 +9,11 @@ Ray is imported lazily (`import_ray`), so the rest of hybridflow works without i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Mapping
+import signal
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +45,23 @@ def connect(address: str | None = None) -> Any:
     local one; ``"auto"`` joins an existing cluster or fails; ``"HOST:PORT"`` joins that head node."""
     ray = import_ray()
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False)
+        with stop_signals_blocked():
+            ray.init(address=address, include_dashboard=False)
     return ray
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Blocks SIGINT and SIGTERM in this thread while `ray.init` may start a local Ray instance: its processes
+    (GCS, raylet, workers) inherit the mask and live in the run's process group, so a Ctrl-C, `scancel` or
+    `systemctl stop` then reaches the controller, which coordinates the stop, and not the processes the
+    workers need to save the checkpoint. (Ray blocks SIGINT there itself; this adds SIGTERM.) Signals that
+    arrive meanwhile are handled by another thread; a cluster started with `ray start` is not affected."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@
 """
 
 from hybridflow.rewards import exact_match, gsm8k, math_equiv, reasoning_tasks  # noqa: F401  (registers built-ins)
-from hybridflow.rewards.manager import RewardManager, RewardResult, rows_from, scores_to_token_scores
+from hybridflow.rewards.manager import (RewardFunctionFailed, RewardManager, RewardResult, rows_from,
+                                       scores_to_token_scores)
 from hybridflow.rewards.registry import (
     AUTO_ROUTES,
     REWARD_FUNCTIONS,
@@ -22,6 +23,7 @@ from hybridflow.rewards.registry import (
 __all__ = [
     "AUTO_ROUTES",
     "REWARD_FUNCTIONS",
+    "RewardFunctionFailed",
     "RewardManager",
     "RewardResult",
     "get_reward_fn",
