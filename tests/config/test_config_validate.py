@@ -94,6 +94,9 @@ def test_paths(tmp_path):
     assert f"model.path={tmp_path}/missing: no such directory" in msg
     with pytest.raises(ConfigError, match="model.path is required"):
         validate(_cfg(f"data.train_files={data}"))
+    with pytest.raises(ConfigError, match=rf"data.train_files: {tmp_path} is a directory; give a .parquet or "
+                                          rf".jsonl file in it \(or a list of them\)"):
+        validate(_cfg(f"model.path={model}", f"data.train_files={tmp_path}"))
 
 
 def test_sft_config_gets_the_shared_checks_and_its_own(tmp_path):

@@ -71,6 +71,8 @@ def test_malformed_row_names_file_row_column(write_jsonl, tokenizer, bad, patter
 def test_malformed_files(tmp_path, write_jsonl, tokenizer):
     with pytest.raises(DataError, match=r"missing\.parquet: file not found"):
         RLDataset(tmp_path / "missing.parquet", tokenizer)
+    with pytest.raises(DataError, match=rf"{tmp_path}: is a directory, not a data file"):
+        RLDataset(tmp_path, tokenizer)
     garbage = tmp_path / "garbage.parquet"
     garbage.write_bytes(b"not a parquet file at all")
     with pytest.raises(DataError, match=r"garbage\.parquet: cannot read as parquet"):

@@ -1,13 +1,16 @@
-"""RewardManager: pool and inline scoring, failures and timeouts turned into fallback scores, async submit."""
+"""RewardManager: pool and inline scoring, failures and timeouts turned into fallback scores, async submit;
+rows that hang time out together, and a function that fails every row of several batches stops the run."""
 
 from __future__ import annotations
 
 import textwrap
+import time
+
 import pytest
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.rewards import RewardManager, rows_from, scores_to_token_scores
+from hybridflow.rewards import RewardFunctionFailed, RewardManager, rows_from, scores_to_token_scores
 
 USER_REWARD = """
 import os
@@ -146,3 +149,29 @@ def test_timeout_blames_the_hung_row_not_its_finished_chunk_mates(reward_file):
     assert [i for i, e in enumerate(result.errors) if e] == [20]
     assert result.errors[20].startswith("timeout")
     assert result.scores == [1.0] * 20 + [0.0] * 21
+
+
+def test_rows_that_hang_time_out_together_not_one_after_another(reward_file):
+    # One row after another this costs 12 x (2 s + a worker restart); isolated it is about two timeouts.
+    with RewardManager(reward_file, num_workers=1, timeout_s=2.0) as manager:
+        start = time.monotonic()
+        result = manager.score(_rows(["sleep"] * 12))
+        first = time.monotonic() - start
+        assert result.metrics["reward/timeouts"] == 12.0 and manager._pool.isolated
+        start = time.monotonic()
+        assert manager.score(_rows(["sleep"] * 12)).metrics["reward/timeouts"] == 12.0
+        again = time.monotonic() - start
+        assert manager.score(_rows(["a", "raise", "b"])).scores == [1.0, 0.0, 0.0]  # isolated rows still score
+        assert not manager._pool.isolated  # a batch without a timeout goes back to chunked scoring
+    assert first < 12.0 and again < 6.0, (first, again)
+
+
+def test_every_row_failing_for_several_batches_stops_with_the_last_error(reward_file):
+    with RewardManager(reward_file, num_workers=0, max_failed_batches=2) as manager:
+        manager.score(_rows(["raise", "raise"]))
+        manager.score(_rows(["raise", "a"]))  # one row scored: the count starts again
+        manager.score(_rows(["raise"]))
+        with pytest.raises(RewardFunctionFailed, match=r"failed on every row of 2 batches in a row "
+                                                       r"\(reward.max_failed_steps=2\); its last error: error: "
+                                                       r"RuntimeError: boom"):
+            manager.score(_rows(["exit", "raise"]))

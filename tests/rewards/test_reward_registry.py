@@ -126,3 +126,18 @@ def test_register_route_is_tried_first(monkeypatch):
     register_route("GSM8K_Strings*", "exact_match")
     assert route_data_source("gsm8k_strings_v2") == "exact_match"
     assert route_data_source("gsm8k_main") == "gsm8k"
+
+
+def test_keyword_only_and_reordered_parameters_are_called_by_name(tmp_path):
+    f = _write(tmp_path / "kw.py", """
+        def keyword_only(*, data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+            return float(solution_str == ground_truth) + bonus
+
+        def reordered(ground_truth, solution_str, data_source, extra_info):
+            return {"score": float(solution_str == ground_truth), "source": data_source}
+    """)
+    assert get_reward_fn(f"{f}:keyword_only")("d", "x", "x", None) == 1.0
+    assert get_reward_fn(f"{f}:keyword_only", {"bonus": 0.5})("d", "x", "y", None) == 0.5
+    assert get_reward_fn(f"{f}:reordered")("d", "x", "x", None) == {"score": 1.0, "source": "d"}
+    with pytest.raises(TypeError, match=r"reward kwargs \{'other': 1\} do not fit reward function"):
+        get_reward_fn(f"{f}:keyword_only", {"other": 1})
