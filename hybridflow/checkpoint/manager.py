@@ -189,8 +189,9 @@ class CheckpointManager:
             raise ValueError(f"step={step!r}: must be an int >= 0")
         final = self.step_dir(step)
         if final.exists():
-            raise CheckpointError(f"cannot save step {step}: {final} already exists, and a checkpoint is never "
-                                  f"replaced; move it away, or resume from it")
+            raise CheckpointError(f"cannot save step {step}: {final} "
+                                  f"already exists, and a checkpoint is never replaced; move it away, or resume "
+                                  f"from it")
         self.root.mkdir(parents=True, exist_ok=True)
         self._check_space(step, min_free_bytes)
         name = [f".tmp_step_{step:08d}_{socket.gethostname()}_{os.getpid()}"]

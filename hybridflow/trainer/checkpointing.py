@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.checkpoint import (CheckpointError, CheckpointManager, check_compatible, check_model_config,
-                                   estimate_checkpoint_bytes, load_controller_state, read_config,
+                                   check_writable, estimate_checkpoint_bytes, load_controller_state, read_config,
                                    save_controller_state, save_hf_assets)
 from hybridflow.checkpoint.export import HF_DIR
 from hybridflow.checkpoint.manager import human_bytes
+from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
 from hybridflow.config.validate import needs_critic
 
 
@@ -81,6 +82,8 @@ class RunCheckpoints:
         if clash:
             print(f"trainer.discard_checkpoints=true: deleted {', '.join(p.name for p in clash)} from "
                   f"{self.manager.root}")
+        if (newest := self.manager.latest()) is not None:  # the real size beats the estimate check_writable had
+            check_writable(cfg.trainer.output_dir, checkpoint_bytes_on_disk(newest))
 
     def save(self) -> Path:
         """Writes the checkpoint of the current step (atomic) and prunes old ones; returns it. The space
