@@ -136,8 +136,7 @@ def clashing(manager: CheckpointManager, resume_from: Path | None) -> list[Path]
     existing = manager.existing()
     if resume_from is None or resume_from.parent != manager.root:
         return existing
-    step = manager.step_of(resume_from)
-    return [p for p in existing if manager.step_of(p) > step]
+    return [p for p in existing if p.name > resume_from.name]  # step_<8 digits>: names sort by step
 
 
 def clash_message(manager: CheckpointManager, resume_from: Path | None, clash: list[Path]) -> str:
