@@ -1,81 +1,132 @@
-"""Per-token log-probs and entropy from logits, in chunks, without a full-vocabulary fp32 copy.
+"""Per-token log-probs and entropy fused with the output projection: full-vocabulary logits never exist.
 
-`token_log_probs(logits [N, V], targets [N], temperature)` returns `log softmax(logits / T)[target]`
-and, optionally, the entropy of `softmax(logits / T)`. Rows are processed `chunk_size` at a time in
-fp32, so at most `chunk_size x V` fp32 values exist at once, in the forward and in the backward
-(which recomputes the softmax per chunk from the saved low-precision logits and the saved log-sum-exp).
+`token_log_probs(hidden [N, H], weight [V, H], targets [N], temperature)` returns
+`log softmax(hidden @ weight.T / T)[target]` and, optionally, the entropy of that softmax. Tokens are
+processed `chunk` at a time: a chunk's logits `[chunk, V]` are computed, reduced to three numbers per
+token (log-sum-exp, the target's log-prob, the entropy) and dropped. The backward recomputes each
+chunk's logits from the saved hidden states and turns their gradient into the gradients of `hidden`
+and `weight` (and `bias`) at once, so at most one chunk of logits exists at a time in either pass: the
+head's memory no longer grows with the tokens of a micro-batch (`[70k, 152k]` fp32 logits are 42 GB).
+
+The per-chunk arithmetic (`_chunk_stats`, `_chunk_grad`) can run through `torch.compile` (`compiled=True`,
+the engine's choice on CUDA), which fuses its fp32 passes over the chunk into one or two kernels.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
-DEFAULT_CHUNK = 2048
+# fp32 elements of one chunk of logits: 2**27 (512 MiB) is 883 tokens at a 151,936-token vocabulary,
+# and the whole micro-batch at a toy one
+CHUNK_ELEMENTS = 2**27
 
 
-def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = chunk.float()
-    return z if temperature == 1.0 else z.mul_(1.0 / temperature)
+def default_chunk(vocab: int) -> int:
+    """Tokens per chunk for a vocabulary of `vocab`."""
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log-sum-exp, target log-prob, entropy or None), fp32 `[c]` each, of logits `[c, V]` at 1 / inv_t."""
+    z = logits.float() * inv_t
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    # H = -sum p log p = lse - sum p z
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    return lse, logp, entropy
+
+
+def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
+                grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_t: float) -> torch.Tensor:
+    """d loss / d logits `[c, V]` in the logits' dtype: d logp_y / dz = onehot(y) - p and
+    d H / dz = -p (log p + H), with z = logits / T."""
+    log_p = logits.float() * inv_t - lse[:, None]
+    p = log_p.exp()
+    if grad_entropy is None:
+        g = p * -grad_logp[:, None]
+    else:
+        g = -p * (grad_logp[:, None] + grad_entropy[:, None] * (log_p + entropy[:, None]))
+    g = g.scatter_add(-1, targets[:, None], grad_logp[:, None])
+    return (g * inv_t).to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
 
 
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                chunk: int):
-        n = logits.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else None
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, chunk: int,
+                compiled: bool):
+        n = hidden.shape[0]
+        inv_t = 1.0 / temperature
+        stats = _compiled(_chunk_stats) if compiled else _chunk_stats
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if with_entropy else None
         for s in range(0, n, chunk):
-            z = _scaled_fp32(logits[s:s + chunk], temperature)
-            lse_c = torch.logsumexp(z, dim=-1)
-            lse[s:s + chunk] = lse_c
-            logp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse_c
+            e = min(n, s + chunk)
+            lse[s:e], logp[s:e], ent = stats(F.linear(hidden[s:e], weight, bias), targets[s:e], inv_t,
+                                             with_entropy)
             if with_entropy:
-                p = torch.softmax(z, dim=-1)
-                entropy[s:s + chunk] = lse_c - (p * z).sum(-1)
-        ctx.save_for_backward(logits, targets, lse, entropy if with_entropy else lse)
-        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
-        ctx.set_materialize_grads(False)  # an unused entropy output gets None: the fast backward
+                entropy[s:e] = ent
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.inv_t, ctx.chunk, ctx.compiled = inv_t, chunk, compiled
+        ctx.set_materialize_grads(False)  # an unused entropy output gets None: the cheaper backward
         return (logp, entropy) if with_entropy else (logp,)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
-        """d logp_y / dz = onehot(y) - p; d H / dz = -p (log p + H); z = logits / T."""
-        logits, targets, lse, entropy = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
-        need_entropy = ctx.with_entropy and grad_entropy is not None
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
-        grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], chunk):
-            g_logp = grad_logp[s:s + chunk, None] / t
-            if not need_entropy:
-                # fast path: softmax straight from the stored logits (fp32 inside the kernel), then
-                # scale in place in the logits' dtype; three passes over the chunk
-                x = logits[s:s + chunk]
-                p = torch.softmax(x if t == 1.0 else x.float().mul_(1.0 / t), dim=-1)
-                g = p.mul_(-g_logp).to(grad.dtype)
-            else:
-                z = _scaled_fp32(logits[s:s + chunk], t)
-                log_p = z - lse[s:s + chunk, None]
-                p = log_p.exp()
-                g = -p * g_logp - (grad_entropy[s:s + chunk, None] / t) * p * (log_p + entropy[s:s + chunk, None])
-                g = g.to(grad.dtype)
-            g.scatter_add_(-1, targets[s:s + chunk, None], g_logp.to(g.dtype))
-            grad[s:s + chunk] = g
-        return grad, None, None, None, None
+        grad_fn = _compiled(_chunk_grad) if ctx.compiled else _chunk_grad
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # a low-precision weight gradient is accumulated by the matmul itself (fp32 inside, one rounding
+        # per chunk), as a plain head's single backward matmul would round once
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        n, chunk = hidden.shape[0], ctx.chunk
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            h = hidden[s:e]
+            g = grad_fn(F.linear(h, weight, bias), targets[s:e], lse[s:e],
+                        None if entropy is None else entropy[s:e], grad_logp[s:e],
+                        None if grad_entropy is None else grad_entropy[s:e], ctx.inv_t)
+            if need_h:
+                torch.mm(g, weight, out=grad_h[s:e])
+            if need_w:
+                grad_w.addmm_(g.t(), h)
+            if need_b:
+                grad_b += g.float().sum(0)
+        return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits `[N, V]` (any float dtype), targets long `[N]` -> (log-probs `[N]` fp32, entropy `[N]` fp32
-    or None), both at `temperature`; differentiable with respect to `logits`."""
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be [N, V] and targets [N]; got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")
+def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False, bias: torch.Tensor | None = None, chunk_size: int | None = None,
+                    compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden `[N, H]`, weight `[V, H]` (bias `[V]`), targets long `[N]` -> (log-probs `[N]` fp32,
+    entropy `[N]` fp32 or None) of `softmax(hidden @ weight.T + bias)` at `temperature`; differentiable
+    with respect to hidden, weight and bias. `chunk_size`: tokens per chunk (default `default_chunk(V)`).
+    Under autocast the matmuls run in the autocast dtype, as the plain head's would."""
+    if (hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]
+            or weight.shape[1] != hidden.shape[1]):
+        raise ValueError(f"hidden must be [N, H], weight [V, H] and targets [N]; got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(targets.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    out = _TokenLogProbs.apply(logits, targets, float(temperature), bool(with_entropy), int(chunk_size))
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    chunk = chunk_size or default_chunk(weight.shape[0])
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature), bool(with_entropy),
+                                   int(chunk), bool(compiled))
     return (out[0], out[1]) if with_entropy else (out[0], None)

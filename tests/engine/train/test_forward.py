@@ -1,5 +1,6 @@
-"""Forward passes of the training engine: log-probs and entropy against a plain HF forward, packing
-against padding, critic values at the right positions, and the chunked log-prob function's gradients."""
+"""Forward passes of the training engine: log-probs and entropy against a plain HF forward (values and
+gradients, tied and untied embeddings), packing against padding, critic values at the right positions,
+and the fused chunked log-prob function against plain autograd."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from train_helpers import model_cfg, rl_batch
 
 from hybridflow.engine.train import TrainEngine, token_log_probs
+from hybridflow.engine.train.head import LogProbHead
 from hybridflow.engine.train.packing import build_inputs
 
 
@@ -69,24 +71,67 @@ def test_critic_values_come_from_the_position_before_each_response_token(tiny_qw
     assert values.abs().sum() > 0
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_engine_gradients_equal_a_plain_forward_with_full_logits(tiny_model_factory, tied):
+    """The fused head's backward (chunked recompute) gives the plain head's gradients, for every parameter
+    (the embedding too, which a tied head shares)."""
+    path = tiny_model_factory("qwen2", tie_word_embeddings=tied)
+    engine = TrainEngine(model_cfg(path), None, head="lm", pack_on_cpu=True)
+    engine.model.requires_grad_(True)
+    assert isinstance(engine.lm_head, LogProbHead)
+    assert (engine.lm_head.weight is engine.model.get_input_embeddings().weight) == tied
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = rl_batch(rows=4, prompt_width=6, response_width=5, seed=4)
+    w_logp, w_ent = torch.randn(4, 5), torch.randn(4, 5)
+    out, _ = engine.forward(batch, temperature=0.8, with_entropy=True, pack=True)
+    ((out["log_probs"] * w_logp + out["entropy"] * w_ent) * batch["response_mask"]).sum().backward()
+    R = 5
+    logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, -R - 1:-1] / 0.8
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    ((logp * w_logp + ent * w_ent) * batch["response_mask"]).sum().backward()
+    ours = dict(engine.model.named_parameters())
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(ours[name].grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("entropy_grad", [True, False])
-def test_chunked_log_probs_and_entropy_gradients_match_autograd(temperature, entropy_grad):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_log_probs_and_entropy_match_autograd_on_full_logits(temperature, entropy_grad, dtype, tol=1e-5):
     torch.manual_seed(0)
-    logits = torch.randn(37, 50, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(37, 16, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(50, 16, dtype=dtype) / 4).requires_grad_()  # logits ~ N(0, 1), as a trained head's
+    bias = torch.randn(50, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
-    w1, w2 = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64) * entropy_grad
-    logp, ent = token_log_probs(logits, targets, temperature=temperature, with_entropy=True, chunk_size=8)
+    w1, w2 = torch.randn(37, dtype=dtype), torch.randn(37, dtype=dtype) * entropy_grad
+    logp, ent = token_log_probs(hidden, weight, targets, temperature=temperature, with_entropy=True, bias=bias,
+                                chunk_size=8)
     (w1 * logp + (w2 * ent if entropy_grad else 0)).sum().backward()
-    got = logits.grad.clone()
-    logits.grad = None
-    ref_all = (logits / temperature).log_softmax(-1)
+    got = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    exact = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]  # the fp64 truth
+    ref_all = ((exact[0] @ exact[1].T + exact[2]) / temperature).log_softmax(-1)
     ref_logp = ref_all.gather(-1, targets[:, None]).squeeze(-1)
     ref_ent = -(ref_all.exp() * ref_all).sum(-1)
-    (w1 * ref_logp + w2 * ref_ent).sum().backward()
-    torch.testing.assert_close(logp.double(), ref_logp.detach(), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got, logits.grad, atol=1e-6, rtol=1e-6)
+    (w1.double() * ref_logp + w2.double() * ref_ent).sum().backward()
+    torch.testing.assert_close(logp.double(), ref_logp.detach(), atol=tol, rtol=tol)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=tol, rtol=tol)
+    for g, t in zip(got, exact):
+        torch.testing.assert_close(g.double(), t.grad, atol=tol, rtol=tol)
+
+
+def test_head_without_a_request_is_the_plain_linear_head():
+    linear = torch.nn.Linear(8, 30, bias=False)
+    head = LogProbHead(linear)
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(head(x), linear(x))
+    with head.request(torch.zeros(6, dtype=torch.long), None, 1.0, False) as req:
+        head(x)
+    assert req.log_probs.shape == (6,) and head(x).shape == (2, 3, 30)
 
 
 def test_bad_inputs_name_the_problem():
@@ -95,4 +140,6 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="row 1"):
         build_inputs(batch["input_ids"], batch["attention_mask"], 3)
     with pytest.raises(ValueError, match="temperature"):
-        token_log_probs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), temperature=0.0)
+        token_log_probs(torch.zeros(2, 4), torch.zeros(6, 4), torch.zeros(2, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match=r"weight \[V, H\]"):
+        token_log_probs(torch.zeros(2, 4), torch.zeros(6, 5), torch.zeros(2, dtype=torch.long))

@@ -1,0 +1,83 @@
+"""The log-prob head: a causal LM's output projection replaced by one that returns per-token log-probs.
+
+`install_log_prob_head(model)` swaps the model's output embedding (`lm_head`) for a `LogProbHead` that
+holds the *same* weight Parameter (tied embeddings stay tied, checkpoint names stay `lm_head.weight`).
+Because the head stays inside the root module's forward, FSDP2 gathers its weight with the root's
+parameters as it would for the plain head. A forward run inside `head.request(targets, ...)` makes the
+head compute `logprobs.token_log_probs` on the positions the model kept (`logits_to_keep`) instead of
+logits, so the `[tokens, vocabulary]` logits are never materialised; the results are read from the
+request (`HeadRequest.log_probs`, `.entropy`). Outside a request the head is a plain linear layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine.train.logprobs import token_log_probs
+
+
+@dataclass
+class HeadRequest:
+    """What the next forward's head computes: `targets` long `[K]`; `index` long `[K]` into the kept
+    positions flattened over batch and sequence (None: they are exactly the K wanted, in order)."""
+
+    targets: torch.Tensor
+    index: torch.Tensor | None
+    temperature: float
+    with_entropy: bool
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+class LogProbHead(torch.nn.Module):
+    """`lm_head` that computes chunked log-probs (+ entropy) of requested targets; `compiled` runs the
+    per-chunk arithmetic through `torch.compile`."""
+
+    def __init__(self, linear: torch.nn.Module, compiled: bool = False) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = getattr(linear, "bias", None)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+        self.compiled = compiled
+        self._request: HeadRequest | None = None
+
+    @contextlib.contextmanager
+    def request(self, targets: torch.Tensor, index: torch.Tensor | None, temperature: float,
+                with_entropy: bool) -> Iterator[HeadRequest]:
+        """Within the block, forwards compute log-probs of `targets` into the yielded request."""
+        req = HeadRequest(targets, index, temperature, with_entropy)
+        self._request = req
+        try:
+            yield req
+        finally:
+            self._request = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        req = self._request
+        if req is None:
+            return F.linear(hidden, self.weight, self.bias)
+        flat = hidden.flatten(0, -2)
+        if req.index is not None:
+            flat = flat[req.index]
+        req.log_probs, req.entropy = token_log_probs(flat, self.weight, req.targets, req.temperature,
+                                                     req.with_entropy, self.bias, compiled=self.compiled)
+        # the model returns this as its `logits`: the log-probs themselves, so FSDP2's hooks on the
+        # root's outputs see a tensor of the head's graph
+        return req.log_probs
+
+
+def install_log_prob_head(model: torch.nn.Module, compiled: bool = False) -> LogProbHead:
+    """Replace `model`'s output embedding by a `LogProbHead` over the same weight; returns the head."""
+    linear = model.get_output_embeddings()
+    if linear is None or not hasattr(linear, "weight"):
+        raise ValueError(f"{type(model).__name__} has no output embedding (lm_head) to compute log-probs with")
+    if isinstance(linear, LogProbHead):
+        return linear
+    head = LogProbHead(linear, compiled)
+    model.set_output_embeddings(head)
+    return head
