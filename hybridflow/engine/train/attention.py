@@ -73,7 +73,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError(f"packed attention needs one row [1, T]; got a batch of {query.shape[0]} rows")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if q.is_cuda and _varlen_attn is not None:
-        out = _flash_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+        # passed through as it came (no int()): under torch.compile it is symbolic, and int() would
+        # specialise the compiled layer on each micro-batch's longest row
+        out = _flash_varlen(q, k, v, cu, kwargs["max_length_q"], scaling)
     else:
         out = _looped_varlen(q, k, v, cu, scaling)
     return out.unsqueeze(0), None

@@ -1,0 +1,44 @@
+"""`torch.compile` of a training model, one decoder layer at a time (torchtitan's per-block compile).
+
+A micro-batched update runs the same layers many times on smaller inputs; run eagerly, each layer is
+dozens of kernel launches and Python calls, and at 16k tokens per micro-batch the host, not the GPU,
+sets the pace. Compiling each decoder layer's `forward` fuses its elementwise work (rotary, SwiGLU,
+residual adds, casts) into a few kernels behind one call. Only `forward` is compiled: module hooks
+(FSDP2's unshard / reshard / reduce-scatter) stay eager around it, parameter names do not change, and
+every layer shares one compiled graph (they run the same code). Shapes are dynamic, so the token
+count of a packed micro-batch does not trigger a recompile. The log-prob head's per-chunk arithmetic is
+compiled too (`LogProbHead.compiled`).
+
+`resolve_compile(setting, device)`: the config's `model.compile` (None = on for CUDA, off elsewhere: on
+a CPU, compiling costs more than it saves for the small models run there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.train.head import LogProbHead
+from hybridflow.engine.train.model import decoder_layers
+
+# every layer shares the code object of its class's forward; guards that differ between them (or
+# between train / eval / no-grad calls) add cache entries, and the default limit of 8 would send the
+# rest back to eager silently
+RECOMPILE_LIMIT = 64
+
+
+def resolve_compile(setting: bool | None, device: torch.device) -> bool:
+    """`model.compile`: None -> on for a CUDA device."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
+def compile_model(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """Compile each decoder layer's forward (after sharding) and the log-prob head's chunk arithmetic;
+    returns how many layers were compiled."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+    for module in model.modules():
+        if isinstance(module, LogProbHead):
+            module.compiled = backend == "inductor"
+    return len(layers)
