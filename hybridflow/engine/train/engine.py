@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hybridflow.engine.budget import count
 from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.collectives import all_reduce
-from hybridflow.engine.train.logprobs import token_log_probs
+from hybridflow.engine.train.compile import compile_model, resolve_compile
 from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows, take_rows
 from hybridflow.engine.train.model import load_model, resolve_precision
 from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
-from hybridflow.engine.train.packing import build_inputs
+from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, shard_model
 
 
@@ -44,11 +45,12 @@ class LossContext:
     global_seqs: float
     dp_size: int
 
-    def share_to_value(self, mask: torch.Tensor) -> float:
+    def share_to_value(self, mask: torch.Tensor) -> torch.Tensor:
         """The factor turning a micro-batch's share of a token-weighted mean back into the micro-batch's
         own value (`mask`: its response mask), so the engine's token-weighted average of reported
-        metrics gives the mini-batch's value."""
-        return self.global_tokens / max(float(mask.sum()), 1.0)
+        metrics gives the mini-batch's value. A tensor on the mask's device: no micro-batch waits for
+        the GPU to count its tokens."""
+        return self.global_tokens / mask.sum().clamp(min=1.0)
 
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossContext],
@@ -63,12 +65,14 @@ def _default_device() -> torch.device:
 
 class TrainEngine:
     """A Hugging Face model under FSDP2 (when torch.distributed is initialised with more than one rank,
-    or the compute dtype differs from the fp32 master weights) on this rank's device.
+    or the compute dtype differs from the master weights) on this rank's device, its decoder layers
+    compiled where `model.compile` says so (`compile.py`).
 
     Args:
-        model_cfg: `ModelConfig`-like (`path`, `dtype`, `gradient_checkpointing`, `attn_implementation`,
-            `trust_remote_code`).
-        optim_cfg: an actor/critic section (lr, schedule, `grad_clip`, ...) or None for a frozen model.
+        model_cfg: `ModelConfig`-like (`path`, `dtype`, `master_dtype`, `gradient_checkpointing`, `compile`,
+            `attn_implementation`, `trust_remote_code`; missing optional ones take their defaults).
+        optim_cfg: an actor/critic section (`optimizer`, lr, schedule, `grad_clip`, ...) or None for a
+            frozen model.
         head: ``"lm"`` (log-probs) or ``"value"`` (critic values).
         total_steps: optimizer steps the lr schedule spans.
         pack_on_cpu: honour `pack=True` on a CPU device too (by default CPU forwards stay padded).
@@ -83,13 +87,14 @@ class TrainEngine:
         self.pack_allowed = self.device.type == "cuda" or pack_on_cpu
         self.head = head
         self.trainable = optim_cfg is not None
-        self.precision = resolve_precision(getattr(model_cfg, "dtype", "auto"), self.device, self.trainable)
+        self.precision = resolve_precision(getattr(model_cfg, "dtype", "auto"), self.device, self.trainable,
+                                           getattr(model_cfg, "master_dtype", "fp32"))
         self.distributed = dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         model = load_model(model_cfg.path, head, self.precision.master,
                            getattr(model_cfg, "attn_implementation", "sdpa"),
                            getattr(model_cfg, "trust_remote_code", False),
-                           self.trainable and getattr(model_cfg, "gradient_checkpointing", False))
+                           self.trainable and bool(getattr(model_cfg, "gradient_checkpointing", False)))
         # One rank in full precision: FSDP2 would shard nothing and cast nothing, only add its hooks
         # (a measurable share of a small model's update: docs/benchmarks.md), so the model stays a
         # plain module there.
@@ -97,7 +102,11 @@ class TrainEngine:
             model = shard_model(model.to(self.device), dp_mesh(self.device), self.precision)
         else:
             model = model.to(self.device)
+        self.compiled = resolve_compile(getattr(model_cfg, "compile", None), self.device)
+        if self.compiled:
+            compile_model(model)
         self.model = model
+        self.lm_head = model.get_output_embeddings() if head == "lm" else None
         self.config = model.config
         self.skipped_steps = 0
         self.optimizer = self.scheduler = None
@@ -132,12 +141,11 @@ class TrainEngine:
         with self._autocast():
             if self.head == "lm":
                 keep, index = inputs.lm_keep()
-                logits = self.model(**inputs.kwargs, logits_to_keep=keep).logits
-                logits = logits.flatten(0, 1) if index is None else logits.flatten(0, 1)[index]
-                logp, entropy = token_log_probs(logits, inputs.targets, temperature, with_entropy)
-                out = {"log_probs": inputs.unflatten(logp)}
-                if entropy is not None:
-                    out["entropy"] = inputs.unflatten(entropy)
+                with self.lm_head.request(inputs.targets, index, temperature, with_entropy) as req:
+                    self.model(**inputs.kwargs, logits_to_keep=keep)
+                out = {"log_probs": inputs.unflatten(req.log_probs)}
+                if with_entropy:
+                    out["entropy"] = inputs.unflatten(req.entropy)
             else:
                 scores = self.model(**inputs.kwargs).logits.flatten(0, 1)[:, 0]
                 out = {"values": inputs.unflatten(scores[inputs.positions])}
@@ -190,7 +198,7 @@ class TrainEngine:
         for rows in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
             mb = take_rows(batch, rows)
             out, _ = self.forward(mb, temperature, with_entropy, pack)
-            loss, metrics = loss_fn(out, {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}, ctx)
+            loss, metrics = loss_fn(out, {k: to_device(v, self.device) for k, v in mb.items()}, ctx)
             (loss * self.world_size).backward()
             weight = float(mb["response_mask"].sum())
             local_tokens += weight
@@ -205,7 +213,7 @@ class TrainEngine:
         tokens = max(float(reduced[-2]), 1.0)
         result = {k: float(reduced[i]) / tokens for i, k in enumerate(keys)}
         result["loss"] = float(reduced[-1])
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])
         norm, stepped = self.clip_and_step()
         result.update(grad_norm=norm, lr=lr, stepped=float(stepped))
         return result
@@ -229,6 +237,13 @@ class TrainEngine:
         return float(norm), finite
 
     # ------------------------------------------------------------------ perf, memory, weights
+    def describe(self) -> str:
+        """The model's size, for messages: "1.54B parameters (Qwen2ForCausalLM, bfloat16 over float32 weights)"."""
+        params = sum(p.numel() for p in self.model.parameters())
+        param, master = (str(d).removeprefix("torch.") for d in (self.precision.param, self.precision.master))
+        name = type(self.model).__name__.removeprefix("FSDP")
+        return f"{count(params)} parameters ({name}, {param} over {master} weights)"
+
     def perf_metrics(self, seq_lens: list[int], seconds: float, passes: int = 1) -> dict[str, float]:
         """Throughput (real tokens per second per rank) and MFU of `passes` training passes over rows of
         `seq_lens` real tokens (this rank's rows) that took `seconds`."""

@@ -3,8 +3,10 @@
 `load_model(path, head)` works for any `AutoModelForCausalLM` architecture. The critic is
 `AutoModelForTokenClassification` with one label: the backbone's weights come from `path` (a causal-LM
 checkpoint loads into it; only the head starts fresh), so a critic may start from any model directory.
-Weights are loaded in fp32 (the master copy); low-precision compute is FSDP's mixed-precision policy.
-RMSNorms run the fused kernel (`kernels.fuse_rms_norms`).
+Weights are loaded in the master dtype (fp32 by default); low-precision compute is FSDP's mixed-precision
+policy. RMSNorms run the fused kernel (`kernels.fuse_rms_norms`), and a causal LM's `lm_head` becomes the
+log-prob head (`head.install_log_prob_head`), so no forward materialises full-vocabulary logits. This is
+the one place a model is built; parallelism and compilation are applied to its result.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 HEADS = ("lm", "value")
+MASTER_DTYPES = ("fp32", "bf16")
+# config attributes of architectures that transform the logits after `lm_head` (soft-capping, scaling),
+# which the log-prob head does not reproduce
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 @dataclass
@@ -32,16 +38,24 @@ class Precision:
         return self.param != self.master
 
 
-def resolve_precision(dtype: str, device: torch.device, trainable: bool = True) -> Precision:
-    """``"auto"`` = bf16 compute on CUDA, fp32 on CPU; frozen models (`trainable=False`) also store
-    their weights in the compute dtype (no master copy is needed)."""
+def resolve_precision(dtype: str, device: torch.device, trainable: bool = True,
+                      master_dtype: str = "fp32") -> Precision:
+    """``"auto"`` = bf16 compute on CUDA, fp32 on CPU. Trained weights are stored in `master_dtype`
+    (``"fp32"``: mixed precision; ``"bf16"``: pure bf16, which needs a bf16 compute dtype); frozen models
+    (`trainable=False`) store theirs in the compute dtype (no master copy is needed)."""
     if dtype == "auto":
         param = torch.bfloat16 if device.type == "cuda" else torch.float32
     elif dtype in DTYPES:
         param = DTYPES[dtype]
     else:
         raise ValueError(f"model dtype {dtype!r} is not valid; valid: auto, {', '.join(DTYPES)}")
-    return Precision(param=param, master=torch.float32 if trainable else param)
+    if master_dtype not in MASTER_DTYPES:
+        raise ValueError(f"model master_dtype {master_dtype!r} is not valid; valid: {', '.join(MASTER_DTYPES)}")
+    master = DTYPES[master_dtype]
+    if trainable and master.itemsize < param.itemsize:
+        raise ValueError(f"model.master_dtype={master_dtype} is below the compute dtype {param} (model.dtype="
+                         f"{dtype} on {device.type}); use model.master_dtype=fp32 or model.dtype=bf16")
+    return Precision(param=param, master=master if trainable else param)
 
 
 def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
@@ -52,6 +66,7 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     from hybridflow.engine.train import attention
+    from hybridflow.engine.train.head import install_log_prob_head
     from hybridflow.engine.train.kernels import fuse_rms_norms
 
     if head not in HEADS:
@@ -70,6 +85,14 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                 module.p = 0.0
     model.config.use_cache = False
     fuse_rms_norms(model)
+    if head == "lm":
+        transforms = {k: getattr(model.config, k) for k in LOGIT_TRANSFORMS
+                      if getattr(model.config, k, None) not in (None, 1, 1.0)}
+        if transforms:
+            raise ValueError(f"{type(model).__name__} transforms its logits after lm_head ({transforms}), which "
+                             f"the training engine's log-prob head does not reproduce; this architecture "
+                             f"is not supported for training")
+        install_log_prob_head(model)
     if gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -21,7 +21,11 @@ def move_params(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Every tensor of the optimizer state onto `device` (the `step` counters stay where AdamW keeps them)."""
+    """Every tensor of the optimizer state onto `device` (the `step` counters stay where AdamW keeps them).
+    An optimizer whose state always lives in host memory (`state_on_host`, the CPU-offloaded AdamW) is
+    left alone."""
+    if getattr(optimizer, "state_on_host", False):
+        return
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":

@@ -1,8 +1,14 @@
 """The optimizer and learning-rate schedule of a training engine: AdamW, warm-up, constant or cosine.
 
-Reads an actor/critic config section by attribute: `lr`, `weight_decay`, `betas`, `lr_schedule`
-(``"constant"`` | ``"cosine"``), `lr_warmup_steps`, `min_lr_ratio`. After a resume, `apply_config` makes
-the config's values win over the ones restored with the optimizer and scheduler state.
+Reads an actor/critic config section by attribute: `optimizer`, `lr`, `weight_decay`, `betas`,
+`lr_schedule` (``"constant"`` | ``"cosine"``), `lr_warmup_steps`, `min_lr_ratio`. After a resume,
+`apply_config` makes the config's values win over the ones restored with the optimizer and scheduler state.
+Optimizers (`OPTIMIZERS`), by the device memory their state takes per parameter:
+- ``adamw``: `torch.optim.AdamW` (fused on CUDA); two tensors in the master dtype (8 bytes fp32).
+- ``adamw_8bit``: torchao's `AdamW8bit`, block-quantised 8-bit moments (~2 bytes); with bf16 master
+  weights its updates are stochastically rounded, so steps far below bf16's resolution still count.
+- ``adamw_cpu_offload``: `cpu_adamw.CPUOffloadAdamW`, the state in host memory and the update on the
+  CPU (0 bytes on the device; 8 bytes of host memory).
 """
 
 from __future__ import annotations
@@ -13,13 +19,32 @@ from typing import Any
 import torch
 
 SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
 
 
 def build_optimizer(params, cfg: Any, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over `params` (fused on CUDA)."""
+    """The optimizer `cfg.optimizer` (default ``adamw``) over the trainable `params`."""
     params = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                             fused=device.type == "cuda")
+    name = getattr(cfg, "optimizer", "adamw")
+    if name != "adamw_8bit" and any(p.dtype == torch.bfloat16 for p in params):
+        raise ValueError(f"optimizer {name!r} would round every update of bf16 master weights to bf16 (most "
+                         f"vanish); use optimizer=adamw_8bit (stochastic rounding) or master_dtype=fp32")
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+    if name == "adamw_8bit":
+        try:
+            from torchao.optim import AdamW8bit
+        except ImportError as e:
+            raise ImportError("optimizer=adamw_8bit needs torchao: pip install 'hybridflow[memory]'") from e
+        # torchao reads the lr as a tensor (the lr scheduler fills it in place)
+        kwargs["lr"] = torch.tensor(float(cfg.lr))
+        return AdamW8bit(params, bf16_stochastic_round=any(p.dtype == torch.bfloat16 for p in params), **kwargs)
+    if name == "adamw_cpu_offload":
+        from hybridflow.engine.train.cpu_adamw import CPUOffloadAdamW
+
+        return CPUOffloadAdamW(params, **kwargs)
+    raise ValueError(f"optimizer {name!r} is not valid; valid: {', '.join(OPTIMIZERS)}")
 
 
 def lr_factor(step: int, total_steps: int, schedule: str, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -55,5 +80,9 @@ def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sch
         group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
     for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["lr"] = cfg.lr * fn(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        lr = cfg.lr * fn(scheduler.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):  # torchao keeps it a tensor, filled in place
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = [float(group["lr"]) for group in optimizer.param_groups]
