@@ -22,6 +22,8 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "bf16", "fp32")
 TRUNCATION_MODES = ("error", "filter", "left", "right")
+MASTER_DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
@@ -68,7 +70,13 @@ class ModelConfig:
     path: Optional[str] = opt(None, "Hugging Face model directory (or hub id)")
     tokenizer_path: Optional[str] = opt(None, "tokenizer directory; null = the model's `path`")
     dtype: str = opt("auto", "parameter dtype; auto = bf16 on cuda, fp32 on cpu", DTYPES)
-    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    master_dtype: str = opt("fp32", "dtype of the trained weights, gradients and updates: fp32 (mixed precision) "
+                                    "or bf16 (half the memory; needs optimizer=adamw_8bit, whose stochastic "
+                                    "rounding keeps small updates)", MASTER_DTYPES)
+    gradient_checkpointing: Optional[bool] = opt(None, "recompute activations in backward to save memory; null = "
+                                                       "on where the device budget needs it (GPU), off on a CPU")
+    compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head (micro-batches "
+                                        "are then not host-bound); null = on for CUDA, off on a CPU")
     attn_implementation: str = opt("sdpa", "transformers attention implementation (sdpa, eager, ...)")
     trust_remote_code: bool = opt(False, "allow model code shipped inside the model directory")
 
@@ -102,7 +110,12 @@ class RolloutConfig:
     engine: str = opt("auto", "generation engine: our fast engine, the transformers fallback, or auto",
                       ("auto", "fast", "hf"))
     max_num_seqs: int = opt(256, "most sequences decoded together")
-    kv_cache_fraction: float = opt(0.4, "fraction of free GPU memory given to the KV cache")
+    kv_cache_fraction: Optional[float] = opt(None, "fraction of the GPU memory free when the rollout engine starts "
+                                                   "(after the trained model loads) given to the KV cache; null = "
+                                                   "what the device budget leaves within "
+                                                   "trainer.gpu_memory_utilization")
+    offload_weights: bool = opt(False, "move the rollout engine's weights to the CPU outside generation (frees "
+                                       "a compute-dtype copy of the model for training; re-captures CUDA graphs)")
     cuda_graphs: bool = opt(True, "capture decode steps in CUDA graphs")
     free_cache_after_generate: bool = opt(True, "free the KV cache after each generation, so training gets its "
                                                 "memory (on a GPU; a CPU cache stays allocated); false keeps "
@@ -124,14 +137,18 @@ class OptimConfig:
     lr_schedule: str = opt("constant", "learning-rate schedule after warm-up", LR_SCHEDULES)
     lr_warmup_steps: int = opt(0, "optimizer steps of linear learning-rate warm-up")
     min_lr_ratio: float = opt(0.0, "cosine schedule floor, as a fraction of lr")
+    optimizer: str = opt("adamw", "adamw; adamw_8bit (torchao, 8-bit moments: a quarter of the state memory); "
+                                  "adamw_cpu_offload (state and update on the CPU: none on the GPU)", OPTIMIZERS)
     weight_decay: float = opt(0.01, "AdamW weight decay")
     betas: tuple[float, float] = opt((0.9, 0.999), "AdamW betas")
     grad_clip: float = opt(1.0, "gradient-norm clipping threshold")
     mini_batch_size: Optional[int] = opt(None, "prompts per optimizer step (rows = this x rollout.n); "
                                                "null = the whole batch")
     micro_batch_size: Optional[int] = opt(None, "rows per forward per rank; null = the rank's whole mini-batch")
-    max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per micro-batch (dynamic batch "
-                                                          "sizing; overrides micro_batch_size)")
+    max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per micro-batch (dynamic batch sizing; "
+                                                          "overrides micro_batch_size); null with micro_batch_size "
+                                                          "null = sized from the device budget on a GPU, the whole "
+                                                          "mini-batch on a CPU")
     use_packing: bool = opt(True, "remove padding: pack sequences into one row (on CUDA; CPU forwards stay "
                                   "padded, which is faster there)")
     shuffle: bool = opt(True, "shuffle rows between mini-batches")
@@ -290,6 +307,9 @@ class TrainerConfig:
     max_bad_steps: int = opt(3, "non-finite steps in a row before the run stops")
     worker_timeout_s: float = opt(30.0, "a worker process silent (no heartbeat) this long while the controller "
                                         "waits on it is reported as unresponsive and the run stops; 0 = wait forever")
+    gpu_memory_utilization: float = opt(0.9, "fraction of each GPU's memory the run plans to use (micro-batch "
+                                             "token budgets, KV cache); a run that would not fit is refused "
+                                             "before training")
     placement: str = opt("colocate", "colocate: actor and critic share each device's process; split: the "
                                      "critic gets its own processes (where the rollout runs is "
                                      "rollout.placement)",

@@ -41,7 +41,9 @@ class SFTOptimConfig(OptimConfig):
     mini_batch_size: Optional[int] = opt(None, "conversations per optimizer step; null = the whole batch")
     micro_batch_size: Optional[int] = opt(None, "conversations per forward per rank; null = all of the rank's")
     max_tokens_per_micro_batch: Optional[int] = opt(None, "token budget per forward (rows packed up to it; "
-                                                          "overrides micro_batch_size)")
+                                                          "overrides micro_batch_size); null with micro_batch_size "
+                                                          "null = sized from the device budget on a GPU, all of the "
+                                                          "rank's rows on a CPU")
     passes_per_batch: int = opt(1, "passes over each step's batch (each pass one optimizer step per mini-batch)")
 
 

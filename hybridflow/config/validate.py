@@ -85,7 +85,7 @@ def _range_problems(cfg: Any) -> list[str]:
             "algorithm.filter_groups.max_num_gen_batches", "reward.num_workers"],
     }
     intervals = {  # key: (low, high, low inclusive, high inclusive)
-        "rollout.top_p": (0.0, 1.0, False, True), "rollout.kv_cache_fraction": (0.0, 1.0, False, False),
+        "rollout.top_p": (0.0, 1.0, False, True), "trainer.gpu_memory_utilization": (0.0, 1.0, False, True),
         "algorithm.gamma": (0.0, 1.0, True, True), "algorithm.lam": (0.0, 1.0, True, True),
         "actor.min_lr_ratio": (0.0, 1.0, True, True), "critic.min_lr_ratio": (0.0, 1.0, True, True),
         "actor.lr": (0.0, float("inf"), False, False), "critic.lr": (0.0, float("inf"), False, False),
@@ -96,6 +96,10 @@ def _range_problems(cfg: Any) -> list[str]:
         value = _get(cfg, key)
         if value is not None and value < 1:
             problems.append(f"{key}={value} must be >= 1 or null")
+    fraction = cfg.rollout.kv_cache_fraction
+    if fraction is not None and not 0.0 < fraction < 1.0:
+        problems.append(f"rollout.kv_cache_fraction={fraction} must be in (0.0, 1.0) or null (device budget)")
+    problems += _precision_problems(cfg, (("actor", "model"), ("critic", "critic.model")))
     if cfg.actor.clip_c <= 1.0:
         problems.append(f"actor.clip_c={cfg.actor.clip_c} must be > 1 (dual-clip bound)")
     corr = cfg.actor.rollout_correction
@@ -133,6 +137,20 @@ def _mini_batch_problems(key: str, mini: int | None, batch: int) -> list[str]:
     if mini is None or (mini >= 1 and batch % mini == 0):
         return []
     return [f"{key}={mini} must divide data.train_batch_size={batch}; valid: {_join(divisors(batch))} or null"]
+
+
+def _precision_problems(cfg: Any, sections: tuple[tuple[str, str], ...]) -> list[str]:
+    """Master dtype and optimizer of each (optimizer section, model section): bf16 master weights need the
+    optimizer that rounds stochastically, and a bf16 compute dtype."""
+    problems = []
+    for role, model in sections:
+        master, optimizer = _get(cfg, f"{model}.master_dtype"), _get(cfg, f"{role}.optimizer")
+        if master == "bf16" and optimizer != "adamw_8bit":
+            problems.append(f"{model}.master_dtype=bf16 needs {role}.optimizer=adamw_8bit (its stochastic rounding "
+                            f"keeps updates below bf16's resolution); got {role}.optimizer={optimizer}")
+        if master == "bf16" and _get(cfg, f"{model}.dtype") == "fp32":
+            problems.append(f"{model}.master_dtype=bf16 is below {model}.dtype=fp32; use {model}.dtype=bf16 or auto")
+    return problems
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -355,7 +373,9 @@ def validate_sft(cfg: Any) -> None:
     data, optim, run = cfg.data, cfg.optim, cfg.trainer
     problems = _bound_problems(cfg, {1: ["data.train_batch_size", "trainer.n_workers", "optim.passes_per_batch",
                                          "trainer.total_epochs"]},
-                               {"optim.lr": (0.0, float("inf"), False, False)})
+                               {"optim.lr": (0.0, float("inf"), False, False),
+                                "trainer.gpu_memory_utilization": (0.0, 1.0, False, True)})
+    problems += _precision_problems(cfg, (("optim", "model"),))
     problems += _model_problems(cfg, ("model.path", "model.tokenizer_path")) + _data_file_problems(cfg)
     problems += _run_problems(cfg)
     if data.train_batch_size < run.n_workers:

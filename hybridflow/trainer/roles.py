@@ -7,6 +7,8 @@ it, the reference), the critic and the reward model share one process per device
 critic gets its own group of processes. With `rollout.placement=separate` the rollout engine leaves the
 actor for a `RolloutWorker` group of its own, fed over a weight-sync process group (`SeparateRollout`).
 Each group gets a resource pool of its own (`hybridflow.trainer.placement`: sizes, Ray nodes, checks).
+Each group's workers get what their devices will hold (`memory.device_demands`), to plan the device and
+refuse a run that cannot fit before any model loads.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from hybridflow.config.validate import needs_critic, needs_reference
 from hybridflow.controller import Remote, WorkerGroup, colocate, wait_all
 from hybridflow.trainer.base import device_type, optimizer_steps
+from hybridflow.trainer.memory import device_demands
 from hybridflow.trainer.placement import check_placement, make_pools
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
 from hybridflow.workers.weight_sync import BUCKET_BYTES
@@ -87,15 +90,17 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
                          worker_timeout_s=cfg.trainer.worker_timeout_s)
               for name, pool in make_pools(cfg, device).items()}
     separate = cfg.rollout.placement == "separate"
+    memory = device_demands(cfg, needs_reference(cfg), needs_critic(cfg))
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
                             total_steps=role_optimizer_steps(cfg, "actor", total_steps),
-                            with_ref=needs_reference(cfg), with_rollout=not separate)}
+                            with_ref=needs_reference(cfg), with_rollout=not separate, memory=memory["actor"])}
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
-    critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model,
-                         total_steps=role_optimizer_steps(cfg, "critic", total_steps), rollout_n=cfg.rollout.n)
     split_critic = needs_critic(cfg) and cfg.trainer.placement == "split"
+    critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model,
+                         total_steps=role_optimizer_steps(cfg, "critic", total_steps), rollout_n=cfg.rollout.n,
+                         memory=memory["critic" if split_critic else "actor"])
     if needs_critic(cfg) and not split_critic:
         classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs
     handles: dict[str, Any]  # a group, or a colocated group's member views, per role
@@ -112,7 +117,8 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
             groups.append(handles["critic"])
         if separate:
             rollout = WorkerGroup(RolloutWorker, name="rollout", **placed["rollout"],
-                                  init_kwargs=dict(model_cfg=cfg.model, rollout_cfg=cfg.rollout, data_cfg=cfg.data))
+                                  init_kwargs=dict(model_cfg=cfg.model, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
+                                                   memory=memory["rollout"]))
             groups.append(rollout)
             handles["separate"] = SeparateRollout(handles["actor"], rollout)
         if cfg.trainer.backend == "ray":

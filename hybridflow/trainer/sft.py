@@ -25,6 +25,7 @@ from hybridflow.data.sft import SFTDataset, collate_sft_rows
 from hybridflow.tracking.metrics import compute_throughput, timer
 from hybridflow.trainer.base import Trainer, device_type, optimizer_steps
 from hybridflow.trainer.checkpointing import checkpoint_bytes
+from hybridflow.trainer.memory import sft_demand
 from hybridflow.workers.sft import SFTWorker
 
 
@@ -66,7 +67,8 @@ class SFTTrainer(Trainer):
         group = WorkerGroup(SFTWorker, name="sft", n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend,
                             device=device_type(cfg.trainer.device, cfg.trainer.backend),
                             worker_timeout_s=cfg.trainer.worker_timeout_s,
-                            init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim, total_steps=steps))
+                            init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim, total_steps=steps,
+                                             memory=sft_demand(cfg)))
         self.groups = [group]
         self.workers: Remote[SFTWorker] = group
 

@@ -6,8 +6,12 @@ One process per device holds all three; the controller drives them in the order 
 without a rollout engine and `send_weights` streams the gathered weights to the `RolloutWorker` group
 instead (`hybridflow.workers.weight_sync`). Memory is handed back and forth: a GPU's
 KV cache sleeps outside generation (`free_cache_after_generate`), and with `optimizer_offload` /
-`param_offload` the optimizer state / parameter shards stay on the CPU except while they are used.
-With world size > 1 each rank runs its own rollout replica on its shard of the prompts.
+`param_offload` the optimizer state / parameter shards stay on the CPU except while they are used, and
+with `rollout.offload_weights` the rollout engine's weights too while it sleeps. Given its device's
+`memory` demand, the worker plans the device first (`hybridflow.engine.budget`): it refuses a run that
+cannot fit before loading anything, fills in the micro-batch token budget, gradient checkpointing and the
+KV cache that were left to the plan, and reports a CUDA out-of-memory error with the plan and the keys to
+change. With world size > 1 each rank runs its own rollout replica on its shard of the prompts.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, register
+from hybridflow.engine import budget
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import EngineWorker
@@ -28,6 +33,10 @@ from hybridflow.workers.reference import ReferenceModel, temperature_of
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, WeightChannel, drain, plan_buckets
+
+
+ROLLOUT_MEMORY_KEYS = ("rollout.kv_cache_fraction or trainer.gpu_memory_utilization (a smaller KV cache), "
+                       "rollout.max_num_seqs, actor.param_offload=true, actor.optimizer_offload=true")
 
 
 class ActorWorker(EngineWorker):
@@ -39,17 +48,24 @@ class ActorWorker(EngineWorker):
         total_steps: optimizer steps of the whole run (the lr schedule's length).
         with_ref: also hold a frozen reference model (a copy of the initial actor).
         with_rollout: build the rollout engine (False when a separate rollout group generates).
+        memory: what this device holds (`hybridflow.trainer.memory.device_demands`); None = no planning.
     """
 
+    keys, model_keys = "actor", "model"
+
     def __init__(self, model_cfg: Any, actor_cfg: Any, rollout_cfg: Any, data_cfg: Any, total_steps: int = 1,
-                 with_ref: bool = False, with_rollout: bool = True) -> None:
+                 with_ref: bool = False, with_rollout: bool = True, memory: budget.DeviceDemand | None = None) -> None:
+        model_cfg, actor_cfg = self._plan_device(memory, model_cfg, actor_cfg)
+        if self.plan is not None and self.rank == 0:
+            print(f"device plan: {self.plan.describe()}", flush=True)
         self.cfg, self.rollout_cfg = actor_cfg, rollout_cfg
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=total_steps, device=self.device)
         self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) if with_ref else None
         self.rollout = None
         if with_rollout:
             self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
-                                          self.engine.precision.param, pad_token_id(self.engine.config))
+                                          self.engine.precision.param, pad_token_id(self.engine.config),
+                                          kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
         self.channel: WeightChannel | None = None
         self.rendezvous: Rendezvous | None = None
         self._offload_idle()
@@ -61,7 +77,8 @@ class ActorWorker(EngineWorker):
         if self.rollout is None:
             raise RuntimeError("this ActorWorker was built with with_rollout=False; it cannot generate "
                                "(with rollout.placement=separate the RolloutWorker group generates)")
-        return self.rollout.generate(batch, self.rank)
+        with budget.reported_oom("generation", self.plan, None, ROLLOUT_MEMORY_KEYS):
+            return self.rollout.generate(batch, self.rank)
 
     @register(Dispatch.DATA_PARALLEL)
     def compute_log_probs(self, batch: Batch) -> Batch:
@@ -74,7 +91,8 @@ class ActorWorker(EngineWorker):
         """Batch{ref_log_probs} from the colocated reference model."""
         if self.ref is None:
             raise RuntimeError("compute_ref_log_probs needs the ActorWorker built with with_ref=True")
-        return self.ref.log_probs(batch, temperature_of(batch, self.rollout_cfg.temperature))
+        with self._reported_oom("reference log-prob pass"):
+            return self.ref.log_probs(batch, temperature_of(batch, self.rollout_cfg.temperature))
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
     def update_actor(self, batch: Batch) -> dict[str, float]:

@@ -1,18 +1,24 @@
-"""`EngineWorker`: what the trained roles (actor, critic, SFT) share — a forward and an update with the
-role's batching, offload between uses, checkpoints.
+"""`EngineWorker`: what the trained roles (actor, critic, SFT) share — the device plan, a forward and an
+update with the role's batching, offload between uses, checkpoints, out-of-memory errors that name the
+plan and the keys to change.
 
-Subclasses set `self.engine` (a `TrainEngine`) and `self.cfg` (their `OptimConfig` section: micro-batching,
-packing, `param_offload` / `optimizer_offload`) in `__init__`.
+Subclasses call `_plan_device` first in `__init__` (it sets `self.plan` and fills in what the config left
+to the plan), then set `self.engine` (a `TrainEngine`) and `self.cfg` (their `OptimConfig` section:
+micro-batching, packing, `param_offload` / `optimizer_offload`); `keys` / `model_keys` on the class name
+their config sections.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine import budget
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.engine import LossFn
 from hybridflow.engine.train.optim import apply_config
@@ -23,13 +29,31 @@ class EngineWorker(Worker):
     engine: TrainEngine
     cfg: Any
     update_count: int = 0  # updates so far: seeds each update's mini-batch shuffle
+    plan: budget.DevicePlan | None = None
+    keys: str  # the role's config section ("actor")
+    model_keys: str  # its model's ("model")
+
+    def _plan_device(self, memory: budget.DeviceDemand | None, model_cfg: Any, role_cfg: Any) -> tuple[Any, Any]:
+        """Plans this rank's device from what it will hold (`memory`; refuses a run that cannot fit, before
+        any model loads) and returns the model and role sections with what they left to the plan filled in."""
+        self.plan = budget.plan_for_device(memory, self.device)
+        return budget.apply_plan(self.plan, self.keys, model_cfg, role_cfg)
+
+    @contextlib.contextmanager
+    def _reported_oom(self, what: str) -> Iterator[None]:
+        """A CUDA out-of-memory error in the block comes out as `budget.DeviceOutOfMemory`."""
+        with budget.reported_oom(f"{self.keys} {what}", self.plan, self.engine.describe(),
+                                 budget.memory_keys(self.keys, self.model_keys)):
+            yield
 
     def _infer(self, batch: Batch, **options: Any) -> dict[str, torch.Tensor]:
         """`engine.infer` over `batch` with this role's micro-batching and packing (`options`: temperature,
         with_entropy), its state on-loaded for the call."""
         self._onload()
-        out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
-                                max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing, **options)
+        with self._reported_oom("forward pass"):
+            out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
+                                    max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing,
+                                    **options)
         self._offload_idle()
         return out
 
@@ -37,7 +61,8 @@ class EngineWorker(Worker):
         """One trainer step's optimizer steps on `batch` (`run_update` with this role's config; `options`: passes,
         prefix, ...), its state on-loaded for the call; each update shuffles its mini-batches anew."""
         self._onload()
-        metrics = run_update(self.engine, batch.tensors, self.cfg, loss_fn, seed=self.update_count, **options)
+        with self._reported_oom("update"):
+            metrics = run_update(self.engine, batch.tensors, self.cfg, loss_fn, seed=self.update_count, **options)
         self._offload_idle()
         self.update_count += 1
         return metrics

@@ -2,7 +2,8 @@
 
 The critic may start from a different model directory than the actor (`critic_cfg.model.path`; None
 takes the actor's). Values for response token t come from the hidden state at position
-prompt_end + t - 1, the alignment of the log-probs.
+prompt_end + t - 1, the alignment of the log-probs. Given its device's `memory` demand it plans the
+device as the actor does (`hybridflow.engine.budget`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, register
+from hybridflow.engine import budget
 from hybridflow.engine.train import TrainEngine
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.update import critic_loss
@@ -19,15 +21,19 @@ from hybridflow.workers.update import critic_loss
 
 class CriticWorker(EngineWorker):
     """Args: critic_cfg (with `.model`), actor_model_cfg (whose `path` fills a missing critic path),
-    total_steps (the lr schedule's length), rollout_n (samples per prompt, for mini-batch sizes)."""
+    total_steps (the lr schedule's length), rollout_n (samples per prompt, for mini-batch sizes), memory
+    (this device's demand; None = no planning)."""
+
+    keys, model_keys = "critic", "critic.model"
 
     def __init__(self, critic_cfg: Any, actor_model_cfg: Any | None = None, total_steps: int = 1,
-                 rollout_n: int = 1) -> None:
+                 rollout_n: int = 1, memory: budget.DeviceDemand | None = None) -> None:
         model_cfg = copy.copy(critic_cfg.model)
         if model_cfg.path is None:
             if actor_model_cfg is None:
                 raise ValueError("critic.model.path is null and no actor model config was given to inherit from")
             model_cfg.path = actor_model_cfg.path
+        model_cfg, critic_cfg = self._plan_device(memory, model_cfg, critic_cfg)
         self.cfg, self.rollout_n = critic_cfg, rollout_n
         self.engine = TrainEngine(model_cfg, critic_cfg, head="value", total_steps=total_steps, device=self.device)
         self._offload_idle()

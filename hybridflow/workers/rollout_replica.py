@@ -16,12 +16,23 @@ from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
 
 
-def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torch.dtype, max_model_len: int):
-    """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path`."""
+# the KV cache's share of free GPU memory when neither `rollout.kv_cache_fraction` nor a device plan sizes it
+UNPLANNED_KV_FRACTION = 0.4
+
+
+def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                  kv_cache_bytes: int | None = None):
+    """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path`. The KV cache
+    on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
+    plan's), else `UNPLANNED_KV_FRACTION`."""
+    kv = None
+    if device.type == "cuda":
+        kv = rollout_cfg.kv_cache_fraction
+        if kv is None:
+            kv = kv_cache_bytes if kv_cache_bytes is not None else UNPLANNED_KV_FRACTION
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=rollout_cfg.max_num_seqs, max_model_len=max_model_len,
-        kv_cache_memory=rollout_cfg.kv_cache_fraction if device.type == "cuda" else None,
-        cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine)
+        kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine)
 
 
 def pad_token_id(config: Any) -> int:
@@ -33,14 +44,16 @@ def pad_token_id(config: Any) -> int:
 class RolloutReplica:
     """This rank's rollout engine: on an accelerator, awake only while it generates when
     `rollout.free_cache_after_generate` (the KV cache is freed after each call, so training has its
-    memory), else allocated for the whole run; weights updated in place by `load_weights`."""
+    memory; with `rollout.offload_weights` the weights go to the CPU too), else allocated for the whole
+    run; weights updated in place by `load_weights`. `kv_cache_bytes`: the device plan's KV cache (see
+    `build_rollout`)."""
 
     def __init__(self, model_path: str, rollout_cfg: Any, data_cfg: Any, device: torch.device, dtype: torch.dtype,
-                 pad_id: int) -> None:
+                 pad_id: int, kv_cache_bytes: int | None = None) -> None:
         self.cfg, self.pad_id = rollout_cfg, pad_id
         self.max_response_length = data_cfg.max_response_length
         max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-        self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len)
+        self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len, kv_cache_bytes)
         self.awake = True
         if rollout_cfg.free_cache_after_generate:
             self.sleep()
@@ -50,7 +63,7 @@ class RolloutReplica:
         stays, since host memory is not what colocation has to share and re-making and zero-filling the
         cache each step costs time (docs/benchmarks.md)."""
         if self.awake and self.engine.device.type != "cpu":
-            self.engine.sleep()
+            self.engine.sleep(offload_weights=self.cfg.offload_weights)
             self.awake = False
 
     def wake(self) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine import budget
 from hybridflow.engine.train.model import resolve_precision
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.weight_sync import WeightChannel
@@ -27,15 +28,18 @@ class RolloutWorker(Worker):
     Args:
         model_cfg, rollout_cfg: the config sections (read by attribute).
         data_cfg: anything with `max_prompt_length` and `max_response_length`.
+        memory: this device's demand (the rollout alone); its plan sizes the KV cache. None = no planning.
     """
 
-    def __init__(self, model_cfg: Any, rollout_cfg: Any, data_cfg: Any) -> None:
+    def __init__(self, model_cfg: Any, rollout_cfg: Any, data_cfg: Any,
+                 memory: budget.DeviceDemand | None = None) -> None:
         from transformers import AutoConfig
 
+        plan = budget.plan_for_device(memory, self.device)
         config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
         dtype = resolve_precision(model_cfg.dtype, self.device).param
         self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device, dtype,
-                                      pad_token_id(config))
+                                      pad_token_id(config), kv_cache_bytes=plan.kv_cache_bytes if plan else None)
         self.channel: WeightChannel | None = None
 
     @register(Dispatch.DATA_PARALLEL)

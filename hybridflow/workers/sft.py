@@ -14,6 +14,7 @@ import torch
 from hybridflow.algorithms import aggregate
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, register
+from hybridflow.engine import budget
 from hybridflow.engine.train import LossContext, TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import EngineWorker
@@ -32,9 +33,14 @@ def sft_loss(cfg: Any):
 
 
 class SFTWorker(EngineWorker):
-    """The model being fine-tuned on this rank: a `TrainEngine` and the SFT loss."""
+    """The model being fine-tuned on this rank: a `TrainEngine` and the SFT loss; `memory`: its device's
+    demand, planned as the RL workers' are (`hybridflow.engine.budget`; None = no planning)."""
 
-    def __init__(self, model_cfg: Any, optim_cfg: Any, total_steps: int = 1) -> None:
+    keys, model_keys = "optim", "model"
+
+    def __init__(self, model_cfg: Any, optim_cfg: Any, total_steps: int = 1,
+                 memory: budget.DeviceDemand | None = None) -> None:
+        model_cfg, optim_cfg = self._plan_device(memory, model_cfg, optim_cfg)
         self.cfg = optim_cfg
         self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=total_steps, device=self.device)
         self._offload_idle()

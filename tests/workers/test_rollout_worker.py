@@ -76,8 +76,8 @@ class _GPUEngineStub:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def sleep(self) -> None:
-        self.calls.append("sleep")
+    def sleep(self, offload_weights: bool = False) -> None:
+        self.calls.append("sleep, weights to the CPU" if offload_weights else "sleep")
 
     def wake(self) -> None:
         self.calls.append("wake")
@@ -100,3 +100,15 @@ def test_free_cache_after_generate_frees_the_cache_after_each_generation_or_neve
         out = replica.generate(_prompts(1.0), rank=0)
         assert len(out) == 8 and out["response_mask"].sum() == 16
         assert engine.calls == expected and replica.awake == (not free)
+
+
+def test_offload_weights_moves_the_rollout_weights_out_whenever_the_engine_sleeps(monkeypatch):
+    from hybridflow.workers import rollout_replica
+
+    engine = _GPUEngineStub()
+    monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args: engine)
+    replica = rollout_replica.RolloutReplica("unused", RolloutConfig(offload_weights=True),
+                                             DataConfig(max_prompt_length=5, max_response_length=RESP),
+                                             torch.device("cuda"), torch.float32, pad_id=0)
+    replica.generate(_prompts(1.0), rank=0)
+    assert engine.calls == ["sleep, weights to the CPU", "wake", "sleep, weights to the CPU"]

@@ -8,13 +8,15 @@ padding rows of a CUDA-graph bucket write there, so they never touch a live sequ
 `free()` gives the memory back (the engine's `sleep`); `allocate()` re-makes the tensors at the same
 size. On a GPU with virtual memory management the cache lives in a `StableBuffer` (vmm.py), so it comes
 back at the same addresses and the decode CUDA graphs captured over it stay valid (`keeps_address`);
-elsewhere the tensors are ordinary allocations and land wherever the allocator puts them.
+elsewhere the tensors are ordinary allocations and land wherever the allocator puts them. Its size in a
+training run comes from the device plan (`hybridflow.engine.budget`), passed in as bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybridflow.engine.budget import device_memory
 from hybridflow.engine.rollout.vmm import StableBuffer
 
 
@@ -35,9 +37,10 @@ def resolve_budget(kv_cache_memory: float | int | None, device: torch.device) ->
 
 
 def free_memory(device: torch.device) -> int:
-    """Free bytes on `device` (CUDA: the driver's count; CPU: available system memory)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    """Free bytes on `device` (an accelerator: the device budget's count; CPU: available system memory)."""
+    memory = device_memory(device)
+    if memory is not None:
+        return memory[0]
     import psutil
 
     return psutil.virtual_memory().available

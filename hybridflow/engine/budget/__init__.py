@@ -1,0 +1,15 @@
+"""Device budgeting: what each part of a run needs on one accelerator, and what that leaves for the
+training engine's micro-batches and the rollout engine's KV cache. Both engines consult it.
+
+`estimate` says what each role holds (model sizes, bytes per part); `planning` turns a device's demand and
+free memory into micro-batch token budgets, checkpointing and a KV cache, or refuses a run that cannot fit.
+"""
+
+from hybridflow.engine.budget.estimate import (GIB, STATE_BYTES, TARGET_TOKENS, DeviceDemand, FrozenRole,
+                                               ModelShape, RolloutRole, TrainedRole, count)
+from hybridflow.engine.budget.planning import (DeviceOutOfMemory, DevicePlan, DoesNotFit, RolePlan, apply_plan,
+                                               device_memory, memory_keys, plan, plan_for_device, reported_oom)
+
+__all__ = ["GIB", "STATE_BYTES", "TARGET_TOKENS", "DeviceDemand", "DeviceOutOfMemory", "DevicePlan", "DoesNotFit",
+           "FrozenRole", "ModelShape", "RolePlan", "RolloutRole", "TrainedRole", "apply_plan", "count",
+           "device_memory", "memory_keys", "plan", "plan_for_device", "reported_oom"]

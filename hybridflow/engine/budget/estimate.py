@@ -1,0 +1,181 @@
+"""The memory estimate of device budgeting: model sizes, what each role of a run holds on a device
+(`TrainedRole`, `FrozenRole`, `RolloutRole`, together a `DeviceDemand`), and the bytes each part takes.
+
+Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
+- a trained role while it updates: weights and gradients `P x master / W`, optimizer state (`STATE_BYTES`),
+  the gathered compute-dtype weights (`P x c` on one rank, which keeps every layer gathered from forward
+  to backward; two layers on several), and per micro-batch token the activations kept for the backward:
+  `layers x c x (7h + 2kv + 4i)` (the inputs of the norms, projections, attention and SwiGLU), or with
+  checkpointing `layers x c x h` plus one layer's worth; the log-prob head adds one chunk;
+- between its uses (generation): its weights unless `param_offload`, its state unless `optimizer_offload`;
+- a frozen model: its compute-dtype weights unless offloaded;
+- the rollout engine: `P x c` weights (unless offloaded while training), the KV cache while generating.
+`bench/train.py` and `bench/scale.py` record this estimate beside the measured device peak of each run.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+GIB = 2**30
+TARGET_TOKENS = 16384  # default micro-batch: bounded memory at no speed cost (bench/train.py)
+MIN_TOKENS_WITHOUT_CHECKPOINTING = 4096  # below this, recomputation is cheaper than tiny micro-batches
+HEAD_CHUNK_BYTES = 3 * 4 * 2**27  # fp32 temporaries of one log-prob head chunk (logprobs.CHUNK_ELEMENTS)
+SLACK_BYTES = 2 * GIB  # cuBLAS workspaces, allocator fragmentation, CUDA graphs
+# device bytes of optimizer state per parameter, given the master dtype's bytes (engine/train/optim.py)
+STATE_BYTES: dict[str, Callable[[int], float]] = {
+    "adamw": lambda master: 2 * master, "adamw_8bit": lambda master: 2.05, "adamw_cpu_offload": lambda master: 0}
+
+
+def count(n: int) -> str:
+    """7615616512 -> "7.62B", 52416 -> "52.4K"."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}B" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a transformer that the estimate needs."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    vocab: int
+    largest_param: int
+
+    @classmethod
+    def from_config(cls, config: Any, head: str = "lm", trust_remote_code: bool = False) -> ModelShape:
+        """From a Hugging Face config; parameters counted on the meta device (no memory, exact)."""
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        with torch.device("meta"):
+            if head == "lm":
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            else:
+                config = copy.deepcopy(config)
+                config.num_labels = 1
+                model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
+        numels = [p.numel() for p in model.parameters()]
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        return cls(params=sum(numels), layers=config.num_hidden_layers, hidden=config.hidden_size,
+                   intermediate=config.intermediate_size, kv_dim=kv * head_dim, vocab=config.vocab_size,
+                   largest_param=max(numels))
+
+    def describe(self) -> str:
+        return (f"{count(self.params)} parameters ({self.layers} layers, hidden {self.hidden}, "
+                f"vocabulary {self.vocab:,})")
+
+    def layer_activation_bytes(self, c: int) -> int:
+        """Bytes per token one layer keeps for its backward."""
+        return c * (7 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate)
+
+    def activation_bytes(self, c: int, checkpointing: bool) -> int:
+        """Bytes per micro-batch token of a training forward kept until its backward."""
+        stream = 2 * c * self.hidden  # final norm's input and output for the head
+        if checkpointing:
+            return self.layers * c * self.hidden + self.layer_activation_bytes(c) + stream
+        return self.layers * self.layer_activation_bytes(c) + stream
+
+
+@dataclass(frozen=True)
+class TrainedRole:
+    """A role this device trains. `keys`: its config section (``actor``); `model_keys`: its model's
+    (``model`` or ``critic.model``). None for `gradient_checkpointing` / `max_tokens` = decide here."""
+
+    keys: str
+    model_keys: str
+    shape: ModelShape
+    compute_bytes: int
+    master_bytes: int
+    optimizer: str = "adamw"
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool | None = None
+    max_tokens: int | None = None
+    micro_batch_rows: int | None = None
+
+    def update_bytes(self, world: int) -> dict[str, float]:
+        p, m = self.shape.params, self.master_bytes
+        out = {"weights": p * m / world, "gradients": p * m / world,
+               "optimizer state": p * STATE_BYTES[self.optimizer](m) / world}
+        if self.compute_bytes != m:
+            gathered = p if world == 1 else 2 * p / self.shape.layers
+            out["gathered compute-dtype weights"] = gathered * self.compute_bytes
+        if self.optimizer == "adamw_8bit":  # one parameter's dequantised moments during its update
+            out["optimizer workspace"] = 2 * 4 * self.shape.largest_param / world
+        return out
+
+    def activation_peak(self, tokens: int, checkpointing: bool) -> float:
+        """Activations of a `tokens`-token micro-batch, and one chunk of the log-prob head."""
+        return tokens * self.shape.activation_bytes(self.compute_bytes, checkpointing) + HEAD_CHUNK_BYTES
+
+    def idle_bytes(self, world: int) -> float:
+        p, m = self.shape.params, self.master_bytes
+        weights = 0 if self.param_offload else p * m / world
+        state = 0 if self.optimizer_offload else p * STATE_BYTES[self.optimizer](m) / world
+        return weights + state
+
+
+@dataclass(frozen=True)
+class FrozenRole:
+    """A frozen model (reference, reward model): weights in the compute dtype, on the device unless
+    offloaded; `offload_key` is the config key that offloads it (None if none does)."""
+
+    offload_key: str | None
+    shape: ModelShape
+    compute_bytes: int
+    offload: bool = False
+
+    def idle_bytes(self, world: int) -> float:
+        return 0 if self.offload else self.shape.params * self.compute_bytes / world
+
+
+@dataclass(frozen=True)
+class RolloutRole:
+    """The rollout engine on this device. `kv_cache_fraction`: the user's fixed share of free memory
+    (None = what the plan leaves)."""
+
+    shape: ModelShape
+    compute_bytes: int
+    max_num_seqs: int
+    max_model_len: int
+    max_prefill_tokens: int = 16384
+    offload_weights: bool = False
+    cache_stays: bool = False
+    kv_cache_fraction: float | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.shape.params * self.compute_bytes
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.shape.layers * self.shape.kv_dim * self.compute_bytes
+
+    def workspace_bytes(self) -> int:
+        """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step."""
+        s = self.shape
+        return (self.max_prefill_tokens * self.compute_bytes * (4 * s.hidden + 3 * s.intermediate)
+                + 4 * 4 * self.max_num_seqs * s.vocab)
+
+
+@dataclass(frozen=True)
+class DeviceDemand:
+    """Everything one device of a worker group holds (the same on each of its `world_size` devices)."""
+
+    trained: tuple[TrainedRole, ...] = ()
+    frozen: tuple[FrozenRole, ...] = ()
+    rollout: RolloutRole | None = None
+    world_size: int = 1
+    longest_sequence: int = 1
+    utilization: float = 0.9

@@ -1,0 +1,288 @@
+"""Planning a device: from a `DeviceDemand` and the memory free at start, the micro-batch token budget and
+activation checkpointing of each trained role and the KV cache's bytes (`plan`), or a refusal naming the
+model, the estimate and the config keys that would make the run fit (`DoesNotFit`); the plan this
+process's roles share (`plan_for_device`); filling in what the config left to the plan (`apply_plan`);
+and CUDA out-of-memory errors explained with the plan and the keys to change (`reported_oom`).
+
+The memory a run may use is `cap = min(utilization x total, free at start)` (vLLM's
+`gpu_memory_utilization`). A trained role gets `TARGET_TOKENS`-token micro-batches where they fit (bounded
+memory; compiled layers make them as fast as one forward), fewer where memory is short, and gradient
+checkpointing when not even `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without
+it. The KV cache gets what is left within the cap while generating, at most what its slots need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, MIN_TOKENS_WITHOUT_CHECKPOINTING,
+                                               SLACK_BYTES, TARGET_TOKENS, DeviceDemand, TrainedRole)
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of an accelerator; None for a CPU (host memory is not budgeted)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)
+
+
+@dataclass
+class RolePlan:
+    """A trained role's micro-batching and checkpointing, and its estimated peak while it updates."""
+
+    max_tokens: int
+    gradient_checkpointing: bool
+    peak_bytes: float
+    breakdown: dict[str, float]
+
+
+@dataclass
+class DevicePlan:
+    """What a device's run gets: the budget (`cap_bytes` of `total_bytes`), each trained role's plan (by its
+    config section), the KV cache's bytes (None without a rollout engine) and the generation peak."""
+
+    cap_bytes: int
+    total_bytes: int
+    roles: dict[str, RolePlan] = field(default_factory=dict)
+    kv_cache_bytes: int | None = None
+    generation_peak_bytes: float = 0.0
+    generation_breakdown: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        lines = [f"device budget {_gib(self.cap_bytes)} of {_gib(self.total_bytes)}"]
+        for keys, r in self.roles.items():
+            lines.append(f"{keys} update: {r.max_tokens:,}-token micro-batches, gradient checkpointing "
+                         f"{'on' if r.gradient_checkpointing else 'off'}, estimated peak {_gib(r.peak_bytes)} "
+                         f"({_items(r.breakdown)})")
+        if self.kv_cache_bytes is not None:
+            lines.append(f"generation: KV cache {_gib(self.kv_cache_bytes)}, estimated peak "
+                         f"{_gib(self.generation_peak_bytes)} ({_items(self.generation_breakdown)})")
+        return "; ".join(lines)
+
+
+class DoesNotFit(ValueError):
+    """The run cannot fit the device; the message names the estimate and the keys that would help."""
+
+
+class DeviceOutOfMemory(torch.OutOfMemoryError):
+    """An out-of-memory error during a step, explained (the model, the plan, the keys to change)."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.0f} MiB"
+
+
+def _items(d: dict[str, float]) -> str:
+    return ", ".join(f"{k} {_gib(v)}" for k, v in d.items() if v > 0)
+
+
+def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RolePlan, float, str]:
+    """(the role's plan, bytes it is short by (0 if it fits), why)."""
+    w = demand.world_size
+    breakdown = dict(role.update_bytes(w))
+    others = sum(r.idle_bytes(w) for r in demand.trained if r is not role)
+    others += sum(f.idle_bytes(w) for f in demand.frozen)
+    if others:
+        breakdown["other models"] = others
+    ro = demand.rollout
+    if ro is not None and not ro.offload_weights:
+        breakdown["rollout weights"] = ro.weight_bytes
+    if ro is not None and ro.cache_stays:
+        breakdown["KV cache (kept)"] = ro.max_num_seqs * ro.max_model_len * ro.kv_bytes_per_token()
+    fixed = sum(breakdown.values()) + HEAD_CHUNK_BYTES + SLACK_BYTES
+    free = cap - fixed
+    shape, c, longest = role.shape, role.compute_bytes, demand.longest_sequence
+    given = role.max_tokens if role.max_tokens is not None else (
+        role.micro_batch_rows * longest if role.micro_batch_rows is not None else None)
+    most = {ck: max(0, int(free // shape.activation_bytes(c, ck))) for ck in (False, True)}
+    if given is not None:
+        tokens = given
+        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else most[False] < given
+    else:
+        floor = max(longest, MIN_TOKENS_WITHOUT_CHECKPOINTING)
+        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else most[False] < floor
+        tokens = max(longest, min(TARGET_TOKENS, most[ckpt]))
+    activations = tokens * shape.activation_bytes(c, ckpt)
+    short = max(0.0, activations - free)
+    if free < 0:
+        why = (f"its weights, gradients, optimizer state and workspace alone take {_gib(fixed)} "
+               f"({_items(breakdown)}, workspace {_gib(HEAD_CHUNK_BYTES + SLACK_BYTES)})")
+    else:
+        why = (f"{tokens:,}-token micro-batches need {_gib(activations)} of activations"
+               f"{' with gradient checkpointing' if ckpt else ''}, {_gib(free)} is left beside "
+               f"{_items(breakdown)}")
+    breakdown["activations"] = role.activation_peak(tokens, ckpt)
+    return RolePlan(tokens, ckpt, sum(breakdown.values()), breakdown), short, why if short else ""
+
+
+def _generation(demand: DeviceDemand, cap: int, free: int) -> tuple[int, float, dict[str, float], float]:
+    """(KV cache bytes, peak, breakdown, bytes it is short by) while the rollout engine generates."""
+    ro, w = demand.rollout, demand.world_size
+    breakdown = {"trained models": sum(r.idle_bytes(w) for r in demand.trained),
+                 "frozen models": sum(f.idle_bytes(w) for f in demand.frozen),
+                 "rollout weights": ro.weight_bytes, "generation workspace": ro.workspace_bytes()}
+    used = sum(breakdown.values()) + SLACK_BYTES
+    per_seq = ro.max_model_len * ro.kv_bytes_per_token()
+    wanted = (ro.max_num_seqs + 1) * per_seq  # the engine's slots plus its scratch slot
+    if ro.kv_cache_fraction is not None:
+        kv = int(ro.kv_cache_fraction * max(free - used, 0))
+    else:
+        kv = min(wanted, max(int(cap - used), 0))
+    breakdown["KV cache"] = kv
+    return kv, used + kv, breakdown, max(0.0, 2 * per_seq - kv)
+
+
+def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, float, list[str]]:
+    """(the plan, the largest shortfall in bytes over all phases, what does not fit)."""
+    cap = int(min(demand.utilization * total, free))
+    out = DevicePlan(cap_bytes=cap, total_bytes=total)
+    problems, worst = [], 0.0
+    for role in demand.trained:
+        out.roles[role.keys], short, why = _role_plan(demand, role, cap)
+        if short:
+            worst = max(worst, short)
+            problems.append(f"{role.keys} update of {role.shape.describe()}: {why}")
+    if demand.rollout is not None:
+        kv, peak, breakdown, short = _generation(demand, cap, free)
+        out.kv_cache_bytes, out.generation_peak_bytes, out.generation_breakdown = kv, peak, breakdown
+        if short:
+            worst = max(worst, short)
+            problems.append(f"generation: the KV cache gets {_gib(kv)}, one {demand.rollout.max_model_len:,}-token "
+                            f"sequence needs {_gib(short + kv)} ({_items(breakdown)})")
+    return out, worst, problems
+
+
+def _remedies(demand: DeviceDemand) -> list[tuple[str, DeviceDemand]]:
+    """Config changes that lower the estimate, as (keys=values, the changed demand); the last one takes
+    every memory option at once."""
+    out = []
+
+    def each(change: Callable[[TrainedRole], dict], label: Callable[[TrainedRole], str]) -> None:
+        for i, r in enumerate(demand.trained):
+            fields = change(r)
+            if fields and replace(r, **fields) != r:
+                out.append((label(r), replace(demand, trained=demand.trained[:i] + (replace(r, **fields),)
+                                              + demand.trained[i + 1:])))
+
+    each(lambda r: dict(gradient_checkpointing=True), lambda r: f"{r.model_keys}.gradient_checkpointing=true")
+    each(lambda r: dict(optimizer="adamw_8bit") if r.optimizer == "adamw" else {},
+         lambda r: f"{r.keys}.optimizer=adamw_8bit")
+    each(lambda r: dict(optimizer="adamw_cpu_offload") if r.master_bytes == 4 else {},
+         lambda r: f"{r.keys}.optimizer=adamw_cpu_offload")
+    each(lambda r: dict(param_offload=True, optimizer_offload=True),
+         lambda r: f"{r.keys}.param_offload=true {r.keys}.optimizer_offload=true")
+    each(lambda r: dict(master_bytes=2, optimizer="adamw_8bit") if r.compute_bytes == 2 else {},
+         lambda r: f"{r.model_keys}.master_dtype=bf16 {r.keys}.optimizer=adamw_8bit")
+    if demand.rollout is not None and not demand.rollout.offload_weights:
+        out.append(("rollout.offload_weights=true",
+                    replace(demand, rollout=replace(demand.rollout, offload_weights=True))))
+    offloadable = [f for f in demand.frozen if f.offload_key and not f.offload]
+    for f in offloadable:
+        out.append((f"{f.offload_key}=true", replace(demand, frozen=tuple(
+            replace(x, offload=True) if x is f else x for x in demand.frozen))))
+
+    def strongest(r: TrainedRole) -> tuple[TrainedRole, str]:
+        low = dict(master_bytes=2, optimizer="adamw_8bit") if r.compute_bytes == 2 else dict(
+            optimizer="adamw_cpu_offload")
+        label = (f"{r.model_keys}.master_dtype=bf16 {r.keys}.optimizer=adamw_8bit" if r.compute_bytes == 2
+                 else f"{r.keys}.optimizer=adamw_cpu_offload")
+        return (replace(r, gradient_checkpointing=True, param_offload=True, optimizer_offload=True, **low),
+                f"{r.model_keys}.gradient_checkpointing=true {r.keys}.param_offload=true "
+                f"{r.keys}.optimizer_offload=true {label}")
+
+    trained = [strongest(r) for r in demand.trained]
+    labels = [label for _, label in trained]
+    labels += [f"{f.offload_key}=true" for f in offloadable]
+    if demand.rollout is not None:
+        labels.append("rollout.offload_weights=true")
+    out.append((" ".join(labels), replace(
+        demand, trained=tuple(r for r, _ in trained),
+        frozen=tuple(replace(f, offload=True) if f.offload_key else f for f in demand.frozen),
+        rollout=None if demand.rollout is None else replace(demand.rollout, offload_weights=True))))
+    return out
+
+
+def plan(demand: DeviceDemand, free: int, total: int) -> DevicePlan:
+    """The plan for a device with `free` of `total` bytes, or `DoesNotFit` naming what would fit."""
+    out, _, problems = _check(demand, free, total)
+    if not problems:
+        return out
+    remedies = [(label, _check(changed, free, total)[1]) for label, changed in _remedies(demand)]
+    single = [label for label, short in remedies[:-1] if short == 0]
+    (combined, short), = remedies[-1:]
+    if single:
+        hint = f"it fits with {single[0]}" + (f" (or: {'; '.join(single[1:])})" if len(single) > 1 else "")
+    elif short == 0:
+        hint = f"it fits with all memory options together: {combined}"
+    else:
+        hint = (f"it does not fit even with every memory option ({combined}: short by {_gib(short)}): use more "
+                f"devices (trainer.n_workers), shorter sequences (data.max_prompt_length, "
+                f"data.max_response_length) or a smaller model")
+    raise DoesNotFit(f"the run does not fit one device: {'; '.join(problems)}. Budget: {_gib(out.cap_bytes)} "
+                     f"(trainer.gpu_memory_utilization={demand.utilization} of {_gib(total)}, {_gib(free)} free "
+                     f"at start); {hint}")
+
+
+# plans made in this process, by (demand, device): colocated roles share a device and must share one plan
+# made from the memory free before the first of them loaded anything
+_PLANS: dict[tuple[DeviceDemand, torch.device], DevicePlan] = {}
+
+
+def plan_for_device(demand: DeviceDemand | None, device: torch.device) -> DevicePlan | None:
+    """`plan` for this process's device (None without a demand, or off an accelerator); the first call
+    for a demand measures the free memory, later ones (the colocated roles) get the same plan."""
+    if demand is None:
+        return None
+    key = (demand, torch.device(device))
+    if key not in _PLANS:
+        memory = device_memory(device)
+        if memory is None:
+            return None
+        _PLANS[key] = plan(demand, *memory)
+    return _PLANS[key]
+
+
+def apply_plan(plan_: DevicePlan | None, keys: str, model_cfg: Any, role_cfg: Any) -> tuple[Any, Any]:
+    """Copies of a trained role's model and role sections with what was left to the plan filled in:
+    `gradient_checkpointing` (None -> the plan's, or off without a plan) and `max_tokens_per_micro_batch`
+    (None with no `micro_batch_size` -> the plan's token budget; without a plan the whole mini-batch)."""
+    role = plan_.roles.get(keys) if plan_ is not None else None
+    model_cfg, role_cfg = copy.copy(model_cfg), copy.copy(role_cfg)
+    if getattr(model_cfg, "gradient_checkpointing", None) is None:
+        model_cfg.gradient_checkpointing = role.gradient_checkpointing if role is not None else False
+    if role is not None and role_cfg.max_tokens_per_micro_batch is None and role_cfg.micro_batch_size is None:
+        role_cfg.max_tokens_per_micro_batch = role.max_tokens
+    return model_cfg, role_cfg
+
+
+def memory_keys(keys: str, model_keys: str) -> str:
+    """The config keys that lower a trained role's memory, for error messages."""
+    return (f"{keys}.max_tokens_per_micro_batch (smaller micro-batches), "
+            f"{model_keys}.gradient_checkpointing=true, {keys}.optimizer=adamw_8bit or adamw_cpu_offload, "
+            f"{keys}.param_offload / optimizer_offload=true, rollout.offload_weights=true, "
+            f"trainer.gpu_memory_utilization (lower: more headroom)")
+
+
+@contextlib.contextmanager
+def reported_oom(what: str, plan_: DevicePlan | None, model: str | None, keys: str) -> Iterator[None]:
+    """Turns a CUDA out-of-memory error inside the block into a `DeviceOutOfMemory` that names the phase,
+    the model, the plan's estimate, the device's state and the keys to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        if isinstance(e, DeviceOutOfMemory):
+            raise
+        state = ""
+        if torch.cuda.is_available():
+            state = (f" (allocated {_gib(torch.cuda.memory_allocated())}, reserved "
+                     f"{_gib(torch.cuda.memory_reserved())}, peak {_gib(torch.cuda.max_memory_allocated())})")
+        model = f" of {model}" if model else ""
+        estimate = f" The plan was: {plan_.describe()}." if plan_ is not None else ""
+        raise DeviceOutOfMemory(f"{what}{model} ran out of device memory{state}.{estimate} To use less: "
+                                f"{keys}. The CUDA error: {str(e).splitlines()[0]}") from None

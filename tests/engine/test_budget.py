@@ -1,0 +1,147 @@
+"""Device budgeting: the memory estimate against real models, the plan's choices (token budget, gradient
+checkpointing, KV cache), the refusal of a run that cannot fit (naming the model, the estimate and the
+keys that would make it fit), and out-of-memory errors turned into explained ones."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hybridflow.engine import budget
+from hybridflow.engine.budget import planning
+from hybridflow.engine.budget import (DeviceDemand, DoesNotFit, FrozenRole, ModelShape, RolloutRole,
+                                      TrainedRole, plan)
+from hybridflow.engine.train.optim import OPTIMIZERS
+
+GIB = 2**30
+H200 = (140 * GIB, 141 * GIB)  # (free, total)
+QWEN25 = {  # the real Qwen2.5 shapes (random weights are never built here: parameters are counted on meta)
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def shape(name: str) -> ModelShape:
+    return ModelShape.from_config(AutoConfig.for_model("qwen2", **QWEN25[name]))
+
+
+def grpo_demand(name: str, **actor) -> DeviceDemand:
+    """recipes/grpo.yaml on one GPU: actor + colocated rollout, 512 + 512 tokens, 256 sequences."""
+    s = shape(name)
+    role = TrainedRole("actor", "model", s, compute_bytes=2, master_bytes=actor.pop("master_bytes", 4), **actor)
+    return DeviceDemand(trained=(role,), rollout=RolloutRole(s, 2, max_num_seqs=256, max_model_len=1024),
+                        longest_sequence=1024)
+
+
+def test_parameter_count_matches_the_model(tiny_qwen2):
+    config = AutoConfig.from_pretrained(tiny_qwen2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    s = ModelShape.from_config(config)
+    assert s.params == sum(p.numel() for p in model.parameters())
+    assert s.largest_param == model.get_input_embeddings().weight.numel()
+    assert abs(shape("7b").params - 7.62e9) < 0.01e9 and abs(shape("14b").params - 14.77e9) < 0.01e9
+
+
+def test_the_optimizer_table_covers_every_optimizer():
+    assert set(budget.STATE_BYTES) == set(OPTIMIZERS)
+
+
+def test_activation_estimate_scales_with_tokens_and_checkpointing_keeps_one_layer():
+    s = shape("1.5b")
+    per_layer = s.layer_activation_bytes(2)
+    assert per_layer == 2 * (7 * 1536 + 2 * 256 + 4 * 8960)
+    assert s.activation_bytes(2, False) == 28 * per_layer + 2 * 2 * 1536
+    assert s.activation_bytes(2, True) == 28 * 2 * 1536 + per_layer + 2 * 2 * 1536
+
+
+def test_default_plan_bounds_micro_batches_and_keeps_checkpointing_off_where_it_fits():
+    p = plan(grpo_demand("3b"), *H200)  # the issue's target: the 3B shape trains with the defaults
+    actor = p.roles["actor"]
+    assert actor.max_tokens == budget.TARGET_TOKENS and not actor.gradient_checkpointing
+    assert actor.peak_bytes <= p.cap_bytes and p.generation_peak_bytes <= p.cap_bytes
+    # the KV cache takes what the device budget leaves, at most what 256 slots of 1024 tokens need
+    kv_per_seq = 1024 * 2 * 36 * 2 * 128 * 2
+    assert p.kv_cache_bytes == 257 * kv_per_seq
+
+
+def test_checkpointing_switches_on_where_activations_would_not_fit():
+    p = plan(grpo_demand("7b", optimizer="adamw_8bit"), *H200)
+    assert p.roles["actor"].gradient_checkpointing and p.roles["actor"].max_tokens == budget.TARGET_TOKENS
+    smaller = plan(grpo_demand("3b"), 75 * GIB, 141 * GIB)  # another process holds half the GPU
+    assert smaller.roles["actor"].gradient_checkpointing
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_the_model_the_estimate_and_the_keys():
+    with pytest.raises(DoesNotFit) as err:
+        plan(grpo_demand("7b"), *H200)
+    msg = str(err.value)
+    assert "actor update of 7.62B parameters" in msg and "optimizer state 56.7 GiB" in msg
+    assert "trainer.gpu_memory_utilization=0.9" in msg
+    assert "it fits with actor.optimizer=adamw_8bit" in msg and "actor.optimizer=adamw_cpu_offload" in msg
+    with pytest.raises(DoesNotFit, match="it fits with model.master_dtype=bf16 actor.optimizer=adamw_8bit"):
+        plan(grpo_demand("14b"), *H200)
+    fixed = plan(grpo_demand("14b", master_bytes=2, optimizer="adamw_8bit"), *H200)
+    assert fixed.roles["actor"].gradient_checkpointing
+    with pytest.raises(DoesNotFit, match="does not fit even with every memory option"):
+        plan(grpo_demand("14b"), 40 * GIB, 141 * GIB)
+
+
+def test_combined_options_are_suggested_when_no_single_one_fits():
+    demand = grpo_demand("7b", gradient_checkpointing=False, max_tokens=16384)
+    with pytest.raises(DoesNotFit, match="all memory options together: model.gradient_checkpointing=true"):
+        plan(demand, 60 * GIB, 141 * GIB)
+
+
+def test_generation_needs_room_for_a_sequence_in_the_kv_cache():
+    demand = dataclasses.replace(grpo_demand("1.5b"), trained=(), frozen=(
+        FrozenRole("actor.ref_param_offload", shape("14b"), 2),))
+    with pytest.raises(DoesNotFit, match="generation: the KV cache gets") as err:
+        plan(demand, 32 * GIB, 141 * GIB)
+    assert "actor.ref_param_offload=true" in str(err.value)
+
+
+def test_apply_plan_fills_only_what_was_left_to_it():
+    p = plan(grpo_demand("7b", optimizer="adamw_8bit"), *H200)
+    model = SimpleNamespace(gradient_checkpointing=None)
+    role = SimpleNamespace(max_tokens_per_micro_batch=None, micro_batch_size=None)
+    m, r = budget.apply_plan(p, "actor", model, role)
+    assert m.gradient_checkpointing is True and r.max_tokens_per_micro_batch == budget.TARGET_TOKENS
+    assert model.gradient_checkpointing is None  # the caller's sections are left alone
+    _, r = budget.apply_plan(p, "actor", model, SimpleNamespace(max_tokens_per_micro_batch=None, micro_batch_size=4))
+    assert r.max_tokens_per_micro_batch is None  # rows were chosen: the token budget stays off
+    m, r = budget.apply_plan(None, "actor", model, role)  # no plan (a CPU): off, the whole mini-batch
+    assert m.gradient_checkpointing is False and r.max_tokens_per_micro_batch is None
+
+
+def test_colocated_roles_share_the_first_plan_made_in_the_process(monkeypatch):
+    monkeypatch.setattr(planning, "_PLANS", {})
+    calls = []
+    monkeypatch.setattr(planning, "device_memory", lambda device: calls.append(device) or H200)
+    demand = grpo_demand("1.5b")
+    first = budget.plan_for_device(demand, torch.device("cuda", 0))
+    assert budget.plan_for_device(demand, torch.device("cuda", 0)) is first  # not re-measured after loading
+    assert len(calls) == 1
+    assert budget.plan_for_device(demand, torch.device("cuda", 1)) is not first
+    assert budget.plan_for_device(None, torch.device("cuda", 0)) is None
+
+
+def test_out_of_memory_errors_come_out_explained():
+    p = plan(grpo_demand("1.5b"), *H200)
+    with pytest.raises(budget.DeviceOutOfMemory) as err:
+        with budget.reported_oom("actor update", p, "1.54B parameters", budget.memory_keys("actor", "model")):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    msg = str(err.value)
+    assert msg.startswith("actor update of 1.54B parameters ran out of device memory")
+    assert "16,384-token micro-batches" in msg and "actor.max_tokens_per_micro_batch" in msg
+    assert "model.gradient_checkpointing=true" in msg and "Tried to allocate 2.00 GiB" in msg
+    assert err.value.__suppress_context__  # no second, bare trace
