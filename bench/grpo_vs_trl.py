@@ -1,9 +1,11 @@
 """One GRPO configuration run by hybridflow and by TRL's `GRPOTrainer`, side by side in one invocation.
 
     python bench/grpo_vs_trl.py --device cpu                       # tiny Qwen2, 2 CPU cores
-    python bench/grpo_vs_trl.py --device cuda --shape qwen2-0.5b   # the 0.5B shape on one GPU
+    python bench/grpo_vs_trl.py --device cuda --shape qwen2-0.5b   # the 0.5B shape on one GPU, 151,936 vocab
 
-Both get the same randomly initialised model (Qwen2 architecture, a byte-level BPE tokenizer), the same
+Both get the same randomly initialised model (Qwen2 architecture, a byte-level BPE tokenizer of 400 tokens;
+the model's vocabulary is `--vocab`, by default Qwen2's 151,936 on a GPU so the head costs what a real
+model's does, the tokenizer's own on a CPU; sampled ids past the tokenizer decode to nothing), the same
 prompts, the same reward function (`bench/grpo_reward.py`), prompts per step, group size, response
 length limit, learning rate, loss aggregation (token-mean: TRL's default `dapo` loss), no KL term
 (TRL's default `beta=0`), one optimizer step per batch, sampling at temperature 1. TRL uses its default
@@ -39,15 +41,22 @@ SHAPES = {
 }
 
 
-def make_inputs(work: Path, shape: str, n_prompts: int, seed: int) -> tuple[Path, Path]:
-    """A random model of `shape` and a prompt parquet (synthetic GSM8K-style, verl format)."""
+def make_inputs(work: Path, shape: dict, n_prompts: int, seed: int, vocab: int | None = None,
+                device: str = "cpu") -> tuple[Path, Path]:
+    """A random model of `shape` (`SHAPES` values; `vocab`: the model's vocabulary, None = the tokenizer's)
+    and a prompt parquet (synthetic GSM8K-style, verl format). `device="cuda"` makes the weights there in
+    bf16 (billion-parameter shapes; call it from a process that exits afterwards, so no CUDA context
+    lingers beside the measured runs)."""
+    import torch
+
     from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
     from hybridflow.utils.tiny_model import build_tiny_model
 
     rows = make_rows(n_prompts, "train", seed)
     texts = [r["prompt"][0]["content"] for r in rows]
     model = build_tiny_model(work / "model", arch="qwen2", seed=seed, train_texts=texts, vocab_size=400,
-                             max_positions=2048, **SHAPES[shape])
+                             max_positions=2048, model_vocab_size=vocab, device=device,
+                             dtype=torch.bfloat16 if device == "cuda" else torch.float32, **shape)
     return model, write_parquet(rows, work / "train.parquet")
 
 
@@ -108,7 +117,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         f"trainer.seed={a.seed}", "trainer.save_every=0", *a.set,
     ])
     trainer = RLTrainer(cfg)
-    step_s, gen_tok_s, lengths, phases, mfu = [], [], [], [], []
+    step_s, gen_tok_s, lengths, phases, mfu, tokens_per_s = [], [], [], [], [], []
     profile = None
     try:
         for i in range(a.steps):
@@ -124,6 +133,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
             if "perf/mfu/actor" in m:  # on a GPU: the actor update's model FLOPs utilisation
                 mfu.append(m["perf/mfu/actor"])
             lengths.append(m["response_length/mean"])
+            tokens_per_s.append(m["perf/throughput"])  # prompt + response tokens of the step per second
             phase = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")}
             # the controller's own time between phases: dispatch, batch assembly, metrics
             phase["other"] = phase["step"] - sum(v for k, v in phase.items() if k != "step")
@@ -132,7 +142,8 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
     finally:
         trainer.close()
     return {"step_s": step_s, "gen_tokens_per_s": gen_tok_s, "response_length_mean": lengths,
-            "phases_s": phases, "mfu_actor": mfu, "peak_memory_gb": peak_memory_gb(a.device), "profile": profile}
+            "phases_s": phases, "mfu_actor": mfu, "tokens_per_s": tokens_per_s,
+            "peak_memory_gb": peak_memory_gb(a.device), "profile": profile}
 
 
 def profiled(fn, device: str, rows: int = 30):
@@ -236,7 +247,7 @@ def summarize(name: str, r: dict, warmup: int) -> dict:
         out["profile_last_step"] = r["profile"]
     if r.get("gen_s"):
         out["gen_s_median"] = statistics.median(r["gen_s"][warmup:] or r["gen_s"])
-    for key in ("gen_tokens_per_s", "mfu_actor"):
+    for key in ("gen_tokens_per_s", "mfu_actor", "tokens_per_s"):
         if r.get(key):
             out[f"{key}_median"] = statistics.median(r[key][warmup:] or r[key])
     return out
@@ -248,6 +259,8 @@ def main() -> None:
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: tiny on cpu, qwen2-0.5b on cuda")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8 cpu / 32 cuda)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="the model's vocabulary (default 151,936 on cuda, the 400-token tokenizer's on cpu)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 32 cpu / 256 cuda")
     p.add_argument("--steps", type=int, default=None, help="default 20 cpu / 10 cuda")
     p.add_argument("--warmup", type=int, default=None,
@@ -271,10 +284,11 @@ def main() -> None:
     a.max_new_tokens = a.max_new_tokens or (32 if cpu else 256)
     a.steps = a.steps or (20 if cpu else 10)
     a.warmup = a.warmup if a.warmup is not None else (4 if cpu else 2)
+    a.vocab = a.vocab or (None if cpu else 151936)
     if a.child:
         return child(a)
     work = Path(tempfile.mkdtemp(prefix="grpo_vs_trl_"))
-    make_inputs(work, a.shape, max(64, a.prompts * (a.steps + 1)), a.seed)
+    make_inputs(work, SHAPES[a.shape], max(64, a.prompts * (a.steps + 1)), a.seed, a.vocab)
     results = {}
     for name in ("hybridflow", "trl"):
         if a.only and name != a.only:
@@ -286,17 +300,24 @@ def main() -> None:
         cmd += ["--profile"] if a.profile else []
         cmd += [f"--set={kv}" for kv in a.set]
         start = time.perf_counter()
-        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-        results[name] = summarize(name, json.loads(res.read_text()), a.warmup)
+        proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+                              stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr[-20000:])
+        if proc.returncode or not res.exists():  # recorded (e.g. out of memory at the real vocabulary)
+            results[name] = {"framework": name, "error": f"exit code {proc.returncode}",
+                             "stderr_tail": proc.stderr[-4000:]}
+        else:
+            results[name] = summarize(name, json.loads(res.read_text()), a.warmup)
         results[name]["wall_s"] = time.perf_counter() - start
     import torch
 
     report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
               "cpus": os.cpu_count(), "torch": torch.__version__, "settings": {k: v for k, v in vars(a).items()
-              if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "warmup", "lr", "seed", "set")},
+              if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "warmup", "lr", "seed", "set",
+                       "vocab")},
               "commit": git_commit(),
               "results": results}
-    if "hybridflow" in results and "trl" in results:
+    if all("step_s_median" in results.get(name, {}) for name in ("hybridflow", "trl")):
         report["speedup_step"] = results["trl"]["step_s_median"] / results["hybridflow"]["step_s_median"]
     try:
         import transformers
@@ -308,6 +329,9 @@ def main() -> None:
     print(f"\n{'framework':<12}{'s/step (median)':>17}{'first step s':>14}{'gen tok/s':>11}{'peak GiB':>10}"
           f"{'device GiB':>12}{'resp len':>10}")
     for r in results.values():
+        if "error" in r:
+            print(f"{r['framework']:<12} failed: {r['error']} (stderr tail in the JSON)")
+            continue
         print(f"{r['framework']:<12}{r['step_s_median']:>17.3f}{r['first_step_s']:>14.2f}"
               f"{r.get('gen_tokens_per_s_median') or 0:>11,.0f}{r['peak_memory_gb']:>10.2f}"
               f"{r['peak_device_memory_gb'] or 0:>12.2f}{r['response_length_mean'] or 0:>10.1f}")

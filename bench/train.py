@@ -1,17 +1,24 @@
-"""Actor-update throughput and MFU of hybridflow's FSDP2 engine against a plain HF eager loop (one GPU).
+"""Actor-update throughput, device peak memory and MFU of the FSDP2 engine: one forward per mini-batch
+against bounded micro-batches, eager and compiled, optionally against a plain HF eager loop.
 
-    python bench/train.py --out bench/results/train_h200.json [--shapes 0.5b,1.5b] [--rows 64]
+    python bench/train.py --out bench/results/train_h200.json            # 0.5B and 1.5B on one GPU
+    python bench/train.py --device cpu --shapes tiny --budgets full,256 --compile off   # a toy check
 
-Random bf16-initialised Qwen2 shapes (built with `AutoConfig.for_model`), RL-shaped batches: prompts of
-128-512 tokens (left-padded), responses of 32-1024 tokens (right-padded, a quarter cut at 1024). Both
-sides run the same PPO-clip loss (token-mean) with AdamW and one global grad clip per mini-batch.
-- hybridflow: `TrainEngine` (FSDP2 world size 1, bf16 params / fp32 master and reduce), packed rows
-  (varlen flash attention), micro-batches by token budget, lm-head only on response positions.
-- HF eager: the model in bf16 with fused AdamW, padded micro-batches of 8 rows, full logits.
-Only real tokens (prompt + response, no padding) count towards throughput. MFU is reported against the
-dense-bf16 datasheet peak (989 TFLOP/s) with attention FLOPs counted, and, to compare with
-shared/PERF.md's 46.5 %, as 6 x parameters x tokens/s over the bf16 matmul rate measured in this run.
-A profiler pass over one engine step says where the time goes.
+The question it answers (shared/PERF.md): does a 16k-token micro-batch update reach >= 90 % of the
+one-forward update's tokens/s, at what device peak? Random bf16-initialised Qwen2 shapes with the real
+151,936-token vocabulary (built with `AutoConfig.for_model`), RL-shaped batches: prompts of 128-512 tokens
+(left-padded), responses of 32-1024 (right-padded, a quarter cut at 1024); `--rows` per shape (64 rows at
+0.5B, 32 at 1.5B, so that one forward still fits). Every configuration (shape x `--budgets` token budget,
+`full` = one forward x `--compile` on/off) builds its own `TrainEngine` (FSDP2 world size 1, bf16 over fp32
+master weights, packed rows, the fused log-prob head), runs the old-log-prob pass, `--warmup` steps (the
+first compiles) and `--steps` timed PPO-clip steps. An out-of-memory error or any other failure is
+recorded for that configuration and the next one runs; the JSON is rewritten after each. Each run records
+the allocator's peak, the device's used memory, and the device budget's estimate for the same micro-batch
+(`hybridflow.engine.budget`). `ratios` compares each budget with one forward at the same compile setting.
+Only real tokens (prompt + response) count towards throughput. MFU: against the dense-bf16 datasheet peak
+(989 TFLOP/s) with attention FLOPs, and as 6 x parameters x tokens/s over the bf16 matmul rate measured in
+this run (shared/PERF.md's convention). `--hf` adds the plain HF loop (padded micro-batches of 8 rows, full
+logits); `--profile` a profiler breakdown of each run's step.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import argparse
 import gc
 import json
 import os
+import resource
 import tempfile
 import time
+import traceback
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -29,11 +38,15 @@ import torch
 import torch.distributed as dist
 
 SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
+ROWS = {"tiny": 8, "0.5b": 64, "1.5b": 32}
+WIDTHS = {"tiny": (32, 64)}  # (prompt, response) columns; the rest: (512, 1024)
 
 
 def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -49,25 +62,26 @@ def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12
 
 
-def build_model_dir(shape: str, root: str) -> tuple[str, int]:
+def build_model_dir(shape: str, root: str, device: str) -> tuple[str, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("qwen2", max_position_embeddings=4096, rms_norm_eps=1e-6, **SHAPES[shape])
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     params = sum(p.numel() for p in model.parameters())
     path = os.path.join(root, shape)
     model.save_pretrained(path)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return path, params
 
 
-def rl_batch(rows: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def rl_batch(rows: int, vocab: int, seed: int = 0, widths: tuple[int, int] = (512, 1024)) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    P, R = 512, 1024
-    plen = torch.randint(128, P + 1, (rows,), generator=g)
-    rlen = torch.randint(32, R + 1, (rows,), generator=g)
+    P, R = widths
+    plen = torch.randint(P // 4, P + 1, (rows,), generator=g)
+    rlen = torch.randint(R // 32, R + 1, (rows,), generator=g)
     rlen[torch.rand(rows, generator=g) < 0.25] = R
     ids = torch.randint(10, vocab, (rows, P + R), generator=g)
     col = torch.arange(P + R)
@@ -86,28 +100,54 @@ def ppo_loss(logp, mb, global_tokens):
     return loss, metrics
 
 
-def flops_conventions(config, params: int, seq_lens: list[int], seconds: float, ceiling: float) -> dict:
+def flops_conventions(config, params: int, seq_lens: list[int], seconds: float, ceiling: float | None) -> dict:
     from hybridflow.engine.train.flops import PEAK_TFLOPS, train_flops
 
     tokens = sum(seq_lens)
-    return {"tokens_per_s": tokens / seconds,
-            "mfu_datasheet": train_flops(config, seq_lens) / seconds / (PEAK_TFLOPS["H200"] * 1e12),
-            "mfu_perf_md": 6 * params * tokens / seconds / (ceiling * 1e12)}
+    out = {"tokens_per_s": tokens / seconds}
+    if ceiling is not None:
+        out.update(mfu_datasheet=train_flops(config, seq_lens) / seconds / (PEAK_TFLOPS["H200"] * 1e12),
+                   mfu_perf_md=6 * params * tokens / seconds / (ceiling * 1e12))
+    return out
 
 
-def bench_engine(path, params, batch, args, ceiling, max_tokens: int) -> dict:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_gb(device: str) -> float:
+    """The allocator's peak on a GPU; the process's peak RSS on a CPU."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def estimated_peak_gb(config, tokens: int, device: str) -> float:
+    """The device budget's estimate of this update's peak (no rollout engine, no other models)."""
+    from hybridflow.engine.budget import ModelShape, TrainedRole
+
+    c = 2 if device == "cuda" else 4
+    role = TrainedRole("actor", "model", ModelShape.from_config(config), compute_bytes=c, master_bytes=4)
+    return (sum(role.update_bytes(1).values()) + role.activation_peak(tokens, False)) / 2**30
+
+
+def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool,
+                 check_parity: bool = False) -> dict:
+    """One configuration: old-log-prob pass, warm-up, timed steps, memory (and packed-vs-padded parity)."""
     from hybridflow.engine.train import TrainEngine
 
-    model_cfg = SimpleNamespace(path=path, dtype="bf16", gradient_checkpointing=False,
-                                attn_implementation="sdpa", trust_remote_code=False)
-    optim = SimpleNamespace(lr=1e-6, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0,
-                            weight_decay=0.01, betas=(0.9, 0.999), grad_clip=1.0)
-    engine = TrainEngine(model_cfg, optim, head="lm", total_steps=100)
+    model_cfg = SimpleNamespace(path=path, dtype="bf16" if args.device == "cuda" else "fp32",
+                                gradient_checkpointing=False, compile=compiled, attn_implementation="sdpa",
+                                trust_remote_code=False)
+    optim = SimpleNamespace(optimizer="adamw", lr=1e-6, lr_schedule="constant", lr_warmup_steps=0,
+                            min_lr_ratio=0.0, weight_decay=0.01, betas=(0.9, 0.999), grad_clip=1.0)
+    engine = TrainEngine(model_cfg, optim, head="lm", total_steps=100, pack_on_cpu=True)
     seq_lens = batch["attention_mask"].sum(-1).tolist()
-    torch.cuda.synchronize()
+    sync(args.device)
     t = time.perf_counter()
-    old = engine.infer(batch, max_tokens=max_tokens * 2)["log_probs"]
-    torch.cuda.synchronize()
+    old = engine.infer(batch, max_tokens=None if max_tokens is None else max_tokens * 2)["log_probs"]
+    sync(args.device)
     infer_s = time.perf_counter() - t
     batch = dict(batch, old_log_probs=old)
 
@@ -115,23 +155,31 @@ def bench_engine(path, params, batch, args, ceiling, max_tokens: int) -> dict:
         return ppo_loss(out["log_probs"], mb, ctx.global_tokens)
 
     step = lambda: engine.train_step(batch, loss_fn, max_tokens=max_tokens)  # noqa: E731
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    sync(args.device)
+    warmup_s = time.perf_counter() - t
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for _ in range(args.steps):
         metrics = step()
-    torch.cuda.synchronize()
+    sync(args.device)
     seconds = (time.perf_counter() - t) / args.steps
     out = flops_conventions(engine.config, params, seq_lens, seconds, ceiling)
-    out.update(step_s=seconds, log_prob_pass_tokens_per_s=sum(seq_lens) / infer_s,
-               peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, grad_norm=metrics["grad_norm"],
-               max_tokens_per_micro_batch=max_tokens)
-    out["time_breakdown"] = profile(step)
-    out["parity"] = parity(engine, batch)
-    del engine
-    torch.cuda.empty_cache()
-    return out
+    micro = len(engine.micro_batch_rows(batch, None, max_tokens))
+    out.update(step_s=seconds, warmup_s=warmup_s, log_prob_pass_tokens_per_s=sum(seq_lens) / infer_s,
+               micro_batches=micro, peak_memory_gb=peak_gb(args.device), grad_norm=metrics["grad_norm"],
+               estimated_peak_gb=estimated_peak_gb(engine.config, max_tokens or sum(seq_lens), args.device))
+    if args.device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        out["device_used_gb"] = (total - free) / 2**30
+    if args.profile and args.device == "cuda":
+        out["time_breakdown"] = profile(step)
+    if check_parity:
+        out["parity"] = parity(engine, batch)
+    return out  # the engine goes with this frame; the caller empties the allocator cache
 
 
 def profile(step) -> dict:
@@ -221,59 +269,93 @@ def _time(step, steps) -> float:
     return (time.perf_counter() - t) / steps
 
 
+def run_shape(shape: str, root: str, args, ceiling: float | None, results: dict, save) -> None:
+    path, params = build_model_dir(shape, root, args.device)
+    widths = WIDTHS.get(shape, (512, 1024))
+    batch = rl_batch(args.rows.get(shape, 64), SHAPES[shape]["vocab_size"], widths=widths)
+    entry = results["shapes"][shape] = {"params": params, "rows": len(batch["input_ids"]),
+                                        "real_tokens_per_step": int(batch["attention_mask"].sum()),
+                                        "padded_tokens_per_step": int(batch["attention_mask"].numel()), "runs": {}}
+    for compiled in args.compile:
+        for budget in args.budgets:
+            key = f"{'full' if budget is None else budget}/{'compiled' if compiled else 'eager'}"
+            try:
+                entry["runs"][key] = bench_engine(path, params, batch, args, ceiling, budget, compiled,
+                                                  check_parity=not entry["runs"])
+            except torch.OutOfMemoryError as e:
+                entry["runs"][key] = {"error": "out of memory", "message": str(e).splitlines()[0]}
+            except Exception as e:  # a failed configuration is recorded; the others still run
+                entry["runs"][key] = {"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            print(shape, key, json.dumps({k: v for k, v in entry["runs"][key].items() if k != "time_breakdown"}),
+                  flush=True)
+            save()
+        full = entry["runs"].get(f"full/{'compiled' if compiled else 'eager'}", {})
+        for budget in args.budgets:
+            run = entry["runs"].get(f"{budget}/{'compiled' if compiled else 'eager'}", {})
+            if budget is not None and "tokens_per_s" in run and "tokens_per_s" in full:
+                entry.setdefault("ratios", {})[f"{budget}_vs_full/{'compiled' if compiled else 'eager'}"] = \
+                    run["tokens_per_s"] / full["tokens_per_s"]
+    if args.hf:
+        entry["hf_eager"] = bench_hf(path, params, batch, args, ceiling)
+        print(shape, "hf_eager", json.dumps(entry["hf_eager"]), flush=True)
+    save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results/train_h200.json")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/train_<device>.json)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--shapes", default="0.5b,1.5b")
-    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--rows", default="0.5b:64,1.5b:32,tiny:8", help="rows per mini-batch, per shape")
+    parser.add_argument("--budgets", default="full,16384", help="micro-batch token budgets; full = one forward")
+    parser.add_argument("--compile", default="on,off", help="compiled decoder layers: on, off or both")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--budgets", default="0.5b:16384/32768,1.5b:16384/24576",
-                        help="max_tokens_per_micro_batch values to try per shape")
+    parser.add_argument("--hf", action="store_true", help="also time the plain HF eager loop")
+    parser.add_argument("--profile", action="store_true", help="profiler breakdown of each run (GPU)")
     args = parser.parse_args()
-    budgets = {k: [int(b) for b in v.split("/")] for k, v in (item.split(":") for item in args.budgets.split(","))}
+    if args.hf and args.device != "cuda":
+        parser.error("--hf times the plain loop on a GPU only")
+    args.rows = {k: int(v) for k, v in (item.split(":") for item in args.rows.split(","))}
+    args.budgets = [None if b == "full" else int(b) for b in args.budgets.split(",")]
+    args.compile = [c == "on" for c in args.compile.split(",")]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     import transformers
 
-    ceiling = matmul_tflops()
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    if cuda:
+        torch.cuda.set_device(0)
+    ceiling = matmul_tflops() if cuda else None
+    results = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                "transformers": transformers.__version__, "bf16_matmul_tflops_measured": ceiling,
-               "rows_per_mini_batch": args.rows, "shapes": {}}
-    print(f"bf16 matmul: {ceiling:.0f} TFLOP/s", flush=True)
+               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "shapes": {}}
+    out = args.out or f"bench/results/train_{'h200' if cuda else 'cpu'}.json"
+
+    def save() -> None:  # after each configuration, so a cut-short run keeps what it measured
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+
+    if ceiling:
+        print(f"bf16 matmul: {ceiling:.0f} TFLOP/s", flush=True)
     with tempfile.TemporaryDirectory() as root:
         for shape in args.shapes.split(","):
-            path, params = build_model_dir(shape, root)
-            batch = rl_batch(args.rows, SHAPES[shape]["vocab_size"])
-            real = int(batch["attention_mask"].sum())
-            entry = {"params": params, "real_tokens_per_step": real,
-                     "padded_tokens_per_step": int(batch["attention_mask"].numel())}
-            runs = {}
-            for budget in budgets[shape]:
-                try:
-                    runs[budget] = bench_engine(path, params, batch, args, ceiling, budget)
-                except torch.OutOfMemoryError:
-                    runs[budget] = {"error": "out of memory", "tokens_per_s": 0.0}
-                gc.collect()
-                torch.cuda.empty_cache()
-                print(shape, "hybridflow", budget, json.dumps({k: v for k, v in runs[budget].items()
-                                                               if k != "time_breakdown"}), flush=True)
-            entry["hybridflow_by_budget"] = runs
-            entry["hybridflow"] = max(runs.values(), key=lambda r: r["tokens_per_s"])
-            entry["hf_eager"] = bench_hf(path, params, batch, args, ceiling)
-            print(shape, "hf_eager", json.dumps(entry["hf_eager"]), flush=True)
-            entry["speedup_tokens_per_s"] = entry["hybridflow"]["tokens_per_s"] / entry["hf_eager"]["tokens_per_s"]
-            results["shapes"][shape] = entry
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out, "w") as f:  # after each shape, so a cut-short run keeps what it measured
-                json.dump(results, f, indent=2)
-    print(f"{'shape':6} {'engine':10} {'tok/s':>9} {'MFU(989)':>9} {'MFU(PERF.md)':>12} {'step s':>7}")
+            run_shape(shape, root, args, ceiling, results, save)
+    print(f"{'shape':6} {'run':18} {'tok/s':>9} {'MFU(PERF.md)':>12} {'step s':>7} {'peak GiB':>9} {'est GiB':>8}")
     for shape, e in results["shapes"].items():
-        for name in ("hybridflow", "hf_eager"):
-            r = e[name]
-            print(f"{shape:6} {name:10} {r['tokens_per_s']:9.0f} {r['mfu_datasheet']:9.1%} "
-                  f"{r['mfu_perf_md']:12.1%} {r['step_s']:7.2f}")
+        for key, r in e["runs"].items():
+            if "error" in r:
+                print(f"{shape:6} {key:18} {r['error']}")
+                continue
+            print(f"{shape:6} {key:18} {r['tokens_per_s']:9.0f} {r.get('mfu_perf_md', 0):12.1%} {r['step_s']:7.2f} "
+                  f"{r['peak_memory_gb']:9.1f} {r['estimated_peak_gb']:8.1f}")
+        for key, ratio in e.get("ratios", {}).items():
+            print(f"{shape:6} {key}: {ratio:.1%} of one forward's tokens/s")
     dist.destroy_process_group()
 
 

@@ -91,19 +91,28 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
 def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, layers: int = 2,
                      heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
                      max_positions: int = 512, seed: int = 0, train_texts: list[str] | None = None,
-                     vocab_size: int = 300, tie_word_embeddings: bool = True) -> Path:
-    """Save a random model + tokenizer + generation config under `path` and return it."""
+                     vocab_size: int = 300, tie_word_embeddings: bool = True, model_vocab_size: int | None = None,
+                     dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+    """Save a random model + tokenizer + generation config under `path` and return it.
+
+    `model_vocab_size`: the model's vocabulary when it should be larger than the tokenizer's (Qwen2.5 has
+    151,936 rows for 151,665 tokens; benchmarks use it to get a real vocabulary's head on a small
+    tokenizer). `dtype` / `device`: where the weights are initialised (a GPU builds billion-parameter
+    shapes in seconds)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(train_texts, vocab_size)
     pad_id, eos_id = tok.convert_tokens_to_ids(PAD), tok.convert_tokens_to_ids(EOS)
-    config = tiny_config(arch, len(tok), hidden, layers, heads, kv_heads, intermediate, max_positions,
-                         pad_id, eos_id, tie_word_embeddings)
-    with torch.random.fork_rng(devices=[]):
+    if model_vocab_size is not None and model_vocab_size < len(tok):
+        raise ValueError(f"model_vocab_size={model_vocab_size} is below the tokenizer's {len(tok)} tokens")
+    config = tiny_config(arch, model_vocab_size or len(tok), hidden, layers, heads, kv_heads, intermediate,
+                         max_positions, pad_id, eos_id, tie_word_embeddings)
+    devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     model.save_pretrained(path)
     tok.save_pretrained(path)
