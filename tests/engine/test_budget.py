@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow.engine import budget
 from hybridflow.engine.budget import planning
@@ -49,6 +49,8 @@ def test_parameter_count_matches_the_model(tiny_qwen2):
     s = ModelShape.from_config(config)
     assert s.params == sum(p.numel() for p in model.parameters())
     assert s.largest_param == model.get_input_embeddings().weight.numel()
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_qwen2, num_labels=1)  # the critic's class
+    assert ModelShape.from_config(config, "value").params == sum(p.numel() for p in critic.parameters())
     assert abs(shape("7b").params - 7.62e9) < 0.01e9 and abs(shape("14b").params - 14.77e9) < 0.01e9
 
 

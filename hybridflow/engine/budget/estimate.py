@@ -15,7 +15,6 @@ Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,17 +53,17 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any, head: str = "lm", trust_remote_code: bool = False) -> ModelShape:
-        """From a Hugging Face config; parameters counted on the meta device (no memory, exact)."""
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        """From a Hugging Face config; parameters counted on the meta device (no memory, exact). `head`:
+        ``"lm"`` (a causal LM) or ``"value"`` (the backbone and a one-output score head, as the critic and
+        reward models are, whatever classification class an architecture has)."""
+        from transformers import AutoModel, AutoModelForCausalLM
 
         with torch.device("meta"):
-            if head == "lm":
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-            else:
-                config = copy.deepcopy(config)
-                config.num_labels = 1
-                model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
+            auto = AutoModelForCausalLM if head == "lm" else AutoModel
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
         numels = [p.numel() for p in model.parameters()]
+        if head != "lm":
+            numels.append(config.hidden_size + 1)  # the score head (weight and bias)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv = getattr(config, "num_key_value_heads", None) or heads
