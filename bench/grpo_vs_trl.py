@@ -223,7 +223,10 @@ def child(a: argparse.Namespace) -> None:
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, `-dirty` with local changes (None outside git): what a run measured."""
+    """The checkout's commit, `-dirty` with local changes (None outside git): what a run measured.
+    `HYBRIDFLOW_COMMIT` overrides it (the device machine's copy of `.git` is stale: bench/h200.sh sets it)."""
+    if os.environ.get("HYBRIDFLOW_COMMIT"):
+        return os.environ["HYBRIDFLOW_COMMIT"]
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=HERE,
                              check=False)

@@ -37,6 +37,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from grpo_vs_trl import git_commit  # noqa: E402
+
 
 def score(texts: list[str], truths: list[str]) -> float:
     """Greedy validation accuracy: the share of responses whose last number is the answer."""
@@ -218,12 +220,6 @@ def summarize(results: dict) -> dict:
     return {"trl_final_accuracy": trl_final["accuracy"], "trl_final_train_s": trl_final["train_s"],
             "hybridflow_train_s_to_trl_final": reached,
             "time_fraction": None if reached is None else reached / trl_final["train_s"]}
-
-
-def git_commit() -> str | None:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=HERE,
-                         check=False)
-    return out.stdout.strip() or None
 
 
 def main() -> None:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The H200 runs behind docs/benchmarks.md, as stages that each fit one device call (10 minutes at most):
+#
+#   HYBRIDFLOW_COMMIT=<sha> bash bench/h200.sh gpu_tests train grpo     # one call
+#   bash bench/h200.sh model_part1                                       # two calls back to back: the GGUF
+#   bash bench/h200.sh model_part2 race                                  #   travels as two pieces
+#
+# The device machine has torch, transformers, peft and pandas but not our other dependencies: they travel
+# as wheels in .whl/ (omegaconf, antlr4, trl, datasets, dill, multiprocess, gguf, torchao), installed into
+# /tmp/site by every stage run. The real model's GGUF (98 MB) travels as .gguf1/part and .gguf2/part.
+# Results (JSON, PNG, logs) go to $OUT when set (the device tool's output folder), else bench/results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+setup() {
+    [ -d /tmp/site/omegaconf ] && return
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+}
+
+gpu_tests() { python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"; }
+train() { python3 bench/train.py --out "$OUT/train_h200.json" 2>&1 | tee "$OUT/train.log"; }
+grpo() { python3 bench/grpo_vs_trl.py --device cuda --steps 6 --out "$OUT/grpo_vs_trl_cuda.json" 2>&1 | tee "$OUT/grpo.log"; }
+rollout() { python3 bench/rollout.py --device cuda --out "$OUT/rollout_h200.json" 2>&1 | tee "$OUT/rollout.log"; }
+scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:default,7b:8bit,14b:bf16_8bit}" \
+    --budget-s "${SCALE_BUDGET_S:-540}" --out "$OUT/scale_h200.json" 2>&1 | tee "$OUT/scale.log"; }
+model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
+model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
+race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
+    --out "$OUT/learn_vs_trl_h200.json" 2>&1 | tee "$OUT/race.log"; }
+multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" --out "$OUT/multiturn_h200.json" 2>&1 \
+    | tee "$OUT/multiturn.log"; }
+
+setup || exit 1
+for stage in "$@"; do
+    echo "=== $stage $(date +%T)"
+    "$stage"
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
