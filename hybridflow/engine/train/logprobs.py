@@ -20,13 +20,16 @@ import torch
 import torch.nn.functional as F
 
 # fp32 elements of one chunk of logits: 2**27 (512 MiB) is 883 tokens at a 151,936-token vocabulary,
-# and the whole micro-batch at a toy one
+# and the whole micro-batch at a toy one. Compiled, a chunk's arithmetic is one or two fused kernels; eager,
+# each of its ~6 steps keeps an fp32 copy of the chunk alive, so eager chunks are 8x smaller (the head's
+# peak stays a fraction of one full-vocabulary fp32 logits tensor either way).
 CHUNK_ELEMENTS = 2**27
+EAGER_CHUNK_ELEMENTS = 2**24
 
 
-def default_chunk(vocab: int) -> int:
-    """Tokens per chunk for a vocabulary of `vocab`."""
-    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+def default_chunk(vocab: int, compiled: bool = True) -> int:
+    """Tokens per chunk for a vocabulary of `vocab`, with the chunk arithmetic compiled or eager."""
+    return max(1, (CHUNK_ELEMENTS if compiled else EAGER_CHUNK_ELEMENTS) // max(vocab, 1))
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool
@@ -113,7 +116,7 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                     compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden `[N, H]`, weight `[V, H]` (bias `[V]`), targets long `[N]` -> (log-probs `[N]` fp32,
     entropy `[N]` fp32 or None) of `softmax(hidden @ weight.T + bias)` at `temperature`; differentiable
-    with respect to hidden, weight and bias. `chunk_size`: tokens per chunk (default `default_chunk(V)`).
+    with respect to hidden, weight and bias. `chunk_size`: tokens per chunk (default `default_chunk(V, compiled)`).
     Under autocast the matmuls run in the autocast dtype, as the plain head's would."""
     if (hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]
             or weight.shape[1] != hidden.shape[1]):
@@ -125,7 +128,7 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    chunk = chunk_size or default_chunk(weight.shape[0])
+    chunk = chunk_size or default_chunk(weight.shape[0], compiled)
     with torch.autocast(hidden.device.type, enabled=False):
         out = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature), bool(with_entropy),
                                    int(chunk), bool(compiled))

@@ -102,9 +102,10 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: modules whose class is in HF's `_no_split_modules`."""
+    """The model's repeated blocks: modules whose class is in HF's `_no_split_modules` (also once FSDP2 has
+    sharded them: `fully_shard` swaps a module's class for an `FSDP<name>` subclass of it)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules "
                          f"({sorted(names)}); cannot shard it per layer")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from train_helpers import model_cfg, optim_cfg, rl_batch
 
+from hybridflow.controller.runtime import ensure_single_process_group
 from hybridflow.engine.train import TrainEngine, token_log_probs
 
 pytestmark = pytest.mark.gpu
@@ -15,12 +15,12 @@ VOCAB = 151936
 
 
 @pytest.fixture
-def nccl_rank(tmp_path):
-    """A one-rank NCCL group, so the engine shards with FSDP2 and bf16 mixed precision as on a real run."""
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+def nccl_rank():
+    """The process's one-rank NCCL group (the one inline worker groups share, which an earlier test may
+    have made already), so the engine shards with FSDP2 and bf16 mixed precision as on a real run."""
     torch.cuda.set_device(0)
+    ensure_single_process_group("cuda")
     yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("compiled", [False, True])
