@@ -21,7 +21,7 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
 
-gpu_tests() { python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"; }
+gpu_tests() { python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"; }
 train() { python3 bench/train.py --out "$OUT/train_h200.json" 2>&1 | tee "$OUT/train.log"; }
 grpo() { python3 bench/grpo_vs_trl.py --device cuda --steps 6 --out "$OUT/grpo_vs_trl_cuda.json" 2>&1 | tee "$OUT/grpo.log"; }
 rollout() { python3 bench/rollout.py --device cuda --out "$OUT/rollout_h200.json" 2>&1 | tee "$OUT/rollout.log"; }
