@@ -1,13 +1,19 @@
-"""Attention over packed tokens and the slot KV cache: cache writes, varlen prefill, and decode.
+"""Attention over packed tokens and the slot KV cache: cache writes, varlen prefill, and cache reads.
 
-Two kernels per phase, picked by `Backend`:
+Two kinds of attention, each with two kernels picked by `Backend`:
+- prefill of new prompts (`prefill_attention`): causal within each packed prompt, over its own K/V.
+- attention over the cache (`cache_attention`): each row's newest tokens (one per row in decode; the
+  appended tokens of a continued sequence in a continuation prefill) attend to everything in the row's
+  slot up to themselves, the cached prefix included; their K/V are written to the slot first.
+
 - "flash" (CUDA, bf16/fp16): `aten._flash_attention_forward`, varlen with `cu_seqlens` for packed
-  prefill; for decode, the slot cache flattened to `[slots * max_len, kv_heads, head_dim]` with
-  `cu_seqlens_k[b] = slot_b * max_len` and `seqused_k[b]` = the row's context length. Static shapes, so
-  it runs inside CUDA graphs.
+  prefill; over the cache, the slot cache flattened to `[slots * max_len, kv_heads, head_dim]` with
+  `cu_seqlens_k[b] = slot_b * max_len`, `seqused_k[b]` = the row's context length and the causal mask
+  aligned to the bottom right (query i of q_b sits at position context_b - q_b + i). Static shapes in
+  decode, so it runs inside CUDA graphs.
 - "sdpa" (CPU, or fp32 on CUDA): `scaled_dot_product_attention` once over the prompts padded to the
   longest (causal and padding mask; per prompt when that would be large) for prefill, and over the
-  slot rows (a view when the rows' slots are contiguous) with a length mask for decode.
+  slot rows (a view when the rows' slots are contiguous) with a causal length mask over the cache.
 
 Shapes: T packed tokens, B decode rows, H query heads, Hkv kv heads, D head dim.
 """
@@ -24,30 +30,36 @@ import torch.nn.functional as F
 class AttnMeta:
     """Per-forward attention inputs shared by all layers.
 
-    prefill: packed prompts (causal within each) if True, else one new token per decode row.
-    write_index: [T * n] flat cache positions (slot * max_len + position) the new K/V go to; in prefill
-        each token is written to its prompt's n sample slots (token-major order).
-    n: copies of each prefill token written (the samples per prompt); 1 in decode.
-    cu_seqlens: prefill [S + 1] int32 prompt starts in the packed tokens; decode [B + 1] int32 row
-        starts in the flattened cache (slot * max_len).
-    cu_seqlens_q: decode [B + 1] int32, 0..B (one query per row).
-    seqlens: prefill, the prompt lengths as Python ints (for the SDPA loop).
-    max_seqlen: prefill, the longest prompt; decode, the largest context any row may have.
-    context_lens: decode [B] int32, each row's context length including the new token.
-    slots: decode [B] int64, each row's slot.
-    padding: the SDPA layout (prefill: padded prompts; decode: rows and mask), made by the first layer.
+    write_index: [W] flat cache positions (slot * max_len + position) the new K/V go to; in prefill
+        a new prompt's tokens are written to each of its n sample slots.
+    write_rows: [W] the packed token each write takes (None: token i -> write i).
+    cu_seqlens: new-prompt prefill [S + 1] int32 prompt starts in the packed tokens; over the cache,
+        [B + 1] int32 row starts in the flattened cache (slot * max_len).
+    cu_seqlens_q: over the cache, [B + 1] int32 starts of each row's queries in the packed tokens.
+    max_seqlen_q: over the cache, the most queries any row has (1 in decode).
+    seqlens: new-prompt prefill, the prompt lengths as Python ints (for the SDPA loop).
+    max_seqlen: new-prompt prefill, the longest prompt; over the cache, the largest context any row may have.
+    context_lens: over the cache, [B] int32 each row's context length including its new tokens (None:
+        a new-prompt prefill, which attends over its own K/V only).
+    slots: over the cache, [B] int64 each row's slot.
+    padding: the SDPA layout (prefill: padded prompts; cache: rows, queries and mask), made by the first layer.
     """
 
-    prefill: bool
     write_index: torch.Tensor
-    n: int = 1
+    write_rows: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
+    max_seqlen_q: int = 1
     seqlens: list[int] | None = None
     max_seqlen: int = 0
     context_lens: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     padding: tuple | None = None
+
+    @property
+    def reads_cache(self) -> bool:
+        """True when the queries attend over the slot cache (decode, continuation prefill)."""
+        return self.context_lens is not None
 
 
 def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -58,8 +70,8 @@ def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttnMeta) -> None:
     """Store new K/V ([T, Hkv, D]) into one layer's cache ([slots + 1, max_len, Hkv, D]) in place."""
-    if meta.n > 1:
-        k, v = k.repeat_interleave(meta.n, dim=0), v.repeat_interleave(meta.n, dim=0)
+    if meta.write_rows is not None:
+        k, v = k[meta.write_rows], v[meta.write_rows]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.write_index, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.write_index, v)
 
@@ -101,31 +113,45 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
     return torch.cat(outs)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                     scale: float, backend: str) -> torch.Tensor:
-    """One query per row over its slot's first context_lens positions. q [B, H, D] -> [B, H, D]."""
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                    scale: float, backend: str) -> torch.Tensor:
+    """Each row's queries (packed by `cu_seqlens_q`; one per row in decode) over its slot's first
+    context_lens positions, causally: the last query of a row sees the whole context. q [T, H, D] -> [T, H, D]."""
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(
             q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta.cu_seqlens_q,
-            meta.cu_seqlens, 1, meta.max_seqlen, 0.0, False, False, scale=scale,
-            seqused_k=meta.context_lens)[0]
-    rows, mask = _decode_layout(meta)
+            meta.cu_seqlens, meta.max_seqlen_q, meta.max_seqlen, 0.0, meta.max_seqlen_q > 1, False,
+            scale=scale, seqused_k=meta.context_lens)[0]
+    rows, query_index, valid, mask = _cache_layout(meta)
     keys = k_cache[rows, :meta.max_seqlen].transpose(1, 2)
     values = v_cache[rows, :meta.max_seqlen].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
-    return out[:, :, 0]
+    queries = q[:, :, None] if query_index is None else q[query_index].transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0] if query_index is None else out.transpose(1, 2)[valid]
 
 
-def _decode_layout(meta: AttnMeta):
-    """Once per step: the cache rows to read (a slice when the sorted slots are contiguous, on CPU, so
-    no gather) and the length mask [B, 1, 1, max_seqlen]."""
+def _cache_layout(meta: AttnMeta):
+    """Once per forward: the cache rows to read (a slice when the sorted slots are contiguous, on CPU, so
+    no gather), the gather index [B, Q] from packed queries to padded ones and their valid entries [B, Q]
+    (both None in decode, one query per row), and the causal length mask [B, 1, Q, max_seqlen]."""
     if meta.padding is None:
         rows = meta.slots
         if not rows.is_cuda:
             first, last = int(rows[0]), int(rows[-1])
             if last - first + 1 == rows.shape[0]:
                 rows = slice(first, last + 1)
-        steps = torch.arange(meta.max_seqlen, device=meta.slots.device)
-        meta.padding = (rows, (steps[None, :] < meta.context_lens[:, None])[:, None, None])
+        keys = torch.arange(meta.max_seqlen, device=meta.slots.device)
+        context = meta.context_lens.long()
+        if meta.max_seqlen_q == 1:
+            query_index = valid = None
+            mask = (keys[None, :] < context[:, None])[:, None, None]
+        else:
+            steps = torch.arange(meta.max_seqlen_q, device=meta.slots.device)
+            starts, counts = meta.cu_seqlens_q[:-1].long(), meta.cu_seqlens_q.diff().long()
+            valid = steps[None, :] < counts[:, None]
+            query_index = (starts[:, None] + steps[None, :]).clamp(max=int(meta.cu_seqlens_q[-1]) - 1)
+            position = (context - counts)[:, None] + steps[None, :]  # each query's position in its row
+            mask = ((keys[None, None, :] <= position[:, :, None]) & (keys[None, None, :] < context[:, None, None]))
+            mask = mask[:, None]
+        meta.padding = (rows, query_index, valid, mask)
     return meta.padding

@@ -25,7 +25,7 @@ def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, po
     width of the gathered cache on the SDPA path).
     """
     starts = slots * kv.max_len
-    meta = AttnMeta(prefill=False, write_index=starts + positions,
+    meta = AttnMeta(write_index=starts + positions,
                     cu_seqlens=torch.cat([starts, starts[-1:] + kv.max_len]).to(torch.int32),
                     cu_seqlens_q=torch.arange(tokens.shape[0] + 1, dtype=torch.int32, device=tokens.device),
                     max_seqlen=max_context, context_lens=(positions + 1).to(torch.int32), slots=slots)

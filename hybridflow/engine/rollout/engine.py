@@ -3,13 +3,16 @@
     engine = RolloutEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
     outs = engine.generate(prompt_token_ids, SamplingParams(n=4, temperature=1.0, max_tokens=256))
     outs[i][j].token_ids, outs[i][j].logprobs, outs[i][j].finish_reason
+    session = engine.session(params, hold=True)   # sequences continued turn by turn (session.py)
     engine.load_weights(trainer_named_tensors)    # HF names, copied in place
     engine.sleep(); engine.wake()                 # free / re-make the KV cache (and CUDA graphs)
 
-The loop per `generate` call: admit waiting prompts into free slots and prefill them in one packed
-forward (each prompt once; its KV written to the slots of all n samples, whose first tokens are drawn
-from the shared last-position logits), otherwise run one decode step over every running row; rows that
-finish free their slot at once. Architectures outside the fast families go to `HFRolloutEngine`.
+The loop per `generate` call (a `Session`): admit waiting prompts into free slots and prefill them in
+one packed forward (each prompt once; its KV written to the slots of all n samples, whose first tokens
+are drawn from the shared last-position logits), otherwise run one decode step over every running row;
+rows that finish free their slot at once. A session that holds its sequences lets a caller continue one
+with appended tokens: only those are prefilled, attending over the slot's cached prefix.
+Architectures outside the fast families go to `HFRolloutEngine`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
-from hybridflow.engine.rollout.scheduler import Scheduler
 from hybridflow.engine.rollout.sequence import Request, RunningBatch
+from hybridflow.engine.rollout.session import Session
 
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -157,73 +160,64 @@ class RolloutEngine:
                    cuda_graphs, max_prefill_tokens)
 
     # ---- generation -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | None = None) -> list[list[Completion]]:
         """outs[i][j]: the j-th of params.n samples for prompt i (see `Completion`)."""
         params = params or SamplingParams()
+        check_prompts(prompt_token_ids, self.max_model_len, self.config.vocab_size)
+        session = self.session(params)
+        start = time.perf_counter()
+        seqs = [session.add(prompt, params.n) for prompt in prompt_token_ids]
+        done = session.run()
+        elapsed = time.perf_counter() - start
+        stats = session.stats
+        self.stats.update(generate_s=elapsed, prefill_s=stats["prefill_s"], decode_s=elapsed - stats["prefill_s"],
+                          generated_tokens=stats["generated_tokens"], decode_steps=stats["decode_steps"],
+                          prefill_forwards=stats["prefill_forwards"], prefill_tokens=stats["prefill_tokens"],
+                          tokens_per_s=stats["generated_tokens"] / max(elapsed, 1e-9))
+        return [[done[seq] for seq in row] for row in seqs]
+
+    def session(self, params: SamplingParams, hold: bool = False) -> Session:
+        """A generation loop that sequences join and leave (see `Session`); with `hold`, a sequence keeps
+        its KV slot after a turn, to be continued with appended tokens."""
         if self.kv.k is None:
             raise RuntimeError("the engine is asleep (KV cache freed); call engine.wake() first")
-        check_prompts(prompt_token_ids, self.max_model_len, self.config.vocab_size)
-        stop_ids = self.default_stop_ids if params.stop_token_ids is None else params.stop_token_ids
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
-        generator = torch.Generator(self.device).manual_seed(seed)
-        start = time.perf_counter()
-        scheduler = Scheduler(self.kv.num_slots, self.max_prefill_tokens)
-        scheduler.add([Request(i, list(p), params.n) for i, p in enumerate(prompt_token_ids)])
-        batch = RunningBatch(self.kv.num_slots, params.max_tokens, stop_ids, self.device)
-        owner: dict[int, tuple[int, int]] = {}
-        outs: list[list[Completion | None]] = [[None] * params.n for _ in prompt_token_ids]
-        steps = prefills = prefill_tokens = 0
-        prefill_s = 0.0
-        while scheduler.has_waiting or len(batch):
-            admitted = scheduler.admit()
-            tick = time.perf_counter()
-            if admitted:
-                self._prefill(admitted, batch, params, generator, owner)
-                prefills += 1
-                prefill_tokens += sum(len(r.prompt) for r in admitted)
-            else:
-                self._decode(batch, params, generator)
-                steps += 1
-            finished = batch.pop_finished()  # syncs, so the timings below are real
-            if admitted:
-                prefill_s += time.perf_counter() - tick
-            if finished is not None:
-                for slot, tokens, logprobs, stopped in zip(finished.slots, finished.token_ids,
-                                                           finished.logprobs, finished.stopped):
-                    i, j = owner.pop(slot)
-                    outs[i][j] = Completion(tokens, logprobs, "stop" if stopped else "length")
-                scheduler.release(finished.slots)
-        elapsed = time.perf_counter() - start
-        generated = sum(len(c.token_ids) for row in outs for c in row)
-        self.stats.update(generate_s=elapsed, prefill_s=prefill_s, decode_s=elapsed - prefill_s,
-                          generated_tokens=generated, decode_steps=steps, prefill_forwards=prefills,
-                          prefill_tokens=prefill_tokens, tokens_per_s=generated / max(elapsed, 1e-9))
-        return outs
+        return Session(self, params, hold)
 
-    def _prefill(self, admitted: list[Request], batch: RunningBatch, params: SamplingParams,
-                 generator: torch.Generator, owner: dict[int, tuple[int, int]]) -> None:
-        """One packed forward over the admitted prompts; first tokens for their n samples each."""
+    def prefill(self, admitted: list[Request], params: SamplingParams,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed forward over the admitted requests' tokens (K/V written to all their slots); returns
+        the first sampled token and its log-prob for each of their samples, request by request ([sum n]).
+        A new prompt attends over its own tokens; when a request continues a sequence (start > 0), every
+        request of the forward attends over its slot's cache, where its tokens were just written."""
         lens = [len(r.prompt) for r in admitted]
+        counts = torch.tensor([r.n for r in admitted])
         ids = torch.tensor([t for r in admitted for t in r.prompt], dtype=torch.long)
-        positions = torch.cat([torch.arange(n) for n in lens])
+        positions = torch.cat([torch.arange(r.start, r.start + n) for r, n in zip(admitted, lens)])
         write_index = torch.cat([(torch.tensor(r.slots)[None, :] * self.max_model_len
-                                  + torch.arange(n)[:, None]).reshape(-1) for r, n in zip(admitted, lens)])
+                                  + torch.arange(r.start, r.start + n)[:, None]).reshape(-1)
+                                 for r, n in zip(admitted, lens)])
+        copies = counts.repeat_interleave(torch.tensor(lens))
         cu = torch.tensor([0] + lens).cumsum(0)
         dev = self.device
-        meta = AttnMeta(prefill=True, write_index=write_index.to(dev), n=params.n,
-                        cu_seqlens=cu.to(dev, torch.int32), seqlens=lens, max_seqlen=max(lens))
+        meta = AttnMeta(write_index=write_index.to(dev), cu_seqlens=cu.to(dev, torch.int32), seqlens=lens,
+                        max_seqlen=max(lens),
+                        write_rows=None if bool((copies == 1).all()) else
+                        torch.arange(len(ids)).repeat_interleave(copies).to(dev))
+        if any(r.start for r in admitted):
+            first = torch.tensor([r.slots[0] for r in admitted]) * self.max_model_len
+            context = torch.tensor([r.start + n for r, n in zip(admitted, lens)])
+            meta.cu_seqlens = torch.cat([first, first[-1:] + self.max_model_len]).to(dev, torch.int32)
+            meta.cu_seqlens_q, meta.max_seqlen_q = cu.to(dev, torch.int32), max(lens)
+            meta.context_lens, meta.max_seqlen = context.to(dev, torch.int32), int(context.max())
+            meta.slots = torch.tensor([r.slots[0] for r in admitted]).to(dev)
         logits = self.model(ids.to(dev), positions.to(dev), meta, self.kv, (cu[1:] - 1).to(dev))
-        tokens, logprobs = sample(logits.repeat_interleave(params.n, dim=0), params, generator)
-        slots = [s for r in admitted for s in r.slots]
-        for r in admitted:
-            owner.update({slot: (r.index, j) for j, slot in enumerate(r.slots)})
-        batch.add(slots, [n for n in lens for _ in range(params.n)],
-                  [min(params.max_tokens, self.max_model_len - n) for n in lens for _ in range(params.n)],
-                  tokens, logprobs)
+        if bool((counts > 1).any()):
+            logits = logits.repeat_interleave(counts.to(dev), dim=0)
+        return sample(logits, params, generator)
 
-    def _decode(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator) -> None:
+    def decode_step(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator) -> None:
+        """One new token for every running row (CUDA graphs when captured), recorded into `batch`."""
         if self.graphs is not None:
             logits = self.graphs.run(batch.tokens, batch.positions, batch.slots)
         else:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.engine.rollout.attention import AttnMeta, decode_attention, prefill_attention, write_kv
+from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, prefill_attention, write_kv
 from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
 
@@ -108,10 +108,10 @@ class Attention(nn.Module):
             q, k = qk[:, :self.heads], qk[:, self.heads:]
         k_cache, v_cache = kv.layer(self.layer_index)
         write_kv(k_cache, v_cache, k, v, meta)
-        if meta.prefill:
-            out = prefill_attention(q, k, v, meta, self.scale, self.backend)
+        if meta.reads_cache:
+            out = cache_attention(q, k_cache, v_cache, meta, self.scale, self.backend)
         else:
-            out = decode_attention(q, k_cache, v_cache, meta, self.scale, self.backend)
+            out = prefill_attention(q, k, v, meta, self.scale, self.backend)
         return self.o_proj(out.reshape(tokens, -1))
 
 

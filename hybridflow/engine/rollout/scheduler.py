@@ -2,10 +2,12 @@
 
 Every iteration of the engine loop first admits as many waiting requests as there are free slots for
 (a request needs one slot per sample, n in all) and as the prefill token budget allows; otherwise it
-runs one decode step over all running rows. A row that finishes returns its slot at once; waiting
-requests take the free slots as soon as 1/8 of all slots are free (or all the waiting requests fit,
-or nothing runs), so one prefill forward serves many prompts instead of one forward per freed slot.
-Requests are admitted in arrival order; the lowest free slots are handed out first.
+runs one decode step over all running rows. A row that finishes returns its slot at once (unless its
+session holds it for a continuation); waiting requests take the free slots as soon as 1/8 of all slots
+are free (or all the waiting requests fit, or nothing runs), so one prefill forward serves many prompts
+instead of one forward per freed slot. Continuations of live sequences own their slots already: they
+are admitted first, at once. Requests are admitted in arrival order; the lowest free slots are handed
+out first.
 """
 
 from __future__ import annotations
@@ -28,25 +30,40 @@ class Scheduler:
         self.admit_batch = max(1, num_slots // 8)
         self.free_slots = list(range(num_slots))
         self.waiting: deque[Request] = deque()
+        self.continuing: deque[Request] = deque()
         self.waiting_slots = 0
 
     def add(self, requests: list[Request]) -> None:
+        """Queue new prompts (slots given on admission) and continuations (which bring their slot)."""
         for request in requests:
             if request.n > self.num_slots:
                 raise ValueError(f"SamplingParams.n={request.n} exceeds the engine's {self.num_slots} KV "
                                  f"slots; build the engine with max_num_seqs >= n (or a larger KV budget)")
-        self.waiting.extend(requests)
-        self.waiting_slots += sum(r.n for r in requests)
+            if request.slots:
+                self.continuing.append(request)
+            else:
+                self.waiting.append(request)
+                self.waiting_slots += request.n
 
     @property
     def has_waiting(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self.continuing)
 
-    def admit(self) -> list[Request]:
-        """Pop the waiting requests that fit now, giving each its n slots."""
+    def can_admit(self) -> bool:
+        """Whether `admit(running=0)` would admit anything."""
+        return bool(self.continuing) or bool(self.waiting) and self.waiting[0].n <= len(self.free_slots)
+
+    def admit(self, running: int) -> list[Request]:
+        """Pop the continuations, then the waiting requests that fit now (giving each its n slots);
+        `running`: rows being decoded (new prompts wait for more free slots while any are)."""
         admitted, tokens = [], 0
+        while self.continuing:
+            if admitted and tokens + len(self.continuing[0].prompt) > self.max_prefill_tokens:
+                return admitted
+            admitted.append(self.continuing.popleft())
+            tokens += len(admitted[-1].prompt)
         free = len(self.free_slots)
-        if free < min(self.admit_batch, self.waiting_slots) and free < self.num_slots:
+        if free < min(self.admit_batch, self.waiting_slots) and running + len(admitted):
             return admitted
         while self.waiting and self.waiting[0].n <= len(self.free_slots):
             request = self.waiting[0]

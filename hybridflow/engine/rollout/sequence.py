@@ -1,6 +1,7 @@
-"""Per-request and per-running-row state of one `generate` call.
+"""Per-request and per-running-row state of one generation session (a `generate` call or an agent loop).
 
-A `Request` is one prompt with its n samples (one KV slot each once admitted). The `RunningBatch`
+A `Request` is one prompt with its n samples (one KV slot each once admitted), or the appended tokens
+of one live sequence, which already owns its slot and has `start` tokens cached there. The `RunningBatch`
 keeps the rows being decoded as device tensors, so a decode step costs a handful of tensor ops and one
 host sync no matter how many rows run: Python touches a row only when it joins or finishes. Rows are
 kept sorted by slot. Generated tokens and log-probs go into per-slot output buffers and are read back
@@ -16,12 +17,23 @@ import torch
 
 @dataclass
 class Request:
-    """Prompt `index` of the call, its token ids, and the n slots its samples run in once admitted."""
+    """Tokens to prefill for the sequences `seqs` (n samples of one prompt, or one continued sequence).
 
-    index: int
+    prompt: the token ids to run through the model (a continuation: the tokens not yet in its cache).
+    max_tokens: the most tokens to generate for each sample of this request.
+    start: tokens of the sequence already in its slot (0 for a new prompt).
+    slots: the n slots the samples run in (given on admission; a continuation brings its own).
+    """
+
+    seqs: list[int]
     prompt: list[int]
-    n: int
+    max_tokens: int
+    start: int = 0
     slots: list[int] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.seqs)
 
 
 @dataclass

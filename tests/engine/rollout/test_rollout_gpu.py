@@ -56,3 +56,25 @@ def test_sleep_gives_memory_back_and_wake_keeps_the_graphs(spread_model):
     engine.wake()
     assert engine.graphs is not graphs
     assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
+
+
+def test_continuation_over_the_flash_cache_equals_one_shot_prefill(spread_model):
+    """bf16 on CUDA: continuation prefill through flash attention over the slot cache (seqused_k, causal
+    aligned bottom-right), then CUDA-graph decode, gives the turn a fresh one-shot prefill gives."""
+    path = spread_model("qwen2")
+    engine = RolloutEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[])
+    prompts, appended = [[5, 6, 7], [8] * 9, [9, 10]], [[40, 41, 42, 43], [7] * 11, [50]]
+    session = engine.session(params, hold=True)
+    seqs = [session.add(p)[0] for p in prompts]
+    first = session.run()
+    for seq, extra in zip(seqs, appended):
+        session.extend(seq, extra)
+    second = session.run()
+    assert session.stats["reused_tokens"] == sum(len(p) + 8 - 1 for p in prompts)
+    for seq, prompt, extra in zip(seqs, prompts, appended):
+        whole = prompt + first[seq].token_ids + extra
+        (alone,), = engine.generate([whole], params)
+        assert second[seq].token_ids[:4] == alone.token_ids[:4]
+        torch.testing.assert_close(torch.tensor(second[seq].logprobs[:4]), torch.tensor(alone.logprobs[:4]),
+                                   atol=5e-2, rtol=0)

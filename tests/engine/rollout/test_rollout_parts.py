@@ -44,30 +44,47 @@ def test_sampler_truncation_and_logprobs():
 
 def test_scheduler_fills_free_slots_in_order_within_the_token_budget():
     sched = Scheduler(num_slots=4, max_prefill_tokens=10)
-    sched.add([Request(i, [1] * 4, n=2) for i in range(3)])
-    first = sched.admit()
-    assert [r.index for r in first] == [0, 1] and [r.slots for r in first] == [[0, 1], [2, 3]]
-    assert sched.admit() == []  # no free slots
+    sched.add([Request([2 * i, 2 * i + 1], [1] * 4, max_tokens=8) for i in range(3)])
+    first = sched.admit(running=0)
+    assert [r.seqs for r in first] == [[0, 1], [2, 3]] and [r.slots for r in first] == [[0, 1], [2, 3]]
+    assert sched.admit(running=4) == []  # no free slots
     sched.release([2, 3])
-    (third,) = sched.admit()
-    assert third.index == 2 and third.slots == [2, 3] and not sched.has_waiting
+    (third,) = sched.admit(running=2)
+    assert third.seqs == [4, 5] and third.slots == [2, 3] and not sched.has_waiting
     with pytest.raises(ValueError, match="n=5 exceeds"):
-        sched.add([Request(9, [1], n=5)])
+        sched.add([Request(list(range(5)), [1], max_tokens=8)])
 
 
 def test_scheduler_batches_admissions_until_an_eighth_of_the_slots_are_free():
     sched = Scheduler(num_slots=16, max_prefill_tokens=1000)
-    sched.add([Request(i, [1, 2], n=1) for i in range(40)])
-    assert len(sched.admit()) == 16
+    sched.add([Request([i], [1, 2], max_tokens=8) for i in range(40)])
+    assert len(sched.admit(running=0)) == 16
     sched.release([3])
-    assert sched.admit() == []  # one free slot: wait for more, so one prefill serves several prompts
+    assert sched.admit(running=15) == []  # one free slot: wait for more, so one prefill serves several prompts
     sched.release([5])
-    assert [r.slots for r in sched.admit()] == [[3], [5]]  # 2 = 16 // 8 free
+    assert [r.slots for r in sched.admit(running=14)] == [[3], [5]]  # 2 = 16 // 8 free
     sched = Scheduler(num_slots=16, max_prefill_tokens=1000)
-    sched.add([Request(i, [1], n=1) for i in range(17)])
-    sched.admit()
+    sched.add([Request([i], [1], max_tokens=8) for i in range(17)])
+    sched.admit(running=0)
     sched.release([0])
-    assert len(sched.admit()) == 1  # the last waiting request needs only one slot
+    assert len(sched.admit(running=15)) == 1  # the last waiting request needs only one slot
+
+
+def test_scheduler_admits_continuations_at_once_and_new_prompts_when_nothing_runs():
+    sched = Scheduler(num_slots=16, max_prefill_tokens=100)
+    sched.add([Request([i], [1, 2], max_tokens=8) for i in range(16)])
+    assert len(sched.admit(running=0)) == 16
+    sched.max_prefill_tokens = 6
+    sched.release([0])  # one free slot: new prompts wait while rows run
+    sched.add([Request([99], [1, 2, 3], max_tokens=8)])
+    sched.add([Request([5], [7] * 4, max_tokens=8, start=10, slots=[5]),
+               Request([6], [7] * 4, max_tokens=8, start=10, slots=[6])])
+    assert sched.can_admit()
+    first = sched.admit(running=10)
+    assert [r.seqs for r in first] == [[5]]  # the second continuation passes the prefill token budget
+    assert [r.seqs for r in sched.admit(running=10)] == [[6]]  # and the new prompt waits: 1 free slot
+    assert [r.seqs for r in sched.admit(running=0)] == [[99]]  # nothing runs (all held): admit it
+    assert not sched.can_admit()
 
 
 def test_bucket_sizes_cover_every_batch():
