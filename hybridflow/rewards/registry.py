@@ -18,12 +18,12 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import functools
-import hashlib
 import importlib.util
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from hybridflow.utils.imports import load_from_file
 
 RewardFn = Callable[[str, str, Any, Any], "float | dict"]
 
@@ -152,28 +152,8 @@ def _adapt_signature(fn: Callable, where: str, kwargs: dict | None = None) -> Re
 def load_file_function(spec: str) -> RewardFn:
     """Loads ``path/to/file.py:function_name`` (path relative to the working directory or absolute); its
     signature is checked by `get_reward_fn`."""
+    fn = load_from_file(spec, "reward", "function", "reward.function")
     path_str, _, fn_name = spec.rpartition(":")
-    if not path_str or not fn_name:
-        raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:function_name'")
-    path = Path(path_str).expanduser().resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"reward file {path_str!r} (from reward.function={spec!r}) does not exist")
-    module_name = "hybridflow_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"cannot import reward file {path} (is it a .py file?)")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, fn_name):
-        candidates = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                      and getattr(v, "__module__", None) == module_name]
-        hint = difflib.get_close_matches(fn_name, candidates, n=1)
-        raise AttributeError(
-            f"reward file {path_str} has no function {fn_name!r}"
-            + (f"; did you mean {hint[0]!r}?" if hint else "")
-            + f" Functions defined there: {candidates}"
-        )
-    fn = getattr(module, fn_name)
     if not callable(fn):
         raise TypeError(f"{fn_name!r} in reward file {path_str} is a {type(fn).__name__}, not a function")
     return fn

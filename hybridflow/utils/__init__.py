@@ -1,2 +1,3 @@
-"""Small helpers shared across layers: tiny offline models for tests and the demo (`tiny_model`), and a
-real pretrained one converted from a PyPI package's GGUF file (`real_model`)."""
+"""Small helpers shared across layers: tiny offline models for tests and the demo (`tiny_model`), a
+real pretrained one converted from a PyPI package's GGUF file (`real_model`), and loading a user's
+object from a `file.py:Name` spec (`imports`)."""

@@ -1,0 +1,46 @@
+"""Loading a user's object from a Python file named in the config as `path/to/file.py:Name` (reward
+functions, environment classes, tools), with errors that name the file, the name and what is there."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def load_from_file(spec: str, what: str, kind: str = "function", key: str = "") -> Any:
+    """The object `Name` of `path/to/file.py:Name` (the path relative to the working directory, or absolute).
+
+    what: what the object is for, in errors ("reward", "environment"); kind: "function" or "class";
+    key: the config key that named the spec. The file is executed on every call, as a module of its own
+    (registered in `sys.modules`, so dataclasses and pickling by reference work inside it).
+    """
+    path_str, _, name = spec.rpartition(":")
+    if not path_str or not name:
+        raise ValueError(f"{what} {kind} spec {spec!r} must look like 'path/to/file.py:{kind}_name'")
+    path = Path(path_str).expanduser().resolve()
+    given = f" (from {key}={spec!r})" if key else f" (from {spec!r})"
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {path_str!r}{given} does not exist")
+    module_name = f"hybridflow_user_{what}_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import {what} file {path} (is it a .py file?)")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    if not hasattr(module, name):
+        candidates = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                      and getattr(v, "__module__", None) == module_name]
+        hint = difflib.get_close_matches(name, candidates, n=1)
+        raise AttributeError(f"{what} file {path_str} has no {kind} {name!r}"
+                             + (f"; did you mean {hint[0]!r}?" if hint else "")
+                             + f" Defined there: {candidates}")
+    return getattr(module, name)
