@@ -52,3 +52,54 @@ def smollm2(request):
     from hybridflow.utils.real_model import real_model_dir
 
     return real_model_dir("fp32", cache_dir=request.config.cache.mkdir("real_model"))
+
+
+TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+# ChatML that renders `tools=` as one short system line (the tiny model's context is short)
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | "
+                 "map(attribute='name') | join(', ') }}<|im_end|>\n{% endif %}"
+                 "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tool_calling_model(tmp_path_factory):
+    """A tiny Qwen2 fine-tuned to answer every prompt that declares the calculator (`TOOL_TEMPLATE`), and
+    every tool result, with `TOOL_CALL` then `<|im_end|>`: greedy decoding writes it exactly; sampling at
+    temperature 1 mostly does, sometimes with a typo (a malformed call). Its BPE vocabulary is learnt
+    from the call, so the call is a few tokens."""
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow.agents.toolset import ToolSet
+    from hybridflow.utils.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tool_calling"), train_texts=[TOOL_CALL] * 50, vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TOOL_TEMPLATE
+    tok.save_pretrained(path)
+    tools = ToolSet(["calculator"]).schemas()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    target = tok(TOOL_CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(100):
+        rows = []
+        for _ in range(8):
+            messages = [{"role": "user", "content": "".join(rng.choice("abcdefgh 0123456789+") for _ in range(30))}]
+            if rng.random() < 0.5:
+                messages += [{"role": "assistant", "content": TOOL_CALL}, {"role": "tool", "content": "42"}]
+            prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            rows.append((tok(prompt, add_special_tokens=False)["input_ids"], target))
+        width = max(len(p) + len(t) for p, t in rows)
+        ids, labels = torch.zeros(len(rows), width, dtype=torch.long), torch.full((len(rows), width), -100)
+        for i, (p, t) in enumerate(rows):
+            ids[i, :len(p) + len(t)] = torch.tensor(p + t)
+            labels[i, len(p):len(p) + len(t)] = torch.tensor(t)
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,76 @@
+"""The environment protocol: the other side of a multi-turn episode (a simulated user, a grader, a game).
+
+    class Feedback(Environment):                  # agent.environment=path/to/file.py:Feedback
+        def __init__(self, row, **kwargs):        # one instance per trajectory
+            self.answer = row["ground_truth"]
+
+        def step(self, text, turn):               # or async def; after each model turn
+            if self.answer in text:
+                return EnvStep(None, reward=1.0)  # no message: the episode ends
+            return EnvStep("Not quite, try again.", role="user")
+
+        def close(self):                          # optional, when the trajectory ends
+            ...
+
+`row` holds the prompt row's fields: raw_prompt, data_source, ground_truth, extra_info, ability, index.
+kwargs: `agent.env_kwargs`, updated by the row's `extra_info.interaction_kwargs` (verl's field).
+`step(text, turn)` gets the model turn's text (special tokens dropped) and its index (0 = the first
+model turn) and returns an `EnvStep` (a plain string is a user message; None ends the episode). Its
+`reward` adds to the trajectory's environment reward, which reward functions see. An exception or a
+timeout ends that trajectory and counts in `agent/env_errors`; the run goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.utils.imports import load_from_file
+
+
+@dataclass
+class EnvStep:
+    """message: the next message (None: the episode ends); role: its chat role; reward: a reward
+    contribution; done: end the episode after this step (a message given with it is logged, not sent)."""
+
+    message: str | None = None
+    role: str = "user"
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment:
+    """Base class of an environment (see the module docstring); subclassing it is optional."""
+
+    def __init__(self, row: dict[str, Any], **kwargs: Any) -> None:
+        self.row, self.kwargs = row, kwargs
+
+    def step(self, text: str, turn: int) -> EnvStep | str | None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement step(text, turn)")
+
+    def close(self) -> None:
+        """Called once when the trajectory ends."""
+
+
+def as_env_step(value: Any, where: str) -> EnvStep:
+    """An `EnvStep` from what `step` returned; TypeError naming `where` for anything else."""
+    if value is None:
+        return EnvStep()
+    if isinstance(value, str):
+        return EnvStep(value)
+    if not isinstance(value, EnvStep):
+        raise TypeError(f"{where} returned a {type(value).__name__}; return an EnvStep, a str (a user message) "
+                        f"or None (end the episode)")
+    if value.message is not None and not isinstance(value.message, str) or not isinstance(value.role, str):
+        raise TypeError(f"{where} returned an EnvStep whose message/role are not strings: {value!r:.120}")
+    value.reward = float(value.reward)
+    return value
+
+
+def load_environment(spec: str) -> type:
+    """The environment class named by `path/to/file.py:Class` (`agent.environment`)."""
+    cls = load_from_file(spec, "environment", "class", "agent.environment")
+    if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
+        raise TypeError(f"agent.environment={spec!r} must name a class with a step(text, turn) method "
+                        f"(subclass hybridflow.agents.Environment)")
+    return cls

@@ -1,0 +1,146 @@
+"""The Python executor (the built-in `python` tool): code run in a fresh, sandboxed interpreter (`sandbox_child.py` says how), with a
+wall-clock time limit, a memory limit, no network, no new processes, and a scratch directory it
+cannot leave; its stdout and stderr captured up to a cap.
+
+    result = await run_python("print(2 ** 10)", scratch_dir, SandboxLimits(timeout_s=5))
+    result.output, result.exit_code, result.timed_out, result.truncated, result.layers
+
+A run past `timeout_s`, or one that writes more than `max_output_bytes`, is killed (its whole process
+group). `layers` names the isolation the kernel granted (`netns`, `landlock-vN`) besides the resource
+limits and the audit hook, which are always there. Without Landlock the file-system and network rules
+rest on the audit hook alone, which stops ordinary and naive hostile code but is no security boundary
+against code that sets out to escape the interpreter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridflow.agents.tools import Tool, ToolContext, ToolResult
+
+CHILD = str(Path(__file__).with_name("sandbox_child.py"))
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """timeout_s: wall clock; memory_mb: address space; file_mb: the largest file it may write;
+    max_output_bytes: stdout + stderr kept (more kills the run)."""
+
+    timeout_s: float = 10.0
+    memory_mb: int = 512
+    file_mb: int = 16
+    max_output_bytes: int = 16384
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "memory_mb", "file_mb", "max_output_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"python tool {name}={getattr(self, name)!r} is invalid; it must be > 0")
+
+
+@dataclass
+class SandboxResult:
+    output: str
+    exit_code: int | None
+    timed_out: bool = False
+    truncated: bool = False
+    layers: list[str] = field(default_factory=list)
+
+
+def _environment(scratch: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1"}
+
+
+async def _read_capped(stream: asyncio.StreamReader, limit: int, deadline: float) -> tuple[bytes, bool, bool]:
+    """(output, truncated, timed_out): what `stream` yields until EOF, `limit` bytes, or `deadline`."""
+    loop, chunks, size = asyncio.get_running_loop(), [], 0
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            return b"".join(chunks), False, True
+        try:
+            chunk = await asyncio.wait_for(stream.read(65536), left)
+        except asyncio.TimeoutError:
+            return b"".join(chunks), False, True
+        if not chunk:
+            return b"".join(chunks), False, False
+        if size + len(chunk) > limit:
+            chunks.append(chunk[:limit - size])
+            return b"".join(chunks), True, False
+        chunks.append(chunk)
+        size += len(chunk)
+
+
+async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Run `code` in a sandboxed interpreter whose working directory is `scratch` (see the module docstring)."""
+    scratch = str(Path(scratch).resolve())
+    child_limits = {"memory_mb": limits.memory_mb, "cpu_s": math.ceil(limits.timeout_s) + 1,
+                    "file_mb": limits.file_mb}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.timeout_s
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", CHILD, scratch, json.dumps(child_limits), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=scratch, env=_environment(scratch),
+        start_new_session=True)
+    try:
+        try:
+            proc.stdin.write(code.encode("utf-8", "replace"))
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died at start: its output says why
+        raw, truncated, timed_out = await _read_capped(proc.stdout, limits.max_output_bytes + 4096, deadline)
+        if not (truncated or timed_out):
+            try:
+                await asyncio.wait_for(proc.wait(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:  # closed its output but kept running
+                timed_out = True
+    finally:
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+    header, _, rest = raw.partition(b"\n")
+    try:
+        layers = list(json.loads(header)["layers"])
+    except (ValueError, KeyError, TypeError):
+        layers, rest = [], raw
+    truncated = truncated or len(rest) > limits.max_output_bytes
+    output = rest[:limits.max_output_bytes].decode("utf-8", "replace")
+    return SandboxResult(output, None if timed_out else proc.returncode, timed_out, truncated, layers)
+
+
+class PythonTool(Tool):
+    """The built-in `python` tool; kwargs (the config entry's): timeout_s, memory_mb, file_mb,
+    max_output_bytes (see `SandboxLimits`)."""
+
+    name = "python"
+    description = ("Run Python 3 code and return what it prints (stdout and stderr). Every call starts a fresh "
+                   "interpreter with no network, limited time and memory, and files only in a scratch "
+                   "directory that is kept for the rest of the episode.")
+    parameters = {"type": "object", "properties": {"code": {
+        "type": "string", "description": "Python source; print the results you need"}}, "required": ["code"]}
+
+    def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, file_mb: int = 16,
+                 max_output_bytes: int = 4096) -> None:
+        self.limits = SandboxLimits(timeout_s, memory_mb, file_mb, max_output_bytes)
+
+    async def call(self, arguments: dict[str, Any], context: ToolContext) -> ToolResult:
+        result = await run_python(arguments["code"], context.scratch_dir, self.limits)
+        text = result.output
+        if result.truncated:
+            text += f"\n[output cut at {self.limits.max_output_bytes} bytes]"
+        if result.timed_out:
+            text += f"\n[stopped: still running after {self.limits.timeout_s:g} s]"
+        return ToolResult(text, error=result.timed_out or result.exit_code != 0)

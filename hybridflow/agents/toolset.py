@@ -1,0 +1,114 @@
+"""The tools of a run (`agent.tools`): built-ins and user classes, built once per process, and one call
+run with its checks.
+
+Each entry of `agent.tools` is a built-in name (`calculator`, `python`), a `path/to/file.py:Class`, or
+a mapping with the keys `name`, `class`, `description`, `parameters`, `kwargs`: `class` is a built-in
+name or `file.py:Class` (default: `name`, as a built-in), `kwargs` go to its constructor, and `name`,
+`description`, `parameters` (a JSON schema) override the class's. A bad entry is refused when the
+run starts, naming `agent.tools[i]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hybridflow.agents.calculator import Calculator
+from hybridflow.agents.calls import call_with_timeout
+from hybridflow.agents.parsing import ToolCall, check_arguments
+from hybridflow.agents.sandbox import PythonTool
+from hybridflow.agents.tools import Scratch, Tool, ToolContext, ToolResult
+from hybridflow.utils.imports import load_from_file
+
+BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": Calculator, "python": PythonTool}
+ENTRY_KEYS = ("name", "class", "description", "parameters", "kwargs")
+
+
+def _tool_class(spec: str, where: str) -> type:
+    if spec in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[spec]
+    if ":" not in spec:
+        raise ValueError(f"{where}: {spec!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor a "
+                         f"'path/to/file.py:Class'")
+    cls = load_from_file(spec, "tool", "class", where)
+    if not isinstance(cls, type) or not callable(getattr(cls, "call", None)):
+        raise TypeError(f"{where}: {spec!r} must be a class with a call(arguments, context) method "
+                        f"(subclass hybridflow.agents.Tool)")
+    return cls
+
+
+def build_tool(entry: Any, index: int) -> Tool:
+    """The tool of one `agent.tools` entry (see the module docstring)."""
+    where = f"agent.tools[{index}]"
+    if isinstance(entry, str):
+        entry = {"class": entry}
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where} must be a tool name, 'path/to/file.py:Class' or a mapping, got {entry!r:.80}")
+    unknown = set(entry) - set(ENTRY_KEYS)
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; valid: {', '.join(ENTRY_KEYS)}")
+    spec = entry.get("class") or entry.get("name")
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{where} needs a `class` (a built-in name or 'path/to/file.py:Class') or a built-in `name`")
+    kwargs = dict(entry.get("kwargs") or {})
+    try:
+        tool = _tool_class(spec, where)(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"{where}: cannot build {spec!r} with kwargs {kwargs}: {e}") from None
+    for key in ("name", "description", "parameters"):
+        if entry.get(key) is not None:
+            setattr(tool, key, entry[key])
+    if not isinstance(tool.name, str) or not tool.name:
+        raise ValueError(f"{where}: the tool has no name; set `name` in the entry or on the class")
+    if not isinstance(tool.parameters, Mapping) or tool.parameters.get("type") != "object":
+        raise ValueError(f"{where} ({tool.name}): `parameters` must be a JSON schema of type 'object', got "
+                         f"{tool.parameters!r:.80}")
+    return tool
+
+
+class ToolSet:
+    """The run's tools by name; `schemas()` for the chat template, `run(call, context)` for one call."""
+
+    def __init__(self, entries: Sequence[Any]) -> None:
+        self.tools: dict[str, Tool] = {}
+        for i, entry in enumerate(entries):
+            tool = build_tool(entry, i)
+            if tool.name in self.tools:
+                raise ValueError(f"agent.tools[{i}]: a second tool named {tool.name!r}; names must be unique")
+            self.tools[tool.name] = tool
+
+    def __bool__(self) -> bool:
+        return bool(self.tools)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [tool.schema() for tool in self.tools.values()]
+
+    def contexts(self, row: Mapping[str, Any], scratch: Scratch) -> dict[str, ToolContext]:
+        """One context per tool for a trajectory of `row` (its `extra_info.tools_kwargs[name]` as kwargs)."""
+        per_tool = (row.get("extra_info") or {}).get("tools_kwargs") or {}
+        return {name: ToolContext(dict(row), dict(per_tool.get(name) or {}), scratch) for name in self.tools}
+
+    async def run(self, call: ToolCall, context: ToolContext, timeout_s: float,
+                  threads: ThreadPoolExecutor | None = None) -> ToolResult:
+        """The result of one parsed call; a malformed call, an unknown tool, bad arguments, an exception
+        or a timeout give an error result (its text tells the model what went wrong)."""
+        if call.error is not None:
+            return ToolResult(call.error, error=True)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolResult(f"Error: there is no tool {call.name!r}; the tools are {', '.join(self.tools)}",
+                              error=True)
+        problem = check_arguments(call.arguments, tool.parameters)
+        if problem is not None:
+            return ToolResult(f"Error: {call.name}: {problem}", error=True)
+        try:
+            result = await call_with_timeout(tool.call, call.arguments, context, timeout_s=timeout_s,
+                                             threads=threads)
+        except Exception as e:  # noqa: BLE001 - a tool's failure is the model's answer, not the run's end
+            return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", error=True)
+        if isinstance(result, ToolResult):
+            return result
+        if isinstance(result, str):
+            return ToolResult(result)
+        return ToolResult(f"Error: {call.name} returned a {type(result).__name__}, not text", error=True)

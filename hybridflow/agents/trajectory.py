@@ -1,0 +1,68 @@
+"""`Trajectory`: one multi-turn episode as the trainer gets it, token ids that are never re-tokenized.
+
+After the prompt come alternating model turns (the exact sampled ids, their log-probs, mask 1) and
+environment / tool turns (the chat template's rendering of the new messages only, log-prob 0, mask
+0). `token_ids`, `logprobs` and `response_mask` cover all of them, so the rollout worker lays a
+trajectory out like a single-turn completion, with holes in the mask. `row_fields()` are the per-row
+statistics the trainer turns into `agent/...` metrics; `reward_info()` is what reward functions see
+in `extra_info`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.engine.rollout import Completion
+
+STAT_FIELDS = ("turns", "tool_calls", "tool_errors", "env_errors", "env_seconds", "env_reward", "cut_by_budget",
+               "kv_reused_tokens")
+
+
+@dataclass
+class Trajectory:
+    """token_ids / logprobs / response_mask: the response after the prompt, all turns; messages: the
+    turns as chat messages (model turns as `assistant`); finish_reason: the last model turn's, or
+    "length" when the token budget cut the episode. The rest are the episode's statistics:
+    kv_reused_tokens counts the cached tokens continuations attended over instead of prefilling."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_errors: int = 0
+    env_seconds: float = 0.0
+    env_reward: float = 0.0
+    cut_by_budget: bool = False
+    kv_reused_tokens: int = 0
+
+    def add_model_turn(self, completion: Completion, text: str) -> None:
+        self.token_ids += completion.token_ids
+        self.logprobs += completion.logprobs
+        self.response_mask += [1] * len(completion.token_ids)
+        self.messages.append({"role": "assistant", "content": text})
+        self.finish_reason = completion.finish_reason
+        self.turns += 1
+
+    def add_env_turn(self, token_ids: list[int], messages: list[dict[str, str]]) -> None:
+        self.token_ids += token_ids
+        self.logprobs += [0.0] * len(token_ids)
+        self.response_mask += [0] * len(token_ids)
+        self.messages += messages
+
+    def cut(self) -> None:
+        """The token budget ended the episode."""
+        self.cut_by_budget, self.finish_reason = True, "length"
+
+    def row_fields(self) -> dict[str, float]:
+        """`agent/<stat>` per-row values (see STAT_FIELDS)."""
+        return {f"agent/{name}": float(getattr(self, name)) for name in STAT_FIELDS}
+
+    def reward_info(self) -> dict[str, Any]:
+        """Added to the row's `extra_info` for reward functions: the turns as messages, the number of
+        model turns and the environment's (and tools') summed reward."""
+        return {"messages": self.messages, "num_turns": self.turns, "env_reward": self.env_reward}

@@ -1,0 +1,75 @@
+"""Prompts with tools and the ids appended for environment and tool messages: appended to a model turn,
+they reproduce exactly the chat template's rendering of the whole conversation."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.agents.rendering import TurnRenderer
+from hybridflow.data.chat import render_prompt
+from hybridflow.utils.tiny_model import build_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Arithmetic.",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+# Qwen2.5's way with tools (abridged): declared in the system message, results grouped in a user turn.
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\nYou are helpful.\n\n# Tools\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(params=["chatml", "qwen-like"])
+def tokenizer(request):
+    tok = build_tokenizer()
+    if request.param == "qwen-like":
+        tok.chat_template = QWEN_LIKE
+    return tok
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+@pytest.mark.parametrize("messages", [[{"role": "user", "content": "Try again."}],
+                                      [{"role": "tool", "content": "42"}, {"role": "tool", "content": "7"}]])
+def test_appended_ids_reproduce_the_template(tokenizer, messages, stopped):
+    prompt = [{"role": "user", "content": "What is 6 * 7?"}]
+    renderer = TurnRenderer(tokenizer, TOOLS)
+    prompt_text = render_prompt(prompt, tokenizer, tools=TOOLS)
+    answer = "It is 42."
+    model_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if stopped else [])
+    ids = renderer.render(messages, model_ids[-1] if stopped else None)
+    whole = prompt_text + tokenizer.decode(model_ids + ids)
+    conversation = [*prompt, {"role": "assistant", "content": answer}, *messages]
+    template_args = renderer.template_args
+    system = renderer.base[:-2]  # the tools system message of a template without tools= support
+    expected = tokenizer.apply_chat_template(system + conversation, tokenize=False, add_generation_prompt=True,
+                                             **template_args)
+    assert whole == expected
+
+
+def test_tools_use_the_template_or_fall_back_to_a_system_message():
+    chatml = build_tokenizer()
+    text = render_prompt("What is 6 * 7?", chatml, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert '"name": "calculator"' in text and "<tool_call>" in text
+    with_system = render_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                                chatml, tools=TOOLS)
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    qwen = build_tokenizer()
+    qwen.chat_template = QWEN_LIKE
+    native = render_prompt("What is 6 * 7?", qwen, tools=TOOLS)
+    assert native.startswith("<|im_start|>system\nYou are helpful.\n\n# Tools\n<tools>") and "You may call" not in native
+    with pytest.raises(ValueError, match="tools need chat prompts"):
+        render_prompt("plain", chatml, apply_chat_template=False, tools=TOOLS)
+
+
+def test_a_template_that_drops_assistant_turns_is_refused():
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}A:{% endif %}")
+    with pytest.raises(ValueError, match="drops the content of earlier assistant messages"):
+        TurnRenderer(tok)
