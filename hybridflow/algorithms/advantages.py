@@ -144,16 +144,17 @@ def reinforce_plus_plus(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted return-to-go, whitened over the batch.
 
-    G_t = r_t + gamma * G_{t+1}, the running sum restarting after the mask ends (it is multiplied by
-    the mask at each step). Returns `(whiten(G) * mask, G)`: the returns are not whitened.
+    G_t = r_t + gamma * G_{t+1}, where G_{t+1} is the return of the next masked token: an unmasked
+    position (the padding after the response, a multi-turn row's environment tokens) passes the running
+    return through unchanged. Returns `(whiten(G) * mask, G)`: the returns are not whitened.
     """
     check_shapes("token_rewards", token_rewards=token_rewards, response_mask=response_mask)
     returns = torch.empty_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * response_mask[:, t]
+        value = token_rewards[:, t] + gamma * running
+        returns[:, t] = value
+        running = torch.where(response_mask[:, t] > 0, value, running)
     advantages = masked_whiten(returns, response_mask) * response_mask
     return advantages, returns
 

@@ -4,7 +4,7 @@ Each field is declared with `opt(default, help, choices=...)`: the help line and
 in the field's metadata, so the loader names valid values in its errors and `docs/config.md` is generated
 from this file (`python scripts/gen_config_docs.py`). Workers read these objects by attribute.
 
-The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, trainer, ray)`; the loader
+The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, agent, trainer, ray)`; the loader
 (`hybridflow.config.loader.load_config`) takes any such root dataclass through `schema=`, so other
 programs (the SFT trainer) bring their own root.
 """
@@ -282,6 +282,23 @@ class RewardConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn episodes: an environment and/or tools answer each model turn (on when either is set)."""
+
+    environment: Optional[str] = opt(None, "environment class answering each model turn: path/to/file.py:Class; "
+                                           "null = none")
+    env_kwargs: dict[str, Any] = opt({}, "keyword arguments for the environment (a row's "
+                                         "extra_info.interaction_kwargs overrides them)")
+    tools: list[Any] = opt([], "tools the model may call: built-in names (calculator, python), "
+                               "path/to/file.py:Class, or {name, class, description, parameters, kwargs}")
+    max_turns: int = opt(4, "most model turns per trajectory")
+    max_tool_calls: int = opt(8, "most tool calls per trajectory")
+    max_tokens_per_turn: Optional[int] = opt(None, "most tokens per model turn; null = data.max_response_length "
+                                                   "(which bounds all turns together)")
+    timeout_s: float = opt(30.0, "time limit of one environment step or tool call, in seconds")
+
+
+@dataclass
 class TrainerConfig:
     """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
 
@@ -353,5 +370,6 @@ class RLConfig:
     critic: CriticConfig = opt(CriticConfig, "value model")
     algorithm: AlgorithmConfig = opt(AlgorithmConfig, "advantages and KL")
     reward: RewardConfig = opt(RewardConfig, "scoring")
+    agent: AgentConfig = opt(AgentConfig, "multi-turn episodes: environment and tools")
     trainer: TrainerConfig = opt(TrainerConfig, "the run")
     ray: RayConfig = opt(RayConfig, "Ray cluster and placement (trainer.backend=ray)")

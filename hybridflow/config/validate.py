@@ -212,6 +212,28 @@ def needs_reference(cfg: Any) -> bool:
     return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
 
 
+def agent_enabled(cfg: Any) -> bool:
+    """Multi-turn episodes are on when an environment or tools are configured."""
+    return bool(cfg.agent.environment or cfg.agent.tools)
+
+
+def _agent_problems(cfg: Any) -> list[str]:
+    """Ranges of the `agent` section, and the engine multi-turn episodes need."""
+    agent, problems = cfg.agent, []
+    if agent.max_turns < 1:
+        problems.append(f"agent.max_turns={agent.max_turns} must be >= 1")
+    if agent.max_tool_calls < 0:
+        problems.append(f"agent.max_tool_calls={agent.max_tool_calls} must be >= 0")
+    if agent.max_tokens_per_turn is not None and agent.max_tokens_per_turn < 1:
+        problems.append(f"agent.max_tokens_per_turn={agent.max_tokens_per_turn} must be >= 1 or null")
+    if not agent.timeout_s > 0:
+        problems.append(f"agent.timeout_s={agent.timeout_s} must be > 0")
+    if agent_enabled(cfg) and cfg.rollout.engine == "hf":
+        problems.append("agent.environment / agent.tools continue live sequences turn by turn, which the fast engine "
+                        "does and rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast")
+    return problems
+
+
 def rollout_workers(cfg: Any) -> int:
     """Processes of the separate rollout group (`rollout.n_workers`, null = `trainer.n_workers`)."""
     return cfg.rollout.n_workers or cfg.trainer.n_workers
@@ -344,6 +366,18 @@ def _path_problems(cfg: Any) -> list[str]:
         get_reward_fn(cfg.reward.function, cfg.reward.kwargs)
     except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
         problems.append(f"reward.function={cfg.reward.function!r}: {e}")
+    from hybridflow.agents.environment import load_environment
+    from hybridflow.agents.toolset import ToolSet
+
+    if cfg.agent.environment:
+        try:  # imports the user's file and finds the class in it
+            load_environment(cfg.agent.environment)
+        except Exception as e:
+            problems.append(f"agent.environment={cfg.agent.environment!r}: {e}")
+    try:  # builds every tool, so a bad entry fails before any model loads
+        ToolSet(cfg.agent.tools)
+    except Exception as e:
+        problems.append(f"agent.tools: {e}")
     return problems + _run_problems(cfg)
 
 
@@ -356,7 +390,8 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     `data.train_files` may then be unset), e.g. to check a recipe on its own.
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
-    problems = _range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg) + _ray_problems(cfg)
+    problems = (_range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
+                + _ray_problems(cfg) + _agent_problems(cfg))
     if check_paths:
         problems += _path_problems(cfg)
     if n_workers >= 1:

@@ -2,12 +2,16 @@
 
 A prompt is either a list of chat messages (`{"role": ..., "content": ...}`) or a plain string. With a
 chat template on (and the tokenizer having one), a plain string becomes one user message; without,
-it is tokenized as it is. Conversations for SFT get a loss mask that is 1 exactly on the tokens of the
-assistant turns: each turn's content and its end-of-turn token, not the role header before it.
+it is tokenized as it is. With tools (a list of OpenAI-style function schemas), a chat prompt is
+rendered with the template's own `tools=` support; a template without it gets the tool descriptions
+in its system message instead, in the Hermes / Qwen2.5 wording that asks for `<tool_call>` blocks.
+Conversations for SFT get a loss mask that is 1 exactly on the tokens of the assistant turns: each
+turn's content and its end-of-turn token, not the role header before it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,21 +55,47 @@ def as_messages(prompt: str | Messages, tokenizer: Any, apply_chat_template: boo
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
-def render_prompt(prompt: str | Messages, tokenizer: Any, apply_chat_template: bool = True) -> str:
-    """The text the model sees before its response (the generation prompt included)."""
+TOOLS_SYSTEM_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function "
+    "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def with_tools(messages: Messages, tokenizer: Any, tools: list[dict] | None) -> tuple[Messages, dict[str, Any]]:
+    """(messages, extra `apply_chat_template` arguments) that show `tools` to the model: `tools=` when the
+    template renders it, else the tool descriptions added to the system message (see the module docstring)."""
+    if not tools:
+        return messages, {}
+    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools) != plain:
+        return messages, {"tools": tools}
+    text = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], {}
+    return [{"role": "system", "content": text}, *messages], {}
+
+
+def render_prompt(prompt: str | Messages, tokenizer: Any, apply_chat_template: bool = True,
+                  tools: list[dict] | None = None) -> str:
+    """The text the model sees before its response (the generation prompt included), showing `tools`."""
     messages = as_messages(prompt, tokenizer, apply_chat_template)
     if messages is None:
+        if tools:
+            raise ValueError("tools need chat prompts: data.apply_chat_template=true and a tokenizer with a "
+                             "chat template")
         return prompt  # type: ignore[return-value]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    messages, extra = with_tools(messages, tokenizer, tools)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
-def encode_prompts(prompts: Sequence[str | Messages], tokenizer: Any, apply_chat_template: bool = True
-                   ) -> list[list[int]]:
+def encode_prompts(prompts: Sequence[str | Messages], tokenizer: Any, apply_chat_template: bool = True,
+                   tools: list[dict] | None = None) -> list[list[int]]:
     """Token ids of each rendered prompt (one batched tokenizer call per kind of prompt).
 
     Templated text carries its own special tokens; plain text gets the tokenizer's usual ones (BOS).
     """
-    texts = [render_prompt(p, tokenizer, apply_chat_template) for p in prompts]
+    texts = [render_prompt(p, tokenizer, apply_chat_template, tools) for p in prompts]
     templated = [as_messages(p, tokenizer, apply_chat_template) is not None for p in prompts]
     out: list[list[int] | None] = [None] * len(texts)
     for flag in (True, False):

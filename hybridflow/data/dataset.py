@@ -93,11 +93,12 @@ class RLDataset(RowDataset):
         max_prompt_length: longest prompt in tokens; `None` = no limit.
         truncation: `error` | `filter` | `left` | `right` for prompts over the limit.
         apply_chat_template: render prompts with the tokenizer's chat template.
+        tools: function schemas shown in every prompt (multi-turn runs with `agent.tools`).
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, prompt_key: str = "prompt",
                  max_prompt_length: int | None = None, truncation: str = "error",
-                 apply_chat_template: bool = True) -> None:
+                 apply_chat_template: bool = True, tools: list[dict] | None = None) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
         self.files = as_path_list(files)
@@ -108,7 +109,7 @@ class RLDataset(RowDataset):
             raise DataError(f"{', '.join(self.files)}: no rows")
         rows = [parse_row(r, prompt_key) for r in records]
         try:
-            ids = encode_prompts([row["raw_prompt"] for row in rows], tokenizer, apply_chat_template)
+            ids = encode_prompts([row["raw_prompt"] for row in rows], tokenizer, apply_chat_template, tools)
         except ValueError as e:
             raise DataError(f"{self.files[0]}, column '{prompt_key}': {e}") from None
         self.num_rows = len(rows)

@@ -123,17 +123,18 @@ class BatchLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def build_prompt_loaders(cfg: Any, tokenizer: Any) -> tuple[BatchLoader, BatchLoader | None]:
+def build_prompt_loaders(cfg: Any, tokenizer: Any,
+                         tools: list[dict] | None = None) -> tuple[BatchLoader, BatchLoader | None]:
     """`(train, val)` loaders from an `RLConfig`'s `data` (and `trainer.seed`); val is None without files.
 
     Validation batches keep the file order, keep every row, and hold `data.val_batch_size` prompts
-    (all of them when null).
+    (all of them when null). `tools`: function schemas rendered into every prompt.
     """
     data = cfg.data
 
     def dataset(files: list[str]) -> RLDataset:
         return RLDataset(files, tokenizer, data.prompt_key, data.max_prompt_length, data.truncation,
-                         data.apply_chat_template)
+                         data.apply_chat_template, tools)
 
     seed = data.seed if data.seed is not None else cfg.trainer.seed
     train = BatchLoader(dataset(data.train_files), data.train_batch_size, seed, shuffle=data.shuffle)

@@ -1,13 +1,14 @@
 """Rewards: verl-signature reward functions, their registry, and the manager that scores a step's rows.
 
-- `get_reward_fn(spec)`: ``auto``, a built-in (``gsm8k``, ``math``, ``reasoning_gym``, ``exact_match``),
+- `get_reward_fn(spec)`: ``auto``, a built-in (``gsm8k``, ``math``, ``reasoning_gym``, ``exact_match``,
+  ``environment``),
   a name added with `register_reward`, or ``path/to/file.py:function_name``.
 - `RewardManager`: scores rows in a process pool, asynchronously, with a per-row timeout and a
   fallback score; `scores_to_token_scores` puts the scores on the last response token.
 - `ModelReward` (in `hybridflow.rewards.model_reward`): a sequence-classification reward model.
 """
 
-from hybridflow.rewards import exact_match, gsm8k, math_equiv, reasoning_tasks  # noqa: F401  (registers built-ins)
+from hybridflow.rewards import environment, exact_match, gsm8k, math_equiv, reasoning_tasks  # noqa: F401  (registers built-ins)
 from hybridflow.rewards.manager import (RewardFunctionFailed, RewardManager, RewardResult, rows_from,
                                        scores_to_token_scores)
 from hybridflow.rewards.registry import (

@@ -204,14 +204,15 @@ class RewardManager:
 
 
 def scores_to_token_scores(scores: Sequence[float] | torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Places each row's score on its last real response token.
+    """Places each row's score on its last response token the mask counts (a multi-turn row's mask has
+    holes where the environment's tokens are).
 
     Args:
         scores: ``[B]`` per-row scores.
-        response_mask: ``[B, R]``, 1 on real response tokens (right-padded).
+        response_mask: ``[B, R]``, 1 on the model's response tokens.
 
     Returns:
-        ``token_scores [B, R]`` float32, zero except ``score`` at index ``len - 1`` of each row (index 0
+        ``token_scores [B, R]`` float32, zero except ``score`` at each row's last masked index (index 0
         for an empty response, so no score is lost).
     """
     import torch
@@ -219,7 +220,9 @@ def scores_to_token_scores(scores: Sequence[float] | torch.Tensor, response_mask
     values = torch.as_tensor(scores, dtype=torch.float32, device=response_mask.device)
     if values.ndim != 1 or values.shape[0] != response_mask.shape[0]:
         raise ValueError(f"scores must be [B={response_mask.shape[0]}], got shape {tuple(values.shape)}")
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    steps = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    last = ((response_mask > 0) * steps).amax(-1) - 1 if response_mask.shape[1] else steps.new_zeros(len(values))
+    last = last.clamp(min=0)
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
     token_scores[torch.arange(len(values), device=response_mask.device), last] = values
     return token_scores

@@ -39,13 +39,14 @@ def compute_data_metrics(batch: Any, max_response_length: int | None = None) -> 
 
     Returns:
         ``reward/{mean,max,min}`` (per-sequence sums of ``token_scores``), ``reward/with_kl/mean`` (of
-        ``token_rewards``), ``response_length/{mean,max,min,clip_ratio}``, ``prompt_length/{mean,max}``,
+        ``token_rewards``), ``response_length/{mean,max,min,clip_ratio}`` (of a multi-turn row: all its turns,
+        environment tokens included), ``prompt_length/{mean,max}``,
         ``advantages/{mean,max,min}``, ``returns/{mean,max,min}``, ``values/{mean,max,min}``, each only
         when its inputs are in the batch.
     """
     response_mask = batch["response_mask"]
     prompt_width = batch["prompts"].shape[1]
-    response_len = response_mask.sum(-1).float()
+    response_len = batch["attention_mask"][:, prompt_width:].sum(-1).float()  # multi-turn: all turns
     prompt_len = batch["attention_mask"][:, :prompt_width].sum(-1).float()
     limit = max_response_length or response_mask.shape[1]
     metrics = {
@@ -69,6 +70,23 @@ def compute_data_metrics(batch: Any, max_response_length: int | None = None) -> 
         if values is not None:
             mean, high, low = _masked_stats(values, response_mask)
             metrics.update({f"{key}/mean": mean, f"{key}/max": high, f"{key}/min": low})
+    return metrics
+
+
+AGENT_MEANS = ("turns", "tool_calls", "env_seconds", "env_reward")
+AGENT_COUNTS = ("tool_errors", "env_errors", "cut_by_budget", "kv_reused_tokens")
+
+
+def compute_agent_metrics(batch: Any) -> dict[str, float]:
+    """Statistics of multi-turn rows, from the rollout's per-row ``agent/<stat>`` fields: per trajectory
+    ``agent/{turns,tool_calls,env_seconds,env_reward}/mean`` and ``agent/turns/max``; summed over the
+    step ``agent/{tool_errors,env_errors,cut_by_budget,kv_reused_tokens}``. ``{}`` for single-turn rows."""
+    if "agent/turns" not in batch:
+        return {}
+    column = {name: [float(v) for v in batch[f"agent/{name}"]] for name in AGENT_MEANS + AGENT_COUNTS}
+    metrics = {f"agent/{name}/mean": sum(column[name]) / max(len(column[name]), 1) for name in AGENT_MEANS}
+    metrics["agent/turns/max"] = max(column["turns"], default=0.0)
+    metrics.update({f"agent/{name}": sum(column[name]) for name in AGENT_COUNTS})
     return metrics
 
 

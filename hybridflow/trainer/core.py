@@ -19,10 +19,11 @@ from hybridflow.rewards.manager import RewardResult, scores_to_token_scores
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
-    """The text of each row's response (its real tokens only, special tokens dropped)."""
-    lengths = batch["response_mask"].sum(-1).long().tolist()
+    """The text of each row's response (its real tokens only, special tokens dropped); of a multi-turn row,
+    all its turns, the environment's included."""
     responses = batch["responses"]
-    return [tokenizer.decode(responses[i, :n].tolist(), skip_special_tokens=True) for i, n in enumerate(lengths)]
+    real = batch["attention_mask"][:, -responses.shape[1]:].bool()
+    return [tokenizer.decode(row[mask].tolist(), skip_special_tokens=True) for row, mask in zip(responses, real)]
 
 
 def row_scores(batch: Batch, result: RewardResult, cfg: Any) -> tuple[torch.Tensor, dict[str, float]]:

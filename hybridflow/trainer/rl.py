@@ -2,7 +2,8 @@
 
     hybridflow train --config recipes/grpo.yaml model.path=MODEL_DIR data.train_files=train.parquet
 
-One step reads like the algorithm: generate n responses per prompt → score them (in a process pool,
+One step reads like the algorithm: generate n responses per prompt (multi-turn episodes with an
+environment or tools when `agent` sets them: `hybridflow.agents`) → score them (in a process pool,
 overlapped with the log-prob passes) → old and reference log-probs → values → advantages → critic
 update → actor update → weight sync into the rollout engine (in place, or over torch.distributed to a
 separate rollout group: `hybridflow.trainer.roles`). Each arrow is a worker-group call or a
@@ -19,12 +20,13 @@ import time
 from typing import Any
 
 from hybridflow import algorithms
+from hybridflow.agents.toolset import ToolSet
 from hybridflow.batch import Batch
 from hybridflow.config.validate import needs_greedy_baseline, needs_reference, validate
 from hybridflow.data.loader import BatchLoader, build_prompt_loaders
 from hybridflow.rewards.manager import RewardManager
-from hybridflow.tracking.metrics import (compute_data_metrics, compute_throughput, compute_timing_metrics,
-                                         compute_validation_metrics, timer)
+from hybridflow.tracking.metrics import (compute_agent_metrics, compute_data_metrics, compute_throughput,
+                                         compute_timing_metrics, compute_validation_metrics, timer)
 from hybridflow.trainer import core
 from hybridflow.trainer.base import Trainer
 from hybridflow.trainer.checkpointing import checkpoint_bytes_needed
@@ -44,7 +46,8 @@ class RLTrainer(Trainer):
             self.roles.sync_weights()
 
     def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
-        return build_prompt_loaders(self.cfg, self.tokenizer)
+        tools = ToolSet(self.cfg.agent.tools).schemas() or None  # shown in every prompt of a tool-calling run
+        return build_prompt_loaders(self.cfg, self.tokenizer, tools)
 
     def start_workers(self) -> None:
         """The reward function's pool (checked against the datasets' data sources first), the KL
@@ -110,6 +113,7 @@ class RLTrainer(Trainer):
                 with timer("update_weights", timings):
                     self.roles.sync_weights()
         metrics.update(compute_data_metrics(batch, cfg.data.max_response_length))
+        metrics.update(compute_agent_metrics(batch))
         metrics.update(compute_timing_metrics(timings, batch))
         metrics.update(compute_throughput(batch, timings["step"], self.n_devices))
         self.bad_steps.update(self.step + 1, **{k: v for k, v in metrics.items()

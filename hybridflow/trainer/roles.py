@@ -93,7 +93,8 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
     memory = device_demands(cfg, needs_reference(cfg), needs_critic(cfg))
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
                             total_steps=role_optimizer_steps(cfg, "actor", total_steps),
-                            with_ref=needs_reference(cfg), with_rollout=not separate, memory=memory["actor"])}
+                            with_ref=needs_reference(cfg), with_rollout=not separate, memory=memory["actor"],
+                            agent_cfg=cfg.agent)}
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
@@ -118,7 +119,7 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
         if separate:
             rollout = WorkerGroup(RolloutWorker, name="rollout", **placed["rollout"],
                                   init_kwargs=dict(model_cfg=cfg.model, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
-                                                   memory=memory["rollout"]))
+                                                   memory=memory["rollout"], agent_cfg=cfg.agent))
             groups.append(rollout)
             handles["separate"] = SeparateRollout(handles["actor"], rollout)
         if cfg.trainer.backend == "ray":

@@ -49,12 +49,14 @@ class ActorWorker(EngineWorker):
         with_ref: also hold a frozen reference model (a copy of the initial actor).
         with_rollout: build the rollout engine (False when a separate rollout group generates).
         memory: what this device holds (`hybridflow.trainer.memory.device_demands`); None = no planning.
+        agent_cfg: the `agent` config section (multi-turn episodes when it sets an environment or tools).
     """
 
     keys, model_keys = "actor", "model"
 
     def __init__(self, model_cfg: Any, actor_cfg: Any, rollout_cfg: Any, data_cfg: Any, total_steps: int = 1,
-                 with_ref: bool = False, with_rollout: bool = True, memory: budget.DeviceDemand | None = None) -> None:
+                 with_ref: bool = False, with_rollout: bool = True, memory: budget.DeviceDemand | None = None,
+                 agent_cfg: Any = None) -> None:
         model_cfg, actor_cfg = self._plan_device(memory, model_cfg, actor_cfg)
         if self.plan is not None and self.rank == 0:
             print(f"device plan: {self.plan.describe()}", flush=True)
@@ -65,7 +67,8 @@ class ActorWorker(EngineWorker):
         if with_rollout:
             self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
                                           self.engine.precision.param, pad_token_id(self.engine.config),
-                                          kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
+                                          kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
+                                          agent_cfg=agent_cfg, tokenizer_path=model_cfg.tokenizer_path)
         self.channel: WeightChannel | None = None
         self.rendezvous: Rendezvous | None = None
         self._offload_idle()

@@ -1,6 +1,7 @@
 """A rank's rollout engine and the `generate` call around it, shared by the actor (engine colocated with
 the trainer) and `RolloutWorker` (engine on its own device): building the engine, its sleep/wake
-policy, the sampling parameters of a call, and turning the completions into the RL batch layout of
+policy, the sampling parameters of a call, multi-turn episodes through `hybridflow.agents` when the
+`agent` config asks for them, and turning the completions or trajectories into the RL batch layout of
 docs/architecture.md."""
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from typing import Any
 
 import torch
 
+from hybridflow.agents import AgentLoop
+from hybridflow.agents.trajectory import STAT_FIELDS
 from hybridflow.batch import Batch
+from hybridflow.data.loader import PROMPT_FIELDS
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
@@ -46,14 +50,26 @@ class RolloutReplica:
     `rollout.free_cache_after_generate` (the KV cache is freed after each call, so training has its
     memory; with `rollout.offload_weights` the weights go to the CPU too), else allocated for the whole
     run; weights updated in place by `load_weights`. `kv_cache_bytes`: the device plan's KV cache (see
-    `build_rollout`)."""
+    `build_rollout`). With an `agent_cfg` that sets an environment or tools, `generate` runs multi-turn
+    episodes (`AgentLoop`) and needs the tokenizer (at `tokenizer_path`, default the model's)."""
 
     def __init__(self, model_path: str, rollout_cfg: Any, data_cfg: Any, device: torch.device, dtype: torch.dtype,
-                 pad_id: int, kv_cache_bytes: int | None = None) -> None:
+                 pad_id: int, kv_cache_bytes: int | None = None, agent_cfg: Any = None,
+                 tokenizer_path: str | None = None) -> None:
         self.cfg, self.pad_id = rollout_cfg, pad_id
         self.max_response_length = data_cfg.max_response_length
         max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
         self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len, kv_cache_bytes)
+        self.agent = None
+        if agent_cfg is not None and (agent_cfg.environment or agent_cfg.tools):
+            if self.engine.kind != "fast":
+                raise ValueError(f"agent.environment / agent.tools need the fast rollout engine, which continues "
+                                 f"live sequences; {model_path} runs on the {self.engine.kind!r} engine (its "
+                                 f"architecture has no fast path, or rollout.engine=hf)")
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+            self.agent = AgentLoop(agent_cfg, tokenizer, data_cfg.max_response_length)
         self.awake = True
         if rollout_cfg.free_cache_after_generate:
             self.sleep()
@@ -78,10 +94,15 @@ class RolloutReplica:
         params = sampling_params(batch.meta, self.cfg, self.max_response_length, rank)
         prompts = prompt_token_lists(batch["prompts"], batch["attention_mask"])
         self.wake()
-        outs = self.engine.generate(prompts, params)
+        if self.agent is None:
+            outs = self.engine.generate(prompts, params)
+        else:
+            outs = self.agent.run(self.engine, prompts, prompt_rows(batch), params)
         if self.cfg.free_cache_after_generate:
             self.sleep()
         out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id)
+        if self.agent is not None:
+            add_trajectory_fields(out, [t for row in outs for t in row])
         out.meta["temperature"] = params.temperature
         return out
 
@@ -122,23 +143,36 @@ def prompt_token_lists(prompts: torch.Tensor, attention_mask: torch.Tensor) -> l
     return [row[mask.bool()].tolist() for row, mask in zip(prompts, attention_mask)]
 
 
+def prompt_rows(batch: Batch) -> list[dict[str, Any]]:
+    """Each prompt row's dataset fields (those of `PROMPT_FIELDS` and `uid` the batch has), as dicts."""
+    keys = [k for k in ("uid", *PROMPT_FIELDS) if k in batch]
+    return [{k: batch[k][i] for k in keys} for i in range(len(batch))]
+
+
 def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, pad_id: int) -> Batch:
     """The input rows repeated `n` times (interleaved) plus the sampled responses, right-padded to
-    `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs."""
+    `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs.
+
+    outs[i][j] has token_ids, logprobs and finish_reason: a `Completion`, or a multi-turn `Trajectory`,
+    whose `response_mask` (1 on model tokens, 0 on environment tokens) becomes the row's response_mask
+    while attention_mask covers all its tokens."""
     rows = len(outs) * n
     responses = torch.full((rows, response_width), pad_id, dtype=torch.long)
     logprobs = torch.zeros(rows, response_width, dtype=torch.float32)
     response_mask = torch.zeros(rows, response_width, dtype=torch.float32)
+    real = torch.zeros(rows, response_width, dtype=torch.long)
     finished = []
     for i, samples in enumerate(outs):
         for j, c in enumerate(samples):
             r, k = i * n + j, min(len(c.token_ids), response_width)
             responses[r, :k] = torch.tensor(c.token_ids[:k], dtype=torch.long)
             logprobs[r, :k] = torch.tensor(c.logprobs[:k], dtype=torch.float32)
-            response_mask[r, :k] = 1.0
+            real[r, :k] = 1
+            mask = getattr(c, "response_mask", None)
+            response_mask[r, :k] = 1.0 if mask is None else torch.tensor(mask[:k], dtype=torch.float32)
             finished.append(c.finish_reason)
     out = batch.repeat_interleave(n)
-    attention_mask = torch.cat([out["attention_mask"].long(), response_mask.long()], dim=1)
+    attention_mask = torch.cat([out["attention_mask"].long(), real], dim=1)
     out["responses"] = responses
     out["input_ids"] = torch.cat([out["prompts"], responses], dim=1)
     out["attention_mask"] = attention_mask
@@ -147,3 +181,13 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     out["rollout_log_probs"] = logprobs
     out["finish_reason"] = finished
     return out
+
+
+def add_trajectory_fields(out: Batch, trajectories: list) -> None:
+    """Per-row `agent/<stat>` fields of multi-turn rows (the trainer's `agent/...` metrics), and each row's
+    own `extra_info` with the trajectory's messages, turns and environment reward (for reward functions)."""
+    fields = [t.row_fields() for t in trajectories]
+    for name in STAT_FIELDS:
+        out[f"agent/{name}"] = [f[f"agent/{name}"] for f in fields]
+    infos = out["extra_info"] if "extra_info" in out else [None] * len(trajectories)
+    out["extra_info"] = [{**(info or {}), **t.reward_info()} for info, t in zip(infos, trajectories)]

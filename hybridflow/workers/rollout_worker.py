@@ -29,17 +29,19 @@ class RolloutWorker(Worker):
         model_cfg, rollout_cfg: the config sections (read by attribute).
         data_cfg: anything with `max_prompt_length` and `max_response_length`.
         memory: this device's demand (the rollout alone); its plan sizes the KV cache. None = no planning.
+        agent_cfg: the `agent` config section (multi-turn episodes when it sets an environment or tools).
     """
 
     def __init__(self, model_cfg: Any, rollout_cfg: Any, data_cfg: Any,
-                 memory: budget.DeviceDemand | None = None) -> None:
+                 memory: budget.DeviceDemand | None = None, agent_cfg: Any = None) -> None:
         from transformers import AutoConfig
 
         plan = budget.plan_for_device(memory, self.device)
         config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
         dtype = resolve_precision(model_cfg.dtype, self.device).param
         self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device, dtype,
-                                      pad_token_id(config), kv_cache_bytes=plan.kv_cache_bytes if plan else None)
+                                      pad_token_id(config), kv_cache_bytes=plan.kv_cache_bytes if plan else None,
+                                      agent_cfg=agent_cfg, tokenizer_path=model_cfg.tokenizer_path)
         self.channel: WeightChannel | None = None
 
     @register(Dispatch.DATA_PARALLEL)
