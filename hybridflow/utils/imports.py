@@ -22,9 +22,9 @@ def load_from_file(spec: str, what: str, kind: str = "function", key: str = "") 
     if not path_str or not name:
         raise ValueError(f"{what} {kind} spec {spec!r} must look like 'path/to/file.py:{kind}_name'")
     path = Path(path_str).expanduser().resolve()
-    given = f" (from {key}={spec!r})" if key else f" (from {spec!r})"
+    where = f"{key}={spec!r}" if key else repr(spec)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} file {path_str!r}{given} does not exist")
+        raise FileNotFoundError(f"{what} file {path_str!r} does not exist (from {where})")
     module_name = f"hybridflow_user_{what}_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
