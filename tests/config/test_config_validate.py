@@ -133,6 +133,25 @@ def test_reward_function_resolved_before_training(tmp_path):
         validate(_cfg(*base, f"reward.function={reward}:scor"))
 
 
+def test_agent_section_checked_before_training(tmp_path):
+    msg = _problems(_cfg("agent.max_turns=0", "agent.max_tool_calls=-1", "agent.max_tokens_per_turn=0",
+                         "agent.timeout_s=0", "agent.tools=[calculator]", "rollout.engine=hf"))
+    for part in ("agent.max_turns=0 must be >= 1", "agent.max_tool_calls=-1 must be >= 0",
+                 "agent.max_tokens_per_turn=0 must be >= 1 or null", "agent.timeout_s=0.0 must be > 0",
+                 "rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast"):
+        assert part in msg
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    env = tmp_path / "env.py"
+    env.write_text("class Env:\n    def step(self, text, turn):\n        return None\n")
+    base = ["model.path=some-org/some-model", f"data.train_files={data}"]
+    validate(_cfg(*base, f"agent.environment={env}:Env", "agent.tools=[calculator, python]"))
+    with pytest.raises(ConfigError, match=r"agent.environment='.*env.py:Envv'.*has no class 'Envv'; did you mean 'Env'"):
+        validate(_cfg(*base, f"agent.environment={env}:Envv"))
+    with pytest.raises(ConfigError, match=r"agent.tools: agent.tools\[1\]: 'pyhton' is neither a built-in tool"):
+        validate(_cfg(*base, "agent.tools=[calculator, pyhton]"))
+
+
 def test_registered_estimators_are_valid_choices():
     from hybridflow.algorithms import ADV_ESTIMATORS, register_adv_estimator
 

@@ -117,3 +117,24 @@ def test_tool_calls_through_training(tool_calling_model, tmp_path, monkeypatch):
     assert metrics["agent/tool_errors"] >= sum(r.startswith("Error:") for r in results)  # some never fit
     assert torch.equal(batch["response_mask"].sum(-1) < batch["attention_mask"][:, -96:].sum(-1),
                        torch.tensor([len(info["messages"]) > 1 for info in batch["extra_info"]]))
+
+
+def test_feedback_retry_recipe_runs_and_its_environment_scores_attempts(tiny_qwen2, data_dir, tmp_path):
+    from hybridflow.agents.environment import load_environment
+
+    retry = load_environment("recipes/environments/feedback_retry.py:FeedbackRetry")
+    env = retry({"ground_truth": "18"}, decay=0.5)
+    wrong = env.step("So the answer is 17.", 0)
+    assert wrong.message.startswith("17 is not right") and wrong.reward == 0
+    assert env.step("No number here.", 1).message.startswith("I could not find a final answer")
+    right = env.step("Ah: 9 + 9 = 18.\n#### 18", 1)
+    assert right.message is None and right.reward == 0.5
+
+    train(load_config([f"model.path={tiny_qwen2}", f"data.train_files={data_dir}/train.parquet",
+                       "data.train_batch_size=2", "rollout.n=2", "actor.mini_batch_size=null", "data.max_prompt_length=256",
+                       "data.max_response_length=400", "agent.max_tokens_per_turn=8", "trainer.total_steps=1",
+                       "trainer.val_before_train=false", "trainer.save_every=0", "reward.num_workers=1",
+                       f"trainer.output_dir={tmp_path / 'out'}"], "recipes/multiturn_retry.yaml"))
+    (metrics,) = read_metrics(tmp_path / "out")
+    assert metrics["agent/turns/max"] == 3 and metrics["agent/env_errors"] == 0  # a random model keeps retrying
+    assert metrics["reward/mean"] == metrics["agent/env_reward/mean"]
