@@ -18,7 +18,8 @@ from hybridflow.config.schema import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-PAGES = ("index", "quickstart", "custom_loop", "placement", "migrating_from_verl", "troubleshooting", "real_model")
+PAGES = ("index", "quickstart", "custom_loop", "placement", "migrating_from_verl", "troubleshooting", "real_model",
+         "agents")
 KEYS = set(schema_fields(RLConfig))
 
 

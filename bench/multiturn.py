@@ -1,0 +1,203 @@
+"""Multi-turn rollout: the agent loop's turns/s and tokens/s against a single-turn rollout of the same
+model and prompts, and what continuing sequences in their KV cache saves.
+
+    python bench/multiturn.py --device cpu                       # a tiny random model built here, fp32
+    python bench/multiturn.py --device cuda --model /path/to/SmolLM2-135M-Instruct \
+        --out bench/results/multiturn_h200.json                  # bf16, 64 prompts x 4 samples
+
+Three runs, each after a warm-up, on the same chat prompts and sampling (temperature 1, the model's stop ids):
+1. single_turn: `engine.generate`, up to --turn-tokens tokens per sample;
+2. multi_turn: `AgentLoop` with `Feedback` (below) answering every model turn with a short user message,
+   --turns model turns of up to --turn-tokens tokens each; each continuation prefills only the new
+   tokens and attends over the cached conversation;
+3. multi_turn_no_reuse: the same episodes, but every continuation releases its sequence and prefills
+   the whole conversation again as a new prompt (what an engine without continuation has to do).
+Reported per run: seconds, model turns and tokens, turns/s, model tokens/s, all tokens/s (environment
+tokens included), prefill tokens and forwards, decode steps; `kv_reuse`: the prefill tokens avoided
+and the time against run 3; device peak memory. Prints and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridflow.agents import Environment, EnvStep
+from hybridflow.agents import loop as agent_loop
+from hybridflow.agents.driver import EngineDriver
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+
+
+class Feedback(Environment):
+    """Answers every model turn with the same short request to check and go on (no reward)."""
+
+    def step(self, text: str, turn: int) -> EnvStep:
+        return EnvStep(f"Check step {turn + 1} of your answer and continue.")
+
+
+class ReprefillDriver(EngineDriver):
+    """The agent loop's driver with KV reuse off: a continued sequence is released and its whole
+    conversation (prompt, turns, appended ids) prefilled again as a new prompt."""
+
+    def __init__(self, session) -> None:
+        super().__init__(session)
+        self.current: dict[int, int] = {}  # the episode's sequence id -> the engine's current one
+        self.context: dict[int, list[int]] = {}
+
+    def _track(self, seq: int, future):
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() or
+                                 self.context[seq].extend(f.result().token_ids))
+        return future
+
+    def start(self, prompt, n, max_tokens):
+        pairs = super().start(prompt, n, max_tokens)
+        for seq, future in pairs:
+            self.current[seq], self.context[seq] = seq, list(prompt)
+            self._track(seq, future)
+        return pairs
+
+    def extend(self, seq, tokens, max_tokens):
+        self.session.release(self.current[seq])
+        self.context[seq] += tokens
+        (self.current[seq],) = self.session.add(self.context[seq], 1, max_tokens)
+        return self._track(seq, self._future(self.current[seq]))
+
+    def release(self, seq):
+        super().release(self.current[seq])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def agent_config(turns: int, turn_tokens: int):
+    from hybridflow.config.schema import AgentConfig
+
+    return AgentConfig(environment=f"{Path(__file__).resolve()}:Feedback", max_turns=turns,
+                       max_tokens_per_turn=turn_tokens)
+
+
+def run_single(engine, prompts, params) -> dict:
+    sync(engine.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(engine.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for row in outs for c in row)
+    turns = sum(len(row) for row in outs)
+    stats = engine.stats
+    return dict(seconds=seconds, model_turns=turns, model_tokens=tokens, turns_per_s=turns / seconds,
+                model_tokens_per_s=tokens / seconds, all_tokens_per_s=tokens / seconds,
+                prefill_tokens=stats["prefill_tokens"], prefill_forwards=stats["prefill_forwards"],
+                decode_steps=stats["decode_steps"], mean_turn_tokens=tokens / turns)
+
+
+def run_multi(engine, loop, prompts, rows, params, reuse: bool) -> dict:
+    sessions = []
+    make_session = engine.session
+
+    def recording(*args, **kwargs):  # keep the loop's session to read its counters
+        sessions.append(make_session(*args, **kwargs))
+        return sessions[-1]
+
+    engine.session = recording
+    if not reuse:
+        agent_loop.EngineDriver = ReprefillDriver
+    try:
+        sync(engine.device)
+        start = time.perf_counter()
+        outs = loop.run(engine, prompts, rows, params)
+        sync(engine.device)
+        seconds = time.perf_counter() - start
+    finally:
+        agent_loop.EngineDriver = EngineDriver
+        del engine.session
+    trajectories = [t for row in outs for t in row]
+    turns = sum(t.turns for t in trajectories)
+    model_tokens = sum(sum(t.response_mask) for t in trajectories)
+    all_tokens = sum(len(t.token_ids) for t in trajectories)
+    stats = sessions[-1].stats
+    return dict(seconds=seconds, model_turns=turns, model_tokens=model_tokens, env_tokens=all_tokens - model_tokens,
+                turns_per_s=turns / seconds, model_tokens_per_s=model_tokens / seconds,
+                all_tokens_per_s=all_tokens / seconds, mean_turns=turns / len(trajectories),
+                mean_turn_tokens=model_tokens / turns, cut_by_budget=sum(t.cut_by_budget for t in trajectories),
+                prefill_tokens=stats["prefill_tokens"], reused_tokens=stats["reused_tokens"],
+                prefill_forwards=stats["prefill_forwards"], decode_steps=stats["decode_steps"],
+                prefill_s=stats["prefill_s"], decode_s=stats["decode_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default=None, help="HF model directory (default: a tiny random model, CPU)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts (default: 64 on cuda, 4 on cpu)")
+    parser.add_argument("--n", type=int, default=None, help="samples per prompt (default: 4 on cuda, 2 on cpu)")
+    parser.add_argument("--turns", type=int, default=3, help="model turns per episode")
+    parser.add_argument("--turn-tokens", type=int, default=None, help="tokens per model turn (default 256 / 16)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    prompts_n, n = args.prompts or (64 if cuda else 4), args.n or (4 if cuda else 2)
+    turn_tokens = args.turn_tokens or (256 if cuda else 16)
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model
+    if model_dir is None:
+        from hybridflow.utils.tiny_model import build_tiny_model
+
+        model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", hidden=128, layers=4))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = [f"Question {i}: a shop sells {i + 3} boxes of {2 * i + 5} pencils. How many pencils is that? "
+                 "Think step by step." for i in range(prompts_n)]
+    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                       add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for q in questions]
+    budget = args.turns * turn_tokens + (args.turns - 1) * 64
+    dtype = torch.bfloat16 if cuda else torch.float32
+    engine = RolloutEngine.from_pretrained(model_dir, device=device, dtype=dtype, max_num_seqs=prompts_n * n,
+                                           max_model_len=max(map(len, prompts)) + budget + 8)
+    loop = agent_loop.AgentLoop(agent_config(args.turns, turn_tokens), tokenizer, budget)
+    rows = [{"index": i, "raw_prompt": q, "extra_info": {}} for i, q in enumerate(questions)]
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=turn_tokens, seed=0)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up
+    loop.run(engine, prompts[:2], rows[:2], SamplingParams(n=1, max_tokens=8, seed=1))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    result = dict(device=torch.cuda.get_device_name(device) if cuda else platform.processor(), torch=torch.__version__,
+                  model=model_dir, dtype=str(dtype).removeprefix("torch."), prompts=prompts_n, n=n, turns=args.turns,
+                  turn_tokens=turn_tokens, budget=budget, mean_prompt_tokens=sum(map(len, prompts)) / len(prompts))
+    result["single_turn"] = run_single(engine, prompts, params)
+    print("single_turn", result["single_turn"], flush=True)
+    result["multi_turn"] = run_multi(engine, loop, prompts, rows, params, reuse=True)
+    print("multi_turn", result["multi_turn"], flush=True)
+    result["multi_turn_no_reuse"] = run_multi(engine, loop, prompts, rows, params, reuse=False)
+    print("multi_turn_no_reuse", result["multi_turn_no_reuse"], flush=True)
+    reuse, again = result["multi_turn"], result["multi_turn_no_reuse"]
+    result["kv_reuse"] = dict(
+        prefill_tokens_avoided=reuse["reused_tokens"],
+        avoided_fraction_of_no_reuse_prefill=reuse["reused_tokens"] / max(again["prefill_tokens"], 1),
+        model_tokens_per_s_gain=reuse["model_tokens_per_s"] / again["model_tokens_per_s"],
+        prefill_s_reuse=reuse["prefill_s"], prefill_s_no_reuse=again["prefill_s"])
+    result["multi_vs_single"] = dict(
+        model_tokens_per_s_ratio=reuse["model_tokens_per_s"] / result["single_turn"]["model_tokens_per_s"],
+        turns_per_s_ratio=reuse["turns_per_s"] / result["single_turn"]["turns_per_s"])
+    result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
