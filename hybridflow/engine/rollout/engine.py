@@ -197,20 +197,22 @@ class RolloutEngine:
         write_index = torch.cat([(torch.tensor(r.slots)[None, :] * self.max_model_len
                                   + torch.arange(r.start, r.start + n)[:, None]).reshape(-1)
                                  for r, n in zip(admitted, lens)])
-        copies = counts.repeat_interleave(torch.tensor(lens))
         cu = torch.tensor([0] + lens).cumsum(0)
         dev = self.device
-        meta = AttnMeta(write_index=write_index.to(dev), cu_seqlens=cu.to(dev, torch.int32), seqlens=lens,
-                        max_seqlen=max(lens),
-                        write_rows=None if bool((copies == 1).all()) else
-                        torch.arange(len(ids)).repeat_interleave(copies).to(dev))
-        if any(r.start for r in admitted):
-            first = torch.tensor([r.slots[0] for r in admitted]) * self.max_model_len
+        write_rows = None if bool((counts == 1).all()) else \
+            torch.arange(len(ids)).repeat_interleave(counts.repeat_interleave(torch.tensor(lens))).to(dev)
+        if any(r.start for r in admitted):  # every request attends over its (first) slot's cache
+            slots = torch.tensor([r.slots[0] for r in admitted])
             context = torch.tensor([r.start + n for r, n in zip(admitted, lens)])
-            meta.cu_seqlens = torch.cat([first, first[-1:] + self.max_model_len]).to(dev, torch.int32)
-            meta.cu_seqlens_q, meta.max_seqlen_q = cu.to(dev, torch.int32), max(lens)
-            meta.context_lens, meta.max_seqlen = context.to(dev, torch.int32), int(context.max())
-            meta.slots = torch.tensor([r.slots[0] for r in admitted]).to(dev)
+            starts = slots * self.max_model_len
+            meta = AttnMeta(write_index=write_index.to(dev), write_rows=write_rows,
+                            cu_seqlens=torch.cat([starts, starts[-1:] + self.max_model_len]).to(dev, torch.int32),
+                            cu_seqlens_q=cu.to(dev, torch.int32), max_seqlen_q=max(lens),
+                            max_seqlen=int(context.max()), context_lens=context.to(dev, torch.int32),
+                            slots=slots.to(dev))
+        else:
+            meta = AttnMeta(write_index=write_index.to(dev), write_rows=write_rows, cu_seqlens=cu.to(dev, torch.int32),
+                            seqlens=lens, max_seqlen=max(lens))
         logits = self.model(ids.to(dev), positions.to(dev), meta, self.kv, (cu[1:] - 1).to(dev))
         if bool((counts > 1).any()):
             logits = logits.repeat_interleave(counts.to(dev), dim=0)
