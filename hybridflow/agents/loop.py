@@ -34,6 +34,7 @@ from hybridflow.agents.tools import Scratch, ToolContext, ToolResult
 from hybridflow.agents.toolset import ToolSet
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engine.rollout import Completion, SamplingParams
+from hybridflow.engine.rollout.types import check_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class AgentLoop:
     def run(self, engine: Any, prompts: list[list[int]], rows: list[dict[str, Any]],
             params: SamplingParams) -> list[list[Trajectory]]:
         """`params.n` trajectories per prompt (`rows[i]`: prompt i's dataset row); outs[i][j]."""
+        check_prompts(prompts, engine.max_model_len, engine.config.vocab_size)
         threads = ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="hybridflow-env")
         try:
             return asyncio.run(self._run(engine, prompts, rows, params, threads))
