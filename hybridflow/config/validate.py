@@ -212,9 +212,9 @@ def needs_reference(cfg: Any) -> bool:
     return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
 
 
-def agent_enabled(cfg: Any) -> bool:
-    """Multi-turn episodes are on when an environment or tools are configured."""
-    return bool(cfg.agent.environment or cfg.agent.tools)
+def agent_enabled(agent: Any) -> bool:
+    """Multi-turn episodes are on when the `agent` section names an environment or tools."""
+    return agent is not None and bool(agent.environment or agent.tools)
 
 
 def _agent_problems(cfg: Any) -> list[str]:
@@ -228,7 +228,7 @@ def _agent_problems(cfg: Any) -> list[str]:
         problems.append(f"agent.max_tokens_per_turn={agent.max_tokens_per_turn} must be >= 1 or null")
     if not agent.timeout_s > 0:
         problems.append(f"agent.timeout_s={agent.timeout_s} must be > 0")
-    if agent_enabled(cfg) and cfg.rollout.engine == "hf":
+    if agent_enabled(agent) and cfg.rollout.engine == "hf":
         problems.append("agent.environment / agent.tools continue live sequences turn by turn, which the fast engine "
                         "does and rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast")
     return problems

@@ -14,6 +14,7 @@ import torch
 from hybridflow.agents import AgentLoop
 from hybridflow.agents.trajectory import STAT_FIELDS
 from hybridflow.batch import Batch
+from hybridflow.config.validate import agent_enabled
 from hybridflow.data.loader import PROMPT_FIELDS
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 
@@ -61,7 +62,7 @@ class RolloutReplica:
         max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
         self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len, kv_cache_bytes)
         self.agent = None
-        if agent_cfg is not None and (agent_cfg.environment or agent_cfg.tools):
+        if agent_enabled(agent_cfg):
             if self.engine.kind != "fast":
                 raise ValueError(f"agent.environment / agent.tools need the fast rollout engine, which continues "
                                  f"live sequences; {model_path} runs on the {self.engine.kind!r} engine (its "
