@@ -1,6 +1,6 @@
-"""The Python executor (the built-in `python` tool): code run in a fresh, sandboxed interpreter (`sandbox_child.py` says how), with a
-wall-clock time limit, a memory limit, no network, no new processes, and a scratch directory it
-cannot leave; its stdout and stderr captured up to a cap.
+"""The Python executor (the built-in `python` tool): code run in a fresh, sandboxed interpreter
+(`sandbox_child.py` says how), with a wall-clock time limit, a memory limit, no network, no new
+processes, and a scratch directory it cannot leave; its stdout and stderr captured up to a cap.
 
     result = await run_python("print(2 ** 10)", scratch_dir, SandboxLimits(timeout_s=5))
     result.output, result.exit_code, result.timed_out, result.truncated, result.layers

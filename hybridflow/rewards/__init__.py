@@ -8,7 +8,13 @@
 - `ModelReward` (in `hybridflow.rewards.model_reward`): a sequence-classification reward model.
 """
 
-from hybridflow.rewards import environment, exact_match, gsm8k, math_equiv, reasoning_tasks  # noqa: F401  (registers built-ins)
+from hybridflow.rewards import (  # noqa: F401  (registers built-ins)
+    environment,
+    exact_match,
+    gsm8k,
+    math_equiv,
+    reasoning_tasks,
+)
 from hybridflow.rewards.manager import (RewardFunctionFailed, RewardManager, RewardResult, rows_from,
                                        scores_to_token_scores)
 from hybridflow.rewards.registry import (

@@ -100,8 +100,8 @@ def test_trajectories_are_the_engine_ids_and_the_appended_ids(tiny_qwen2, env_fi
     assert reused > 4 * 2 * len(prompts[0])  # every continuation reused its prompt and earlier turns
 
     # the trainer's rows: the same ids, mask and log-probs; attention over every real token
-    batch = Batch({"prompts": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)},
-                  {"extra_info": [r["extra_info"] for r in rows]})
+    prompt_part = {"prompts": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    batch = Batch(prompt_part, {"extra_info": [r["extra_info"] for r in rows]})
     out = completions_to_batch(batch, outs, 2, 200, pad_id=0)
     add_trajectory_fields(out, [t for row in outs for t in row])
     for r, trajectory in enumerate(t for row in outs for t in row):

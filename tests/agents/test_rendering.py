@@ -62,7 +62,8 @@ def test_tools_use_the_template_or_fall_back_to_a_system_message():
     qwen = build_tokenizer()
     qwen.chat_template = QWEN_LIKE
     native = render_prompt("What is 6 * 7?", qwen, tools=TOOLS)
-    assert native.startswith("<|im_start|>system\nYou are helpful.\n\n# Tools\n<tools>") and "You may call" not in native
+    assert native.startswith("<|im_start|>system\nYou are helpful.\n\n# Tools\n<tools>")
+    assert "You may call" not in native
     with pytest.raises(ValueError, match="tools need chat prompts"):
         render_prompt("plain", chatml, apply_chat_template=False, tools=TOOLS)
 

@@ -59,9 +59,11 @@ def test_failing_calls_answer_the_model(env_file):
     tools = ToolSet([f"{env_file(USER_TOOLS)}:Lookup"])
     for call, text in [(ToolCall(None, error="Error: malformed tool call (x)"), "Error: malformed tool call (x)"),
                        (ToolCall("search", {}), "Error: there is no tool 'search'; the tools are lookup"),
-                       (ToolCall("lookup", {}), "Error: lookup: missing required argument(s) ['word']; the tool takes ['word']"),
+                       (ToolCall("lookup", {}),
+                        "Error: lookup: missing required argument(s) ['word']; the tool takes ['word']"),
                        (ToolCall("lookup", {"word": "boom"}), "Error: lookup failed: RuntimeError: lookup exploded"),
-                       (ToolCall("lookup", {"word": "slow"}), "Error: lookup failed: TimeoutError: no answer within 0.5 s"),
+                       (ToolCall("lookup", {"word": "slow"}),
+                        "Error: lookup failed: TimeoutError: no answer within 0.5 s"),
                        (ToolCall("lookup", {"word": "number"}), "Error: lookup returned a int, not text")]:
         result = run(tools, call, timeout_s=0.5)
         assert result.error and result.text == text

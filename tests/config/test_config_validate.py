@@ -146,7 +146,7 @@ def test_agent_section_checked_before_training(tmp_path):
     env.write_text("class Env:\n    def step(self, text, turn):\n        return None\n")
     base = ["model.path=some-org/some-model", f"data.train_files={data}"]
     validate(_cfg(*base, f"agent.environment={env}:Env", "agent.tools=[calculator, python]"))
-    with pytest.raises(ConfigError, match=r"agent.environment='.*env.py:Envv'.*has no class 'Envv'; did you mean 'Env'"):
+    with pytest.raises(ConfigError, match=r"agent.environment='.*env.py:Envv'.*no class 'Envv'; did you mean 'Env'"):
         validate(_cfg(*base, f"agent.environment={env}:Envv"))
     with pytest.raises(ConfigError, match=r"agent.tools: agent.tools\[1\]: 'pyhton' is neither a built-in tool"):
         validate(_cfg(*base, "agent.tools=[calculator, pyhton]"))

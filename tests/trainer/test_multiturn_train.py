@@ -50,8 +50,8 @@ def capture_batches(monkeypatch):
 
 def overrides(model, data, out, *extra):
     return [f"model.path={model}", f"data.train_files={data}", "data.train_batch_size=2", "rollout.n=2",
-            "data.max_prompt_length=128", "actor.lr=1e-4", "actor.mini_batch_size=null", "trainer.total_steps=1", "trainer.val_before_train=false",
-            "reward.num_workers=1", f"trainer.output_dir={out}", *extra]
+            "data.max_prompt_length=128", "actor.lr=1e-4", "actor.mini_batch_size=null", "trainer.total_steps=1",
+            "trainer.val_before_train=false", "reward.num_workers=1", f"trainer.output_dir={out}", *extra]
 
 
 def test_environment_drives_three_turn_trajectories(tiny_qwen2, tmp_path, monkeypatch):
@@ -108,9 +108,11 @@ def test_tool_calls_through_training(tool_calling_model, tmp_path, monkeypatch):
     assert 0 < metrics["agent/tool_calls/mean"] <= 1 and metrics["agent/turns/max"] <= 2
     (batch,) = seen
     tokenizer = AutoTokenizer.from_pretrained(tool_calling_model)
-    assert tokenizer.decode(batch["prompts"][0]).replace("<|pad|>", "").startswith("<|im_start|>system\nTools: calculator")
+    prompt = tokenizer.decode(batch["prompts"][0]).replace("<|pad|>", "")
+    assert prompt.startswith("<|im_start|>system\nTools: calculator")  # the template's tools= rendering
     answered = [info["messages"] for info in batch["extra_info"] if len(info["messages"]) > 1]
-    assert answered and all([m["role"] for m in messages] == ["assistant", "tool", "assistant"] for messages in answered)
+    assert answered
+    assert all([m["role"] for m in messages] == ["assistant", "tool", "assistant"] for messages in answered)
     results = [messages[1]["content"] for messages in answered]
     assert "42" in results  # a well-formed call was run; a malformed one gets an error message
     assert all(r == "42" or r.startswith("Error:") for r in results)
@@ -131,7 +133,8 @@ def test_feedback_retry_recipe_runs_and_its_environment_scores_attempts(tiny_qwe
     assert right.message is None and right.reward == 0.5
 
     train(load_config([f"model.path={tiny_qwen2}", f"data.train_files={data_dir}/train.parquet",
-                       "data.train_batch_size=2", "rollout.n=2", "actor.mini_batch_size=null", "data.max_prompt_length=256",
+                       "data.train_batch_size=2", "rollout.n=2", "actor.mini_batch_size=null",
+                       "data.max_prompt_length=256",
                        "data.max_response_length=400", "agent.max_tokens_per_turn=8", "trainer.total_steps=1",
                        "trainer.val_before_train=false", "trainer.save_every=0", "reward.num_workers=1",
                        f"trainer.output_dir={tmp_path / 'out'}"], "recipes/multiturn_retry.yaml"))
