@@ -5,7 +5,7 @@
         description = "Today's weather in a city."
         parameters = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
-        def __init__(self, units="metric"):      # the config entry's kwargs; one instance per worker
+        def __init__(self, units="metric"):      # the config entry's kwargs; one instance per process
             self.units = units
 
         async def call(self, arguments, context):  # or a plain def; -> str or ToolResult
