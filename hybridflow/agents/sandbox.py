@@ -80,6 +80,11 @@ async def _read_capped(stream: asyncio.StreamReader, limit: int, deadline: float
         size += len(chunk)
 
 
+async def _discard(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
+
+
 async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` in a sandboxed interpreter whose working directory is `scratch` (see the module docstring)."""
     scratch = str(Path(scratch).resolve())
@@ -110,7 +115,14 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            await proc.wait()
+        # asyncio reports the exit only once the output pipe is closed, and a read stopped at the cap has
+        # paused the pipe: read it to its end. Something the code started outside the killed process
+        # group could hold it open; then give up waiting (the group is dead, the pipe closes with it).
+        try:
+            await asyncio.wait_for(_discard(proc.stdout), 5.0)
+            await asyncio.wait_for(proc.wait(), 5.0)
+        except asyncio.TimeoutError:
+            pass
     header, _, rest = raw.partition(b"\n")
     try:
         layers = list(json.loads(header)["layers"])

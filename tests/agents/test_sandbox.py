@@ -40,7 +40,11 @@ def test_infinite_loops_are_killed_at_the_time_limit(tmp_path, code):
 
 
 @pytest.mark.parametrize("code", ["print('x' * 10 ** 8)", "while True: print('y' * 1000)",
-                                  "import sys\nwhile True: sys.stderr.write('z' * 4096)"])
+                                  "import sys\nwhile True: sys.stderr.write('z' * 4096)",
+                                  # the unread output fills the pipe's buffer, which pauses it; the exit
+                                  # is seen only once the pipe is read to its end
+                                  "import sys, time\nsys.stdout.write('w' * 10 ** 7)\nsys.stdout.flush()\n"
+                                  "time.sleep(60)"])
 def test_huge_outputs_are_cut_and_the_writer_killed(tmp_path, code):
     start = time.perf_counter()
     result = run(code, tmp_path)
