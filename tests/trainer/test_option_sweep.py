@@ -26,8 +26,11 @@ from rl_helpers import read_metrics, reward_file
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
-# Settings an option cannot run without (beyond the small run below); a new entry that needs some adds them here.
-NEEDS = {"actor.policy_loss=gspo": ("actor.clip_low=3e-4", "actor.clip_high=4e-4")}
+# Settings an option or a recipe cannot run without (beyond the small run below); a new entry that needs some
+# adds them here. The calculator recipe's prompts carry the tool descriptions (~700 tokens of the tiny
+# byte-level tokenizer).
+NEEDS = {"actor.policy_loss=gspo": ("actor.clip_low=3e-4", "actor.clip_high=4e-4"),
+         "recipe=gsm8k_calculator": ("data.max_prompt_length=1024",)}
 
 SMALL = ("data.train_batch_size=2", "rollout.n=2", "data.max_prompt_length=256", "data.max_response_length=8",
          "trainer.total_steps=2", "trainer.val_before_train=false", "trainer.val_every=0", "trainer.loggers=[jsonl]",
@@ -59,7 +62,8 @@ def option_cases() -> list[tuple[str, tuple[str, ...], str | None]]:
     cases[("actor.entropy_coef=0.01",)] = "entropy_bonus"
     cases[("algorithm.adv_estimator=gae", "critic.warmup_steps=1")] = "critic_warmup"
     out = [(case_id, overrides, None) for overrides, case_id in cases.items()]
-    return out + [(f"recipe={recipe.stem}", SHRINK, str(recipe)) for recipe in RECIPES]
+    return out + [(f"recipe={recipe.stem}", (*SHRINK, *NEEDS.get(f"recipe={recipe.stem}", ())), str(recipe))
+                  for recipe in RECIPES]
 
 
 def value_of(cfg, key: str) -> str:
