@@ -2,8 +2,12 @@
 model and prompts, and what continuing sequences in their KV cache saves.
 
     python bench/multiturn.py --device cpu                       # a tiny random model built here, fp32
-    python bench/multiturn.py --device cuda --model /path/to/SmolLM2-135M-Instruct \
+    python bench/multiturn.py --device cuda --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --out bench/results/multiturn_h200.json                  # bf16, 64 prompts x 4 samples
+    bash bench/h200.sh model_part1; bash bench/h200.sh model_part2 multiturn    # the same on the H200
+
+`--model` is a Hugging Face directory, a `.gguf` file or a directory holding one (converted once with
+`hybridflow.utils.real_model`).
 
 Three runs, each after a warm-up, on the same chat prompts and sampling (temperature 1, the model's stop ids):
 1. single_turn: `engine.generate`, up to --turn-tokens tokens per sample;
@@ -136,7 +140,8 @@ def run_multi(engine, loop, prompts, rows, params, reuse: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default=None, help="HF model directory (default: a tiny random model, CPU)")
+    parser.add_argument("--model", default=None, help="HF dir, .gguf file or a dir holding one (default: a tiny "
+                                                      "random model)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts (default: 64 on cuda, 4 on cpu)")
     parser.add_argument("--n", type=int, default=None, help="samples per prompt (default: 4 on cuda, 2 on cpu)")
     parser.add_argument("--turns", type=int, default=3, help="model turns per episode")
@@ -150,11 +155,14 @@ def main() -> None:
     turn_tokens = args.turn_tokens or (256 if cuda else 16)
     if not cuda:
         torch.set_num_threads(args.threads)
-    model_dir = args.model
-    if model_dir is None:
+    if args.model is None:
         from hybridflow.utils.tiny_model import build_tiny_model
 
         model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", hidden=128, layers=4))
+    else:
+        from hybridflow.utils.real_model import resolve_model
+
+        model_dir = str(resolve_model(args.model, "fp32"))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
