@@ -5,9 +5,11 @@ Every iteration of the engine loop first admits as many waiting requests as ther
 runs one decode step over all running rows. A row that finishes returns its slot at once (unless its
 session holds it for a continuation); waiting requests take the free slots as soon as 1/8 of all slots
 are free (or all the waiting requests fit, or nothing runs), so one prefill forward serves many prompts
-instead of one forward per freed slot. Continuations of live sequences own their slots already: they
-are admitted first, at once. Requests are admitted in arrival order; the lowest free slots are handed
-out first.
+instead of one forward per freed slot. Continuations of live sequences own their slots already and are
+admitted first, but gathered the same way: once as many wait as an eighth of the running rows (or nothing
+runs), since a prefill forward costs several decode steps and continuations come back a few at a time
+(admitted at once, a multi-turn run's prefill time was mostly the overhead of many tiny forwards:
+docs/benchmarks.md). Requests are admitted in arrival order; the lowest free slots are handed out first.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ class Scheduler:
         return bool(self.continuing) or bool(self.waiting) and self.waiting[0].n <= len(self.free_slots)
 
     def admit(self, running: int) -> list[Request]:
-        """Pop the continuations, then the waiting requests that fit now (giving each its n slots);
-        `running`: rows being decoded (new prompts wait for more free slots while any are)."""
+        """Pop the continuations (once enough wait), then the waiting requests that fit now (giving each
+        its n slots); `running`: rows being decoded (both kinds wait for company while any are)."""
         admitted, tokens = [], 0
-        while self.continuing:
+        gathered = len(self.continuing) >= max(1, running // 8) or not running
+        while gathered and self.continuing:
             if admitted and tokens + len(self.continuing[0].prompt) > self.max_prefill_tokens:
                 return admitted
             admitted.append(self.continuing.popleft())

@@ -70,7 +70,17 @@ def test_scheduler_batches_admissions_until_an_eighth_of_the_slots_are_free():
     assert len(sched.admit(running=15)) == 1  # the last waiting request needs only one slot
 
 
-def test_scheduler_admits_continuations_at_once_and_new_prompts_when_nothing_runs():
+def test_scheduler_gathers_continuations_until_an_eighth_of_the_running_rows_wait():
+    sched = Scheduler(num_slots=64, max_prefill_tokens=100)
+    sched.add([Request([5], [7, 7], max_tokens=8, start=10, slots=[5])])
+    assert sched.admit(running=16) == [] and sched.can_admit()  # 1 < 16 // 8: wait for another
+    sched.add([Request([6], [7, 7], max_tokens=8, start=10, slots=[6])])
+    assert [r.seqs for r in sched.admit(running=16)] == [[5], [6]]  # one prefill serves both
+    sched.add([Request([7], [7, 7], max_tokens=8, start=10, slots=[7])])
+    assert [r.seqs for r in sched.admit(running=0)] == [[7]]  # nothing runs: at once
+
+
+def test_scheduler_admits_continuations_first_and_new_prompts_when_nothing_runs():
     sched = Scheduler(num_slots=16, max_prefill_tokens=100)
     sched.add([Request([i], [1, 2], max_tokens=8) for i in range(16)])
     assert len(sched.admit(running=0)) == 16
