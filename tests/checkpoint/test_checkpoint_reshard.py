@@ -74,9 +74,13 @@ def test_fsdp2_reshard_one_to_two_to_one(tmp_path, tiny_qwen2, trained):
     save_worker_state(tmp_path / "one" / "actor", model, optimizer)
     torch.save(_full_state(model, optimizer), tmp_path / "one_expected.pt")
 
-    # fork: the children inherit the imported torch/transformers instead of importing them again
-    # (not once CUDA is initialised in this process, as after the GPU tests: a forked CUDA context breaks)
-    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    # fork: the children inherit the imported torch/transformers instead of importing them again (not once
+    # CUDA is initialised in this process, as after the GPU tests: a forked CUDA context breaks; nor once an
+    # inline worker group of an earlier test made this process's default process group, which a forked
+    # child would inherit and then refuse to initialise again)
+    import torch.distributed as dist
+
+    method = "spawn" if torch.cuda.is_initialized() or dist.is_initialized() else "fork"
     context = mp.start_processes(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tiny_qwen2), str(tmp_path)),
                                  nprocs=2, start_method=method, join=False)
     deadline = time.monotonic() + 180
