@@ -25,6 +25,7 @@ TRUNCATION_MODES = ("error", "filter", "left", "right")
 MASTER_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LORA_INITS = ("default", "gaussian")
 
 
 def registered(attr: str) -> Callable[[], tuple[str, ...]]:
@@ -130,6 +131,21 @@ class RolloutConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hugging Face peft): the model's weights stay frozen, rank-r matrices beside
+    them train (docs/lora.md)."""
+
+    rank: int = opt(0, "adapter rank r; 0 = no LoRA (every weight trains)")
+    alpha: float = opt(32.0, "the adapters' update B·A is scaled by alpha / rank")
+    dropout: float = opt(0.0, "dropout on the adapters' input during updates (off in log-prob passes)")
+    target_modules: list[str] = opt([], "linear layers of the decoder layers given adapters: a module whose name "
+                                        "is, or ends with, one of these (q_proj, mlp.down_proj, ...); [] = all of "
+                                        "them (Llama, Qwen, Mistral: q/k/v/o_proj, gate/up/down_proj)")
+    init: str = opt("default", "initial A (B starts at 0, so the initial policy is the base model): default = "
+                               "nn.Linear's Kaiming uniform, gaussian = normal with std 1/rank", LORA_INITS)
+
+
+@dataclass
 class OptimConfig:
     """Optimisation of a trained model: AdamW, lr schedule, clipping, mini-/micro-batching, packing, offload."""
 
@@ -155,6 +171,7 @@ class OptimConfig:
     loss_agg: str = opt("token-mean", "how per-token losses are aggregated", registered("AGG_MODES"))
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")
     optimizer_offload: bool = opt(False, "keep optimizer state on the CPU between uses")
+    lora: LoraConfig = opt(LoraConfig, "train low-rank adapters instead of every weight")
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # OmegaConf < 2.4 hands tuples over as lists

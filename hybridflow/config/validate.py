@@ -100,6 +100,7 @@ def _range_problems(cfg: Any) -> list[str]:
     if fraction is not None and not 0.0 < fraction < 1.0:
         problems.append(f"rollout.kv_cache_fraction={fraction} must be in (0.0, 1.0) or null (device budget)")
     problems += _precision_problems(cfg, (("actor", "model"), ("critic", "critic.model")))
+    problems += _lora_problems(cfg, ("actor", "critic"))
     if cfg.actor.clip_c <= 1.0:
         problems.append(f"actor.clip_c={cfg.actor.clip_c} must be > 1 (dual-clip bound)")
     corr = cfg.actor.rollout_correction
@@ -150,6 +151,26 @@ def _precision_problems(cfg: Any, sections: tuple[tuple[str, str], ...]) -> list
                             f"keeps updates below bf16's resolution); got {role}.optimizer={optimizer}")
         if master == "bf16" and _get(cfg, f"{model}.dtype") == "fp32":
             problems.append(f"{model}.master_dtype=bf16 is below {model}.dtype=fp32; use {model}.dtype=bf16 or auto")
+    return problems
+
+
+def _lora_problems(cfg: Any, sections: tuple[str, ...]) -> list[str]:
+    """Each `<section>.lora`: a rank >= 0, a positive alpha, a dropout in [0, 1); a LoRA actor has no reference
+    copy to offload."""
+    problems = []
+    actor = getattr(cfg, "actor", None)
+    if actor is not None and actor.lora.rank > 0 and actor.ref_param_offload:
+        problems.append(f"actor.ref_param_offload=true offloads the reference model's copy, which a LoRA actor "
+                        f"(actor.lora.rank={actor.lora.rank}) does not have: its reference is its own base weights "
+                        f"under disabled adapters; set actor.ref_param_offload=false")
+    for section in sections:
+        lora = _get(cfg, f"{section}.lora")
+        if lora.rank < 0:
+            problems.append(f"{section}.lora.rank={lora.rank} must be >= 0 (0 = no LoRA)")
+        if lora.alpha <= 0:
+            problems.append(f"{section}.lora.alpha={lora.alpha} must be > 0")
+        if not 0.0 <= lora.dropout < 1.0:
+            problems.append(f"{section}.lora.dropout={lora.dropout} must be in [0.0, 1.0)")
     return problems
 
 
@@ -410,7 +431,7 @@ def validate_sft(cfg: Any) -> None:
                                          "trainer.total_epochs"]},
                                {"optim.lr": (0.0, float("inf"), False, False),
                                 "trainer.gpu_memory_utilization": (0.0, 1.0, False, True)})
-    problems += _precision_problems(cfg, (("optim", "model"),))
+    problems += _precision_problems(cfg, (("optim", "model"),)) + _lora_problems(cfg, ("optim",))
     problems += _model_problems(cfg, ("model.path", "model.tokenizer_path")) + _data_file_problems(cfg)
     problems += _run_problems(cfg)
     if data.train_batch_size < run.n_workers:

@@ -206,3 +206,18 @@ def test_gspo_refuses_ppo_sized_clip_bounds_and_names_the_papers():
 def test_reward_workers_may_be_zero_but_not_negative():
     validate(_cfg("reward.num_workers=0"), check_paths=False)
     assert "reward.num_workers=-1 must be >= 0" in _problems(_cfg("reward.num_workers=-1"))
+
+
+def test_lora_ranges_are_checked_in_every_trained_section(tmp_path):
+    from hybridflow.config.sft import SFTConfig
+    from hybridflow.config.validate import validate_sft
+
+    msg = _problems(_cfg("actor.lora.rank=-1", "actor.lora.alpha=0", "critic.lora.dropout=1.0"))
+    assert "actor.lora.rank=-1 must be >= 0 (0 = no LoRA)" in msg and "actor.lora.alpha=0.0 must be > 0" in msg
+    assert "critic.lora.dropout=1.0 must be in [0.0, 1.0)" in msg
+    msg = _problems(_cfg("actor.lora.rank=8", "actor.ref_param_offload=true"))
+    assert "which a LoRA actor (actor.lora.rank=8) does not have" in msg
+    with pytest.raises(ConfigError, match="optim.lora.dropout=-0.1 must be in"):
+        validate_sft(load_config([f"model.path={tmp_path}", "optim.lora.dropout=-0.1"], schema=SFTConfig))
+    with pytest.raises(ConfigError, match="actor.lora.init"):
+        load_config(["actor.lora.init=pissa"])

@@ -28,12 +28,13 @@ from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
+from hybridflow.engine.train.lora import apply_lora
 from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows, take_rows
 from hybridflow.engine.train.model import load_model, resolve_precision
 from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
-from hybridflow.engine.train.parallel import dp_mesh, shard_model
+from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
 
 
 @dataclass
@@ -65,21 +66,25 @@ def _default_device() -> torch.device:
 
 class TrainEngine:
     """A Hugging Face model under FSDP2 (when torch.distributed is initialised with more than one rank,
-    or the compute dtype differs from the master weights) on this rank's device, its decoder layers
-    compiled where `model.compile` says so (`compile.py`).
+    or, without LoRA, the compute dtype differs from the master weights) on this rank's device, its decoder
+    layers compiled where `model.compile` says so (`compile.py`), with LoRA adapters where the trained
+    role's `lora.rank` > 0 (`lora.py`: only they train; `adapters` is None without).
 
     Args:
         model_cfg: `ModelConfig`-like (`path`, `dtype`, `master_dtype`, `gradient_checkpointing`, `compile`,
             `attn_implementation`, `trust_remote_code`; missing optional ones take their defaults).
-        optim_cfg: an actor/critic section (`optimizer`, lr, schedule, `grad_clip`, ...) or None for a
-            frozen model.
+        optim_cfg: an actor/critic section (`optimizer`, lr, schedule, `grad_clip`, `lora`, ...) or None for
+            a frozen model.
         head: ``"lm"`` (log-probs) or ``"value"`` (critic values).
         total_steps: optimizer steps the lr schedule spans.
         pack_on_cpu: honour `pack=True` on a CPU device too (by default CPU forwards stay padded).
+        seed: seeds what the model directory does not hold (LoRA adapters, a value head), so it starts the same
+            in every run and on every rank (`trainer.seed`).
     """
 
     def __init__(self, model_cfg: Any, optim_cfg: Any | None = None, *, head: str = "lm",
-                 total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False) -> None:
+                 total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False,
+                 seed: int = 0) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
         # Packing pays on CUDA (varlen flash attention, no padded work). On a CPU the padded forward
         # is faster (docs/benchmarks.md, "Measurements behind choices in the code"), so `pack` is
@@ -91,14 +96,22 @@ class TrainEngine:
                                            getattr(model_cfg, "master_dtype", "fp32"))
         self.distributed = dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
-        model = load_model(model_cfg.path, head, self.precision.master,
-                           getattr(model_cfg, "attn_implementation", "sdpa"),
-                           getattr(model_cfg, "trust_remote_code", False),
-                           self.trainable and bool(getattr(model_cfg, "gradient_checkpointing", False)))
-        # One rank in full precision: FSDP2 would shard nothing and cast nothing, only add its hooks
-        # (a measurable share of a small model's update: docs/benchmarks.md), so the model stays a
-        # plain module there.
-        if self.distributed and (self.world_size > 1 or self.precision.mixed):
+        lora_cfg = getattr(optim_cfg, "lora", None) if self.trainable else None
+        lora = lora_cfg is not None and lora_cfg.rank > 0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            # with LoRA the frozen weights are loaded, and stay, in the compute dtype; only adapters get a master copy
+            model = load_model(model_cfg.path, head, self.precision.param if lora else self.precision.master,
+                               getattr(model_cfg, "attn_implementation", "sdpa"),
+                               getattr(model_cfg, "trust_remote_code", False),
+                               self.trainable and bool(getattr(model_cfg, "gradient_checkpointing", False)))
+            self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
+        # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
+        # update: docs/benchmarks.md), and with LoRA keep a gathered compute-dtype copy of every layer from
+        # forward to backward (the frozen model twice). So one rank keeps a plain module in full precision and
+        # with LoRA, whose mixed precision is then autocast's.
+        self.sharded = self.distributed and (self.world_size > 1 or (self.precision.mixed and not lora))
+        if self.sharded:
             model = shard_model(model.to(self.device), dp_mesh(self.device), self.precision)
         else:
             model = model.to(self.device)
@@ -108,6 +121,7 @@ class TrainEngine:
         self.model = model
         self.lm_head = model.get_output_embeddings() if head == "lm" else None
         self.config = model.config
+        self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
         self.skipped_steps = 0
         self.optimizer = self.scheduler = None
         if self.trainable:
@@ -121,7 +135,7 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ forward
     def _autocast(self):
-        if self.distributed or not self.precision.mixed:
+        if self.sharded or not self.precision.mixed:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.precision.param)
 
@@ -164,16 +178,23 @@ class TrainEngine:
     def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
               max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
               pack: bool = True) -> dict[str, torch.Tensor]:
-        """Log-probs (+ entropy) or values for every row of `batch`, `[B, R]` float32 on the CPU."""
+        """Log-probs (+ entropy) or values for every row of `batch`, `[B, R]` float32 on the CPU; dropout
+        (a LoRA adapter's, or the model's own) is off for these passes."""
         rows = batch["input_ids"].shape[0]
         outs: dict[str, torch.Tensor] = {}
-        for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
-            out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack)
-            for k, v in out.items():
-                if k not in outs:
-                    outs[k] = torch.zeros(rows, v.shape[1], dtype=torch.float32)
-                if g:
-                    outs[k][torch.tensor(g)] = v.cpu()
+        training = self.model.training
+        if self.has_dropout:
+            self.model.eval()
+        try:
+            for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
+                out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack)
+                for k, v in out.items():
+                    if k not in outs:
+                        outs[k] = torch.zeros(rows, v.shape[1], dtype=torch.float32)
+                    if g:
+                        outs[k][torch.tensor(g)] = v.cpu()
+        finally:
+            self.model.train(training)
         return outs
 
     # ------------------------------------------------------------------ training
@@ -237,17 +258,25 @@ class TrainEngine:
         return float(norm), finite
 
     # ------------------------------------------------------------------ perf, memory, weights
+    def trained_params(self) -> int:
+        """Parameters the optimizer updates (all of them, or with LoRA the adapters)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
     def describe(self) -> str:
-        """The model's size, for messages: "1.54B parameters (Qwen2ForCausalLM, bfloat16 over float32 weights)"."""
+        """The model's size, for messages: "1.54B parameters (Qwen2ForCausalLM, bfloat16 over float32 weights)",
+        with LoRA "..., LoRA rank 32: 18.5M trained"."""
         params = sum(p.numel() for p in self.model.parameters())
         param, master = (str(d).removeprefix("torch.") for d in (self.precision.param, self.precision.master))
         name = type(self.model).__name__.removeprefix("FSDP")
-        return f"{count(params)} parameters ({name}, {param} over {master} weights)"
+        lora = "" if self.adapters is None else \
+            f", LoRA rank {self.adapters.rank}: {count(self.trained_params())} trained"
+        return f"{count(params)} parameters ({name}, {param} over {master} weights{lora})"
 
     def perf_metrics(self, seq_lens: list[int], seconds: float, passes: int = 1) -> dict[str, float]:
         """Throughput (real tokens per second per rank) and MFU of `passes` training passes over rows of
         `seq_lens` real tokens (this rank's rows) that took `seconds`."""
-        flops = flops_lib.train_flops(self.config, seq_lens) * passes
+        adapters = None if self.adapters is None else self.trained_params()
+        flops = flops_lib.train_flops(self.config, seq_lens, adapters) * passes
         out = {"throughput": sum(seq_lens) * passes / max(seconds, 1e-9)}
         mfu = flops_lib.mfu(flops, seconds, self.device)
         if mfu is not None:
@@ -273,15 +302,22 @@ class TrainEngine:
 
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) per parameter, gathered one at a time and cast to `dtype`: never more
-        than one full parameter beyond the shards exists at once (before the consumer drops it). On one
-        rank the local shard is the whole tensor and is taken as it is: a collective per parameter would
-        cost time for nothing (docs/benchmarks.md)."""
+        than one full parameter beyond the shards exists at once (before the consumer drops it)."""
         for name, p in self.model.named_parameters():
             t = p.detach()
-            if isinstance(t, DTensor) and t.device_mesh.size() == 1 and t.to_local().shape == t.shape:
-                t = t.to_local()
-            t = t if dtype is None else t.to(dtype)  # cast the shard before gathering: half the traffic
-            yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+            yield name, full_tensor(t if dtype is None else t.to(dtype))  # cast the shard first: half the traffic
+
+    def rollout_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of what a rollout engine built from the model directory needs to sample from
+        the trained policy, one at a time (a collective: every rank iterates): every parameter, or with LoRA
+        only the merged weight W + scale · B·A of each adapted module (nothing else ever changes)."""
+        return self.iter_full_params(dtype) if self.adapters is None else self.adapters.merged_weights(dtype)
+
+    def rollout_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, shape) of each tensor `rollout_weights` yields, in its order."""
+        if self.adapters is not None:
+            return self.adapters.merged_shapes()
+        return [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:

@@ -3,7 +3,8 @@
 Counting convention (as PaLM / verl): a training token costs 6 x (matmul parameters) FLOPs forward and
 backward, plus causal attention `6 x layers x heads x head_dim x context` (QK^T and AV, forward and
 backward, half the square for causality). Only real (unpadded) tokens are counted. Recomputation
-(gradient checkpointing) is not counted: MFU measures useful work.
+(gradient checkpointing) is not counted: MFU measures useful work. With LoRA the frozen weights get no
+gradient: 4 x (matmul parameters) per token (forward and the inputs' gradients), plus 6 x the adapters'.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ def matmul_params(config) -> int:
     return layers * (attn + mlp) + h * config.vocab_size
 
 
-def train_flops(config, seq_lens: list[int]) -> float:
-    """Forward + backward FLOPs of one pass over rows of `seq_lens` real tokens each."""
+def train_flops(config, seq_lens: list[int], adapter_params: int | None = None) -> float:
+    """Forward + backward FLOPs of one pass over rows of `seq_lens` real tokens each; `adapter_params`: the
+    trained parameters of a LoRA model (None: every weight trains)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     tokens = sum(seq_lens)
-    dense = 6 * matmul_params(config) * tokens
+    if adapter_params is None:
+        dense = 6 * matmul_params(config) * tokens
+    else:
+        dense = (4 * matmul_params(config) + 6 * adapter_params) * tokens
     # causal attention per row: 2 matmuls x 2 FLOPs x L^2 / 2 (causal) x 3 (fwd + bwd)
     attn = sum(6 * config.num_hidden_layers * heads * head_dim * n * n for n in seq_lens)
     return float(dense + attn)

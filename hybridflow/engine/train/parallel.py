@@ -4,7 +4,7 @@
 over a 1-D data-parallel mesh of the current process group. Mixed precision: parameters are gathered in
 the compute dtype, gradients reduced in fp32, and the sharded master weights stay fp32. On one rank
 nothing is sharded, so layers keep their gathered parameters from forward to backward (no second
-gather); on several, they are resharded after forward (ZeRO-3).
+gather); on several, they are resharded after forward (ZeRO-3). `full_tensor` gathers one parameter.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.train.model import Precision, decoder_layers
 
@@ -31,3 +32,14 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) 
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly sharded) tensor: a DTensor is gathered (a collective: every rank calls it),
+    except a one-rank shard, which already is the whole tensor and is taken as it is (a collective would
+    cost time for nothing: docs/benchmarks.md); a plain tensor is returned unchanged."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.device_mesh.size() == 1 and t.to_local().shape == t.shape:
+        return t.to_local()
+    return t.full_tensor()

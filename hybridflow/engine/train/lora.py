@@ -1,0 +1,169 @@
+"""LoRA in the training engine: low-rank adapters (Hugging Face `peft`) injected into a loaded model.
+
+`apply_lora(model, cfg, head, master_dtype)` gives the linear layers `cfg.target_modules` names (default:
+every linear layer inside the decoder layers; for Llama, Qwen and Mistral q/k/v/o and gate/up/down
+projections) a rank-`cfg.rank` adapter through `peft.inject_adapter_in_model`, freezes every other weight and
+stores the adapters (and a value model's score head, which starts untrained) in the master dtype; the
+frozen weights stay in the dtype the model was loaded in (the compute dtype: no master copy, no gradient,
+no optimizer state). The model keeps its class and Hugging Face names: an adapted `...q_proj` holds
+`base_layer.weight` and `lora_A.default.weight` / `lora_B.default.weight`, so FSDP2, compilation and
+checkpoints apply unchanged. Both `init` choices start with B = 0: the initial policy is the base model.
+
+The returned `Adapters` gives what the rest of a run needs from them:
+- `disabled()`: a context in which the model computes with its base weights alone — the reference policy
+  of a KL term, with no second copy of the model;
+- `merged_weights(dtype)`: (HF name of the base weight, W + scale · B·A) per adapted module, gathered one at a
+  time: the only weights of the trained policy that differ from the model directory's, what a rollout
+  engine built from that directory is sent;
+- `peft_config`: the `peft.LoraConfig`, which checkpoints keep so `hybridflow export` can write an adapter
+  directory or a merged model.
+`trainable_params` counts, on the meta device, the parameters a LoRA run trains (for device budgeting and
+the checkpoint-size check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hybridflow.engine.train.model import decoder_layers
+from hybridflow.engine.train.parallel import full_tensor
+
+ADAPTER = "default"  # peft's adapter name; a run trains one adapter
+INITS = {"default": True, "gaussian": "gaussian"}  # our `init` choice -> peft's `init_lora_weights`
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError("LoRA (actor.lora.rank > 0) needs peft: pip install 'hybridflow[lora]'") from e
+    return peft
+
+
+def resolve_targets(model: torch.nn.Module, names: list[str] | tuple[str, ...]) -> dict[str, torch.nn.Linear]:
+    """{qualified name: module} of the linear layers inside the decoder layers that `names` select (peft's
+    rule: a module whose name is, or ends with `.` + , one of them); `names` empty = every linear layer
+    there. Refuses a name that selects nothing, or something that is not a linear layer of a decoder layer
+    (embeddings and heads are not adapted), naming the layers that could be."""
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    linear = {n: m for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)}
+    if not names:
+        if not linear:
+            raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layer inside its decoder layers to "
+                             f"give adapters to")
+        return linear
+    available = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    out: dict[str, torch.nn.Linear] = {}
+    for key in names:
+        chosen = {n: m for n, m in model.named_modules() if n == key or n.endswith("." + key)}
+        wrong = sorted({f"{n} ({type(m).__name__})" for n, m in chosen.items() if n not in linear})
+        if not chosen or wrong:
+            found = f"it selects {', '.join(wrong[:3])}, not a linear layer of a decoder layer" if wrong else \
+                "no module has that name"
+            raise ValueError(f"lora.target_modules: {key!r}: {found}; valid: {', '.join(available)} (or [] for "
+                             f"all of them)")
+        out.update(chosen)
+    return out
+
+
+def _head_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """A value model's score head: the parameters outside its backbone (`base_model_prefix`)."""
+    prefix = model.base_model_prefix + "."
+    return [p for n, p in model.named_parameters() if not n.startswith(prefix)]
+
+
+class Adapters:
+    """The adapted modules of a model (`apply_lora`'s result); see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, peft_config: Any) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self.peft_config = peft_config
+        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+        for name, layer in self.layers.items():
+            if not hasattr(layer, "_disable_adapters") or not hasattr(layer, "base_layer"):
+                raise RuntimeError(f"peft's LoRA layer {name} ({type(layer).__name__}) lacks the `_disable_adapters` "
+                                   f"flag or `base_layer` this engine uses; install a peft version from "
+                                   f"hybridflow's `lora` extra")
+            # peft would cast each adapter's input to the fp32 master weights' dtype: under autocast (one rank)
+            # every adapted module would then keep its own copy of its input for the backward instead of
+            # sharing the compute-dtype one; autocast and FSDP2 already give the matmuls one dtype
+            layer.cast_input_dtype_enabled = False
+
+    @property
+    def rank(self) -> int:
+        return self.peft_config.r
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Within the block the model computes with its base weights alone. Sets the flag peft's
+        `enable_adapters(False)` sets, without its side effect of turning off the adapters' `requires_grad`:
+        FSDP2 reads which parameters train when it first runs, which may be inside this block."""
+        for layer in self.layers.values():
+            layer._disable_adapters = True
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer._disable_adapters = False
+
+    def merged_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, shape) of each tensor `merged_weights` yields, in its order."""
+        return [(f"{name}.weight", tuple(layer.base_layer.weight.shape)) for name, layer in self.layers.items()]
+
+    @torch.no_grad()
+    def merged_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, W + scale · B·A) per adapted module, each gathered in full (a collective under FSDP2:
+        every rank iterates), summed in fp32 and rounded once to `dtype` (None: the base weight's)."""
+        for name, layer in self.layers.items():
+            base = full_tensor(layer.base_layer.weight.detach())
+            a = full_tensor(layer.lora_A[ADAPTER].weight.detach()).float()
+            b = full_tensor(layer.lora_B[ADAPTER].weight.detach()).float()
+            merged = torch.addmm(base.float(), b, a, alpha=layer.scaling[ADAPTER])
+            yield f"{name}.weight", merged.to(dtype or base.dtype)
+
+
+def apply_lora(model: torch.nn.Module, cfg: Any, head: str, master_dtype: torch.dtype) -> Adapters:
+    """Injects adapters into `model` in place (see the module docstring); returns its `Adapters`."""
+    if cfg.init not in INITS:
+        raise ValueError(f"lora.init={cfg.init!r} is not valid; valid: {', '.join(INITS)}")
+    targets = resolve_targets(model, list(cfg.target_modules))
+    names = list(cfg.target_modules) or list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in targets))
+    config = _peft().LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names,
+                                init_lora_weights=INITS[cfg.init], bias="none")
+    model.requires_grad_(False)
+    _peft().inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if head == "value":
+        trained += _head_params(model)
+    for p in trained:
+        p.requires_grad_(True)
+        p.data = p.data.to(master_dtype)
+    adapters = Adapters(model, config)
+    extra = sorted(set(adapters.layers) - set(targets))
+    if extra:
+        raise ValueError(f"lora.target_modules={names} also selects {', '.join(extra[:3])} outside the decoder "
+                         f"layers; name the modules more fully (e.g. self_attn.q_proj)")
+    return adapters
+
+
+def trainable_params(config: Any, cfg: Any, head: str = "lm", trust_remote_code: bool = False) -> int:
+    """Parameters a LoRA run of `cfg` trains on the model of Hugging Face `config`: rank x (in + out) per
+    adapted linear layer, plus a value model's score head; counted on the meta device."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if head == "value":
+        config = copy.copy(config)
+        config.num_labels = 1
+    with torch.device("meta"):
+        auto = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    targets = resolve_targets(model, list(cfg.target_modules)).values()
+    adapters = sum(cfg.rank * (m.in_features + m.out_features) for m in targets)
+    return adapters + (sum(p.numel() for p in _head_params(model)) if head == "value" else 0)
