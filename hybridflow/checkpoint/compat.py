@@ -7,7 +7,8 @@ matched against glob patterns:
   memory/speed knobs. World sizes may change because DCP reshards model and optimizer state on load
   (2 → 1 workers, 4 → 8, ...); every FSDP2 layout can be resharded, so no world size is refused.
 - `MUST_MATCH`: what identifies the model and its vocabulary (model / tokenizer paths, architecture,
-  vocabulary size) and the data-loader's batch size (its saved position counts batches). A difference
+  vocabulary size), which parameters train (LoRA's rank and target modules: its checkpoints hold the
+  adapters alone) and the data-loader's batch size (its saved position counts batches). A difference
   here raises `IncompatibleCheckpoint` naming each key and both values.
 - anything else that differs (learning rate, batch sizes, ...) is allowed but returned, so the
   trainer can log that the resumed run is not the same experiment.
@@ -42,9 +43,14 @@ MUST_MATCH: tuple[str, ...] = (
     # which model and vocabulary the weights belong to
     "*model.path", "*tokenizer_path", "*model.name_or_path", "*vocab_size", "*architectures",
     "*model_type",
+    # which parameters a checkpoint holds: every weight, or LoRA adapters of this rank on these modules
+    "*.lora.rank", "*.lora.target_modules",
     # the data-loader position counts batches of this many prompts
     "data.train_batch_size",
 )
+# What a key absent from a checkpoint's config (saved before the key existed) stood for: runs then trained
+# every weight.
+ABSENT_MEANS: dict[str, Any] = {"*.lora.rank": 0, "*.lora.target_modules": []}
 HF_ARCH_KEYS: tuple[str, ...] = (
     "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
@@ -68,6 +74,11 @@ def _matches(key: str, patterns: Iterable[str]) -> bool:
     return any(fnmatchcase(key, pattern) for pattern in patterns)
 
 
+def _meant_by_absence(key: str, value: Any) -> bool:
+    """Is `value` what `key` stood for in a checkpoint saved before the key existed (`ABSENT_MEANS`)?"""
+    return any(fnmatchcase(key, pattern) and value == meant for pattern, meant in ABSENT_MEANS.items())
+
+
 def check_compatible(saved_config: Any, new_config: Any,
                      must_match: Iterable[str] = MUST_MATCH, may_differ: Iterable[str] = MAY_DIFFER,
                      allow: Iterable[str] = ()) -> list[str]:
@@ -84,6 +95,8 @@ def check_compatible(saved_config: Any, new_config: Any,
     for key, (before, after) in sorted(config_diff(saved_config, new_config).items()):
         line = f"{key}: {before!r} (checkpoint) vs {after!r} (now)"
         if _matches(key, may_differ) or _matches(key, allow):
+            continue
+        if before == _ABSENT and _meant_by_absence(key, after):
             continue
         (fatal if _matches(key, must_match) else changed).append(line)
     if fatal:

@@ -8,8 +8,14 @@ into a meta-initialised `AutoModelForCausalLM` of the saved config and writes co
 config, tokenizer and safetensors with `save_pretrained`, so `AutoModelForCausalLM.from_pretrained`
 loads the trained weights and gives the trainer's logits.
 
+A LoRA checkpoint (its role dir holds peft's `adapter_config.json` and the adapters alone) is written as a
+peft adapter directory (`adapter_config.json` naming the base model, `adapter_model.safetensors`, the
+tokenizer), which `peft.PeftModel.from_pretrained(base_model, out_dir)` loads; or, with `merge`, as the
+base model (read from the path the run started from, or `--model`) with the adapters merged in.
+
     hybridflow export outputs/run1/checkpoints/step_00000200 exported/run1
     hybridflow export outputs/run1 exported/run1          # the newest complete checkpoint of a run
+    hybridflow export outputs/lora_run exported/merged --merge   # a LoRA run's policy as a whole model
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from hybridflow.checkpoint.manager import CheckpointError, find_checkpoint
 from hybridflow.checkpoint.state import read_full_model_state
 
-HF_DIR, SOURCE_FILE = "hf", "source.json"
+HF_DIR, SOURCE_FILE, ADAPTER_CONFIG = "hf", "source.json", "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,16 +62,18 @@ def exported_role(checkpoint: Path) -> str:
 
 
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_config=None,
-              role: str | None = None, dtype: str | torch.dtype | None = None) -> Path:
+              role: str | None = None, dtype: str | torch.dtype | None = None, merge: bool = False) -> Path:
     """Write a Hugging Face model directory for `role` of a checkpoint; return `out_dir`.
 
     `checkpoint_dir`: a checkpoint (`step_<N>`), or a run's output dir / `checkpoints/` dir (its newest
     complete checkpoint is used). `role`: None takes `exported_role` (the trained policy). `model_path_or_config`:
-    None uses the config and tokenizer stored in the checkpoint; a model path takes them from there; a
-    `PretrainedConfig` gives the config only (no tokenizer is written). `dtype`: None keeps the saved dtype,
-    else "float32" / "bfloat16" / "float16".
+    None uses the config and tokenizer stored in the checkpoint; a model path takes them from there (and,
+    for a LoRA checkpoint, the base weights); a `PretrainedConfig` gives the config only (no tokenizer is
+    written). `dtype`: None keeps the saved dtype (a merged LoRA model: the base model's), else "float32" /
+    "bfloat16" / "float16". `merge`: a LoRA checkpoint is written as the merged model, not as an adapter
+    directory (a full-parameter checkpoint is a whole model either way).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
     checkpoint = find_checkpoint(checkpoint_dir)
     role = role or exported_role(checkpoint)
@@ -91,6 +99,23 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
         except OSError:
             generation = None
     state = read_full_model_state(role_dir, dtype)
+    out_dir = Path(out_dir)
+    if (role_dir / ADAPTER_CONFIG).is_file():
+        model = _lora_model(role_dir, state, config, _base_path(role_dir, model_path_or_config, merge), dtype, merge)
+    else:
+        model = _full_model(role, state, config, dtype)
+    if generation is not None and isinstance(model, PreTrainedModel):  # not a peft adapter directory
+        model.generation_config = generation
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _full_model(role: str, state: dict[str, torch.Tensor], config, dtype: torch.dtype | None):
+    """Every weight of the checkpoint in a meta-initialised model of `config`."""
+    from transformers import AutoModelForCausalLM
+
     saved_dtype = dtype or next(v.dtype for v in state.values() if v.is_floating_point())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=saved_dtype)
@@ -100,17 +125,50 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
         raise CheckpointError(f"checkpoint weights of {role!r} do not match a {type(model).__name__}: "
                               f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.load_state_dict(state, assign=True)
-    if generation is not None:
-        model.generation_config = generation
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return model
+
+
+def _base_path(role_dir: Path, model_path_or_config, merge: bool) -> str | None:
+    """Where a LoRA checkpoint's base model lives: the given model path, else the one its run started from
+    (`hf/source.json`); a merge refuses one that is not there."""
+    if isinstance(model_path_or_config, (str, Path)):
+        path = str(model_path_or_config)
+    else:
+        source = role_dir / HF_DIR / SOURCE_FILE
+        path = json.loads(source.read_text())["model_path"] if source.is_file() else None
+    if merge and (path is None or not Path(path).exists()):
+        raise CheckpointError(f"merging the LoRA adapters of {role_dir} needs the base model's weights; the run "
+                              f"started from {path!r}, which is not there: pass its path (--model)")
+    return path
+
+
+def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_path: str | None,
+                dtype: torch.dtype | None, merge: bool):
+    """The adapters in `config`'s model wrapped by peft, on the meta device (its `save_pretrained` writes
+    an adapter directory); with `merge`, in the base model loaded from `base_path`, merged into it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig.from_pretrained(str(role_dir))
+    if merge:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype or "auto")
+    else:
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(config)
+    model = get_peft_model(base, lora)
+    model.peft_config["default"].base_model_name_or_path = base_path  # what `PeftModel.from_pretrained` loads
+    inner = model.base_model.model  # the wrapped model, with the names the training engine saved
+    expected = {name for name, p in inner.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"the LoRA adapters of {role_dir} do not match its adapter_config.json on a "
+                              f"{type(base).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    inner.load_state_dict(state, strict=False, assign=not merge)
+    return model.merge_and_unload() if merge else model
 
 
 def main_export(argv: list[str] | None = None) -> int:
-    """`hybridflow export <checkpoint_dir> <out_dir> [--role R] [--dtype D] [--model PATH]`."""
+    """`hybridflow export <checkpoint_dir> <out_dir> [--role R] [--dtype D] [--model PATH] [--merge]`."""
     parser = argparse.ArgumentParser(prog="hybridflow export",
                                      description="Write a Hugging Face model directory from a checkpoint.")
     parser.add_argument("checkpoint_dir", help="a step_<N> checkpoint, or a run's output dir (newest one)")
@@ -118,11 +176,15 @@ def main_export(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", help="which model of the checkpoint (default: the trained policy, the role "
                                        "whose Hugging Face files it holds: actor for RL runs, sft for SFT runs)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as saved)")
-    parser.add_argument("--model", help="take config and tokenizer from this path, not the checkpoint")
+    parser.add_argument("--model", help="take config and tokenizer (and a LoRA checkpoint's base weights) from "
+                                        "this path, not the checkpoint")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: write the base model with the adapters merged in, not a peft "
+                             "adapter directory (a full-parameter checkpoint is a whole model either way)")
     args = parser.parse_args(argv)
     try:
         role = args.role or exported_role(find_checkpoint(args.checkpoint_dir))
-        out = export_hf(args.checkpoint_dir, args.out_dir, args.model, role=role, dtype=args.dtype)
+        out = export_hf(args.checkpoint_dir, args.out_dir, args.model, role=role, dtype=args.dtype, merge=args.merge)
     except CheckpointError as exc:
         print(f"hybridflow export: error: {exc}", file=sys.stderr)
         return 1

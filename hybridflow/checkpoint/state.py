@@ -6,7 +6,8 @@ Layout of one checkpoint directory (written inside `CheckpointManager.begin`'s t
     meta.json              step, world sizes, versions, anything the controller adds
     controller.pt          the controller's small state (LR schedulers, KL controller, data-loader
                            position, ...) and its RNG state
-    <role>/model/          torch.distributed.checkpoint (DCP) shards of the model
+    <role>/model/          torch.distributed.checkpoint (DCP) shards of the model (with LoRA, of its
+                           trained parameters only: the frozen ones are the model directory's)
     <role>/optim/          DCP shards of the optimizer state (keys are parameter names)
     <role>/state.pt        the role's small state (e.g. its LR scheduler), written by rank 0
     <role>/rng_rank<R>.pt  RNG state of worker rank R
@@ -40,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hybridflow.checkpoint.manager import CheckpointError
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -107,16 +108,33 @@ def _split_aliases(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> tup
     return {key: value for key, value in state_dict.items() if key not in aliases}, aliases
 
 
+def _state_dicts(model: torch.nn.Module, optimizers: tuple, trainable_only: bool) -> tuple[dict, dict]:
+    """`get_state_dict`'s model and optimizer state dicts; with `trainable_only`, of the parameters that require
+    grad alone (a LoRA model's adapters: its model directory holds the rest). DCP's own option drops a frozen
+    parameter under one name only, so a frozen tied `lm_head.weight` would stay: names are filtered here."""
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=_options(trainable_only))
+    if trainable_only:
+        trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {key: value for key, value in model_sd.items() if key in trained}
+    return model_sd, optim_sd
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 def save_model_state(path: str | Path, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer | None = None, *, process_group=None) -> None:
-    """Save `model` (plain or FSDP2-sharded) to `<path>/model/` and `optimizer` to `<path>/optim/`.
+                     optimizer: torch.optim.Optimizer | None = None, *, process_group=None,
+                     trainable_only: bool = False) -> None:
+    """Save `model` (plain or FSDP2-sharded) to `<path>/model/` and `optimizer` to `<path>/optim/`;
+    `trainable_only`: only the parameters that require grad (LoRA adapters).
 
     Collective over `process_group` when torch.distributed is initialised: every rank calls it with
     the same `path` and writes its own shards. Tied parameters are written once (`_split_aliases`).
     """
     path = Path(path)
     optimizers = (optimizer,) if optimizer is not None else ()
-    model_sd, optim_sd = get_state_dict(model, optimizers)
+    model_sd, optim_sd = _state_dicts(model, optimizers, trainable_only)
     unique, aliases = _split_aliases(model, model_sd)
     unique[ALIASES_KEY] = json.dumps(aliases)
     with _single_process_quiet():
@@ -126,9 +144,11 @@ def save_model_state(path: str | Path, model: torch.nn.Module,
 
 
 def load_model_state(path: str | Path, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer | None = None, *, process_group=None) -> None:
+                     optimizer: torch.optim.Optimizer | None = None, *, process_group=None,
+                     trainable_only: bool = False) -> None:
     """Load what `save_model_state` wrote into `model` (and `optimizer`), in place, resharding to the
-    current world size. The optimizer may be fresh (no step taken yet). Shapes are checked first."""
+    current world size (`trainable_only` as it was saved). The optimizer may be fresh (no step taken
+    yet). Keys and shapes are checked first."""
     path = Path(path)
     if not (path / "model").is_dir():
         raise CheckpointError(f"no model state at {path / 'model'}; is {path} a role dir of a checkpoint?")
@@ -136,7 +156,7 @@ def load_model_state(path: str | Path, model: torch.nn.Module,
         raise CheckpointError(f"no optimizer state at {path / 'optim'}; pass optimizer=None to load "
                               f"the weights only")
     optimizers = (optimizer,) if optimizer is not None else ()
-    model_sd, optim_sd = get_state_dict(model, optimizers)
+    model_sd, optim_sd = _state_dicts(model, optimizers, trainable_only)
     unique, aliases = _split_aliases(model, model_sd)
     _check_shapes(path / "model", unique, "model state", exact_keys=True)
     with _single_process_quiet():
@@ -145,7 +165,7 @@ def load_model_state(path: str | Path, model: torch.nn.Module,
             dcp.load(optim_sd, checkpoint_id=str(path / "optim"), **_dist_args(process_group))
     unique.update({alias: unique[source] for alias, source in aliases.items()})
     set_state_dict(model, optimizers, model_state_dict=unique,
-                   optim_state_dict=optim_sd if optimizer is not None else {})
+                   optim_state_dict=optim_sd if optimizer is not None else {}, options=_options(trainable_only))
 
 
 def read_full_model_state(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -225,12 +245,13 @@ def _load_into(saved: Mapping[str, Any], stateful: Mapping[str, Any] | None, whe
 
 def save_worker_state(role_dir: str | Path, model: torch.nn.Module,
                       optimizer: torch.optim.Optimizer | None = None,
-                      stateful: Mapping[str, Any] | None = None, *, process_group=None) -> None:
-    """Everything a worker rank owns: model + optimizer shards (collective), its RNG state as
-    `rng_rank<R>.pt`, and (rank 0 only) `stateful` as `state.pt`."""
+                      stateful: Mapping[str, Any] | None = None, *, process_group=None,
+                      trainable_only: bool = False) -> None:
+    """Everything a worker rank owns: model (`trainable_only`: its trained parameters) + optimizer shards
+    (collective), its RNG state as `rng_rank<R>.pt`, and (rank 0 only) `stateful` as `state.pt`."""
     role_dir = Path(role_dir)
     role_dir.mkdir(parents=True, exist_ok=True)
-    save_model_state(role_dir, model, optimizer, process_group=process_group)
+    save_model_state(role_dir, model, optimizer, process_group=process_group, trainable_only=trainable_only)
     rank = _rank(process_group)
     torch.save(capture_rng_state(), role_dir / f"rng_rank{rank}.pt")
     if rank == 0:
@@ -239,12 +260,13 @@ def save_worker_state(role_dir: str | Path, model: torch.nn.Module,
 
 def load_worker_state(role_dir: str | Path, model: torch.nn.Module,
                       optimizer: torch.optim.Optimizer | None = None,
-                      stateful: Mapping[str, Any] | None = None, *, process_group=None) -> dict[str, Any]:
+                      stateful: Mapping[str, Any] | None = None, *, process_group=None,
+                      trainable_only: bool = False) -> dict[str, Any]:
     """Load what `save_worker_state` wrote, on any number of ranks; return the saved small-state
     entries not named in `stateful`. Rank R restores `rng_rank<R>.pt`; a rank that did not exist when
     the checkpoint was saved (the world grew) keeps its current RNG state."""
     role_dir = Path(role_dir)
-    load_model_state(role_dir, model, optimizer, process_group=process_group)
+    load_model_state(role_dir, model, optimizer, process_group=process_group, trainable_only=trainable_only)
     rng_file = role_dir / f"rng_rank{_rank(process_group)}.pt"
     if rng_file.is_file():
         restore_rng_state(torch.load(rng_file, weights_only=True))

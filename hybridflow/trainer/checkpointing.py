@@ -27,18 +27,24 @@ from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
 from hybridflow.config.validate import needs_critic
 
 
-def checkpoint_bytes(models: list[tuple[str, str]], trust_remote_code: bool = False) -> int:
+def checkpoint_bytes(models: list[tuple[str, str, Any]], trust_remote_code: bool = False) -> int:
     """One checkpoint's size, before any weights load: each trained model's fp32 master weights plus AdamW's
-    two moments, counted by `estimate_checkpoint_bytes` on a meta-device copy built from its config.
-    `models`: (path, head) pairs, head "lm" (a causal LM) or "value" (a critic: a one-label token classifier)."""
+    two moments, counted by `estimate_checkpoint_bytes` on a meta-device copy built from its config (with
+    LoRA, of its trained parameters alone). `models`: (path, head, lora section) triples, head "lm" (a causal
+    LM) or "value" (a critic: a one-label token classifier)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from hybridflow.engine.train.lora import trainable_params
+
     total = 0
-    for path, head in models:
+    for path, head, lora in models:
         auto_class, overrides = ((AutoModelForCausalLM, {}) if head == "lm"
                                  else (AutoModelForTokenClassification, {"num_labels": 1}))
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+        if lora.rank > 0:  # fp32 adapters and their two moments
+            total += 3 * 4 * trainable_params(config, lora, head, trust_remote_code)
+            continue
         with torch.device("meta"):
             model = auto_class.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
         total += estimate_checkpoint_bytes(model)
@@ -47,9 +53,9 @@ def checkpoint_bytes(models: list[tuple[str, str]], trust_remote_code: bool = Fa
 
 def checkpoint_bytes_needed(cfg: Any) -> int:
     """`checkpoint_bytes` of an RL run: the policy, and the critic when there is one."""
-    models = [(cfg.model.path, "lm")]
+    models = [(cfg.model.path, "lm", cfg.actor.lora)]
     if needs_critic(cfg):
-        models.append((cfg.critic.model.path or cfg.model.path, "value"))
+        models.append((cfg.critic.model.path or cfg.model.path, "value", cfg.critic.lora))
     return checkpoint_bytes(models, cfg.model.trust_remote_code)
 
 

@@ -94,14 +94,14 @@ def build_roles(cfg: Any, total_steps: int) -> Roles:
     kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
                             total_steps=role_optimizer_steps(cfg, "actor", total_steps),
                             with_ref=needs_reference(cfg), with_rollout=not separate, memory=memory["actor"],
-                            agent_cfg=cfg.agent)}
+                            agent_cfg=cfg.agent, seed=cfg.trainer.seed)}
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
     split_critic = needs_critic(cfg) and cfg.trainer.placement == "split"
     critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model,
                          total_steps=role_optimizer_steps(cfg, "critic", total_steps), rollout_n=cfg.rollout.n,
-                         memory=memory["critic" if split_critic else "actor"])
+                         memory=memory["critic" if split_critic else "actor"], seed=cfg.trainer.seed)
     if needs_critic(cfg) and not split_critic:
         classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs
     handles: dict[str, Any]  # a group, or a colocated group's member views, per role

@@ -37,7 +37,7 @@ class SFTTrainer(Trainer):
 
     def __init__(self, cfg: Any) -> None:
         validate_sft(cfg)
-        super().__init__(cfg, checkpoint_bytes([(cfg.model.path, "lm")], cfg.model.trust_remote_code))
+        super().__init__(cfg, checkpoint_bytes([(cfg.model.path, "lm", cfg.optim.lora)], cfg.model.trust_remote_code))
 
     def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
         data = self.cfg.data
@@ -68,7 +68,7 @@ class SFTTrainer(Trainer):
                             device=device_type(cfg.trainer.device, cfg.trainer.backend),
                             worker_timeout_s=cfg.trainer.worker_timeout_s,
                             init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim, total_steps=steps,
-                                             memory=sft_demand(cfg)))
+                                             memory=sft_demand(cfg), seed=cfg.trainer.seed))
         self.groups = [group]
         self.workers: Remote[SFTWorker] = group
 
@@ -76,11 +76,11 @@ class SFTTrainer(Trainer):
         return {self.model_role: self.workers}
 
     def fit(self) -> dict[str, float]:
-        """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf`;
-        returns the last step's metrics."""
+        """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf` (a whole
+        model: with LoRA the adapters merged into the base); returns the last step's metrics."""
         metrics = super().fit()
         if self.step >= self.total_steps:
-            export_hf(self.checkpoints.manager.latest(), self.output_dir / "hf", role=self.model_role)
+            export_hf(self.checkpoints.manager.latest(), self.output_dir / "hf", role=self.model_role, merge=True)
         return metrics
 
     def train_step(self, batch: Batch) -> dict[str, float]:

@@ -4,7 +4,10 @@ One process per device holds all three; the controller drives them in the order 
 `generate` (rollout engine) -> `compute_log_probs` / `compute_ref_log_probs` -> `update_actor` ->
 `sync_weights` (trained shards -> rollout engine, in place). With `rollout.placement=separate` it is built
 without a rollout engine and `send_weights` streams the gathered weights to the `RolloutWorker` group
-instead (`hybridflow.workers.weight_sync`). Memory is handed back and forth: a GPU's
+instead (`hybridflow.workers.weight_sync`). With LoRA (`actor.lora.rank` > 0) the reference is the actor's
+own model with its adapters disabled (no copy), and a sync sends only the adapted modules' merged weights
+(`TrainEngine.rollout_weights`): the rollout engine holds the base model's others since it loaded them.
+Memory is handed back and forth: a GPU's
 KV cache sleeps outside generation (`free_cache_after_generate`), and with `optimizer_offload` /
 `param_offload` the optimizer state / parameter shards stay on the CPU except while they are used, and
 with `rollout.offload_weights` the rollout engine's weights too while it sleeps. Given its device's
@@ -46,23 +49,27 @@ class ActorWorker(EngineWorker):
         model_cfg, actor_cfg, rollout_cfg: the config sections (read by attribute).
         data_cfg: anything with `max_prompt_length` and `max_response_length`.
         total_steps: optimizer steps of the whole run (the lr schedule's length).
-        with_ref: also hold a frozen reference model (a copy of the initial actor).
+        with_ref: also hold a frozen reference model (a copy of the initial actor; with LoRA the base
+            model under the adapters serves, and nothing more is held).
         with_rollout: build the rollout engine (False when a separate rollout group generates).
         memory: what this device holds (`hybridflow.trainer.memory.device_demands`); None = no planning.
         agent_cfg: the `agent` config section (multi-turn episodes when it sets an environment or tools).
+        seed: seeds the LoRA adapters' initialisation (`trainer.seed`).
     """
 
     keys, model_keys = "actor", "model"
 
     def __init__(self, model_cfg: Any, actor_cfg: Any, rollout_cfg: Any, data_cfg: Any, total_steps: int = 1,
                  with_ref: bool = False, with_rollout: bool = True, memory: budget.DeviceDemand | None = None,
-                 agent_cfg: Any = None) -> None:
+                 agent_cfg: Any = None, seed: int = 0) -> None:
         model_cfg, actor_cfg = self._plan_device(memory, model_cfg, actor_cfg)
         if self.plan is not None and self.rank == 0:
             print(f"device plan: {self.plan.describe()}", flush=True)
         self.cfg, self.rollout_cfg = actor_cfg, rollout_cfg
-        self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=total_steps, device=self.device)
-        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) if with_ref else None
+        self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=total_steps, device=self.device,
+                                  seed=seed)
+        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) \
+            if with_ref and self.engine.adapters is None else None
         self.rollout = None
         if with_rollout:
             self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
@@ -91,11 +98,16 @@ class ActorWorker(EngineWorker):
 
     @register(Dispatch.DATA_PARALLEL)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        """Batch{ref_log_probs} from the colocated reference model."""
+        """Batch{ref_log_probs} from the colocated reference model, or with LoRA from the actor's base weights
+        (its adapters disabled for the pass)."""
+        temperature = temperature_of(batch, self.rollout_cfg.temperature)
+        if self.engine.adapters is not None:
+            with self.engine.adapters.disabled():
+                return Batch({"ref_log_probs": self._infer(batch, temperature=temperature)["log_probs"]})
         if self.ref is None:
             raise RuntimeError("compute_ref_log_probs needs the ActorWorker built with with_ref=True")
         with self._reported_oom("reference log-prob pass"):
-            return self.ref.log_probs(batch, temperature_of(batch, self.rollout_cfg.temperature))
+            return self.ref.log_probs(batch, temperature)
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -118,13 +130,14 @@ class ActorWorker(EngineWorker):
         return metrics
 
     # ------------------------------------------------------------------ weight sync
-    def _with_full_params(self, consume: Callable[[Iterator], Any]) -> dict[str, float]:
-        """`consume`s the trained weights, gathered one parameter at a time and cast to the rollout dtype
-        (a collective: every rank calls it); returns `timing_s/update_weights`."""
+    def _with_rollout_weights(self, consume: Callable[[Iterator], Any]) -> dict[str, float]:
+        """`consume`s the weights the rollout engine needs (`TrainEngine.rollout_weights`), gathered one at
+        a time and cast to the rollout dtype (a collective: every rank calls it); returns
+        `timing_s/update_weights`."""
         start = time.perf_counter()
         if self.cfg.param_offload:
             self.engine.onload(params=True, optimizer=False)
-        consume(self.engine.iter_full_params(dtype=self.engine.precision.param))
+        consume(self.engine.rollout_weights(dtype=self.engine.precision.param))
         if self.cfg.param_offload:
             self.engine.offload(params=True, optimizer=False)
         if self.device.type == "cuda":
@@ -133,11 +146,12 @@ class ActorWorker(EngineWorker):
 
     @register(Dispatch.BROADCAST)
     def sync_weights(self) -> dict[str, float]:
-        """Trained shards -> the colocated rollout engine's weights, in place; returns `timing_s/update_weights`."""
+        """Trained shards (with LoRA the merged adapted weights) -> the colocated rollout engine's weights, in
+        place; returns `timing_s/update_weights`."""
         if self.rollout is None:
             raise RuntimeError("this ActorWorker has no rollout engine (with_rollout=False); with "
                                "rollout.placement=separate the weights go out by send_weights")
-        return self._with_full_params(self.rollout.load_weights)
+        return self._with_rollout_weights(self.rollout.load_weights)
 
     @register(Dispatch.RANK_ZERO)
     def open_weight_sync(self) -> tuple[str, int]:
@@ -154,14 +168,15 @@ class ActorWorker(EngineWorker):
         the rollout group's `join_weight_sync`."""
         if self.rank == 0:
             self.channel = WeightChannel(host, port, 0, world_size, self.device)
-            shapes = [(name, tuple(p.shape)) for name, p in self.engine.model.named_parameters()]
+            shapes = self.engine.rollout_weight_shapes()
             self.channel.publish_plan(plan_buckets(shapes, self.engine.precision.param, bucket_bytes),
                                       self.engine.precision.param)
 
     @register(Dispatch.BROADCAST)
     def send_weights(self) -> dict[str, float]:
-        """Trained shards -> the separate rollout group, bucket by bucket from rank 0 (every rank gathers);
+        """Trained shards (with LoRA the merged adapted weights) -> the separate rollout group, bucket by bucket
+        from rank 0 (every rank gathers);
         runs concurrently with the rollout group's `receive_weights`; returns `timing_s/update_weights`."""
         if self.rank == 0 and self.channel is None:
             raise RuntimeError("send_weights needs join_weight_sync first (rollout.placement=separate)")
-        return self._with_full_params(self.channel.send if self.rank == 0 else drain)
+        return self._with_rollout_weights(self.channel.send if self.rank == 0 else drain)

@@ -80,19 +80,29 @@ class EngineWorker(Worker):
     @register(Dispatch.BROADCAST)
     def save_checkpoint(self, role_dir: str) -> None:
         """Model + optimizer shards, RNG of every rank, and the small state beside them (the lr schedule,
-        the count of skipped non-finite steps) under `role_dir` (collective)."""
+        the count of skipped non-finite steps, the count of updates that seeds the next one's mini-batch
+        shuffle) under `role_dir` (collective). With LoRA the model's part is
+        its adapters (the frozen weights are the model directory's), beside peft's `adapter_config.json`,
+        from which `hybridflow export` writes an adapter directory or a merged model."""
         from hybridflow.checkpoint import save_worker_state
 
+        adapters = self.engine.adapters
         save_worker_state(role_dir, self.engine.model, self.engine.optimizer,
-                          {"lr": self.engine.scheduler, "skipped_steps": self.engine.skipped_steps})
+                          {"lr": self.engine.scheduler, "skipped_steps": self.engine.skipped_steps,
+                           "update_count": self.update_count},
+                          trainable_only=adapters is not None)
+        if adapters is not None and self.rank == 0:
+            adapters.peft_config.save_pretrained(role_dir)
 
     @register(Dispatch.BROADCAST)
     def load_checkpoint(self, role_dir: str) -> None:
-        """Inverse of `save_checkpoint`, on any number of ranks (a checkpoint without a skipped-step count
-        counts from 0); this role's config then sets the lr, its schedule, betas and weight decay
+        """Inverse of `save_checkpoint`, on any number of ranks (a checkpoint without a skipped-step or update
+        count counts from 0); this role's config then sets the lr, its schedule, betas and weight decay
         (`apply_config`), whatever the checkpoint's run used."""
         from hybridflow.checkpoint import load_worker_state
 
-        rest = load_worker_state(role_dir, self.engine.model, self.engine.optimizer, {"lr": self.engine.scheduler})
+        rest = load_worker_state(role_dir, self.engine.model, self.engine.optimizer, {"lr": self.engine.scheduler},
+                                 trainable_only=self.engine.adapters is not None)
         self.engine.skipped_steps = int(rest.get("skipped_steps", 0))
+        self.update_count = int(rest.get("update_count", 0))
         apply_config(self.engine.optimizer, self.engine.scheduler, self.cfg)

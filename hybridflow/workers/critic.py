@@ -22,12 +22,13 @@ from hybridflow.workers.update import critic_loss
 class CriticWorker(EngineWorker):
     """Args: critic_cfg (with `.model`), actor_model_cfg (whose `path` fills a missing critic path),
     total_steps (the lr schedule's length), rollout_n (samples per prompt, for mini-batch sizes), memory
-    (this device's demand; None = no planning)."""
+    (this device's demand; None = no planning), seed (of the value head's and LoRA adapters' initialisation:
+    `trainer.seed`)."""
 
     keys, model_keys = "critic", "critic.model"
 
     def __init__(self, critic_cfg: Any, actor_model_cfg: Any | None = None, total_steps: int = 1,
-                 rollout_n: int = 1, memory: budget.DeviceDemand | None = None) -> None:
+                 rollout_n: int = 1, memory: budget.DeviceDemand | None = None, seed: int = 0) -> None:
         model_cfg = copy.copy(critic_cfg.model)
         if model_cfg.path is None:
             if actor_model_cfg is None:
@@ -35,7 +36,8 @@ class CriticWorker(EngineWorker):
             model_cfg.path = actor_model_cfg.path
         model_cfg, critic_cfg = self._plan_device(memory, model_cfg, critic_cfg)
         self.cfg, self.rollout_n = critic_cfg, rollout_n
-        self.engine = TrainEngine(model_cfg, critic_cfg, head="value", total_steps=total_steps, device=self.device)
+        self.engine = TrainEngine(model_cfg, critic_cfg, head="value", total_steps=total_steps, device=self.device,
+                                  seed=seed)
         self._offload_idle()
 
     @register(Dispatch.DATA_PARALLEL)

@@ -1,7 +1,8 @@
 """The reference policy: a frozen copy of the initial actor that scores responses (`ref_log_probs`).
 
 `ReferenceModel` is held by the actor (`ActorWorker(with_ref=True)`), on the actor's devices. With
-`ref_param_offload` the frozen weights live on the CPU between calls.
+`ref_param_offload` the frozen weights live on the CPU between calls. A LoRA actor holds none: its own base
+weights, its adapters disabled for the pass, are the reference (`ActorWorker.compute_ref_log_probs`).
 """
 
 from __future__ import annotations

@@ -34,15 +34,17 @@ def sft_loss(cfg: Any):
 
 class SFTWorker(EngineWorker):
     """The model being fine-tuned on this rank: a `TrainEngine` and the SFT loss; `memory`: its device's
-    demand, planned as the RL workers' are (`hybridflow.engine.budget`; None = no planning)."""
+    demand, planned as the RL workers' are (`hybridflow.engine.budget`; None = no planning); `seed`: of the
+    LoRA adapters' initialisation (`trainer.seed`)."""
 
     keys, model_keys = "optim", "model"
 
     def __init__(self, model_cfg: Any, optim_cfg: Any, total_steps: int = 1,
-                 memory: budget.DeviceDemand | None = None) -> None:
+                 memory: budget.DeviceDemand | None = None, seed: int = 0) -> None:
         model_cfg, optim_cfg = self._plan_device(memory, model_cfg, optim_cfg)
         self.cfg = optim_cfg
-        self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=total_steps, device=self.device)
+        self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=total_steps, device=self.device,
+                                  seed=seed)
         self._offload_idle()
 
     @register(Dispatch.DATA_PARALLEL, collect="same")

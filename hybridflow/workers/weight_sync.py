@@ -5,9 +5,10 @@ rank 0 is the actor group's rank 0 (the sender), ranks 1..R are the rollout grou
 hosts its store on its own node (`Rendezvous`, never on the controller's machine, which may be another
 node of a Ray cluster); each member builds its `WeightChannel` from that store
 (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA, made directly from store, rank and size, so no
-second default group is needed). At join time the sender publishes the bucket plan in the store: the
-parameters' HF names and shapes in order, grouped into buckets of at most `bucket_bytes` in the rollout
-dtype (a larger parameter gets a bucket of its own). Each sync then broadcasts one flat buffer per
+second default group is needed). At join time the sender publishes the bucket plan in the store: the HF
+names and shapes of what each sync sends, in order (every parameter; with LoRA only the adapted modules'
+merged weights, `TrainEngine.rollout_weight_shapes`), grouped into buckets of at most `bucket_bytes` in the
+rollout dtype (a larger tensor gets a bucket of its own). Each sync then broadcasts one flat buffer per
 bucket; a receiver turns it back into (name, view) pairs for `RolloutEngine.load_weights`, which
 copies each view before the next bucket overwrites the buffer.
 """

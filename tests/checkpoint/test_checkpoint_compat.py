@@ -92,3 +92,18 @@ def test_model_config_architecture_change_is_refused():
     check_model_config(saved, dict(saved, torch_dtype="bfloat16"))
     with pytest.raises(IncompatibleCheckpoint, match=r"actor model vocab_size: 260 \(checkpoint\) vs 300 \(now\)"):
         check_model_config(saved, dict(saved, vocab_size=300))
+
+
+def test_lora_rank_and_targets_must_match_and_their_absence_means_full_training():
+    lora = {"rank": 8, "alpha": 16.0, "target_modules": []}
+    saved = _with(**{"actor.lora": lora})
+    with pytest.raises(IncompatibleCheckpoint, match="actor.lora.rank: 8 \\(checkpoint\\) vs 16 \\(now\\)"):
+        check_compatible(saved, _with(**{"actor.lora": {**lora, "rank": 16}}))
+    with pytest.raises(IncompatibleCheckpoint, match="actor.lora.target_modules: \\[\\] \\(checkpoint\\) vs"):
+        check_compatible(saved, _with(**{"actor.lora": {**lora, "target_modules": ["q_proj"]}}))
+    assert check_compatible(saved, _with(**{"actor.lora": {**lora, "alpha": 8.0}})) == [
+        "actor.lora.alpha: 16.0 (checkpoint) vs 8.0 (now)"]
+    # a checkpoint saved before LoRA existed trained every weight: resumable without LoRA, not with it
+    assert check_compatible(SAVED, _with(**{"actor.lora": {"rank": 0, "target_modules": []}})) == []
+    with pytest.raises(IncompatibleCheckpoint, match="actor.lora.rank: '<absent>' \\(checkpoint\\) vs 8"):
+        check_compatible(SAVED, saved)
