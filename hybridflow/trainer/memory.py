@@ -3,7 +3,8 @@
 `device_demands(cfg)` returns one `hybridflow.engine.budget.DeviceDemand` per group of an RL run (``actor``: the actor,
 its reference and rollout engine when colocated, the critic and reward model when they share its
 processes; ``critic`` with `trainer.placement=split`; ``rollout`` with `rollout.placement=separate`);
-`sft_demand(cfg)` the one of an SFT run's workers.
+`sft_demand(cfg)` the one of an SFT run's workers. A LoRA role trains its adapters alone (counted on the meta
+device), and a LoRA actor's reference is its own base weights, which take no memory of their own.
 Each worker plans its device from its group's demand (`budget.plan_for_device`) and refuses to start if
 the run cannot fit. Model sizes come from the Hugging Face configs (parameters counted on the meta
 device); nothing here touches a GPU.
@@ -15,6 +16,7 @@ from typing import Any
 
 from hybridflow.config.validate import rollout_workers
 from hybridflow.engine.budget import DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole
+from hybridflow.engine.train.lora import trainable_params
 
 
 def _compute_bytes(dtype: str) -> int:
@@ -31,17 +33,25 @@ def _shape(model_cfg: Any, path: str, head: str) -> ModelShape:
     return ModelShape.from_config(_config(model_cfg, path), head, model_cfg.trust_remote_code)
 
 
-def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, shape: ModelShape) -> TrainedRole:
-    return TrainedRole(keys=keys, model_keys=model_keys, shape=shape, compute_bytes=_compute_bytes(model_cfg.dtype),
+def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: str, head: str) -> TrainedRole:
+    """The role of config section `keys` training the model at `path` (LoRA: its adapters, counted here)."""
+    config = _config(model_cfg, path)
+    lora = role_cfg.lora
+    return TrainedRole(keys=keys, model_keys=model_keys,
+                       shape=ModelShape.from_config(config, head, model_cfg.trust_remote_code),
+                       compute_bytes=_compute_bytes(model_cfg.dtype),
                        master_bytes=4 if model_cfg.master_dtype == "fp32" else 2, optimizer=role_cfg.optimizer,
                        param_offload=role_cfg.param_offload, optimizer_offload=role_cfg.optimizer_offload,
                        gradient_checkpointing=model_cfg.gradient_checkpointing,
-                       max_tokens=role_cfg.max_tokens_per_micro_batch, micro_batch_rows=role_cfg.micro_batch_size)
+                       max_tokens=role_cfg.max_tokens_per_micro_batch, micro_batch_rows=role_cfg.micro_batch_size,
+                       lora_params=trainable_params(config, lora, head, model_cfg.trust_remote_code)
+                       if lora.rank > 0 else None)
 
 
 def device_demands(cfg: Any, with_ref: bool, with_critic: bool) -> dict[str, DeviceDemand]:
     """{group name: its per-device demand} for the groups `build_roles` starts."""
-    actor_shape = _shape(cfg.model, cfg.model.path, "lm")
+    actor = _trained("actor", "model", cfg.model, cfg.actor, cfg.model.path, "lm")
+    actor_shape = actor.shape
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     common = dict(world_size=cfg.trainer.n_workers, longest_sequence=longest,
                   utilization=cfg.trainer.gpu_memory_utilization)
@@ -50,9 +60,9 @@ def device_demands(cfg: Any, with_ref: bool, with_critic: bool) -> dict[str, Dev
                           offload_weights=cfg.rollout.offload_weights,
                           cache_stays=not cfg.rollout.free_cache_after_generate,
                           kv_cache_fraction=cfg.rollout.kv_cache_fraction)
-    trained = [_trained("actor", "model", cfg.model, cfg.actor, actor_shape)]
+    trained = [actor]
     frozen = []
-    if with_ref:
+    if with_ref and actor.lora_params is None:  # a LoRA actor's reference is its own base weights
         frozen.append(FrozenRole("actor.ref_param_offload", actor_shape, _compute_bytes(cfg.model.dtype),
                                  cfg.actor.ref_param_offload))
     if cfg.reward.reward_model.path:
@@ -61,7 +71,7 @@ def device_demands(cfg: Any, with_ref: bool, with_critic: bool) -> dict[str, Dev
     out = {}
     if with_critic:
         critic = _trained("critic", "critic.model", cfg.critic.model, cfg.critic,
-                          _shape(cfg.critic.model, cfg.critic.model.path or cfg.model.path, "value"))
+                          cfg.critic.model.path or cfg.model.path, "value")
         if cfg.trainer.placement == "split":
             out["critic"] = DeviceDemand(trained=(critic,), **common)
         else:
@@ -77,9 +87,8 @@ def device_demands(cfg: Any, with_ref: bool, with_critic: bool) -> dict[str, Dev
 def sft_demand(cfg: Any) -> DeviceDemand:
     """An `SFTConfig`'s per-device demand: the model it fine-tunes (section `optim`), nothing else; without
     `data.max_length` the longest conversation is the model's context."""
-    config = _config(cfg.model, cfg.model.path)
-    role = _trained("optim", "model", cfg.model, cfg.optim, ModelShape.from_config(config, "lm",
-                                                                                    cfg.model.trust_remote_code))
-    longest = cfg.data.max_length or getattr(config, "max_position_embeddings", None) or 4096
+    role = _trained("optim", "model", cfg.model, cfg.optim, cfg.model.path, "lm")
+    longest = cfg.data.max_length or getattr(_config(cfg.model, cfg.model.path), "max_position_embeddings",
+                                             None) or 4096
     return DeviceDemand(trained=(role,), world_size=cfg.trainer.n_workers, longest_sequence=longest,
                         utilization=cfg.trainer.gpu_memory_utilization)

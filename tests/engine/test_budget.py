@@ -1,6 +1,7 @@
 """Device budgeting: the memory estimate against real models, the plan's choices (token budget, gradient
 checkpointing, KV cache), the refusal of a run that cannot fit (naming the model, the estimate and the
-keys that would make it fit), and out-of-memory errors turned into explained ones."""
+keys that would make it fit), LoRA's adapters-only training, and out-of-memory errors turned into explained
+ones."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hybridflow.engine import budget
 from hybridflow.engine.budget import planning
 from hybridflow.engine.budget import (DeviceDemand, DoesNotFit, FrozenRole, ModelShape, RolloutRole,
                                       TrainedRole, plan)
+from hybridflow.engine.train.lora import trainable_params
 from hybridflow.engine.train.optim import OPTIMIZERS
 
 GIB = 2**30
@@ -147,3 +149,35 @@ def test_out_of_memory_errors_come_out_explained():
     assert "16,384-token micro-batches" in msg and "actor.max_tokens_per_micro_batch" in msg
     assert "model.gradient_checkpointing=true" in msg and "Tried to allocate 2.00 GiB" in msg
     assert err.value.__suppress_context__  # no second, bare trace
+
+
+def lora_role(name: str, rank: int = 32) -> TrainedRole:
+    """recipes/grpo_lora.yaml's actor: rank-32 adapters on every linear layer of the decoder layers."""
+    adapters = trainable_params(AutoConfig.for_model("qwen2", **QWEN25[name]),
+                                SimpleNamespace(rank=rank, target_modules=[]))
+    return TrainedRole("actor", "model", shape(name), compute_bytes=2, master_bytes=4, lora_params=adapters)
+
+
+def test_lora_trains_only_its_adapters_so_14b_grpo_fits_one_h200_with_the_rollout_colocated():
+    role = lora_role("14b")
+    assert abs(role.lora_params - 137.6e6) < 0.1e6  # 48 layers x 32 x (in + out) of the 7 projections
+    p, t = role.shape.params, role.lora_params
+    assert role.update_bytes(1) == {"weights": (p - t) * 2 + t * 4, "gradients": t * 4, "optimizer state": t * 8}
+    assert "gathered compute-dtype weights" in role.update_bytes(2)  # FSDP2 shards it over several ranks
+    demand = DeviceDemand(trained=(role,), rollout=RolloutRole(role.shape, 2, max_num_seqs=256, max_model_len=1024),
+                          longest_sequence=1024)
+    fitted = plan(demand, *H200)
+    assert fitted.kv_cache_bytes > 20 * GIB and fitted.roles["actor"].peak_bytes <= fitted.cap_bytes
+    assert role.idle_bytes(1) < 0.3 * grpo_demand("14b").trained[0].idle_bytes(1)
+
+
+def test_a_lora_actor_holds_no_reference_copy_and_counts_its_adapters(tiny_qwen2):
+    from hybridflow.config.loader import load_config
+    from hybridflow.trainer.memory import device_demands
+
+    for lora in (0, 4):
+        cfg = load_config([f"model.path={tiny_qwen2}", "actor.kl_loss_coef=0.1", f"actor.lora.rank={lora}"])
+        demand = device_demands(cfg, with_ref=True, with_critic=False)["actor"]
+        assert len(demand.frozen) == (0 if lora else 1)
+        per_layer = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 256)  # in + out: q, k and v, o, the MLP's
+        assert demand.trained[0].lora_params == (2 * lora * per_layer if lora else None)

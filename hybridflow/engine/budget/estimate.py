@@ -4,11 +4,14 @@
 Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
 - a trained role while it updates: weights and gradients `P x master / W`, optimizer state (`STATE_BYTES`),
   the gathered compute-dtype weights (`P x c` on one rank, which keeps every layer gathered from forward
-  to backward; two layers on several), and per micro-batch token the activations kept for the backward:
+  to backward; two layers on several), and per micro-batch token the activations kept for the backward
+  (with LoRA only the T adapter parameters train: weights `(P - T) x c + T x master`, gradients and state of
+  T alone, nothing gathered on one rank, where the model is not sharded):
   `layers x c x (7h + 2kv + 4i)` (the inputs of the norms, projections, attention and SwiGLU), or with
   checkpointing `layers x c x h` plus one layer's worth; the log-prob head adds one chunk;
 - between its uses (generation): its weights unless `param_offload`, its state unless `optimizer_offload`;
-- a frozen model: its compute-dtype weights unless offloaded;
+- a frozen model: its compute-dtype weights unless offloaded (a LoRA actor's reference is its own base
+  weights: nothing);
 - the rollout engine: `P x c` weights (unless offloaded while training), the KV cache while generating.
 `bench/train.py` and `bench/scale.py` record this estimate beside the measured device peak of each run.
 """
@@ -90,7 +93,8 @@ class ModelShape:
 @dataclass(frozen=True)
 class TrainedRole:
     """A role this device trains. `keys`: its config section (``actor``); `model_keys`: its model's
-    (``model`` or ``critic.model``). None for `gradient_checkpointing` / `max_tokens` = decide here."""
+    (``model`` or ``critic.model``). None for `gradient_checkpointing` / `max_tokens` = decide here;
+    `lora_params`: the parameters a LoRA role trains (None: every parameter)."""
 
     keys: str
     model_keys: str
@@ -103,16 +107,27 @@ class TrainedRole:
     gradient_checkpointing: bool | None = None
     max_tokens: int | None = None
     micro_batch_rows: int | None = None
+    lora_params: int | None = None
+
+    @property
+    def trained_params(self) -> int:
+        return self.shape.params if self.lora_params is None else self.lora_params
+
+    def weight_bytes(self, world: int) -> float:
+        """Stored weights: trained ones in the master dtype, a LoRA role's frozen ones in the compute dtype."""
+        t = self.trained_params
+        return (t * self.master_bytes + (self.shape.params - t) * self.compute_bytes) / world
 
     def update_bytes(self, world: int) -> dict[str, float]:
-        p, m = self.shape.params, self.master_bytes
-        out = {"weights": p * m / world, "gradients": p * m / world,
-               "optimizer state": p * STATE_BYTES[self.optimizer](m) / world}
-        if self.compute_bytes != m:
+        p, t, m = self.shape.params, self.trained_params, self.master_bytes
+        out = {"weights": self.weight_bytes(world), "gradients": t * m / world,
+               "optimizer state": t * STATE_BYTES[self.optimizer](m) / world}
+        if self.compute_bytes != m and (self.lora_params is None or world > 1):
             gathered = p if world == 1 else 2 * p / self.shape.layers
             out["gathered compute-dtype weights"] = gathered * self.compute_bytes
         if self.optimizer == "adamw_8bit":  # one parameter's dequantised moments during its update
-            out["optimizer workspace"] = 2 * 4 * self.shape.largest_param / world
+            largest = self.shape.largest_param if self.lora_params is None else t / self.shape.layers
+            out["optimizer workspace"] = 2 * 4 * largest / world
         return out
 
     def activation_peak(self, tokens: int, checkpointing: bool) -> float:
@@ -120,9 +135,9 @@ class TrainedRole:
         return tokens * self.shape.activation_bytes(self.compute_bytes, checkpointing) + HEAD_CHUNK_BYTES
 
     def idle_bytes(self, world: int) -> float:
-        p, m = self.shape.params, self.master_bytes
-        weights = 0 if self.param_offload else p * m / world
-        state = 0 if self.optimizer_offload else p * STATE_BYTES[self.optimizer](m) / world
+        weights = 0 if self.param_offload else self.weight_bytes(world)
+        state_bytes = STATE_BYTES[self.optimizer](self.master_bytes)
+        state = 0 if self.optimizer_offload else self.trained_params * state_bytes / world
         return weights + state
 
 
