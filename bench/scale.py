@@ -5,11 +5,14 @@ the step time and tokens/s, with the default settings and with the memory option
     python bench/scale.py --configs 1.5b:default,3b:default --budget-s 540 --out bench/results/scale_a.json
     python bench/scale.py --configs 7b:8bit,7b:cpu_offload --budget-s 540 --out bench/results/scale_b.json
     python bench/scale.py --configs 14b:bf16_8bit --budget-s 540 --out bench/results/scale_c.json
-    python bench/scale.py --device cpu --configs tiny:default,tiny:cpu_offload   # a toy check on a CPU
+    python bench/scale.py --configs 7b:lora,14b:lora,14b:lora_kl --budget-s 540 --out bench/results/scale_lora.json
+    python bench/scale.py --device cpu --configs tiny:default,tiny:cpu_offload,tiny:lora_kl   # a toy check on a CPU
 
 Random weights at the real shapes and vocabularies, a 400-token tokenizer (sampled ids past it decode to
 nothing), synthetic GSM8K-style prompts, 16 prompts x 8 samples, <= 512 new tokens, `--steps` steps (the
-first compiles), the settings of `bench/grpo_vs_trl.py` plus each configuration's memory keys (`OPTIONS`).
+first compiles), the settings of `bench/grpo_vs_trl.py` plus each configuration's memory keys (`OPTIONS`; `lora`:
+recipes/grpo_lora.yaml's adapters with the rollout colocated, `lora_kl` with its KL loss too, whose reference is
+the base model under the adapters). `sync_s` is the weight sync of the last step (`timing_s/update_weights`).
 Each configuration runs in its own subprocess under a time limit, so an out-of-memory error or a hang is
 recorded and the next one runs; one the device plan refuses is recorded with the plan's message (which
 names the keys that would fit). A shape's model directory is built once (on the GPU, in a subprocess) and
@@ -47,6 +50,7 @@ SHAPES = {
                 tie_word_embeddings=False),
 }
 BF16_8BIT = ["model.dtype=bf16", "model.master_dtype=bf16", "actor.optimizer=adamw_8bit"]
+LORA = ["actor.lora.rank=32", "actor.lora.alpha=32"]  # recipes/grpo_lora.yaml's adapters
 OPTIONS = {
     "default": [],
     "8bit": ["actor.optimizer=adamw_8bit"],
@@ -54,6 +58,8 @@ OPTIONS = {
     "bf16_8bit": BF16_8BIT,
     "all": BF16_8BIT + ["model.gradient_checkpointing=true", "actor.param_offload=true",
                         "actor.optimizer_offload=true", "rollout.offload_weights=true"],
+    "lora": LORA,
+    "lora_kl": LORA + ["actor.kl_loss_coef=0.001"],
 }
 DEFAULT_CONFIGS = ("1.5b:default", "3b:default", "7b:default", "7b:8bit", "7b:cpu_offload", "14b:default",
                    "14b:bf16_8bit", "14b:all")
@@ -109,7 +115,7 @@ def summarize(config: str, r: dict, steps_total: int, wall_s: float, log: str) -
                    tokens_per_s=statistics.median(r["tokens_per_s"][1:] or r["tokens_per_s"]),
                    gen_tokens_per_s=statistics.median(r["gen_tokens_per_s"][1:] or r["gen_tokens_per_s"]),
                    response_length_mean=statistics.mean(r["response_length_mean"]),
-                   phases_s=r["phases_s"][-1])
+                   phases_s=r["phases_s"][-1], sync_s=r["phases_s"][-1].get("update_weights"))
         if r.get("mfu_actor"):
             out["mfu_actor"] = statistics.median(r["mfu_actor"][1:] or r["mfu_actor"])
     return out
@@ -204,10 +210,10 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'config':<18}{'status':<16}{'s/step':>8}{'tok/s':>10}{'device GiB':>12}")
+    print(f"\n{'config':<18}{'status':<16}{'s/step':>8}{'tok/s':>10}{'device GiB':>12}{'sync s':>8}")
     for r in report["results"]:
         print(f"{r['config']:<18}{r['status'][:15]:<16}{r.get('step_s') or 0:>8.2f}{r.get('tokens_per_s') or 0:>10,.0f}"
-              f"{r.get('peak_device_memory_gb') or 0:>12.1f}")
+              f"{r.get('peak_device_memory_gb') or 0:>12.1f}{r.get('sync_s') or 0:>8.3f}")
     print(f"wrote {out}")
 
 

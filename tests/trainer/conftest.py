@@ -40,17 +40,23 @@ def local_two_workers(tiny_qwen2, data_dir, tmp_path_factory):
 def engine_steps(monkeypatch):
     """Every optimizer step of the engines in this process (one-worker groups run inline), by head (`lm`: the
     actor or SFT, `value`: the critic): dicts of `rows` (this step's mini-batch), `lr`, `grad_norm` (before
-    clipping), `changed` (the step changed the weights) and `position` (the lr scheduler's, after the step)."""
+    clipping), `changed` (the step changed the weights), `frozen_changed` (it changed a weight that does not
+    require grad), `trained_share` (of the parameters, those that train) and `position` (the lr scheduler's,
+    after the step)."""
     steps: dict[str, list[dict]] = {}
     train_step = TrainEngine.train_step
 
     def recording(self, batch, *args, **kwargs):
-        before = [p.detach().clone() for p in self.model.parameters()]
+        params = list(self.model.parameters())
+        before = [p.detach().clone() for p in params]
         result = train_step(self, batch, *args, **kwargs)
-        changed = any(not torch.equal(old, new) for old, new in zip(before, self.model.parameters()))
+        moved = [not torch.equal(old, new) for old, new in zip(before, params)]
+        trained = sum(p.numel() for p in params if p.requires_grad) / sum(p.numel() for p in params)
         steps.setdefault(self.head, []).append({"rows": len(batch["input_ids"]), "lr": result["lr"],
-                                                "grad_norm": result["grad_norm"], "changed": changed,
-                                                "position": self.scheduler.last_epoch})
+                                                "grad_norm": result["grad_norm"], "changed": any(moved),
+                                                "frozen_changed": any(m for m, p in zip(moved, params)
+                                                                      if not p.requires_grad),
+                                                "trained_share": trained, "position": self.scheduler.last_epoch})
         return result
 
     monkeypatch.setattr(TrainEngine, "train_step", recording)

@@ -2,9 +2,10 @@
 steps on the tiny model, with a reward that differs between the responses to one prompt, for every
 registered advantage estimator, policy loss and rollout correction, every loss aggregation, each KL
 estimator in the reward and as a loss, adaptive KL, the critic (and its warm-up), DAPO's overlong penalty
-and group filter, Dr.GRPO, the entropy bonus, several PPO epochs and mini-batches, and every file under
-`recipes/` (shrunk). Each run must take optimizer steps with finite, non-zero gradient norms that change
-the weights, for the actor and (when there is one) the critic.
+and group filter, Dr.GRPO, the entropy bonus, several PPO epochs and mini-batches, LoRA on the actor and the
+critic with each of its keys, and every file under `recipes/` (shrunk). Each run must take optimizer steps with
+finite, non-zero gradient norms that change the weights (never a frozen one), for the actor and (when there is
+one) the critic.
 
 The cases are read from the registries, so an estimator or loss registered later is swept too: one that
 cannot run fails here. All cases share one tiny model and one data file, and run in this process (a
@@ -61,6 +62,11 @@ def option_cases() -> list[tuple[str, tuple[str, ...], str | None]]:
     cases[("algorithm.norm_adv_by_std=false", "actor.loss_agg=seq-mean-token-sum-norm")] = "dr_grpo"
     cases[("actor.entropy_coef=0.01",)] = "entropy_bonus"
     cases[("algorithm.adv_estimator=gae", "critic.warmup_steps=1")] = "critic_warmup"
+    cases[("actor.lora.rank=4", "actor.lora.alpha=8", "actor.kl_loss_coef=0.1")] = "lora+kl_loss"
+    cases[("actor.lora.rank=2", "actor.lora.dropout=0.1", "actor.lora.init=gaussian",
+           "actor.lora.target_modules=[o_proj,mlp.down_proj]", "algorithm.adv_estimator=gae", "critic.lora.rank=4",
+           "critic.lora.alpha=4", "critic.lora.dropout=0.1", "critic.lora.init=gaussian",
+           "critic.lora.target_modules=[q_proj,v_proj]")] = "lora_keys,critic_lora"
     out = [(case_id, overrides, None) for overrides, case_id in cases.items()]
     return out + [(f"recipe={recipe.stem}", (*SHRINK, *NEEDS.get(f"recipe={recipe.stem}", ())), str(recipe))
                   for recipe in RECIPES]
@@ -86,12 +92,15 @@ def test_option_trains(tiny_qwen2, data_dir, tmp_path, engine_steps, overrides, 
     for row in rows:
         assert all(math.isfinite(v) for k, v in row.items() if isinstance(v, float) and not k.startswith("val/")), row
     roles = {"lm": "actor", "value": "critic"}
-    expected = {"lm", "value"} if needs_critic(load_config(args, recipe)) else {"lm"}
+    cfg = load_config(args, recipe)
+    expected = {"lm", "value"} if needs_critic(cfg) else {"lm"}
     assert set(engine_steps) == expected
     for head, steps in engine_steps.items():
+        lora = getattr(cfg, roles[head]).lora.rank > 0  # LoRA trains the adapters (and a value head) alone
         for step in steps:
             assert math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0, (roles[head], steps)
-            assert step["changed"], (roles[head], steps)
+            assert step["changed"] and not step["frozen_changed"], (roles[head], steps)
+            assert (step["trained_share"] < 0.5) == lora, (roles[head], steps)
     check_option(overrides, rows, engine_steps)
 
 
