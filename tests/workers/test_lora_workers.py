@@ -77,8 +77,10 @@ def _ranks(rank, world, path, ckpt):
     sent = []
     load = actor.rollout.engine.load_weights
     actor.rollout.engine.load_weights = lambda tensors: load((sent.append(n) or (n, t)) for n, t in tensors)
+    storage = {n: p.data_ptr() for n, p in actor.rollout.engine.model.named_parameters()}
     res["sync"] = actor.sync_weights()
     res["sent"] = sent
+    res["in_place"] = storage == {n: p.data_ptr() for n, p in actor.rollout.engine.model.named_parameters()}
     fresh = actor.generate(_prompts(rank))
     res["gen_vs_logp"] = _gap(actor.compute_log_probs(fresh)["old_log_probs"], fresh["rollout_log_probs"],
                               fresh["response_mask"])
@@ -104,7 +106,7 @@ def test_lora_actor_trains_adapters_scores_the_base_and_samples_the_merged_polic
         assert r["stale_gen_vs_logp"] > 1e-2 and r["gen_vs_logp"] < 1e-4
         assert len(r["sent"]) == 2 * len(ADAPTED)  # 2 layers x the adapted modules; nothing else changed
         assert all(n.endswith(".weight") and n.split(".")[-2] in ADAPTED for n in r["sent"])
-        assert r["sync"]["timing_s/update_weights"] > 0
+        assert r["sync"]["timing_s/update_weights"] > 0 and r["in_place"]  # CUDA graphs keep their pointers
         assert r["resumed_vs_saved"] == 0.0 and r["next_step_resumed_vs_straight"] == 0.0
 
 

@@ -46,8 +46,8 @@ def _peft():
 
 def resolve_targets(model: torch.nn.Module, names: list[str] | tuple[str, ...]) -> dict[str, torch.nn.Linear]:
     """{qualified name: module} of the linear layers inside the decoder layers that `names` select (peft's
-    rule: a module whose name is, or ends with `.` + , one of them); `names` empty = every linear layer
-    there. Refuses a name that selects nothing, or something that is not a linear layer of a decoder layer
+    rule: a module whose qualified name is one of them, or ends with a dot and one of them); `names` empty =
+    every linear layer there. Refuses a name that selects nothing, or something that is not a linear layer of a decoder layer
     (embeddings and heads are not adapted), naming the layers that could be."""
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
     linear = {n: m for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)}

@@ -1,7 +1,8 @@
 """LoRA in the training engine: which modules get adapters (and the errors naming the valid ones), the dtype policy
-(frozen weights in the compute dtype, adapters in the master dtype), the initial policy equal to the base model,
-the merged weights a sync sends, dropout off in log-prob passes, compiled layers through peft's modules, the
-meta-device count of trained parameters the device budget uses, and the FLOPs of a frozen-weight update."""
+(frozen weights in the compute dtype, adapters in the master dtype; one process under autocast, two gloo ranks
+under FSDP2's bf16 mixed precision), the initial policy equal to the base model, the merged weights a sync sends,
+dropout off in log-prob passes, compiled layers through peft's modules, the meta-device count of trained
+parameters the device budget uses, and the FLOPs of a frozen-weight update."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import model_cfg, optim_cfg, rl_batch
+from train_helpers import model_cfg, optim_cfg, rl_batch, run_ranks
 from transformers import AutoConfig
 
 from hybridflow.engine.train import TrainEngine
@@ -86,6 +87,31 @@ def test_frozen_weights_stay_in_the_compute_dtype_and_only_adapters_get_a_master
     assert set(merged) == {f"{n}.weight" for n in engine.adapters.layers}
     assert all(t.dtype == torch.bfloat16 for t in merged.values())
     assert "LoRA rank 4: 11.3K trained" in engine.describe()
+
+
+def _bf16_rank(rank, path):
+    from torch.distributed.tensor import DTensor
+
+    engine = TrainEngine(model_cfg(path, dtype="bf16"), optim_cfg(lora=lora()), head="lm")
+    batch = rl_batch(rows=4, prompt_width=5, response_width=4, seed=7)
+    losses = [engine.train_step(batch, loss_fn)["loss"] for _ in range(3)]
+    dtypes = {n: (p.dtype, p.requires_grad, isinstance(p, DTensor)) for n, p in engine.model.named_parameters()}
+    merged = {n: t.clone() for n, t in engine.rollout_weights(torch.bfloat16)}
+    return engine.sharded, losses, dtypes, merged
+
+
+def test_two_ranks_shard_bf16_frozen_weights_and_fp32_adapters_with_fsdp2(tiny_qwen2):
+    """The multi-GPU layout on two gloo ranks: FSDP2 shards the frozen bf16 weights and the fp32 adapters in one
+    group each layer, gathers both in bf16 and reduces only the adapters' gradients."""
+    results = run_ranks(2, _bf16_rank, str(tiny_qwen2))
+    for sharded, losses, dtypes, merged in results:
+        assert sharded and losses[-1] < losses[0]
+        for name, (dtype, trained, dtensor) in dtypes.items():
+            assert dtensor and dtype == (torch.float32 if trained else torch.bfloat16) and trained == (".lora_" in name)
+        assert len(merged) == 2 * len(ALL) and all(t.dtype == torch.bfloat16 for t in merged.values())
+    assert results[0][1] == results[1][1]
+    for name, t in results[0][3].items():
+        assert torch.equal(t, results[1][3][name]), name
 
 
 def test_merged_weights_are_the_base_plus_the_scaled_product(tiny_qwen2):
