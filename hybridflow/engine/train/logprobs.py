@@ -19,11 +19,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-# fp32 elements of one chunk of logits: 2**27 (512 MiB) is 883 tokens at a 151,936-token vocabulary,
+# fp32 elements of one chunk of logits: 2**26 (256 MiB) is 441 tokens at a 151,936-token vocabulary,
 # and the whole micro-batch at a toy one. Compiled, a chunk's arithmetic is one or two fused kernels; eager,
-# each of its ~6 steps keeps an fp32 copy of the chunk alive, so eager chunks are 8x smaller (the head's
-# peak stays a fraction of one full-vocabulary fp32 logits tensor either way).
-CHUNK_ELEMENTS = 2**27
+# each of its ~6 steps keeps an fp32 copy of the chunk alive, so eager chunks are 4x smaller. Either way
+# the head's peak stays under half of one full-vocabulary fp32 logits tensor (2**27 compiled did not:
+# docs/benchmarks.md).
+CHUNK_ELEMENTS = 2**26
 EAGER_CHUNK_ELEMENTS = 2**24
 
 
