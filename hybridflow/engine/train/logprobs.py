@@ -23,7 +23,7 @@ import torch.nn.functional as F
 # and the whole micro-batch at a toy one. Compiled, a chunk's arithmetic is one or two fused kernels; eager,
 # each of its ~6 steps keeps an fp32 copy of the chunk alive, so eager chunks are 4x smaller. Either way
 # the head's peak stays under half of one full-vocabulary fp32 logits tensor (2**27 compiled did not:
-# docs/benchmarks.md).
+# docs/training_engine.md).
 CHUNK_ELEMENTS = 2**26
 EAGER_CHUNK_ELEMENTS = 2**24
 
