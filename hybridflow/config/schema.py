@@ -110,7 +110,8 @@ class RolloutConfig:
     top_k: int = opt(-1, "sample among the k most likely tokens; -1 = all")
     engine: str = opt("auto", "generation engine: our fast engine, the transformers fallback, or auto",
                       ("auto", "fast", "hf"))
-    max_num_seqs: int = opt(256, "most sequences decoded together")
+    max_num_seqs: int = opt(256, "most sequences decoded together (on a CPU at most data.train_batch_size x n, "
+                                 "since the KV cache is zero-filled RAM sized by this; more rows queue)")
     kv_cache_fraction: Optional[float] = opt(None, "fraction of the GPU memory free when the rollout engine starts "
                                                    "(after the trained model loads) given to the KV cache; null = "
                                                    "what the device budget leaves within "

@@ -26,17 +26,20 @@ UNPLANNED_KV_FRACTION = 0.4
 
 
 def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                  kv_cache_bytes: int | None = None):
+                  kv_cache_bytes: int | None = None, step_rows: int | None = None):
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path`. The KV cache
     on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
-    plan's), else `UNPLANNED_KV_FRACTION`."""
-    kv = None
+    plan's), else `UNPLANNED_KV_FRACTION`. On a CPU, where nothing plans the memory and the cache is
+    zero-filled RAM, it holds at most `step_rows` sequences (the rows of one training step; more queue)."""
+    kv, max_num_seqs = None, rollout_cfg.max_num_seqs
+    if device.type == "cpu" and step_rows is not None:
+        max_num_seqs = max(1, min(max_num_seqs, step_rows))
     if device.type == "cuda":
         kv = rollout_cfg.kv_cache_fraction
         if kv is None:
             kv = kv_cache_bytes if kv_cache_bytes is not None else UNPLANNED_KV_FRACTION
     return RolloutEngine.from_pretrained(
-        path, device=device, dtype=dtype, max_num_seqs=rollout_cfg.max_num_seqs, max_model_len=max_model_len,
+        path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine)
 
 
@@ -60,7 +63,8 @@ class RolloutReplica:
         self.cfg, self.pad_id = rollout_cfg, pad_id
         self.max_response_length = data_cfg.max_response_length
         max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-        self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len, kv_cache_bytes)
+        self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len, kv_cache_bytes,
+                                    step_rows=getattr(data_cfg, "train_batch_size", 0) * rollout_cfg.n or None)
         self.agent = None
         if agent_enabled(agent_cfg):
             if self.engine.kind != "fast":

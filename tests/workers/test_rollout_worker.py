@@ -9,6 +9,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RolloutConfig
 from hybridflow.controller import WorkerGroup
+from hybridflow.engine.rollout import SamplingParams
 from hybridflow.trainer.roles import SeparateRollout
 from hybridflow.workers import ActorWorker, RolloutWorker
 from hybridflow.workers.weight_sync import plan_buckets
@@ -93,7 +94,7 @@ def test_free_cache_after_generate_frees_the_cache_after_each_generation_or_neve
 
     for free, expected in ((True, ["sleep", "wake", "sleep"]), (False, [])):
         engine = _GPUEngineStub()
-        monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args: engine)
+        monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args, **kwargs: engine)
         replica = rollout_replica.RolloutReplica("unused", RolloutConfig(free_cache_after_generate=free),
                                                  DataConfig(max_prompt_length=5, max_response_length=RESP),
                                                  torch.device("cuda"), torch.float32, pad_id=0)
@@ -106,9 +107,20 @@ def test_offload_weights_moves_the_rollout_weights_out_whenever_the_engine_sleep
     from hybridflow.workers import rollout_replica
 
     engine = _GPUEngineStub()
-    monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args: engine)
+    monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args, **kwargs: engine)
     replica = rollout_replica.RolloutReplica("unused", RolloutConfig(offload_weights=True),
                                              DataConfig(max_prompt_length=5, max_response_length=RESP),
                                              torch.device("cuda"), torch.float32, pad_id=0)
     replica.generate(_prompts(1.0), rank=0)
     assert engine.calls == ["sleep, weights to the CPU", "wake", "sleep, weights to the CPU"]
+
+
+def test_a_cpu_kv_cache_holds_one_training_step_of_rows_not_max_num_seqs(tiny_qwen2):
+    from hybridflow.workers.rollout_replica import build_rollout
+
+    # sized by max_num_seqs alone, a real model's zero-filled CPU cache took most of the machine's RAM
+    engine = build_rollout(str(tiny_qwen2), RolloutConfig(max_num_seqs=256), torch.device("cpu"), torch.float32,
+                           64, step_rows=6)
+    assert engine.kv.num_slots == 6
+    out = engine.generate([[5, 6, 7]] * 4, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0))
+    assert [len(row) for row in out] == [3] * 4  # 12 rows through 6 slots: the rest queue
