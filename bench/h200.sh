@@ -4,6 +4,7 @@
 #   HYBRIDFLOW_COMMIT=<sha> bash bench/h200.sh gpu_tests train grpo     # one call
 #   bash bench/h200.sh model_part1                                       # two calls back to back: the GGUF
 #   bash bench/h200.sh model_part2 race                                  #   travels as two pieces
+#   (multiturn and multiturn_train also need the GGUF)
 #
 # The device machine has torch, transformers, peft and pandas but not our other dependencies: they travel
 # as wheels in .whl/ (omegaconf, antlr4, trl, datasets, dill, multiprocess, gguf, torchao), installed into
@@ -31,6 +32,17 @@ model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
     --out "$OUT/learn_vs_trl_h200.json" 2>&1 | tee "$OUT/race.log"; }
+# recipes/multiturn_retry.yaml on the real model, trained end to end for MT_STEPS steps (synthetic GSM8K data)
+multiturn_train() {
+    local model data=/tmp/mt_data run=/tmp/mt_run
+    model=$(python3 -m hybridflow.utils.real_model --gguf "$GGUF" --dtype bf16 | tail -1)
+    python3 -m hybridflow.data.gsm8k_synthetic "$data" --n-train 4096 --n-val 128 > /dev/null
+    python3 -m hybridflow.cli train --config recipes/multiturn_retry.yaml model.path="$model" \
+        data.train_files="$data/train.parquet" data.val_files="$data/test.parquet" actor.lr=5e-6 \
+        trainer.total_steps="${MT_STEPS:-20}" trainer.val_every=10 trainer.output_dir="$run" 2>&1 \
+        | tee "$OUT/multiturn_train.log"
+    cp "$run/metrics.jsonl" "$OUT/multiturn_train_metrics.jsonl"
+}
 multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" --out "$OUT/multiturn_h200.json" 2>&1 \
     | tee "$OUT/multiturn.log"; }
 
