@@ -1,19 +1,32 @@
 """The decode step, eager or replayed from CUDA graphs captured at bucketed batch sizes.
 
-`decode_forward` is the one definition of a decode step (build the attention metadata from the rows'
-slots and positions, run the model, return fp32 logits); `DecodeGraphs` captures it at batch sizes
-1, 2, 4, 8, 16, 32, then every 32 up to max_num_seqs, over static input buffers. A step of B rows
-replays the smallest bucket >= B, its padding rows pointed at the KV cache's scratch slot. The graphs
-hold raw pointers to the weights and the cache: weights are updated in place (`load_weights`), and the
-engine drops the graphs when it frees the cache (`sleep`) and captures them again on `wake`.
+A decode step is two halves, each defined once here and used by both the eager path and the capture:
+`decode_forward` (build the attention metadata from the rows' slots and positions, run the model,
+return logits) and `sample_and_record` (draw a token per row, record it into the `RunningBatch`,
+advance the decode seed). `DecodeGraphs` captures both at batch sizes 1, 2, 4, 8, 16, 32, then every
+32 up to the batch capacity, directly over the engine's `RunningBatch` buffers: a step of B rows
+replays the smallest bucket >= B, whose rows past B are the batch's padding rows (the KV cache's
+scratch slot, already finished), so nothing is copied in or out and no kernel is launched from Python.
+The second half is captured once per sampling mode (greedy, sampled) when the fused sampler applies;
+with top-k / top-p it runs eagerly on the captured forward's logits. Nothing in a step reads the
+device back, so the host queues several steps before it looks for finished rows.
+
+The graphs hold raw pointers to the weights, the cache and the batch buffers: weights are updated in
+place (`load_weights`), and the engine drops the graphs when it frees the cache (`sleep`) and captures
+them again on `wake`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from hybridflow.engine.rollout.attention import AttnMeta
 from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.sampler import fused, sample
+from hybridflow.engine.rollout.sequence import RunningBatch
+from hybridflow.engine.rollout.types import SamplingParams
 
 
 def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -32,6 +45,19 @@ def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, po
     return model(tokens, positions, meta, kv)
 
 
+def sample_and_record(batch: RunningBatch, size: int, logits: torch.Tensor, params: SamplingParams,
+                      generator: torch.Generator | None) -> None:
+    """Sample a token for the batch's rows [0, size) from logits [size, V] and record it. The fused
+    sampler reads the batch's seed and inverse temperature and the seed advances on the device (so this
+    is capturable); otherwise the torch sampler draws from `generator`."""
+    if fused(logits, params):
+        tokens, logprobs = sample(logits, params, None, batch.seed, batch.inv_temp)
+        batch.seed.add_(1)
+    else:
+        tokens, logprobs = sample(logits, params, generator)
+    batch.record(size, tokens, logprobs)
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """Captured batch sizes: powers of two up to 32, then multiples of 32, then max_batch itself."""
     sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
@@ -40,41 +66,46 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Decode captured per bucket over shared static buffers (one memory pool for all graphs)."""
+    """Decode captured per bucket over the batch's buffers (one memory pool for all graphs)."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int) -> None:
-        self.model, self.kv = model, kv
-        self.sizes = bucket_sizes(max_batch)
-        device = model.lm_head.weight.device
-        self.tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slots = torch.full((max_batch,), kv.scratch_slot, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+    def __init__(self, model: torch.nn.Module, kv: KVCache, batch: RunningBatch) -> None:
+        self.sizes = bucket_sizes(batch.capacity)
+        batch.clear()  # every row padding: the warm-up runs touch only the scratch slot and scratch row
+        self.forwards: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.tails: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: kernels chosen and workspaces made outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+            self.forwards[size], self.logits[size] = _capture(pool, lambda: decode_forward(
+                model, kv, batch.tokens[:size], batch.positions[:size], batch.slots[:size], kv.max_len))
+            for greedy in (False, True):
+                params = SamplingParams(temperature=0.0 if greedy else 1.0)
+                if fused(self.logits[size], params):
+                    self.tails[size, greedy] = _capture(pool, lambda: sample_and_record(
+                        batch, size, self.logits[size], params, None))[0]
+        batch.clear()
         torch.cuda.synchronize()
 
-    def _forward(self, size: int) -> torch.Tensor:
-        return decode_forward(self.model, self.kv, self.tokens[:size], self.positions[:size],
-                              self.slots[:size], self.kv.max_len)
+    def bucket(self, batch: int) -> int:
+        """The captured size a step of `batch` rows replays."""
+        return next(s for s in self.sizes if s >= batch)
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Replay the smallest bucket holding B = len(tokens) rows; returns logits [B, V]."""
-        batch = tokens.shape[0]
-        size = next(s for s in self.sizes if s >= batch)
-        self.tokens[:batch].copy_(tokens)
-        self.positions[:batch].copy_(positions)
-        self.slots[:batch].copy_(slots)
-        if size > batch:
-            self.tokens[batch:size].zero_()
-            self.positions[batch:size].zero_()
-            self.slots[batch:size].fill_(self.kv.scratch_slot)
-        self.graphs[size].replay()
-        return self.outputs[size][:batch]
+    def step(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """One decode step of the batch's live rows: the bucket's forward graph, then its sampling graph
+        (or, with top-k / top-p, the eager sampler on the forward's logits)."""
+        size = self.bucket(len(batch))
+        self.forwards[size].replay()
+        tail = self.tails.get((size, params.greedy)) if fused(self.logits[size], params) else None
+        if tail is not None:
+            tail.replay()
+        else:
+            sample_and_record(batch, size, self.logits[size], params, generator)
+
+
+def _capture(pool, fn: Callable[[], torch.Tensor | None]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+    fn()  # warm-up: kernels chosen (and Triton compiled) and workspaces made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out

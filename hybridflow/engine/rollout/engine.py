@@ -9,8 +9,9 @@
 
 The loop per `generate` call (a `Session`): admit waiting prompts into free slots and prefill them in
 one packed forward (each prompt once; its KV written to the slots of all n samples, whose first tokens
-are drawn from the shared last-position logits), otherwise run one decode step over every running row;
-rows that finish free their slot at once. A session that holds its sequences lets a caller continue one
+are drawn from the shared last-position logits), otherwise run `decode_steps_per_sync` decode steps
+over every running row (fewer when a row reaches its length limit sooner) before the one host sync that
+looks for finished rows; rows that finished free their slot then. A session that holds its sequences lets a caller continue one
 with appended tokens: only those are prefilled, attending over the slot's cached prefix.
 Architectures outside the fast families go to `HFRolloutEngine`.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
-from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward
+from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM
 from hybridflow.engine.rollout.sampler import sample
@@ -87,15 +88,21 @@ class RolloutEngine:
 
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, stop_ids: list[int],
                  max_num_seqs: int, max_model_len: int, kv_cache_memory: float | int | None,
-                 cuda_graphs: bool, max_prefill_tokens: int) -> None:
+                 cuda_graphs: bool, max_prefill_tokens: int, decode_steps_per_sync: int = 8) -> None:
+        if not isinstance(decode_steps_per_sync, int) or decode_steps_per_sync < 1:
+            raise ValueError(f"decode_steps_per_sync={decode_steps_per_sync!r} is invalid; it must be an int >= 1")
         self.model, self.config, self.device, self.dtype = model, model.config, device, dtype
         self.default_stop_ids, self.max_model_len = stop_ids, max_model_len
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.decode_steps_per_sync = max_prefill_tokens, decode_steps_per_sync
         self.backend = pick_backend(device, dtype)
         self.use_graphs = cuda_graphs and device.type == "cuda"
         attn = model.model.layers[0].self_attn
         self.kv = KVCache(self.config.num_hidden_layers, attn.kv_heads, attn.head_dim, max_model_len,
                           max_num_seqs, resolve_budget(kv_cache_memory, device), dtype, device)
+        # one session decodes at a time (sessions share the slots): the engine owns the running rows'
+        # buffers, so the CUDA graphs are captured over them
+        self.batch = RunningBatch(self.kv.num_slots, self.kv.scratch_slot, max_model_len,
+                                  self.config.vocab_size, device)
         self.graphs: DecodeGraphs | None = None
         self.weights_offloaded = False
         self.stats: dict[str, float] = {"kv_cache_gb": self.kv.bytes / 2**30, "num_slots": self.kv.num_slots}
@@ -105,7 +112,8 @@ class RolloutEngine:
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, max_num_seqs: int = 256,
                         max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
-                        cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384):
+                        cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384,
+                        decode_steps_per_sync: int = 8):
         """Load a Hugging Face model directory.
 
         engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or
@@ -115,6 +123,9 @@ class RolloutEngine:
             slots of max_model_len tokens within it.
         cuda_graphs: capture decode at bucketed batch sizes (CUDA only).
         max_prefill_tokens: prompt tokens packed into one prefill forward.
+        decode_steps_per_sync: decode steps queued between two host looks for finished rows (a row
+            that stops inside them idles, at most this many steps minus one; the outputs do not depend
+            on it, except that the sampled noise follows the batch's composition).
         """
         from transformers import AutoConfig
 
@@ -132,14 +143,16 @@ class RolloutEngine:
 
             return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096)
         return cls.from_config(config, checkpoint_tensors(path), device, dtype, stop_ids, max_num_seqs,
-                               max_model_len, kv_cache_memory, cuda_graphs, max_prefill_tokens)
+                               max_model_len, kv_cache_memory, cuda_graphs, max_prefill_tokens,
+                               decode_steps_per_sync)
 
     @classmethod
     def from_config(cls, config, named_tensors: Iterable[tuple[str, torch.Tensor]],
                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     stop_token_ids: list[int] | None = None, max_num_seqs: int = 256,
                     max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
-                    cuda_graphs: bool = True, max_prefill_tokens: int = 16384) -> RolloutEngine:
+                    cuda_graphs: bool = True, max_prefill_tokens: int = 16384,
+                    decode_steps_per_sync: int = 8) -> RolloutEngine:
         """A fast engine from a HF config and (HF name, tensor) weights, e.g. a trainer's state dict, with
         no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id)."""
         device = indexed_device(device)
@@ -157,7 +170,7 @@ class RolloutEngine:
             raise ValueError(f"the weights lack {len(missing)} tensors the model needs, e.g. "
                              f"{sorted(str(m) for m in missing)[:4]}")
         return cls(model, device, dtype, stop_token_ids, max_num_seqs, max_model_len, kv_cache_memory,
-                   cuda_graphs, max_prefill_tokens)
+                   cuda_graphs, max_prefill_tokens, decode_steps_per_sync)
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],
@@ -218,15 +231,20 @@ class RolloutEngine:
             logits = logits.repeat_interleave(counts.to(dev), dim=0)
         return sample(logits, params, generator)
 
-    def decode_step(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator) -> None:
-        """One new token for every running row (CUDA graphs when captured), recorded into `batch`."""
-        if self.graphs is not None:
-            logits = self.graphs.run(batch.tokens, batch.positions, batch.slots)
-        else:
-            bound = int(batch.positions.max()) + 1 if self.backend == "sdpa" else self.max_model_len
-            logits = decode_forward(self.model, self.kv, batch.tokens, batch.positions, batch.slots, bound)
-        tokens, logprobs = sample(logits, params, generator)
-        batch.record(tokens, logprobs)
+    def decode(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator, steps: int) -> None:
+        """`steps` new tokens for every running row of `batch` (rows that finish on the way record no more),
+        queued with no host sync in between: CUDA-graph replays when captured, else the same step eagerly."""
+        size, last = len(batch), batch.max_position()
+        for step in range(steps):
+            if self.graphs is not None:
+                self.graphs.step(batch, params, generator)
+                continue
+            # the SDPA path gathers the cache up to the longest context; flash reads each row's own length
+            width = min(last + step + 1, self.max_model_len) if self.backend == "sdpa" else self.max_model_len
+            logits = decode_forward(self.model, self.kv, batch.tokens[:size], batch.positions[:size],
+                                    batch.slots[:size], width)
+            sample_and_record(batch, size, logits, params, generator)
+        batch.advanced(steps)
 
     # ---- weights and memory -----------------------------------------------------------------------
     @torch.no_grad()
@@ -267,5 +285,5 @@ class RolloutEngine:
     def _capture(self) -> None:
         if self.use_graphs and self.graphs is None:
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, self.kv, self.kv.num_slots)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.batch)
             self.stats["graph_capture_s"] = time.perf_counter() - start

@@ -9,7 +9,9 @@ the fast path stays close to `transformers`; on CPU (or without Triton) the torc
 - `rotary_(x, positions, cos, sin)`: HF rotate-half RoPE in place on x [T, heads, D]
 - `silu_mul(gate_up)` -> silu(gate) * up                                          [T, 2I] -> [T, I]
 - `sample_plain(logits, inv_temp, seed, greedy)` -> (token, log-prob) per row, one pass over the
-  logits (Gumbel-max with counter-based Philox noise; log-prob from an online logsumexp).
+  logits (Gumbel-max with counter-based Philox noise; log-prob from an online logsumexp). The
+  temperature and the seed are read from device tensors, so a captured CUDA graph can replay it with
+  a new seed each step and any session's temperature.
 """
 
 from __future__ import annotations
@@ -77,18 +79,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_plain(logits: torch.Tensor, inv_temp: float, seed: torch.Tensor,
+def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Untruncated sampling from softmax(logits * inv_temp), or argmax when greedy, in one pass.
 
-    logits [R, V] (any float dtype, computed in fp32); seed [1] int64 on the device (noise for row r,
-    token v is Philox(seed, r * V + v)). Returns (tokens [R] int64, logprobs [R] fp32); greedy
-    log-probs are log_softmax(logits) (inv_temp is ignored).
+    logits [R, V] (any float dtype, computed in fp32); inv_temp [1] fp32 and seed [1] int64 on the
+    device (noise for row r, token v is Philox(seed, r * V + v)). Returns (tokens [R] int64, logprobs
+    [R] fp32); greedy log-probs are log_softmax(logits) (inv_temp is ignored).
     """
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(rows,)](logits, logits.stride(0), vocab, 1.0 if greedy else inv_temp, seed, tokens,
+    _sample_kernel[(rows,)](logits, logits.stride(0), vocab, inv_temp, seed, tokens,
                             logprobs, GREEDY=greedy, BLOCK=4096, num_warps=8)
     return tokens, logprobs
 
@@ -144,10 +146,11 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=mask)
 
     @triton.jit
-    def _sample_kernel(logits_ptr, stride, vocab, inv_temp, seed_ptr, tok_ptr, lp_ptr,
+    def _sample_kernel(logits_ptr, stride, vocab, inv_temp_ptr, seed_ptr, tok_ptr, lp_ptr,
                        GREEDY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         seed = tl.load(seed_ptr)
+        inv_temp = tl.load(inv_temp_ptr)
         best_score = tl.full([], float("-inf"), tl.float32)
         best_x = tl.full([], float("-inf"), tl.float32)
         best_idx = tl.full([], 0, tl.int32)
@@ -157,10 +160,10 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             mask = cols < vocab
             x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            x = x * inv_temp
             if GREEDY:
                 score = x
             else:
+                x = x * inv_temp
                 u = tl.rand(seed, row * vocab + cols)
                 score = x - tl.log(-tl.log(u))  # + Gumbel noise; u == 0 gives -inf (never picked)
             score = tl.where(mask, score, float("-inf"))

@@ -33,17 +33,26 @@ def _truncate(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def fused(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether `sample` takes the one-pass fused kernel (CUDA with Triton, no top-k / top-p)."""
+    return use_triton(logits) and params.top_k == -1 and params.top_p == 1.0
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           seed: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row.
 
     logits: [R, V], any float dtype (converted to fp32; may be modified in place when already fp32).
-    Returns (tokens [R] int64, logprobs [R] fp32). On CUDA without top-k / top-p, one fused pass
-    (`kernels.sample_plain`, Philox noise seeded from `generator`) does the same.
+    Returns (tokens [R] int64, logprobs [R] fp32). When `fused`, one pass (`kernels.sample_plain`,
+    Philox noise) does the same, seeded by `seed` ([1] int64 on the device; None: drawn from
+    `generator`) at the inverse temperature `inv_temp` ([1] fp32 on the device; None: from params).
     """
-    if use_triton(logits) and params.top_k == -1 and params.top_p == 1.0:
-        seed = torch.randint(2**62, (1,), generator=generator, device=logits.device)
-        return sample_plain(logits, 1.0 / max(params.temperature, 1e-6), seed, params.greedy)
+    if fused(logits, params):
+        if seed is None:
+            seed = torch.randint(2**62, (1,), generator=generator, device=logits.device)
+        if inv_temp is None:
+            inv_temp = torch.full((1,), 1.0 / max(params.temperature, 1e-6), device=logits.device)
+        return sample_plain(logits, inv_temp, seed, params.greedy)
     x = logits.float()
     if params.greedy:
         tokens = x.argmax(dim=-1)

@@ -2,10 +2,15 @@
 
 A `Request` is one prompt with its n samples (one KV slot each once admitted), or the appended tokens
 of one live sequence, which already owns its slot and has `start` tokens cached there. The `RunningBatch`
-keeps the rows being decoded as device tensors, so a decode step costs a handful of tensor ops and one
-host sync no matter how many rows run: Python touches a row only when it joins or finishes. Rows are
-kept sorted by slot. Generated tokens and log-probs go into per-slot output buffers and are read back
-once, when the row finishes.
+keeps the rows being decoded in fixed device buffers owned by the engine (so CUDA graphs can be captured
+over them): rows [0, B) are live, sorted by slot; rows [B, capacity) are padding (the KV cache's scratch
+slot, already finished). A decode step samples and records a token for every row that has not finished
+(`record`), entirely on the device; the host looks only when it asks which rows finished
+(`pop_finished`, one sync), so several decode steps can run between two looks. A finished row is
+recognised from its state alone (its last token is a stop id, or it has its `max_gen` tokens): it
+records nothing more and its position stops advancing, so its outputs are exactly those of
+one-step-at-a-time decoding and its (wasted) cache writes stay at its own last position. Generated
+tokens and log-probs go into per-slot output buffers and are read back once, when the row finishes.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class Request:
 
 @dataclass
 class Finished:
-    """Rows that finished in one step, read back to the host: their slots and outputs."""
+    """Rows that finished since the last look, read back to the host: their slots and outputs."""
 
     slots: list[int]
     token_ids: list[list[int]]
@@ -47,22 +52,52 @@ class Finished:
 
 
 class RunningBatch:
-    """The decoding rows of a call. Shapes: B running rows, S slots (+1 scratch), M = max_tokens.
+    """The decoding rows, in fixed buffers of `capacity` rows. Per row: slots, positions (where the next
+    input token goes; context length - 1), tokens (the last sampled token, the next input), generated
+    (tokens so far), max_gen (the row's limit). Per session (`reset`): is_stop [V] (the stop ids as a
+    mask), inv_temp [1] and seed [1] (the fused sampler's, advanced by one per decode step on the device).
+    Output buffers [slots + 1, width]: the last row is the scratch row finished rows write to.
 
-    slots [B], positions [B] (where the next input token goes; context length - 1), tokens [B] (the
-    last sampled token, the next input), generated [B] (tokens so far), max_gen [B] (the row's limit).
+    The host mirrors each live row's slot, position and remaining steps (`steps_left`), so it can bound a
+    run of decode steps without reading the device.
     """
 
-    def __init__(self, num_slots: int, max_tokens: int, stop_token_ids: list[int], device: torch.device):
-        self.device = device
-        self.out_tokens = torch.zeros(num_slots + 1, max_tokens, dtype=torch.long, device=device)
-        self.out_logprobs = torch.zeros(num_slots + 1, max_tokens, dtype=torch.float32, device=device)
-        self.stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        self.slots = self.positions = self.tokens = self.generated = self.max_gen = empty
+    def __init__(self, capacity: int, scratch_slot: int, width: int, vocab_size: int,
+                 device: torch.device) -> None:
+        self.capacity, self.scratch_slot, self.device = capacity, scratch_slot, device
+        def longs(fill: int = 0) -> torch.Tensor:
+            return torch.full((capacity,), fill, dtype=torch.long, device=device)
+
+        self.slots, self.positions, self.tokens = longs(scratch_slot), longs(), longs()
+        self.generated, self.max_gen = longs(), longs()
+        self.out_tokens = torch.zeros(scratch_slot + 1, width, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(scratch_slot + 1, width, dtype=torch.float32, device=device)
+        self.is_stop = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.inv_temp = torch.ones(1, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(1, dtype=torch.long, device=device)
+        self.host_slots: list[int] = []
+        self.host_positions: list[int] = []
+        self.host_left: list[int] = []
 
     def __len__(self) -> int:
-        return self.slots.shape[0]
+        return len(self.host_slots)
+
+    def reset(self, stop_token_ids: list[int], temperature: float, seed: torch.Tensor) -> None:
+        """Start a session: no rows, its stop ids (ids outside the vocabulary can never be sampled),
+        temperature and decode seed ([1] int64 on the device)."""
+        self.clear()
+        self.is_stop.zero_()
+        vocab = self.is_stop.shape[0]
+        ids = [t for t in stop_token_ids if t < vocab]
+        if ids:
+            self.is_stop[torch.tensor(ids, device=self.device)] = True
+        self.inv_temp.fill_(1.0 / max(temperature, 1e-6))
+        self.seed.copy_(seed)
+
+    def clear(self) -> None:
+        """Drop every row (all padding)."""
+        self._pad(0)
+        self.host_slots, self.host_positions, self.host_left = [], [], []
 
     def add(self, slots: list[int], positions: list[int], max_gen: list[int], tokens: torch.Tensor,
             logprobs: torch.Tensor) -> None:
@@ -70,45 +105,79 @@ class RunningBatch:
         def as_long(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        new_slots = as_long(slots)
+        new_slots, size = as_long(slots), len(self)
         self.out_tokens[new_slots, 0] = tokens
         self.out_logprobs[new_slots, 0] = logprobs
-        ones = torch.ones_like(new_slots)
-        self._set(torch.cat([self.slots, new_slots]), torch.cat([self.positions, as_long(positions)]),
-                  torch.cat([self.tokens, tokens]), torch.cat([self.generated, ones]),
-                  torch.cat([self.max_gen, as_long(max_gen)]))
-        order = torch.argsort(self.slots)
-        self._select(order)
+        all_slots = self.host_slots + list(slots)
+        order = sorted(range(len(all_slots)), key=all_slots.__getitem__)
+        index = torch.tensor(order, device=self.device)
+        for buffer, new in ((self.slots, new_slots), (self.positions, as_long(positions)),
+                            (self.tokens, tokens), (self.generated, torch.ones_like(new_slots)),
+                            (self.max_gen, as_long(max_gen))):
+            buffer[:len(order)] = torch.cat([buffer[:size], new])[index]
+        positions_all = self.host_positions + list(positions)
+        left_all = self.host_left + [g - 1 for g in max_gen]
+        self.host_slots = [all_slots[i] for i in order]
+        self.host_positions = [positions_all[i] for i in order]
+        self.host_left = [left_all[i] for i in order]
 
-    def record(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append one decode step's sampled tokens/logprobs ([B]) to every row."""
-        self.out_tokens[self.slots, self.generated] = tokens
-        self.out_logprobs[self.slots, self.generated] = logprobs
-        self.tokens = tokens
-        self.generated = self.generated + 1
-        self.positions = self.positions + 1
+    def steps_left(self) -> int:
+        """Decode steps until the first live row reaches its length limit (a stop token may come sooner)."""
+        return min(self.host_left)
+
+    def max_position(self) -> int:
+        """The largest position a live row's next input token goes to."""
+        return max(self.host_positions)
+
+    def done(self, size: int) -> torch.Tensor:
+        """[size] bool: the row has finished (its last token is a stop id, or it has max_gen tokens)."""
+        return self.is_stop[self.tokens[:size]] | (self.generated[:size] >= self.max_gen[:size])
+
+    def record(self, size: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append one decode step's sampled tokens/logprobs ([size]) to the rows [0, size) that have not
+        finished; a finished row (padding included) keeps its state and writes to the scratch row. Device
+        ops only (no sync): this runs inside the decode CUDA graph."""
+        live = ~self.done(size)
+        row = torch.where(live, self.slots[:size], self.scratch_slot)
+        column = torch.where(live, self.generated[:size], 0)
+        self.out_tokens.index_put_((row, column), tokens)
+        self.out_logprobs.index_put_((row, column), logprobs)
+        self.tokens[:size].copy_(torch.where(live, tokens, self.tokens[:size]))
+        step = live.long()
+        self.generated[:size].add_(step)
+        self.positions[:size].add_(step)
+
+    def advanced(self, steps: int) -> None:
+        """The host's side of `steps` decode steps (rows that finished meanwhile leave at `pop_finished`)."""
+        self.host_positions = [p + steps for p in self.host_positions]
+        self.host_left = [n - steps for n in self.host_left]
 
     def pop_finished(self) -> Finished | None:
         """Remove the rows that hit a stop token or their length limit; None if none did (one sync)."""
-        stopped = torch.isin(self.tokens, self.stop_ids)
-        done = stopped | (self.generated >= self.max_gen)
-        if not bool(done.any()):
+        size = len(self)
+        gone = [i for i, finished in enumerate(self.done(size).tolist()) if finished]
+        if not gone:
             return None
-        idx = done.nonzero()[:, 0]
+        idx = torch.tensor(gone, dtype=torch.long, device=self.device)
         slots, gens = self.slots[idx], self.generated[idx]
-        width = int(gens.max())
+        gens_list = gens.tolist()
+        width = max(gens_list)
         tokens = self.out_tokens[slots, :width].tolist()
         logprobs = self.out_logprobs[slots, :width].tolist()
-        gens_list, stopped_list = gens.tolist(), stopped[idx].tolist()
-        finished = Finished(slots.tolist(), [t[:g] for t, g in zip(tokens, gens_list)],
-                            [lp[:g] for lp, g in zip(logprobs, gens_list)], stopped_list)
-        self._select((~done).nonzero()[:, 0])
+        finished = Finished([self.host_slots[i] for i in gone], [t[:g] for t, g in zip(tokens, gens_list)],
+                            [lp[:g] for lp, g in zip(logprobs, gens_list)], self.is_stop[self.tokens[idx]].tolist())
+        keep = sorted(set(range(size)) - set(gone))
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for buffer in (self.slots, self.positions, self.tokens, self.generated, self.max_gen):
+            buffer[:len(keep)] = buffer[index]
+        self._pad(len(keep), size)
+        self.host_slots = [self.host_slots[i] for i in keep]
+        self.host_positions = [self.host_positions[i] for i in keep]
+        self.host_left = [self.host_left[i] for i in keep]
         return finished
 
-    def _set(self, slots, positions, tokens, generated, max_gen) -> None:
-        self.slots, self.positions, self.tokens = slots, positions, tokens
-        self.generated, self.max_gen = generated, max_gen
-
-    def _select(self, idx: torch.Tensor) -> None:
-        self._set(self.slots[idx], self.positions[idx], self.tokens[idx], self.generated[idx],
-                  self.max_gen[idx])
+    def _pad(self, start: int, end: int | None = None) -> None:
+        """Make rows [start, end) padding: the scratch slot, position 0, finished (max_gen 0)."""
+        self.slots[start:end] = self.scratch_slot
+        for buffer in (self.positions, self.tokens, self.generated, self.max_gen):
+            buffer[start:end] = 0

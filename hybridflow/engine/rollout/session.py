@@ -4,7 +4,7 @@ keep its KV slot and be continued with appended tokens, prefilling only those to
     session = engine.session(SamplingParams(temperature=1.0, max_tokens=256), hold=True)
     a, b = session.add(prompt_ids, n=2)              # sequence ids (the prompt is prefilled once)
     while session.has_work:
-        for seq, completion in session.step():       # one prefill or decode step; the turns that ended
+        for seq, completion in session.step():       # a prefill, or a few decode steps; the turns that ended
             ...
     session.extend(a, appended_ids, max_tokens=64)   # `a` goes on: its cached KV is reused
     session.release(a)                               # `a` is done: its slot is free
@@ -16,6 +16,9 @@ attending over the cached prefix) or `release`. A held sequence is not in the ru
 that waits (on a tool, an environment) costs the others nothing, and it re-enters with its
 continuation. Sampling settings (temperature, top-k / top-p, stop ids, seed) are the session's;
 max_tokens may be lowered per request. Nothing here knows about chat templates or tools.
+
+One session decodes on an engine at a time: sessions share the engine's KV slots and its running-row
+buffers (`RolloutEngine.batch`), which a new session resets.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from hybridflow.engine.rollout.types import Completion, SamplingParams
 from hybridflow.engine.rollout.scheduler import Scheduler
-from hybridflow.engine.rollout.sequence import Request, RunningBatch
+from hybridflow.engine.rollout.sequence import Request
 
 if TYPE_CHECKING:
     from hybridflow.engine.rollout.engine import RolloutEngine
@@ -58,7 +61,9 @@ class Session:
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         self.generator = torch.Generator(engine.device).manual_seed(seed)
         self.scheduler = Scheduler(engine.kv.num_slots, engine.max_prefill_tokens)
-        self.batch = RunningBatch(engine.kv.num_slots, params.max_tokens, stop_ids, engine.device)
+        self.batch = engine.batch
+        decode_seed = torch.randint(2**62, (1,), generator=self.generator, device=engine.device)
+        self.batch.reset(stop_ids, params.temperature, decode_seed)
         self.running: dict[int, tuple[int, int]] = {}  # slot -> (sequence, its length before this turn)
         self.held: dict[int, _Held] = {}
         self.next_seq = 0
@@ -109,15 +114,17 @@ class Session:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[int, Completion]]:
-        """Admit and prefill what fits, else decode one token for every running row; returns the
-        (sequence, completion of this turn) of the rows that finished."""
+        """Admit and prefill what fits, else decode `engine.decode_steps_per_sync` tokens for every running
+        row (fewer when a row reaches its length limit sooner); returns the (sequence, completion of this
+        turn) of the rows that finished."""
         admitted = self.scheduler.admit(len(self.batch))
         tick = time.perf_counter()
         if admitted:
             self._prefill(sorted(admitted, key=lambda r: r.slots[0]))
         elif len(self.batch):
-            self.engine.decode_step(self.batch, self.params, self.generator)
-            self.stats["decode_steps"] += 1
+            steps = min(self.engine.decode_steps_per_sync, self.batch.steps_left())
+            self.engine.decode(self.batch, self.params, self.generator, steps)
+            self.stats["decode_steps"] += steps
         else:
             return []
         finished = self.batch.pop_finished()  # syncs, so the timings are real
