@@ -1,5 +1,6 @@
-"""GPU-only checks of the rollout engine (skipped on CPU): CUDA-graph decode equals eager decode, the
-fused kernels equal their torch references, and bf16 greedy tracks `transformers.generate`."""
+"""GPU-only checks of the rollout engine (skipped on CPU): CUDA-graph decode (sampling and bookkeeping
+inside the graph) equals eager decode, greedy and seeded, for one and several steps per sync; the fused
+kernels equal their torch references; and bf16 greedy tracks `transformers.generate`."""
 
 from __future__ import annotations
 
@@ -11,14 +12,47 @@ from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def test_cuda_graph_decode_equals_eager(spread_model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_equals_eager(spread_model, dtype):
     path = spread_model("qwen2")
     params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
-    prompts = [[5, 6, 7], [8] * 9, [9, 10]]
-    graphs = RolloutEngine.from_pretrained(path, device="cuda", max_num_seqs=8).generate(prompts, params)
-    eager = RolloutEngine.from_pretrained(path, device="cuda", max_num_seqs=8,
+    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14]]  # a bucket's size: the same GEMM shapes
+    graphs = RolloutEngine.from_pretrained(path, device="cuda", dtype=dtype, max_num_seqs=8).generate(prompts, params)
+    eager = RolloutEngine.from_pretrained(path, device="cuda", dtype=dtype, max_num_seqs=8,
                                           cuda_graphs=False).generate(prompts, params)
     assert [o[0].token_ids for o in graphs] == [o[0].token_ids for o in eager]
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_in_graph_sampling_equals_eager_sampling_for_a_seed(spread_model, top_k):
+    """4 rows (a captured bucket's size, so the GEMMs match): the fused sampler inside the graph (seed
+    advanced on the device), or with top-k the eager sampler over the graph's logits, draws what the
+    eager decode draws for the same seed; and one step per sync draws the same as eight."""
+    path = spread_model("qwen2")
+    params = SamplingParams(n=2, temperature=0.8, top_k=top_k, max_tokens=24, stop_token_ids=[], seed=11)
+    prompts = [[5, 6, 7], [8] * 9]
+    runs = [RolloutEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_num_seqs=4, **kwargs)
+            .generate(prompts, params) for kwargs in (dict(), dict(cuda_graphs=False), dict(decode_steps_per_sync=1))]
+    tokens = [[s.token_ids for row in run for s in row] for run in runs]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert tokens[0][0] != tokens[0][1]  # the two samples of a prompt differ
+    for other in runs[1:]:
+        torch.testing.assert_close(torch.tensor([s.logprobs for row in other for s in row]),
+                                   torch.tensor([s.logprobs for row in runs[0] for s in row]), atol=1e-3, rtol=0)
+
+
+def test_several_steps_per_sync_with_stops_equal_one_step_per_sync_on_graphs(spread_model):
+    path = spread_model("llama")
+    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [15]]
+    one, many = (RolloutEngine.from_pretrained(path, device="cuda", max_num_seqs=3, decode_steps_per_sync=k)
+                 for k in (1, 8))
+    free = one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[]))
+    params = SamplingParams(temperature=0.0, max_tokens=20,
+                            stop_token_ids=[free[0][0].token_ids[3], free[2][0].token_ids[9]])
+    a, b = one.generate(prompts, params), many.generate(prompts, params)
+    assert [o[0].token_ids for o in a] == [o[0].token_ids for o in b]
+    assert [o[0].finish_reason for o in a] == [o[0].finish_reason for o in b]
+    assert "stop" in [o[0].finish_reason for o in b]
 
 
 def test_fused_kernels_match_torch_references():
