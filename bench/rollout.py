@@ -4,6 +4,8 @@
     python bench/rollout.py --device cpu --rl-only       # only the RL-shaped (varied lengths) run
     python bench/rollout.py --device cuda --out bench/results/rollout_h200.json
     python bench/rollout.py --device cuda --quick --skip-hf   # smoke: 0.5B, batch 256, ours only
+    python bench/rollout.py --device cuda --long [--long-max 8192]   # only the long-response regime
+    python bench/rollout.py --device cuda --profile           # + a torch.profiler account of a decode run
 
 On CPU: the fixed-length run at batch 64 (prompt 32, 64 new tokens; ours and `generate` alternate
 three times and the medians are reported, since the 2-core machine is shared), then an RL-shaped one (prompts of varied length, ~2 % of
@@ -14,7 +16,10 @@ the first tokens and the log-probs are compared), the device-copy bandwidth, the
 sleep/wake, tokens/s of ours and of `generate` at batch 64 and 256 (prompt 128, 256 new tokens, EOS
 ignored, temperature 1), the decode step against the bandwidth roofline, and a run with varied stop
 lengths (4x as many prompts as slots; ~1 % of the vocabulary are stop ids) comparing continuous
-batching with waves of static batches. Prints a table and writes JSON.
+batching with waves of static batches; then the long-response regime at both shapes (prompt 512, up
+to 4,096 new tokens, batch 256: bench/rollout_long.py) and the shared prefill of n samples (32 prompts
+x 8). On CPU the long regime, the shared-prefill check and the profile run at a toy size. Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -26,69 +31,9 @@ import time
 
 import torch
 
-from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-
-SHAPES = {
-    "cpu-10m": dict(hidden_size=256, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=1024, vocab_size=512),
-    "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                       intermediate_size=4864, vocab_size=151936),
-    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       intermediate_size=8960, vocab_size=151936),
-}
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def make_model(shape: str, dtype: torch.dtype, device: torch.device, spread: float | None = None, **extra):
-    """A random-init HF Qwen2 of the named shape (tied embeddings, no download); `spread` re-draws the
-    weights from N(0, spread) (norms ~1) so greedy continuations are not degenerate."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("qwen2", max_position_embeddings=4096, tie_word_embeddings=True,
-                                  eos_token_id=None, bos_token_id=None, pad_token_id=0,
-                                  **{**SHAPES[shape], **extra})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-    if spread is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else spread * torch.randn_like(p))
-    return model
-
-
-def hf_generate(model, prompts: torch.Tensor, new_tokens: int, greedy: bool = False,
-                stop_ids: list[int] | None = None) -> tuple[torch.Tensor, float]:
-    """`model.generate` on left-unpadded prompts [B, P]; returns (new tokens [B, <=new], seconds)."""
-    sample = {} if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    sync(prompts.device)
-    start = time.perf_counter()
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                         min_new_tokens=None if stop_ids else new_tokens, eos_token_id=stop_ids or None,
-                         pad_token_id=0, **({"do_sample": False} if greedy else sample))
-    sync(prompts.device)
-    return out[:, prompts.shape[1]:], time.perf_counter() - start
-
-
-def ours_generate(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
-    sync(engine.device)
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync(engine.device)
-    return outs, time.perf_counter() - start
-
-
-def engine_from(model, device, dtype, **kwargs) -> RolloutEngine:
-    return RolloutEngine.from_config(model.config, model.named_parameters(), device, dtype,
-                                     stop_token_ids=[], **kwargs)
-
+from hybridflow.engine.rollout import SamplingParams
+from rollout_long import bench_long, profile_decode, shared_prefill
+from rollout_util import engine_from, hf_generate, make_model, median, ours_generate, sync
 
 def check_kernels(device: torch.device) -> dict:
     """The fused CUDA kernels against their torch references (max abs differences, bf16 inputs)."""
@@ -113,10 +58,11 @@ def check_kernels(device: torch.device) -> dict:
     g, u = gu.chunk(2, -1)
     logits = torch.randn(64, 151936, device=device, dtype=torch.bfloat16) * 3
     seed = torch.tensor([123], device=device)
-    greedy_tok, greedy_lp = kernels.sample_plain(logits, 1.0, seed, True)
+    one, inv_07 = (torch.tensor([t], device=device) for t in (1.0, 1 / 0.7))
+    greedy_tok, greedy_lp = kernels.sample_plain(logits, one, seed, True)
     ref_lp = logits.float().log_softmax(-1)
     small = torch.tensor([[2.0, 1.0, 0.0, -1.0, -2.0]], device=device).repeat(20000, 1)
-    tok, lp = kernels.sample_plain(small, 1 / 0.7, seed, False)
+    tok, lp = kernels.sample_plain(small, inv_07, seed, False)
     freq = torch.bincount(tok, minlength=5).float() / tok.numel()
     return dict(add_rms_norm=(out.float() - ref.float()).abs().max().item(),
                 residual_sum=(total.float() - ref_total.float()).abs().max().item(),
@@ -310,6 +256,12 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not time transformers.generate")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
     parser.add_argument("--rl-only", action="store_true", help="CPU: only the RL-shaped run")
+    parser.add_argument("--long", action="store_true", help="only the long-response regime and shared prefill")
+    parser.add_argument("--skip-long", action="store_true", help="leave out the long-response regime")
+    parser.add_argument("--long-max", type=int, default=4096, help="most new tokens in the long regime (CUDA)")
+    parser.add_argument("--hf-long-tokens", type=int, default=512,
+                        help="new tokens `generate` is timed for in the long regime")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler over a decode run, into the JSON")
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
@@ -317,14 +269,16 @@ def main() -> None:
     import transformers
 
     result["transformers"] = transformers.__version__
-    if device.type == "cpu":
+    cpu = device.type == "cpu"
+    if cpu:
         torch.set_num_threads(args.threads)
         result["threads"] = args.threads
+    if cpu and not args.long:
         if not args.rl_only:
             result["shapes"] = {"cpu-10m": bench_shape("cpu-10m", device, torch.float32, [64], 32, 64,
                                                        args.skip_hf, None, repeats=3)}
         result["rl_shaped"] = bench_rl_shaped("cpu-10m", device, torch.float32, 64, 128)
-    else:
+    elif not args.long:
         result["kernels"] = check_kernels(device)
         print("kernels", result["kernels"], flush=True)
         result["parity"] = parity(device)
@@ -336,6 +290,19 @@ def main() -> None:
         result["shapes"] = {s: bench_shape(s, device, torch.bfloat16, batches, 128, 256, args.skip_hf,
                                            bandwidth) for s in shapes}
         result["varied_stop"] = bench_varied("qwen2-0.5b", device, torch.bfloat16, 256, 128, 256)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    if args.long or not (args.skip_long or args.quick or args.rl_only):
+        if cpu:  # toy size: prompt 32, up to 128 new tokens, batch 16
+            result["long"] = {"cpu-10m": bench_long("cpu-10m", device, dtype, 16, 32, 128, (16, 32), 32,
+                                                    args.skip_hf)}
+        else:
+            result["long"] = {s: bench_long(s, device, dtype, 256, 512, args.long_max, (128, 256),
+                                            args.hf_long_tokens, args.skip_hf) for s in ("qwen2-0.5b", "qwen2-1.5b")}
+        result["shared_prefill"] = shared_prefill("cpu-10m" if cpu else "qwen2-0.5b", device, dtype,
+                                                  8 if cpu else 32, 4 if cpu else 8, 16 if cpu else 256)
+    if args.profile:
+        result["profile"] = profile_decode("cpu-10m" if cpu else "qwen2-0.5b", device, dtype, 16 if cpu else 256,
+                                           32 if cpu else 128, 16 if cpu else 256)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

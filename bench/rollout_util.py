@@ -1,0 +1,71 @@
+"""Model shapes and timing helpers shared by bench/rollout.py and its long-response regime
+(bench/rollout_long.py): random-weight HF Qwen2 models, our engine over their parameters, and timed
+runs of ours and of `transformers.generate`."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+
+SHAPES = {
+    "cpu-10m": dict(hidden_size=256, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=1024, vocab_size=512),
+    "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       intermediate_size=4864, vocab_size=151936),
+    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, vocab_size=151936),
+}
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_model(shape: str, dtype: torch.dtype, device: torch.device, spread: float | None = None, **extra):
+    """A random-init HF Qwen2 of the named shape (tied embeddings, no download); `spread` re-draws the
+    weights from N(0, spread) (norms ~1) so greedy continuations are not degenerate."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", tie_word_embeddings=True, eos_token_id=None, bos_token_id=None,
+                                  pad_token_id=0, **{"max_position_embeddings": 4096, **SHAPES[shape], **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    if spread is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else spread * torch.randn_like(p))
+    return model
+
+
+def hf_generate(model, prompts: torch.Tensor, new_tokens: int, greedy: bool = False,
+                stop_ids: list[int] | None = None) -> tuple[torch.Tensor, float]:
+    """`model.generate` on left-unpadded prompts [B, P]; returns (new tokens [B, <=new], seconds)."""
+    sample = {} if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    sync(prompts.device)
+    start = time.perf_counter()
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                         min_new_tokens=None if stop_ids else new_tokens, eos_token_id=stop_ids or None,
+                         pad_token_id=0, **({"do_sample": False} if greedy else sample))
+    sync(prompts.device)
+    return out[:, prompts.shape[1]:], time.perf_counter() - start
+
+
+def ours_generate(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+    sync(engine.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(engine.device)
+    return outs, time.perf_counter() - start
+
+
+def engine_from(model, device, dtype, **kwargs) -> RolloutEngine:
+    return RolloutEngine.from_config(model.config, model.named_parameters(), device, dtype,
+                                     stop_token_ids=[], **kwargs)
