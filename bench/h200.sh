@@ -25,7 +25,10 @@ setup() {
 gpu_tests() { python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"; }
 train() { python3 bench/train.py --out "$OUT/train_h200.json" 2>&1 | tee "$OUT/train.log"; }
 grpo() { python3 bench/grpo_vs_trl.py --device cuda --steps 6 --out "$OUT/grpo_vs_trl_cuda.json" 2>&1 | tee "$OUT/grpo.log"; }
-rollout() { python3 bench/rollout.py --device cuda --out "$OUT/rollout_h200.json" 2>&1 | tee "$OUT/rollout.log"; }
+rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
+    | tee "$OUT/rollout.log"; }
+rollout_long() { python3 bench/rollout.py --device cuda --long --long-max "${LONG_MAX:-4096}" \
+    --out "$OUT/rollout_long_h200.json" 2>&1 | tee "$OUT/rollout_long.log"; }
 scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:default,7b:8bit,14b:bf16_8bit}" \
     --budget-s "${SCALE_BUDGET_S:-540}" --out "$OUT/scale_h200.json" 2>&1 | tee "$OUT/scale.log"; }
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }

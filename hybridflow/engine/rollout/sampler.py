@@ -51,7 +51,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         if seed is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=logits.device)
         if inv_temp is None:
-            inv_temp = torch.full((1,), 1.0 / max(params.temperature, 1e-6), device=logits.device)
+            inv_temp = torch.full((1,), 1.0 / max(params.temperature, 1e-6), dtype=torch.float32,
+                                  device=logits.device)
         return sample_plain(logits, inv_temp, seed, params.greedy)
     x = logits.float()
     if params.greedy:
