@@ -124,8 +124,8 @@ def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_t
         busy_us = sum(us for us, _ in kernels.values())
         result.update(device_busy_s=busy_us / 1e6, device_busy_fraction=busy_us / 1e6 / seconds,
                       device_busy_ms_per_decode_step=busy_us / 1e3 / steps,
-                      top_kernels=[dict(name=name[:120], total_ms=us / 1e3, calls=calls, ms_per_decode_step=us / 1e3 / steps,
-                                        share=us / busy_us)
+                      top_kernels=[dict(name=name[:120], total_ms=us / 1e3, calls=calls,
+                                        ms_per_decode_step=us / 1e3 / steps, share=us / busy_us)
                                    for name, (us, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]])
     print("profile", {k: v for k, v in result.items() if k not in ("host_ops", "top_kernels")}, flush=True)
     print(result["host_ops"], flush=True)

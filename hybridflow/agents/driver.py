@@ -1,11 +1,11 @@
 """`EngineDriver`: the rollout engine's session seen from asyncio, so many episodes share one batch.
 
 Episodes (coroutines) ask for turns — `start` a prompt's n samples, `extend` a sequence after an
-environment turn — and await futures; `serve()` steps the session whenever it has work (one prefill or
-decode step at a time, yielding to the episodes between steps) and resolves each future when that
-sequence's turn ends. A sequence whose episode is waiting on a tool or an environment sits in its KV
-slot outside the running batch; nothing waits for it. When the session has nothing to run, `serve`
-sleeps until an episode submits something.
+environment turn — and await futures; `serve()` steps the session whenever it has work (a prefill, or the
+few decode steps the engine runs between two host syncs, yielding to the episodes between steps) and
+resolves each future when that sequence's turn ends. A sequence whose episode is waiting on a tool or an
+environment sits in its KV slot outside the running batch; nothing waits for it. When the session has
+nothing to run, `serve` sleeps until an episode submits something.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@
     engine.load_weights(trainer_named_tensors)    # HF names, copied in place
     engine.sleep(); engine.wake()                 # free / re-make the KV cache (and CUDA graphs)
 
-The loop per `generate` call (a `Session`): admit waiting prompts into free slots and prefill them in
-one packed forward (each prompt once; its KV written to the slots of all n samples, whose first tokens
-are drawn from the shared last-position logits), otherwise run `decode_steps_per_sync` decode steps
-over every running row (fewer when a row reaches its length limit sooner) before the one host sync that
-looks for finished rows; rows that finished free their slot then. A session that holds its sequences lets a caller continue one
-with appended tokens: only those are prefilled, attending over the slot's cached prefix.
+The loop per `generate` call (a `Session`): admit waiting prompts into free slots and prefill them in one
+packed forward (each prompt once; its KV written to the slots of all n samples, whose first tokens are
+drawn from the shared last-position logits), otherwise run `decode_steps_per_sync` decode steps over every
+running row (fewer when a row reaches its length limit sooner) before the one host sync that looks for
+finished rows; rows that finished free their slot then. A session that holds its sequences lets a caller
+continue one with appended tokens: only those are prefilled, attending over the slot's cached prefix.
 Architectures outside the fast families go to `HFRolloutEngine`.
 """
 
