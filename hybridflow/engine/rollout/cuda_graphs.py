@@ -78,6 +78,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self.forwards[size], self.logits[size] = _capture(pool, lambda: decode_forward(
                 model, kv, batch.tokens[:size], batch.positions[:size], batch.slots[:size], kv.max_len))
+            self.forwards[size].replay()  # real logits (of padding rows) for the sampler's warm-up
             for greedy in (False, True):
                 params = SamplingParams(temperature=0.0 if greedy else 1.0)
                 if fused(self.logits[size], params):
