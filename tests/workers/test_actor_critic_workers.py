@@ -7,29 +7,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from train_helpers import run_ranks
+from worker_helpers import masked_gap, rank_prompts
 
-from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig, CriticConfig, DataConfig, ModelConfig, RolloutConfig
 from hybridflow.controller.worker import WorkerContext
 from hybridflow.workers import ActorWorker, CriticWorker
 
 N = 2
 RESP = 6
-
-
-def _prompts(rank: int) -> Batch:
-    g = torch.Generator().manual_seed(10 + rank)
-    prompts = torch.zeros(3, 5, dtype=torch.long)
-    mask = torch.zeros(3, 5, dtype=torch.long)
-    for i, length in enumerate((5, 3, 2)):
-        prompts[i, 5 - length:] = torch.randint(4, 250, (length,), generator=g)
-        mask[i, 5 - length:] = 1
-    return Batch({"prompts": prompts, "attention_mask": mask}, {"uid": [f"r{rank}p{i}" for i in range(3)]},
-                 meta={"sampling": {"seed": 3}})
-
-
-def _close_on_mask(a, b, mask) -> float:
-    return float(((a - b).abs() * mask).max())
 
 
 def _ranks(rank, actor_path, critic_path):
@@ -41,22 +26,22 @@ def _ranks(rank, actor_path, critic_path):
     data_cfg = DataConfig(max_prompt_length=5, max_response_length=RESP)
     actor = ActorWorker.create(ctx, dict(model_cfg=model_cfg, actor_cfg=actor_cfg, rollout_cfg=rollout_cfg,
                                          data_cfg=data_cfg, total_steps=4, with_ref=True))
-    out = actor.generate(_prompts(rank))
+    out = actor.generate(rank_prompts(rank))
     res = {"rows": len(out), "uid": list(out["uid"]), "shape": tuple(out["input_ids"].shape),
            "resp_tokens": float(out["response_mask"].sum())}
     lp = actor.compute_log_probs(out)
-    res["gen_vs_logp"] = _close_on_mask(lp["old_log_probs"], out["rollout_log_probs"], out["response_mask"])
+    res["gen_vs_logp"] = masked_gap(lp["old_log_probs"], out["rollout_log_probs"], out["response_mask"])
     ref = actor.compute_ref_log_probs(out)
-    res["ref_vs_logp"] = _close_on_mask(lp["old_log_probs"], ref["ref_log_probs"], out["response_mask"])
+    res["ref_vs_logp"] = masked_gap(lp["old_log_probs"], ref["ref_log_probs"], out["response_mask"])
     batch = out.union(lp).union(ref)
     batch["advantages"] = torch.randn(len(batch), RESP, generator=torch.Generator().manual_seed(rank))
     res["metrics"] = actor.update_actor(batch)
     res["sync"] = actor.sync_weights()
-    out2 = actor.generate(_prompts(rank))
+    out2 = actor.generate(rank_prompts(rank))
     lp2 = actor.compute_log_probs(out2)
-    res["after_sync_gen_vs_logp"] = _close_on_mask(lp2["old_log_probs"], out2["rollout_log_probs"],
+    res["after_sync_gen_vs_logp"] = masked_gap(lp2["old_log_probs"], out2["rollout_log_probs"],
                                                    out2["response_mask"])
-    res["moved"] = _close_on_mask(actor.compute_log_probs(out)["old_log_probs"], lp["old_log_probs"],
+    res["moved"] = masked_gap(actor.compute_log_probs(out)["old_log_probs"], lp["old_log_probs"],
                                   out["response_mask"])
 
     critic_cfg = CriticConfig(model=ModelConfig(path=critic_path, dtype="fp32"), lr=1e-3, micro_batch_size=1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from train_helpers import rl_batch, run_ranks
+from worker_helpers import masked_gap, rank_prompts
 
 from hybridflow.batch import Batch
 from hybridflow.config.schema import (ActorConfig, CriticConfig, DataConfig, LoraConfig, ModelConfig,
@@ -21,21 +22,6 @@ from hybridflow.workers import ActorWorker, CriticWorker
 
 N, RESP = 2, 6
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the default targets
-
-
-def _prompts(rank: int) -> Batch:
-    g = torch.Generator().manual_seed(10 + rank)
-    prompts = torch.zeros(3, 5, dtype=torch.long)
-    mask = torch.zeros(3, 5, dtype=torch.long)
-    for i, length in enumerate((5, 3, 2)):
-        prompts[i, 5 - length:] = torch.randint(4, 250, (length,), generator=g)
-        mask[i, 5 - length:] = 1
-    return Batch({"prompts": prompts, "attention_mask": mask}, {"uid": [f"r{rank}p{i}" for i in range(3)]},
-                 meta={"sampling": {"seed": 3}})
-
-
-def _gap(a, b, mask) -> float:
-    return float(((a - b).abs() * mask).max())
 
 
 def _actor(rank: int, world: int, path: str, optimizer: str = "adamw") -> ActorWorker:
@@ -62,17 +48,17 @@ def _ranks(rank, world, path, ckpt):
     res["dtensors"] = all(isinstance(p, DTensor) for p in engine.model.parameters())
     base = TrainEngine(ModelConfig(path=path, dtype="fp32"), None, head="lm")  # the model directory's policy
 
-    out = actor.generate(_prompts(rank))
+    out = actor.generate(rank_prompts(rank))
     mask = out["response_mask"]
     base_lp = base.infer(out.tensors)["log_probs"]
     first = actor.compute_log_probs(out)["old_log_probs"]
-    res["initial_vs_base"] = _gap(first, base_lp, mask)  # B starts at 0: the initial policy is the base model
+    res["initial_vs_base"] = masked_gap(first, base_lp, mask)  # B starts at 0: the initial policy is the base model
     res["metrics"] = _update(actor, out, rank)
-    res["ref_vs_base"] = _gap(actor.compute_ref_log_probs(out)["ref_log_probs"], base_lp, mask)
-    res["moved"] = _gap(actor.compute_log_probs(out)["old_log_probs"], first, mask)
+    res["ref_vs_base"] = masked_gap(actor.compute_ref_log_probs(out)["ref_log_probs"], base_lp, mask)
+    res["moved"] = masked_gap(actor.compute_log_probs(out)["old_log_probs"], first, mask)
 
-    stale = actor.generate(_prompts(rank))  # sampled before the sync: still the base model
-    res["stale_gen_vs_logp"] = _gap(actor.compute_log_probs(stale)["old_log_probs"], stale["rollout_log_probs"],
+    stale = actor.generate(rank_prompts(rank))  # sampled before the sync: still the base model
+    res["stale_gen_vs_logp"] = masked_gap(actor.compute_log_probs(stale)["old_log_probs"], stale["rollout_log_probs"],
                                     stale["response_mask"])
     sent = []
     load = actor.rollout.engine.load_weights
@@ -81,17 +67,17 @@ def _ranks(rank, world, path, ckpt):
     res["sync"] = actor.sync_weights()
     res["sent"] = sent
     res["in_place"] = storage == {n: p.data_ptr() for n, p in actor.rollout.engine.model.named_parameters()}
-    fresh = actor.generate(_prompts(rank))
-    res["gen_vs_logp"] = _gap(actor.compute_log_probs(fresh)["old_log_probs"], fresh["rollout_log_probs"],
+    fresh = actor.generate(rank_prompts(rank))
+    res["gen_vs_logp"] = masked_gap(actor.compute_log_probs(fresh)["old_log_probs"], fresh["rollout_log_probs"],
                               fresh["response_mask"])
 
     actor.save_checkpoint(ckpt)
     resumed = _actor(rank, world, path)
     resumed.load_checkpoint(ckpt)
-    res["resumed_vs_saved"] = _gap(resumed.compute_log_probs(out)["old_log_probs"],
+    res["resumed_vs_saved"] = masked_gap(resumed.compute_log_probs(out)["old_log_probs"],
                                    actor.compute_log_probs(out)["old_log_probs"], mask)
     after = [w.compute_log_probs(out)["old_log_probs"] for w in (actor, resumed) if _update(w, out, rank)]
-    res["next_step_resumed_vs_straight"] = _gap(after[0], after[1], mask)  # the optimizer state came back too
+    res["next_step_resumed_vs_straight"] = masked_gap(after[0], after[1], mask)  # the optimizer state came back too
     return res
 
 
@@ -119,7 +105,7 @@ def test_only_the_adapters_are_in_the_optimizer(tiny_qwen2, optimizer):
     in_optimizer = {id(p) for group in actor.engine.optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for n, p in named.items() if ".lora_" in n}
     before = {n: p.detach().clone() for n, p in named.items()}
-    _update(actor, actor.generate(_prompts(0)), 0)
+    _update(actor, actor.generate(rank_prompts(0)), 0)
     changed = {n for n, p in named.items() if not torch.equal(before[n], p.detach())}
     assert changed and all(".lora_B." in n or ".lora_A." in n for n in changed)
     assert all(not s or all(not torch.is_tensor(v) or v.device.type == "cpu" for v in s.values())
