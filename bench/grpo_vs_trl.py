@@ -33,11 +33,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from hybridflow.utils.model_shapes import QWEN_SHAPES, tiny_model_kwargs  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2),
     "cpu-small": dict(hidden=128, layers=4, heads=4, kv_heads=2),
-    "qwen2-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
+    "qwen2-0.5b": tiny_model_kwargs(QWEN_SHAPES["0.5b"]),
 }
 
 

@@ -9,14 +9,13 @@ import time
 import torch
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+from hybridflow.utils.model_shapes import QWEN_SHAPES
 
 SHAPES = {
     "cpu-10m": dict(hidden_size=256, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=1024, vocab_size=512),
-    "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                       intermediate_size=4864, vocab_size=151936),
-    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       intermediate_size=8960, vocab_size=151936),
+    "qwen2-0.5b": QWEN_SHAPES["0.5b"],
+    "qwen2-1.5b": QWEN_SHAPES["1.5b"],
 }
 
 
@@ -34,8 +33,9 @@ def make_model(shape: str, dtype: torch.dtype, device: torch.device, spread: flo
     weights from N(0, spread) (norms ~1) so greedy continuations are not degenerate."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen2", tie_word_embeddings=True, eos_token_id=None, bos_token_id=None,
-                                  pad_token_id=0, **{"max_position_embeddings": 4096, **SHAPES[shape], **extra})
+    config = AutoConfig.for_model("qwen2", eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                                  **{"max_position_embeddings": 4096, "tie_word_embeddings": True,
+                                     **SHAPES[shape], **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     if spread is not None:

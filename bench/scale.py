@@ -39,16 +39,11 @@ sys.path.insert(0, str(HERE))
 
 from grpo_vs_trl import DeviceMemoryWatch, git_commit, make_inputs, run_hybridflow  # noqa: E402
 
-QWEN25 = 151936
-SHAPES = {
-    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab=None),
-    "1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, vocab=QWEN25),
-    "3b": dict(hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=QWEN25),
-    "7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064,
-               tie_word_embeddings=False),
-    "14b": dict(hidden=5120, intermediate=13824, layers=48, heads=40, kv_heads=8, vocab=152064,
-                tie_word_embeddings=False),
-}
+from hybridflow.utils.model_shapes import QWEN_SHAPES, tiny_model_kwargs  # noqa: E402
+
+SHAPES = {"tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab=None),
+          **{name: {**tiny_model_kwargs(shape), "vocab": shape["vocab_size"]} for name, shape in QWEN_SHAPES.items()
+             if name != "0.5b"}}
 BF16_8BIT = ["model.dtype=bf16", "model.master_dtype=bf16", "actor.optimizer=adamw_8bit"]
 LORA = ["actor.lora.rank=32", "actor.lora.alpha=32"]  # recipes/grpo_lora.yaml's adapters
 OPTIONS = {

@@ -37,13 +37,13 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from hybridflow.utils.model_shapes import QWEN_SHAPES
+
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "0.5b": QWEN_SHAPES["0.5b"],
+    "1.5b": QWEN_SHAPES["1.5b"],
 }
 ROWS = {"tiny": 8, "0.5b": 64, "1.5b": 32}
 WIDTHS = {"tiny": (32, 64)}  # (prompt, response) columns; the rest: (512, 1024)

@@ -18,23 +18,14 @@ from hybridflow.engine.budget import (DeviceDemand, DoesNotFit, FrozenRole, Mode
                                       TrainedRole, plan)
 from hybridflow.engine.train.lora import trainable_params
 from hybridflow.engine.train.optim import OPTIMIZERS
+from hybridflow.utils.model_shapes import QWEN_SHAPES
 
 GIB = 2**30
 H200 = (140 * GIB, 141 * GIB)  # (free, total)
-QWEN25 = {  # the real Qwen2.5 shapes (random weights are never built here: parameters are counted on meta)
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-}
 
 
 def shape(name: str) -> ModelShape:
-    return ModelShape.from_config(AutoConfig.for_model("qwen2", **QWEN25[name]))
+    return ModelShape.from_config(AutoConfig.for_model("qwen2", **QWEN_SHAPES[name]))
 
 
 def grpo_demand(name: str, **actor) -> DeviceDemand:
@@ -153,7 +144,7 @@ def test_out_of_memory_errors_come_out_explained():
 
 def lora_role(name: str, rank: int = 32) -> TrainedRole:
     """recipes/grpo_lora.yaml's actor: rank-32 adapters on every linear layer of the decoder layers."""
-    adapters = trainable_params(AutoConfig.for_model("qwen2", **QWEN25[name]),
+    adapters = trainable_params(AutoConfig.for_model("qwen2", **QWEN_SHAPES[name]),
                                 SimpleNamespace(rank=rank, target_modules=[]))
     return TrainedRole("actor", "model", shape(name), compute_bytes=2, master_bytes=4, lora_params=adapters)
 
