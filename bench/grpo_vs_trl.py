@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# read before hybridflow is imported, which sets it (expandable segments) where it is unset
+USER_ALLOC_CONF = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 sys.path.insert(0, str(HERE.parent))
 from hybridflow.utils.model_shapes import QWEN_SHAPES, tiny_model_kwargs  # noqa: E402
 
@@ -59,6 +61,16 @@ def make_inputs(work: Path, shape: dict, n_prompts: int, seed: int, vocab: int |
                              max_positions=2048, model_vocab_size=vocab, device=device,
                              dtype=torch.bfloat16 if device == "cuda" else torch.float32, **shape)
     return model, write_parquet(rows, work / "train.parquet")
+
+
+def child_env(framework: str) -> dict[str, str]:
+    """The environment of a framework's child process: TRL runs with PyTorch's allocator settings as the
+    user left them (an empty value is PyTorch's default, and stops importing hybridflow in the child from
+    setting ours), hybridflow with its own."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if framework == "trl":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = USER_ALLOC_CONF
+    return env
 
 
 def peak_memory_gb(device: str) -> float:
@@ -304,7 +316,7 @@ def main() -> None:
         cmd += ["--profile"] if a.profile else []
         cmd += [f"--set={kv}" for kv in a.set]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        proc = subprocess.run(cmd, env=child_env(name),
                               stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr[-20000:])
         if proc.returncode or not res.exists():  # recorded (e.g. out of memory at the real vocabulary)
@@ -313,6 +325,7 @@ def main() -> None:
         else:
             results[name] = summarize(name, json.loads(res.read_text()), a.warmup)
         results[name]["wall_s"] = time.perf_counter() - start
+        results[name]["cuda_alloc_conf"] = child_env(name)["PYTORCH_CUDA_ALLOC_CONF"]
     import torch
 
     report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_vs_trl import git_commit  # noqa: E402
+from grpo_vs_trl import child_env, git_commit  # noqa: E402
 
 
 def score(texts: list[str], truths: list[str]) -> float:
@@ -277,7 +277,7 @@ def main() -> None:
                "--result", str(res)]
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in settings and k != "set"]
         cmd += [f"--set={kv}" for kv in a.set]
-        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        subprocess.run(cmd, check=True, env=child_env(name))
         results[name] = json.loads(res.read_text())
     summary = summarize(results)
     import torch

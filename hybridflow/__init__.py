@@ -2,6 +2,17 @@
 
 One controller process writes the RL dataflow as plain Python; each model role (actor, rollout,
 reference, critic, reward model) runs as an SPMD worker group. See docs/ for the architecture.
+
+Importing the package makes PyTorch's CUDA allocator grow its segments in place
+(`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`) unless the variable is already set: the update's
+micro-batches, the rollout's KV cache and the phases in between allocate blocks of changing sizes, and
+with fixed segments the cached but unusable remainder cost 11 GiB of device memory in a 0.5B GRPO step
+(docs/training_engine.md, "Memory options"). It must be set before CUDA starts, which importing
+hybridflow precedes in every entry point and worker process.
 """
+
+import os
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 __version__ = "0.1.0"
