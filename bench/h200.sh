@@ -34,7 +34,7 @@ scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:def
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
-    --out "$OUT/learn_vs_trl_h200.json" 2>&1 | tee "$OUT/race.log"; }
+    --eval-every-s "${RACE_EVERY_S:-15}" --out "$OUT/learn_vs_trl_h200.json" 2>&1 | tee "$OUT/race.log"; }
 # recipes/multiturn_retry.yaml on the real model, trained end to end for MT_STEPS steps (synthetic GSM8K data)
 multiturn_train() {
     local model data=/tmp/mt_data run=/tmp/mt_run
