@@ -14,7 +14,8 @@ own); seconds per step are the median of the steps after the first `--warmup` on
 per second: ours from the step's `timing_s/gen`, TRL's from the time inside `model.generate`. Peak
 memory: the allocator's peak (RSS on a CPU) and, on a GPU, the device's whole used memory sampled every
 50 ms. hybridflow's phases (`timing_s/...`, `other` = the controller's time between them) and, with
-`--profile`, a torch-profiler op table of its last step go to the JSON. Prints a table and writes JSON
+`--profile`, a torch-profiler op table of its last step and, per phase, how busy the GPU was (gaps where
+it waited on the host) go to the JSON. Prints a table and writes JSON
 (`--out`).
 """
 
@@ -160,14 +161,45 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
 
 
 def profiled(fn, device: str, rows: int = 30):
-    """(fn(), the torch profiler's table of the ops that took the most device time during it)."""
+    """(fn(), {"table": the torch profiler's table of the ops that took the most device time during it,
+    "phases": `phase_busy`'s account of each phase on a GPU})."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         result = fn()
     sort = "device_time_total" if device == "cuda" else "self_cpu_time_total"
-    return result, prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+    return result, {"table": table, "phases": phase_busy(prof.events())}
+
+
+def phase_busy(events) -> dict[str, dict[str, float]]:
+    """For each `phase/<name>` range of the trainer's step: its wall time, the time at least one GPU
+    kernel or copy ran within it (the union of their intervals), their share of the wall time, and the
+    longest gaps between them (where the GPU waited on the host)."""
+    from torch.autograd import DeviceType
+
+    device = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    out = {}
+    for ph in (e for e in events if e.name.startswith("phase/") and e.device_type == DeviceType.CPU):
+        lo, hi = ph.time_range.start, ph.time_range.end
+        busy, gaps, cursor = 0.0, [], lo
+        for start, end in device:
+            start, end = max(start, lo), min(end, hi)
+            if end <= start:
+                continue
+            if start > cursor:
+                gaps.append(start - cursor)
+            busy += max(0.0, end - max(start, cursor))
+            cursor = max(cursor, end)
+        gaps.append(max(0.0, hi - cursor))
+        wall = hi - lo
+        out[ph.name.split("/", 1)[1]] = {"wall_s": wall / 1e6, "gpu_busy_s": busy / 1e6,
+                                         "gpu_busy_fraction": busy / wall if wall else 0.0,
+                                         "gaps_over_1ms": sum(g > 1000 for g in gaps),
+                                         "gap_s_over_1ms": sum(g for g in gaps if g > 1000) / 1e6,
+                                         "longest_gaps_ms": [g / 1e3 for g in sorted(gaps, reverse=True)[:8]]}
+    return out
 
 
 def run_trl(a: argparse.Namespace) -> dict:
@@ -355,7 +387,11 @@ def main() -> None:
     if "phases_s_median" in results.get("hybridflow", {}):
         print("hybridflow phases (s):", {k: round(v, 3) for k, v in results["hybridflow"]["phases_s_median"].items()})
     if "profile_last_step" in results.get("hybridflow", {}):
-        print(results["hybridflow"]["profile_last_step"])
+        prof = results["hybridflow"]["profile_last_step"]
+        print(prof["table"])
+        for name, ph in prof["phases"].items():
+            print(f"phase {name}: {ph['wall_s']:.3f} s, GPU busy {ph['gpu_busy_fraction']:.0%}, "
+                  f"{ph['gaps_over_1ms']} gaps > 1 ms totalling {ph['gap_s_over_1ms']:.3f} s")
     if "mfu_actor_median" in results.get("hybridflow", {}):
         print(f"hybridflow actor update MFU: {results['hybridflow']['mfu_actor_median']:.1%}")
     if "speedup_step" in report:

@@ -92,10 +92,13 @@ def compute_agent_metrics(batch: Any) -> dict[str, float]:
 
 @contextmanager
 def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Adds the wall time of the ``with`` block to ``timings[name]`` (seconds; repeated blocks add up)."""
+    """Adds the wall time of the ``with`` block to ``timings[name]`` (seconds; repeated blocks add up).
+    The block is a ``phase/<name>`` range for the torch profiler (bench/grpo_vs_trl.py --profile measures
+    how busy the GPU is in each)."""
     start = time.perf_counter()
     try:
-        yield
+        with torch.profiler.record_function(f"phase/{name}"):
+            yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
