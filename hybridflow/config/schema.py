@@ -78,6 +78,11 @@ class ModelConfig:
                                                        "on where the device budget needs it (GPU), off on a CPU")
     compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head (micro-batches "
                                         "are then not host-bound); null = on for CUDA, off on a CPU")
+    compile_warmup: Optional[bool] = opt(None, "with compile on, train eagerly while a subprocess compiles the same "
+                                               "graphs on a 1-layer stand-in of the model into inductor's on-disk "
+                                               "cache, then switch to compiled layers at the next step (their "
+                                               "compile hits that cache): no first-step stall; null = on for a "
+                                               "single-rank engine on CUDA (several ranks compile at first use)")
     attn_implementation: str = opt("sdpa", "transformers attention implementation (sdpa, eager, ...)")
     trust_remote_code: bool = opt(False, "allow model code shipped inside the model directory")
 

@@ -89,7 +89,9 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
 
     Returns the loss metrics averaged over steps, `{prefix}/grad_norm` (mean pre-clip norm),
     `{prefix}/lr` (of the last step), `{prefix}/skipped_steps` (non-finite norms so far),
-    `perf/throughput/{prefix}` (real tokens per second per device) and `perf/mfu/{prefix}` (on a GPU).
+    `perf/throughput/{prefix}` (real tokens per second per device), `perf/mfu/{prefix}` (on a GPU),
+    `perf/compiled/{prefix}` (1 once the layers run compiled) and, once a compile warm-up has ended,
+    `perf/compile_warmup_s/{prefix}` (its duration).
     """
     rows = tensors["input_ids"].shape[0]
     global_rows = int(all_reduce(torch.tensor([rows]), engine.device).item())
@@ -116,7 +118,8 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
     metrics[f"{prefix}/skipped_steps"] = float(engine.skipped_steps)
     seq_lens = tensors["attention_mask"].sum(-1).tolist()
     perf = engine.perf_metrics(seq_lens, seconds, passes=passes)
-    local = {f"perf/throughput/{prefix}": perf["throughput"]}
+    local = {f"perf/throughput/{prefix}": perf["throughput"],
+             **{f"perf/{k}/{prefix}": v for k, v in engine.compile_metrics().items()}}
     if "mfu" in perf:
         local[f"perf/mfu/{prefix}"] = perf["mfu"]
     if engine.device.type == "cuda":

@@ -16,6 +16,7 @@ a CPU, compiling costs more than it saves for the small models run there).
 from __future__ import annotations
 
 import torch
+import torch.fx.experimental._config
 
 from hybridflow.engine.train.head import LogProbHead
 from hybridflow.engine.train.model import decoder_layers
@@ -35,6 +36,10 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor") -> int:
     """Compile each decoder layer's forward (after sharding) and the log-prob head's chunk arithmetic;
     returns how many layers were compiled."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+    # input sizes that happen to be equal in the first call (a micro-batch of 64 tokens and a head_dim of 64)
+    # would otherwise share one symbol: a graph specialised on a coincidence, recompiled when it ends, and
+    # not the graph the background warm-up (`warmup.py`) compiled on other sizes
+    torch.fx.experimental._config.use_duck_shape = False
     layers = decoder_layers(model)
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)

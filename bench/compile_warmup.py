@@ -1,0 +1,106 @@
+"""The first steps of a compiled update with and without the background compile warm-up (`model.compile_warmup`).
+
+    python bench/compile_warmup.py --device cpu --model tiny                 # toy size on 2 CPU cores
+    python bench/compile_warmup.py --device cpu --model PATH                 # e.g. SmolLM2-135M (fp32)
+    python bench/compile_warmup.py --device cuda --model PATH                # on a GPU (bf16 over fp32)
+
+Each mode runs in its own process with an empty inductor cache: `cold` compiles at first use (the warm-up
+off), `warmup` trains eagerly while the warm-up subprocess compiles, then switches. A step is one no-grad
+log-prob pass with entropy plus one optimizer step (forward + backward with an entropy term) on
+`--rows` random rows; steps run until `--after` steps have run compiled (or `--max-s` seconds). Prints and
+writes (`--out`, default bench/results/compile_warmup_<device>.json) each step's seconds and whether it ran
+compiled, the warm-up's duration, and on a GPU the peak device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+
+def run_mode(args: argparse.Namespace) -> dict:
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybridflow.engine.train import TrainEngine
+    from hybridflow.engine.train.warmup import random_batch
+
+    device = torch.device(args.device)
+    path = args.model
+    if path == "tiny":
+        from hybridflow.utils.tiny_model import build_tiny_model
+
+        path = str(build_tiny_model(tempfile.mkdtemp(prefix="tiny-"), layers=4))
+    cfg = SimpleNamespace(path=path, dtype="auto", compile=True, compile_warmup=args.mode == "warmup")
+    optim = SimpleNamespace(lr=1e-5, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0,
+                            weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0)
+    engine = TrainEngine(cfg, optim, device=device)
+    batch = random_batch(engine.config.vocab_size, args.rows, args.prompt, args.response)
+
+    def loss_fn(out, mb, ctx):
+        mask = mb["response_mask"]
+        return ((out["log_probs"] - 0.01 * out["entropy"]) * mask).sum() / ctx.global_tokens, {}
+
+    steps, start = [], time.perf_counter()
+    while sum(s["compiled"] for s in steps) < args.after and time.perf_counter() - start < args.max_s:
+        t = time.perf_counter()
+        engine.infer(batch, with_entropy=True)
+        engine.train_step(batch, loss_fn, with_entropy=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        steps.append({"seconds": round(time.perf_counter() - t, 3), "compiled": engine.compiled})
+    out = {"mode": args.mode, "steps": steps, "until_compiled_s": round(time.perf_counter() - start, 2),
+           "warmup_s": engine.warmup_seconds}
+    if device.type == "cuda":
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    engine.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--model", default="tiny", help="a Hugging Face model directory, or tiny")
+    parser.add_argument("--mode", default="both", choices=("both", "cold", "warmup"))
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=24)
+    parser.add_argument("--response", type=int, default=40)
+    parser.add_argument("--after", type=int, default=2, help="compiled steps to run before stopping")
+    parser.add_argument("--max-s", type=float, default=600.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.mode != "both":
+        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        return
+    results = []
+    for mode in ("cold", "warmup"):
+        with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+            argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("mode", "out")]
+            proc = subprocess.run([sys.executable, __file__, *argv, f"--mode={mode}"], capture_output=True, text=True,
+                                  env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=cache))
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                sys.exit(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+            steps = results[-1]["steps"]
+            first = next(i for i, s in enumerate(steps + [{"compiled": True}]) if s["compiled"])
+            print(f"{mode}: {first} eager steps ({sum(s['seconds'] for s in steps[:first]):.1f} s), first compiled "
+                  f"step {steps[first]['seconds'] if first < len(steps) else float('nan'):.1f} s, later "
+                  f"{steps[-1]['seconds']:.2f} s; warm-up {results[-1]['warmup_s'] or 0:.1f} s", flush=True)
+    out = Path(args.out or HERE / "results" / f"compile_warmup_{args.device}.json")
+    out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
