@@ -191,7 +191,7 @@ def random_batch(vocab: int, rows: int = ROWS, prompt: int = PROMPT, response: i
 def warm(engine: Any) -> None:
     """Run `engine` through every pass an RL step makes of it, so each of their graphs compiles."""
     batch = random_batch(engine.config.vocab_size)
-    mask = batch["response_mask"]
+    mask = batch["response_mask"].to(engine.device)
     variants = (False, True) if engine.head == "lm" else (False,)
     for with_entropy in variants:
         engine.infer(batch, temperature=TEMPERATURE, with_entropy=with_entropy)
