@@ -36,7 +36,7 @@ from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
-from hybridflow.engine.train.warmup import CompileWarmup, WarmupSpec, resolve_warmup, stand_in_bytes
+from hybridflow.engine.train.warmup import CompileWarmup, WarmupSpec, resolve_warmup
 
 
 @dataclass
@@ -123,11 +123,9 @@ class TrainEngine:
         # with the warm-up, layers run eagerly until it has filled the compile caches (`_compile_when_warm`)
         self.warmup: CompileWarmup | None = None
         self.warmup_seconds: float | None = None
-        layers = 2 if lora else 1
-        if self.compiled and resolve_warmup(getattr(model_cfg, "compile_warmup", None), True, self.device,
-                                            self.world_size, stand_in_bytes(model, layers)):
+        if self.compiled and resolve_warmup(getattr(model_cfg, "compile_warmup", False), True, self.world_size):
             self.warmup = CompileWarmup.start(WarmupSpec(
-                model_cfg, optim_cfg, head, str(self.device), pack_on_cpu, layers,
+                model_cfg, optim_cfg, head, str(self.device), pack_on_cpu, 2 if lora else 1,
                 dist.get_backend() if self.distributed else None, torch.get_num_threads()))
             self.compiled = False
         elif self.compiled:

@@ -47,38 +47,15 @@ ROWS, PROMPT, RESPONSE = 3, 11, 13
 TEMPERATURE = 0.7  # a float argument stays symbolic: any sampling temperature reuses the graphs
 
 
-# The stand-in's share of the device the default allows: the warm-up shares the GPU with the run, outside
-# its device plan (whose measured peaks come within 4-8 GiB of an H200's 140 GiB at 3B-14B), so it runs by
-# default only where it is small: up to the 3B shapes (4 GiB at 3B) on an H200.
-WARMUP_DEVICE_SHARE = 0.05
-CONTEXT_BYTES = 1 << 30  # the subprocess's CUDA context and workspaces
-
-
-def stand_in_bytes(model: torch.nn.Module, layers: int) -> int:
-    """Device bytes of the warm-up's stand-in of `model`: its embeddings, output head and `layers` decoder
-    layers, each element as an fp32 weight and its fp32 gradient, plus a CUDA context."""
-    from hybridflow.engine.train.model import decoder_layers
-
-    modules = [model.get_input_embeddings(), model.get_output_embeddings(), *decoder_layers(model)[:layers]]
-    params = {id(p): p.numel() for m in modules if m is not None for p in m.parameters()}  # tied: once
-    return 8 * sum(params.values()) + CONTEXT_BYTES
-
-
-def resolve_warmup(setting: bool | None, compiled: bool, device: torch.device, world_size: int,
-                   stand_in: int = 0) -> bool:
-    """`model.compile_warmup`: None -> on for a compiled single-rank engine on CUDA whose stand-in
-    (`stand_in` bytes) takes at most `WARMUP_DEVICE_SHARE` of the device. Refuses True where it cannot run
-    (compilation off, several ranks)."""
-    if setting is None:
-        return (compiled and device.type == "cuda" and world_size == 1
-                and stand_in <= WARMUP_DEVICE_SHARE * torch.cuda.get_device_properties(device).total_memory)
+def resolve_warmup(setting: bool, compiled: bool, world_size: int) -> bool:
+    """`model.compile_warmup` (off by default: docs/training_engine.md has the H200 measurements). Refuses it
+    where it cannot run (compilation off, several ranks)."""
     if setting and not compiled:
         raise ValueError("model.compile_warmup=true needs compiled layers: set model.compile=true (or null on "
                          "CUDA), or model.compile_warmup=false")
     if setting and world_size > 1:
         raise ValueError(f"model.compile_warmup=true needs a single-rank engine (this one has {world_size} ranks, "
-                         f"whose FSDP2 graphs the warm-up does not reproduce); use model.compile_warmup=null or "
-                         f"false")
+                         f"whose FSDP2 graphs the warm-up does not reproduce); use model.compile_warmup=false")
     return bool(setting)
 
 

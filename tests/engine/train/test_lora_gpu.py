@@ -41,7 +41,7 @@ def wide_model(tiny_model_factory):
 
 
 def test_one_rank_keeps_a_plain_bf16_module_with_fp32_adapters(tiny_qwen2, nccl_rank):
-    engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", compile_warmup=False), optim_cfg(lora=LORA), head="lm")
+    engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16"), optim_cfg(lora=LORA), head="lm")
     assert not engine.sharded and engine.compiled
     for name, p in engine.model.named_parameters():
         assert p.device.type == "cuda" and p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
@@ -55,8 +55,7 @@ def test_compiled_lora_layers_equal_eager(tiny_qwen2):
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", compile=compiled, compile_warmup=False),
-                             optim_cfg(lora=LORA), head="lm")
+        engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", compile=compiled), optim_cfg(lora=LORA), head="lm")
         engine.train_step(batch, loss_fn)  # B off 0
         out, _ = engine.forward(batch, pack=True)
         out["log_probs"].sum().backward()

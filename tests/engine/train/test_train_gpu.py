@@ -58,8 +58,7 @@ def test_compiled_layers_under_fsdp2_equal_eager(tiny_qwen2, nccl_rank):
     batch = rl_batch(rows=8, prompt_width=16, response_width=24, seed=3)
     results = []
     for compiled in (False, True):
-        engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", compile=compiled, compile_warmup=False), optim_cfg(),
-                             head="lm")
+        engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", compile=compiled), optim_cfg(), head="lm")
         assert engine.compiled is compiled
         out, _ = engine.forward(batch, temperature=1.0, with_entropy=True, pack=True)
         (out["log_probs"].sum() + out["entropy"].sum()).backward()
@@ -100,15 +99,16 @@ def test_memory_optimizers_train_under_fsdp2(tiny_qwen2, nccl_rank, master, opti
 
 
 def test_the_compile_warm_up_under_fsdp2_fills_the_cache_the_switch_hits(tiny_qwen2, nccl_rank, tmp_path):
-    """The default on CUDA: a one-rank FSDP2 engine in bf16 trains eagerly, and once the warm-up has ended its
-    layers and head compile (packed rows, varlen attention) from the cache the warm-up filled."""
+    """`model.compile_warmup=true` on CUDA: a one-rank FSDP2 engine in bf16 trains eagerly, and once the warm-up
+    has ended its layers and head compile (packed rows, varlen attention) from the cache the warm-up filled."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
 
     batch = rl_batch(rows=8, prompt_width=16, response_width=24, seed=3)
     torch._dynamo.reset()
     with fresh_cache(dir=str(tmp_path)):
-        engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", compile=True), optim_cfg(), head="lm")
+        engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", compile=True, compile_warmup=True), optim_cfg(),
+                             head="lm")
         assert engine.sharded and engine.warmup is not None and not engine.compiled
         eager = engine.infer(batch, with_entropy=True)
         while engine.warmup.proc.poll() is None:
