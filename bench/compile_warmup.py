@@ -9,7 +9,8 @@ off), `warmup` trains eagerly while the warm-up subprocess compiles, then switch
 log-prob pass with entropy plus one optimizer step (forward + backward with an entropy term) on
 `--rows` random rows; steps run until `--after` steps have run compiled (or `--max-s` seconds). Prints and
 writes (`--out`, default bench/results/compile_warmup_<device>.json) each step's seconds and whether it ran
-compiled, the warm-up's duration, and on a GPU the peak device memory.
+compiled, the warm-up's duration, and on a GPU the allocator's peak and the device's (the whole GPU's used
+memory, the warm-up subprocess's included: `grpo_vs_trl.DeviceMemoryWatch`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from grpo_vs_trl import DeviceMemoryWatch, git_commit  # noqa: E402
+
 
 def run_mode(args: argparse.Namespace) -> dict:
     from types import SimpleNamespace
@@ -36,6 +39,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     from hybridflow.engine.train.warmup import random_batch
 
     device = torch.device(args.device)
+    watch = DeviceMemoryWatch() if device.type == "cuda" else None
     path = args.model
     if path == "tiny":
         from hybridflow.utils.tiny_model import build_tiny_model
@@ -61,8 +65,9 @@ def run_mode(args: argparse.Namespace) -> dict:
         steps.append({"seconds": round(time.perf_counter() - t, 3), "compiled": engine.compiled})
     out = {"mode": args.mode, "steps": steps, "until_compiled_s": round(time.perf_counter() - start, 2),
            "warmup_s": engine.warmup_seconds}
-    if device.type == "cuda":
+    if watch is not None:
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["peak_device_memory_gb"] = watch.stop()
     engine.close()
     return out
 
@@ -98,7 +103,7 @@ def main() -> None:
                   f"step {steps[first]['seconds'] if first < len(steps) else float('nan'):.1f} s, later "
                   f"{steps[-1]['seconds']:.2f} s; warm-up {results[-1]['warmup_s'] or 0:.1f} s", flush=True)
     out = Path(args.out or HERE / "results" / f"compile_warmup_{args.device}.json")
-    out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "commit": git_commit(), "runs": results}, indent=2))
     print(f"wrote {out}")
 
 
