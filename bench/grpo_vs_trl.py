@@ -137,7 +137,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         for i in range(a.steps):
             batch = trainer.train_loader.next_batch()
             if a.profile and i == a.steps - 1:
-                m, profile = profiled(lambda b=batch: trainer.train_step(b), a.device)
+                m, profile = profiled(lambda b=batch: trainer.train_step(b), a.device, trace=a.trace)
             else:
                 m = trainer.train_step(batch)
             trainer.step += 1
@@ -160,14 +160,23 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
             "peak_memory_gb": peak_memory_gb(a.device), "profile": profile}
 
 
-def profiled(fn, device: str, rows: int = 30):
+def profiled(fn, device: str, rows: int = 30, trace: str | None = None):
     """(fn(), {"table": the torch profiler's table of the ops that took the most device time during it,
-    "phases": `phase_busy`'s account of each phase on a GPU})."""
+    "phases": `phase_busy`'s account of each phase on a GPU}); `trace`: also write a gzipped Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         result = fn()
+    if trace:
+        import gzip
+        import shutil
+
+        raw = Path(trace).with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
     sort = "device_time_total" if device == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
     return result, {"table": table, "phases": phase_busy(prof.events())}
@@ -179,7 +188,9 @@ def phase_busy(events) -> dict[str, dict[str, float]]:
     longest gaps between them (where the GPU waited on the host)."""
     from torch.autograd import DeviceType
 
-    device = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    # the `phase/*` ranges also appear on the GPU timeline (as annotations spanning the phase): not work
+    device = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.device_type == DeviceType.CUDA and not e.name.startswith("phase/"))
     out = {}
     for ph in (e for e in events if e.name.startswith("phase/") and e.device_type == DeviceType.CPU):
         lo, hi = ph.time_range.start, ph.time_range.end
@@ -319,6 +330,8 @@ def main() -> None:
     p.add_argument("--only", choices=("hybridflow", "trl"), default=None)
     p.add_argument("--profile", action="store_true",
                    help="run hybridflow's last step under the torch profiler; its op table goes to the JSON")
+    p.add_argument("--trace", default=None, metavar="PATH.json.gz",
+                   help="with --profile: also write the profiled step's Chrome trace there, gzipped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra hybridflow config override (repeatable), e.g. rollout.cuda_graphs=false")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/grpo_vs_trl_<device>.json)")
@@ -346,6 +359,7 @@ def main() -> None:
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                 if k in ("device", "shape", "prompts", "n", "max_new_tokens", "steps", "lr", "seed")]
         cmd += ["--profile"] if a.profile else []
+        cmd += [f"--trace={Path(a.trace).resolve()}"] if a.trace else []
         cmd += [f"--set={kv}" for kv in a.set]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=child_env(name),
