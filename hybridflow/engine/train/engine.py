@@ -38,6 +38,11 @@ from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
 from hybridflow.engine.train.warmup import CompileWarmup, WarmupSpec, resolve_warmup
 
+# experiment switches (bench/train.py --variants): FSDP2 for one mixed-precision rank, and whether that rank
+# keeps its gathered parameters and fp32 gradients unsharded across the micro-batches of a step
+ONE_RANK_FSDP = True
+ONE_RANK_ACCUMULATE_UNSHARDED = False
+
 
 @dataclass
 class LossContext:
@@ -113,7 +118,8 @@ class TrainEngine:
         # update: docs/benchmarks.md), and with LoRA keep a gathered compute-dtype copy of every layer from
         # forward to backward (the frozen model twice). So one rank keeps a plain module in full precision and
         # with LoRA, whose mixed precision is then autocast's.
-        self.sharded = self.distributed and (self.world_size > 1 or (self.precision.mixed and not lora))
+        self.sharded = self.distributed and (self.world_size > 1 or (self.precision.mixed and not lora
+                                                                     and ONE_RANK_FSDP))
         if self.sharded:
             model = shard_model(model.to(self.device), dp_mesh(self.device), self.precision)
         else:
@@ -259,7 +265,12 @@ class TrainEngine:
         sums: dict[str, torch.Tensor] = {}
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         local_tokens = 0.0
-        for rows in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
+        groups = self.micro_batch_rows(batch, micro_batch_size, max_tokens)
+        for i, rows in enumerate(groups):
+            if self.sharded and self.world_size == 1 and ONE_RANK_ACCUMULATE_UNSHARDED:
+                last = i == len(groups) - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
             mb = take_rows(batch, rows)
             out, _ = self.forward(mb, temperature, with_entropy, pack)
             loss, metrics = loss_fn(out, {k: to_device(v, self.device) for k, v in mb.items()}, ctx)
