@@ -9,8 +9,8 @@ one-forward update's tokens/s, at what device peak? Random bf16-initialised Qwen
 151,936-token vocabulary (built with `AutoConfig.for_model`), RL-shaped batches: prompts of 128-512 tokens
 (left-padded), responses of 32-1024 (right-padded, a quarter cut at 1024); `--rows` per shape (64 rows at
 0.5B, 32 at 1.5B, so that one forward still fits). Every configuration (shape x `--budgets` token budget,
-`full` = one forward x `--compile` on/off x `--variants`: how the one rank runs mixed precision, `VARIANTS`)
-builds its own `TrainEngine` (bf16 over fp32 master weights, packed rows, the fused log-prob head), runs the old-log-prob pass, `--warmup` steps (the
+`full` = one forward x `--compile` on/off) builds its own `TrainEngine` (FSDP2 world size 1, bf16 over fp32
+master weights, packed rows, the fused log-prob head), runs the old-log-prob pass, `--warmup` steps (the
 first compiles) and `--steps` timed PPO-clip steps. An out-of-memory error or any other failure is
 recorded for that configuration and the next one runs; the JSON is rewritten after each. Each run records
 the allocator's peak, the device's used memory, and the device budget's estimate for the same micro-batch
@@ -45,9 +45,6 @@ SHAPES = {
     "0.5b": QWEN_SHAPES["0.5b"],
     "1.5b": QWEN_SHAPES["1.5b"],
 }
-# how one mixed-precision rank runs: (FSDP2 wrap, gathered parameters and fp32 gradients kept unsharded
-# across a step's micro-batches); without the wrap, autocast casts the fp32 weights
-VARIANTS = {"fsdp": (True, False), "fsdp_accum": (True, True), "autocast": (False, False)}
 ROWS = {"tiny": 8, "0.5b": 64, "1.5b": 32}
 WIDTHS = {"tiny": (32, 64)}  # (prompt, response) columns; the rest: (512, 1024)
 
@@ -135,12 +132,11 @@ def estimated_peak_gb(config, tokens: int, device: str) -> float:
     return (sum(role.update_bytes(1).values()) + role.activation_peak(tokens, False)) / 2**30
 
 
-def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool, variant: str,
+def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool,
                  check_parity: bool = False) -> dict:
     """One configuration: old-log-prob pass, warm-up, timed steps, memory (and packed-vs-padded parity)."""
-    from hybridflow.engine.train import TrainEngine, engine as engine_module
+    from hybridflow.engine.train import TrainEngine
 
-    engine_module.ONE_RANK_FSDP, engine_module.ONE_RANK_ACCUMULATE_UNSHARDED = VARIANTS[variant]
 
     model_cfg = SimpleNamespace(path=path, dtype="bf16" if args.device == "cuda" else "fp32",
                                 gradient_checkpointing=False, compile=compiled, attn_implementation="sdpa",
@@ -183,7 +179,7 @@ def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, com
     if args.profile and args.device == "cuda":
         out["time_breakdown"] = profile(step)
     if args.trace and max_tokens is not None:
-        trace(step, os.path.join(args.trace, f"{max_tokens}_{'compiled' if compiled else 'eager'}_{variant}"))
+        trace(step, os.path.join(args.trace, f"{max_tokens}_{'compiled' if compiled else 'eager'}"))
     if check_parity:
         out["parity"] = parity(engine, batch)
     return out  # the engine goes with this frame; the caller empties the allocator cache
@@ -299,30 +295,29 @@ def run_shape(shape: str, root: str, args, ceiling: float | None, results: dict,
     entry = results["shapes"][shape] = {"params": params, "rows": len(batch["input_ids"]),
                                         "real_tokens_per_step": int(batch["attention_mask"].sum()),
                                         "padded_tokens_per_step": int(batch["attention_mask"].numel()), "runs": {}}
-    for variant in args.variants:
-        for compiled in args.compile:
-            mode = f"{'compiled' if compiled else 'eager'}/{variant}"
-            for budget in args.budgets:
-                key = f"{'full' if budget is None else budget}/{mode}"
-                try:
-                    entry["runs"][key] = bench_engine(path, params, batch, args, ceiling, budget, compiled, variant,
-                                                      check_parity=not entry["runs"])
-                except torch.OutOfMemoryError as e:
-                    entry["runs"][key] = {"error": "out of memory", "message": str(e).splitlines()[0]}
-                except Exception as e:  # a failed configuration is recorded; the others still run
-                    entry["runs"][key] = {"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}
-                gc.collect()
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-                print(shape, key, json.dumps({k: v for k, v in entry["runs"][key].items() if k != "time_breakdown"}),
-                      flush=True)
-                save()
-            full = entry["runs"].get(f"full/{mode}", {})
-            for budget in args.budgets:
-                run = entry["runs"].get(f"{budget}/{mode}", {})
-                if budget is not None and "tokens_per_s" in run and "tokens_per_s" in full:
-                    entry.setdefault("ratios", {})[f"{budget}_vs_full/{mode}"] = \
-                        run["tokens_per_s"] / full["tokens_per_s"]
+    for compiled in args.compile:
+        mode = "compiled" if compiled else "eager"
+        for budget in args.budgets:
+            key = f"{'full' if budget is None else budget}/{mode}"
+            try:
+                entry["runs"][key] = bench_engine(path, params, batch, args, ceiling, budget, compiled,
+                                                  check_parity=not entry["runs"])
+            except torch.OutOfMemoryError as e:
+                entry["runs"][key] = {"error": "out of memory", "message": str(e).splitlines()[0]}
+            except Exception as e:  # a failed configuration is recorded; the others still run
+                entry["runs"][key] = {"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            print(shape, key, json.dumps({k: v for k, v in entry["runs"][key].items() if k != "time_breakdown"}),
+                  flush=True)
+            save()
+        full = entry["runs"].get(f"full/{mode}", {})
+        for budget in args.budgets:
+            run = entry["runs"].get(f"{budget}/{mode}", {})
+            if budget is not None and "tokens_per_s" in run and "tokens_per_s" in full:
+                entry.setdefault("ratios", {})[f"{budget}_vs_full/{mode}"] = \
+                    run["tokens_per_s"] / full["tokens_per_s"]
     if args.hf:
         entry["hf_eager"] = bench_hf(path, params, batch, args, ceiling)
         print(shape, "hf_eager", json.dumps(entry["hf_eager"]), flush=True)
@@ -337,7 +332,6 @@ def main() -> None:
     parser.add_argument("--rows", default="0.5b:64,1.5b:32,tiny:8", help="rows per mini-batch, per shape")
     parser.add_argument("--budgets", default="full,16384", help="micro-batch token budgets; full = one forward")
     parser.add_argument("--compile", default="on,off", help="compiled decoder layers: on, off or both")
-    parser.add_argument("--variants", default="fsdp", help=f"one-rank layouts, of {', '.join(VARIANTS)}")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also time the plain HF eager loop")
@@ -349,9 +343,6 @@ def main() -> None:
     args.rows = {k: int(v) for k, v in (item.split(":") for item in args.rows.split(","))}
     args.budgets = [None if b == "full" else int(b) for b in args.budgets.split(",")]
     args.compile = [c == "on" for c in args.compile.split(",")]
-    args.variants = args.variants.split(",")
-    if unknown := set(args.variants) - set(VARIANTS):
-        parser.error(f"--variants {sorted(unknown)} unknown; valid: {', '.join(VARIANTS)}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     cuda = args.device == "cuda"

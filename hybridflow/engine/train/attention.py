@@ -73,8 +73,6 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError(f"packed attention needs one row [1, T]; got a batch of {query.shape[0]} rows")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if q.is_cuda and _varlen_attn is not None:
-        if torch.is_autocast_enabled("cuda"):  # fp32 weights under autocast rotate q and k in fp32; flash takes 16 bits
-            q, k, v = (t.to(torch.get_autocast_dtype("cuda")) for t in (q, k, v))
         # passed through as it came (no int()): under torch.compile it is symbolic, and int() would
         # specialise the compiled layer on each micro-batch's longest row
         out = _flash_varlen(q, k, v, cu, kwargs["max_length_q"], scaling)

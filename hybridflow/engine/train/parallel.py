@@ -4,7 +4,8 @@
 over a 1-D data-parallel mesh of the current process group. Mixed precision: parameters are gathered in
 the compute dtype, gradients reduced in fp32, and the sharded master weights stay fp32. On one rank
 nothing is sharded, so layers keep their gathered parameters from forward to backward (no second
-gather); on several, they are resharded after forward (ZeRO-3). `full_tensor` gathers one parameter.
+gather), and `TrainEngine` keeps them, with fp32 gradients, unsharded across a step's micro-batches; on
+several, they are resharded after forward (ZeRO-3). `full_tensor` gathers one parameter.
 """
 
 from __future__ import annotations

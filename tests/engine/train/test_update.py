@@ -130,16 +130,43 @@ def _one_rank(rank, path):
     bf16 = TrainEngine(model_cfg(path, dtype="bf16"), optim_cfg(), head="lm")
     return (sum(isinstance(p, DTensor) for p in fp32.model.parameters()),
             all(isinstance(p, DTensor) for p in bf16.model.parameters()),
-            {n: t.clone() for n, t in bf16.iter_full_params(torch.bfloat16)})
+            {n: t.clone() for n, t in bf16.iter_full_params(torch.bfloat16)}, _accumulation(path))
+
+
+def _accumulation(path):
+    """One bf16 rank's step in one forward and in 3 micro-batches: first moments, and whether the sharded
+    gradients existed when each later micro-batch began (they must not: accumulated unsharded)."""
+    moments, reduced_early = [], []
+    for micro in (None, 2):
+        engine = TrainEngine(model_cfg(path, dtype="bf16"), optim_cfg(), head="lm")
+        shards = list(engine.model.parameters())  # during a forward the module holds the gathered ones
+
+        def loss_fn(out, mb, ctx):
+            reduced_early.append(any(p.grad is not None for p in shards))
+            return pg_loss(out, mb, ctx)
+
+        engine.train_step(_batch(), loss_fn, micro_batch_size=micro)
+        moments.append(_first_moments(engine))
+        engine.train_step(_batch(), pg_loss, micro_batch_size=micro)  # the state after a step trains again
+    return moments, reduced_early
 
 
 def test_one_rank_shards_only_for_mixed_precision_and_syncs_local_weights(tiny_qwen2):
     """One rank in fp32: a plain module (FSDP2 would shard and cast nothing). One rank in bf16: FSDP2 for
     its mixed precision, and a weight sync hands over the local tensors, equal to the model's weights."""
-    fp32_dtensors, bf16_sharded, full = run_ranks(1, _one_rank, str(tiny_qwen2))[0]
+    fp32_dtensors, bf16_sharded, full, _ = run_ranks(1, _one_rank, str(tiny_qwen2))[0]
     assert fp32_dtensors == 0 and bf16_sharded
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_qwen2).named_parameters())
     assert set(full) == set(initial)
     for name, t in full.items():
         assert not isinstance(t, DTensor) and t.dtype == torch.bfloat16, name
         assert torch.equal(t, initial[name].detach().to(torch.bfloat16)), name
+
+
+def test_one_rank_accumulates_micro_batches_unsharded(tiny_qwen2):
+    """One sharded rank keeps fp32 gradients unsharded across a step's micro-batches (no per-micro-batch
+    reduce-scatter) and the step's gradient equals the one-forward step's (to bf16 compute)."""
+    (whole, micro), reduced_early = run_ranks(1, _one_rank, str(tiny_qwen2))[0][3]
+    assert reduced_early == [False, False, False, False]
+    for name, m in whole.items():
+        torch.testing.assert_close(micro[name], m, atol=2e-3, rtol=2e-2)
