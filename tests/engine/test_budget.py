@@ -69,6 +69,17 @@ def test_default_plan_bounds_micro_batches_and_keeps_checkpointing_off_where_it_
     assert p.kv_cache_bytes == 257 * kv_per_seq
 
 
+def test_host_bound_models_checkpoint_longer_micro_batches_by_default():
+    """Under HOST_BOUND_PARAMS recomputation is cheaper than more micro-batches (docs/benchmarks.md): the
+    0.5B shape gets checkpointed 32k-token micro-batches, 1.5B the plain 16k ones; explicit settings win."""
+    small = plan(grpo_demand("0.5b"), *H200).roles["actor"]
+    assert small.gradient_checkpointing and small.max_tokens == budget.CHECKPOINTED_TARGET_TOKENS
+    large = plan(grpo_demand("1.5b"), *H200).roles["actor"]
+    assert not large.gradient_checkpointing and large.max_tokens == budget.TARGET_TOKENS
+    off = plan(grpo_demand("0.5b", gradient_checkpointing=False), *H200).roles["actor"]
+    assert not off.gradient_checkpointing and off.max_tokens == budget.TARGET_TOKENS
+
+
 def test_checkpointing_switches_on_where_activations_would_not_fit():
     p = plan(grpo_demand("7b", optimizer="adamw_8bit"), *H200)
     assert p.roles["actor"].gradient_checkpointing and p.roles["actor"].max_tokens == budget.TARGET_TOKENS

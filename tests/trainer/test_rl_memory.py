@@ -46,8 +46,9 @@ def test_micro_batches_and_checkpointing_come_from_the_plan(tiny_qwen2, data_dir
     rows = run(tiny_qwen2, data_dir, tmp_path, "trainer.gpu_memory_utilization=0.5")
     assert math.isfinite(rows[-1]["actor/pg_loss"])
     out = capsys.readouterr().out
-    assert "device plan: device budget 70.5 GiB of 141.0 GiB; actor update: 16,384-token micro-batches, " \
-           "gradient checkpointing off" in out
+    # a model this small is host-bound: recomputed, twice as long micro-batches by default
+    assert "device plan: device budget 70.5 GiB of 141.0 GiB; actor update: 32,768-token micro-batches, " \
+           "gradient checkpointing on" in out
     assert "generation: KV cache" in out
 
 

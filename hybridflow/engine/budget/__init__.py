@@ -5,11 +5,11 @@ training engine's micro-batches and the rollout engine's KV cache. Both engines 
 free memory into micro-batch token budgets, checkpointing and a KV cache, or refuses a run that cannot fit.
 """
 
-from hybridflow.engine.budget.estimate import (GIB, STATE_BYTES, TARGET_TOKENS, DeviceDemand, FrozenRole,
-                                               ModelShape, RolloutRole, TrainedRole, count)
+from hybridflow.engine.budget.estimate import (CHECKPOINTED_TARGET_TOKENS, GIB, STATE_BYTES, TARGET_TOKENS,
+                                               DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole, count)
 from hybridflow.engine.budget.planning import (DeviceOutOfMemory, DevicePlan, DoesNotFit, RolePlan, apply_plan,
                                                device_memory, memory_keys, plan, plan_for_device, reported_oom)
 
-__all__ = ["GIB", "STATE_BYTES", "TARGET_TOKENS", "DeviceDemand", "DeviceOutOfMemory", "DevicePlan", "DoesNotFit",
-           "FrozenRole", "ModelShape", "RolePlan", "RolloutRole", "TrainedRole", "apply_plan", "count",
+__all__ = ["CHECKPOINTED_TARGET_TOKENS", "GIB", "STATE_BYTES", "TARGET_TOKENS", "DeviceDemand", "DeviceOutOfMemory",
+           "DevicePlan", "DoesNotFit", "FrozenRole", "ModelShape", "RolePlan", "RolloutRole", "TrainedRole", "apply_plan", "count",
            "device_memory", "memory_keys", "plan", "plan_for_device", "reported_oom"]

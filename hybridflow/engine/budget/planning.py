@@ -8,7 +8,8 @@ The memory a run may use is `cap = min(utilization x total, free at start)` (vLL
 `gpu_memory_utilization`). A trained role gets `TARGET_TOKENS`-token micro-batches where they fit (bounded
 memory; compiled layers make them as fast as one forward), fewer where memory is short, and gradient
 checkpointing when not even `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without
-it. The KV cache gets what is left within the cap while generating, at most what its slots need.
+it, or when the model has fewer than `HOST_BOUND_PARAMS` parameters (its update is host-bound: longer,
+recomputed micro-batches are faster and leaner), whose micro-batches then get `CHECKPOINTED_TARGET_TOKENS`. The KV cache gets what is left within the cap while generating, at most what its slots need.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 
 import torch
 
-from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, MIN_TOKENS_WITHOUT_CHECKPOINTING,
-                                               SLACK_BYTES, TARGET_TOKENS, DeviceDemand, TrainedRole)
+from hybridflow.engine.budget.estimate import (CHECKPOINTED_TARGET_TOKENS, GIB, HEAD_CHUNK_BYTES,
+                                               HOST_BOUND_PARAMS, MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES,
+                                               TARGET_TOKENS, DeviceDemand, TrainedRole)
 
 
 def device_memory(device: torch.device) -> tuple[int, int] | None:
@@ -101,13 +103,16 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
     given = role.max_tokens if role.max_tokens is not None else (
         role.micro_batch_rows * longest if role.micro_batch_rows is not None else None)
     most = {ck: max(0, int(free // shape.activation_bytes(c, ck))) for ck in (False, True)}
+    host_bound = shape.params < HOST_BOUND_PARAMS
     if given is not None:
         tokens = given
-        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else most[False] < given
+        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else \
+            host_bound or most[False] < given
     else:
         floor = max(longest, MIN_TOKENS_WITHOUT_CHECKPOINTING)
-        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else most[False] < floor
-        tokens = max(longest, min(TARGET_TOKENS, most[ckpt]))
+        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else \
+            host_bound or most[False] < floor
+        tokens = max(longest, min(CHECKPOINTED_TARGET_TOKENS if ckpt and host_bound else TARGET_TOKENS, most[ckpt]))
     activations = tokens * shape.activation_bytes(c, ckpt)
     short = max(0.0, activations - free)
     if free < 0:
