@@ -30,10 +30,9 @@ TARGET_TOKENS = 16384  # default micro-batch: bounded memory at no speed cost (b
 # hidden state, so it can be twice as long for a fraction of the memory, and half as many cost half the host time
 CHECKPOINTED_TARGET_TOKENS = 32768
 # below this many parameters a micro-batch's GPU work is no more than its host work (per-layer launches),
-# so recomputing a forward costs less than the extra micro-batches that memory without it would need:
-# checkpointing is on by default. 0.5B GRPO step on an H200 (docs/benchmarks.md): 16k micro-batches
-# without it 1.96 s / 32.8 GiB device peak, 32k with it 1.72 s / 18.3 GiB. At 1.5B the 16k update is
-# GPU-bound (99 % of one forward's tokens/s), where recomputation would cost a quarter of the update.
+# so recomputing a forward costs less than the extra micro-batches that memory without it would need, and
+# checkpointing is on by default; above it the update is GPU-bound and recomputation would cost a quarter
+# of it (docs/benchmarks.md, "Measurements behind choices in the code")
 HOST_BOUND_PARAMS = 1_000_000_000
 MIN_TOKENS_WITHOUT_CHECKPOINTING = 4096  # below this, recomputation is cheaper than tiny micro-batches
 HEAD_CHUNK_BYTES = 3 * 4 * 2**27  # fp32 temporaries of one log-prob head chunk (logprobs.CHUNK_ELEMENTS)

@@ -287,9 +287,9 @@ class TrainEngine:
     def _accumulate_unsharded(self, last: bool) -> None:
         """One sharded rank keeps its gathered compute-dtype parameters and its fp32 gradients unsharded
         until the step's last micro-batch: its shards are the whole tensors, so this costs no memory, and
-        re-gathering and "reduce-scattering" every micro-batch made each one cost ~2x its GPU time
-        (0.5B, 8k-token micro-batches: 1.51 -> 0.84-0.92 s a step; docs/benchmarks.md). Several ranks
-        reshard and reduce every micro-batch: unsharded fp32 gradients would cost them ZeRO-3's saving."""
+        re-gathering and "reduce-scattering" every micro-batch made a small micro-batch cost about twice its
+        GPU time (docs/benchmarks.md). Several ranks reshard and reduce every micro-batch: unsharded fp32
+        gradients would cost them ZeRO-3's saving."""
         if self.sharded and self.world_size == 1:
             self.model.set_requires_gradient_sync(last)
             self.model.set_reshard_after_backward(last)
