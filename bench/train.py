@@ -9,12 +9,13 @@ one-forward update's tokens/s, at what device peak? Random bf16-initialised Qwen
 151,936-token vocabulary (built with `AutoConfig.for_model`), RL-shaped batches: prompts of 128-512 tokens
 (left-padded), responses of 32-1024 (right-padded, a quarter cut at 1024); `--rows` per shape (64 rows at
 0.5B, 32 at 1.5B, so that one forward still fits). Every configuration (shape x `--budgets` token budget,
-`full` = one forward x `--compile` on/off) builds its own `TrainEngine` (FSDP2 world size 1, bf16 over fp32
+`full` = one forward x `--compile` on/off x `--checkpointing` off/on) builds its own `TrainEngine` (FSDP2 world size 1, bf16 over fp32
 master weights, packed rows, the fused log-prob head), runs the old-log-prob pass, `--warmup` steps (the
 first compiles) and `--steps` timed PPO-clip steps. An out-of-memory error or any other failure is
 recorded for that configuration and the next one runs; the JSON is rewritten after each. Each run records
 the allocator's peak, the device's used memory, and the device budget's estimate for the same micro-batch
-(`hybridflow.engine.budget`). `ratios` compares each budget with one forward at the same compile setting.
+(`hybridflow.engine.budget`). `ratios` compares each run with one forward (without recomputation) at the
+same compile setting.
 Only real tokens (prompt + response) count towards throughput. MFU: against the dense-bf16 datasheet peak
 (989 TFLOP/s) with attention FLOPs, and as 6 x parameters x tokens/s over the bf16 matmul rate measured in
 this run (shared/PERF.md's convention). `--hf` adds the plain HF loop (padded micro-batches of 8 rows, full
@@ -123,23 +124,23 @@ def peak_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def estimated_peak_gb(config, tokens: int, device: str) -> float:
+def estimated_peak_gb(config, tokens: int, device: str, checkpointing: bool) -> float:
     """The device budget's estimate of this update's peak (no rollout engine, no other models)."""
     from hybridflow.engine.budget import ModelShape, TrainedRole
 
     c = 2 if device == "cuda" else 4
     role = TrainedRole("actor", "model", ModelShape.from_config(config), compute_bytes=c, master_bytes=4)
-    return (sum(role.update_bytes(1).values()) + role.activation_peak(tokens, False)) / 2**30
+    return (sum(role.update_bytes(1).values()) + role.activation_peak(tokens, checkpointing)) / 2**30
 
 
-def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool,
+def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool, checkpointing: bool,
                  check_parity: bool = False) -> dict:
     """One configuration: old-log-prob pass, warm-up, timed steps, memory (and packed-vs-padded parity)."""
     from hybridflow.engine.train import TrainEngine
 
 
     model_cfg = SimpleNamespace(path=path, dtype="bf16" if args.device == "cuda" else "fp32",
-                                gradient_checkpointing=False, compile=compiled, attn_implementation="sdpa",
+                                gradient_checkpointing=checkpointing, compile=compiled, attn_implementation="sdpa",
                                 trust_remote_code=False)
     optim = SimpleNamespace(optimizer="adamw", lr=1e-6, lr_schedule="constant", lr_warmup_steps=0,
                             min_lr_ratio=0.0, weight_decay=0.01, betas=(0.9, 0.999), grad_clip=1.0)
@@ -172,14 +173,16 @@ def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, com
     micro = len(engine.micro_batch_rows(batch, None, max_tokens))
     out.update(step_s=seconds, warmup_s=warmup_s, log_prob_pass_tokens_per_s=sum(seq_lens) / infer_s,
                micro_batches=micro, peak_memory_gb=peak_gb(args.device), grad_norm=metrics["grad_norm"],
-               estimated_peak_gb=estimated_peak_gb(engine.config, max_tokens or sum(seq_lens), args.device))
+               estimated_peak_gb=estimated_peak_gb(engine.config, max_tokens or sum(seq_lens), args.device,
+                                                 checkpointing))
     if args.device == "cuda":
         free, total = torch.cuda.mem_get_info()
         out["device_used_gb"] = (total - free) / 2**30
     if args.profile and args.device == "cuda":
         out["time_breakdown"] = profile(step)
     if args.trace and max_tokens is not None:
-        trace(step, os.path.join(args.trace, f"{max_tokens}_{'compiled' if compiled else 'eager'}"))
+        trace(step, os.path.join(args.trace, f"{max_tokens}_{'compiled' if compiled else 'eager'}"
+                                 f"{'_ckpt' if checkpointing else ''}"))
     if check_parity:
         out["parity"] = parity(engine, batch)
     return out  # the engine goes with this frame; the caller empties the allocator cache
@@ -297,26 +300,27 @@ def run_shape(shape: str, root: str, args, ceiling: float | None, results: dict,
                                         "padded_tokens_per_step": int(batch["attention_mask"].numel()), "runs": {}}
     for compiled in args.compile:
         mode = "compiled" if compiled else "eager"
-        for budget in args.budgets:
-            key = f"{'full' if budget is None else budget}/{mode}"
-            try:
-                entry["runs"][key] = bench_engine(path, params, batch, args, ceiling, budget, compiled,
-                                                  check_parity=not entry["runs"])
-            except torch.OutOfMemoryError as e:
-                entry["runs"][key] = {"error": "out of memory", "message": str(e).splitlines()[0]}
-            except Exception as e:  # a failed configuration is recorded; the others still run
-                entry["runs"][key] = {"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-            print(shape, key, json.dumps({k: v for k, v in entry["runs"][key].items() if k != "time_breakdown"}),
-                  flush=True)
-            save()
-        full = entry["runs"].get(f"full/{mode}", {})
-        for budget in args.budgets:
-            run = entry["runs"].get(f"{budget}/{mode}", {})
-            if budget is not None and "tokens_per_s" in run and "tokens_per_s" in full:
-                entry.setdefault("ratios", {})[f"{budget}_vs_full/{mode}"] = \
+        for checkpointing in args.checkpointing:
+            for budget in args.budgets:
+                key = f"{'full' if budget is None else budget}/{mode}{'/ckpt' if checkpointing else ''}"
+                try:
+                    entry["runs"][key] = bench_engine(path, params, batch, args, ceiling, budget, compiled,
+                                                      checkpointing, check_parity=not entry["runs"])
+                except torch.OutOfMemoryError as e:
+                    entry["runs"][key] = {"error": "out of memory", "message": str(e).splitlines()[0]}
+                except Exception as e:  # a failed configuration is recorded; the others still run
+                    entry["runs"][key] = {"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                print(shape, key, json.dumps({k: v for k, v in entry["runs"][key].items() if k != "time_breakdown"}),
+                      flush=True)
+                save()
+        full = entry["runs"].get(f"full/{mode}", {})  # one forward without recomputation: the reference
+        for key, run in entry["runs"].items():
+            if key.split("/")[1] == mode and not key.startswith("full/") and "tokens_per_s" in run \
+                    and "tokens_per_s" in full:
+                entry.setdefault("ratios", {})[key.replace("/", "_vs_full/", 1)] = \
                     run["tokens_per_s"] / full["tokens_per_s"]
     if args.hf:
         entry["hf_eager"] = bench_hf(path, params, batch, args, ceiling)
@@ -332,6 +336,7 @@ def main() -> None:
     parser.add_argument("--rows", default="0.5b:64,1.5b:32,tiny:8", help="rows per mini-batch, per shape")
     parser.add_argument("--budgets", default="full,16384", help="micro-batch token budgets; full = one forward")
     parser.add_argument("--compile", default="on,off", help="compiled decoder layers: on, off or both")
+    parser.add_argument("--checkpointing", default="off", help="gradient checkpointing: off, on or both")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also time the plain HF eager loop")
@@ -343,6 +348,7 @@ def main() -> None:
     args.rows = {k: int(v) for k, v in (item.split(":") for item in args.rows.split(","))}
     args.budgets = [None if b == "full" else int(b) for b in args.budgets.split(",")]
     args.compile = [c == "on" for c in args.compile.split(",")]
+    args.checkpointing = [c == "on" for c in args.checkpointing.split(",")]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     cuda = args.device == "cuda"
