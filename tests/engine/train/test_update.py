@@ -5,6 +5,7 @@ case (start-up costs the most)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -151,10 +152,16 @@ def _accumulation(path):
     return moments, reduced_early
 
 
-def test_one_rank_shards_only_for_mixed_precision_and_syncs_local_weights(tiny_qwen2):
+@pytest.fixture(scope="module")
+def one_rank(tiny_qwen2):
+    """`_one_rank`'s results, from one forked process for both tests below."""
+    return run_ranks(1, _one_rank, str(tiny_qwen2))[0]
+
+
+def test_one_rank_shards_only_for_mixed_precision_and_syncs_local_weights(one_rank, tiny_qwen2):
     """One rank in fp32: a plain module (FSDP2 would shard and cast nothing). One rank in bf16: FSDP2 for
     its mixed precision, and a weight sync hands over the local tensors, equal to the model's weights."""
-    fp32_dtensors, bf16_sharded, full, _ = run_ranks(1, _one_rank, str(tiny_qwen2))[0]
+    fp32_dtensors, bf16_sharded, full, _ = one_rank
     assert fp32_dtensors == 0 and bf16_sharded
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_qwen2).named_parameters())
     assert set(full) == set(initial)
@@ -163,10 +170,10 @@ def test_one_rank_shards_only_for_mixed_precision_and_syncs_local_weights(tiny_q
         assert torch.equal(t, initial[name].detach().to(torch.bfloat16)), name
 
 
-def test_one_rank_accumulates_micro_batches_unsharded(tiny_qwen2):
+def test_one_rank_accumulates_micro_batches_unsharded(one_rank):
     """One sharded rank keeps fp32 gradients unsharded across a step's micro-batches (no per-micro-batch
     reduce-scatter) and the step's gradient equals the one-forward step's (to bf16 compute)."""
-    (whole, micro), reduced_early = run_ranks(1, _one_rank, str(tiny_qwen2))[0][3]
+    (whole, micro), reduced_early = one_rank[3]
     assert reduced_early == [False, False, False, False]
     for name, m in whole.items():
         torch.testing.assert_close(micro[name], m, atol=2e-3, rtol=2e-2)
