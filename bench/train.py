@@ -9,17 +9,18 @@ one-forward update's tokens/s, at what device peak? Random bf16-initialised Qwen
 151,936-token vocabulary (built with `AutoConfig.for_model`), RL-shaped batches: prompts of 128-512 tokens
 (left-padded), responses of 32-1024 (right-padded, a quarter cut at 1024); `--rows` per shape (64 rows at
 0.5B, 32 at 1.5B, so that one forward still fits). Every configuration (shape x `--budgets` token budget,
-`full` = one forward x `--compile` on/off x `--checkpointing` off/on) builds its own `TrainEngine` (FSDP2 world size 1, bf16 over fp32
-master weights, packed rows, the fused log-prob head), runs the old-log-prob pass, `--warmup` steps (the
-first compiles) and `--steps` timed PPO-clip steps. An out-of-memory error or any other failure is
-recorded for that configuration and the next one runs; the JSON is rewritten after each. Each run records
-the allocator's peak, the device's used memory, and the device budget's estimate for the same micro-batch
-(`hybridflow.engine.budget`). `ratios` compares each run with one forward (without recomputation) at the
-same compile setting.
-Only real tokens (prompt + response) count towards throughput. MFU: against the dense-bf16 datasheet peak
-(989 TFLOP/s) with attention FLOPs, and as 6 x parameters x tokens/s over the bf16 matmul rate measured in
-this run (shared/PERF.md's convention). `--hf` adds the plain HF loop (padded micro-batches of 8 rows, full
-logits); `--profile` a profiler breakdown of each run's step.
+`full` = one forward x `--compile` on/off x `--checkpointing` off/on) builds its own `TrainEngine` (FSDP2
+world size 1, bf16 over fp32 master weights, packed rows, the fused log-prob head), runs the old-log-prob
+pass, `--warmup` steps (the first compiles) and `--steps` timed PPO-clip steps. An out-of-memory error or
+any other failure is recorded for that configuration and the next one runs; the JSON is rewritten after
+each. Each run records the allocator's peak, the device's used memory, and the device budget's estimate
+for the same micro-batch (`hybridflow.engine.budget`). `ratios` compares each run with one forward
+(without recomputation) at the same compile setting. Only real tokens (prompt + response) count towards
+throughput. MFU: against the dense-bf16 datasheet peak (989 TFLOP/s) with attention FLOPs, and as
+6 x parameters x tokens/s over the bf16 matmul rate measured in this run (shared/PERF.md's convention).
+`--hf` adds the plain HF loop (padded micro-batches of 8 rows, full logits); `--profile` a profiler
+breakdown of each run's step (with `gpu_busy`, kernel time over wall time); `--trace DIR` a Chrome trace
+of one step of each budgeted run.
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ def profile(step) -> dict:
         fam = next((f for f, keys in families.items() if any(k in low for k in keys)), "other elementwise")
         totals[fam] += t
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return {"gpu_ms": all_t / 1e3, "wall_ms": wall * 1e3, "gpu_busy": all_t / 1e6 / wall, "families": {k: round(v / all_t, 4) for k, v in totals.items()},
+    return {"gpu_ms": all_t / 1e3, "wall_ms": wall * 1e3, "gpu_busy": all_t / 1e6 / wall,
+            "families": {k: round(v / all_t, 4) for k, v in totals.items()},
             "top_kernels": [[k[:90], round(v / all_t, 4)] for k, v in top]}
 
 

@@ -11,5 +11,5 @@ from hybridflow.engine.budget.planning import (DeviceOutOfMemory, DevicePlan, Do
                                                device_memory, memory_keys, plan, plan_for_device, reported_oom)
 
 __all__ = ["CHECKPOINTED_TARGET_TOKENS", "GIB", "STATE_BYTES", "TARGET_TOKENS", "DeviceDemand", "DeviceOutOfMemory",
-           "DevicePlan", "DoesNotFit", "FrozenRole", "ModelShape", "RolePlan", "RolloutRole", "TrainedRole", "apply_plan", "count",
-           "device_memory", "memory_keys", "plan", "plan_for_device", "reported_oom"]
+           "DevicePlan", "DoesNotFit", "FrozenRole", "ModelShape", "RolePlan", "RolloutRole", "TrainedRole",
+           "apply_plan", "count", "device_memory", "memory_keys", "plan", "plan_for_device", "reported_oom"]

@@ -9,7 +9,8 @@ The memory a run may use is `cap = min(utilization x total, free at start)` (vLL
 memory; compiled layers make them as fast as one forward), fewer where memory is short, and gradient
 checkpointing when not even `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without
 it, or when the model has fewer than `HOST_BOUND_PARAMS` parameters (its update is host-bound: longer,
-recomputed micro-batches are faster and leaner), whose micro-batches then get `CHECKPOINTED_TARGET_TOKENS`. The KV cache gets what is left within the cap while generating, at most what its slots need.
+recomputed micro-batches are faster and leaner), whose micro-batches then get `CHECKPOINTED_TARGET_TOKENS`.
+The KV cache gets what is left within the cap while generating, at most what its slots need.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
         floor = max(longest, MIN_TOKENS_WITHOUT_CHECKPOINTING)
         ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else \
             host_bound or most[False] < floor
-        tokens = max(longest, min(CHECKPOINTED_TARGET_TOKENS if ckpt and host_bound else TARGET_TOKENS, most[ckpt]))
+        target = CHECKPOINTED_TARGET_TOKENS if ckpt and host_bound else TARGET_TOKENS
+        tokens = max(longest, min(target, most[ckpt]))
     activations = tokens * shape.activation_bytes(c, ckpt)
     short = max(0.0, activations - free)
     if free < 0:
