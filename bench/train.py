@@ -139,7 +139,6 @@ def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, com
     """One configuration: old-log-prob pass, warm-up, timed steps, memory (and packed-vs-padded parity)."""
     from hybridflow.engine.train import TrainEngine
 
-
     model_cfg = SimpleNamespace(path=path, dtype="bf16" if args.device == "cuda" else "fp32",
                                 gradient_checkpointing=checkpointing, compile=compiled, attn_implementation="sdpa",
                                 trust_remote_code=False)

@@ -105,14 +105,13 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
         role.micro_batch_rows * longest if role.micro_batch_rows is not None else None)
     most = {ck: max(0, int(free // shape.activation_bytes(c, ck))) for ck in (False, True)}
     host_bound = shape.params < HOST_BOUND_PARAMS
+    # without recomputation, at least the given budget (or the floor below which it would pay) must fit
+    needed = given if given is not None else max(longest, MIN_TOKENS_WITHOUT_CHECKPOINTING)
+    ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else \
+        host_bound or most[False] < needed
     if given is not None:
         tokens = given
-        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else \
-            host_bound or most[False] < given
     else:
-        floor = max(longest, MIN_TOKENS_WITHOUT_CHECKPOINTING)
-        ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else \
-            host_bound or most[False] < floor
         target = CHECKPOINTED_TARGET_TOKENS if ckpt and host_bound else TARGET_TOKENS
         tokens = max(longest, min(target, most[ckpt]))
     activations = tokens * shape.activation_bytes(c, ckpt)
