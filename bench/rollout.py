@@ -10,7 +10,8 @@
 On CPU: the fixed-length run at batch 64 (prompt 32, 64 new tokens; ours and `generate` alternate
 three times and the medians are reported, since the 2-core machine is shared), then an RL-shaped one (prompts of varied length, ~2 % of
 the vocabulary as stop ids) where `generate` pads and keeps computing finished rows.
-On CUDA: a parity check (greedy on a small random Qwen2 in fp32 must match HF token for token; in bf16
+On CUDA: the fused kernels against torch, one layer's decode attention (flash against the Triton
+kernel at several splits), a parity check (greedy on a small random Qwen2 in fp32 must match HF token for token; in bf16
 the first tokens and the log-probs are compared), the device-copy bandwidth, then at the Qwen2-0.5B and
 1.5B shapes (random bf16 weights): the weight sync (`load_weights` from the HF model's parameters),
 sleep/wake, tokens/s of ours and of `generate` at batch 64 and 256 (prompt 128, 256 new tokens, EOS
@@ -72,6 +73,46 @@ def check_kernels(device: torch.device) -> dict:
                 greedy_logprob=(greedy_lp - ref_lp.gather(-1, greedy_tok[:, None])[:, 0]).abs().max().item(),
                 sample_freq_vs_softmax=(freq - (small[0] / 0.7).softmax(-1)).abs().max().item(),
                 sample_logprob=(lp - (small[0] / 0.7).log_softmax(-1)[tok]).abs().max().item())
+
+
+def decode_attention_sweep(device: torch.device) -> dict:
+    """Decode attention over the slot cache, one layer: flash's varlen kernel (the path before the Triton
+    kernel) against `decode_attention` at several splits, microseconds per call (CUDA events, 200 calls),
+    and the splits the engine picks; at the 0.5B (7 query heads per KV head, D 64) and 1.5B (6, D 128)
+    shapes, rows of the mean short (256) and long (2,560) contexts."""
+    from hybridflow.engine.rollout import attention, decode_attention as da
+
+    def timed(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(200):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / 200
+
+    out = {}
+    for rows, group, dim, context, max_len in ((256, 7, 64, 256, 384), (64, 7, 64, 256, 384),
+                                               (256, 6, 128, 256, 384), (256, 7, 64, 2560, 4608)):
+        cache = torch.randn(2, rows + 1, max_len, 2, dim, device=device, dtype=torch.bfloat16)
+        q = torch.randn(rows, 2 * group, dim, device=device, dtype=torch.bfloat16)
+        slots = torch.arange(rows, device=device)
+        lens = torch.full((rows,), context, device=device, dtype=torch.int32)
+        starts = slots * max_len
+        meta = attention.AttnMeta(write_index=starts, cu_seqlens=torch.cat([starts, starts[-1:] + max_len]).int(),
+                                  cu_seqlens_q=torch.arange(rows + 1, device=device, dtype=torch.int32),
+                                  max_seqlen=max_len, context_lens=lens, slots=slots)
+        flash = timed(lambda: torch.ops.aten._flash_attention_forward(
+            q, cache[0].view(-1, 2, dim), cache[1].view(-1, 2, dim), meta.cu_seqlens_q, meta.cu_seqlens, 1,
+            max_len, 0.0, False, False, scale=dim ** -0.5, seqused_k=lens))
+        triton_us = {s: timed(lambda s=s: da.decode_attention(q, cache[0], cache[1], slots, lens, dim ** -0.5, s))
+                     for s in (1, 2, 4, 8)}
+        key = f"rows{rows}_group{group}_d{dim}_ctx{context}"
+        out[key] = dict(flash_us=flash, triton_us=triton_us, picked_splits=da.decode_splits(
+            rows, 2, max_len, attention._programs(device)))
+        print("decode attention", key, out[key], flush=True)
+    return out
 
 
 def parity(device: torch.device) -> dict:
@@ -281,6 +322,7 @@ def main() -> None:
     elif not args.long:
         result["kernels"] = check_kernels(device)
         print("kernels", result["kernels"], flush=True)
+        result["decode_attention"] = decode_attention_sweep(device)
         result["parity"] = parity(device)
         print("parity", result["parity"], flush=True)
         bandwidth = copy_bandwidth(device)

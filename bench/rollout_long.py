@@ -94,7 +94,7 @@ def bench_long(shape: str, device, dtype, batch: int, prompt_len: int, max_new: 
     return row
 
 
-def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_tokens: int, top: int = 15) -> dict:
+def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_tokens: int, top: int = 20) -> dict:
     """torch.profiler over one generate call (prompt_len, new_tokens, EOS ignored, temperature 1)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

@@ -7,10 +7,11 @@ Two kinds of attention, each with two kernels picked by `Backend`:
   slot up to themselves, the cached prefix included; their K/V are written to the slot first.
 
 - "flash" (CUDA, bf16/fp16): `aten._flash_attention_forward`, varlen with `cu_seqlens` for packed
-  prefill; over the cache, the slot cache flattened to `[slots * max_len, kv_heads, head_dim]` with
-  `cu_seqlens_k[b] = slot_b * max_len`, `seqused_k[b]` = the row's context length and the causal mask
-  aligned to the bottom right (query i of q_b sits at position context_b - q_b + i). Static shapes in
-  decode, so it runs inside CUDA graphs.
+  prefill. In decode (one query per row) the split-KV Triton kernel of `decode_attention.py` reads the
+  slots directly. Over the cache otherwise (a continuation prefill), flash with the slot cache flattened
+  to `[slots * max_len, kv_heads, head_dim]`, `cu_seqlens_k[b] = slot_b * max_len`, `seqused_k[b]` = the
+  row's context length and the causal mask aligned to the bottom right (query i of q_b sits at position
+  context_b - q_b + i). Decode shapes are static, so it runs inside CUDA graphs.
 - "sdpa" (CPU, or fp32 on CUDA): `scaled_dot_product_attention` once over the prompts padded to the
   longest (causal and padding mask; per prompt when that would be large) for prefill, and over the
   slot rows (a view when the rows' slots are contiguous) with a causal length mask over the cache.
@@ -20,10 +21,13 @@ Shapes: T packed tokens, B decode rows, H query heads, Hkv kv heads, D head dim.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hybridflow.engine.rollout import decode_attention
 
 
 @dataclass
@@ -117,6 +121,9 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, backend: str) -> torch.Tensor:
     """Each row's queries (packed by `cu_seqlens_q`; one per row in decode) over its slot's first
     context_lens positions, causally: the last query of a row sees the whole context. q [T, H, D] -> [T, H, D]."""
+    if backend == "flash" and meta.max_seqlen_q == 1 and decode_attention.supported(q.shape[-1]):
+        splits = decode_attention.decode_splits(q.shape[0], k_cache.shape[2], meta.max_seqlen, _programs(q.device))
+        return decode_attention.decode_attention(q, k_cache, v_cache, meta.slots, meta.context_lens, scale, splits)
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(
             q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta.cu_seqlens_q,
@@ -128,6 +135,12 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     queries = q[:, :, None] if query_index is None else q[query_index].transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0] if query_index is None else out.transpose(1, 2)[valid]
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """Decode attention programs that fill the GPU: four per multiprocessor."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _cache_layout(meta: AttnMeta):

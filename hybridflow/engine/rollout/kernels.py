@@ -86,13 +86,33 @@ def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tenso
     logits [R, V] (any float dtype, computed in fp32); inv_temp [1] fp32 and seed [1] int64 on the
     device (noise for row r, token v is Philox(seed, r * V + v)). Returns (tokens [R] int64, logprobs
     [R] fp32); greedy log-probs are log_softmax(logits) (inv_temp is ignored).
+
+    Two kernels: each row's vocabulary is split over `sample_splits(V)` programs, each of which keeps
+    its piece's best (score, token, logit) and its running (max, sum of exp); the second combines a
+    row's pieces. One program per row left most of the GPU idle at 256 rows (docs/benchmarks.md). Ties
+    go to the lowest token id, as in one pass.
     """
     rows, vocab = logits.shape
+    splits = sample_splits(vocab)
+    width = triton.cdiv(triton.cdiv(vocab, splits), SAMPLE_BLOCK) * SAMPLE_BLOCK
+    parts = torch.empty(4, rows, splits, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    _sample_part_kernel[(rows, splits)](logits, logits.stride(0), vocab, width, inv_temp, seed, parts, part_idx,
+                                        rows * splits, GREEDY=greedy, BLOCK=SAMPLE_BLOCK, num_warps=4)
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(rows,)](logits, logits.stride(0), vocab, inv_temp, seed, tokens,
-                            logprobs, GREEDY=greedy, BLOCK=4096, num_warps=8)
+    _sample_combine_kernel[(rows,)](parts, part_idx, rows * splits, splits, tokens, logprobs,
+                                    SPLITS=triton.next_power_of_2(splits))
     return tokens, logprobs
+
+
+SAMPLE_BLOCK = 2048  # logits per loop iteration of a sampling program
+SAMPLE_WIDTH = 8192  # logits per program (a 151,936-token vocabulary: 19 programs per row)
+
+
+def sample_splits(vocab: int) -> int:
+    """Programs per row of the sampler."""
+    return max(1, min(64, -(-vocab // SAMPLE_WIDTH)))
 
 
 if triton is not None:
@@ -146,9 +166,10 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=mask)
 
     @triton.jit
-    def _sample_kernel(logits_ptr, stride, vocab, inv_temp_ptr, seed_ptr, tok_ptr, lp_ptr,
-                       GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    def _sample_part_kernel(logits_ptr, stride, vocab, width, inv_temp_ptr, seed_ptr, parts_ptr, idx_ptr,
+                            plane, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
+        split = tl.program_id(1)
         seed = tl.load(seed_ptr)
         inv_temp = tl.load(inv_temp_ptr)
         best_score = tl.full([], float("-inf"), tl.float32)
@@ -156,7 +177,8 @@ if triton is not None:
         best_idx = tl.full([], 0, tl.int32)
         run_max = tl.full([], float("-inf"), tl.float32)
         run_sum = tl.full([], 0.0, tl.float32)
-        for start in range(0, vocab, BLOCK):
+        first = split * width
+        for start in range(first, tl.minimum(first + width, vocab), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < vocab
             x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
@@ -177,5 +199,28 @@ if triton is not None:
             new_max = tl.maximum(run_max, tl.max(x, axis=0))
             run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
             run_max = new_max
+        at = row * tl.num_programs(1) + split
+        tl.store(parts_ptr + at, best_score)
+        tl.store(parts_ptr + plane + at, best_x)
+        tl.store(parts_ptr + 2 * plane + at, run_max)
+        tl.store(parts_ptr + 3 * plane + at, run_sum)
+        tl.store(idx_ptr + at, best_idx)
+
+    @triton.jit
+    def _sample_combine_kernel(parts_ptr, idx_ptr, plane, splits, tok_ptr, lp_ptr, SPLITS: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, SPLITS)
+        mask = offs < splits
+        at = row * splits + offs
+        score = tl.load(parts_ptr + at, mask=mask, other=float("-inf"))
+        x = tl.load(parts_ptr + plane + at, mask=mask, other=0.0)
+        run_max = tl.load(parts_ptr + 2 * plane + at, mask=mask, other=float("-inf"))
+        run_sum = tl.load(parts_ptr + 3 * plane + at, mask=mask, other=0.0)
+        idx = tl.load(idx_ptr + at, mask=mask, other=0)
+        best = tl.argmax(score, axis=0)  # the first of equal scores: the lowest token id
+        best_x = tl.sum(tl.where(offs == best, x, 0.0), axis=0)
+        best_idx = tl.sum(tl.where(offs == best, idx, 0), axis=0)
+        top = tl.max(run_max, axis=0)
+        total = tl.sum(tl.where(mask, run_sum * tl.exp(run_max - top), 0.0), axis=0)
         tl.store(tok_ptr + row, best_idx.to(tl.int64))
-        tl.store(lp_ptr + row, best_x - run_max - tl.log(run_sum))
+        tl.store(lp_ptr + row, best_x - top - tl.log(total))

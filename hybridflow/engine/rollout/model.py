@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, prefill_attention, write_kv
+from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
 
@@ -96,6 +97,7 @@ class Attention(nn.Module):
         tokens, (q_size, kv_size, _) = x.shape[0], self.splits
         qkv = self.qkv_proj(x)
         v = qkv[:, q_size + kv_size:].view(tokens, self.kv_heads, self.head_dim)
+        fused = not hasattr(self, "q_norm") and self.store_fused(qkv, positions, meta)
         if hasattr(self, "q_norm"):
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
             q = self.q_norm(q.reshape(tokens, self.heads, self.head_dim))[0]
@@ -104,15 +106,24 @@ class Attention(nn.Module):
             rotary_(k, positions, *rope)
         else:  # q and k heads are adjacent in qkv: rotate them together, in place
             qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
-            rotary_(qk, positions, *rope)
             q, k = qk[:, :self.heads], qk[:, self.heads:]
+            if not fused:
+                rotary_(qk, positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
-        write_kv(k_cache, v_cache, k, v, meta)
+        if fused:  # rotates q and k in place too
+            rotary_store_(qkv, positions, *rope, k_cache, v_cache, meta.write_index, self.heads, self.kv_heads)
+        else:
+            write_kv(k_cache, v_cache, k, v, meta)
         if meta.reads_cache:
             out = cache_attention(q, k_cache, v_cache, meta, self.scale, self.backend)
         else:
             out = prefill_attention(q, k, v, meta, self.scale, self.backend)
         return self.o_proj(out.reshape(tokens, -1))
+
+    def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
+        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, each token
+        written once, a power-of-two head dimension); else rotary and `write_kv` run apart."""
+        return positions is not None and meta.write_rows is None and use_triton(qkv) and supported(self.head_dim)
 
 
 class MLP(nn.Module):

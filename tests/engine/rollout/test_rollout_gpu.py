@@ -1,6 +1,7 @@
 """GPU-only checks of the rollout engine (skipped on CPU): CUDA-graph decode (sampling and bookkeeping
 inside the graph) equals eager decode, greedy and seeded, for one and several steps per sync; the fused
-kernels equal their torch references; and bf16 greedy tracks `transformers.generate`."""
+kernels (norm, silu, rotary + cache write, split-KV decode attention, the split sampler) equal their torch
+references; and bf16 greedy tracks `transformers.generate`."""
 
 from __future__ import annotations
 
@@ -112,3 +113,46 @@ def test_continuation_over_the_flash_cache_equals_one_shot_prefill(spread_model)
         assert second[seq].token_ids[:4] == alone.token_ids[:4]
         torch.testing.assert_close(torch.tensor(second[seq].logprobs[:4]), torch.tensor(alone.logprobs[:4]),
                                    atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernels_equal_the_general_path(splits):
+    """The fused rotary + cache write and the split-KV decode attention give what rotary, `write_kv` and
+    SDPA over the cache give (bf16; one row of length 1, rows of lengths within and past one block)."""
+    from hybridflow.engine.rollout import decode_attention as da
+    from hybridflow.engine.rollout import kernels
+    from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, write_kv
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, max_len, dev, dt = 14, 2, 64, 1024, "cuda", torch.bfloat16
+    cache = torch.randn(2, 7, max_len, kv_heads, dim, device=dev, dtype=dt)
+    slots = torch.tensor([4, 0, 2, 6], device=dev)
+    lens = torch.tensor([1, 63, 700, 1024], device=dev, dtype=torch.int32)
+    positions = (lens - 1).long()
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, device=dev, dtype=dt)
+    angles = torch.randn(max_len, dim // 2, device=dev)
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    meta = AttnMeta(write_index=slots * max_len + positions, max_seqlen=max_len, context_lens=lens, slots=slots,
+                    cu_seqlens_q=torch.arange(5, device=dev, dtype=torch.int32))
+    ref_qkv, (k_ref, v_ref) = qkv.clone(), cache.clone()
+    qk = ref_qkv[:, :(heads + kv_heads) * dim].view(4, heads + kv_heads, dim)
+    kernels.rotary_(qk, positions, cos, sin)
+    write_kv(k_ref, v_ref, qk[:, heads:], ref_qkv[:, (heads + kv_heads) * dim:].view(4, kv_heads, dim), meta)
+    ref = cache_attention(qk[:, :heads], k_ref, v_ref, meta, dim ** -0.5, "sdpa")
+    k_cache, v_cache = cache
+    da.rotary_store_(qkv, positions, cos, sin, k_cache, v_cache, meta.write_index, heads, kv_heads)
+    assert torch.equal(qkv, ref_qkv) and torch.equal(cache, torch.stack([k_ref, v_ref]))
+    q = qkv[:, :heads * dim].view(4, heads, dim)
+    out = da.decode_attention(q, k_cache, v_cache, slots, lens, dim ** -0.5, splits)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_split_sampler_takes_the_lowest_id_of_equal_scores():
+    from hybridflow.engine.rollout import kernels
+
+    logits = torch.zeros(3, 151936, device="cuda")
+    logits[:, 150000] = logits[:, 9000] = logits[:, 9001] = 5.0
+    one, seed = torch.ones(1, device="cuda"), torch.tensor([7], device="cuda")
+    tokens, logprobs = kernels.sample_plain(logits, one, seed, True)
+    assert tokens.tolist() == [9000] * 3
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1)[:, 9000], atol=1e-3, rtol=0)

@@ -1,0 +1,169 @@
+"""Triton kernels of the attention half of a decode step on CUDA: rotary + K/V cache write, and split-KV
+attention of one query per row over its slot.
+
+Over the slot cache (`kv_cache.py`: `[slots + 1, max_len, kv_heads, head_dim]` per layer) a decode step
+of B rows has one new token per row. The general path for it (`attention.cache_attention`, flash's
+varlen kernel with one query per row, plus `index_copy_` writes and contiguous copies of q) ran at 3.4×
+its bandwidth floor on an H200 (docs/benchmarks.md, "Where a decode step's time goes"). Here:
+
+- `rotary_store_(qkv, positions, cos, sin, k_cache, v_cache, write_index, heads, kv_heads)`: one kernel
+  rotates the q and k heads of the fused projection output in place (HF rotate-half, the same rounding
+  as `kernels.rotary_`) and stores each token's k and v heads at its flat cache position.
+- `decode_attention(q, k_cache, v_cache, slots, context_lens, scale, splits)`: each program takes one
+  row, one KV head with all the query heads that share it (the group is read from q where the
+  projection left it, no copy), and one of `splits` pieces of the row's context, and runs an online
+  softmax over it; with several pieces a second kernel merges them by their log-sum-exp (flash-
+  decoding). The grid is fixed by the batch and `splits`, and each row's length is read on the device,
+  so it runs inside the decode CUDA graphs.
+
+`supported(head_dim)` says whether a shape can take these kernels (a power-of-two head dimension ≥ 16);
+the caller keeps the general path otherwise, and on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.rollout.kernels import triton
+
+if triton is not None:
+    import triton.language as tl
+
+BLOCK_N = 64  # cached positions per loop iteration of an attention program
+SPLIT_MIN = 256  # the fewest cached positions worth a piece of their own
+
+
+def supported(head_dim: int) -> bool:
+    return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def decode_splits(rows: int, kv_heads: int, max_len: int, programs: int) -> int:
+    """Pieces each row's context is split into: enough (row, KV head, piece) programs to give the GPU
+    `programs` of them, but no piece shorter than SPLIT_MIN positions of a full slot."""
+    return max(1, min(-(-programs // (rows * kv_heads)), max_len // SPLIT_MIN))
+
+
+def rotary_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor, heads: int,
+                  kv_heads: int) -> None:
+    """qkv [T, (heads + 2 kv_heads) * D] (q heads, then k, then v): rotate q and k in place by positions [T]
+    (cos/sin [max_len, D] fp32 tables) and write k and v to flat cache position write_index [T] of one
+    layer's caches ([slots + 1, max_len, kv_heads, D])."""
+    tokens = qkv.shape[0]
+    dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    _rotary_store_kernel[(tokens, heads + 2 * kv_heads)](
+        qkv, positions, cos, sin, k_cache, v_cache, write_index, qkv.stride(0), cos.stride(0),
+        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
+    """q [B, H, D] (any row stride, heads contiguous) over each row's slot's first context_lens positions
+    -> [B, H, D] in q's dtype. k/v_cache [slots + 1, max_len, Hkv, D]; slots, context_lens [B]."""
+    rows, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
+    if splits == 1:
+        part_o = part_lse = out
+    else:
+        part_o = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(rows, kv_heads, splits)](
+        q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, q.stride(0), k_cache.stride(0),
+        k_cache.stride(1), scale, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=dim, SPLITS=splits, BLOCK=BLOCK_N, num_warps=4)
+    if splits > 1:
+        _merge_kernel[(rows * heads,)](part_o, part_lse, out, SPLITS=splits,
+                                       SPLITS_PAD=triton.next_power_of_2(splits), D=dim)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotary_store_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, index_ptr, stride_t, stride_c,
+                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        offs = tl.arange(0, HALF)
+        base = x_ptr + t * stride_t + head * 2 * HALF
+        dest = tl.load(index_ptr + t).to(tl.int64) * (KV_HEADS * 2 * HALF)
+        if head < HEADS + KV_HEADS:
+            pos = tl.load(pos_ptr + t)
+            dt = x_ptr.dtype.element_ty
+            x1 = tl.load(base + offs).to(tl.float32)
+            x2 = tl.load(base + HALF + offs).to(tl.float32)
+            c1 = tl.load(cos_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
+            c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
+            s1 = tl.load(sin_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
+            s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
+            # reference: x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype
+            o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+            o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+            tl.store(base + offs, o1)
+            tl.store(base + HALF + offs, o2)
+            if head >= HEADS:
+                k_base = k_ptr + dest + (head - HEADS) * 2 * HALF
+                tl.store(k_base + offs, o1)
+                tl.store(k_base + HALF + offs, o2)
+        else:
+            full = tl.arange(0, 2 * HALF)
+            tl.store(v_ptr + dest + (head - HEADS - KV_HEADS) * 2 * HALF + full, tl.load(base + full))
+
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, stride_q,
+                       stride_slot, stride_pos, scale, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(len_ptr + row)
+        piece = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
+        start = split * piece
+        end = tl.minimum(start + piece, length)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        in_group = g < GROUP
+        head = kv_head * GROUP + g
+        q = tl.load(q_ptr + row * stride_q + head[:, None] * D + d[None, :], mask=in_group[:, None], other=0.0)
+        cache = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * D
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for first in range(start, end, BLOCK):
+            n = first + tl.arange(0, BLOCK)
+            valid = n < end
+            at = cache + n[:, None].to(tl.int64) * stride_pos + d[None, :]
+            k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_m = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - new_m)
+            p = tl.exp(scores - new_m[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = new_m
+        if SPLITS == 1:
+            tl.store(out_ptr + (row * HEADS + head[:, None]) * D + d[None, :],
+                     (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+        else:  # an empty piece (a short row) stores a log-sum-exp of -inf: the merge gives it no weight
+            done = total > 0
+            at = (row * HEADS + head) * SPLITS + split
+            tl.store(part_o_ptr + at[:, None] * D + d[None, :],
+                     acc / tl.where(done, total, 1.0)[:, None], mask=in_group[:, None])
+            tl.store(part_lse_ptr + at, tl.where(done, m + tl.log(total), float("-inf")), mask=in_group)
+
+    @triton.jit
+    def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                      D: tl.constexpr):
+        row_head = tl.program_id(0)
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, D)
+        lse = tl.load(part_lse_ptr + row_head * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+        weight = tl.exp(lse - tl.max(lse, axis=0))
+        o = tl.load(part_o_ptr + (row_head * SPLITS + s)[:, None] * D + d[None, :], mask=(s < SPLITS)[:, None],
+                    other=0.0)
+        merged = tl.sum(weight[:, None] * o, axis=0) / tl.sum(weight, axis=0)
+        tl.store(out_ptr + row_head * D + d, merged.to(out_ptr.dtype.element_ty))
