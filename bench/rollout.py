@@ -77,17 +77,24 @@ def check_kernels(device: torch.device) -> dict:
 
 def decode_attention_sweep(device: torch.device) -> dict:
     """Decode attention over the slot cache, one layer: flash's varlen kernel (the path before the Triton
-    kernel) against `decode_attention` at several splits, microseconds per call (CUDA events, 200 calls),
-    and the splits the engine picks; at the 0.5B (7 query heads per KV head, D 64) and 1.5B (6, D 128)
-    shapes, rows of the mean short (256) and long (2,560) contexts."""
+    kernel) against `decode_attention` at several splits, tiles and warp counts; device microseconds per
+    call (20 calls captured in a CUDA graph, replayed 10 times), and the splits the engine picks; at the
+    0.5B (7 query heads per KV head, D 64) and 1.5B (6, D 128) shapes, rows of the mean short (256) and
+    long (2,560) contexts."""
     from hybridflow.engine.rollout import attention, decode_attention as da
 
     def timed(fn) -> float:
         fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                fn()
+        graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(200):
-            fn()
+        for _ in range(10):
+            graph.replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / 200
@@ -100,18 +107,22 @@ def decode_attention_sweep(device: torch.device) -> dict:
         slots = torch.arange(rows, device=device)
         lens = torch.full((rows,), context, device=device, dtype=torch.int32)
         starts = slots * max_len
-        meta = attention.AttnMeta(write_index=starts, cu_seqlens=torch.cat([starts, starts[-1:] + max_len]).int(),
-                                  cu_seqlens_q=torch.arange(rows + 1, device=device, dtype=torch.int32),
-                                  max_seqlen=max_len, context_lens=lens, slots=slots)
+        cu_k = torch.cat([starts, starts[-1:] + max_len]).int()
+        cu_q = torch.arange(rows + 1, device=device, dtype=torch.int32)
         flash = timed(lambda: torch.ops.aten._flash_attention_forward(
-            q, cache[0].view(-1, 2, dim), cache[1].view(-1, 2, dim), meta.cu_seqlens_q, meta.cu_seqlens, 1,
-            max_len, 0.0, False, False, scale=dim ** -0.5, seqused_k=lens))
-        triton_us = {s: timed(lambda s=s: da.decode_attention(q, cache[0], cache[1], slots, lens, dim ** -0.5, s))
-                     for s in (1, 2, 4, 8)}
+            q, cache[0].view(-1, 2, dim), cache[1].view(-1, 2, dim), cu_q, cu_k, 1, max_len, 0.0, False, False,
+            scale=dim ** -0.5, seqused_k=lens))
+        triton_us = {f"splits{s}_block{b}_warps{w}": timed(lambda s=s, b=b, w=w: da.decode_attention(
+            q, cache[0], cache[1], slots, lens, dim ** -0.5, s, b, w))
+            for s in (1, 2, 4) for b in (32, 64, 128) for w in (2, 4)}
+        best = min(triton_us, key=triton_us.get)
+        picked = da.decode_splits(rows, 2, max_len, attention._programs(device))
+        default = triton_us[f"splits{picked}_block{da.BLOCK_N}_warps{da.WARPS}"] if picked <= 4 else None
         key = f"rows{rows}_group{group}_d{dim}_ctx{context}"
-        out[key] = dict(flash_us=flash, triton_us=triton_us, picked_splits=da.decode_splits(
-            rows, 2, max_len, attention._programs(device)))
-        print("decode attention", key, out[key], flush=True)
+        out[key] = dict(flash_us=flash, triton_us=triton_us, best=best, picked_splits=picked, default_us=default,
+                        floor_us=2 * rows * context * 2 * dim * 2 / 4.8e12 * 1e6)
+        print("decode attention", key, f"flash {flash:.1f} us, best {best} {triton_us[best]:.1f} us, "
+              f"default {default} us, floor {out[key]['floor_us']:.1f} us", flush=True)
     return out
 
 

@@ -30,6 +30,7 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_N = 64  # cached positions per loop iteration of an attention program
+WARPS = 4
 SPLIT_MIN = 256  # the fewest cached positions worth a piece of their own
 
 
@@ -51,15 +52,18 @@ def rotary_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     layer's caches ([slots + 1, max_len, kv_heads, D])."""
     tokens = qkv.shape[0]
     dim = qkv.shape[1] // (heads + 2 * kv_heads)
-    _rotary_store_kernel[(tokens, heads + 2 * kv_heads)](
-        qkv, positions, cos, sin, k_cache, v_cache, write_index, qkv.stride(0), cos.stride(0),
-        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2)
+    _rotary_store_kernel[(tokens,)](
+        qkv, positions, cos, sin, k_cache, v_cache, write_index, qkv.stride(0), cos.stride(0), HEADS=heads,
+        KV_HEADS=kv_heads, HALF=dim // 2, QK_PAD=triton.next_power_of_2(heads + kv_heads),
+        KV_PAD=triton.next_power_of_2(kv_heads))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, splits: int, block: int = BLOCK_N,
+                     warps: int = WARPS) -> torch.Tensor:
     """q [B, H, D] (any row stride, heads contiguous) over each row's slot's first context_lens positions
-    -> [B, H, D] in q's dtype. k/v_cache [slots + 1, max_len, Hkv, D]; slots, context_lens [B]."""
+    -> [B, H, D] in q's dtype. k/v_cache [slots + 1, max_len, Hkv, D]; slots, context_lens [B]. `block`
+    and `warps` are the kernel's tile and warp count (`bench/rollout.py` sweeps them)."""
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -72,7 +76,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, q.stride(0), k_cache.stride(0),
         k_cache.stride(1), scale, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=dim, SPLITS=splits, BLOCK=BLOCK_N, num_warps=4)
+        D=dim, SPLITS=splits, BLOCK=block, num_warps=warps)
     if splits > 1:
         _merge_kernel[(rows * heads,)](part_o, part_lse, out, SPLITS=splits,
                                        SPLITS_PAD=triton.next_power_of_2(splits), D=dim)
@@ -83,33 +87,35 @@ if triton is not None:
 
     @triton.jit
     def _rotary_store_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, index_ptr, stride_t, stride_c,
-                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
-        t = tl.program_id(0)
-        head = tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        base = x_ptr + t * stride_t + head * 2 * HALF
+                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                             QK_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+        t = tl.program_id(0)  # one program per token, all its heads
+        pos = tl.load(pos_ptr + t)
         dest = tl.load(index_ptr + t).to(tl.int64) * (KV_HEADS * 2 * HALF)
-        if head < HEADS + KV_HEADS:
-            pos = tl.load(pos_ptr + t)
-            dt = x_ptr.dtype.element_ty
-            x1 = tl.load(base + offs).to(tl.float32)
-            x2 = tl.load(base + HALF + offs).to(tl.float32)
-            c1 = tl.load(cos_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
-            c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
-            s1 = tl.load(sin_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
-            s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
-            # reference: x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype
-            o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-            o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-            tl.store(base + offs, o1)
-            tl.store(base + HALF + offs, o2)
-            if head >= HEADS:
-                k_base = k_ptr + dest + (head - HEADS) * 2 * HALF
-                tl.store(k_base + offs, o1)
-                tl.store(k_base + HALF + offs, o2)
-        else:
-            full = tl.arange(0, 2 * HALF)
-            tl.store(v_ptr + dest + (head - HEADS - KV_HEADS) * 2 * HALF + full, tl.load(base + full))
+        row = x_ptr + t * stride_t
+        dt = x_ptr.dtype.element_ty
+        h = tl.arange(0, QK_PAD)[:, None]
+        offs = tl.arange(0, HALF)[None, :]
+        qk = h < HEADS + KV_HEADS
+        x1 = tl.load(row + h * 2 * HALF + offs, mask=qk).to(tl.float32)
+        x2 = tl.load(row + h * 2 * HALF + HALF + offs, mask=qk).to(tl.float32)
+        c1 = tl.load(cos_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
+        # reference: x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype
+        o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        tl.store(row + h * 2 * HALF + offs, o1, mask=qk)
+        tl.store(row + h * 2 * HALF + HALF + offs, o2, mask=qk)
+        is_k = qk & (h >= HEADS)
+        k_at = k_ptr + dest + (h - HEADS) * 2 * HALF + offs
+        tl.store(k_at, o1, mask=is_k)
+        tl.store(k_at + HALF, o2, mask=is_k)
+        j = tl.arange(0, KV_PAD)[:, None]
+        full = tl.arange(0, 2 * HALF)[None, :]
+        v = tl.load(row + (HEADS + KV_HEADS + j) * 2 * HALF + full, mask=j < KV_HEADS)
+        tl.store(v_ptr + dest + j * 2 * HALF + full, v, mask=j < KV_HEADS)
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, stride_q,

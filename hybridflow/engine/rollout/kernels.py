@@ -84,7 +84,7 @@ def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tenso
     """Untruncated sampling from softmax(logits * inv_temp), or argmax when greedy, in one pass.
 
     logits [R, V] (any float dtype, computed in fp32); inv_temp [1] fp32 and seed [1] int64 on the
-    device (noise for row r, token v is Philox(seed, r * V + v)). Returns (tokens [R] int64, logprobs
+    device (Philox noise, four uniforms per counter). Returns (tokens [R] int64, logprobs
     [R] fp32); greedy log-probs are log_softmax(logits) (inv_temp is ignored).
 
     Two kernels: each row's vocabulary is split over `sample_splits(V)` programs, each of which keeps
@@ -166,39 +166,53 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=mask)
 
     @triton.jit
+    def _sample_scan(row_ptr, vocab, start, u, state, inv_temp, GREEDY: tl.constexpr, WIDTH: tl.constexpr):
+        """Fold the WIDTH logits of one row from token `start` (uniforms u for the Gumbel noise) into a
+        program's state (best score, its token, its logit, running max, running sum of exp)."""
+        best_score, best_idx, best_x, run_max, run_sum = state
+        cols = start + tl.arange(0, WIDTH)
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        if GREEDY:
+            score = x
+        else:
+            x = x * inv_temp
+            score = x - tl.log(-tl.log(u))  # + Gumbel noise; u == 0 gives -inf (never picked)
+        block_best = tl.max(score, axis=0)
+        block_idx = tl.argmax(score, axis=0)
+        block_x = tl.sum(tl.where(cols == start + block_idx, x, 0.0), axis=0)
+        better = block_best > best_score
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        return (tl.where(better, block_best, best_score), tl.where(better, start + block_idx, best_idx),
+                tl.where(better, block_x, best_x), new_max, run_sum)
+
+    @triton.jit
     def _sample_part_kernel(logits_ptr, stride, vocab, width, inv_temp_ptr, seed_ptr, parts_ptr, idx_ptr,
                             plane, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         split = tl.program_id(1)
         seed = tl.load(seed_ptr)
         inv_temp = tl.load(inv_temp_ptr)
-        best_score = tl.full([], float("-inf"), tl.float32)
-        best_x = tl.full([], float("-inf"), tl.float32)
-        best_idx = tl.full([], 0, tl.int32)
-        run_max = tl.full([], float("-inf"), tl.float32)
-        run_sum = tl.full([], 0.0, tl.float32)
+        state = (tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32),
+                 tl.full([], float("-inf"), tl.float32), tl.full([], float("-inf"), tl.float32),
+                 tl.full([], 0.0, tl.float32))
+        quarter: tl.constexpr = BLOCK // 4
+        lane = tl.arange(0, quarter)
+        row_ptr = logits_ptr + row * stride
         first = split * width
         for start in range(first, tl.minimum(first + width, vocab), BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < vocab
-            x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            # one Philox call gives four uniforms: the block is four quarters, quarter k takes the k-th;
+            # the counter is unique per (row, block, lane)
             if GREEDY:
-                score = x
+                u0 = tl.zeros([quarter], tl.float32)
+                u1, u2, u3 = u0, u0, u0
             else:
-                x = x * inv_temp
-                u = tl.rand(seed, row * vocab + cols)
-                score = x - tl.log(-tl.log(u))  # + Gumbel noise; u == 0 gives -inf (never picked)
-            score = tl.where(mask, score, float("-inf"))
-            block_best = tl.max(score, axis=0)
-            block_idx = tl.argmax(score, axis=0)
-            block_x = tl.sum(tl.where(cols == start + block_idx, x, 0.0), axis=0)
-            better = block_best > best_score
-            best_score = tl.where(better, block_best, best_score)
-            best_idx = tl.where(better, start + block_idx, best_idx)
-            best_x = tl.where(better, block_x, best_x)
-            new_max = tl.maximum(run_max, tl.max(x, axis=0))
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            run_max = new_max
+                u0, u1, u2, u3 = tl.rand4x(seed, (row * tl.cdiv(vocab, BLOCK) + start // BLOCK) * quarter + lane)
+            state = _sample_scan(row_ptr, vocab, start, u0, state, inv_temp, GREEDY, quarter)
+            state = _sample_scan(row_ptr, vocab, start + quarter, u1, state, inv_temp, GREEDY, quarter)
+            state = _sample_scan(row_ptr, vocab, start + 2 * quarter, u2, state, inv_temp, GREEDY, quarter)
+            state = _sample_scan(row_ptr, vocab, start + 3 * quarter, u3, state, inv_temp, GREEDY, quarter)
+        best_score, best_idx, best_x, run_max, run_sum = state
         at = row * tl.num_programs(1) + split
         tl.store(parts_ptr + at, best_score)
         tl.store(parts_ptr + plane + at, best_x)
