@@ -8,13 +8,14 @@
     python bench/rollout.py --device cuda --profile           # + a torch.profiler account of a decode run
 
 On CPU: the fixed-length run at batch 64 (prompt 32, 64 new tokens; ours and `generate` alternate
-three times and the medians are reported, since the 2-core machine is shared), then an RL-shaped one (prompts of varied length, ~2 % of
-the vocabulary as stop ids) where `generate` pads and keeps computing finished rows.
+three times and the medians are reported, since the 2-core machine is shared), then an RL-shaped one
+(prompts of varied length, ~2 % of the vocabulary as stop ids) where `generate` pads and keeps computing
+finished rows.
 On CUDA: the fused kernels against torch, one layer's decode attention (flash against the Triton
-kernel at several splits), a parity check (greedy on a small random Qwen2 in fp32 must match HF token for token; in bf16
-the first tokens and the log-probs are compared), the device-copy bandwidth, then at the Qwen2-0.5B and
-1.5B shapes (random bf16 weights): the weight sync (`load_weights` from the HF model's parameters),
-sleep/wake, tokens/s of ours and of `generate` at batch 64 and 256 (prompt 128, 256 new tokens, EOS
+kernel at several splits and tiles), a parity check (greedy on a small random Qwen2 in fp32 must match
+HF token for token; in bf16 the first tokens and the log-probs are compared), the device-copy
+bandwidth, then at the Qwen2-0.5B and 1.5B shapes (random bf16 weights): the weight sync
+(`load_weights` from the HF model's parameters), sleep/wake, tokens/s of ours and of `generate` at batch 64 and 256 (prompt 128, 256 new tokens, EOS
 ignored, temperature 1), the decode step against the bandwidth roofline, and a run with varied stop
 lengths (4x as many prompts as slots; ~1 % of the vocabulary are stop ids) comparing continuous
 batching with waves of static batches; then the long-response regime at both shapes (prompt 512, up
@@ -116,8 +117,8 @@ def decode_attention_sweep(device: torch.device) -> dict:
             q, cache[0], cache[1], slots, lens, dim ** -0.5, s, b, w))
             for s in (1, 2, 4) for b in (32, 64, 128) for w in (2, 4)}
         best = min(triton_us, key=triton_us.get)
-        picked = da.decode_splits(rows, 2, max_len, attention._programs(device))
-        default = triton_us[f"splits{picked}_block{da.BLOCK_N}_warps{da.WARPS}"] if picked <= 4 else None
+        picked = da.decode_splits(rows, 2, max_len, attention._multiprocessors(device))
+        default = triton_us.get(f"splits{picked}_block{da.block_for(dim)}_warps{da.WARPS}")
         key = f"rows{rows}_group{group}_d{dim}_ctx{context}"
         out[key] = dict(flash_us=flash, triton_us=triton_us, best=best, picked_splits=picked, default_us=default,
                         floor_us=2 * rows * context * 2 * dim * 2 / 4.8e12 * 1e6)

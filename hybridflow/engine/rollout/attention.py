@@ -122,7 +122,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Each row's queries (packed by `cu_seqlens_q`; one per row in decode) over its slot's first
     context_lens positions, causally: the last query of a row sees the whole context. q [T, H, D] -> [T, H, D]."""
     if backend == "flash" and meta.max_seqlen_q == 1 and decode_attention.supported(q.shape[-1]):
-        splits = decode_attention.decode_splits(q.shape[0], k_cache.shape[2], meta.max_seqlen, _programs(q.device))
+        splits = decode_attention.decode_splits(q.shape[0], k_cache.shape[2], meta.max_seqlen,
+                                                _multiprocessors(q.device))
         return decode_attention.decode_attention(q, k_cache, v_cache, meta.slots, meta.context_lens, scale, splits)
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(
@@ -138,9 +139,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 @functools.cache
-def _programs(device: torch.device) -> int:
-    """Decode attention programs that fill the GPU: four per multiprocessor."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _cache_layout(meta: AttnMeta):

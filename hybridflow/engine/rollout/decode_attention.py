@@ -29,19 +29,26 @@ from hybridflow.engine.rollout.kernels import triton
 if triton is not None:
     import triton.language as tl
 
-BLOCK_N = 64  # cached positions per loop iteration of an attention program
-WARPS = 4
 SPLIT_MIN = 256  # the fewest cached positions worth a piece of their own
+# tiles of 4,096 K elements (64 positions at head_dim 64, 32 at 128) and 2 warps were the fastest of
+# 32-128 positions x 2-4 warps on an H200 (`bench/rollout.py`'s decode attention sweep, docs/benchmarks.md)
+TILE_ELEMENTS, WARPS = 4096, 2
 
 
 def supported(head_dim: int) -> bool:
     return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def decode_splits(rows: int, kv_heads: int, max_len: int, programs: int) -> int:
-    """Pieces each row's context is split into: enough (row, KV head, piece) programs to give the GPU
-    `programs` of them, but no piece shorter than SPLIT_MIN positions of a full slot."""
-    return max(1, min(-(-programs // (rows * kv_heads)), max_len // SPLIT_MIN))
+def decode_splits(rows: int, kv_heads: int, max_len: int, multiprocessors: int) -> int:
+    """Pieces each row's context is split into: one while the (row, KV head) programs alone fill the
+    multiprocessors (one piece was fastest at 64 and 256 rows on an H200), else enough pieces to fill
+    them, none shorter than SPLIT_MIN positions of a full slot (few rows over long contexts)."""
+    return max(1, min(multiprocessors // (rows * kv_heads), max_len // SPLIT_MIN))
+
+
+def block_for(head_dim: int) -> int:
+    """Cached positions per loop iteration of an attention program."""
+    return max(16, TILE_ELEMENTS // head_dim)
 
 
 def rotary_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -59,11 +66,11 @@ def rotary_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, splits: int, block: int = BLOCK_N,
+                     context_lens: torch.Tensor, scale: float, splits: int, block: int | None = None,
                      warps: int = WARPS) -> torch.Tensor:
     """q [B, H, D] (any row stride, heads contiguous) over each row's slot's first context_lens positions
     -> [B, H, D] in q's dtype. k/v_cache [slots + 1, max_len, Hkv, D]; slots, context_lens [B]. `block`
-    and `warps` are the kernel's tile and warp count (`bench/rollout.py` sweeps them)."""
+    and `warps` are the kernel's tile (None: `block_for(D)`) and warp count (`bench/rollout.py` sweeps them)."""
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -76,7 +83,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, q.stride(0), k_cache.stride(0),
         k_cache.stride(1), scale, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=dim, SPLITS=splits, BLOCK=block, num_warps=warps)
+        D=dim, SPLITS=splits, BLOCK=block or block_for(dim), num_warps=warps)
     if splits > 1:
         _merge_kernel[(rows * heads,)](part_o, part_lse, out, SPLITS=splits,
                                        SPLITS_PAD=triton.next_power_of_2(splits), D=dim)

@@ -166,25 +166,24 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=mask)
 
     @triton.jit
-    def _sample_scan(row_ptr, vocab, start, u, state, inv_temp, GREEDY: tl.constexpr, WIDTH: tl.constexpr):
-        """Fold the WIDTH logits of one row from token `start` (uniforms u for the Gumbel noise) into a
-        program's state (best score, its token, its logit, running max, running sum of exp)."""
-        best_score, best_idx, best_x, run_max, run_sum = state
-        cols = start + tl.arange(0, WIDTH)
+    def _sample_lanes(row_ptr, vocab, start, u, state, inv_temp, GREEDY: tl.constexpr, LANES: tl.constexpr):
+        """Fold the LANES logits of one row from token `start` (uniforms u for the Gumbel noise) into a
+        program's per-lane state (best score, its token, its logit, running max, running sum of exp):
+        elementwise, so a block costs no cross-warp reduction."""
+        best, best_idx, best_x, run_max, run_sum = state
+        cols = start + tl.arange(0, LANES)
         x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         if GREEDY:
             score = x
         else:
             x = x * inv_temp
             score = x - tl.log(-tl.log(u))  # + Gumbel noise; u == 0 gives -inf (never picked)
-        block_best = tl.max(score, axis=0)
-        block_idx = tl.argmax(score, axis=0)
-        block_x = tl.sum(tl.where(cols == start + block_idx, x, 0.0), axis=0)
-        better = block_best > best_score
-        new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        return (tl.where(better, block_best, best_score), tl.where(better, start + block_idx, best_idx),
-                tl.where(better, block_x, best_x), new_max, run_sum)
+        better = score > best  # strict: a lane keeps the lowest token id of equal scores
+        new_max = tl.maximum(run_max, x)
+        run_sum = tl.where(new_max == float("-inf"), 0.0,
+                           run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max))
+        return (tl.where(better, score, best), tl.where(better, cols, best_idx), tl.where(better, x, best_x),
+                new_max, run_sum)
 
     @triton.jit
     def _sample_part_kernel(logits_ptr, stride, vocab, width, inv_temp_ptr, seed_ptr, parts_ptr, idx_ptr,
@@ -193,11 +192,10 @@ if triton is not None:
         split = tl.program_id(1)
         seed = tl.load(seed_ptr)
         inv_temp = tl.load(inv_temp_ptr)
-        state = (tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32),
-                 tl.full([], float("-inf"), tl.float32), tl.full([], float("-inf"), tl.float32),
-                 tl.full([], 0.0, tl.float32))
         quarter: tl.constexpr = BLOCK // 4
         lane = tl.arange(0, quarter)
+        low = tl.full([quarter], float("-inf"), tl.float32)
+        state = (low, tl.zeros([quarter], tl.int32), low, low, tl.zeros([quarter], tl.float32))
         row_ptr = logits_ptr + row * stride
         first = split * width
         for start in range(first, tl.minimum(first + width, vocab), BLOCK):
@@ -208,17 +206,22 @@ if triton is not None:
                 u1, u2, u3 = u0, u0, u0
             else:
                 u0, u1, u2, u3 = tl.rand4x(seed, (row * tl.cdiv(vocab, BLOCK) + start // BLOCK) * quarter + lane)
-            state = _sample_scan(row_ptr, vocab, start, u0, state, inv_temp, GREEDY, quarter)
-            state = _sample_scan(row_ptr, vocab, start + quarter, u1, state, inv_temp, GREEDY, quarter)
-            state = _sample_scan(row_ptr, vocab, start + 2 * quarter, u2, state, inv_temp, GREEDY, quarter)
-            state = _sample_scan(row_ptr, vocab, start + 3 * quarter, u3, state, inv_temp, GREEDY, quarter)
-        best_score, best_idx, best_x, run_max, run_sum = state
+            state = _sample_lanes(row_ptr, vocab, start, u0, state, inv_temp, GREEDY, quarter)
+            state = _sample_lanes(row_ptr, vocab, start + quarter, u1, state, inv_temp, GREEDY, quarter)
+            state = _sample_lanes(row_ptr, vocab, start + 2 * quarter, u2, state, inv_temp, GREEDY, quarter)
+            state = _sample_lanes(row_ptr, vocab, start + 3 * quarter, u3, state, inv_temp, GREEDY, quarter)
+        best, best_idx, best_x, run_max, run_sum = state
+        top = tl.max(best, axis=0)
+        winner = tl.min(tl.where(best == top, best_idx, 2**31 - 1), axis=0)  # the lowest id of equal scores
+        top_max = tl.max(run_max, axis=0)
         at = row * tl.num_programs(1) + split
-        tl.store(parts_ptr + at, best_score)
-        tl.store(parts_ptr + plane + at, best_x)
-        tl.store(parts_ptr + 2 * plane + at, run_max)
-        tl.store(parts_ptr + 3 * plane + at, run_sum)
-        tl.store(idx_ptr + at, best_idx)
+        tl.store(parts_ptr + at, top)
+        tl.store(parts_ptr + plane + at,
+                 tl.max(tl.where((best == top) & (best_idx == winner), best_x, float("-inf")), axis=0))
+        tl.store(parts_ptr + 2 * plane + at, top_max)
+        tl.store(parts_ptr + 3 * plane + at,
+                 tl.sum(tl.where(run_max == float("-inf"), 0.0, run_sum * tl.exp(run_max - top_max)), axis=0))
+        tl.store(idx_ptr + at, winner)
 
     @triton.jit
     def _sample_combine_kernel(parts_ptr, idx_ptr, plane, splits, tok_ptr, lp_ptr, SPLITS: tl.constexpr):
