@@ -11,17 +11,16 @@ On CPU: the fixed-length run at batch 64 (prompt 32, 64 new tokens; ours and `ge
 three times and the medians are reported, since the 2-core machine is shared), then an RL-shaped one
 (prompts of varied length, ~2 % of the vocabulary as stop ids) where `generate` pads and keeps computing
 finished rows.
-On CUDA: the fused kernels against torch, one layer's decode attention (flash against the Triton
-kernel at several splits and tiles), a parity check (greedy on a small random Qwen2 in fp32 must match
-HF token for token; in bf16 the first tokens and the log-probs are compared), the device-copy
-bandwidth, then at the Qwen2-0.5B and 1.5B shapes (random bf16 weights): the weight sync
-(`load_weights` from the HF model's parameters), sleep/wake, tokens/s of ours and of `generate` at
-batch 64 and 256 (prompt 128, 256 new tokens, EOS ignored, temperature 1), the decode step against the bandwidth roofline, and a run with varied stop
-lengths (4x as many prompts as slots; ~1 % of the vocabulary are stop ids) comparing continuous
-batching with waves of static batches; then the long-response regime at both shapes (prompt 512, up
-to 4,096 new tokens, batch 256: bench/rollout_long.py) and the shared prefill of n samples (32 prompts
-x 8). On CPU the long regime, the shared-prefill check and the profile run at a toy size. Prints a
-table and writes JSON.
+On CUDA: the fused kernels against torch, one layer's decode attention (flash against the Triton kernel at
+several splits and tiles), a parity check (greedy on a small random Qwen2 in fp32 must match HF token for
+token; in bf16 the first tokens and the log-probs are compared), the device-copy bandwidth, then at the
+Qwen2-0.5B and 1.5B shapes (random bf16 weights): the weight sync (`load_weights` from the HF model's
+parameters), sleep/wake, tokens/s of ours and of `generate` at batch 64 and 256 (prompt 128, 256 new tokens,
+EOS ignored, temperature 1), the decode step against the bandwidth roofline, and a run with varied stop
+lengths (4x as many prompts as slots; ~1 % of the vocabulary are stop ids) comparing continuous batching with
+waves of static batches; then the long-response regime at both shapes (prompt 512, up to 4,096 new tokens,
+batch 256: bench/rollout_long.py) and the shared prefill of n samples (32 prompts x 8). On CPU the long
+regime, the shared-prefill check and the profile run at a toy size. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
