@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from grpo_vs_trl import git_commit
 from hybridflow.engine.rollout import SamplingParams
 from rollout_long import bench_long, profile_decode, shared_prefill
 from rollout_util import engine_from, hf_generate, make_model, median, ours_generate, sync
@@ -317,7 +318,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-                  torch=torch.__version__)
+                  torch=torch.__version__, commit=git_commit())
     import transformers
 
     result["transformers"] = transformers.__version__

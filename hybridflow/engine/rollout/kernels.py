@@ -8,7 +8,7 @@ the fast path stays close to `transformers`; on CPU (or without Triton) the torc
 - `add_rms_norm(h, delta, weight, eps)` -> (norm(h + delta) * weight, h + delta)   rows [T, N]
 - `rotary_(x, positions, cos, sin)`: HF rotate-half RoPE in place on x [T, heads, D]
 - `silu_mul(gate_up)` -> silu(gate) * up                                          [T, 2I] -> [T, I]
-- `sample_plain(logits, inv_temp, seed, greedy)` -> (token, log-prob) per row, one pass over the
+- `sample_plain(logits, inv_temp, seed, greedy)` -> (token, log-prob) per row, one read of the
   logits (Gumbel-max with counter-based Philox noise; log-prob from an online logsumexp). The
   temperature and the seed are read from device tensors, so a captured CUDA graph can replay it with
   a new seed each step and any session's temperature.
@@ -81,16 +81,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Untruncated sampling from softmax(logits * inv_temp), or argmax when greedy, in one pass.
+    """Untruncated sampling from softmax(logits * inv_temp), or argmax when greedy, in one read of the logits.
 
     logits [R, V] (any float dtype, computed in fp32); inv_temp [1] fp32 and seed [1] int64 on the
     device (Philox noise, four uniforms per counter). Returns (tokens [R] int64, logprobs
     [R] fp32); greedy log-probs are log_softmax(logits) (inv_temp is ignored).
 
     Two kernels: each row's vocabulary is split over `sample_splits(V)` programs, each of which keeps
-    its piece's best (score, token, logit) and its running (max, sum of exp); the second combines a
-    row's pieces. One program per row left most of the GPU idle at 256 rows (docs/benchmarks.md). Ties
-    go to the lowest token id, as in one pass.
+    its piece's best (score, token, logit) and its running (max, sum of exp) per lane, reduced once at
+    its end; the second combines a row's pieces. One program per row, and a cross-warp reduction per
+    block, cost twice as much at 256 rows (docs/benchmarks.md). Ties go to the lowest token id.
     """
     rows, vocab = logits.shape
     splits = sample_splits(vocab)
@@ -107,7 +107,7 @@ def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tenso
 
 
 SAMPLE_BLOCK = 2048  # logits per loop iteration of a sampling program
-SAMPLE_WIDTH = 8192  # logits per program (a 151,936-token vocabulary: 19 programs per row)
+SAMPLE_WIDTH = 8192  # logits per program (a 151,936-token vocabulary: 19 programs per row; docs/benchmarks.md)
 
 
 def sample_splits(vocab: int) -> int:
