@@ -39,6 +39,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from grpo_vs_trl import git_commit
 from hybridflow.utils.model_shapes import QWEN_SHAPES
 
 SHAPES = {
@@ -360,7 +361,8 @@ def main() -> None:
         torch.cuda.set_device(0)
     ceiling = matmul_tflops() if cuda else None
     results = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-               "transformers": transformers.__version__, "bf16_matmul_tflops_measured": ceiling,
+               "transformers": transformers.__version__, "commit": git_commit(),
+               "bf16_matmul_tflops_measured": ceiling,
                "settings": {k: v for k, v in vars(args).items() if k != "out"}, "shapes": {}}
     out = args.out or f"bench/results/train_{'h200' if cuda else 'cpu'}.json"
 
