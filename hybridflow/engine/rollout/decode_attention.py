@@ -73,6 +73,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     and `warps` are the kernel's tile (None: `block_for(D)`) and warp count (`bench/rollout.py` sweeps them)."""
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
+    if q.stride()[1:] != (dim, 1) or k_cache.stride()[2:] != (dim, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"decode_attention reads heads of {dim} contiguous elements: q strides {q.stride()}, "
+                         f"k/v cache strides {k_cache.stride()} / {v_cache.stride()}")
     group = heads // kv_heads
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     if splits == 1:

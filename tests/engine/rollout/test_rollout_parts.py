@@ -1,5 +1,6 @@
 """Pieces of the rollout engine on their own: SamplingParams validation, the sampler, the scheduler, the
-CUDA-graph buckets, and the `transformers.generate` fallback for an architecture without a fast path."""
+CUDA-graph buckets, the decode attention split heuristic, and the `transformers.generate` fallback for an
+architecture without a fast path."""
 
 from __future__ import annotations
 
@@ -160,3 +161,13 @@ def test_engine_hf_on_a_fast_architecture_matches_the_fast_engine(spread_model):
         [o[0].token_ids for o in fast.generate(prompts, params)]
     with pytest.raises(ValueError, match="engine='vllm' is invalid"):
         RolloutEngine.from_pretrained(path, engine="vllm")
+
+
+def test_decode_attention_splits_a_row_only_when_rows_leave_the_gpu_idle():
+    from hybridflow.engine.rollout.decode_attention import block_for, decode_splits
+
+    assert decode_splits(rows=256, kv_heads=2, max_len=384, multiprocessors=132) == 1
+    assert decode_splits(rows=64, kv_heads=2, max_len=4608, multiprocessors=132) == 1
+    assert decode_splits(rows=8, kv_heads=2, max_len=8192, multiprocessors=132) == 8
+    assert decode_splits(rows=1, kv_heads=1, max_len=1024, multiprocessors=132) == 4  # pieces >= 256 positions
+    assert (block_for(64), block_for(128), block_for(256)) == (64, 32, 16)
