@@ -3,6 +3,8 @@
     python bench/compile_warmup.py --device cpu --model tiny                 # toy size on 2 CPU cores
     python bench/compile_warmup.py --device cpu --model PATH                 # e.g. SmolLM2-135M (fp32)
     python bench/compile_warmup.py --device cuda --model PATH                # on a GPU (bf16 over fp32)
+    python bench/compile_warmup.py --device cuda --model smollm2 --mode cold --checkpointing --rows 64 \
+        --prompt 100 --response 200     # the race's model shape, random weights: the first step's stall
 
 Each mode runs in its own process with an empty inductor cache: `cold` compiles at first use (the warm-up
 off), `warmup` trains eagerly while the warm-up subprocess compiles, then switches. A step is one no-grad
@@ -10,7 +12,10 @@ log-prob pass with entropy plus one optimizer step (forward + backward with an e
 `--rows` random rows; steps run until `--after` steps have run compiled (or `--max-s` seconds). Prints and
 writes (`--out`, default bench/results/compile_warmup_<device>.json) each step's seconds and whether it ran
 compiled, the warm-up's duration, and on a GPU the allocator's peak and the device's (the whole GPU's used
-memory, the warm-up subprocess's included: `grpo_vs_trl.DeviceMemoryWatch`).
+memory, the warm-up subprocess's included: `grpo_vs_trl.DeviceMemoryWatch`). Each mode's JSON also holds
+where its compilation went (`compile_s`: dynamo's timed phases summed over the graphs), dynamo's graph
+counts and recompiles. On a GPU the engine runs in a one-rank process group (FSDP2 mixed precision), as in
+a training run. `--model smollm2` is SmolLM2-135M's shape (30 layers) with random weights.
 """
 
 from __future__ import annotations
@@ -40,12 +45,25 @@ def run_mode(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     watch = DeviceMemoryWatch() if device.type == "cuda" else None
+    if device.type == "cuda":  # a one-rank group, as a training run has: FSDP2's bf16 over fp32 master weights
+        import torch.distributed as dist
+
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     path = args.model
     if path == "tiny":
         from hybridflow.utils.tiny_model import build_tiny_model
 
         path = str(build_tiny_model(tempfile.mkdtemp(prefix="tiny-"), layers=4))
-    cfg = SimpleNamespace(path=path, dtype="auto", compile=True, compile_warmup=args.mode == "warmup")
+    elif path == "smollm2":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        path = tempfile.mkdtemp(prefix="smollm2-shape-")
+        LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                     tie_word_embeddings=True, rope_theta=100000.0)).save_pretrained(path)
+    cfg = SimpleNamespace(path=path, dtype="auto", compile=True, compile_warmup=args.mode == "warmup",
+                          gradient_checkpointing=args.checkpointing)
     optim = SimpleNamespace(lr=1e-5, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0,
                             weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0)
     engine = TrainEngine(cfg, optim, device=device)
@@ -59,12 +77,23 @@ def run_mode(args: argparse.Namespace) -> dict:
     while sum(s["compiled"] for s in steps) < args.after and time.perf_counter() - start < args.max_s:
         t = time.perf_counter()
         engine.infer(batch, with_entropy=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        infer_s = time.perf_counter() - t
         engine.train_step(batch, loss_fn, with_entropy=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        steps.append({"seconds": round(time.perf_counter() - t, 3), "compiled": engine.compiled})
+        steps.append({"seconds": round(time.perf_counter() - t, 3), "infer_s": round(infer_s, 3),
+                      "compiled": engine.compiled})
+    from torch._dynamo.utils import compile_times, counters
+
+    phases, seconds = compile_times(repr="csv", aggregate=True)
     out = {"mode": args.mode, "steps": steps, "until_compiled_s": round(time.perf_counter() - start, 2),
-           "warmup_s": engine.warmup_seconds}
+           "warmup_s": engine.warmup_seconds,
+           # where this process's compilation went (dynamo's timed phases, summed over its graphs) and how many
+           # graphs it compiled: the first step's stall, by phase
+           "compile_s": {phase: round(float(value), 2) for phase, value in zip(phases, seconds)},
+           "dynamo_stats": dict(counters["stats"]), "recompiles": dict(counters["recompiles"])}
     if watch is not None:
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["peak_device_memory_gb"] = watch.stop()
@@ -75,12 +104,13 @@ def run_mode(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--model", default="tiny", help="a Hugging Face model directory, or tiny")
+    parser.add_argument("--model", default="tiny", help="a Hugging Face model directory, tiny or smollm2")
     parser.add_argument("--mode", default="both", choices=("both", "cold", "warmup"))
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=24)
     parser.add_argument("--response", type=int, default=40)
     parser.add_argument("--after", type=int, default=2, help="compiled steps to run before stopping")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (the default under 1B)")
     parser.add_argument("--max-s", type=float, default=600.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

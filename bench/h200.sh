@@ -36,6 +36,14 @@ rollout_long() { python3 bench/rollout.py --device cuda --long --long-max "${LON
     --out "$OUT/rollout_long_h200.json" 2>&1 | tee "$OUT/rollout_long.log"; }
 scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:default,7b:8bit,14b:bf16_8bit}" \
     --budget-s "${SCALE_BUDGET_S:-540}" --out "$OUT/scale_h200.json" 2>&1 | tee "$OUT/scale.log"; }
+# where the first compiled step's stall goes (issue 23): the race's model shape, random weights, cold caches
+compile_first_step() {
+    local cache
+    cache=$(mktemp -d)
+    TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton python3 bench/compile_warmup.py --device cuda \
+        --model smollm2 --mode cold --checkpointing --rows 64 --prompt 100 --response 200 2>&1 \
+        | tee "$OUT/compile_first_step.log"
+}
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
