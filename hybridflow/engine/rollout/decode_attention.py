@@ -7,8 +7,8 @@ varlen kernel with one query per row, plus `index_copy_` writes and contiguous c
 its bandwidth floor on an H200 (docs/benchmarks.md, "Where a decode step's time goes"). Here:
 
 - `rotary_store_(qkv, positions, cos, sin, k_cache, v_cache, write_index, heads, kv_heads)`: one kernel
-  rotates the q and k heads of the fused projection output in place (HF rotate-half, the same rounding
-  as `kernels.rotary_`) and stores each token's k and v heads at its flat cache position.
+  rotates the q and k heads of the fused projection output in place (`kernels.rope_halves`, as
+  `kernels.rotary_` does) and stores each token's k and v heads at its flat cache position.
 - `decode_attention(q, k_cache, v_cache, slots, context_lens, scale, splits)`: each program takes one
   row, one KV head with all the query heads that share it (the group is read from q where the
   projection left it, no copy), and one of `splits` pieces of the row's context, and runs an online
@@ -28,6 +28,8 @@ from hybridflow.engine.rollout.kernels import triton
 
 if triton is not None:
     import triton.language as tl
+
+    from hybridflow.engine.rollout.kernels import rope_halves
 
 SPLIT_MIN = 256  # the fewest cached positions worth a piece of their own
 # tiles of 4,096 K elements (64 positions at head_dim 64, 32 at 128) and 2 warps were the fastest of
@@ -103,19 +105,12 @@ if triton is not None:
         pos = tl.load(pos_ptr + t)
         dest = tl.load(index_ptr + t).to(tl.int64) * (KV_HEADS * 2 * HALF)
         row = x_ptr + t * stride_t
-        dt = x_ptr.dtype.element_ty
         h = tl.arange(0, QK_PAD)[:, None]
         offs = tl.arange(0, HALF)[None, :]
         qk = h < HEADS + KV_HEADS
         x1 = tl.load(row + h * 2 * HALF + offs, mask=qk).to(tl.float32)
         x2 = tl.load(row + h * 2 * HALF + HALF + offs, mask=qk).to(tl.float32)
-        c1 = tl.load(cos_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
-        # reference: x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype
-        o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        o1, o2 = rope_halves(x1, x2, x_ptr, cos_ptr, sin_ptr, pos, stride_c, offs, HALF)
         tl.store(row + h * 2 * HALF + offs, o1, mask=qk)
         tl.store(row + h * 2 * HALF + HALF + offs, o2, mask=qk)
         is_k = qk & (h >= HEADS)
