@@ -97,7 +97,7 @@ class Attention(nn.Module):
         tokens, (q_size, kv_size, _) = x.shape[0], self.splits
         qkv = self.qkv_proj(x)
         v = qkv[:, q_size + kv_size:].view(tokens, self.kv_heads, self.head_dim)
-        fused = not hasattr(self, "q_norm") and self.store_fused(qkv, positions, meta)
+        fused = self.store_fused(qkv, positions, meta)
         if hasattr(self, "q_norm"):
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
             q = self.q_norm(q.reshape(tokens, self.heads, self.head_dim))[0]
@@ -121,9 +121,11 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, -1))
 
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
-        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, each token
-        written once, a power-of-two head dimension); else rotary and `write_kv` run apart."""
-        return positions is not None and meta.write_rows is None and use_triton(qkv) and supported(self.head_dim)
+        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, q and k
+        rotated as projected (no per-head norms), each token written once, a power-of-two head dimension);
+        else rotary and `write_kv` run apart."""
+        return (not hasattr(self, "q_norm") and positions is not None and meta.write_rows is None
+                and use_triton(qkv) and supported(self.head_dim))
 
 
 class MLP(nn.Module):
