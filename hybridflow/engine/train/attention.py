@@ -8,7 +8,8 @@ attending across another; any other call (padded rows and their mask) runs plain
 made per call from the arguments, so recomputation under gradient checkpointing takes the same path.
 
 On CUDA the packed kernel is `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative
-lengths, no padding, no mask); elsewhere one causal SDPA call per row.
+lengths, no padding, no mask) for half-precision inputs; elsewhere, and for fp32 outside autocast, one
+causal SDPA call per row.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ except ImportError:  # torch without the varlen module: the mask path serves
 
 def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+
+
+def _flash_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """q/k/v in a dtype flash takes (fp16/bf16), or None when there is none. Under autocast q and k arrive
+    in fp32 although the projections ran in half precision: the models' rotary tables are fp32 and
+    promote them. They take autocast's dtype, which is what the projections already rounded to."""
+    half = (torch.float16, torch.bfloat16)
+    if q.dtype in half and k.dtype in half and v.dtype in half:
+        return q, k, v
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        if dtype in half:
+            return tuple(t.to(dtype) for t in (q, k, v))
+    return None
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
@@ -72,10 +87,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if query.shape[0] != 1:
         raise ValueError(f"packed attention needs one row [1, T]; got a batch of {query.shape[0]} rows")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-    if q.is_cuda and _varlen_attn is not None:
+    flash = _flash_dtype(q, k, v) if q.is_cuda and _varlen_attn is not None else None
+    if flash is not None:
         # passed through as it came (no int()): under torch.compile it is symbolic, and int() would
         # specialise the compiled layer on each micro-batch's longest row
-        out = _flash_varlen(q, k, v, cu, kwargs["max_length_q"], scaling)
+        out = _flash_varlen(*flash, cu, kwargs["max_length_q"], scaling)
     else:
         out = _looped_varlen(q, k, v, cu, scaling)
     return out.unsqueeze(0), None

@@ -120,3 +120,29 @@ def test_the_compile_warm_up_under_fsdp2_fills_the_cache_the_switch_hits(tiny_qw
     assert engine.compiled and counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
     assert counters["inductor"]["fxgraph_cache_hit"] >= 4, dict(counters["inductor"])
     torch.testing.assert_close(compiled["log_probs"], eager["log_probs"], atol=5e-2, rtol=5e-2)
+
+
+def test_packed_attention_takes_fp32_query_and_key_under_autocast():
+    """A bf16-autocast forward hands the attention fp32 q/k (fp32 rotary tables promote them) and bf16 v:
+    flash refuses fp32, so they take autocast's dtype, and the result matches the per-row SDPA path."""
+    from hybridflow.engine.train.attention import _looped_varlen, varlen_attention_forward
+
+    torch.manual_seed(0)
+    lens = [5, 17, 9]
+    t, hq, hkv, d = sum(lens), 4, 2, 64
+    q = torch.randn(1, hq, t, d, device="cuda")
+    k = torch.randn(1, hkv, t, d, device="cuda")
+    v = torch.randn(1, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5, 22, 31], device="cuda", dtype=torch.int32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, _ = varlen_attention_forward(torch.nn.Module(), q, k, v, None, scaling=d ** -0.5,
+                                          cu_seq_lens_q=cu, max_length_q=max(lens))
+    assert out.dtype == torch.bfloat16 and out.shape == (1, t, hq, d)
+    ref = _looped_varlen(*(x[0].transpose(0, 1).to(torch.bfloat16) for x in (q, k, v)), cu, d ** -0.5)
+    torch.testing.assert_close(out[0].float(), ref.float(), atol=2e-2, rtol=2e-2)
+    fp32 = (q, k, v.float())  # outside autocast fp32 takes the per-row path, not flash (which refuses it)
+    out32, _ = varlen_attention_forward(torch.nn.Module(), *fp32, None, scaling=d ** -0.5, cu_seq_lens_q=cu,
+                                        max_length_q=max(lens))
+    ref32 = _looped_varlen(*(x[0].transpose(0, 1) for x in fp32), cu, d ** -0.5)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32[0], ref32)
