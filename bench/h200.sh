@@ -41,7 +41,8 @@ compile_first_step() {
     local cache
     cache=$(mktemp -d)
     TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton python3 bench/compile_warmup.py --device cuda \
-        --model smollm2 --mode cold --checkpointing --rows 64 --prompt 100 --response 200 2>&1 \
+        --model smollm2 --mode cold --checkpointing --rows 64 --prompt 100 --response 200 \
+        --out "$OUT/compile_first_step.json" 2>&1 \
         | tee "$OUT/compile_first_step.log"
 }
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
