@@ -48,7 +48,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     if device.type == "cuda":  # a one-rank group, as a training run has: FSDP2's bf16 over fp32 master weights
         import torch.distributed as dist
 
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # a bare "cuda" has no index, which set_device needs
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     path = args.model
     if path == "tiny":
