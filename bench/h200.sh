@@ -32,6 +32,8 @@ train() { python3 bench/train.py --compile on --budgets full,16384,32768 --check
 grpo() { python3 bench/grpo_vs_trl.py --device cuda --steps 8 --out "$OUT/grpo_vs_trl_cuda.json" 2>&1 | tee "$OUT/grpo.log"; }
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
     | tee "$OUT/rollout.log"; }
+# the decode step's GEMMs alone: cuBLAS, cuBLASLt and Triton tiles at 64-512 rows (issue 19)
+decode_gemm() { python3 bench/decode_gemm.py --device cuda --out "$OUT/decode_gemm_h200.json" 2>&1 | tee "$OUT/decode_gemm.log"; }
 rollout_long() { python3 bench/rollout.py --device cuda --long --long-max "${LONG_MAX:-4096}" \
     --out "$OUT/rollout_long_h200.json" 2>&1 | tee "$OUT/rollout_long.log"; }
 scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:default,7b:8bit,14b:bf16_8bit}" \
