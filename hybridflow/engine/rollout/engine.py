@@ -250,7 +250,14 @@ class RolloutEngine:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy (HF name, tensor) pairs into the weights in place (see `CausalLM.load_weights`); returns
-        how many tensors were loaded."""
+        how many tensors were loaded. Offloaded weights come back to the device first and stay there (the
+        next `wake` has nothing to move): one bulk copy in, where writing each trainer tensor into host
+        memory cost a synchronous device-to-host copy per tensor (19.2 s of a 14B step, docs/benchmarks.md).
+        The trainer has freed its gradients by then, so its parameters and these weights take no more than
+        its update did."""
+        if self.weights_offloaded:
+            self._move_weights(self.device)
+            self.weights_offloaded = False
         return len(self.model.load_weights(named_tensors))
 
     def sleep(self, offload_weights: bool = False) -> None:
@@ -278,8 +285,20 @@ class RolloutEngine:
         self.stats["wake_s"] = time.perf_counter() - start
 
     def _move_weights(self, device: torch.device) -> None:
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            tensor.data = tensor.data.to(device)
+        """Every parameter and buffer to `device`. From a GPU they go to page-locked host memory (PyTorch's
+        host allocator caches the blocks, so each sleep reuses them) as asynchronous copies with one wait
+        at the end; back, the copies from page-locked memory are asynchronous too. Copies through pageable
+        memory ran at about 2.8 GB/s (a 14B step's 55 GB of rollout moves took 20 s, docs/benchmarks.md)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if device.type == "cpu" and self.device.type == "cuda":
+            for tensor in tensors:
+                host = torch.empty_like(tensor.data, device="cpu", pin_memory=True)
+                host.copy_(tensor.data, non_blocking=True)
+                tensor.data = host
+            torch.cuda.synchronize(self.device)
+            return
+        for tensor in tensors:
+            tensor.data = tensor.data.to(device, non_blocking=True)
 
     @torch.inference_mode()
     def _capture(self) -> None:

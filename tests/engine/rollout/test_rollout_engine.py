@@ -192,6 +192,24 @@ def test_sleep_wake_round_trip(spread_model, offload):
     assert [o[0].token_ids for o in after] == [o[0].token_ids for o in before]
 
 
+def test_a_sync_into_offloaded_weights_brings_them_back_and_wake_moves_nothing(spread_model):
+    from safetensors.torch import load_file
+
+    old_path, new_path = spread_model("llama", seed=0), spread_model("llama", seed=1)
+    engine = RolloutEngine.from_pretrained(old_path, max_num_seqs=8)
+    engine.sleep(offload_weights=True)
+    assert engine.weights_offloaded
+    state = load_file(str(new_path / "model.safetensors"))
+    assert engine.load_weights(state.items()) == len(state)
+    assert not engine.weights_offloaded and engine.kv.k is None  # the weights are back, the cache still asleep
+    moved = []
+    engine._move_weights = moved.append
+    engine.wake()
+    assert moved == []
+    fresh = RolloutEngine.from_pretrained(new_path, max_num_seqs=8).generate(PROMPTS, GREEDY)
+    assert [o[0].token_ids for o in engine.generate(PROMPTS, GREEDY)] == [o[0].token_ids for o in fresh]
+
+
 def test_bad_prompts_get_clear_errors(spread_model):
     engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"prompt 1 has 64 tokens.*max_model_len=64"):

@@ -88,8 +88,17 @@ def test_sleep_gives_memory_back_and_wake_keeps_the_graphs(spread_model):
     assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
     engine.sleep(offload_weights=True)  # weights move: the graphs must be captured again
     assert engine.graphs is None
+    weights = list(engine.model.parameters())
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in weights)
     engine.wake()
-    assert engine.graphs is not graphs
+    assert engine.graphs is not graphs and all(p.is_cuda for p in weights)
+    assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
+    engine.sleep(offload_weights=True)  # a sync into offloaded weights brings them back before copying
+    from safetensors.torch import load_file
+
+    engine.load_weights((k, v.to("cuda")) for k, v in load_file(str(path / "model.safetensors")).items())
+    assert not engine.weights_offloaded and all(p.is_cuda for p in weights)
+    engine.wake()
     assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
 
 
