@@ -5,11 +5,14 @@
     python bench/compile_warmup.py --device cuda --model PATH                # on a GPU (bf16 over fp32)
     python bench/compile_warmup.py --device cuda --model smollm2 --mode cold --checkpointing --rows 64 \
         --prompt 100 --response 200     # the race's model shape, random weights: the first step's stall
+    python bench/compile_warmup.py --device cuda --model smollm2 --mode eager --checkpointing --rows 512 \
+        --prompt 100 --response 190 --after 3   # what a race-sized step costs uncompiled
 
 Each mode runs in its own process with an empty inductor cache: `cold` compiles at first use (the warm-up
-off), `warmup` trains eagerly while the warm-up subprocess compiles, then switches. A step is one no-grad
-log-prob pass with entropy plus one optimizer step (forward + backward with an entropy term) on
-`--rows` random rows; steps run until `--after` steps have run compiled (or `--max-s` seconds). Prints and
+off), `warmup` trains eagerly while the warm-up subprocess compiles, then switches; `eager` (run on its
+own, not part of the default `both`) never compiles. A step is one no-grad log-prob pass with entropy plus
+one optimizer step (forward + backward with an entropy term) on `--rows` random rows; steps run until
+`--after` steps have run compiled (eager: `--after` steps) or `--max-s` seconds have passed. Prints and
 writes (`--out`, default bench/results/compile_warmup_<device>.json) each step's seconds and whether it ran
 compiled, the warm-up's duration, and on a GPU the allocator's peak and the device's (the whole GPU's used
 memory, the warm-up subprocess's included: `grpo_vs_trl.DeviceMemoryWatch`). Each mode's JSON also holds
@@ -62,7 +65,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                                      tie_word_embeddings=True, rope_theta=100000.0)).save_pretrained(path)
-    cfg = SimpleNamespace(path=path, dtype="auto", compile=True, compile_warmup=args.mode == "warmup",
+    cfg = SimpleNamespace(path=path, dtype="auto", compile=args.mode != "eager", compile_warmup=args.mode == "warmup",
                           gradient_checkpointing=args.checkpointing)
     optim = SimpleNamespace(lr=1e-5, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0,
                             weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0)
@@ -74,7 +77,8 @@ def run_mode(args: argparse.Namespace) -> dict:
         return ((out["log_probs"] - 0.01 * out["entropy"]) * mask).sum() / ctx.global_tokens, {}
 
     steps, start = [], time.perf_counter()
-    while sum(s["compiled"] for s in steps) < args.after and time.perf_counter() - start < args.max_s:
+    counted = (lambda: len(steps)) if args.mode == "eager" else (lambda: sum(s["compiled"] for s in steps))
+    while counted() < args.after and time.perf_counter() - start < args.max_s:
         t = time.perf_counter()
         engine.infer(batch, with_entropy=True)
         if device.type == "cuda":
@@ -105,17 +109,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="tiny", help="a Hugging Face model directory, tiny or smollm2")
-    parser.add_argument("--mode", default="both", choices=("both", "cold", "warmup"))
+    parser.add_argument("--mode", default="both", choices=("both", "cold", "warmup", "eager"),
+                        help="eager: no compilation, --after steps (what a step costs before the compile lands)")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=24)
     parser.add_argument("--response", type=int, default=40)
-    parser.add_argument("--after", type=int, default=2, help="compiled steps to run before stopping")
+    parser.add_argument("--after", type=int, default=2, help="compiled steps (eager: steps) to run before stopping")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (the default under 1B)")
     parser.add_argument("--max-s", type=float, default=600.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.mode != "both":
-        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        result = run_mode(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        if args.out:  # a child of `both` has none: its parent writes
+            Path(args.out).write_text(json.dumps({"args": vars(args), "commit": git_commit(), "runs": [result]},
+                                                 indent=2))
         return
     results = []
     for mode in ("cold", "warmup"):

@@ -47,6 +47,16 @@ compile_first_step() {
         --out "$OUT/compile_first_step.json" 2>&1 \
         | tee "$OUT/compile_first_step.log"
 }
+# a race-sized step (512 rows of 100 + 190 tokens at SmolLM2's shape, checkpointed) eager and compiled: what
+# the first steps cost before a compile lands, against after (issue 23)
+race_step() {
+    local mode
+    for mode in eager cold; do
+        TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 bench/compile_warmup.py --device cuda --model smollm2 \
+            --mode $mode --checkpointing --rows 512 --prompt 100 --response 190 --after 3 \
+            --out "$OUT/race_step_$mode.json" 2>&1 | tee "$OUT/race_step_$mode.log"
+    done
+}
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
