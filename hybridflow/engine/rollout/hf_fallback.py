@@ -85,7 +85,9 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the model in place; unknown names raise KeyError."""
+        """Copy HF-named tensors into the model in place; unknown names raise KeyError. An offloaded model
+        comes back to the device first, as `RolloutEngine.load_weights` does."""
+        self.model.to(self.device)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         count = 0
         for name, tensor in named_tensors:
