@@ -143,3 +143,18 @@ def test_bad_inputs_name_the_problem():
         token_log_probs(torch.zeros(2, 4), torch.zeros(6, 4), torch.zeros(2, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match=r"weight \[V, H\]"):
         token_log_probs(torch.zeros(2, 4), torch.zeros(6, 5), torch.zeros(2, dtype=torch.long))
+
+
+def test_packed_attention_gives_flash_a_half_precision_dtype_or_none():
+    """Under autocast q/k can arrive in fp32 (the rotary tables promote them): they take autocast's dtype;
+    outside autocast fp32 has no flash dtype (the per-row path runs), and half precision passes through."""
+    from hybridflow.engine.train.attention import _flash_dtype
+
+    q, k, v = torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8).bfloat16()
+    assert _flash_dtype(q, k, v) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = _flash_dtype(q, k, v)
+    assert [t.dtype for t in cast] == [torch.bfloat16] * 3
+    torch.testing.assert_close(cast[0], q.bfloat16())
+    half = (q.half(), k.half(), v.half())
+    assert all(a is b for a, b in zip(_flash_dtype(*half), half))
