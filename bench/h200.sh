@@ -61,6 +61,12 @@ model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
     --eval-every-s "${RACE_EVERY_S:-15}" --out "$OUT/learn_vs_trl_h200.json" 2>&1 | tee "$OUT/race.log"; }
+# one framework of the race (RACE_ONLY=hybridflow or trl), for a budget too long for both in one call: the
+# other runs in the next call while the machine is warm (the GGUF stays), then, here,
+# `python bench/learn_vs_trl.py --merge A.json B.json --out bench/results/learn_vs_trl_cuda_<sha>.json`
+race_only() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --only "$RACE_ONLY" \
+    --budget-s "${RACE_BUDGET_S:-450}" --eval-every-s "${RACE_EVERY_S:-15}" --out "$OUT/learn_vs_trl_$RACE_ONLY.json" \
+    2>&1 | tee "$OUT/race_$RACE_ONLY.log"; }
 # recipes/multiturn_retry.yaml on the real model, trained end to end for MT_STEPS steps (synthetic GSM8K data)
 multiturn_train() {
     local model data=/tmp/mt_data run=/tmp/mt_run

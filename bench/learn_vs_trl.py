@@ -222,6 +222,40 @@ def summarize(results: dict) -> dict:
             "time_fraction": None if reached is None else reached / trl_final["train_s"]}
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One race report from two `--only` runs, hybridflow's and TRL's (each may have its own device call:
+    a long budget does not fit one). Their settings must be equal; the commits are both kept."""
+    a, b = reports
+    differ = sorted(k for k in set(a["settings"]) | set(b["settings"]) if a["settings"].get(k) != b["settings"].get(k))
+    if differ:
+        raise ValueError("the runs' settings differ in " + ", ".join(
+            f"{k} ({a['settings'].get(k)!r} against {b['settings'].get(k)!r})" for k in differ))
+    results = {**a["results"], **b["results"]}
+    if set(results) != {"hybridflow", "trl"} or len(a["results"]) + len(b["results"]) != 2:
+        raise ValueError(f"need one hybridflow run and one TRL run, got {list(a['results'])} and {list(b['results'])}")
+    return {**a, "commit": [a["commit"], b["commit"]], "results": results, "summary": summarize(results)}
+
+
+def write_report(report: dict, out: Path) -> None:
+    """Print the table and the summary; write the JSON and the PNG next to it."""
+    results, summary = report["results"], report["summary"]
+    print(f"\n{'framework':<12}{'setup s':>9}{'steps':>7}{'start acc':>11}{'final acc':>11}{'best acc':>10}")
+    for name, r in results.items():
+        print(f"{name:<12}{r['setup_s']:>9.1f}{r['steps_done']:>7}{r['points'][0]['accuracy']:>11.1%}"
+              f"{r['final_accuracy']:>11.1%}{r['best_accuracy']:>10.1%}")
+    if summary:
+        reached = summary["hybridflow_train_s_to_trl_final"]
+        print(f"TRL's final accuracy {summary['trl_final_accuracy']:.1%} after {summary['trl_final_train_s']:.0f}s; "
+              + ("hybridflow never reached it" if reached is None else
+                 f"hybridflow reached it after {reached:.0f}s ({summary['time_fraction']:.2f} of TRL's time)"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    settings = report["settings"]
+    plot(results, out.with_suffix(".png"),
+         f"GRPO on SmolLM2-135M-Instruct, {settings['prompts']}x{settings['n']}, {report['device']}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -243,11 +277,20 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra hybridflow override (repeatable), e.g. actor.rollout_correction.mode=token_tis")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/learn_vs_trl_<device>.json)")
+    p.add_argument("--merge", nargs=2, metavar="JSON", help="combine two --only runs' JSONs (same settings) into "
+                                                            "one race report at --out, e.g. from two device calls")
     p.add_argument("--child", choices=("hybridflow", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.merge:
+        try:
+            report = merge_reports([json.loads(Path(f).read_text()) for f in a.merge])
+        except ValueError as e:
+            p.error(f"--merge {' '.join(a.merge)}: {e}")
+        write_report(report, Path(a.out or HERE / "results" / f"learn_vs_trl_{report['settings']['device']}.json"))
+        return
     cpu = a.device == "cpu"
     for key, (gpu_default, cpu_default) in {"prompts": (64, 2), "n": (8, 2), "max_new_tokens": (256, 8),
                                             "budget_s": (600.0, 20.0), "eval_every_s": (60.0, 10.0),
@@ -292,20 +335,7 @@ def main() -> None:
         report["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
     except ImportError:
         pass
-    print(f"\n{'framework':<12}{'setup s':>9}{'steps':>7}{'start acc':>11}{'final acc':>11}{'best acc':>10}")
-    for name, r in results.items():
-        print(f"{name:<12}{r['setup_s']:>9.1f}{r['steps_done']:>7}{r['points'][0]['accuracy']:>11.1%}"
-              f"{r['final_accuracy']:>11.1%}{r['best_accuracy']:>10.1%}")
-    if summary:
-        reached = summary["hybridflow_train_s_to_trl_final"]
-        print(f"TRL's final accuracy {summary['trl_final_accuracy']:.1%} after {summary['trl_final_train_s']:.0f}s; "
-              + ("hybridflow never reached it" if reached is None else
-                 f"hybridflow reached it after {reached:.0f}s ({summary['time_fraction']:.2f} of TRL's time)"))
-    out = Path(a.out or HERE / "results" / f"learn_vs_trl_{a.device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    plot(results, out.with_suffix(".png"), f"GRPO on SmolLM2-135M-Instruct, {a.prompts}x{a.n}, {report['device']}")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    write_report(report, Path(a.out or HERE / "results" / f"learn_vs_trl_{a.device}.json"))
 
 
 if __name__ == "__main__":
