@@ -17,6 +17,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.roles import (GROUP_KEYS, agent_enabled, needs_critic, needs_greedy_baseline, rollout_workers,
+                                     run_groups)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 # GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
@@ -218,26 +220,6 @@ def _algorithm_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def needs_critic(cfg: Any) -> bool:
-    """A critic (value model) is trained only for the estimator that uses values (`gae`)."""
-    return cfg.algorithm.adv_estimator == "gae"
-
-
-def needs_greedy_baseline(cfg: Any) -> bool:
-    """ReMax's baseline: each prompt's greedy response, generated and scored beside its n samples."""
-    return cfg.algorithm.adv_estimator == "remax"
-
-
-def needs_reference(cfg: Any) -> bool:
-    """A reference model is held only when a KL term uses it (KL loss or KL in reward)."""
-    return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
-
-
-def agent_enabled(agent: Any) -> bool:
-    """Multi-turn episodes are on when the `agent` section names an environment or tools."""
-    return agent is not None and bool(agent.environment or agent.tools)
-
-
 def _agent_problems(cfg: Any) -> list[str]:
     """Ranges of the `agent` section, and the engine multi-turn episodes need."""
     agent, problems = cfg.agent, []
@@ -253,11 +235,6 @@ def _agent_problems(cfg: Any) -> list[str]:
         problems.append("agent.environment / agent.tools continue live sequences turn by turn, which the fast engine "
                         "does and rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast")
     return problems
-
-
-def rollout_workers(cfg: Any) -> int:
-    """Processes of the separate rollout group (`rollout.n_workers`, null = `trainer.n_workers`)."""
-    return cfg.rollout.n_workers or cfg.trainer.n_workers
 
 
 def _rollout_placement_problems(cfg: Any) -> list[str]:
@@ -277,22 +254,6 @@ def _rollout_placement_problems(cfg: Any) -> list[str]:
                 f"(rollout.n_workers={rollout.n_workers}, null = trainer.n_workers); valid rollout.n_workers: "
                 f"{_join(divisors(prompts))}"]
     return []
-
-
-# Each group's pool: the `ray.<section>` that shapes it and the key that sizes it.
-GROUP_KEYS = {"actor": ("actor", "trainer.n_workers"), "critic": ("actor", "trainer.n_workers"),
-              "rollout": ("rollout", "rollout.n_workers")}
-
-
-def run_groups(cfg: Any) -> dict[str, int]:
-    """The worker groups an RL run starts, named as their `ray.<name>` sections, with their process counts:
-    the actor (with the roles colocated with it), the critic when split off, the rollout when separate."""
-    pools = {"actor": cfg.trainer.n_workers}
-    if needs_critic(cfg) and cfg.trainer.placement == "split":
-        pools["critic"] = cfg.trainer.n_workers
-    if cfg.rollout.placement == "separate":
-        pools["rollout"] = rollout_workers(cfg)
-    return pools
 
 
 def _changed(section: Any, default: Any, prefix: str) -> list[str]:

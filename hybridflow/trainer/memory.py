@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.config.validate import rollout_workers
+from hybridflow.config.roles import rollout_workers
 from hybridflow.engine.budget import DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole
 from hybridflow.engine.train.lora import trainable_params
 

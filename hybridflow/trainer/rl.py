@@ -22,7 +22,8 @@ from typing import Any
 from hybridflow import algorithms
 from hybridflow.agents.toolset import ToolSet
 from hybridflow.batch import Batch
-from hybridflow.config.validate import needs_greedy_baseline, needs_reference, validate
+from hybridflow.config.roles import needs_greedy_baseline, needs_reference
+from hybridflow.config.validate import validate
 from hybridflow.data.loader import BatchLoader, build_prompt_loaders
 from hybridflow.rewards.manager import RewardManager
 from hybridflow.tracking.metrics import (compute_agent_metrics, compute_data_metrics, compute_throughput,

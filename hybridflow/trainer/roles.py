@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.config.validate import needs_critic, needs_reference
+from hybridflow.config.roles import needs_critic, needs_reference
 from hybridflow.controller import Remote, WorkerGroup, colocate, wait_all
 from hybridflow.trainer.base import device_type, optimizer_steps
 from hybridflow.trainer.memory import device_demands

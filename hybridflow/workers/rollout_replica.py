@@ -14,7 +14,7 @@ import torch
 from hybridflow.agents import AgentLoop
 from hybridflow.agents.trajectory import STAT_FIELDS
 from hybridflow.batch import Batch
-from hybridflow.config.validate import agent_enabled
+from hybridflow.config.roles import agent_enabled
 from hybridflow.data.loader import PROMPT_FIELDS
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 

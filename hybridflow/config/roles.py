@@ -1,0 +1,48 @@
+"""Which roles and worker groups a run's config asks for: a critic, a reference model, ReMax's greedy baseline,
+multi-turn episodes, and the worker groups (with their process counts) the trainer starts. `validate`
+checks a config with these; the trainer builds its roles from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def needs_critic(cfg: Any) -> bool:
+    """A critic (value model) is trained only for the estimator that uses values (`gae`)."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def needs_greedy_baseline(cfg: Any) -> bool:
+    """ReMax's baseline: each prompt's greedy response, generated and scored beside its n samples."""
+    return cfg.algorithm.adv_estimator == "remax"
+
+
+def needs_reference(cfg: Any) -> bool:
+    """A reference model is held only when a KL term uses it (KL loss or KL in reward)."""
+    return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
+
+
+def agent_enabled(agent: Any) -> bool:
+    """Multi-turn episodes are on when the `agent` section names an environment or tools."""
+    return agent is not None and bool(agent.environment or agent.tools)
+
+
+def rollout_workers(cfg: Any) -> int:
+    """Processes of the separate rollout group (`rollout.n_workers`, null = `trainer.n_workers`)."""
+    return cfg.rollout.n_workers or cfg.trainer.n_workers
+
+
+# Each group's pool: the `ray.<section>` that shapes it and the key that sizes it.
+GROUP_KEYS = {"actor": ("actor", "trainer.n_workers"), "critic": ("actor", "trainer.n_workers"),
+              "rollout": ("rollout", "rollout.n_workers")}
+
+
+def run_groups(cfg: Any) -> dict[str, int]:
+    """The worker groups an RL run starts, named as their `ray.<name>` sections, with their process counts:
+    the actor (with the roles colocated with it), the critic when split off, the rollout when separate."""
+    pools = {"actor": cfg.trainer.n_workers}
+    if needs_critic(cfg) and cfg.trainer.placement == "split":
+        pools["critic"] = cfg.trainer.n_workers
+    if cfg.rollout.placement == "separate":
+        pools["rollout"] = rollout_workers(cfg)
+    return pools
