@@ -70,6 +70,8 @@ def test_fused_kernels_match_torch_references():
 
 
 def test_sleep_gives_memory_back_and_wake_keeps_the_graphs(spread_model):
+    from safetensors.torch import load_file
+
     path = spread_model("qwen2")
     params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
     prompts = [[5, 6, 7], [8] * 9, [9, 10]]
@@ -94,8 +96,6 @@ def test_sleep_gives_memory_back_and_wake_keeps_the_graphs(spread_model):
     assert engine.graphs is not graphs and all(p.is_cuda for p in weights)
     assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
     engine.sleep(offload_weights=True)  # a sync into offloaded weights brings them back before copying
-    from safetensors.torch import load_file
-
     engine.load_weights((k, v.to("cuda")) for k, v in load_file(str(path / "model.safetensors")).items())
     assert not engine.weights_offloaded and all(p.is_cuda for p in weights)
     engine.wake()
