@@ -87,6 +87,7 @@ class ActorWorker(EngineWorker):
         if self.rollout is None:
             raise RuntimeError("this ActorWorker was built with with_rollout=False; it cannot generate "
                                "(with rollout.placement=separate the RolloutWorker group generates)")
+        self._release_params()  # an update not followed by a weight push left them: the KV cache needs the room
         with budget.reported_oom("generation", self.plan, None, ROLLOUT_MEMORY_KEYS):
             return self.rollout.generate(batch, self.rank)
 
@@ -118,8 +119,9 @@ class ActorWorker(EngineWorker):
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
         mismatch = RolloutMismatch(self.cfg.rollout_correction, self.device)
-        metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy, mismatch), passes=self.cfg.ppo_epochs,
-                               prefix="actor", rollout_n=self.rollout_cfg.n,
+        # the weight push that follows an update reads the parameter shards: they stay on the device for it
+        metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy, mismatch), keep_params=True,
+                               passes=self.cfg.ppo_epochs, prefix="actor", rollout_n=self.rollout_cfg.n,
                                temperature=temperature_of(batch, self.rollout_cfg.temperature),
                                with_entropy=use_entropy or "entropy" not in batch)
         metrics.update(mismatch.metrics())
@@ -135,11 +137,11 @@ class ActorWorker(EngineWorker):
         a time and cast to the rollout dtype (a collective: every rank calls it); returns
         `timing_s/update_weights`."""
         start = time.perf_counter()
-        if self.cfg.param_offload:
+        if self.cfg.param_offload and not self.params_on_device:
             self.engine.onload(params=True, optimizer=False)
+            self.params_on_device = True
         consume(self.engine.rollout_weights(dtype=self.engine.precision.param))
-        if self.cfg.param_offload:
-            self.engine.offload(params=True, optimizer=False)
+        self._release_params()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"timing_s/update_weights": time.perf_counter() - start}

@@ -31,6 +31,9 @@ class EngineWorker(Worker):
     update_count: int = 0  # updates so far: seeds each update's mini-batch shuffle
     plan: budget.DevicePlan | None = None
     keys: str  # the role's config section ("actor")
+    # `param_offload`'s shards left on the device by an update for the weight push right after it (the actor's
+    # sync): moving them off and straight back on would cost two copies of the model per step
+    params_on_device: bool = False
     model_keys: str  # its model's ("model")
 
     def _plan_device(self, memory: budget.DeviceDemand | None, model_cfg: Any, role_cfg: Any) -> tuple[Any, Any]:
@@ -48,34 +51,49 @@ class EngineWorker(Worker):
 
     def _infer(self, batch: Batch, **options: Any) -> dict[str, torch.Tensor]:
         """`engine.infer` over `batch` with this role's micro-batching and packing (`options`: temperature,
-        with_entropy), its state on-loaded for the call."""
-        self._onload()
+        with_entropy), its parameters on-loaded for the call (a forward needs no optimizer state)."""
+        self._onload(optimizer=False)
         with self._reported_oom("forward pass"):
             out = self.engine.infer(batch.tensors, micro_batch_size=self.cfg.micro_batch_size,
                                     max_tokens=self.cfg.max_tokens_per_micro_batch, pack=self.cfg.use_packing,
                                     **options)
-        self._offload_idle()
+        self._offload_idle(optimizer=False)
         return out
 
-    def _update(self, batch: Batch, loss_fn: LossFn, **options: Any) -> dict[str, float]:
+    def _update(self, batch: Batch, loss_fn: LossFn, keep_params: bool = False, **options: Any) -> dict[str, float]:
         """One trainer step's optimizer steps on `batch` (`run_update` with this role's config; `options`: passes,
-        prefix, ...), its state on-loaded for the call; each update shuffles its mini-batches anew."""
+        prefix, ...), its state on-loaded for the call; each update shuffles its mini-batches anew. With
+        `keep_params` the parameter shards stay on the device afterwards (`params_on_device`)."""
         self._onload()
         with self._reported_oom("update"):
             metrics = run_update(self.engine, batch.tensors, self.cfg, loss_fn, seed=self.update_count, **options)
-        self._offload_idle()
+        self._offload_idle(keep_params)
         self.update_count += 1
         return metrics
 
-    def _offload_idle(self) -> None:
-        """Between uses: parameter shards / optimizer state to the CPU where the config says so."""
-        if self.cfg.param_offload or self.cfg.optimizer_offload:
-            self.engine.offload(params=self.cfg.param_offload, optimizer=self.cfg.optimizer_offload)
+    def _offload_idle(self, keep_params: bool = False, optimizer: bool = True) -> None:
+        """Between uses: parameter shards / optimizer state (unless `optimizer` is False: it was not on-loaded)
+        to the CPU where the config says so; with `keep_params` the shards stay on the device
+        (`params_on_device`)."""
+        keep = self.cfg.param_offload and keep_params
+        params = self.cfg.param_offload and not keep
+        optimizer = self.cfg.optimizer_offload and optimizer
+        if params or optimizer:
+            self.engine.offload(params=params, optimizer=optimizer)
+        self.params_on_device = keep
 
-    def _onload(self) -> None:
-        """Before a use: bring back what `_offload_idle` moved."""
-        if self.cfg.param_offload or self.cfg.optimizer_offload:
-            self.engine.onload(params=self.cfg.param_offload, optimizer=self.cfg.optimizer_offload)
+    def _release_params(self) -> None:
+        """The shards an update kept on the device (`params_on_device`) go to the CPU now."""
+        if self.params_on_device:
+            self.engine.offload(params=True, optimizer=False)
+            self.params_on_device = False
+
+    def _onload(self, optimizer: bool = True) -> None:
+        """Before a use: bring back what `_offload_idle` moved (the optimizer state only if `optimizer`)."""
+        params = self.cfg.param_offload and not self.params_on_device
+        optimizer = self.cfg.optimizer_offload and optimizer
+        if params or optimizer:
+            self.engine.onload(params=params, optimizer=optimizer)
 
     @register(Dispatch.BROADCAST)
     def save_checkpoint(self, role_dir: str) -> None:
