@@ -252,9 +252,9 @@ class RolloutEngine:
         """Copy (HF name, tensor) pairs into the weights in place (see `CausalLM.load_weights`); returns
         how many tensors were loaded. Offloaded weights come back to the device first and stay there (the
         next `wake` has nothing to move): one bulk copy in, where writing each trainer tensor into host
-        memory cost a synchronous device-to-host copy per tensor (19.2 s of a 14B step, docs/benchmarks.md).
-        The trainer has freed its gradients by then, so its parameters and these weights take no more than
-        its update did."""
+        memory was a synchronous device-to-host copy per tensor, most of the weight sync of an offloaded
+        14B run (docs/benchmarks.md). The trainer has freed its gradients by then, so its parameters and
+        these weights take no more than its update did."""
         if self.weights_offloaded:
             self._move_weights(self.device)
             self.weights_offloaded = False
@@ -288,7 +288,7 @@ class RolloutEngine:
         """Every parameter and buffer to `device`. From a GPU they go to page-locked host memory (PyTorch's
         host allocator caches the blocks, so each sleep reuses them) as asynchronous copies with one wait
         at the end; back, the copies from page-locked memory are asynchronous too. Copies through pageable
-        memory ran at about 2.8 GB/s (a 14B step's 55 GB of rollout moves took 20 s, docs/benchmarks.md)."""
+        memory were most of an offloaded 14B run's generation phase (docs/benchmarks.md)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
         if device.type == "cpu" and self.device.type == "cuda":
             for tensor in tensors:
