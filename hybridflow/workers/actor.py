@@ -137,11 +137,9 @@ class ActorWorker(EngineWorker):
         a time and cast to the rollout dtype (a collective: every rank calls it); returns
         `timing_s/update_weights`."""
         start = time.perf_counter()
-        if self.cfg.param_offload and not self.params_on_device:
-            self.engine.onload(params=True, optimizer=False)
-            self.params_on_device = True
+        self._onload(optimizer=False)  # nothing to move when the update before it kept the shards
         consume(self.engine.rollout_weights(dtype=self.engine.precision.param))
-        self._release_params()
+        self._offload_idle(optimizer=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"timing_s/update_weights": time.perf_counter() - start}
