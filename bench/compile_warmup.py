@@ -61,10 +61,10 @@ def run_mode(args: argparse.Namespace) -> dict:
     elif path == "smollm2":
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        from hybridflow.utils.model_shapes import SMOLLM2_135M
+
         path = tempfile.mkdtemp(prefix="smollm2-shape-")
-        LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                                     tie_word_embeddings=True, rope_theta=100000.0)).save_pretrained(path)
+        LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(path)
     cfg = SimpleNamespace(path=path, dtype="auto", compile=args.mode != "eager", compile_warmup=args.mode == "warmup",
                           gradient_checkpointing=args.checkpointing)
     optim = SimpleNamespace(lr=1e-5, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0,

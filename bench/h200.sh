@@ -28,6 +28,10 @@ gpu_tests() { python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovide
 # at 1.5B and 32k checkpointed ones at 0.5B
 train() { python3 bench/train.py --compile on --budgets full,16384,32768 --checkpointing off,on \
     --out "$OUT/train_h200.json" 2>&1 | tee "$OUT/train.log"; }
+# the learning race's update (SmolLM2-135M's shape, 512 rows): eager against compiled, micro-batch budgets up to
+# one forward, with recomputation (issue 23)
+train_race() { python3 bench/train.py --shapes smollm2 --budgets 32768,65536,full --compile off,on --checkpointing on \
+    --profile --out "$OUT/train_race_h200.json" 2>&1 | tee "$OUT/train_race.log"; }
 # 8 steps: TRL's steps vary by a third from one to the next, and its median needs several
 grpo() { python3 bench/grpo_vs_trl.py --device cuda --steps 8 --out "$OUT/grpo_vs_trl_cuda.json" 2>&1 | tee "$OUT/grpo.log"; }
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \

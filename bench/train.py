@@ -8,7 +8,8 @@ The question it answers (shared/PERF.md): does a 16k-token micro-batch update re
 one-forward update's tokens/s, at what device peak? Random bf16-initialised Qwen2 shapes with the real
 151,936-token vocabulary (built with `AutoConfig.for_model`), RL-shaped batches: prompts of 128-512 tokens
 (left-padded), responses of 32-1024 (right-padded, a quarter cut at 1024); `--rows` per shape (64 rows at
-0.5B, 32 at 1.5B, so that one forward still fits). Every configuration (shape x `--budgets` token budget,
+0.5B, 32 at 1.5B, so that one forward still fits). `smollm2` is the learning race's step: SmolLM2-135M's
+shape, 512 rows of 32-128 + 8-256 tokens. Every configuration (shape x `--budgets` token budget,
 `full` = one forward x `--compile` on/off x `--checkpointing` off/on) builds its own `TrainEngine` (FSDP2
 world size 1, bf16 over fp32 master weights, packed rows, the fused log-prob head), runs the old-log-prob
 pass, `--warmup` steps (the first compiles) and `--steps` timed PPO-clip steps. An out-of-memory error or
@@ -40,16 +41,18 @@ import torch
 import torch.distributed as dist
 
 from grpo_vs_trl import git_commit
-from hybridflow.utils.model_shapes import QWEN_SHAPES
+from hybridflow.utils.model_shapes import QWEN_SHAPES, SMOLLM2_135M
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
     "0.5b": QWEN_SHAPES["0.5b"],
     "1.5b": QWEN_SHAPES["1.5b"],
+    "smollm2": SMOLLM2_135M,  # the learning race's model: 512 rows of short prompts and responses
 }
-ROWS = {"tiny": 8, "0.5b": 64, "1.5b": 32}
-WIDTHS = {"tiny": (32, 64)}  # (prompt, response) columns; the rest: (512, 1024)
+MODEL_TYPES = {"smollm2": "llama"}  # the rest: qwen2
+ROWS = {"tiny": 8, "0.5b": 64, "1.5b": 32, "smollm2": 512}
+WIDTHS = {"tiny": (32, 64), "smollm2": (128, 256)}  # (prompt, response) columns; the rest: (512, 1024)
 
 
 def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -68,7 +71,8 @@ def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
 def build_model_dir(shape: str, root: str, device: str) -> tuple[str, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen2", max_position_embeddings=4096, rms_norm_eps=1e-6, **SHAPES[shape])
+    cfg = AutoConfig.for_model(MODEL_TYPES.get(shape, "qwen2"), max_position_embeddings=4096, rms_norm_eps=1e-6,
+                               **SHAPES[shape])
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     params = sum(p.numel() for p in model.parameters())
@@ -296,7 +300,7 @@ def _time(step, steps) -> float:
 def run_shape(shape: str, root: str, args, ceiling: float | None, results: dict, save) -> None:
     path, params = build_model_dir(shape, root, args.device)
     widths = WIDTHS.get(shape, (512, 1024))
-    batch = rl_batch(args.rows.get(shape, 64), SHAPES[shape]["vocab_size"], widths=widths)
+    batch = rl_batch(args.rows[shape], SHAPES[shape]["vocab_size"], widths=widths)
     entry = results["shapes"][shape] = {"params": params, "rows": len(batch["input_ids"]),
                                         "real_tokens_per_step": int(batch["attention_mask"].sum()),
                                         "padded_tokens_per_step": int(batch["attention_mask"].numel()), "runs": {}}
@@ -335,7 +339,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/train_<device>.json)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--shapes", default="0.5b,1.5b")
-    parser.add_argument("--rows", default="0.5b:64,1.5b:32,tiny:8", help="rows per mini-batch, per shape")
+    parser.add_argument("--rows", default="", help="rows per mini-batch, per shape (shape:rows,...); default "
+                        + ", ".join(f"{k}:{v}" for k, v in ROWS.items()))
     parser.add_argument("--budgets", default="full,16384", help="micro-batch token budgets; full = one forward")
     parser.add_argument("--compile", default="on,off", help="compiled decoder layers: on, off or both")
     parser.add_argument("--checkpointing", default="off", help="gradient checkpointing: off, on or both")
@@ -347,7 +352,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.hf and args.device != "cuda":
         parser.error("--hf times the plain loop on a GPU only")
-    args.rows = {k: int(v) for k, v in (item.split(":") for item in args.rows.split(","))}
+    args.rows = dict(ROWS, **{k: int(v) for k, v in (item.split(":") for item in args.rows.split(",") if item)})
     args.budgets = [None if b == "full" else int(b) for b in args.budgets.split(",")]
     args.compile = [c == "on" for c in args.compile.split(",")]
     args.checkpointing = [c == "on" for c in args.checkpointing.split(",")]

@@ -1,6 +1,7 @@
 """The real Qwen2 / Qwen2.5 model shapes (Hugging Face config keywords), in one table: the benchmarks build
 random-weight models of them and the memory-budget tests count them on the meta device, so a shape cannot
-drift between the two.
+drift between the two. `SMOLLM2_135M` is the real test model's shape (a Llama), for benchmarks at the
+learning race's size without the GGUF.
 
     AutoConfig.for_model("qwen2", **QWEN_SHAPES["7b"])
     build_tiny_model(path, **tiny_model_kwargs(QWEN_SHAPES["7b"]), model_vocab_size=...)
@@ -22,6 +23,10 @@ QWEN_SHAPES: dict[str, dict[str, Any]] = {
     "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
+
+SMOLLM2_135M: dict[str, Any] = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                    tie_word_embeddings=True, rope_theta=100000.0)
 
 
 def tiny_model_kwargs(shape: dict[str, Any]) -> dict[str, Any]:
