@@ -76,8 +76,10 @@ class ModelConfig:
                                     "rounding keeps small updates)", MASTER_DTYPES)
     gradient_checkpointing: Optional[bool] = opt(None, "recompute activations in backward to save memory; null = "
                                                        "on (GPU) for models under 1B parameters, whose update is "
-                                                       "host-bound (faster and leaner with recomputed 32k-token "
-                                                       "micro-batches), and where the device budget needs it; "
+                                                       "host-bound (faster and leaner with recomputed micro-batches "
+                                                       "of 32k tokens, more for smaller layers: "
+                                                       "ModelShape.host_bound_tokens), and where the device "
+                                                       "budget needs it; "
                                                        "off on a CPU")
     compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head (micro-batches "
                                         "are then not host-bound); null = on for CUDA, off on a CPU")

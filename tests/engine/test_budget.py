@@ -18,7 +18,7 @@ from hybridflow.engine.budget import (DeviceDemand, DoesNotFit, FrozenRole, Mode
                                       TrainedRole, plan)
 from hybridflow.engine.train.lora import trainable_params
 from hybridflow.engine.train.optim import OPTIMIZERS
-from hybridflow.utils.model_shapes import QWEN_SHAPES
+from hybridflow.utils.model_shapes import QWEN_SHAPES, SMOLLM2_135M
 
 GIB = 2**30
 H200 = (140 * GIB, 141 * GIB)  # (free, total)
@@ -78,6 +78,19 @@ def test_host_bound_models_checkpoint_longer_micro_batches_by_default():
     assert not large.gradient_checkpointing and large.max_tokens == budget.TARGET_TOKENS
     off = plan(grpo_demand("0.5b", gradient_checkpointing=False), *H200).roles["actor"]
     assert not off.gradient_checkpointing and off.max_tokens == budget.TARGET_TOKENS
+
+
+def test_smaller_layers_get_longer_checkpointed_micro_batches():
+    """The host work per micro-batch is per layer, the GPU work per token is the layer's parameters: SmolLM2-135M's
+    layers are 4.2x smaller than the 0.5B shape's, so its micro-batches are 4.2x longer, within the cap."""
+    smol = ModelShape.from_config(AutoConfig.for_model("llama", **SMOLLM2_135M))
+    assert smol.layer_params() == 576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536
+    assert smol.host_bound_tokens() == 32768 * 14_909_440 // smol.layer_params() == 138050
+    assert shape("0.5b").layer_params() == budget.estimate.REFERENCE_LAYER_PARAMS
+    assert shape("0.5b").host_bound_tokens() == budget.CHECKPOINTED_TARGET_TOKENS  # where 32k was measured best
+    assert shape("1.5b").host_bound_tokens() == budget.CHECKPOINTED_TARGET_TOKENS  # never shorter
+    tiny = ModelShape(params=10**6, layers=2, hidden=64, intermediate=256, kv_dim=32, vocab=512, largest_param=10**5)
+    assert tiny.host_bound_tokens() == budget.estimate.MAX_CHECKPOINTED_TOKENS
 
 
 def test_checkpointing_switches_on_where_activations_would_not_fit():

@@ -29,6 +29,10 @@ TARGET_TOKENS = 16384  # default micro-batch: bounded memory at no speed cost (b
 # a host-bound model's checkpointed micro-batch: with recomputation a token's activations are one layer's
 # hidden state, so it can be twice as long for a fraction of the memory, and half as many cost half the host time
 CHECKPOINTED_TARGET_TOKENS = 32768
+# ... measured at the 0.5B shape, whose decoder layer has this many parameters; a smaller layer does less GPU work
+# per token for the same host work per micro-batch, so its micro-batches grow in proportion (`host_bound_tokens`)
+REFERENCE_LAYER_PARAMS = 14_909_440
+MAX_CHECKPOINTED_TOKENS = 262144
 # below this many parameters a micro-batch's GPU work is no more than its host work (per-layer launches),
 # so recomputing a forward costs less than the extra micro-batches that memory without it would need, and
 # checkpointing is on by default; above it the update is GPU-bound and recomputation would cost a quarter
@@ -85,6 +89,18 @@ class ModelShape:
     def describe(self) -> str:
         return (f"{count(self.params)} parameters ({self.layers} layers, hidden {self.hidden}, "
                 f"vocabulary {self.vocab:,})")
+
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's projections (attention and MLP)."""
+        return self.hidden * (2 * self.hidden + 2 * self.kv_dim) + 3 * self.hidden * self.intermediate
+
+    def host_bound_tokens(self) -> int:
+        """The checkpointed micro-batch of a host-bound model: `CHECKPOINTED_TARGET_TOKENS` scaled up by how
+        much smaller its layers are than the 0.5B shape's, where that was measured best. SmolLM2-135M's
+        layers are 4.2x smaller: one 124k-token micro-batch updated in 0.72 s eager against 1.26 s in four
+        of 32k (docs/benchmarks.md, "The learning race's update")."""
+        scaled = CHECKPOINTED_TARGET_TOKENS * REFERENCE_LAYER_PARAMS // max(self.layer_params(), 1)
+        return min(MAX_CHECKPOINTED_TOKENS, max(CHECKPOINTED_TARGET_TOKENS, scaled))
 
     def layer_activation_bytes(self, c: int) -> int:
         """Bytes per token one layer keeps for its backward."""

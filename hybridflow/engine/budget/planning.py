@@ -9,7 +9,8 @@ The memory a run may use is `cap = min(utilization x total, free at start)` (vLL
 memory; compiled layers make them as fast as one forward), fewer where memory is short, and gradient
 checkpointing when not even `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without
 it, or when the model has fewer than `HOST_BOUND_PARAMS` parameters (its update is host-bound: longer,
-recomputed micro-batches are faster and leaner), whose micro-batches then get `CHECKPOINTED_TARGET_TOKENS`.
+recomputed micro-batches are faster and leaner), whose micro-batches then get `CHECKPOINTED_TARGET_TOKENS`,
+more for layers smaller than the 0.5B shape's (`ModelShape.host_bound_tokens`).
 The KV cache gets what is left within the cap while generating, at most what its slots need.
 """
 
@@ -23,9 +24,9 @@ from typing import Any
 
 import torch
 
-from hybridflow.engine.budget.estimate import (CHECKPOINTED_TARGET_TOKENS, GIB, HEAD_CHUNK_BYTES,
-                                               HOST_BOUND_PARAMS, MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES,
-                                               TARGET_TOKENS, DeviceDemand, TrainedRole)
+from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
+                                               MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
+                                               DeviceDemand, TrainedRole)
 
 
 def device_memory(device: torch.device) -> tuple[int, int] | None:
@@ -112,7 +113,7 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
     if given is not None:
         tokens = given
     else:
-        target = CHECKPOINTED_TARGET_TOKENS if ckpt and host_bound else TARGET_TOKENS
+        target = shape.host_bound_tokens() if ckpt and host_bound else TARGET_TOKENS
         tokens = max(longest, min(target, most[ckpt]))
     activations = tokens * shape.activation_bytes(c, ckpt)
     short = max(0.0, activations - free)
