@@ -18,7 +18,9 @@ of `--eval-every-s` (and at 0 and at the budget), the clock is paused and greedy
 measured on the same held-out prompts by the same instrument for both: our rollout engine, loaded with
 the framework's current weights, generating greedily, scored by the same reward. Each framework runs in
 its own subprocess. Writes JSON (`--out`) and a PNG of accuracy against wall-clock next to it; prints
-a table.
+a table. On a GPU each run records the device's used-memory peak (`peak_device_memory_gb`, sampled every
+50 ms) and the allocator's; TRL's run also holds the measuring instrument, whose memory
+(`instrument_memory_gb`) the table's "device peak" leaves out.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_vs_trl import child_env, git_commit  # noqa: E402
+from grpo_vs_trl import DeviceMemoryWatch, child_env, git_commit  # noqa: E402
 
 
 def score(texts: list[str], truths: list[str]) -> float:
@@ -141,10 +143,13 @@ def run_trl(a: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     val_ids = encode_prompts([[dict(m) for m in p] for p in val["prompt"]], tok)
     val_truths = [str(r["ground_truth"]) for r in val["reward_model"]]
-    # the measuring instrument, as in the hybridflow run: our engine, greedy, given the current weights
+    # the measuring instrument, as in the hybridflow run: our engine, greedy, given the current weights; its
+    # memory (weights, KV cache, CUDA graphs) is TRL's run's device peak's only part that TRL does not own
+    held = torch.cuda.memory_reserved() if cuda else 0
     engine = RolloutEngine.from_pretrained(a.model_dir, device=a.device, dtype=dtype, max_num_seqs=len(val_ids),
                                            max_model_len=a.max_prompt_length + a.max_new_tokens,
                                            kv_cache_memory=0.1 if cuda else None)
+    instrument_gb = (torch.cuda.memory_reserved() - held) / 2**30 if cuda else 0.0
 
     def reward(completions, ground_truth, **kwargs) -> list[float]:
         return [gsm8k_reward("openai/gsm8k", c[-1]["content"], g, method="flexible")
@@ -179,7 +184,8 @@ def run_trl(a: argparse.Namespace) -> dict:
     trainer.train()
     steps = [{"reward/mean": h.get("reward"), "response_length/mean": h.get("completions/mean_length")}
              for h in trainer.state.log_history if "reward" in h]
-    return {"setup_s": race["setup_s"], "points": race["clock"].points, "steps": steps}
+    return {"setup_s": race["setup_s"], "points": race["clock"].points, "steps": steps,
+            "instrument_memory_gb": instrument_gb}
 
 
 def time_to(points: list[dict], accuracy: float) -> float | None:
@@ -239,10 +245,14 @@ def merge_reports(reports: list[dict]) -> dict:
 def write_report(report: dict, out: Path) -> None:
     """Print the table and the summary; write the JSON and the PNG next to it."""
     results, summary = report["results"], report["summary"]
-    print(f"\n{'framework':<12}{'setup s':>9}{'steps':>7}{'start acc':>11}{'final acc':>11}{'best acc':>10}")
+    print(f"\n{'framework':<12}{'setup s':>9}{'steps':>7}{'start acc':>11}{'final acc':>11}{'best acc':>10}"
+          f"{'device peak GiB':>17}")
     for name, r in results.items():
+        # the device's peak less the measuring instrument's memory where it is not the framework's own engine
+        peak = r.get("peak_device_memory_gb")
+        own = "-" if peak is None else f"{peak - r.get('instrument_memory_gb', 0.0):.2f}"
         print(f"{name:<12}{r['setup_s']:>9.1f}{r['steps_done']:>7}{r['points'][0]['accuracy']:>11.1%}"
-              f"{r['final_accuracy']:>11.1%}{r['best_accuracy']:>10.1%}")
+              f"{r['final_accuracy']:>11.1%}{r['best_accuracy']:>10.1%}{own:>17}")
     if summary:
         reached = summary["hybridflow_train_s_to_trl_final"]
         print(f"TRL's final accuracy {summary['trl_final_accuracy']:.1%} after {summary['trl_final_train_s']:.0f}s; "
@@ -298,7 +308,14 @@ def main() -> None:
         if getattr(a, key) is None:
             setattr(a, key, cpu_default if cpu else gpu_default)
     if a.child:
+        watch = None if cpu else DeviceMemoryWatch()
         result = (run_hybridflow if a.child == "hybridflow" else run_trl)(a)
+        if watch is not None:
+            import torch
+
+            # the whole device, measuring instrument included: one child runs at a time
+            result["peak_device_memory_gb"] = watch.stop()
+            result["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         Path(a.result).write_text(json.dumps(result))
         return
     from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
