@@ -51,20 +51,21 @@ compile_first_step() {
         --out "$OUT/compile_first_step.json" 2>&1 \
         | tee "$OUT/compile_first_step.log"
 }
-# a race-sized step (512 rows of 100 + 190 tokens at SmolLM2's shape, checkpointed) eager and compiled: what
-# the first steps cost before a compile lands, against after (issue 23)
-race_step() {
-    local mode
-    for mode in eager cold; do
-        TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 bench/compile_warmup.py --device cuda --model smollm2 \
-            --mode $mode --checkpointing --rows 512 --prompt 100 --response 190 --after 3 \
-            --out "$OUT/race_step_$mode.json" 2>&1 | tee "$OUT/race_step_$mode.log"
-    done
-}
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
     --eval-every-s "${RACE_EVERY_S:-15}" --out "$OUT/learn_vs_trl_h200.json" 2>&1 | tee "$OUT/race.log"; }
+# what each actor.rollout_correction.mode does to the bf16 mismatch and to learning (issue 23): our side of the
+# race once per mode, RACE_BUDGET_S (default 60) of training each, one JSON per mode (the PNGs stay behind)
+race_corrections() {
+    local mode
+    for mode in none token_tis seq_tis token_mis seq_mis; do
+        python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --only hybridflow --budget-s "${RACE_BUDGET_S:-60}" \
+            --eval-every-s "${RACE_EVERY_S:-15}" --set actor.rollout_correction.mode=$mode \
+            --out "$OUT/correction_$mode.json" 2>&1 | tail -4 | tee -a "$OUT/race_corrections.log"
+        rm -f "$OUT/correction_$mode.png"
+    done
+}
 # one framework of the race (RACE_ONLY=hybridflow or trl), for a budget too long for both in one call: the
 # other runs in the next call while the machine is warm (the GGUF stays), then, here,
 # `python bench/learn_vs_trl.py --merge A.json B.json --out bench/results/learn_vs_trl_cuda_<sha>.json`

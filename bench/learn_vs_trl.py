@@ -144,12 +144,13 @@ def run_trl(a: argparse.Namespace) -> dict:
     val_ids = encode_prompts([[dict(m) for m in p] for p in val["prompt"]], tok)
     val_truths = [str(r["ground_truth"]) for r in val["reward_model"]]
     # the measuring instrument, as in the hybridflow run: our engine, greedy, given the current weights; its
-    # memory (weights, KV cache, CUDA graphs) is TRL's run's device peak's only part that TRL does not own
-    held = torch.cuda.memory_reserved() if cuda else 0
+    # memory (weights, CUDA graphs, and a KV cache mapped outside PyTorch's allocator) is the only part of
+    # TRL's run's device peak that TRL does not own, counted as the device's used memory it adds
+    free_before = torch.cuda.mem_get_info()[0] if cuda else 0  # after the CUDA context exists
     engine = RolloutEngine.from_pretrained(a.model_dir, device=a.device, dtype=dtype, max_num_seqs=len(val_ids),
                                            max_model_len=a.max_prompt_length + a.max_new_tokens,
                                            kv_cache_memory=0.1 if cuda else None)
-    instrument_gb = (torch.cuda.memory_reserved() - held) / 2**30 if cuda else 0.0
+    instrument_gb = (free_before - torch.cuda.mem_get_info()[0]) / 2**30 if cuda else 0.0
 
     def reward(completions, ground_truth, **kwargs) -> list[float]:
         return [gsm8k_reward("openai/gsm8k", c[-1]["content"], g, method="flexible")
