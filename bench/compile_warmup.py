@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from grpo_vs_trl import DeviceMemoryWatch, git_commit  # noqa: E402
+from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
 
 
 def run_mode(args: argparse.Namespace) -> dict:
@@ -123,8 +123,7 @@ def main() -> None:
         result = run_mode(args)
         print("RESULT " + json.dumps(result), flush=True)
         if args.out:  # a child of `both` has none: its parent writes
-            Path(args.out).write_text(json.dumps({"args": vars(args), "commit": git_commit(), "runs": [result]},
-                                                 indent=2))
+            write_json({"args": vars(args), "commit": git_commit(), "runs": [result]}, args.out)
         return
     results = []
     for mode in ("cold", "warmup"):
@@ -141,9 +140,8 @@ def main() -> None:
             print(f"{mode}: {first} eager steps ({sum(s['seconds'] for s in steps[:first]):.1f} s), first compiled "
                   f"step {steps[first]['seconds'] if first < len(steps) else float('nan'):.1f} s, later "
                   f"{steps[-1]['seconds']:.2f} s; warm-up {results[-1]['warmup_s'] or 0:.1f} s", flush=True)
-    out = Path(args.out or HERE / "results" / f"compile_warmup_{args.device}.json")
-    out.write_text(json.dumps({"args": vars(args), "commit": git_commit(), "runs": results}, indent=2))
-    print(f"wrote {out}")
+    write_json({"args": vars(args), "commit": git_commit(), "runs": results},
+               args.out or HERE / "results" / f"compile_warmup_{args.device}.json")
 
 
 if __name__ == "__main__":

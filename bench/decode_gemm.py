@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -148,16 +147,13 @@ def main() -> None:
     if a.device == "cpu":
         check_cpu()
         return
-    from grpo_vs_trl import git_commit
+    from grpo_vs_trl import git_commit, write_json
 
     rows = [int(r) for r in a.rows.split(",")]
     results = [r for s in a.shapes.split(",") for r in measure(s, rows, a.hbm_tbs, TILES)]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": git_commit(), "hbm_tbs": a.hbm_tbs, "tiles": TILES, "results": results}
-    out = Path(a.out or HERE / "results" / f"decode_gemm_{a.device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    write_json(report, a.out or HERE / "results" / f"decode_gemm_{a.device}.json")
 
 
 if __name__ == "__main__":

@@ -291,6 +291,15 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def write_json(report: dict, out: str | Path) -> Path:
+    """A benchmark's JSON at `out` (its folder made first); says where. Every bench script writes through it."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
 def summarize(name: str, r: dict, warmup: int) -> dict:
     steady = r["step_s"][warmup:] or r["step_s"]
     out = {"framework": name, "step_s_median": statistics.median(steady), "step_s_all": r["step_s"],
@@ -410,10 +419,7 @@ def main() -> None:
         print(f"hybridflow actor update MFU: {results['hybridflow']['mfu_actor_median']:.1%}")
     if "speedup_step" in report:
         print(f"hybridflow speed-up per step: {report['speedup_step']:.2f}x")
-    out = Path(a.out or HERE / "results" / f"grpo_vs_trl_{a.device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    write_json(report, a.out or HERE / "results" / f"grpo_vs_trl_{a.device}.json")
 
 
 if __name__ == "__main__":

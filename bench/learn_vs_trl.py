@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_vs_trl import DeviceMemoryWatch, child_env, git_commit  # noqa: E402
+from grpo_vs_trl import DeviceMemoryWatch, child_env, git_commit, write_json  # noqa: E402
 
 
 def score(texts: list[str], truths: list[str]) -> float:
@@ -259,12 +259,11 @@ def write_report(report: dict, out: Path) -> None:
         print(f"TRL's final accuracy {summary['trl_final_accuracy']:.1%} after {summary['trl_final_train_s']:.0f}s; "
               + ("hybridflow never reached it" if reached is None else
                  f"hybridflow reached it after {reached:.0f}s ({summary['time_fraction']:.2f} of TRL's time)"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(report, out)
     settings = report["settings"]
     plot(results, out.with_suffix(".png"),
          f"GRPO on SmolLM2-135M-Instruct, {settings['prompts']}x{settings['n']}, {report['device']}")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from grpo_vs_trl import write_json
 
 from hybridflow.agents import Environment, EnvStep
 from hybridflow.agents import loop as agent_loop
@@ -203,8 +204,7 @@ def main() -> None:
     result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":

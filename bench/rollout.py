@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from grpo_vs_trl import git_commit
+from grpo_vs_trl import git_commit, write_json
 from hybridflow.engine.rollout import SamplingParams
 from rollout_long import bench_long, profile_decode, shared_prefill
 from rollout_util import engine_from, hf_generate, make_model, median, ours_generate, sync
@@ -359,8 +359,7 @@ def main() -> None:
                                            32 if cpu else 128, 16 if cpu else 256)
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":
