@@ -1,3 +1,4 @@
 """Small helpers shared across layers: tiny offline models for tests and the demo (`tiny_model`), a
 real pretrained one converted from a PyPI package's GGUF file (`real_model`), and loading a user's
-object from a `file.py:Name` spec (`imports`)."""
+object from a `file.py:Name` spec (`imports`); quieting library log lines no user can act on
+(`library_noise`)."""
