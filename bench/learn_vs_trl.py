@@ -243,8 +243,10 @@ def merge_reports(reports: list[dict]) -> dict:
     return {**a, "commit": [a["commit"], b["commit"]], "results": results, "summary": summarize(results)}
 
 
-def write_report(report: dict, out: Path) -> None:
-    """Print the table and the summary; write the JSON and the PNG next to it."""
+def write_report(report: dict, out: str | None) -> None:
+    """Print the table and the summary; write the JSON (at `out`, default
+    bench/results/learn_vs_trl_<device>.json) and the PNG next to it."""
+    out = Path(out or HERE / "results" / f"learn_vs_trl_{report['settings']['device']}.json")
     results, summary = report["results"], report["summary"]
     print(f"\n{'framework':<12}{'setup s':>9}{'steps':>7}{'start acc':>11}{'final acc':>11}{'best acc':>10}"
           f"{'device peak GiB':>17}")
@@ -299,7 +301,7 @@ def main() -> None:
             report = merge_reports([json.loads(Path(f).read_text()) for f in a.merge])
         except ValueError as e:
             p.error(f"--merge {' '.join(a.merge)}: {e}")
-        write_report(report, Path(a.out or HERE / "results" / f"learn_vs_trl_{report['settings']['device']}.json"))
+        write_report(report, a.out)
         return
     cpu = a.device == "cpu"
     for key, (gpu_default, cpu_default) in {"prompts": (64, 2), "n": (8, 2), "max_new_tokens": (256, 8),
@@ -352,7 +354,7 @@ def main() -> None:
         report["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
     except ImportError:
         pass
-    write_report(report, Path(a.out or HERE / "results" / f"learn_vs_trl_{a.device}.json"))
+    write_report(report, a.out)
 
 
 if __name__ == "__main__":
