@@ -24,14 +24,13 @@ from typing import Any
 
 import torch
 
+from hybridflow.utils.model_shapes import QWEN_SHAPES
+
 GIB = 2**30
 TARGET_TOKENS = 16384  # default micro-batch: bounded memory at no speed cost (bench/train.py)
 # a host-bound model's checkpointed micro-batch: with recomputation a token's activations are one layer's
 # hidden state, so it can be twice as long for a fraction of the memory, and half as many cost half the host time
 CHECKPOINTED_TARGET_TOKENS = 32768
-# ... measured at the 0.5B shape, whose decoder layer has this many parameters; a smaller layer does less GPU work
-# per token for the same host work per micro-batch, so its micro-batches grow in proportion (`host_bound_tokens`)
-REFERENCE_LAYER_PARAMS = 14_909_440
 MAX_CHECKPOINTED_TOKENS = 262144
 # below this many parameters a micro-batch's GPU work is no more than its host work (per-layer launches),
 # so recomputing a forward costs less than the extra micro-batches that memory without it would need, and
@@ -44,6 +43,21 @@ SLACK_BYTES = 2 * GIB  # cuBLAS workspaces, allocator fragmentation, CUDA graphs
 # device bytes of optimizer state per parameter, given the master dtype's bytes (engine/train/optim.py)
 STATE_BYTES: dict[str, Callable[[int], float]] = {
     "adamw": lambda master: 2 * master, "adamw_8bit": lambda master: 2.05, "adamw_cpu_offload": lambda master: 0}
+
+
+def layer_params(hidden: int, kv_dim: int, intermediate: int) -> int:
+    """Weights of a decoder layer's q/k/v/o and gate/up/down projections."""
+    return hidden * (2 * hidden + 2 * kv_dim) + 3 * hidden * intermediate
+
+
+_REFERENCE = QWEN_SHAPES["0.5b"]
+# `CHECKPOINTED_TARGET_TOKENS` was measured at the 0.5B shape, whose decoder layer has this many parameters; a
+# smaller layer does less GPU work per token for the same host work per micro-batch, so its micro-batches grow
+# in proportion (`ModelShape.host_bound_tokens`)
+REFERENCE_LAYER_PARAMS = layer_params(
+    _REFERENCE["hidden_size"],
+    _REFERENCE["num_key_value_heads"] * _REFERENCE["hidden_size"] // _REFERENCE["num_attention_heads"],
+    _REFERENCE["intermediate_size"])
 
 
 def count(n: int) -> str:
@@ -92,7 +106,7 @@ class ModelShape:
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's projections (attention and MLP)."""
-        return self.hidden * (2 * self.hidden + 2 * self.kv_dim) + 3 * self.hidden * self.intermediate
+        return layer_params(self.hidden, self.kv_dim, self.intermediate)
 
     def host_bound_tokens(self) -> int:
         """The checkpointed micro-batch of a host-bound model: `CHECKPOINTED_TARGET_TOKENS` scaled up by how
