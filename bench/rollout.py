@@ -77,20 +77,24 @@ def check_kernels(device: torch.device) -> dict:
 
 
 def decode_attention_sweep(device: torch.device) -> dict:
-    """Decode attention over the slot cache, one layer: flash's varlen kernel (the path before the Triton
-    kernel) against `decode_attention` at several splits, tiles and warp counts; device microseconds per
-    call (20 calls captured in a CUDA graph, replayed 10 times), and the splits the engine picks; at the
-    0.5B (7 query heads per KV head, D 64) and 1.5B (6, D 128) shapes, rows of the mean short (256) and
-    long (2,560) contexts."""
+    """Decode attention over the slot cache: flash's varlen kernel (the path before the Triton kernel)
+    against `decode_attention` at several splits, tiles and warp counts; device microseconds per layer,
+    and the settings the engine picks; at the 0.5B (7 query heads per KV head, D 64) and 1.5B (6, D 128)
+    shapes, rows of the mean short (256) and long (2,560) contexts. As in a decode step, each call reads
+    another layer's cache: the graph runs one call per layer over enough layers' caches (>= 1 GiB, 2 at
+    least) that none is still in L2 when its turn comes again (a single layer's cache, read 20 times,
+    stayed partly in the 50 MB L2 and made short contexts look faster)."""
     from hybridflow.engine.rollout import attention, decode_attention as da
 
-    def timed(fn) -> float:
-        fn()
+    def timed(fn, layers: int) -> float:
+        for layer in range(layers):
+            fn(layer)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        calls = max(layers, 24)
         with torch.cuda.graph(graph):
-            for _ in range(20):
-                fn()
+            for call in range(calls):
+                fn(call % layers)
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -98,32 +102,38 @@ def decode_attention_sweep(device: torch.device) -> dict:
             graph.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) * 1e3 / 200
+        return start.elapsed_time(end) * 1e3 / (10 * calls)
 
     out = {}
     for rows, group, dim, context, max_len in ((256, 7, 64, 256, 384), (64, 7, 64, 256, 384),
                                                (256, 6, 128, 256, 384), (256, 7, 64, 2560, 4608)):
-        cache = torch.randn(2, rows + 1, max_len, 2, dim, device=device, dtype=torch.bfloat16)
+        layer_bytes = 2 * (rows + 1) * max_len * 2 * dim * 2
+        layers = max(2, -(-2**30 // layer_bytes))
+        caches = [torch.randn(2, rows + 1, max_len, 2, dim, device=device, dtype=torch.bfloat16)
+                  for _ in range(layers)]
         q = torch.randn(rows, 2 * group, dim, device=device, dtype=torch.bfloat16)
         slots = torch.arange(rows, device=device)
         lens = torch.full((rows,), context, device=device, dtype=torch.int32)
         starts = slots * max_len
         cu_k = torch.cat([starts, starts[-1:] + max_len]).int()
         cu_q = torch.arange(rows + 1, device=device, dtype=torch.int32)
-        flash = timed(lambda: torch.ops.aten._flash_attention_forward(
-            q, cache[0].view(-1, 2, dim), cache[1].view(-1, 2, dim), cu_q, cu_k, 1, max_len, 0.0, False, False,
-            scale=dim ** -0.5, seqused_k=lens))
-        triton_us = {f"splits{s}_block{b}_warps{w}": timed(lambda s=s, b=b, w=w: da.decode_attention(
-            q, cache[0], cache[1], slots, lens, dim ** -0.5, s, b, w))
+        flash = timed(lambda i: torch.ops.aten._flash_attention_forward(
+            q, caches[i][0].view(-1, 2, dim), caches[i][1].view(-1, 2, dim), cu_q, cu_k, 1, max_len, 0.0, False,
+            False, scale=dim ** -0.5, seqused_k=lens), layers)
+        triton_us = {f"splits{s}_block{b}_warps{w}": timed(
+            lambda i, s=s, b=b, w=w: da.decode_attention(q, caches[i][0], caches[i][1], slots, lens,
+                                                         dim ** -0.5, s, b, w), layers)
             for s in (1, 2, 4) for b in (32, 64, 128) for w in (2, 4)}
         best = min(triton_us, key=triton_us.get)
         picked = da.decode_splits(rows, 2, max_len, attention._multiprocessors(device))
-        default = triton_us.get(f"splits{picked}_block{da.block_for(dim)}_warps{da.WARPS}")
+        default = timed(lambda i: da.decode_attention(q, caches[i][0], caches[i][1], slots, lens, dim ** -0.5,
+                                                      picked), layers)
         key = f"rows{rows}_group{group}_d{dim}_ctx{context}"
         out[key] = dict(flash_us=flash, triton_us=triton_us, best=best, picked_splits=picked, default_us=default,
-                        floor_us=2 * rows * context * 2 * dim * 2 / 4.8e12 * 1e6)
+                        layers=layers, floor_us=2 * rows * context * 2 * dim * 2 / 4.8e12 * 1e6)
         print("decode attention", key, f"flash {flash:.1f} us, best {best} {triton_us[best]:.1f} us, "
-              f"default {default} us, floor {out[key]['floor_us']:.1f} us", flush=True)
+              f"default (splits {picked}) {default:.1f} us, floor {out[key]['floor_us']:.1f} us", flush=True)
+        del caches
     return out
 
 
@@ -315,6 +325,7 @@ def main() -> None:
     parser.add_argument("--hf-long-tokens", type=int, default=512,
                         help="new tokens `generate` is timed for in the long regime")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over a decode run, into the JSON")
+    parser.add_argument("--attention-only", action="store_true", help="CUDA: only the decode attention sweep")
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
@@ -331,6 +342,8 @@ def main() -> None:
             result["shapes"] = {"cpu-10m": bench_shape("cpu-10m", device, torch.float32, [64], 32, 64,
                                                        args.skip_hf, None, repeats=3)}
         result["rl_shaped"] = bench_rl_shaped("cpu-10m", device, torch.float32, 64, 128)
+    elif args.attention_only:
+        result["decode_attention"] = decode_attention_sweep(device)
     elif not args.long:
         result["kernels"] = check_kernels(device)
         print("kernels", result["kernels"], flush=True)
@@ -345,7 +358,7 @@ def main() -> None:
                                            bandwidth) for s in shapes}
         result["varied_stop"] = bench_varied("qwen2-0.5b", device, torch.bfloat16, 256, 128, 256)
     dtype = torch.float32 if cpu else torch.bfloat16
-    if args.long or not (args.skip_long or args.quick or args.rl_only):
+    if args.long or not (args.skip_long or args.quick or args.rl_only or args.attention_only):
         if cpu:  # toy size: prompt 32, up to 128 new tokens, batch 16
             result["long"] = {"cpu-10m": bench_long("cpu-10m", device, dtype, 16, 32, 128, (16, 32), 32,
                                                     args.skip_hf)}

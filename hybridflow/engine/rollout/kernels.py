@@ -8,10 +8,10 @@ the fast path stays close to `transformers`; on CPU (or without Triton) the torc
 - `add_rms_norm(h, delta, weight, eps)` -> (norm(h + delta) * weight, h + delta)   rows [T, N]
 - `rotary_(x, positions, cos, sin)`: HF rotate-half RoPE in place on x [T, heads, D]
 - `silu_mul(gate_up)` -> silu(gate) * up                                          [T, 2I] -> [T, I]
-- `sample_plain(logits, inv_temp, seed, greedy)` -> (token, log-prob) per row, one read of the
-  logits (Gumbel-max with counter-based Philox noise; log-prob from an online logsumexp). The
-  temperature and the seed are read from device tensors, so a captured CUDA graph can replay it with
-  a new seed each step and any session's temperature.
+- `sample_plain(logits, inv_temp, seed, greedy)` -> (token, log-prob) per row: one pass over the logits
+  for each piece's max and sum of exp, then one uniform per row picks a piece and a token in it by the
+  inverse CDF (Philox, counter = row). The temperature and the seed are read from device tensors, so a
+  captured CUDA graph can replay it with a new seed each step and any session's temperature.
 """
 
 from __future__ import annotations
@@ -81,28 +81,33 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Untruncated sampling from softmax(logits * inv_temp), or argmax when greedy, in one read of the logits.
+    """Untruncated sampling from softmax(logits * inv_temp), or argmax when greedy.
 
     logits [R, V] (any float dtype, computed in fp32); inv_temp [1] fp32 and seed [1] int64 on the
-    device (Philox noise, four uniforms per counter). Returns (tokens [R] int64, logprobs
-    [R] fp32); greedy log-probs are log_softmax(logits) (inv_temp is ignored).
+    device. Returns (tokens [R] int64, logprobs [R] fp32); greedy log-probs are log_softmax(logits)
+    (inv_temp is ignored).
 
-    Two kernels: each row's vocabulary is split over `sample_splits(V)` programs, each of which keeps
-    its piece's best (score, token, logit) and its running (max, sum of exp) per lane, reduced once at
-    its end; the second combines a row's pieces. One program per row, and a cross-warp reduction per
-    block, cost twice as much at 256 rows (docs/benchmarks.md). Ties go to the lowest token id.
+    Two kernels. The first splits each row's vocabulary over `sample_splits(V)` programs; each keeps,
+    per lane, a running max and sum of exp (one exp per logit) and, when greedy, its best logit, and
+    reduces them once at its end. The second, one program per row, merges the pieces into the row's
+    log-sum-exp; sampling, it draws one uniform u, finds the piece where u x the total falls in the
+    pieces' cumulative sums, and scans that piece's cumulative sum of exp for the token: an exact draw
+    by the inverse CDF that reads about 1/splits of the row again. Gumbel-max, the kernel this replaced,
+    drew a uniform and took two logs per logit, and cost 0.15 ms a step at 256 x 151,936 on an H200
+    (docs/benchmarks.md). Ties of greedy go to the lowest token id.
     """
     rows, vocab = logits.shape
     splits = sample_splits(vocab)
     width = triton.cdiv(triton.cdiv(vocab, splits), SAMPLE_BLOCK) * SAMPLE_BLOCK
-    parts = torch.empty(4, rows, splits, dtype=torch.float32, device=logits.device)
+    parts = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
-    _sample_part_kernel[(rows, splits)](logits, logits.stride(0), vocab, width, inv_temp, seed, parts, part_idx,
+    _sample_part_kernel[(rows, splits)](logits, logits.stride(0), vocab, width, inv_temp, parts, part_idx,
                                         rows * splits, GREEDY=greedy, BLOCK=SAMPLE_BLOCK, num_warps=4)
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _sample_combine_kernel[(rows,)](parts, part_idx, rows * splits, splits, tokens, logprobs,
-                                    SPLITS=triton.next_power_of_2(splits))
+    _sample_pick_kernel[(rows,)](logits, logits.stride(0), vocab, width, inv_temp, seed, parts, part_idx,
+                                 rows * splits, splits, tokens, logprobs, GREEDY=greedy,
+                                 SPLITS=triton.next_power_of_2(splits), BLOCK=SAMPLE_BLOCK, num_warps=4)
     return tokens, logprobs
 
 
@@ -111,7 +116,7 @@ SAMPLE_WIDTH = 8192  # logits per program (a 151,936-token vocabulary: 19 progra
 
 
 def sample_splits(vocab: int) -> int:
-    """Programs per row of the sampler."""
+    """Programs per row of the sampler's first kernel."""
     return max(1, min(64, -(-vocab // SAMPLE_WIDTH)))
 
 
@@ -171,78 +176,80 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=mask)
 
     @triton.jit
-    def _sample_lanes(row_ptr, vocab, start, u, state, inv_temp, GREEDY: tl.constexpr, LANES: tl.constexpr):
-        """Fold the LANES logits of one row from token `start` (uniforms u for the Gumbel noise) into a
-        program's per-lane state (best score, its token, its logit, running max, running sum of exp):
-        elementwise, so a block costs no cross-warp reduction."""
-        best, best_idx, best_x, run_max, run_sum = state
-        cols = start + tl.arange(0, LANES)
-        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        if GREEDY:
-            score = x
-        else:
-            x = x * inv_temp
-            score = x - tl.log(-tl.log(u))  # + Gumbel noise; u == 0 gives -inf (never picked)
-        better = score > best  # strict: a lane keeps the lowest token id of equal scores
-        new_max = tl.maximum(run_max, x)
-        run_sum = tl.where(new_max == float("-inf"), 0.0,
-                           run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max))
-        return (tl.where(better, score, best), tl.where(better, cols, best_idx), tl.where(better, x, best_x),
-                new_max, run_sum)
-
-    @triton.jit
-    def _sample_part_kernel(logits_ptr, stride, vocab, width, inv_temp_ptr, seed_ptr, parts_ptr, idx_ptr,
-                            plane, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    def _sample_part_kernel(logits_ptr, stride, vocab, width, inv_temp_ptr, parts_ptr, idx_ptr, plane,
+                            GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        """One piece of a row: its max and sum of exp of logits * inv_temp (greedy: of the logits) and,
+        greedy, its best logit and the lowest token id holding it."""
         row = tl.program_id(0)
         split = tl.program_id(1)
-        seed = tl.load(seed_ptr)
-        inv_temp = tl.load(inv_temp_ptr)
-        quarter: tl.constexpr = BLOCK // 4
-        lane = tl.arange(0, quarter)
-        low = tl.full([quarter], float("-inf"), tl.float32)
-        state = (low, tl.zeros([quarter], tl.int32), low, low, tl.zeros([quarter], tl.float32))
+        scale = 1.0 if GREEDY else tl.load(inv_temp_ptr)
+        run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        run_sum = tl.zeros([BLOCK], tl.float32)
+        best_idx = tl.zeros([BLOCK], tl.int32)
         row_ptr = logits_ptr + row * stride
         first = split * width
         for start in range(first, tl.minimum(first + width, vocab), BLOCK):
-            # one Philox call gives four uniforms: the block is four quarters, quarter k takes the k-th;
-            # the counter is unique per (row, block, lane)
-            if GREEDY:
-                u0 = tl.zeros([quarter], tl.float32)
-                u1, u2, u3 = u0, u0, u0
-            else:
-                u0, u1, u2, u3 = tl.rand4x(seed, (row * tl.cdiv(vocab, BLOCK) + start // BLOCK) * quarter + lane)
-            state = _sample_lanes(row_ptr, vocab, start, u0, state, inv_temp, GREEDY, quarter)
-            state = _sample_lanes(row_ptr, vocab, start + quarter, u1, state, inv_temp, GREEDY, quarter)
-            state = _sample_lanes(row_ptr, vocab, start + 2 * quarter, u2, state, inv_temp, GREEDY, quarter)
-            state = _sample_lanes(row_ptr, vocab, start + 3 * quarter, u3, state, inv_temp, GREEDY, quarter)
-        best, best_idx, best_x, run_max, run_sum = state
-        top = tl.max(best, axis=0)
-        winner = tl.min(tl.where(best == top, best_idx, 2**31 - 1), axis=0)  # the lowest id of equal scores
-        top_max = tl.max(run_max, axis=0)
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32) * scale
+            # one exp per logit: the smaller of (running max, x) against the larger
+            new_max = tl.maximum(run_max, x)
+            e = tl.exp(tl.minimum(run_max, x) - new_max)
+            run_sum = tl.where(new_max == float("-inf"), 0.0, tl.where(x > run_max, run_sum * e + 1.0, run_sum + e))
+            if GREEDY:  # strict: a lane keeps its lowest id of equal logits
+                best_idx = tl.where(x > run_max, cols, best_idx)
+            run_max = new_max
+        top = tl.max(run_max, axis=0)
         at = row * tl.num_programs(1) + split
         tl.store(parts_ptr + at, top)
         tl.store(parts_ptr + plane + at,
-                 tl.max(tl.where((best == top) & (best_idx == winner), best_x, float("-inf")), axis=0))
-        tl.store(parts_ptr + 2 * plane + at, top_max)
-        tl.store(parts_ptr + 3 * plane + at,
-                 tl.sum(tl.where(run_max == float("-inf"), 0.0, run_sum * tl.exp(run_max - top_max)), axis=0))
-        tl.store(idx_ptr + at, winner)
+                 tl.sum(tl.where(run_max == float("-inf"), 0.0, run_sum * tl.exp(run_max - top)), axis=0))
+        if GREEDY:
+            tl.store(idx_ptr + at, tl.min(tl.where(run_max == top, best_idx, 2**31 - 1), axis=0))
 
     @triton.jit
-    def _sample_combine_kernel(parts_ptr, idx_ptr, plane, splits, tok_ptr, lp_ptr, SPLITS: tl.constexpr):
+    def _sample_pick_kernel(logits_ptr, stride, vocab, width, inv_temp_ptr, seed_ptr, parts_ptr, idx_ptr, plane,
+                            splits, tok_ptr, lp_ptr, GREEDY: tl.constexpr, SPLITS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """One row: merge its pieces into the log-sum-exp; greedy, take the best piece's token; else draw
+        u ~ U[0, 1) and take the first token whose cumulative probability exceeds it."""
         row = tl.program_id(0)
         offs = tl.arange(0, SPLITS)
         mask = offs < splits
         at = row * splits + offs
-        score = tl.load(parts_ptr + at, mask=mask, other=float("-inf"))
-        x = tl.load(parts_ptr + plane + at, mask=mask, other=0.0)
-        run_max = tl.load(parts_ptr + 2 * plane + at, mask=mask, other=float("-inf"))
-        run_sum = tl.load(parts_ptr + 3 * plane + at, mask=mask, other=0.0)
-        idx = tl.load(idx_ptr + at, mask=mask, other=0)
-        best = tl.argmax(score, axis=0)  # the first of equal scores: the lowest token id
-        best_x = tl.sum(tl.where(offs == best, x, 0.0), axis=0)
-        best_idx = tl.sum(tl.where(offs == best, idx, 0), axis=0)
-        top = tl.max(run_max, axis=0)
-        total = tl.sum(tl.where(mask, run_sum * tl.exp(run_max - top), 0.0), axis=0)
-        tl.store(tok_ptr + row, best_idx.to(tl.int64))
-        tl.store(lp_ptr + row, best_x - top - tl.log(total))
+        piece_max = tl.load(parts_ptr + at, mask=mask, other=float("-inf"))
+        piece_sum = tl.load(parts_ptr + plane + at, mask=mask, other=0.0)
+        top = tl.max(piece_max, axis=0)
+        weight = tl.where(piece_max == float("-inf"), 0.0, piece_sum * tl.exp(piece_max - top))
+        log_total = top + tl.log(tl.sum(weight, axis=0))
+        row_ptr = logits_ptr + row * stride
+        if GREEDY:
+            best = tl.argmax(piece_max, axis=0)  # the first of equal maxima: the lowest token id
+            token = tl.sum(tl.where(offs == best, tl.load(idx_ptr + at, mask=mask, other=0), 0), axis=0)
+            scale = 1.0
+        else:
+            scale = tl.load(inv_temp_ptr)
+            cum = tl.cumsum(weight, axis=0)
+            target = tl.rand(tl.load(seed_ptr), row) * tl.sum(weight, axis=0)
+            # the piece where the target falls; rounding can put it past the last piece with any weight
+            last = tl.max(tl.where(weight > 0, offs, 0), axis=0)
+            piece = tl.minimum(tl.sum(((cum <= target) & mask).to(tl.int32), axis=0), last)
+            below = tl.sum(tl.where(offs < piece, weight, 0.0), axis=0)
+            piece_top = tl.sum(tl.where(offs == piece, piece_max, 0.0), axis=0)
+            # the remainder in the piece's own scale, exp(x - piece_top), where its sum is piece_sum
+            left = (target - below) * tl.exp(top - piece_top)
+            token = 2**31 - 1
+            fallback = 0  # the piece's last token with any probability, should rounding leave no crossing
+            done = 0.0
+            first = piece * width
+            for start in range(first, tl.minimum(first + width, vocab), BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32) * scale
+                e = tl.exp(x - piece_top)
+                crossed = (tl.cumsum(e, axis=0) + done > left) & (e > 0)
+                token = tl.minimum(token, tl.min(tl.where(crossed, cols, 2**31 - 1), axis=0))
+                fallback = tl.maximum(fallback, tl.max(tl.where(e > 0, cols, 0), axis=0))
+                done += tl.sum(e, axis=0)
+            token = tl.where(token == 2**31 - 1, fallback, token)
+        x_token = tl.load(row_ptr + token).to(tl.float32) * scale
+        tl.store(tok_ptr + row, token.to(tl.int64))
+        tl.store(lp_ptr + row, x_token - log_total)

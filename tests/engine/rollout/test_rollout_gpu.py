@@ -165,3 +165,30 @@ def test_split_sampler_takes_the_lowest_id_of_equal_scores():
     tokens, logprobs = kernels.sample_plain(logits, one, seed, True)
     assert tokens.tolist() == [9000] * 3
     torch.testing.assert_close(logprobs, logits.log_softmax(-1)[:, 9000], atol=1e-3, rtol=0)
+
+
+def test_split_sampler_draws_from_the_softmax_across_pieces():
+    """Inverse-CDF sampling over a 151,936-token vocabulary (19 pieces): the frequencies of tokens in the
+    first, a middle, a boundary and the last piece, and of the uniform rest piece by piece, match
+    softmax(logits / T) within 5 standard deviations; log-probs are log_softmax(logits / T)."""
+    from hybridflow.engine.rollout import kernels
+
+    vocab, rows, temp = 151936, 400_000, 0.7
+    probs = torch.full((vocab,), 0.1 / (vocab - 4), dtype=torch.float64)
+    named = torch.tensor([10, 8192, 60000, vocab - 1])
+    probs[named] = torch.tensor([0.3, 0.15, 0.25, 0.2], dtype=torch.float64)
+    logits = (probs.log() * temp).float().cuda()
+    tokens, logprobs = kernels.sample_plain(logits[None].expand(rows, vocab), torch.tensor([1 / temp], device="cuda"),
+                                            torch.tensor([11], device="cuda"), False)
+    counts = torch.bincount(tokens.cpu(), minlength=vocab).double()
+    expected = (logits.double() / temp).softmax(-1).cpu()
+    width = kernels.SAMPLE_WIDTH
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[named] = False
+    groups = [counts[named], torch.stack([counts[i:i + width][rest[i:i + width]].sum() for i in range(0, vocab, width)])]
+    wanted = [expected[named], torch.stack([expected[i:i + width][rest[i:i + width]].sum() for i in range(0, vocab, width)])]
+    for got, p in zip(groups, wanted):
+        sigma = (rows * p * (1 - p)).sqrt()
+        assert ((got - rows * p).abs() <= 5 * sigma + 1).all(), (got, rows * p)
+    ref = (logits / temp).log_softmax(-1)[tokens]
+    torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=0)
