@@ -1,12 +1,14 @@
 """The sampler: fp32 logits -> (token, log-prob) per row, with temperature, top-k, top-p and a seed.
 
-Sampling uses the Gumbel-max trick: `argmax(logp + g)` with `g = -log(E)`, `E = -log(U) ~ Exponential(1)`,
-`U` uniform from the caller's `torch.Generator`, which is an exact sample from `softmax(logp)`. The
+Off the fused path, sampling uses the Gumbel-max trick: `argmax(logp + g)` with `g = -log(E)`,
+`E = -log(U) ~ Exponential(1)`, `U` uniform from the caller's `torch.Generator`, which is an exact sample
+from `softmax(logp)`. The
 log-prob of the sampled token comes from the same logits (no second forward): it is the token's
 log-probability under the distribution actually sampled from, i.e. after temperature and after top-k /
 top-p truncation and renormalisation. Without truncation this equals `log_softmax(logits / T)`, which
 is what verl-style trainers recompute. Greedy rows (temperature 0) take the argmax and report
-`log_softmax(logits)`.
+`log_softmax(logits)`. On CUDA without truncation `kernels.sample_plain` samples the same distribution
+by the inverse CDF, with one uniform per row instead of one per logit.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _truncate(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def fused(logits: torch.Tensor, params: SamplingParams) -> bool:
-    """Whether `sample` takes the one-pass fused kernel (CUDA with Triton, no top-k / top-p)."""
+    """Whether `sample` takes the fused kernels (CUDA with Triton, no top-k / top-p)."""
     return use_triton(logits) and params.top_k == -1 and params.top_p == 1.0
 
 
@@ -43,9 +45,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Draw one token per row.
 
     logits: [R, V], any float dtype (converted to fp32; may be modified in place when already fp32).
-    Returns (tokens [R] int64, logprobs [R] fp32). When `fused`, one pass (`kernels.sample_plain`,
-    Philox noise) does the same, seeded by `seed` ([1] int64 on the device; None: drawn from
-    `generator`) at the inverse temperature `inv_temp` ([1] fp32 on the device; None: from params).
+    Returns (tokens [R] int64, logprobs [R] fp32). When `fused`, `kernels.sample_plain` (the inverse
+    CDF, one Philox uniform per row) draws from the same distribution, seeded by `seed` ([1] int64 on
+    the device; None: drawn from `generator`) at the inverse temperature `inv_temp` ([1] fp32 on the
+    device; None: from params).
     """
     if fused(logits, params):
         if seed is None:
