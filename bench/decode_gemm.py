@@ -5,12 +5,13 @@
 
 A 0.5B decode step spends 43 % of its time in the layers' four GEMMs (q/k/v, o, gate/up, down) at about four
 times the time their weights take to read (docs/benchmarks.md, the rollout profile). This measures each
-projection of the Qwen2.5 0.5B and 1.5B shapes at M = 64-512 rows, bf16, y = x @ W.T as the rollout engine
-runs it (`F.linear`), inside a CUDA graph (as decode replays), with every layer's weights distinct so that
-they stream from HBM rather than L2: per-GEMM microseconds and the fraction of the HBM floor (weights, x and
-y read or written once at `--hbm-tbs`). Backends: `cublas` and `cublaslt` (torch's preferred BLAS library)
-and a Triton GEMM at each tile setting of `TILES` (the best per shape is reported with its tile). Prints a
-table and writes JSON (`--out`, default bench/results/decode_gemm_<device>.json).
+projection of the Qwen2.5 0.5B and 1.5B shapes, and their LM head, at M = 64-512 rows, bf16, y = x @ W.T as
+the rollout engine runs it (`F.linear`), inside a CUDA graph (as decode replays), with every layer's weights
+distinct so that they stream from HBM rather than L2: per-GEMM microseconds, the HBM floor (weights, x and y
+read or written once at `--hbm-tbs`) and the compute floor (at `--tflops`; the LM head at 256 rows is bound
+by it). Backends: `cublas` and `cublaslt` (torch's preferred BLAS library) and a Triton GEMM at each tile
+setting of `TILES` (the best per shape is reported with its tile). Prints a table and writes JSON (`--out`,
+default bench/results/decode_gemm_<device>.json).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ sys.path.insert(0, str(HERE.parent))
 
 # (hidden, q heads, kv heads, head dim, intermediate, layers)
 SHAPES = {"0.5b": (896, 14, 2, 64, 4864, 24), "1.5b": (1536, 12, 2, 128, 8960, 28)}
+VOCAB = 151936
+HEAD_COPIES = 2  # the LM head runs once a step; two copies of its 272-465 MB weight already stream from HBM
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 TILES = [(m, n, k, 8 if m * n >= 16384 else 4, s)
          for m, n, k, s in itertools.product((64, 128), (32, 64, 128), (64, 128), (3, 4))]
@@ -66,9 +69,10 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, tile: tuple) -> torch.Tensor
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
-    """name -> (N, K) of y = x @ W.T."""
+    """name -> (N, K) of y = x @ W.T: the layer's four projections and the LM head."""
     h, hq, hkv, d, inter, _ = SHAPES[shape]
-    return {"qkv": ((hq + 2 * hkv) * d, h), "o": (h, hq * d), "gate_up": (2 * inter, h), "down": (h, inter)}
+    return {"qkv": ((hq + 2 * hkv) * d, h), "o": (h, hq * d), "gate_up": (2 * inter, h), "down": (h, inter),
+            "lm_head": (VOCAB, h)}
 
 
 def time_graph(fn, weights: list[torch.Tensor], x: torch.Tensor, reps: int = 20) -> float:
@@ -90,15 +94,18 @@ def time_graph(fn, weights: list[torch.Tensor], x: torch.Tensor, reps: int = 20)
     return start.elapsed_time(end) * 1e3 / (reps * len(weights))
 
 
-def measure(shape: str, rows: list[int], hbm_tbs: float, tiles: list[tuple]) -> list[dict]:
+def measure(shape: str, rows: list[int], hbm_tbs: float, tflops: float, tiles: list[tuple]) -> list[dict]:
     layers = SHAPES[shape][-1]
     out = []
     for name, (n, k) in projections(shape).items():
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+        copies = HEAD_COPIES if name == "lm_head" else layers
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             floor_us = 2 * (n * k + m * k + m * n) / (hbm_tbs * 1e12) * 1e6
-            rec = {"shape": shape, "proj": name, "M": m, "N": n, "K": k, "hbm_floor_us": floor_us}
+            flop_floor_us = 2 * m * n * k / (tflops * 1e12) * 1e6
+            rec = {"shape": shape, "proj": name, "M": m, "N": n, "K": k, "hbm_floor_us": floor_us,
+                   "flop_floor_us": flop_floor_us}
             for library in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(library)
                 rec[library + "_us"] = time_graph(F.linear, weights, x)
@@ -118,7 +125,8 @@ def measure(shape: str, rows: list[int], hbm_tbs: float, tiles: list[tuple]) -> 
             rec["triton_us"], rec["triton_tile"] = best if best else (None, None)
             rec["best"] = min(("cublas", "cublaslt", "triton"), key=lambda b: rec[b + "_us"] or float("inf"))
             out.append(rec)
-            print(f"{shape:<5}{name:<8}{m:>5}{n:>7}{k:>6}  floor {floor_us:6.2f}  cublas {rec['cublas_us']:6.2f}  "
+            print(f"{shape:<5}{name:<8}{m:>5}{n:>7}{k:>6}  floor {max(floor_us, flop_floor_us):6.2f}  "
+                  f"cublas {rec['cublas_us']:6.2f}  "
                   f"cublaslt {rec['cublaslt_us']:6.2f}  triton {rec['triton_us'] or 0:6.2f} {rec['triton_tile']}",
                   flush=True)
         del weights
@@ -142,6 +150,8 @@ def main() -> None:
     p.add_argument("--shapes", default="0.5b,1.5b")
     p.add_argument("--rows", default="64,128,256,512")
     p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8 TB/s)")
+    p.add_argument("--tflops", type=float, default=783.0,
+                   help="bf16 matmul rate for the compute floor (783: measured on an H200 by bench/train.py)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.device == "cpu":
@@ -150,9 +160,9 @@ def main() -> None:
     from grpo_vs_trl import git_commit, write_json
 
     rows = [int(r) for r in a.rows.split(",")]
-    results = [r for s in a.shapes.split(",") for r in measure(s, rows, a.hbm_tbs, TILES)]
+    results = [r for s in a.shapes.split(",") for r in measure(s, rows, a.hbm_tbs, a.tflops, TILES)]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "commit": git_commit(), "hbm_tbs": a.hbm_tbs, "tiles": TILES, "results": results}
+              "commit": git_commit(), "hbm_tbs": a.hbm_tbs, "tflops": a.tflops, "tiles": TILES, "results": results}
     write_json(report, a.out or HERE / "results" / f"decode_gemm_{a.device}.json")
 
 
