@@ -162,7 +162,8 @@ def main() -> None:
     rows = [int(r) for r in a.rows.split(",")]
     results = [r for s in a.shapes.split(",") for r in measure(s, rows, a.hbm_tbs, a.tflops, TILES)]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "commit": git_commit(), "hbm_tbs": a.hbm_tbs, "tflops": a.tflops, "tiles": TILES, "results": results}
+              "commit": git_commit(), "hbm_tbs": a.hbm_tbs, "tflops": a.tflops, "tiles": TILES,
+              "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "results": results}
     write_json(report, a.out or HERE / "results" / f"decode_gemm_{a.device}.json")
 
 
