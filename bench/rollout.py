@@ -126,6 +126,7 @@ def decode_attention_sweep(device: torch.device) -> dict:
             for s in (1, 2, 4) for b in (32, 64, 128) for w in (2, 4)}
         best = min(triton_us, key=triton_us.get)
         picked = da.decode_splits(rows, 2, max_len, attention._multiprocessors(device))
+        # timed on its own: the engine's pick may be a split the sweep leaves out
         default = timed(lambda i: da.decode_attention(q, caches[i][0], caches[i][1], slots, lens, dim ** -0.5,
                                                       picked), layers)
         key = f"rows{rows}_group{group}_d{dim}_ctx{context}"

@@ -220,7 +220,8 @@ if triton is not None:
         piece_sum = tl.load(parts_ptr + plane + at, mask=mask, other=0.0)
         top = tl.max(piece_max, axis=0)
         weight = tl.where(piece_max == float("-inf"), 0.0, piece_sum * tl.exp(piece_max - top))
-        log_total = top + tl.log(tl.sum(weight, axis=0))
+        total = tl.sum(weight, axis=0)
+        log_total = top + tl.log(total)
         row_ptr = logits_ptr + row * stride
         if GREEDY:
             best = tl.argmax(piece_max, axis=0)  # the first of equal maxima: the lowest token id
@@ -229,7 +230,7 @@ if triton is not None:
         else:
             scale = tl.load(inv_temp_ptr)
             cum = tl.cumsum(weight, axis=0)
-            target = tl.rand(tl.load(seed_ptr), row) * tl.sum(weight, axis=0)
+            target = tl.rand(tl.load(seed_ptr), row) * total
             # the piece where the target falls; rounding can put it past the last piece with any weight
             last = tl.max(tl.where(weight > 0, offs, 0), axis=0)
             piece = tl.minimum(tl.sum(((cum <= target) & mask).to(tl.int32), axis=0), last)

@@ -2,13 +2,12 @@
 
 Off the fused path, sampling uses the Gumbel-max trick: `argmax(logp + g)` with `g = -log(E)`,
 `E = -log(U) ~ Exponential(1)`, `U` uniform from the caller's `torch.Generator`, which is an exact sample
-from `softmax(logp)`. The
-log-prob of the sampled token comes from the same logits (no second forward): it is the token's
-log-probability under the distribution actually sampled from, i.e. after temperature and after top-k /
-top-p truncation and renormalisation. Without truncation this equals `log_softmax(logits / T)`, which
-is what verl-style trainers recompute. Greedy rows (temperature 0) take the argmax and report
-`log_softmax(logits)`. On CUDA without truncation `kernels.sample_plain` samples the same distribution
-by the inverse CDF, with one uniform per row instead of one per logit.
+from `softmax(logp)`. The log-prob of the sampled token comes from the same logits (no second forward):
+it is the token's log-probability under the distribution actually sampled from, i.e. after temperature
+and after top-k / top-p truncation and renormalisation. Without truncation this equals
+`log_softmax(logits / T)`, which is what verl-style trainers recompute. Greedy rows (temperature 0) take
+the argmax and report `log_softmax(logits)`. On CUDA without truncation `kernels.sample_plain` samples
+the same distribution by the inverse CDF, with one uniform per row instead of one per logit.
 """
 
 from __future__ import annotations
