@@ -122,9 +122,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Each row's queries (packed by `cu_seqlens_q`; one per row in decode) over its slot's first
     context_lens positions, causally: the last query of a row sees the whole context. q [T, H, D] -> [T, H, D]."""
     if backend == "flash" and meta.max_seqlen_q == 1 and decode_attention.supported(q.shape[-1]):
-        splits = decode_attention.decode_splits(q.shape[0], k_cache.shape[2], meta.max_seqlen,
-                                                _multiprocessors(q.device))
-        return decode_attention.decode_attention(q, k_cache, v_cache, meta.slots, meta.context_lens, scale, splits)
+        return decode_attention.decode_attention(q, k_cache, v_cache, meta.slots, meta.context_lens, scale,
+                                                 _splits(q.shape[0], k_cache, meta))
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(
             q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta.cu_seqlens_q,
@@ -136,6 +135,19 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     queries = q[:, :, None] if query_index is None else q[query_index].transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0] if query_index is None else out.transpose(1, 2)[valid]
+
+
+def rotary_decode_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, meta: AttnMeta, heads: int, scale: float) -> torch.Tensor:
+    """A decode step (one token per row) from the fused projection output qkv [B, (H + 2 Hkv) * D] as
+    projected: rotary, the cache write and the attention in one kernel (`decode_attention`'s
+    `rotary_decode_attention`; CUDA, a power-of-two head dim) -> [B, H, D]."""
+    return decode_attention.rotary_decode_attention(qkv, *rope, k_cache, v_cache, meta.slots, meta.context_lens,
+                                                    scale, _splits(qkv.shape[0], k_cache, meta), heads)
+
+
+def _splits(rows: int, k_cache: torch.Tensor, meta: AttnMeta) -> int:
+    return decode_attention.decode_splits(rows, k_cache.shape[2], meta.max_seqlen, _multiprocessors(k_cache.device))
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """Triton kernels of the attention half of a decode step on CUDA: rotary + K/V cache write, and split-KV
-attention of one query per row over its slot.
+attention of one query per row over its slot, apart or in one kernel.
 
 Over the slot cache (`kv_cache.py`: `[slots + 1, max_len, kv_heads, head_dim]` per layer) a decode step
 of B rows has one new token per row. The general path for it (`attention.cache_attention`, flash's
@@ -7,14 +7,19 @@ varlen kernel with one query per row, plus `index_copy_` writes and contiguous c
 its bandwidth floor on an H200 (docs/benchmarks.md, "Where a decode step's time goes"). Here:
 
 - `rotary_store_(qkv, positions, cos, sin, k_cache, v_cache, write_index, heads, kv_heads)`: one kernel
-  rotates the q and k heads of the fused projection output in place (`kernels.rope_halves`, as
-  `kernels.rotary_` does) and stores each token's k and v heads at its flat cache position.
+  rotates the q and k heads of the fused projection output in place (`kernels.rope`, as
+  `kernels.rotary_` does) and stores each token's k and v heads at its flat cache position (prefill).
 - `decode_attention(q, k_cache, v_cache, slots, context_lens, scale, splits)`: each program takes one
   row, one KV head with all the query heads that share it (the group is read from q where the
   projection left it, no copy), and one of `splits` pieces of the row's context, and runs an online
   softmax over it; with several pieces a second kernel merges them by their log-sum-exp (flash-
   decoding). The grid is fixed by the batch and `splits`, and each row's length is read on the device,
   so it runs inside the decode CUDA graphs.
+- `rotary_decode_attention(qkv, cos, sin, k_cache, v_cache, slots, context_lens, scale, splits, heads)`:
+  the decode step's usual path, both of the above in one kernel: each program rotates its q group and
+  the row's new k in registers, the program whose piece holds the new position writes k and v to the
+  cache, and the new token joins the online softmax from registers (so no program reads a cache entry
+  written in the same kernel). One kernel fewer per layer.
 
 `supported(head_dim)` says whether a shape can take these kernels (a power-of-two head dimension ≥ 16);
 the caller keeps the general path otherwise, and on CPU.
@@ -29,7 +34,7 @@ from hybridflow.engine.rollout.kernels import triton
 if triton is not None:
     import triton.language as tl
 
-    from hybridflow.engine.rollout.kernels import rope_halves
+    from hybridflow.engine.rollout.kernels import rope
 
 SPLIT_MIN = 256  # the fewest cached positions worth a piece of their own
 # tiles of 4,096 K elements (64 positions at head_dim 64, 32 at 128) and 2 warps were the fastest of
@@ -63,7 +68,7 @@ def rotary_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     dim = qkv.shape[1] // (heads + 2 * kv_heads)
     _rotary_store_kernel[(tokens,)](
         qkv, positions, cos, sin, k_cache, v_cache, write_index, qkv.stride(0), cos.stride(0), HEADS=heads,
-        KV_HEADS=kv_heads, HALF=dim // 2, QK_PAD=triton.next_power_of_2(heads + kv_heads),
+        KV_HEADS=kv_heads, D=dim, QK_PAD=triton.next_power_of_2(heads + kv_heads),
         KV_PAD=triton.next_power_of_2(kv_heads))
 
 
@@ -74,10 +79,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     -> [B, H, D] in q's dtype. k/v_cache [slots + 1, max_len, Hkv, D]; slots, context_lens [B]. `block`
     and `warps` are the kernel's tile (None: `block_for(D)`) and warp count (`bench/rollout.py` sweeps them)."""
     rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    if q.stride()[1:] != (dim, 1) or k_cache.stride()[2:] != (dim, 1) or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"decode_attention reads heads of {dim} contiguous elements: q strides {q.stride()}, "
-                         f"k/v cache strides {k_cache.stride()} / {v_cache.stride()}")
+    if q.stride()[1:] != (dim, 1):
+        raise ValueError(f"decode_attention reads heads of {dim} contiguous elements: q strides {q.stride()}")
+    return _attend(q, None, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps)
+
+
+def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            splits: int, heads: int) -> torch.Tensor:
+    """A decode step's attention from the fused projection output qkv [B, (H + 2 Hkv) * D] as it left the
+    GEMM: each row's token sits at position context_lens - 1; its q and k are rotated in registers (cos/sin
+    [max_len, D] fp32 tables), its k and v written to the slot's cache at that position, and its q attends
+    over the cached positions before it and over its own k and v -> [B, H, D]. One kernel does what
+    `rotary_store_` and `decode_attention` do in two; qkv is left as it was."""
+    rows, kv_heads = qkv.shape[0], k_cache.shape[2]
+    dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    if qkv.stride(1) != 1:
+        raise ValueError(f"rotary_decode_attention reads rows of contiguous heads: qkv strides {qkv.stride()}")
+    return _attend(qkv, (cos, sin), k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, None, WARPS)
+
+
+def _attend(q, rope_tables, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps):
+    rows, kv_heads = q.shape[0], k_cache.shape[2]
+    if k_cache.stride()[2:] != (dim, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"decode attention reads heads of {dim} contiguous elements: k/v cache strides "
+                         f"{k_cache.stride()} / {v_cache.stride()}")
     group = heads // kv_heads
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     if splits == 1:
@@ -85,10 +111,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_o = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    cos, sin = rope_tables or (q, q)  # unread without rotation
     _decode_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, q.stride(0), k_cache.stride(0),
-        k_cache.stride(1), scale, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=dim, SPLITS=splits, BLOCK=block or block_for(dim), num_warps=warps)
+        q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, cos, sin, q.stride(0), k_cache.stride(0),
+        k_cache.stride(1), cos.stride(0), scale, HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, SPLITS=splits, BLOCK=block or block_for(dim),
+        ROTATE=rope_tables is not None, num_warps=warps)
     if splits > 1:
         _merge_kernel[(rows * heads,)](part_o, part_lse, out, SPLITS=splits,
                                        SPLITS_PAD=triton.next_power_of_2(splits), D=dim)
@@ -99,33 +127,27 @@ if triton is not None:
 
     @triton.jit
     def _rotary_store_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, index_ptr, stride_t, stride_c,
-                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                              QK_PAD: tl.constexpr, KV_PAD: tl.constexpr):
         t = tl.program_id(0)  # one program per token, all its heads
-        pos = tl.load(pos_ptr + t)
-        dest = tl.load(index_ptr + t).to(tl.int64) * (KV_HEADS * 2 * HALF)
+        dest = tl.load(index_ptr + t).to(tl.int64) * (KV_HEADS * D)
         row = x_ptr + t * stride_t
         h = tl.arange(0, QK_PAD)[:, None]
-        offs = tl.arange(0, HALF)[None, :]
+        d = tl.arange(0, D)[None, :]
         qk = h < HEADS + KV_HEADS
-        x1 = tl.load(row + h * 2 * HALF + offs, mask=qk).to(tl.float32)
-        x2 = tl.load(row + h * 2 * HALF + HALF + offs, mask=qk).to(tl.float32)
-        o1, o2 = rope_halves(x1, x2, x_ptr, cos_ptr, sin_ptr, pos, stride_c, offs, HALF)
-        tl.store(row + h * 2 * HALF + offs, o1, mask=qk)
-        tl.store(row + h * 2 * HALF + HALF + offs, o2, mask=qk)
-        is_k = qk & (h >= HEADS)
-        k_at = k_ptr + dest + (h - HEADS) * 2 * HALF + offs
-        tl.store(k_at, o1, mask=is_k)
-        tl.store(k_at + HALF, o2, mask=is_k)
+        out = rope(row + h * D, d, cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_c, qk, D // 2)
+        tl.debug_barrier()  # every thread has read its partner column before any column is overwritten
+        tl.store(row + h * D + d, out, mask=qk)
+        tl.store(k_ptr + dest + (h - HEADS) * D + d, out, mask=qk & (h >= HEADS))
         j = tl.arange(0, KV_PAD)[:, None]
-        full = tl.arange(0, 2 * HALF)[None, :]
-        v = tl.load(row + (HEADS + KV_HEADS + j) * 2 * HALF + full, mask=j < KV_HEADS)
-        tl.store(v_ptr + dest + j * 2 * HALF + full, v, mask=j < KV_HEADS)
+        v = tl.load(row + (HEADS + KV_HEADS + j) * D + d, mask=j < KV_HEADS)
+        tl.store(v_ptr + dest + j * D + d, v, mask=j < KV_HEADS)
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, stride_q,
-                       stride_slot, stride_pos, scale, HEADS: tl.constexpr, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, cos_ptr, sin_ptr,
+                       stride_q, stride_slot, stride_pos, stride_c, scale, HEADS: tl.constexpr,
+                       KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -137,8 +159,21 @@ if triton is not None:
         d = tl.arange(0, D)
         in_group = g < GROUP
         head = kv_head * GROUP + g
-        q = tl.load(q_ptr + row * stride_q + head[:, None] * D + d[None, :], mask=in_group[:, None], other=0.0)
+        q_row = q_ptr + row * stride_q
         cache = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * D
+        if ROTATE:  # the row's new token (position length - 1) comes from the projection, not the cache
+            pos = length - 1
+            q = rope(q_row + head[:, None] * D, d[None, :], cos_ptr, sin_ptr, pos, stride_c, in_group[:, None],
+                     D // 2)
+            k_new = rope(q_row + (HEADS + kv_head) * D, d, cos_ptr, sin_ptr, pos, stride_c, d < D, D // 2)
+            v_new = tl.load(q_row + (HEADS + KV_HEADS + kv_head) * D + d)
+            owner = (pos >= start) & (pos < end)  # the one piece holding the new position writes it
+            if owner:
+                tl.store(k_ptr + cache + pos.to(tl.int64) * stride_pos + d, k_new)
+                tl.store(v_ptr + cache + pos.to(tl.int64) * stride_pos + d, v_new)
+            end = tl.minimum(end, pos)
+        else:
+            q = tl.load(q_row + head[:, None] * D + d[None, :], mask=in_group[:, None], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -156,6 +191,15 @@ if triton is not None:
             v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = new_m
+        if ROTATE:
+            if owner:  # fold the new token in as one more position of the online softmax
+                score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+                new_m = tl.maximum(m, score)
+                alpha = tl.exp(m - new_m)
+                p = tl.exp(score - new_m).to(v_new.dtype).to(tl.float32)
+                total = total * alpha + tl.exp(score - new_m)
+                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+                m = new_m
         if SPLITS == 1:
             tl.store(out_ptr + (row * HEADS + head[:, None]) * D + d[None, :],
                      (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=in_group[:, None])

@@ -140,29 +140,28 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_halves(x1, x2, x_ptr, cos_ptr, sin_ptr, pos, stride_c, offs, HALF: tl.constexpr):
-        """HF rotate-half RoPE of a head's halves x1, x2 (fp32, at column offsets `offs` < HALF) by position
-        `pos` of the fp32 cos/sin tables -> the rotated halves in x_ptr's dtype, rounded as the torch
-        reference is: x * cos + rotate_half(x) * sin, the tables, each product and the sum rounded to it."""
-        dt = x_ptr.dtype.element_ty
-        c1 = tl.load(cos_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * stride_c + offs).to(dt).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs).to(dt).to(tl.float32)
-        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        return o1.to(dt), o2.to(dt)
+    def rope(base, d, cos_ptr, sin_ptr, pos, stride_c, mask, HALF: tl.constexpr):
+        """HF rotate-half RoPE of the heads at `base + d` (d: column offsets in [0, 2 * HALF)) by position
+        `pos` of the fp32 cos/sin tables (heads where `mask` is false read as zeros) -> the rotated heads in
+        base's dtype, rounded as the torch reference is: x * cos + rotate_half(x) * sin, the tables, each
+        product and the sum rounded to it. Callers rotating in place need a barrier before storing: a
+        column's partner may belong to another thread."""
+        dt = base.dtype.element_ty
+        x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+        partner = tl.load(base + (d + HALF) % (2 * HALF), mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + pos * stride_c + d).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_c + d).to(dt).to(tl.float32)
+        turned = tl.where(d < HALF, -partner, partner)
+        return ((x * c).to(dt).to(tl.float32) + (turned * s).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
     def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_c, HALF: tl.constexpr):
         t = tl.program_id(0)
-        head = tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        base = x_ptr + t * stride_t + head * 2 * HALF
-        o1, o2 = rope_halves(tl.load(base + offs).to(tl.float32), tl.load(base + HALF + offs).to(tl.float32),
-                             x_ptr, cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_c, offs, HALF)
-        tl.store(base + offs, o1)
-        tl.store(base + HALF + offs, o2)
+        base = x_ptr + t * stride_t + tl.program_id(1) * 2 * HALF
+        d = tl.arange(0, 2 * HALF)
+        out = rope(base, d, cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_c, d < 2 * HALF, HALF)
+        tl.debug_barrier()  # every thread has read its partner column before any column is overwritten
+        tl.store(base + d, out)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):

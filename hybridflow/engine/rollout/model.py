@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, prefill_attention, write_kv
+from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, prefill_attention, rotary_decode_attention,
+                                                 write_kv)
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
@@ -110,14 +111,17 @@ class Attention(nn.Module):
             if not fused:
                 rotary_(qk, positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
-        if fused:  # rotates q and k in place too
-            rotary_store_(qkv, positions, *rope, k_cache, v_cache, meta.write_index, self.heads, self.kv_heads)
+        if fused and meta.reads_cache and meta.max_seqlen_q == 1 and self.backend == "flash":
+            out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale)
         else:
-            write_kv(k_cache, v_cache, k, v, meta)
-        if meta.reads_cache:
-            out = cache_attention(q, k_cache, v_cache, meta, self.scale, self.backend)
-        else:
-            out = prefill_attention(q, k, v, meta, self.scale, self.backend)
+            if fused:  # rotates q and k in place too
+                rotary_store_(qkv, positions, *rope, k_cache, v_cache, meta.write_index, self.heads, self.kv_heads)
+            else:
+                write_kv(k_cache, v_cache, k, v, meta)
+            if meta.reads_cache:
+                out = cache_attention(q, k_cache, v_cache, meta, self.scale, self.backend)
+            else:
+                out = prefill_attention(q, k, v, meta, self.scale, self.backend)
         return self.o_proj(out.reshape(tokens, -1))
 
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:

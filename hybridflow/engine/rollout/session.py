@@ -114,21 +114,24 @@ class Session:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[int, Completion]]:
-        """Admit and prefill what fits, else decode `engine.decode_steps_per_sync` tokens for every running
-        row (fewer when a row reaches its length limit sooner); returns the (sequence, completion of this
-        turn) of the rows that finished."""
+        """Admit and prefill what fits (in forwards of up to `max_prefill_tokens`, queued with no host sync
+        between them, so the host builds a forward's inputs while the GPU runs the one before), else decode
+        `engine.decode_steps_per_sync` tokens for every running row (fewer when a row reaches its length
+        limit sooner); returns the (sequence, completion of this turn) of the rows that finished."""
         admitted = self.scheduler.admit(len(self.batch))
         tick = time.perf_counter()
-        if admitted:
+        prefilled = bool(admitted)
+        while admitted:
             self._prefill(sorted(admitted, key=lambda r: r.slots[0]))
-        elif len(self.batch):
+            admitted = self.scheduler.admit(len(self.batch))
+        if not prefilled and len(self.batch):
             steps = min(self.engine.decode_steps_per_sync, self.batch.steps_left())
             self.engine.decode(self.batch, self.params, self.generator, steps)
             self.stats["decode_steps"] += steps
-        else:
+        elif not prefilled:
             return []
         finished = self.batch.pop_finished()  # syncs, so the timings are real
-        self.stats["prefill_s" if admitted else "decode_s"] += time.perf_counter() - tick
+        self.stats["prefill_s" if prefilled else "decode_s"] += time.perf_counter() - tick
         if finished is None:
             return []
         done = []

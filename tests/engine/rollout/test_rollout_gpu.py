@@ -127,7 +127,8 @@ def test_continuation_over_the_flash_cache_equals_one_shot_prefill(spread_model)
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_kernels_equal_the_general_path(splits):
     """The fused rotary + cache write and the split-KV decode attention give what rotary, `write_kv` and
-    SDPA over the cache give (bf16; one row of length 1, rows of lengths within and past one block)."""
+    SDPA over the cache give (bf16; one row of length 1, rows of lengths within and past one block); so
+    does the one-kernel `rotary_decode_attention`, which writes the same cache and leaves qkv as it was."""
     from hybridflow.engine.rollout import decode_attention as da
     from hybridflow.engine.rollout import kernels
     from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, write_kv
@@ -148,6 +149,10 @@ def test_decode_kernels_equal_the_general_path(splits):
     kernels.rotary_(qk, positions, cos, sin)
     write_kv(k_ref, v_ref, qk[:, heads:], ref_qkv[:, (heads + kv_heads) * dim:].view(4, kv_heads, dim), meta)
     ref = cache_attention(qk[:, :heads], k_ref, v_ref, meta, dim ** -0.5, "sdpa")
+    one_cache, one_qkv = cache.clone(), qkv.clone()
+    one = da.rotary_decode_attention(one_qkv, cos, sin, *one_cache, slots, lens, dim ** -0.5, splits, heads)
+    assert torch.equal(one_qkv, qkv) and torch.equal(one_cache, torch.stack([k_ref, v_ref]))
+    torch.testing.assert_close(one.float(), ref.float(), atol=2e-2, rtol=2e-2)
     k_cache, v_cache = cache
     da.rotary_store_(qkv, positions, cos, sin, k_cache, v_cache, meta.write_index, heads, kv_heads)
     assert torch.equal(qkv, ref_qkv) and torch.equal(cache, torch.stack([k_ref, v_ref]))
