@@ -143,7 +143,8 @@ def shared_prefill(shape: str, device, dtype, prompts_n: int, n: int, new_tokens
     gen = torch.Generator().manual_seed(7)
     lengths = torch.randint(64, 161, (prompts_n,), generator=gen).tolist()
     prompts = [torch.randint(4, model.config.vocab_size, (k,), generator=gen).tolist() for k in lengths]
-    engine.generate(prompts[:2], SamplingParams(max_tokens=4, stop_token_ids=[]))  # warm-up
+    # warm-up with n > 1: several samples of a prompt take their own prefill kernels (one Triton compile)
+    engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, stop_token_ids=[]))
     outs, seconds = ours_generate(engine, prompts, SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens,
                                                                    stop_token_ids=[], seed=0))
     stats = engine.stats

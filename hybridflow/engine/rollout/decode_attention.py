@@ -92,14 +92,15 @@ def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     [max_len, D] fp32 tables), its k and v written to the slot's cache at that position, and its q attends
     over the cached positions before it and over its own k and v -> [B, H, D]. One kernel does what
     `rotary_store_` and `decode_attention` do in two; qkv is left as it was."""
-    rows, kv_heads = qkv.shape[0], k_cache.shape[2]
-    dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    dim = qkv.shape[1] // (heads + 2 * k_cache.shape[2])
     if qkv.stride(1) != 1:
         raise ValueError(f"rotary_decode_attention reads rows of contiguous heads: qkv strides {qkv.stride()}")
     return _attend(qkv, (cos, sin), k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, None, WARPS)
 
 
 def _attend(q, rope_tables, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps):
+    """Both entry points' launch: q is a row-strided tensor whose rows start with the heads' queries (and,
+    with rope_tables, continue with the new k and v heads)."""
     rows, kv_heads = q.shape[0], k_cache.shape[2]
     if k_cache.stride()[2:] != (dim, 1) or v_cache.stride() != k_cache.stride():
         raise ValueError(f"decode attention reads heads of {dim} contiguous elements: k/v cache strides "
