@@ -144,3 +144,21 @@ def test_cache_attention_equals_causal_attention_over_the_whole_sequence(queries
                                        max_seqlen=max(lengths)), dim ** -0.5, "sdpa")
     expected = torch.cat([w[-queries:] for w in whole.split(lengths)])
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
+def test_one_step_prefills_all_that_fits_in_forwards_of_the_token_budget(spread_model):
+    """Prompts beyond one forward's `max_prefill_tokens` are prefilled in the same step, in several forwards
+    queued back to back (no decode step between them), and generate what each prompt alone generates."""
+    engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=4, max_model_len=64,
+                                           max_prefill_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[])
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16], [17, 18, 19, 20, 21, 22]]
+    session = engine.session(params)
+    seqs = [session.add(prompt)[0] for prompt in prompts]
+    session.step()
+    assert session.stats["prefill_forwards"] == 3 and session.stats["decode_steps"] == 0
+    assert len(session.batch) == 4
+    done = session.run()
+    for seq, prompt in zip(seqs, prompts):
+        (alone,), = engine.generate([prompt], params)
+        assert done[seq].token_ids == alone.token_ids
