@@ -121,7 +121,7 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, backend: str) -> torch.Tensor:
     """Each row's queries (packed by `cu_seqlens_q`; one per row in decode) over its slot's first
     context_lens positions, causally: the last query of a row sees the whole context. q [T, H, D] -> [T, H, D]."""
-    if backend == "flash" and meta.max_seqlen_q == 1 and decode_attention.supported(q.shape[-1]):
+    if decodes_in_triton(meta, backend, q.shape[-1]):
         return decode_attention.decode_attention(q, k_cache, v_cache, meta.slots, meta.context_lens, scale,
                                                  _splits(q.shape[0], k_cache, meta))
     if backend == "flash":
@@ -135,6 +135,13 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     queries = q[:, :, None] if query_index is None else q[query_index].transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0] if query_index is None else out.transpose(1, 2)[valid]
+
+
+def decodes_in_triton(meta: AttnMeta, backend: str, head_dim: int) -> bool:
+    """Whether attention over the cache runs `decode_attention.py`'s kernels: one query per row (decode),
+    flash backend (CUDA, half precision), a head dim they support."""
+    return (backend == "flash" and meta.reads_cache and meta.max_seqlen_q == 1
+            and decode_attention.supported(head_dim))
 
 
 def rotary_decode_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,

@@ -197,9 +197,10 @@ if triton is not None:
                 score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
                 new_m = tl.maximum(m, score)
                 alpha = tl.exp(m - new_m)
-                p = tl.exp(score - new_m).to(v_new.dtype).to(tl.float32)
-                total = total * alpha + tl.exp(score - new_m)
-                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+                p = tl.exp(score - new_m)
+                total = total * alpha + p
+                # rounded to the cache's dtype as the loop's p is before its dot with v
+                acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
                 m = new_m
         if SPLITS == 1:
             tl.store(out_ptr + (row * HEADS + head[:, None]) * D + d[None, :],

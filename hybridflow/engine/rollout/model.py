@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, prefill_attention, rotary_decode_attention,
-                                                 write_kv)
+from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, decodes_in_triton, prefill_attention,
+                                                 rotary_decode_attention, write_kv)
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
@@ -111,7 +111,7 @@ class Attention(nn.Module):
             if not fused:
                 rotary_(qk, positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
-        if fused and meta.reads_cache and meta.max_seqlen_q == 1 and self.backend == "flash":
+        if fused and decodes_in_triton(meta, self.backend, self.head_dim):
             out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale)
         else:
             if fused:  # rotates q and k in place too
