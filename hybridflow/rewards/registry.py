@@ -1,11 +1,13 @@
 """The reward-function registry: built-in names, `auto` routing by `data_source`, and user files.
 
-A reward function has verl's signature, so functions written for verl work unchanged::
+A reward function takes verl's arguments, by keyword (`hybridflow.rewards.binding`), so functions
+written for verl work unchanged::
 
     fn(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float | dict
 
 A dict result holds ``score`` plus extra values (logged as ``reward/<name>/mean``). `get_reward_fn`
-turns a spec into such a function:
+turns a spec into such a function (`load_function` finds the function itself, batched TRL-style ones
+too):
 
 - a registered name (``gsm8k``, ``math``, ``reasoning_gym``, ``exact_match``, or one added with
   `register_reward`);
@@ -19,10 +21,10 @@ import difflib
 import fnmatch
 import functools
 import importlib.util
-import inspect
 from collections.abc import Callable
 from typing import Any
 
+from hybridflow.rewards.binding import ROW_ARGUMENTS, bind, is_batched
 from hybridflow.utils.imports import load_from_file
 
 RewardFn = Callable[[str, str, Any, Any], "float | dict"]
@@ -45,9 +47,6 @@ AUTO_ROUTES: list[tuple[str, str]] = [
     ("reasoning_gym*", "reasoning_gym"),
     ("reasoning-gym*", "reasoning_gym"),
 ]
-
-_VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
-
 
 def register_reward(name: str, requires: tuple[str, str] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator adding a reward function to `REWARD_FUNCTIONS` under `name`.
@@ -109,87 +108,61 @@ def auto_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
     return REWARD_FUNCTIONS[route_data_source(data_source)](data_source, solution_str, ground_truth, extra_info)
 
 
-def _adapt_signature(fn: Callable, where: str, kwargs: dict | None = None) -> RewardFn:
-    """Returns `fn` callable as ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs)``.
-
-    Functions whose parameters carry verl's names (in any order, keyword-only included) are called by
-    keyword, as verl does; others that take four positional arguments are called positionally. `kwargs`
-    (`reward.kwargs`) must fit too. Raises TypeError naming the signature otherwise.
-    """
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # builtins without a signature: trust them
-        return fn
-    extra = dict(kwargs or {})
-    try:
-        sig.bind(**dict.fromkeys(_VERL_PARAMS), **extra)
-    except TypeError:
-        pass
-    else:
-        @functools.wraps(fn)
-        def by_name(data_source, solution_str, ground_truth, extra_info=None, **kw):
-            return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                      extra_info=extra_info, **kw)
-
-        return by_name
-    try:
-        sig.bind(*_VERL_PARAMS, **extra)
-    except TypeError:
-        verl = "verl's (data_source, solution_str, ground_truth, extra_info)"
-        raise TypeError(
-            f"reward kwargs {extra} do not fit reward function {where} (signature {sig}): it must accept {verl} "
-            f"and these keyword arguments" if extra else
-            f"reward function {where} has signature {sig}; it must accept {verl}"
-        ) from None
-
-    @functools.wraps(fn)
-    def positional(data_source, solution_str, ground_truth, extra_info=None, **kw):
-        return fn(data_source, solution_str, ground_truth, extra_info, **kw)
-
-    return positional
-
-
-def load_file_function(spec: str) -> RewardFn:
-    """Loads ``path/to/file.py:function_name`` (path relative to the working directory or absolute); its
-    signature is checked by `get_reward_fn`."""
-    fn = load_from_file(spec, "reward", "function", "reward.function")
-    path_str, _, fn_name = spec.rpartition(":")
-    if not callable(fn):
-        raise TypeError(f"{fn_name!r} in reward file {path_str} is a {type(fn).__name__}, not a function")
-    return fn
+def load_function(spec: str | Callable) -> tuple[Callable, str]:
+    """``(function, how to name it in errors)`` for a spec: a callable, a registered name or
+    ``path/to/file.py:function_name`` (path relative to the working directory, or absolute). ``auto`` and
+    unknown names are `get_reward_fn`'s to handle."""
+    if callable(spec):
+        return spec, getattr(spec, "__name__", repr(spec))
+    if not isinstance(spec, str) or not spec:
+        raise TypeError(f"reward.function must be a name or 'file.py:function', got {spec!r}")
+    if ":" in spec or spec.endswith(".py"):
+        fn = load_from_file(spec, "reward", "function", "reward.function")
+        if not callable(fn):
+            path_str, _, fn_name = spec.rpartition(":")
+            raise TypeError(f"{fn_name!r} in reward file {path_str} is a {type(fn).__name__}, not a function")
+        return fn, spec
+    if spec in REWARD_FUNCTIONS:
+        check_requirements(spec)
+        return REWARD_FUNCTIONS[spec], repr(spec)
+    hint = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
+    raise ValueError(
+        f"unknown reward function {spec!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        + f"; valid: auto, {', '.join(sorted(REWARD_FUNCTIONS))}, or 'path/to/file.py:function_name'"
+    )
 
 
 def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
-    """The reward function named by `spec` (see the module docstring), with `kwargs` bound.
+    """The per-row reward function named by `spec` (see the module docstring), callable as
+    ``fn(data_source, solution_str, ground_truth, extra_info)``, with `kwargs` bound.
+
+    The function is called by keyword with the parameters it declares (`hybridflow.rewards.binding`);
+    one whose parameters cannot all be filled is refused here, naming the parameter. A batched (TRL-style)
+    function scores whole batches: `hybridflow.rewards.scorer.Scorer` calls those.
 
     Args:
         spec: a registered name, ``auto``, ``path/to/file.py:function_name``, or a callable.
         kwargs: extra keyword arguments for the function (e.g. ``{"method": "flexible"}`` for gsm8k);
             not allowed with ``auto``, whose rows may reach different functions.
     """
-    if callable(spec):
-        fn = _adapt_signature(spec, getattr(spec, "__name__", repr(spec)), kwargs)
-    elif not isinstance(spec, str) or not spec:
-        raise TypeError(f"reward.function must be a name or 'file.py:function', got {spec!r}")
-    elif spec == "auto":
+    if spec == "auto":
         if kwargs:
             raise ValueError(f"reward kwargs {sorted(kwargs)} cannot be used with reward.function=auto; "
                              f"name the function instead (one of {sorted(REWARD_FUNCTIONS)})")
-        fn = auto_reward
-    elif ":" in spec or spec.endswith(".py"):
-        fn = _adapt_signature(load_file_function(spec), spec, kwargs)
-    elif spec in REWARD_FUNCTIONS:
-        check_requirements(spec)
-        fn = _adapt_signature(REWARD_FUNCTIONS[spec], repr(spec), kwargs)
-    else:
-        hint = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
-        raise ValueError(
-            f"unknown reward function {spec!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-            + f"; valid: auto, {', '.join(sorted(REWARD_FUNCTIONS))}, or 'path/to/file.py:function_name'"
-        )
-    if kwargs:
-        fn = functools.partial(fn, **kwargs)
-    return fn
+        return auto_reward
+    fn, where = load_function(spec)
+    if is_batched(fn):
+        raise TypeError(f"reward function {where} is batched (TRL-style: it takes `completions`) and scores a "
+                        f"whole batch at once; RewardManager and the trainer call it that way, not per row")
+    binding = bind(fn, where, ROW_ARGUMENTS, kwargs)
+    extra = dict(kwargs or {})
+
+    @functools.wraps(fn)
+    def by_name(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
+        return binding.call({"data_source": data_source, "solution_str": solution_str,
+                             "ground_truth": ground_truth, "extra_info": extra_info, **extra})
+
+    return by_name
 
 
 def split_result(result: Any) -> tuple[float, dict[str, Any]]:

@@ -60,32 +60,53 @@ def test_user_file_function(tmp_path):
         def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
             return {"score": float(solution_str == ground_truth) + bonus, "length": len(solution_str)}
 
-        def positional(a, b, c, d):
-            return 2.0
-
         NOT_CALLABLE = 3
     """)
     fn = get_reward_fn(f"{f}:compute_score")
     assert fn("d", "x", "x", None) == {"score": 1.0, "length": 1}
     assert get_reward_fn(f"{f}:compute_score", {"bonus": 0.5})("d", "x", "y", None)["score"] == 0.5
-    assert get_reward_fn(f"{f}:positional")("d", "x", "y", None) == 2.0
     with pytest.raises(AttributeError, match=r"no function 'compute_scor'; did you mean 'compute_score'"):
         get_reward_fn(f"{f}:compute_scor")
     with pytest.raises(TypeError, match="is a int, not a function"):
         get_reward_fn(f"{f}:NOT_CALLABLE")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         get_reward_fn(f"{tmp_path}/missing.py:compute_score")
-    with pytest.raises(TypeError, match=r"do not fit reward function"):
-        get_reward_fn(f"{f}:positional", {"bonus": 1})
+    with pytest.raises(TypeError, match=r"do not fit reward function .* it takes no parameter 'other'"):
+        get_reward_fn(f"{f}:compute_score", {"other": 1})
 
 
-def test_user_function_with_wrong_signature(tmp_path):
+def test_a_parameter_no_name_fills_is_refused_naming_it(tmp_path):
     f = _write(tmp_path / "bad.py", """
         def two_args(solution, truth):
             return 1.0
+
+        def positional(a, b, c, d):
+            return 2.0
     """)
-    with pytest.raises(TypeError, match=r"must accept verl's \(data_source, solution_str, ground_truth, extra_info\)"):
+    with pytest.raises(TypeError, match=r"two_args \(signature \(solution, truth\)\): its parameter 'solution' has no "
+                                        r"value to take; hybridflow passes data_source, solution_str, ground_truth, "
+                                        r"extra_info by keyword"):
         get_reward_fn(f"{f}:two_args")
+    with pytest.raises(TypeError, match=r"its parameter 'a' has no value"):  # never filled by position
+        get_reward_fn(f"{f}:positional")
+
+
+def test_verls_own_scorer_shape_gets_the_response_and_the_ground_truth(tmp_path):
+    """verl's `reward_score/gsm8k.py` shape: `compute_score(solution_str, ground_truth, method, format_score,
+    score)`, no data_source. Called positionally it got data_source as the response (issue 36)."""
+    f = _write(tmp_path / "gsm8k_like.py", """
+        def compute_score(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+            assert method in ("strict", "flexible"), method
+            answer = solution_str.split("####")[-1].strip() if "####" in solution_str else None
+            if answer is None:
+                return 0.0
+            return score if answer == ground_truth else format_score
+    """)
+    fn = get_reward_fn(f"{f}:compute_score")
+    assert fn("openai/gsm8k", "so 3 + 4 #### 7", "7", {"index": 0}) == 1.0
+    assert fn("openai/gsm8k", "#### 8", "7", None) == 0.0
+    tuned = get_reward_fn(f"{f}:compute_score", {"method": "flexible", "format_score": 0.1, "score": 2.0})
+    assert tuned("openai/gsm8k", "#### 7", "7", None) == 2.0 and tuned("x", "#### 8", "7", None) == 0.1
 
 
 def test_split_result_validates():
