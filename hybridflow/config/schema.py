@@ -299,15 +299,22 @@ class RewardModelConfig:
 class RewardConfig:
     """How responses are scored."""
 
-    function: str = opt("auto", "auto (by data_source), a built-in name, or path/to/file.py:function_name")
+    function: str = opt("auto", "auto (by data_source), a built-in name, or path/to/file.py:function_name: called "
+                                "by keyword with verl's argument names, or once per batch when it takes "
+                                "`completions` (TRL's batched form; docs/rewards.md)")
+    functions: list[str] = opt([], "several reward functions (specs as for `function`), summed with `weights` "
+                                   "(TRL's reward_funcs); [] = `function` alone")
+    weights: list[float] = opt([], "one weight per entry of `functions` (TRL's reward_weights); [] = 1 each")
     timeout_s: float = opt(10.0, "per-sample scoring time limit in seconds")
     fallback_score: float = opt(0.0, "score given when the function raises or times out")
     num_workers: int = opt(2, "reward scoring processes; 0 = score in the controller's thread (no timeout; a "
                               "breakpoint() in the reward function works)")
     max_failed_steps: int = opt(3, "stop the run when the reward function fails (raises or times out) on every "
-                                   "row of this many scored batches in a row; 0 = never")
+                                   "row, or the environment on every trajectory, of this many training batches in "
+                                   "a row (validation does not count); 0 = never")
     reward_model: RewardModelConfig = opt(RewardModelConfig, "model-based reward")
-    kwargs: dict[str, Any] = opt({}, "extra keyword arguments passed to the reward function")
+    kwargs: dict[str, Any] = opt({}, "extra keyword arguments passed to the reward function (verl's "
+                                     "reward_kwargs); with several functions, to each one that takes them")
 
 
 @dataclass

@@ -342,12 +342,13 @@ def _path_problems(cfg: Any) -> list[str]:
         problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
                         "or model.path (the critic then starts from the actor's model)")
     problems += _data_file_problems(cfg)
-    from hybridflow.rewards import get_reward_fn
+    from hybridflow.rewards import RewardSpec, Scorer
 
-    try:  # resolves a name, or imports a user's file and finds the function in it
-        get_reward_fn(cfg.reward.function, cfg.reward.kwargs)
+    try:  # resolves names, imports users' files, binds each function's parameters
+        Scorer(RewardSpec.from_config(cfg.reward))
     except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
-        problems.append(f"reward.function={cfg.reward.function!r}: {e}")
+        key = "reward.functions" if cfg.reward.functions else "reward.function"
+        problems.append(f"{key}={_get(cfg, key)!r}: {e}")
     from hybridflow.agents.environment import load_environment
     from hybridflow.agents.toolset import ToolSet
 

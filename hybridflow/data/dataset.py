@@ -3,7 +3,7 @@
 A row has the prompt under `prompt_key` (a list of chat messages `{role, content}` or a plain string)
 and optionally `data_source` (str; routes `reward.function=auto`), `ability` (str), `reward_model`
 (a mapping with `ground_truth`; a top-level `ground_truth` column works too) and `extra_info` (a
-mapping, passed to the reward function). Every row is checked and tokenized when the dataset is built,
+mapping, passed to the reward function); every column is kept for batched (TRL-style) reward functions. Every row is checked and tokenized when the dataset is built,
 so a malformed file or row is refused before training, with the file, row and column named.
 
 Prompts longer than `max_prompt_length` tokens are handled by `truncation`: `error` refuses the
@@ -51,7 +51,8 @@ def _optional(record: Record, column: str, kind: type, default: Any) -> Any:
 
 
 def parse_row(record: Record, prompt_key: str = "prompt") -> dict[str, Any]:
-    """The checked fields of one verl-format row: raw_prompt, data_source, ability, ground_truth, extra_info."""
+    """The checked fields of one verl-format row: raw_prompt, data_source, ability, ground_truth, extra_info,
+    and `columns`, every column of the row but the prompt as read (what TRL-style reward functions get)."""
     reward_model = _optional(record, "reward_model", dict, None)
     if reward_model is not None:
         ground_truth = reward_model.get("ground_truth")
@@ -63,6 +64,7 @@ def parse_row(record: Record, prompt_key: str = "prompt") -> dict[str, Any]:
         "ability": _optional(record, "ability", str, ""),
         "ground_truth": ground_truth,
         "extra_info": _optional(record, "extra_info", dict, {}),
+        "columns": {k: v for k, v in record.data.items() if k != prompt_key},
     }
 
 
@@ -108,6 +110,10 @@ class RLDataset(RowDataset):
         if not records:
             raise DataError(f"{', '.join(self.files)}: no rows")
         rows = [parse_row(r, prompt_key) for r in records]
+        self.sources: dict[str, str] = {}  # each data source -> the first row with it ("file, row i")
+        for record, row in zip(records, rows):
+            null = " (data_source is null or missing)" if record.data.get("data_source") is None else ""
+            self.sources.setdefault(row["data_source"], record.where + null)
         try:
             ids = encode_prompts([row["raw_prompt"] for row in rows], tokenizer, apply_chat_template, tools)
         except ValueError as e:

@@ -8,7 +8,8 @@ left-padded:
 
     prompts         [B, P] long   token ids, left-padded with the pad id (P = longest prompt in batch)
     attention_mask  [B, P] long   1 on real tokens
-    non-tensors     uid ("<epoch>-<index>"), index, data_source, ground_truth, extra_info, raw_prompt, ability
+    non-tensors     uid ("<epoch>-<index>"), index, data_source, ground_truth, extra_info, raw_prompt, ability,
+                    columns (the row's dataset columns but the prompt)
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.data.dataset import RLDataset
+from hybridflow.data.files import DataError
 
-PROMPT_FIELDS = ("index", "data_source", "ground_truth", "extra_info", "raw_prompt", "ability")
+PROMPT_FIELDS = ("index", "data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "columns")
 
 
 def left_pad(rows: Sequence[Sequence[int] | np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +139,11 @@ def build_prompt_loaders(cfg: Any, tokenizer: Any,
                          data.apply_chat_template, tools)
 
     seed = data.seed if data.seed is not None else cfg.trainer.seed
-    train = BatchLoader(dataset(data.train_files), data.train_batch_size, seed, shuffle=data.shuffle)
+    train_ds = dataset(data.train_files)
+    if data.train_batch_size > len(train_ds):
+        raise DataError(f"{', '.join(train_ds.files)}: {len(train_ds)} prompts, fewer than one step's "
+                        f"data.train_batch_size={data.train_batch_size}; use data.train_batch_size <= {len(train_ds)}")
+    train = BatchLoader(train_ds, data.train_batch_size, seed, shuffle=data.shuffle)
     if not data.val_files:
         return train, None
     val_ds = dataset(data.val_files)

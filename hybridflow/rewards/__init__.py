@@ -1,8 +1,10 @@
-"""Rewards: verl-signature reward functions, their registry, and the manager that scores a step's rows.
+"""Rewards: reward functions (verl's per-row signature or TRL's batched one), their registry, and the
+manager that scores a step's rows.
 
 - `get_reward_fn(spec)`: ``auto``, a built-in (``gsm8k``, ``math``, ``reasoning_gym``, ``exact_match``,
   ``environment``),
   a name added with `register_reward`, or ``path/to/file.py:function_name``.
+- `Scorer` / `RewardSpec`: one or several functions with weights, bound by keyword (`binding`).
 - `RewardManager`: scores rows in a process pool, asynchronously, with a per-row timeout and a
   fallback score; `scores_to_token_scores` puts the scores on the last response token.
 - `ModelReward` (in `hybridflow.rewards.model_reward`): a sequence-classification reward model.
@@ -15,8 +17,8 @@ from hybridflow.rewards import (  # noqa: F401  (registers built-ins)
     math_equiv,
     reasoning_tasks,
 )
-from hybridflow.rewards.manager import (RewardFunctionFailed, RewardManager, RewardResult, rows_from,
-                                       scores_to_token_scores)
+from hybridflow.rewards.failures import EnvironmentFailed, RewardFunctionFailed, RowsFailed
+from hybridflow.rewards.manager import RewardManager, RewardResult, rows_from, scores_to_token_scores
 from hybridflow.rewards.registry import (
     AUTO_ROUTES,
     REWARD_FUNCTIONS,
@@ -26,13 +28,18 @@ from hybridflow.rewards.registry import (
     route_data_source,
     split_result,
 )
+from hybridflow.rewards.scorer import RewardSpec, Scorer
 
 __all__ = [
     "AUTO_ROUTES",
+    "EnvironmentFailed",
     "REWARD_FUNCTIONS",
     "RewardFunctionFailed",
     "RewardManager",
     "RewardResult",
+    "RewardSpec",
+    "RowsFailed",
+    "Scorer",
     "get_reward_fn",
     "register_reward",
     "register_route",

@@ -9,11 +9,14 @@ passes, so scoring overlaps GPU work::
     result = future.result()                # RewardResult: scores, extras, errors, metrics
     batch["token_scores"] = scores_to_token_scores(result.scores, batch["response_mask"])
 
-Rows are scored in a `ScoringPool` of spawned processes. A row whose function raises or runs past
-`timeout_s` gets `fallback_score` and is counted in ``reward/errors`` (timeouts also in
-``reward/timeouts``). A function that fails every row of `max_failed_batches` batches in a row is broken,
-not unlucky: the next result raises `RewardFunctionFailed` with its last error. With ``num_workers=0`` rows are scored inline in the caller's thread (so a
-``breakpoint()`` in a reward function works; no timeout is enforced then).
+The functions (one, or several with weights; per-row verl-style or batched TRL-style) are bound by
+`hybridflow.rewards.scorer.Scorer`. Rows are scored in a `ScoringPool` of spawned processes. A row whose
+function raises or runs past `timeout_s` gets `fallback_score` and is counted in ``reward/errors`` and
+``reward/error_share`` (timeouts also in ``reward/timeouts``). A function that fails every row of
+`max_failed_batches` counted batches in a row is broken, not unlucky: the next result raises
+`RewardFunctionFailed` with the first error of the last batch (`submit(..., counted=False)` for validation).
+With ``num_workers=0`` rows are scored inline in the caller's thread (so a ``breakpoint()`` in a reward
+function works; no timeout is enforced then).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.rewards.pool import Outcome, Row, ScoringPool
-from hybridflow.rewards.registry import check_requirements, get_reward_fn, route_data_source, split_result
+from hybridflow.rewards.failures import FailureStreak, RewardFunctionFailed
+from hybridflow.rewards.pool import Outcome, ScoringPool, score_job
+from hybridflow.rewards.registry import check_requirements, route_data_source
+from hybridflow.rewards.scorer import RewardSpec, Row, Scorer, batch_arguments
 
 if TYPE_CHECKING:
     import torch
@@ -35,10 +40,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROW_KEYS = ("data_source", "response_text", "ground_truth", "extra_info")
-
-
-class RewardFunctionFailed(RuntimeError):
-    """The reward function failed (raised or timed out) on every row of several batches in a row."""
 
 
 @dataclass
@@ -49,7 +50,8 @@ class RewardResult:
         scores: one float per row (the fallback score where the function failed).
         extras: ``{name: [value or None per row]}`` from dict results' non-``score`` entries.
         errors: per row, None or the error / timeout message.
-        metrics: ``reward/mean``, ``reward/errors``, ``reward/timeouts``, ``reward/<name>/mean``.
+        metrics: ``reward/mean``, ``reward/errors``, ``reward/error_share``, ``reward/timeouts``,
+            ``reward/<name>/mean``.
     """
 
     scores: list[float]
@@ -94,30 +96,41 @@ def _row_from_record(record: Any, i: int) -> Row:
 
 
 class RewardManager:
-    """Scores rows with a reward function in a process pool; see the module docstring.
+    """Scores rows with reward functions in a process pool; see the module docstring.
 
     Args:
         fn_spec: reward spec (``auto``, a registered name, ``path/to/file.py:function_name``) or a
-            callable (must be picklable by reference, i.e. module-level, when ``num_workers > 0``).
+            callable (must be picklable by reference, i.e. module-level, when ``num_workers > 0``); or a
+            list of them, summed with `weights`.
         num_workers: scoring processes; 0 scores inline in the caller's thread.
-        timeout_s: per-row limit in seconds (pool mode); None or 0 for no limit.
+        timeout_s: limit in seconds of one row (of one batch for a batched function) in pool mode; None
+            or 0 for no limit.
         fallback_score: the score of a row whose function raised or timed out.
-        fn_kwargs: keyword arguments for the function (e.g. ``{"method": "flexible"}``).
-        max_failed_batches: raise `RewardFunctionFailed` after this many batches in a row where every row
-            failed; 0 never does.
+        fn_kwargs: keyword arguments for the functions (e.g. ``{"method": "flexible"}``).
+        max_failed_batches: raise `RewardFunctionFailed` after this many counted batches in a row where every
+            row failed; 0 never does.
+        weights: one per function of a list `fn_spec` (default 1 each).
     """
 
-    def __init__(self, fn_spec: str | Callable = "auto", num_workers: int = 2, timeout_s: float | None = 10.0,
-                 fallback_score: float = 0.0, fn_kwargs: dict | None = None, max_failed_batches: int = 3) -> None:
+    def __init__(self, fn_spec: Any = "auto", num_workers: int = 2, timeout_s: float | None = 10.0,
+                 fallback_score: float = 0.0, fn_kwargs: dict | None = None, max_failed_batches: int = 3,
+                 weights: Sequence[float] | None = None) -> None:
         if num_workers < 0:
             raise ValueError(f"reward num_workers must be >= 0, got {num_workers}")
-        self.fn_spec, self.fn_kwargs = fn_spec, dict(fn_kwargs or {})
-        self.fallback_score = float(fallback_score)
-        self.max_failed_batches, self.failed_in_row = max_failed_batches, 0
-        self._fn = get_reward_fn(fn_spec, self.fn_kwargs)  # fails here, early, on a bad spec
-        self._pool = ScoringPool(fn_spec, self.fn_kwargs, num_workers, timeout_s) if num_workers else None
+        spec = RewardSpec.of(fn_spec, weights, fn_kwargs)
+        self.spec, self.fallback_score = spec, float(fallback_score)
+        self.scorer = Scorer(spec)  # fails here, early, on a bad spec or a parameter it cannot fill
+        self.failures = FailureStreak(f"reward function {spec.label()}", max_failed_batches, RewardFunctionFailed)
+        self._pool = ScoringPool(spec, num_workers, timeout_s) if num_workers else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") if self._pool else None
         self._finalizer = weakref.finalize(self, RewardManager._shutdown, self._pool, self._executor)
+
+    @classmethod
+    def from_config(cls, reward_cfg: Any) -> RewardManager:
+        """The manager of a `reward` config section."""
+        spec = RewardSpec.from_config(reward_cfg)
+        return cls(list(spec.functions), reward_cfg.num_workers, reward_cfg.timeout_s, reward_cfg.fallback_score,
+                   dict(spec.kwargs), reward_cfg.max_failed_steps, list(spec.weights))
 
     def check_data_sources(self, data_sources: Sequence[str]) -> None:
         """With ``auto``: raises ValueError (naming it) for a data source no built-in covers, and
@@ -125,58 +138,66 @@ class RewardManager:
 
         The trainer calls it on the datasets' data sources before training; `submit` calls it per batch.
         """
-        if self.fn_spec == "auto":
+        if "auto" in self.spec.functions:
             for name in sorted({route_data_source(str(d)) for d in set(data_sources)}):
                 check_requirements(name)
 
-    def submit(self, batch_like: Any) -> Future:
-        """Starts scoring; returns a Future of `RewardResult`. Input errors raise here, at once."""
+    def submit(self, batch_like: Any, counted: bool = True) -> Future:
+        """Starts scoring; returns a Future of `RewardResult`. Input errors raise here, at once.
+
+        counted: whether the batch counts towards `max_failed_batches` (validation batches do not).
+        """
         rows = rows_from(batch_like)
         self.check_data_sources([r[0] for r in rows])
+        jobs = [("row", r) for r in rows] if self.scorer.has_row_functions else []
+        if self.scorer.batched:
+            arguments = batch_arguments(rows, None if isinstance(batch_like, Sequence) else batch_like)
+            jobs += [("batch", i, arguments) for i in self.scorer.batched]
         if self._executor is None:
             future: Future = Future()
-            future.set_result(self._result(rows, [self._score_inline(r) for r in rows]))
+            future.set_result(self._result(rows, [score_job(self.scorer, j) for j in jobs], counted))
             return future
-        return self._executor.submit(lambda: self._result(rows, self._pool.run(rows)))
+        return self._executor.submit(lambda: self._result(rows, self._pool.run(jobs), counted))
 
-    def score(self, batch_like: Any) -> RewardResult:
-        """Scores and waits: ``submit(batch_like).result()``."""
-        return self.submit(batch_like).result()
+    def score(self, batch_like: Any, counted: bool = True) -> RewardResult:
+        """Scores and waits: ``submit(batch_like, counted).result()``."""
+        return self.submit(batch_like, counted).result()
 
-    def _score_inline(self, row: Row) -> Outcome:
-        try:
-            return ("ok", split_result(self._fn(*row)))
-        except (Exception, SystemExit) as e:  # a user's sys.exit() must not end the run
-            return ("error", f"{type(e).__name__}: {e}")
-
-    def _result(self, rows: list[Row], outcomes: list[Outcome]) -> RewardResult:
+    def _result(self, rows: list[Row], outcomes: list[Outcome], counted: bool) -> RewardResult:
+        n = len(rows)
+        per_row = outcomes[:n] if self.scorer.has_row_functions else [None] * n
+        batched = outcomes[len(outcomes) - len(self.scorer.batched):] if self.scorer.batched else []
         scores: list[float] = []
         errors: list[str | None] = []
         extras: dict[str, list] = {}
-        for i, (status, payload) in enumerate(outcomes):
-            if status == "ok":
-                score, row_extras = payload
-                for name, value in row_extras.items():
-                    extras.setdefault(name, [None] * len(rows))[i] = value
-                scores.append(score)
-                errors.append(None)
-            else:
+        for i, row_outcome in enumerate(per_row):
+            failed = next((o for o in (row_outcome, *batched) if o is not None and o[0] != "ok"), None)
+            if failed is None:
+                try:
+                    score, row_extras = self.scorer.combine(row_outcome[1] if row_outcome else None,
+                                                            [o[1][i] for o in batched])
+                except ValueError as e:
+                    failed = ("error", str(e))
+            if failed is not None:
                 scores.append(self.fallback_score)
-                errors.append(f"{status}: {payload}")
+                errors.append(f"{failed[0]}: {failed[1]}")
+                continue
+            for name, value in row_extras.items():
+                extras.setdefault(name, [None] * n)[i] = value
+            scores.append(score)
+            errors.append(None)
         n_timeouts = sum(status == "timeout" for status, _ in outcomes)
         n_errors = sum(e is not None for e in errors)
         if n_errors:
             first = next(e for e in errors if e is not None)
             logger.warning("reward function failed on %d of %d rows (fallback score %g); first: %s",
-                           n_errors, len(rows), self.fallback_score, first)
-        self.failed_in_row = self.failed_in_row + 1 if rows and n_errors == len(rows) else 0
-        if self.max_failed_batches and self.failed_in_row >= self.max_failed_batches:
-            raise RewardFunctionFailed(
-                f"reward function {self.fn_spec!r} failed on every row of {self.failed_in_row} batches in a row "
-                f"(reward.max_failed_steps={self.max_failed_batches}); its last error: {errors[-1]}")
+                           n_errors, n, self.fallback_score, first)
+        if counted:
+            self.failures.update(errors)
         metrics = {
-            "reward/mean": sum(scores) / len(scores) if scores else math.nan,
+            "reward/mean": sum(scores) / n if n else math.nan,
             "reward/errors": float(n_errors),
+            "reward/error_share": n_errors / n if n else 0.0,
             "reward/timeouts": float(n_timeouts),
         }
         for name, values in extras.items():

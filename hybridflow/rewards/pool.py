@@ -1,7 +1,8 @@
 """`ScoringPool`: reward functions run in spawned processes with a per-sample timeout.
 
-Each worker process loads the reward function itself from its spec (so user functions need no
-pickling), tells the pool it is ready, then scores chunks of rows. The pool sends a chunk only to an
+Each worker process builds the `Scorer` itself from its `RewardSpec` (so user functions need no
+pickling), tells the pool it is ready, then scores chunks of jobs: a row each for per-row functions, a
+whole batch for a batched one (`hybridflow.rewards.scorer`); "row" below means either. The pool sends a chunk only to an
 idle worker, so the controller never blocks on a busy one. Results come back in batches (every
 `_FLUSH_S` seconds and at the end of a chunk), so a fast rule-based reward costs microseconds of IPC
 per row; the worker publishes the row it is on, and when it started, in a small shared-memory slot,
@@ -32,13 +33,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from hybridflow.rewards.registry import split_result
+from hybridflow.rewards.scorer import Job, RewardSpec
 
 logger = logging.getLogger(__name__)
 
-# (data_source, solution_str, ground_truth, extra_info)
-Row = tuple[str, str, Any, Any]
-# ("ok", (score, extras)) | ("error", message) | ("timeout", message)
+# ("ok", the Scorer's payload) | ("error", message) | ("timeout", message)
 Outcome = tuple[str, Any]
 
 _MAX_CHUNK = 64
@@ -49,18 +48,18 @@ _STARTUP_TIMEOUT_S = 300.0
 _IDLE = -1.0  # value of the shared "current row" slot between rows
 
 
-def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection, current: Any) -> None:
-    """Worker process body: load the function, then score ``[(index, row), ...]`` chunks until ``None``.
+def _worker_main(spec: RewardSpec, conn: Connection, current: Any) -> None:
+    """Worker process body: build the scorer, then score ``[(index, job), ...]`` chunks until ``None``.
 
     `current` is a shared ``[row index, start time]`` pair; the index is set to `_IDLE` while the pair
     is being written and between rows, so the controller never reads a torn pair.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM to the run are the controller's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from hybridflow.rewards.registry import get_reward_fn
+    from hybridflow.rewards.scorer import Scorer
 
     try:
-        fn = get_reward_fn(spec, fn_kwargs)
+        fn = Scorer(spec)
     except BaseException as e:  # reported to the controller, which raises it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -74,7 +73,7 @@ def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection, current: A
         for index, row in chunk:
             current[0], current[1] = _IDLE, time.monotonic()
             current[0] = float(index)
-            results.append((index, _score(fn, row)))
+            results.append((index, score_job(fn, row)))
             if time.monotonic() - flushed > _FLUSH_S:
                 conn.send(results)
                 results, flushed = [], time.monotonic()
@@ -83,14 +82,15 @@ def _worker_main(spec: Any, fn_kwargs: dict | None, conn: Connection, current: A
             conn.send(results)
 
 
-def _score(fn: Any, row: Row) -> Outcome:
+def score_job(fn: Any, job: Job) -> Outcome:
+    """The outcome of one job (`Scorer.__call__`); an exception, or a user's ``sys.exit()``, is an error."""
     try:
-        return ("ok", split_result(fn(*row)))
+        return ("ok", fn(job))
     except (Exception, SystemExit) as e:
         return ("error", f"{type(e).__name__}: {e}")
 
 
-def _fork_score(fn: Any, row: Row) -> tuple[int, Any]:
+def _fork_score(fn: Any, row: Job) -> tuple[int, Any]:
     """Forks a child that scores `row` and writes its pickled outcome to a pipe; returns (pid, pipe reader)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -98,14 +98,14 @@ def _fork_score(fn: Any, row: Row) -> tuple[int, Any]:
         try:
             os.close(read_fd)
             with os.fdopen(write_fd, "wb") as out:
-                out.write(pickle.dumps(_score(fn, row)))
+                out.write(pickle.dumps(score_job(fn, row)))
         finally:
             os._exit(0)
     os.close(write_fd)
     return pid, os.fdopen(read_fd, "rb")
 
 
-def _score_isolated(fn: Any, chunk: list[tuple[int, Row]], timeout_s: float, conn: Connection) -> None:
+def _score_isolated(fn: Any, chunk: list[tuple[int, Job]], timeout_s: float, conn: Connection) -> None:
     """Scores each row in a forked child of this worker, up to `_MAX_FORKS` at once; a child still running
     `timeout_s` after it started is killed and its row reported as a timeout."""
     queue, running = deque(chunk), {}  # reader -> (row index, child pid, start time)
@@ -158,16 +158,15 @@ class ScoringPool:
     """`num_workers` spawned processes scoring rows with the reward function named by `spec`.
 
     Args:
-        spec: a reward spec for `get_reward_fn` (a name, ``auto``, ``file.py:fn``) or a picklable callable.
-        fn_kwargs: keyword arguments bound to the function.
+        spec: the reward functions (their specs: names, ``auto``, ``file.py:fn``, picklable callables).
         num_workers: number of processes (>= 1).
         timeout_s: per-row limit in seconds; None or <= 0 for no limit.
     """
 
-    def __init__(self, spec: Any, fn_kwargs: dict | None, num_workers: int, timeout_s: float | None) -> None:
+    def __init__(self, spec: RewardSpec, num_workers: int, timeout_s: float | None) -> None:
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
-        self.spec, self.fn_kwargs = spec, fn_kwargs
+        self.spec = spec
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self._ctx = mp.get_context("spawn")
         self._workers = [self._start() for _ in range(num_workers)]
@@ -178,7 +177,7 @@ class ScoringPool:
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         current = self._ctx.Array("d", [_IDLE, 0.0], lock=False)
-        process = self._ctx.Process(target=_worker_main, args=(self.spec, self.fn_kwargs, child, current),
+        process = self._ctx.Process(target=_worker_main, args=(self.spec, child, current),
                                     daemon=True, name="hybridflow-reward")
         process.start()
         child.close()
@@ -192,7 +191,7 @@ class ScoringPool:
         self._workers[i] = self._start()
         self.restarts += 1
 
-    def run(self, rows: list[Row]) -> list[Outcome]:
+    def run(self, rows: list[Job]) -> list[Outcome]:
         """Scores every row; returns one outcome per row, in order. Blocks until all are done."""
         outcomes: list[Outcome | None] = [None] * len(rows)
         queue = deque(range(len(rows)))
@@ -203,7 +202,7 @@ class ScoringPool:
         self.isolated = self._timed_out and self.timeout_s is not None
         return outcomes  # type: ignore[return-value]
 
-    def _dispatch(self, rows: list[Row], queue: deque) -> None:
+    def _dispatch(self, rows: list[Job], queue: deque) -> None:
         for worker in self._workers:
             if not queue:
                 return
@@ -250,7 +249,7 @@ class ScoringPool:
                 self._replace(i)
             elif not worker.ready and now - worker.spawned > _STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:g} s "
-                                   f"(loading reward function {self.spec!r})")
+                                   f"(loading reward function {self.spec.label()})")
 
     def _drain(self, i: int, outcomes: list, queue: deque) -> None:
         worker = self._workers[i]
@@ -265,12 +264,12 @@ class ScoringPool:
                 elif message[0] == "ready":
                     worker.ready = True
                 else:
-                    raise RuntimeError(f"reward worker could not load reward function {self.spec!r}: {message[1]}")
+                    raise RuntimeError(f"reward worker could not load reward function {self.spec.label()}: {message[1]}")
         except (EOFError, OSError):
             worker.process.join(timeout=1)
             code = worker.process.exitcode
             if not worker.ready:
-                raise RuntimeError(f"reward worker exited with code {code} while loading {self.spec!r}") from None
+                raise RuntimeError(f"reward worker exited with code {code} while loading {self.spec.label()}") from None
             if worker.inflight:
                 running = worker.running()
                 culprit = running[0] if running else min(worker.inflight)

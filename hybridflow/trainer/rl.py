@@ -16,6 +16,7 @@ scores more prompt batches until `data.train_batch_size` groups with differing s
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -23,8 +24,10 @@ from hybridflow import algorithms
 from hybridflow.agents.toolset import ToolSet
 from hybridflow.batch import Batch
 from hybridflow.config.roles import needs_greedy_baseline, needs_reference
-from hybridflow.config.validate import validate
+from hybridflow.config.validate import ConfigError, validate
+from hybridflow.data.files import DataError
 from hybridflow.data.loader import BatchLoader, build_prompt_loaders
+from hybridflow.rewards.failures import EnvironmentFailed, FailureStreak
 from hybridflow.rewards.manager import RewardManager
 from hybridflow.tracking.metrics import (compute_agent_metrics, compute_data_metrics, compute_throughput,
                                          compute_timing_metrics, compute_validation_metrics, timer)
@@ -32,6 +35,8 @@ from hybridflow.trainer import core
 from hybridflow.trainer.base import Trainer
 from hybridflow.trainer.checkpointing import checkpoint_bytes_needed
 from hybridflow.trainer.roles import build_roles, skips_old_log_probs
+
+logger = logging.getLogger(__name__)
 
 
 class RLTrainer(Trainer):
@@ -54,12 +59,12 @@ class RLTrainer(Trainer):
         """The reward function's pool (checked against the datasets' data sources first), the KL
         controller and the role groups (`hybridflow.trainer.roles`)."""
         cfg = self.cfg
-        self.rewards = RewardManager(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s,
-                                     cfg.reward.fallback_score, cfg.reward.kwargs, cfg.reward.max_failed_steps)
+        self.rewards = RewardManager.from_config(cfg.reward)
         for loader in (self.train_loader, self.val_loader):
             if loader is not None:
-                ds = loader.dataset
-                self.rewards.check_data_sources({ds[i]["data_source"] for i in range(len(ds))})
+                check_reward_inputs(self.rewards, loader.dataset)
+        self.env_failures = FailureStreak(f"environment {cfg.agent.environment!r}", cfg.reward.max_failed_steps,
+                                          EnvironmentFailed, "trajectory")
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algorithms.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.roles = build_roles(cfg, self.total_steps)
@@ -131,6 +136,8 @@ class RLTrainer(Trainer):
         with timer("gen", timings):
             batch = self.roles.rollout.generate(prompts)
         batch["response_text"] = core.decode_responses(batch, self.tokenizer)
+        if "agent/env_error" in batch:
+            self.env_failures.update(list(batch["agent/env_error"]))
         return batch
 
     def sample_varied_groups(self, prompts: Batch, timings: dict[str, float],
@@ -178,10 +185,11 @@ class RLTrainer(Trainer):
         scoring = self.submit_scoring(greedy)
         return lambda: (greedy, scoring())
 
-    def submit_scoring(self, batch: Batch):
+    def submit_scoring(self, batch: Batch, counted: bool = True):
         """Starts scoring `batch` (reward function in its pool, reward model on its workers) and returns
-        a callable that waits for the combined `RewardResult`."""
-        function = self.rewards.submit(batch)
+        a callable that waits for the combined `RewardResult`. `counted`: a training batch, which counts
+        towards `reward.max_failed_steps` (validation batches do not)."""
+        function = self.rewards.submit(batch, counted)
         model = self.roles.reward_model.score.submit(batch) if self.roles.reward_model is not None else None
 
         def result():
@@ -200,7 +208,7 @@ class RLTrainer(Trainer):
                                         "seed": cfg.trainer.seed}
             batch = self.roles.rollout.generate(prompts)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)
-            result = self.submit_scoring(batch)()
+            result = self.submit_scoring(batch, counted=False)()
             batch["score"] = list(result.scores)
             sources += [str(s) for s in batch["data_source"]]
             scores += list(result.scores)
@@ -219,6 +227,31 @@ class RLTrainer(Trainer):
         super().close()
         if self.rewards is not None:
             self.rewards.close()
+
+
+def check_reward_inputs(rewards: RewardManager, dataset: Any) -> None:
+    """Before any model loads, what the reward functions need from a dataset (an `RLDataset`): a built-in for
+    each data source with ``auto`` (an error names the first row with it), a column for each parameter of a
+    batched function, and a warning when a function reads `ground_truth` that no row has."""
+    for source, where in dataset.sources.items():
+        try:
+            rewards.check_data_sources([source])
+        except ValueError as e:
+            raise DataError(f"{where}, column 'data_source': {e}") from None
+        except ImportError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    rows = [dataset[i] for i in range(len(dataset))]
+    columns = {k for row in rows for k in row["columns"]}
+    missing = rewards.scorer.missing_columns(sorted(columns))
+    if missing:
+        raise ConfigError(f"reward function parameters {missing} name no column of {', '.join(dataset.files)} "
+                          f"(columns: {', '.join(sorted(columns))}); a batched function gets prompts, completions, "
+                          f"completion_ids and the dataset's columns")
+    if rewards.scorer.reads("ground_truth") and all(row["ground_truth"] is None for row in rows):
+        held = sorted({k for row in rows for k in (row["columns"].get("reward_model") or {})})
+        logger.warning("%s: no row has a ground truth (reward_model.ground_truth or a ground_truth column)%s, but "
+                       "reward function %s reads ground_truth: it gets None on every row", ", ".join(dataset.files),
+                       f"; reward_model holds {held}" if held else "", rewards.spec.label())
 
 
 def dynamic_sampling_failure(cfg: Any, kept: int, rounds: int) -> str:

@@ -166,12 +166,13 @@ def test_rows_that_hang_time_out_together_not_one_after_another(reward_file):
     assert first < 12.0 and again < 6.0, (first, again)
 
 
-def test_every_row_failing_for_several_batches_stops_with_the_last_error(reward_file):
+def test_every_row_failing_for_several_batches_stops_with_the_first_error_of_the_last(reward_file):
     with RewardManager(reward_file, num_workers=0, max_failed_batches=2) as manager:
         manager.score(_rows(["raise", "raise"]))
         manager.score(_rows(["raise", "a"]))  # one row scored: the count starts again
         manager.score(_rows(["raise"]))
-        with pytest.raises(RewardFunctionFailed, match=r"failed on every row of 2 batches in a row "
-                                                       r"\(reward.max_failed_steps=2\); its last error: error: "
-                                                       r"RuntimeError: boom"):
+        manager.score(_rows(["raise"]), counted=False)  # a validation batch neither counts nor resets
+        with pytest.raises(RewardFunctionFailed, match=r"failed on every row of 2 training batches in a row "
+                                                       r"\(reward.max_failed_steps=2\); the first error of the last "
+                                                       r"one: error: SystemExit: 2"):
             manager.score(_rows(["exit", "raise"]))

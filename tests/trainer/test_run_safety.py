@@ -174,8 +174,9 @@ def test_a_reward_function_failing_every_row_stops_the_run(tiny_qwen2, data_dir,
     out = tmp_path / "run"
     assert train(tiny_qwen2, data_dir, out, "trainer.total_steps=5", f"reward.function={broken}:score",
                  "reward.max_failed_steps=2") == 2
-    assert f"hybridflow train: reward function '{broken}:score' failed on every row of 2 batches in a row " \
-           f"(reward.max_failed_steps=2); its last error: error: KeyError: 'answer'" in capsys.readouterr().err
+    assert f"hybridflow train: reward function '{broken}:score' failed on every row of 2 training batches in a row " \
+           f"(reward.max_failed_steps=2); the first error of the last one: error: KeyError: 'answer'" \
+           in capsys.readouterr().err
     assert [r["step"] for r in read_metrics(out)] == [1]
 
 
