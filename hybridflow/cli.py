@@ -8,8 +8,8 @@
     hybridflow demo [--output-dir outputs/demo]            # SFT then GRPO on a tiny model, offline
 
 Exit status of `train` and `sft`: 0 the run finished; 2 it was refused or stopped on something to fix
-first (config, data, output directory, checkpoint, disk space, a reward function that fails every row),
-printed as `hybridflow <command>: ...`; 75 (`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after
+first (config, data, output directory, checkpoint, disk space, a reward function or an environment that
+fails every row), printed as one line `hybridflow <command>: ...`; 75 (`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after
 saving a checkpoint (run the same command again to resume); 130 a second signal ended it at once; 1 any
 other error (a traceback).
 """
@@ -131,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from hybridflow.checkpoint import CheckpointError, IncompatibleCheckpoint, Preempted
     from hybridflow.config.validate import ConfigError
-    from hybridflow.rewards.manager import RewardFunctionFailed
+    from hybridflow.data.files import DataError
+    from hybridflow.rewards.failures import RowsFailed
 
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, IncompatibleCheckpoint, RewardFunctionFailed) as e:
+    except (ConfigError, DataError, CheckpointError, IncompatibleCheckpoint, RowsFailed) as e:
         print(f"hybridflow {args.command}: {e}", file=sys.stderr)
         return 2
     except Preempted as e:

@@ -13,7 +13,10 @@
             ...
 
 `row` holds the prompt row's fields: raw_prompt, data_source, ground_truth, extra_info, ability, index.
-kwargs: `agent.env_kwargs`, updated by the row's `extra_info.interaction_kwargs` (verl's field).
+kwargs: `agent.env_kwargs`, updated by those of the row's `extra_info.interaction_kwargs` (verl's field)
+that the constructor takes (all of them when it takes ``**kwargs``); every key stays readable in
+``row["extra_info"]["interaction_kwargs"]``, so verl's rows (``name``, ``query``, ``ground_truth``) reach a
+constructor that declares none of them without a crash.
 `step(text, turn)` gets the model turn's text (special tokens dropped) and its index (0 = the first
 model turn) and returns an `EnvStep` (a plain string is a user message; None ends the episode). Its
 `reward` adds to the trajectory's environment reward, which reward functions see. An exception or a
@@ -22,6 +25,7 @@ timeout ends that trajectory and counts in `agent/env_errors`; the run goes on.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +69,18 @@ def as_env_step(value: Any, where: str) -> EnvStep:
         raise TypeError(f"{where} returned an EnvStep whose message/role are not strings: {value!r:.120}")
     value.reward = float(value.reward)
     return value
+
+
+def environment_kwargs(env_class: type, env_kwargs: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's keyword arguments for one trajectory of `row` (see the module docstring)."""
+    per_row = (row.get("extra_info") or {}).get("interaction_kwargs") or {}
+    try:
+        params = inspect.signature(env_class).parameters
+    except (TypeError, ValueError):
+        return {**env_kwargs, **per_row}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return {**env_kwargs, **per_row}
+    return {**env_kwargs, **{k: v for k, v in per_row.items() if k in params}}
 
 
 def load_environment(spec: str) -> type:

@@ -27,7 +27,7 @@ from typing import Any
 
 from hybridflow.agents.calls import call_with_timeout
 from hybridflow.agents.driver import EngineDriver
-from hybridflow.agents.environment import as_env_step, load_environment
+from hybridflow.agents.environment import as_env_step, environment_kwargs, load_environment
 from hybridflow.agents.parsing import parse_tool_calls
 from hybridflow.agents.rendering import TurnRenderer
 from hybridflow.agents.tools import Scratch, ToolContext, ToolResult
@@ -120,12 +120,12 @@ class AgentLoop:
         """This trajectory's environment (None without one, or when making it failed: counted)."""
         if self.env_class is None:
             return None
-        kwargs = {**self.cfg.env_kwargs, **((row.get("extra_info") or {}).get("interaction_kwargs") or {})}
+        kwargs = environment_kwargs(self.env_class, self.cfg.env_kwargs, row)
         try:
             return await call_with_timeout(functools.partial(self.env_class, dict(row), **kwargs),
                                            timeout_s=self.cfg.timeout_s, threads=threads)
         except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
-            trajectory.env_errors += 1
+            trajectory.env_failed(f"making the environment failed: {type(e).__name__}: {e}")
             logger.warning("making the environment %s failed: %s: %s", self.cfg.environment, type(e).__name__, e)
             return None
 
@@ -146,7 +146,7 @@ class AgentLoop:
                                                            timeout_s=self.cfg.timeout_s, threads=threads),
                                    f"{self.cfg.environment} step()")
             except Exception as e:  # noqa: BLE001 - ends this trajectory, counted
-                trajectory.env_errors += 1
+                trajectory.env_failed(f"step() failed: {type(e).__name__}: {e}")
                 logger.warning("environment %s step() failed: %s: %s", self.cfg.environment, type(e).__name__, e)
                 return []
             trajectory.env_reward += step.reward

@@ -24,7 +24,8 @@ class Trajectory:
     """token_ids / logprobs / response_mask: the response after the prompt, all turns; messages: the
     turns as chat messages (model turns as `assistant`); finish_reason: the last model turn's, or
     "length" when the token budget cut the episode. The rest are the episode's statistics:
-    kv_reused_tokens counts the cached tokens continuations attended over instead of prefilling."""
+    kv_reused_tokens counts the cached tokens continuations attended over instead of prefilling;
+    env_error is the environment's first failure (None when it never failed)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -39,6 +40,14 @@ class Trajectory:
     env_reward: float = 0.0
     cut_by_budget: bool = False
     kv_reused_tokens: int = 0
+    env_error: str | None = None
+
+    def env_failed(self, message: str) -> None:
+        """The environment failed (its constructor or a step raised or timed out): counted, the first
+        message kept (the trainer names it when every trajectory of several steps fails)."""
+        self.env_errors += 1
+        if self.env_error is None:
+            self.env_error = message
 
     def add_model_turn(self, completion: Completion, text: str) -> None:
         self.token_ids += completion.token_ids

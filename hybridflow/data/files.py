@@ -86,8 +86,30 @@ def _read_jsonl(path: str) -> list[Record]:
         if not isinstance(value, dict):
             raise DataError(f"{path}, row {row} (line {line_no}): expected a JSON object per line, "
                             f"got {type(value).__name__}")
-        records.append(Record(value, path, row, line_no))
+        record = Record(value, path, row, line_no)
+        for column, item in value.items():
+            _check_unicode(record, column, item)
+        records.append(record)
     return records
+
+
+def _check_unicode(record: Record, column: str, value: Any) -> None:
+    """Refuses a string holding a lone surrogate (a JSON escape such as ``\\ud83d`` without its pair),
+    which no tokenizer can encode, naming the row, the column and the character's position."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{record.where}, column '{column}': the text holds a lone surrogate "
+                            f"{value[e.start]!r} at character {e.start} (half of a UTF-16 pair escaped as "
+                            f"\\u{ord(value[e.start]):04x} without its other half); fix the file's text, e.g. "
+                            f"re-export it with ensure_ascii=False from valid strings") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_unicode(record, column, item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(record, column, item)
 
 
 def read_records(files: str | Path | Sequence[str | Path]) -> list[Record]:

@@ -1,9 +1,12 @@
-"""The console logger: one compact line per step with the metrics a person watches.
+"""The console logger: one compact line per step with the metrics a person watches (an SFT step's
+``loss``/``val_loss``, an RL step's as below).
 
     step  12/200 | reward 0.531 | val 0.550 | pg_loss -0.0123 | vf_loss 0.412 | kl 0.0012 | entropy 2.31
-      | grad 1.23 | lr 1e-06 | len 87.4 (max 256, clip 3.1%) | 4.21 s | 1,234 tok/s | errors 2
+      | grad 1.23 | lr 1e-06 | len 87.4 (max 256, clip 3.1%) | 4.21 s | 1,234 tok/s | reward errors 6%
+      | env errors 25%
 
-(all on one line). Only metrics present in the step are shown; the line is written with
+(all on one line). Only metrics present in the step are shown (the error shares only when above 0: the
+share of rows whose reward function failed, of trajectories whose environment failed); the line is written with
 ``tqdm.write`` so it stays above a progress bar.
 """
 
@@ -22,6 +25,8 @@ def _num(v: float) -> str:
 
 # (metric key, label, formatter)
 FIELDS: list[tuple[str, str, Callable[[float], str]]] = [
+    ("train/loss", "loss", _num),
+    ("val/loss", "val_loss", _num),
     ("reward/mean", "reward", lambda v: f"{v:.3f}"),
     ("val/reward/mean", "val", lambda v: f"{v:.3f}"),
     ("actor/pg_loss", "pg_loss", _num),
@@ -50,8 +55,9 @@ def format_line(metrics: dict[str, Any], step: int, total_steps: int | None = No
         parts.append(f"{numeric['timing_s/step']:.2f} s")
     if "perf/throughput" in numeric:
         parts.append(f"{numeric['perf/throughput']:,.0f} tok/s")
-    if numeric.get("reward/errors"):
-        parts.append(f"errors {numeric['reward/errors']:.0f}")
+    for key, label in (("reward/error_share", "reward errors"), ("agent/env_error_share", "env errors")):
+        if numeric.get(key):
+            parts.append(f"{label} {100 * numeric[key]:.0f}%")
     return " | ".join(parts)
 
 

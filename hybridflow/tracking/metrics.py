@@ -80,13 +80,15 @@ AGENT_COUNTS = ("tool_errors", "env_errors", "cut_by_budget", "kv_reused_tokens"
 def compute_agent_metrics(batch: Any) -> dict[str, float]:
     """Statistics of multi-turn rows, from the rollout's per-row ``agent/<stat>`` fields: per trajectory
     ``agent/{turns,tool_calls,env_seconds,env_reward}/mean`` and ``agent/turns/max``; summed over the
-    step ``agent/{tool_errors,env_errors,cut_by_budget,kv_reused_tokens}``. ``{}`` for single-turn rows."""
+    step ``agent/{tool_errors,env_errors,cut_by_budget,kv_reused_tokens}``; ``agent/env_error_share``, the
+    share of trajectories whose environment failed. ``{}`` for single-turn rows."""
     if "agent/turns" not in batch:
         return {}
     column = {name: [float(v) for v in batch[f"agent/{name}"]] for name in AGENT_MEANS + AGENT_COUNTS}
     metrics = {f"agent/{name}/mean": sum(column[name]) / max(len(column[name]), 1) for name in AGENT_MEANS}
     metrics["agent/turns/max"] = max(column["turns"], default=0.0)
     metrics.update({f"agent/{name}": sum(column[name]) for name in AGENT_COUNTS})
+    metrics["agent/env_error_share"] = sum(v > 0 for v in column["env_errors"]) / max(len(column["env_errors"]), 1)
     return metrics
 
 

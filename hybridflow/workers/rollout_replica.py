@@ -189,10 +189,12 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
 
 
 def add_trajectory_fields(out: Batch, trajectories: list) -> None:
-    """Per-row `agent/<stat>` fields of multi-turn rows (the trainer's `agent/...` metrics), and each row's
-    own `extra_info` with the trajectory's messages, turns and environment reward (for reward functions)."""
+    """Per-row `agent/<stat>` fields of multi-turn rows (the trainer's `agent/...` metrics) and
+    `agent/env_error` (the environment's first failure, or None), and each row's own `extra_info` with the
+    trajectory's messages, turns and environment reward (for reward functions)."""
     fields = [t.row_fields() for t in trajectories]
     for name in STAT_FIELDS:
         out[f"agent/{name}"] = [f[f"agent/{name}"] for f in fields]
+    out["agent/env_error"] = [t.env_error for t in trajectories]
     infos = out["extra_info"] if "extra_info" in out else [None] * len(trajectories)
     out["extra_info"] = [{**(info or {}), **t.reward_info()} for info, t in zip(infos, trajectories)]

@@ -59,7 +59,10 @@ def test_console_line_format():
     line = format_line({k: float(v) for k, v in STEP_METRICS.items()}, step=7, total_steps=100)
     assert line == ("step   7/100 | reward 0.531 | pg_loss -0.0123 | grad 1.25 | len 87.4 (max 256, clip 3.1%)"
                     " | 4.21 s | 12,346 tok/s")
-    assert format_line({"reward/mean": 1.0, "reward/errors": 2.0}, step=3) == "step 3 | reward 1.000 | errors 2"
+    assert format_line({"reward/mean": 1.0, "reward/errors": 2.0, "reward/error_share": 0.25,
+                        "agent/env_error_share": 0.0}, step=3) == "step 3 | reward 1.000 | reward errors 25%"
+    assert format_line({"reward/error_share": 0.0, "agent/env_error_share": 0.5}, step=3) == "step 3 | env errors 50%"
+    assert format_line({"train/loss": 1.5, "val/loss": 1.75}, step=2, total_steps=9) == "step 2/9 | loss 1.5 | val_loss 1.75"
     stream = io.StringIO()
     with Tracker(["console"], output_dir=".", total_steps=100, stream=stream) as tracker:
         tracker.log(STEP_METRICS, step=7)
