@@ -5,7 +5,8 @@
     validate(cfg)                         # batch-size relations, before any model loads
 
 Every key is checked against the schema before it is merged, in the YAML file as on the command line:
-an unknown key fails with a did-you-mean and names where it came from; a value of the wrong type names
+the unknown keys are reported all at once, each with a did-you-mean (for one of verl's keys, ours) and
+where it came from; Hydra's `+key=value` is `key=value`; a value of the wrong type names
 the key, the value and the expected type; a value outside a field's choices names the valid ones. A
 list field given one value (`data.train_files=a.parquet`) becomes a one-element list. Also here:
 `to_yaml(cfg)` and `config_diff(a, b)` (used by resume to name what changed).
@@ -27,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.config.schema import RLConfig
 from hybridflow.config.validate import ConfigError, validate
+from hybridflow.config.verl_keys import verl_hint
 
 __all__ = ["ConfigError", "load_config", "validate", "to_yaml", "config_diff", "schema_fields",
            "type_name", "split_config_arg"]
@@ -107,7 +109,11 @@ def schema_fields(schema: type) -> dict[str, FieldInfo]:
 
 
 def _unknown_key(key: str, known: dict[str, FieldInfo]) -> str:
-    """`unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?`"""
+    """`unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?`; for one of verl's keys, ours
+    (`hybridflow.config.verl_keys`)."""
+    hint = verl_hint(key)
+    if hint is not None:
+        return f"unknown key '{key}': {hint}"
     names = list(known)
     guess = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
     if not guess:
@@ -125,26 +131,39 @@ def _unknown_key(key: str, known: dict[str, FieldInfo]) -> str:
     return f"unknown key '{key}'; top-level sections: {', '.join(tops)}"
 
 
-def _check_tree(data: Mapping, known: dict[str, FieldInfo], source: str, prefix: str = "") -> dict:
-    """Checks every key of a nested mapping against the schema; returns it with lists normalised."""
+def _leaves(data: Any, prefix: str) -> list[str]:
+    """The dotted keys of a nested mapping's leaves (`prefix` itself for a leaf)."""
+    if isinstance(data, Mapping) and data:
+        return [k for name, value in data.items() for k in _leaves(value, f"{prefix}.{name}")]
+    return [prefix]
+
+
+def _check_tree(data: Mapping, known: dict[str, FieldInfo], source: str, problems: list[str],
+                prefix: str = "") -> dict:
+    """Checks every key of a nested mapping against the schema, adding what is wrong to `problems` (each leaf
+    of an unknown section of verl's keys on its own, so each is named with ours); returns the tree with lists
+    normalised."""
     out: dict = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
         info = known.get(key)
         if info is None:
-            raise ConfigError(f"{source}: {_unknown_key(key, known)}")
+            leaves = _leaves(value, key)
+            named = leaves if any(verl_hint(leaf) for leaf in leaves) else [key]
+            problems += [f"{source}: {_unknown_key(leaf, known)}" for leaf in named]
+            continue
         kind = info.kind
         if kind == "section":
             if value is None:
                 continue
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{source}: '{key}' is a section; expected a mapping of its keys, "
-                                  f"got {value!r}")
-            out[name] = _check_tree(value, known, source, key + ".")
+                problems.append(f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}")
+                continue
+            out[name] = _check_tree(value, known, source, problems, key + ".")
         elif kind == "list" and value is not None and not isinstance(value, (list, tuple)):
             out[name] = [value]
         elif kind in ("list", "scalar") and isinstance(value, Mapping):
-            raise ConfigError(f"{source}: invalid value {value!r} for '{key}': expected {type_name(info.type)}")
+            problems.append(f"{source}: invalid value {value!r} for '{key}': expected {type_name(info.type)}")
         else:
             out[name] = value
     return out
@@ -203,16 +222,50 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+def _recipe_file(spec: Any, folder: Path) -> Any:
+    """`spec` (``file.py:Name``, ``tools.yaml`` or a name) with its file made absolute when it is relative and
+    exists next to the recipe in `folder`; otherwise unchanged (then relative to the working directory)."""
+    if not isinstance(spec, str):
+        return spec
+    file, colon, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if not file.endswith((".py", ".yaml", ".yml")) or Path(file).expanduser().is_absolute():
+        return spec
+    candidate = folder / file
+    return f"{candidate.resolve()}{colon}{name}" if candidate.is_file() else spec
+
+
+def _resolve_code_paths(data: dict, folder: Path) -> None:
+    """The code files a recipe names (`agent.environment`, `agent.tools` entries and their `class`,
+    `reward.function`, `reward.functions`) are found next to the recipe first, as its `base:` files are."""
+    agent, reward = data.get("agent"), data.get("reward")
+    if isinstance(agent, dict):
+        if "environment" in agent:
+            agent["environment"] = _recipe_file(agent["environment"], folder)
+        tools = agent.get("tools")
+        for i, entry in enumerate(tools if isinstance(tools, list) else []):
+            if isinstance(entry, dict) and "class" in entry:
+                entry["class"] = _recipe_file(entry["class"], folder)
+            else:
+                tools[i] = _recipe_file(entry, folder)
+    if isinstance(reward, dict):
+        if "function" in reward:
+            reward["function"] = _recipe_file(reward["function"], folder)
+        if isinstance(reward.get("functions"), list):
+            reward["functions"] = [_recipe_file(f, folder) for f in reward["functions"]]
+
+
 def _yaml_layers(path: str | Path, chain: tuple[Path, ...] = ()) -> list[tuple[str, dict]]:
     """`[(source, tree), ...]` of a YAML file and its `base:` files (paths relative to it), bases first.
 
-    `base: grpo.yaml` (or a list) makes a recipe a set of changes to another one.
+    `base: grpo.yaml` (or a list) makes a recipe a set of changes to another one. Code files it names are
+    found next to it too (`_resolve_code_paths`).
     """
     path = Path(path)
     if path.resolve() in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path.resolve()))
         raise ConfigError(f"config file {path}: 'base' files form a cycle: {cycle}")
     data = _read_yaml(path)
+    _resolve_code_paths(data, path.parent)
     bases = data.pop("base", None)
     layers: list[tuple[str, dict]] = []
     for base in [bases] if isinstance(bases, str) else bases or []:
@@ -223,9 +276,10 @@ def _yaml_layers(path: str | Path, chain: tuple[Path, ...] = ()) -> list[tuple[s
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
-    """`"rollout.n=8"` -> `("rollout.n", 8)`; values use OmegaConf's grammar (lists, null, quotes)."""
+    """`"rollout.n=8"` -> `("rollout.n", 8)`; values use OmegaConf's grammar (lists, null, quotes). Hydra's
+    `+key=value` / `++key=value` (verl's way to add a key) mean `key=value`: every key exists here."""
     key, sep, raw = item.partition("=")
-    key = key.strip()
+    key = key.strip().lstrip("+")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rollout.n=8)")
     try:
@@ -295,12 +349,16 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     known = schema_fields(schema)
     tree: dict = {}
     sources: dict[str, str] = {}
+    problems: list[str] = []
     for source, layer in _yaml_layers(config_file) if config_file is not None else []:
-        _deep_update(tree, _check_tree(layer, known, source), sources, source)
+        _deep_update(tree, _check_tree(layer, known, source, problems), sources, source)
     for item in overrides:
         key, value = _parse_override(item)
         source = f"override {item!r}"
-        _deep_update(tree, _check_tree(_nest(key, value), known, source), sources, source)
+        _deep_update(tree, _check_tree(_nest(key, value), known, source, problems), sources, source)
+    if problems:  # every unknown key at once
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} problems in the configuration:\n  - " + "\n  - ".join(problems))
     cfg = _merge(schema, tree, known, sources)
     try:
         obj = OmegaConf.to_object(cfg)
