@@ -1,5 +1,5 @@
 """Checks across keys of an `RLConfig` (and an `SFTConfig`), run before any model loads: batch sizes,
-ranges, estimators, paths.
+ranges, estimators, paths, the optional packages and LoRA targets a run needs (`hybridflow.config.extras`).
 
 `validate(cfg, n_workers)` collects every problem and raises one `ConfigError` listing them all, each
 naming the keys, their values and the values that would be valid, e.g.
@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.extras import lora_target_problems, package_problems
 from hybridflow.config.roles import (GROUP_KEYS, agent_enabled, needs_critic, needs_greedy_baseline, rollout_workers,
                                      run_groups)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
@@ -165,8 +166,14 @@ def _lora_problems(cfg: Any, sections: tuple[str, ...]) -> list[str]:
         problems.append(f"actor.ref_param_offload=true offloads the reference model's copy, which a LoRA actor "
                         f"(actor.lora.rank={actor.lora.rank}) does not have: its reference is its own base weights "
                         f"under disabled adapters; set actor.ref_param_offload=false")
+    from hybridflow.engine.train.lora import target_names
+
     for section in sections:
         lora = _get(cfg, f"{section}.lora")
+        try:
+            target_names(lora.target_modules)
+        except ValueError as e:
+            problems.append(f"{section}.{e}")
         if lora.rank < 0:
             problems.append(f"{section}.lora.rank={lora.rank} must be >= 0 (0 = no LoRA)")
         if lora.alpha <= 0:
@@ -342,6 +349,9 @@ def _path_problems(cfg: Any) -> list[str]:
         problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
                         "or model.path (the critic then starts from the actor's model)")
     problems += _data_file_problems(cfg)
+    problems += lora_target_problems(cfg, (("actor", "model.path", "lm"),
+                                           ("critic", "critic.model.path" if cfg.critic.model.path else "model.path",
+                                            "value")) if needs_critic(cfg) else (("actor", "model.path", "lm"),))
     from hybridflow.rewards import RewardSpec, Scorer
 
     try:  # resolves names, imports users' files, binds each function's parameters
@@ -374,7 +384,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
     problems = (_range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
-                + _ray_problems(cfg) + _agent_problems(cfg))
+                + _ray_problems(cfg) + _agent_problems(cfg) + package_problems(cfg))
     if check_paths:
         problems += _path_problems(cfg)
     if n_workers >= 1:
@@ -395,7 +405,8 @@ def validate_sft(cfg: Any) -> None:
                                 "trainer.gpu_memory_utilization": (0.0, 1.0, False, True)})
     problems += _precision_problems(cfg, (("optim", "model"),)) + _lora_problems(cfg, ("optim",))
     problems += _model_problems(cfg, ("model.path", "model.tokenizer_path")) + _data_file_problems(cfg)
-    problems += _run_problems(cfg)
+    problems += lora_target_problems(cfg, (("optim", "model.path", "lm"),)) + _run_problems(cfg)
+    problems += package_problems(cfg)
     if data.train_batch_size < run.n_workers:
         problems.append(f"data.train_batch_size={data.train_batch_size} gives some of trainer.n_workers="
                         f"{run.n_workers} ranks no conversation; use >= {run.n_workers}")

@@ -34,6 +34,7 @@ from hybridflow.engine.train.parallel import full_tensor
 
 ADAPTER = "default"  # peft's adapter name; a run trains one adapter
 INITS = {"default": True, "gaussian": "gaussian"}  # our `init` choice -> peft's `init_lora_weights`
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer (but the output head)
 
 
 def _peft():
@@ -44,11 +45,27 @@ def _peft():
     return peft
 
 
+def target_names(names: list[str] | tuple[str, ...]) -> list[str]:
+    """The module names of `lora.target_modules`: peft's ``all-linear`` (alone) means every linear layer, as
+    `[]` does. Refuses what peft also accepts but we do not: ``all-linear`` among other names, and a regular
+    expression (we match names, as peft does for a list)."""
+    names = list(names)
+    if names == [ALL_LINEAR]:
+        return []
+    problems = [n for n in names if n == ALL_LINEAR or not all(part.isidentifier() for part in n.split("."))]
+    if problems:
+        raise ValueError(f"lora.target_modules: {problems[0]!r} is not a module name; give module names (q_proj, "
+                         f"mlp.down_proj, ...), or {ALL_LINEAR} / [] alone for every linear layer (peft's regular "
+                         f"expressions are not supported)")
+    return names
+
+
 def resolve_targets(model: torch.nn.Module, names: list[str] | tuple[str, ...]) -> dict[str, torch.nn.Linear]:
     """{qualified name: module} of the linear layers inside the decoder layers that `names` select (peft's
-    rule: a module whose qualified name is one of them, or ends with a dot and one of them); `names` empty =
-    every linear layer there. Refuses a name that selects nothing, or something that is not a linear layer of a decoder layer
-    (embeddings and heads are not adapted), naming the layers that could be."""
+    rule: a module whose qualified name is one of them, or ends with a dot and one of them); `names` empty or
+    ``all-linear`` = every linear layer there. Refuses a name that selects nothing, or something that is not a
+    linear layer of a decoder layer (embeddings and heads are not adapted), naming the layers that could be."""
+    names = target_names(names)
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
     linear = {n: m for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)}
     if not names:
@@ -132,7 +149,7 @@ def apply_lora(model: torch.nn.Module, cfg: Any, head: str, master_dtype: torch.
     if cfg.init not in INITS:
         raise ValueError(f"lora.init={cfg.init!r} is not valid; valid: {', '.join(INITS)}")
     targets = resolve_targets(model, list(cfg.target_modules))
-    names = list(cfg.target_modules) or list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in targets))
+    names = target_names(cfg.target_modules) or list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in targets))
     config = _peft().LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names,
                                 init_lora_weights=INITS[cfg.init], bias="none")
     model.requires_grad_(False)
@@ -154,6 +171,14 @@ def apply_lora(model: torch.nn.Module, cfg: Any, head: str, master_dtype: torch.
 def trainable_params(config: Any, cfg: Any, head: str = "lm", trust_remote_code: bool = False) -> int:
     """Parameters a LoRA run of `cfg` trains on the model of Hugging Face `config`: rank x (in + out) per
     adapted linear layer, plus a value model's score head; counted on the meta device."""
+    model = meta_model(config, head, trust_remote_code)
+    targets = resolve_targets(model, list(cfg.target_modules)).values()
+    adapters = sum(cfg.rank * (m.in_features + m.out_features) for m in targets)
+    return adapters + (sum(p.numel() for p in _head_params(model)) if head == "value" else 0)
+
+
+def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model of Hugging Face `config` on the meta device (no memory): a causal LM, or a value model."""
     import copy
 
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -163,7 +188,4 @@ def trainable_params(config: Any, cfg: Any, head: str = "lm", trust_remote_code:
         config.num_labels = 1
     with torch.device("meta"):
         auto = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
-        model = auto.from_config(config, trust_remote_code=trust_remote_code)
-    targets = resolve_targets(model, list(cfg.target_modules)).values()
-    adapters = sum(cfg.rank * (m.in_features + m.out_features) for m in targets)
-    return adapters + (sum(p.numel() for p in _head_params(model)) if head == "value" else 0)
+        return auto.from_config(config, trust_remote_code=trust_remote_code)

@@ -1,0 +1,67 @@
+"""What a run needs beyond its keys, checked with the config before any model loads: the optional packages
+its settings use (a logger, the 8-bit optimizer, LoRA, Ray), and LoRA's target modules on the model's own
+layers (built on the meta device, no weights read). Each problem names the key, and the pip command or the
+valid module names."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.roles import needs_critic
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _trained_sections(cfg: Any) -> list[str]:
+    """The config sections holding an optimizer (`actor`, `critic` when a critic trains; SFT's `optim`)."""
+    if hasattr(cfg, "optim"):
+        return ["optim"]
+    return ["actor", "critic"] if needs_critic(cfg) else ["actor"]
+
+
+def package_problems(cfg: Any) -> list[str]:
+    """`key=value needs the X package: pip install '...'` for each optional package a setting needs and this
+    Python lacks."""
+    needs: list[tuple[str, str, str]] = []  # (setting, module, pip requirement)
+    if "wandb" in cfg.trainer.loggers:
+        needs.append(("trainer.loggers includes 'wandb' (set WANDB_MODE=offline to log without an account)",
+                      "wandb", "wandb"))
+    if cfg.trainer.backend == "ray":
+        needs.append(("trainer.backend=ray", "ray", "hybridflow[ray]"))
+    for section in _trained_sections(cfg):
+        if _get(cfg, f"{section}.optimizer") == "adamw_8bit":
+            needs.append((f"{section}.optimizer=adamw_8bit", "torchao", "hybridflow[memory]"))
+        if _get(cfg, f"{section}.lora.rank") > 0:
+            needs.append((f"{section}.lora.rank={_get(cfg, f'{section}.lora.rank')}", "peft", "hybridflow[lora]"))
+    return [f"{setting} needs the {module} package: pip install '{requirement}'"
+            for setting, module, requirement in needs if importlib.util.find_spec(module) is None]
+
+
+def lora_target_problems(cfg: Any, sections: tuple[tuple[str, str, str], ...]) -> list[str]:
+    """Each `(optimizer section, model key, head)` training LoRA on a local model directory: its
+    `lora.target_modules` must name linear layers of the model's decoder layers."""
+    from hybridflow.engine.train.lora import meta_model, resolve_targets, target_names
+
+    problems = []
+    for section, model_key, head in sections:
+        lora, path = _get(cfg, f"{section}.lora"), _get(cfg, model_key)
+        if lora.rank <= 0 or path is None or not (Path(path).expanduser() / "config.json").is_file():
+            continue
+        try:
+            target_names(lora.target_modules)  # a malformed name is the range checks' to report
+        except ValueError:
+            continue
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        try:
+            resolve_targets(meta_model(config, head, cfg.model.trust_remote_code), list(lora.target_modules))
+        except ValueError as e:
+            problems.append(f"{section}.{e} (model {path})")
+    return problems
