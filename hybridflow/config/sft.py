@@ -52,6 +52,7 @@ class SFTTrainerConfig(TrainerConfig):
     """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
 
     output_dir: str = opt("outputs/sft", "where metrics, checkpoints and the final model (hf/) go")
+    val_every: int = opt(0, "compute val/loss every this many steps; 0 = only after the last step")
     val_before_train: bool = opt(False, "compute val/loss once before the first step")
 
 

@@ -89,6 +89,11 @@ def _accuracies(metrics_file: Path) -> tuple[float, float, list[tuple[int, float
     return curve[0][1], curve[-1][1], curve
 
 
+def phase(title: str, what: str) -> None:
+    """A header before each phase, so the console says which one the step lines belong to."""
+    print(f"\n== demo {title}: {what} ==", flush=True)
+
+
 def _decoding(temperature: float) -> str:
     return "greedy" if temperature <= 0 else f"sampled, temperature {temperature:g}, one sample per problem"
 
@@ -131,6 +136,8 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
         minutes[phase] = round((now - last) / 60, 3)
         last = now
 
+    phase("1/4 data and model", f"the '{spec.task}' task's SFT, RL and held-out problems; a tiny Qwen2 "
+                                f"(hidden {spec.hidden}, {spec.layers} layers) in {out}")
     files = write_task_data(out / "data", spec.task, spec.n_sft, spec.n_rl, spec.n_heldout, seed,
                             spec.min_len, spec.max_len, spec.sft_noise)
     lap("data")
@@ -138,6 +145,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
                              max_positions=128, seed=seed)
     lap("model")
     common = [f"trainer.seed={seed}", "trainer.resume=never"]
+    phase("2/4 SFT", "supervised fine-tuning teaches the answer format and part of the task (loss per step)")
     train_sft(load_config([f"model.path={model}", f"data.train_files={files['sft']}",
                            f"trainer.output_dir={out / 'sft'}", *common, *SFT_SETTINGS, *spec.sft,
                            *sft_overrides], schema=SFTConfig))
@@ -145,9 +153,12 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
     rl_cfg = load_config([f"model.path={out / 'sft' / 'hf'}", f"data.train_files={files['rl']}",
                           f"data.val_files={files['heldout']}", f"trainer.output_dir={out}", *common, *spec.rl,
                           *rl_overrides], RECIPES / "demo_grpo.yaml")
+    phase("3/4 RL", f"GRPO ({RECIPES / 'demo_grpo.yaml'}); held-out accuracy (val) before the first step and "
+                    f"after the last")
     train(rl_cfg)
     lap("rl")
     before, after, curve = _accuracies(out / "metrics.jsonl")
+    phase("4/4 report", f"plots and {out / 'report.html'}")
     report = _report(out)
     lap("report")
     summary = {

@@ -1,10 +1,10 @@
 """The step loop every trainer shares: validate first, train to `total_steps`, validate and checkpoint
-on schedule, log each step, and stop cleanly on SIGINT/SIGTERM: the step under way finishes, its checkpoint
+on schedule (and at the end), log each step, and stop cleanly on SIGINT/SIGTERM: the step under way finishes, its checkpoint
 is saved, and `Preempted` is raised (`hybridflow train` exits with `PREEMPTED_EXIT_CODE`). A worker that
 dies stops the run with its error saying which checkpoint to resume from.
 
 A trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every,
-save_every), `step`, `total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
+save_every), `validates_at_end` (validate after the last step even with `val_every=0`), `step`, `total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
 `save() -> Path` and `manager`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
 """
 
@@ -42,7 +42,8 @@ def run_steps(trainer: Any) -> dict[str, float]:
             metrics = t.train_step(t.train_loader.next_batch())
             t.step += 1
             last = t.step == t.total_steps
-            if t.val_loader is not None and cfg.val_every and (t.step % cfg.val_every == 0 or last):
+            periodic = cfg.val_every and (t.step % cfg.val_every == 0 or last)
+            if t.val_loader is not None and (periodic or (last and t.validates_at_end)):
                 metrics.update(t.validate())
             t.tracker.log(metrics, t.step)
             bar.update(t.step, metrics)

@@ -34,6 +34,7 @@ class SFTTrainer(Trainer):
     `fit()` trains and exports."""
 
     model_role = "sft"
+    validates_at_end = True  # the final val/loss says what the exported model is worth
 
     def __init__(self, cfg: Any) -> None:
         validate_sft(cfg)

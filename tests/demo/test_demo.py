@@ -11,8 +11,11 @@ from hybridflow.demo import make_splits, run_demo, write_task_data
 from hybridflow.demo.tasks import TASKS
 
 
-def test_smoke_demo_writes_summary_metrics_tensorboard_and_report(tmp_path):
+def test_smoke_demo_writes_summary_metrics_tensorboard_and_report(tmp_path, capsys):
     summary = run_demo(tmp_path, "smoke")
+    out = capsys.readouterr().out
+    headers = [out.index(f"== demo {n}/4 ") for n in range(1, 5)]
+    assert headers == sorted(headers) and out.index("== demo 2/4 SFT") < out.index("loss ") < headers[2]
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved == json.loads(json.dumps(summary))
     for key in ("accuracy_before_rl", "accuracy_after_rl"):

@@ -79,6 +79,16 @@ def test_sft_cli_learns_logs_checkpoints_and_exports(tiny_qwen2, chats, tmp_path
     assert changed  # the trained weights, not the starting model's
 
 
+def test_val_loss_after_the_last_step_and_the_loss_on_the_console(tiny_qwen2, chats, tmp_path, capsys):
+    """docs/sft.md: val/loss is logged at the end, also with trainer.val_every=0 (issue 36, item 7)."""
+    assert cli_main(["sft", *overrides(tiny_qwen2, chats, tmp_path, f"data.val_files={chats}", "trainer.total_steps=2",
+                                       "trainer.val_every=0", "trainer.loggers=[console,jsonl]")]) == 0
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if "val/loss" in r] == [2]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert lines[0].startswith("step 1/2 | loss ") and " | val_loss " in lines[-1]
+
+
 def test_resume_continues_from_the_checkpoint(tiny_qwen2, chats, tmp_path):
     SFTTrainer(load_config(overrides(tiny_qwen2, chats, tmp_path, "trainer.total_steps=2"), schema=SFTConfig)).fit()
     resumed = SFTTrainer(load_config(overrides(tiny_qwen2, chats, tmp_path, "trainer.total_steps=3"),
