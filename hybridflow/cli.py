@@ -6,6 +6,7 @@
     hybridflow report outputs/run [--out FILE.html]        # plots + HTML page of a run
     hybridflow sft --config recipes/sft.yaml model.path=MODEL data.train_files=chats.jsonl
     hybridflow demo [--output-dir outputs/demo]            # SFT then GRPO on a tiny model, offline
+    hybridflow migrate run_verl.sh|verl.yaml [--out R.yaml]  # a recipe from a verl command line or config
 
 Exit status of `train` and `sft`: 0 the run finished; 2 it was refused or stopped on something to fix
 first (config, data, output directory, checkpoint, disk space, a reward function or an environment that
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -52,6 +54,18 @@ def _sft(args: argparse.Namespace) -> int:
     from hybridflow.trainer.sft import train_sft
 
     train_sft(load_config(args.overrides, args.config, schema=SFTConfig))
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from hybridflow.config.migrate import migrate
+
+    text = migrate(args.source)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}; check it with: hybridflow config --config {args.out}")
+    else:
+        print(text, end="")
     return 0
 
 
@@ -93,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a YAML recipe (e.g. recipes/sft.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=1e-5 data.max_length=2048")
     p.set_defaults(fn=_sft)
+
+    p = sub.add_parser("migrate", help="a hybridflow recipe from a verl command line (.sh) or config (.yaml)",
+                       description="Writes a recipe from a verl shell script running verl.trainer.main_ppo or a verl "
+                       "YAML config: each key commented with its verl key, those it cannot carry listed with why "
+                       "(docs/migrating_from_verl.md).")
+    p.add_argument("source", help="a verl script (e.g. examples/grpo_trainer/run_qwen2-7b.sh) or YAML config")
+    p.add_argument("--out", help="the recipe to write (default: print it)")
+    p.set_defaults(fn=_migrate)
 
     p = sub.add_parser("demo", help="SFT then GRPO on a tiny model, offline, in minutes (make demo)",
                        description="Builds a tiny model, SFTs it on a string task, improves it with GRPO "
