@@ -20,7 +20,8 @@ constructor that declares none of them without a crash.
 `step(text, turn)` gets the model turn's text (special tokens dropped) and its index (0 = the first
 model turn) and returns an `EnvStep` (a plain string is a user message; None ends the episode). Its
 `reward` adds to the trajectory's environment reward, which reward functions see. An exception or a
-timeout ends that trajectory and counts in `agent/env_errors`; the run goes on.
+timeout ends that trajectory and counts in `agent/env_errors`; the run goes on. verl's interactions load
+too, with their own method names (`hybridflow.agents.verl_interaction`).
 """
 
 from __future__ import annotations
@@ -84,8 +85,16 @@ def environment_kwargs(env_class: type, env_kwargs: dict[str, Any], row: dict[st
 
 
 def load_environment(spec: str) -> type:
-    """The environment class named by `path/to/file.py:Class` (`agent.environment`)."""
+    """The environment class named by `path/to/file.py:Class` (`agent.environment`); a verl `BaseInteraction`
+    class, or verl's interaction config YAML, comes wrapped (`hybridflow.agents.verl_interaction`)."""
+    from hybridflow.agents.verl_interaction import interaction_environment, is_verl_interaction, load_interaction_config
+    from hybridflow.agents.verl_tools import is_config_file
+
+    if is_config_file(spec):
+        return load_interaction_config(spec, "agent.environment")
     cls = load_from_file(spec, "environment", "class", "agent.environment")
+    if is_verl_interaction(cls):
+        return interaction_environment({cls.__name__: (cls, {})}, by_name=False)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
         raise TypeError(f"agent.environment={spec!r} must name a class with a step(text, turn) method "
                         f"(subclass hybridflow.agents.Environment)")

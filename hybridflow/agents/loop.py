@@ -108,6 +108,7 @@ class AgentLoop:
                 completion = await driver.extend(seq, ids, min(self.turn_tokens, room))
         finally:
             driver.release(seq)
+            trajectory.env_reward += await self.tools.finish(contexts, self.cfg.timeout_s, threads)
             scratch.cleanup()
             if env is not None and callable(getattr(env, "close", None)):
                 try:

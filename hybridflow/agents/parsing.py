@@ -8,7 +8,8 @@
 has none). A block that is not a JSON object with a string `name` and an object `arguments` (also
 accepted: `arguments` as a JSON string holding an object, or `parameters` for `arguments`), or that
 is never closed, gives a `ToolCall` with `error` set: the loop answers it with that message and runs
-nothing. The scan is linear in the text and nothing here raises on any input.
+nothing. The scan is linear in the text and nothing here raises on any input. `coerce_arguments` converts
+values to their declared types where nothing is lost, before `check_arguments` checks them.
 """
 
 from __future__ import annotations
@@ -68,6 +69,39 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         calls.append(_parse_block(text[start + len(OPEN):end]))
         position = end + len(CLOSE)
     return calls
+
+
+def _coerce(value: Any, kinds: list[str]) -> Any:
+    """`value` as the first of the schema's `kinds` it converts to without loss (a numeric string to a
+    number, ``"true"``/``"false"`` to a boolean, a number to a string); else `value` unchanged."""
+    for kind in kinds:
+        if isinstance(value, _JSON_TYPES.get(kind, ())) and not (isinstance(value, bool) and kind != "boolean"):
+            return value
+        if isinstance(value, str) and kind in ("integer", "number"):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                continue
+            if kind == "number":
+                return int(number) if number.is_integer() and "." not in value else number
+            if number.is_integer():
+                return int(number)
+        elif isinstance(value, str) and kind == "boolean" and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        elif kind == "string" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    return value
+
+
+def coerce_arguments(arguments: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """The arguments with each top-level value converted to its declared type where that loses nothing
+    (``"3"`` for an integer is 3), as verl's tools convert what the model wrote; the rest unchanged."""
+    properties = schema.get("properties") or {}
+    out = {}
+    for key, value in arguments.items():
+        kinds = (properties.get(key) or {}).get("type")
+        out[key] = _coerce(value, [kinds] if isinstance(kinds, str) else list(kinds or []))
+    return out
 
 
 def check_arguments(arguments: dict[str, Any], schema: dict[str, Any]) -> str | None:

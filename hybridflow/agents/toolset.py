@@ -1,8 +1,9 @@
 """The tools of a run (`agent.tools`): built-ins and user classes, built once per process, and one call
 run with its checks.
 
-Each entry of `agent.tools` is a built-in name (`calculator`, `python`), a `path/to/file.py:Class`, or
-a mapping with the keys `name`, `class`, `description`, `parameters`, `kwargs`: `class` is a built-in
+Each entry of `agent.tools` is a built-in name (`calculator`, `python`), a `path/to/file.py:Class`, a verl
+tool config YAML (its tools, `hybridflow.agents.verl_tools`), or a mapping with the keys `name`, `class`,
+`description`, `parameters`, `kwargs`: `class` is a built-in
 name or `file.py:Class` (default: `name`, as a built-in), `kwargs` go to its constructor, and `name`,
 `description`, `parameters` (a JSON schema) override the class's. A bad entry is refused when the
 run starts, naming `agent.tools[i]`.
@@ -10,16 +11,20 @@ run starts, naming `agent.tools[i]`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hybridflow.agents.calculator import Calculator
 from hybridflow.agents.calls import call_with_timeout
-from hybridflow.agents.parsing import ToolCall, check_arguments
+from hybridflow.agents.parsing import ToolCall, check_arguments, coerce_arguments
 from hybridflow.agents.sandbox import PythonTool
 from hybridflow.agents.tools import Scratch, Tool, ToolContext, ToolResult
+from hybridflow.agents.verl_tools import is_config_file, load_tool_config
 from hybridflow.utils.imports import load_from_file
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": Calculator, "python": PythonTool}
 ENTRY_KEYS = ("name", "class", "description", "parameters", "kwargs")
@@ -32,6 +37,9 @@ def _tool_class(spec: str, where: str) -> type:
         raise ValueError(f"{where}: {spec!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor a "
                          f"'path/to/file.py:Class'")
     cls = load_from_file(spec, "tool", "class", where)
+    if isinstance(cls, type) and callable(getattr(cls, "execute", None)) and not callable(getattr(cls, "call", None)):
+        raise TypeError(f"{where}: {spec!r} is a verl BaseTool: list it in a verl tool config YAML "
+                        f"(tools: [{{class_name, config, tool_schema}}]) and give that file as the entry")
     if not isinstance(cls, type) or not callable(getattr(cls, "call", None)):
         raise TypeError(f"{where}: {spec!r} must be a class with a call(arguments, context) method "
                         f"(subclass hybridflow.agents.Tool)")
@@ -73,10 +81,11 @@ class ToolSet:
     def __init__(self, entries: Sequence[Any]) -> None:
         self.tools: dict[str, Tool] = {}
         for i, entry in enumerate(entries):
-            tool = build_tool(entry, i)
-            if tool.name in self.tools:
-                raise ValueError(f"agent.tools[{i}]: a second tool named {tool.name!r}; names must be unique")
-            self.tools[tool.name] = tool
+            built = load_tool_config(entry, f"agent.tools[{i}]") if is_config_file(entry) else [build_tool(entry, i)]
+            for tool in built:
+                if tool.name in self.tools:
+                    raise ValueError(f"agent.tools[{i}]: a second tool named {tool.name!r}; names must be unique")
+                self.tools[tool.name] = tool
 
     def __bool__(self) -> bool:
         return bool(self.tools)
@@ -99,11 +108,12 @@ class ToolSet:
         if tool is None:
             return ToolResult(f"Error: there is no tool {call.name!r}; the tools are {', '.join(self.tools)}",
                               error=True)
-        problem = check_arguments(call.arguments, tool.parameters)
+        arguments = coerce_arguments(call.arguments, tool.parameters)
+        problem = check_arguments(arguments, tool.parameters)
         if problem is not None:
             return ToolResult(f"Error: {call.name}: {problem}", error=True)
         try:
-            result = await call_with_timeout(tool.call, call.arguments, context, timeout_s=timeout_s,
+            result = await call_with_timeout(tool.call, arguments, context, timeout_s=timeout_s,
                                              threads=threads)
         except Exception as e:  # noqa: BLE001 - a tool's failure is the model's answer, not the run's end
             return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", error=True)
@@ -112,3 +122,17 @@ class ToolSet:
         if isinstance(result, str):
             return ToolResult(result)
         return ToolResult(f"Error: {call.name} returned a {type(result).__name__}, not text", error=True)
+
+    async def finish(self, contexts: dict[str, ToolContext], timeout_s: float,
+                     threads: ThreadPoolExecutor | None = None) -> float:
+        """The end of a trajectory for tools with a `finish(context)` (verl's calc_reward and release): the
+        sum of the rewards they return. A failing or hung one is logged and adds nothing."""
+        total = 0.0
+        for name, tool in self.tools.items():
+            if callable(getattr(tool, "finish", None)):
+                try:
+                    total += float(await call_with_timeout(tool.finish, contexts[name], timeout_s=timeout_s,
+                                                           threads=threads) or 0.0)
+                except Exception as e:  # noqa: BLE001 - the trajectory is over; its reward stays as it was
+                    logger.warning("tool %s finish failed: %s: %s", name, type(e).__name__, e)
+        return total
