@@ -41,8 +41,9 @@ class VerlKey:
         return {self.ours: value} if self.ours else {}
 
 
-def _same(keys: dict[str, str]) -> dict[str, VerlKey]:
-    return {verl: VerlKey(ours) for verl, ours in keys.items()}
+def _same(keys: dict[str, str | tuple[str, str]]) -> dict[str, VerlKey]:
+    """Keys whose values carry over as they are: verl key -> our key, or (our key, note)."""
+    return {verl: VerlKey(*((ours,) if isinstance(ours, str) else ours)) for verl, ours in keys.items()}
 
 
 def _truthy(value: Any) -> bool:
@@ -120,34 +121,40 @@ def _negative_is_off(ours: str) -> Convert:
 
 VERL_KEYS: dict[str, VerlKey] = {
     **_same({k: k for k in ("data.train_files", "data.val_files", "data.prompt_key", "data.max_prompt_length",
-                            "data.max_response_length", "data.train_batch_size", "data.val_batch_size",
+                            "data.max_response_length", "data.val_batch_size",
                             "data.truncation", "data.shuffle", "data.seed", "algorithm.adv_estimator",
                             "algorithm.gamma", "algorithm.lam", "algorithm.use_kl_in_reward", "algorithm.kl_penalty",
                             "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.target_kl",
                             "algorithm.kl_ctrl.horizon", "algorithm.filter_groups.enable",
                             "algorithm.filter_groups.metric", "algorithm.filter_groups.max_num_gen_batches",
-                            "critic.model.path", "critic.cliprange_value", "trainer.total_epochs",
+                            "critic.cliprange_value", "trainer.total_epochs",
                             "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
                             "trainer.device")}),
     **_same({M + "path": "model.path", M + "trust_remote_code": "model.trust_remote_code",
-             M + "enable_gradient_checkpointing": "model.gradient_checkpointing", M + "use_remove_padding":
+             M + "enable_gradient_checkpointing": ("model.gradient_checkpointing", "null (default) = on for models under "
+                                                   "1B parameters and where the device budget needs it"), M + "use_remove_padding":
              "actor.use_packing", A + "optim.lr": "actor.lr", A + "optim.min_lr_ratio": "actor.min_lr_ratio",
              A + "optim.weight_decay": "actor.weight_decay", A + "optim.betas": "actor.betas",
-             A + "grad_clip": "actor.grad_clip", A + "ppo_mini_batch_size": "actor.mini_batch_size",
-             A + "ppo_micro_batch_size_per_gpu": "actor.micro_batch_size", A + "ppo_epochs": "actor.ppo_epochs",
+             A + "grad_clip": "actor.grad_clip",
+             A + "ppo_mini_batch_size": ("actor.mini_batch_size", "prompts per optimizer step; null = the whole batch"),
+             A + "ppo_micro_batch_size_per_gpu": ("actor.micro_batch_size", "rows per forward per device"),
+             A + "ppo_epochs": "actor.ppo_epochs", "data.train_batch_size": ("data.train_batch_size", "prompts per step"),
              A + "shuffle": "actor.shuffle", A + "clip_ratio_low": "actor.clip_low",
              A + "clip_ratio_high": "actor.clip_high", A + "clip_ratio_c": "actor.clip_c",
              A + "loss_agg_mode": "actor.loss_agg", A + "entropy_coeff": "actor.entropy_coef",
              A + "kl_loss_type": "actor.kl_loss_type", A + "fsdp_config.param_offload": "actor.param_offload",
              A + "fsdp_config.optimizer_offload": "actor.optimizer_offload",
-             A + "use_torch_compile": "model.compile", ARR + "ref.fsdp_config.param_offload": "actor.ref_param_offload",
+             A + "use_torch_compile": ("model.compile", "null (default) = on for CUDA, off on a CPU"), ARR + "ref.fsdp_config.param_offload": "actor.ref_param_offload",
              R + "n": "rollout.n", R + "temperature": "rollout.temperature", R + "top_p": "rollout.top_p",
              R + "top_k": "rollout.top_k", R + "max_num_seqs": "rollout.max_num_seqs",
              R + "free_cache_engine": "rollout.free_cache_after_generate",
              R + "val_kwargs.temperature": "rollout.val_temperature", R + "val_kwargs.n": "rollout.val_n",
-             M + "lora_rank": "actor.lora.rank", M + "lora_alpha": "actor.lora.alpha",
-             M + "target_modules": "actor.lora.target_modules", MT + "max_assistant_turns": "agent.max_turns",
-             "critic.optim.lr": "critic.lr", "critic.ppo_mini_batch_size": "critic.mini_batch_size",
+             "critic.model.path": ("critic.model.path", "null = start from the actor's model"),
+             M + "lora_rank": ("actor.lora.rank", "0 = no LoRA (docs/lora.md)"), M + "lora_alpha": "actor.lora.alpha",
+             M + "target_modules": ("actor.lora.target_modules", "module names; all-linear (verl's default) or [] = "
+                                                                 "every linear layer of the decoder layers"), MT + "max_assistant_turns": "agent.max_turns",
+             "critic.optim.lr": "critic.lr", "critic.model.lora_rank": "critic.lora.rank",
+             "critic.model.lora_alpha": "critic.lora.alpha", "critic.model.target_modules": "critic.lora.target_modules", "critic.ppo_mini_batch_size": "critic.mini_batch_size",
              "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size", "trainer.critic_warmup":
              "critic.warmup_steps", "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
              "trainer.total_training_steps": "trainer.total_steps", "trainer.log_val_generations": "trainer.log_samples",
@@ -236,6 +243,18 @@ VERL_SECTIONS = ("actor_rollout_ref", "custom_reward_function", "reward_model", 
 # verl defaults that differ from hybridflow's: a migrated recipe sets them unless the verl config does.
 VERL_DEFAULTS = {"algorithm.adv_estimator": "gae", A + "shuffle": False, "trainer.total_epochs": 30,
                  A + "ppo_mini_batch_size": 256, "data.train_batch_size": 1024}
+
+
+def render_verl_table() -> str:
+    """The markdown table of `VERL_KEYS` and `VERL_PREFIXES` in docs/migrating_from_verl.md (a test checks it
+    is current): verl key, ours, what differs."""
+    rows = ["| verl | hybridflow | notes |", "|---|---|---|"]
+    entries = {**{k: (v.ours, v.note) for k, v in VERL_KEYS.items()},
+               **{k[:-1]: (v[:-1], "each key under it is one of ours") for k, v in VERL_PREFIXES.items()}}
+    for verl in sorted(entries):
+        ours, note = entries[verl]
+        rows.append(f"| `{verl}` | {f'`{ours}`' if ours else '—'} | {note} |")
+    return "\n".join(rows) + "\n"
 
 
 def verl_hint(key: str) -> str | None:

@@ -19,7 +19,7 @@ from hybridflow.config.schema import RLConfig
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = ("index", "quickstart", "custom_loop", "placement", "migrating_from_verl", "troubleshooting", "real_model",
-         "agents")
+         "agents", "migrating_from_trl")
 KEYS = set(schema_fields(RLConfig))
 
 
@@ -99,6 +99,23 @@ def test_translated_verl_script_and_quickstart_commands_validate():
     cfg = load_config(quick[4:], ROOT / quick[3])
     validate(cfg, check_paths=False)
     assert cfg.trainer.output_dir == "outputs/grpo_tiny" and "tensorboard" in cfg.trainer.loggers
+
+
+def test_translated_trl_script_validates():
+    page = (DOCS / "migrating_from_trl.md").read_text()
+    words = command_after(page, "# hybridflow\n")
+    assert words[:4] == ["hybridflow", "train", "--config", "recipes/grpo.yaml"]
+    cfg = load_config(words[4:], ROOT / words[3])
+    validate(cfg, check_paths=False)
+    assert cfg.reward.functions == ["my_rewards.py:accuracy", "my_rewards.py:format_reward"]
+    assert cfg.reward.weights == [1.0, 0.2] and cfg.rollout.n == 8 and cfg.actor.clip_high == 0.28
+    rows = table_rows(page)
+    assert len(rows) > 25
+    for _, ours, _ in rows:
+        for token in re.findall(r"`([^`]+)`", ours):
+            key = token.split("=", 1)[0]
+            if "." in key:
+                assert key in KEYS, f"migrating_from_trl.md maps to unknown key {key}"
 
 
 def test_real_model_page_commands_validate():

@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "rewards.md"
 
 def test_doc_snippets_run():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 5
     before = set(REWARD_FUNCTIONS)
     scope: dict = {}
     for block in blocks:
