@@ -5,6 +5,8 @@
 - `tools` / `toolset`: the `Tool` protocol and the run's tools (built-ins `calculator` and `python`, or
   `file.py:Class`); `parsing`: Hermes / Qwen `<tool_call>` blocks; `calculator`, `sandbox` (+
   `sandbox_child`): the built-ins.
+- `verl_tools`, `verl_interaction`: verl's tool config YAML / `BaseTool` classes and its `BaseInteraction`
+  classes / interaction config YAML, behind the tool and environment protocols.
 - `rendering`: the chat template's ids for new messages; `trajectory`: an episode as token ids, mask
   and log-probs; `driver`: the engine session under asyncio; `loop`: `AgentLoop`, which runs them.
 

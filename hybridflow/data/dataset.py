@@ -27,6 +27,7 @@ from hybridflow.data.files import DataError, Record, as_path_list, read_records
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATA_SOURCE = "unknown"
+CARRIED = ("data_source", "ability", "extra_info")  # columns a row carries as fields of its own
 
 
 def _check_prompt(record: Record, prompt_key: str) -> str | list[dict]:
@@ -52,7 +53,8 @@ def _optional(record: Record, column: str, kind: type, default: Any) -> Any:
 
 def parse_row(record: Record, prompt_key: str = "prompt") -> dict[str, Any]:
     """The checked fields of one verl-format row: raw_prompt, data_source, ability, ground_truth, extra_info,
-    and `columns`, every column of the row but the prompt as read (what TRL-style reward functions get)."""
+    and `columns`, the row's other columns as read (batched reward functions get them all: these and the
+    fields, which are not copied into `columns`)."""
     reward_model = _optional(record, "reward_model", dict, None)
     if reward_model is not None:
         ground_truth = reward_model.get("ground_truth")
@@ -64,7 +66,7 @@ def parse_row(record: Record, prompt_key: str = "prompt") -> dict[str, Any]:
         "ability": _optional(record, "ability", str, ""),
         "ground_truth": ground_truth,
         "extra_info": _optional(record, "extra_info", dict, {}),
-        "columns": {k: v for k, v in record.data.items() if k != prompt_key},
+        "columns": {k: v for k, v in record.data.items() if k not in (prompt_key, *CARRIED)},
     }
 
 

@@ -139,7 +139,7 @@ class Scorer:
     def missing_columns(self, columns: Sequence[str]) -> list[str]:
         """``"fn: parameter"`` for each required parameter of a batched function that neither hybridflow's
         arguments nor the dataset's `columns` fill."""
-        have = set(columns) | set(BATCH_ARGUMENTS) | set(ROW_ARGUMENTS)
+        have = set(columns) | set(BATCH_ARGUMENTS) | set(ROW_ARGUMENTS) | {"ability"}
         return [f"{p.name}: {name}" for p in self.parts for name in p.binding.unbound if name not in have]
 
     def score_row(self, row: Sequence[Any]) -> tuple[float, dict[str, Any]]:
@@ -208,8 +208,8 @@ def batch_arguments(rows: Sequence[Sequence[Any]], batch: Any = None) -> dict[st
     - ``completions``: for chat prompts, each completion as messages (``[{"role": "assistant", "content":
       text}]``, or a multi-turn row's turns, `extra_info["messages"]`), else the text;
     - ``completion_ids``: each response's token ids (None without a batch);
-    - every dataset column but the prompt (`columns` of the row), then ``data_source``, ``ground_truth``
-      and ``extra_info`` (a multi-turn row's with its trajectory).
+    - every dataset column but the prompt (the row's `columns` and ``ability``), then ``data_source``,
+      ``ground_truth`` and ``extra_info`` (a multi-turn row's with its trajectory).
     """
     n = len(rows)
     texts = [r[1] for r in rows]
@@ -231,6 +231,8 @@ def batch_arguments(rows: Sequence[Sequence[Any]], batch: Any = None) -> dict[st
     if batch is not None and "columns" in batch:
         names = list(dict.fromkeys(k for cols in batch["columns"] for k in (cols or {})))
         arguments = {k: [(cols or {}).get(k) for cols in batch["columns"]] for k in names}
+    if batch is not None and "ability" in batch:
+        arguments["ability"] = list(batch["ability"])
     arguments.update(prompts=prompts, completions=completions, completion_ids=ids,
                      data_source=[r[0] for r in rows], ground_truth=[r[2] for r in rows], extra_info=infos)
     return arguments

@@ -65,7 +65,7 @@ def test_trl_batched_and_verl_functions_with_weights_train_two_steps(tiny_qwen2,
     logged = [json.loads(line) for line in calls.read_text().splitlines()]
     assert len(logged) == 2  # once per batch, not per row
     assert all(c["rows"] == 4 and c["chat"] and c["prompt_is_chat"] and c["ids"] for c in logged)
-    assert logged[0]["columns"] == ["data_source", "extra_info", "ground_truth"]
+    assert logged[0]["columns"] == ["ability", "data_source", "extra_info", "ground_truth"]
 
 
 def test_a_batched_parameter_no_column_fills_is_refused_before_models_load(tiny_qwen2, tmp_path, monkeypatch, capsys):
