@@ -89,6 +89,12 @@ def test_val_loss_after_the_last_step_and_the_loss_on_the_console(tiny_qwen2, ch
     assert lines[0].startswith("step 1/2 | loss ") and " | val_loss " in lines[-1]
 
 
+def test_the_sft_recipe_trains(tiny_qwen2, chats, tmp_path):
+    assert cli_main(["sft", "--config", "recipes/sft.yaml", *overrides(tiny_qwen2, chats, tmp_path),
+                     "data.max_length=64", "trainer.total_steps=2", "trainer.loggers=[jsonl]"]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [1, 2]
+
+
 def test_resume_continues_from_the_checkpoint(tiny_qwen2, chats, tmp_path):
     SFTTrainer(load_config(overrides(tiny_qwen2, chats, tmp_path, "trainer.total_steps=2"), schema=SFTConfig)).fit()
     resumed = SFTTrainer(load_config(overrides(tiny_qwen2, chats, tmp_path, "trainer.total_steps=3"),
