@@ -38,6 +38,10 @@ class EngineDriver:
         self.session.extend(seq, tokens, max_tokens)
         return self._future(seq)
 
+    def shorten(self, seq: int, drop: int, last_token: int) -> None:
+        """Sequence `seq` (between turns) forgets the last `drop` tokens of its turn (`Session.shorten`)."""
+        self.session.shorten(seq, drop, last_token)
+
     def release(self, seq: int) -> None:
         """The episode of `seq` is over: free its slot if it holds one (which may let a waiting prompt in)."""
         if seq in self.session.held:

@@ -27,7 +27,10 @@ class TurnRenderer:
 
     def __init__(self, tokenizer: Any, tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
-        base = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": _MARK}]
+        # a reasoning block in the reference turn: templates that drop an earlier turn's reasoning unless it
+        # has one (Qwen3) then render it the same whether or not it is the last message
+        base = [{"role": "user", "content": "Hello."},
+                {"role": "assistant", "content": f"<think>\n{_MARK}\n</think>\n\n{_MARK}"}]
         self.base, self.template_args = with_tools(base, tokenizer, tools)
         self.before = tokenizer.apply_chat_template(self.base, tokenize=False, **self.template_args)
         if _MARK not in self.before:
@@ -47,6 +50,11 @@ class TurnRenderer:
             roles = [m["role"] for m in messages]
             raise ValueError(f"the chat template does not render a conversation prefix by prefix when messages "
                              f"with roles {roles} follow an assistant turn; check the roles the environment sends")
+        text = self.closing(last_token) + after[len(self.before):]
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def closing(self, last_token: int | None) -> str:
+        """The part of the template's end-of-turn text (`tail`) the model did not write: after a turn that
+        ended on `last_token`, what follows it (ChatML: `\\n`); after a cut turn (None), all of it."""
         ended = self.tokenizer.decode([last_token]) if last_token is not None else ""
-        lead = self.tail[len(ended):] if ended and self.tail.startswith(ended) else self.tail
-        return list(self.tokenizer(lead + after[len(self.before):], add_special_tokens=False)["input_ids"])
+        return self.tail[len(ended):] if ended and self.tail.startswith(ended) else self.tail

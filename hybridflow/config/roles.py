@@ -22,9 +22,14 @@ def needs_reference(cfg: Any) -> bool:
     return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward
 
 
+ENDPOINT_WAYS = ("runner", "verifiers", "gym", "openenv")  # agent keys that drive the model through the endpoint
+
+
 def agent_enabled(agent: Any) -> bool:
-    """Multi-turn episodes are on when the `agent` section names an environment or tools."""
-    return agent is not None and bool(agent.environment or agent.tools)
+    """Multi-turn episodes are on when the `agent` section names an environment, tools, or a way in through
+    the OpenAI-compatible endpoint."""
+    return agent is not None and bool(agent.environment or agent.tools
+                                      or any(getattr(agent, way, None) for way in ENDPOINT_WAYS))
 
 
 def rollout_workers(cfg: Any) -> int:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.extras import lora_target_problems, package_problems
-from hybridflow.config.roles import (GROUP_KEYS, agent_enabled, needs_critic, needs_greedy_baseline, rollout_workers,
-                                     run_groups)
+from hybridflow.config.roles import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, needs_critic, needs_greedy_baseline,
+                                     rollout_workers, run_groups)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 # GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
@@ -241,6 +241,15 @@ def _agent_problems(cfg: Any) -> list[str]:
     if agent_enabled(agent) and cfg.rollout.engine == "hf":
         problems.append("agent.environment / agent.tools continue live sequences turn by turn, which the fast engine "
                         "does and rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast")
+    ways = [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(agent, way)]
+    if len(ways) > 1 or ways and (agent.environment or agent.tools):
+        problems.append(f"{', '.join(ways)} drive the model through the endpoint and exclude each other and agent."
+                        f"environment / agent.tools: set one of them")
+    if ways and cfg.reward.function == "auto":
+        problems.append(f"{ways[0]} returns each trajectory's reward: set reward.function=environment to train on "
+                        f"it (or a function of yours that reads extra_info['env_reward'])")
+    if agent.max_concurrent_requests < 1:
+        problems.append(f"agent.max_concurrent_requests={agent.max_concurrent_requests} must be >= 1")
     return problems
 
 

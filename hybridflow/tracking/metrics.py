@@ -73,22 +73,35 @@ def compute_data_metrics(batch: Any, max_response_length: int | None = None) -> 
     return metrics
 
 
-AGENT_MEANS = ("turns", "tool_calls", "env_seconds", "env_reward")
-AGENT_COUNTS = ("tool_errors", "env_errors", "cut_by_budget", "kv_reused_tokens")
+AGENT_MEANS = ("turns", "tool_calls", "env_seconds", "env_reward", "segments")
+AGENT_COUNTS = ("tool_errors", "env_errors", "cut_by_budget", "kv_reused_tokens", "token_mismatch", "runner_errors",
+                "late_requests")
 
 
 def compute_agent_metrics(batch: Any) -> dict[str, float]:
     """Statistics of multi-turn rows, from the rollout's per-row ``agent/<stat>`` fields: per trajectory
-    ``agent/{turns,tool_calls,env_seconds,env_reward}/mean`` and ``agent/turns/max``; summed over the
-    step ``agent/{tool_errors,env_errors,cut_by_budget,kv_reused_tokens}``; ``agent/env_error_share``, the
-    share of trajectories whose environment failed. ``{}`` for single-turn rows."""
-    if "agent/turns" not in batch:
+    ``agent/{turns,tool_calls,env_seconds,env_reward,segments}/mean`` and ``agent/turns/max``; summed over
+    the step ``agent/{tool_errors,env_errors,cut_by_budget,kv_reused_tokens,token_mismatch,runner_errors,
+    late_requests}`` and ``agent/dropped`` (trajectories left out); ``agent/env_error_share``, the share of
+    trajectories whose environment failed; ``agent/metric/<name>/mean`` over the rows whose runner returned
+    that metric. A batch whose dropped rows were taken out carries the metrics of the whole rollout in
+    ``batch.meta["agent_metrics"]``, returned as they are. ``{}`` for single-turn rows."""
+    if "agent_metrics" in getattr(batch, "meta", {}):
+        return dict(batch.meta["agent_metrics"])
+    rows = batch
+    if "agent/turns" not in rows:
         return {}
-    column = {name: [float(v) for v in batch[f"agent/{name}"]] for name in AGENT_MEANS + AGENT_COUNTS}
+    column = {name: [float(v) for v in rows[f"agent/{name}"]] for name in AGENT_MEANS + AGENT_COUNTS}
     metrics = {f"agent/{name}/mean": sum(column[name]) / max(len(column[name]), 1) for name in AGENT_MEANS}
     metrics["agent/turns/max"] = max(column["turns"], default=0.0)
     metrics.update({f"agent/{name}": sum(column[name]) for name in AGENT_COUNTS})
     metrics["agent/env_error_share"] = sum(v > 0 for v in column["env_errors"]) / max(len(column["env_errors"]), 1)
+    if "agent/dropped" in rows:
+        metrics["agent/dropped"] = float(sum(reason is not None for reason in rows["agent/dropped"]))
+    for key in rows.keys():
+        if key.startswith("agent/metric/"):
+            values = [float(v) for v in rows[key] if v is not None]
+            metrics[f"{key}/mean"] = sum(values) / max(len(values), 1)
     return metrics
 
 

@@ -54,14 +54,14 @@ def apply_scores(batch: Batch, result: RewardResult, cfg: Any) -> dict[str, floa
 
 def apply_baselines(batch: Batch, greedy: Batch, result: RewardResult, cfg: Any) -> dict[str, float]:
     """ReMax: sets `baselines` `[B]`, each row's the score (`row_scores`) of its prompt's greedy response.
-    `greedy` holds one row per prompt in the order of `batch`'s groups of `rollout.n` rows; returns
-    `reward/baseline/mean`."""
+    `greedy` holds one row per prompt, matched to `batch`'s rows by `uid` (groups may have lost failed
+    trajectories); returns `reward/baseline/mean`."""
     scores, _ = row_scores(greedy, result, cfg)
-    n = cfg.rollout.n
-    if list(np.repeat(greedy["uid"], n)) != list(batch["uid"]):
-        raise ValueError(f"ReMax baselines: the greedy responses' prompts (uid {list(greedy['uid'])}) are not "
-                         f"the prompts of the batch's groups of rollout.n={n} rows")
-    batch["baselines"] = scores.repeat_interleave(n)
+    score_of = dict(zip(greedy["uid"], scores.tolist()))
+    missing = sorted({str(uid) for uid in batch["uid"]} - {str(uid) for uid in score_of})
+    if missing:
+        raise ValueError(f"ReMax baselines: no greedy response for the prompts with uid {missing[:5]}")
+    batch["baselines"] = torch.tensor([score_of[uid] for uid in batch["uid"]], dtype=scores.dtype)
     return {"reward/baseline/mean": scores.mean().item()}
 
 
@@ -100,6 +100,23 @@ def compute_advantages(batch: Batch, cfg: Any) -> None:
     advantages, returns = algorithms.compute_advantages(alg.adv_estimator, batch, gamma=alg.gamma, lam=alg.lam,
                                                         scale_by_std=alg.norm_adv_by_std)
     batch["advantages"], batch["returns"] = advantages.float(), returns.float()
+
+
+def drop_failed_trajectories(batch: Batch) -> Batch:
+    """The rows whose multi-turn trajectory may be trained on (`agent/dropped` is None: its runner did not
+    fail); the agent metrics of all rows go along in `meta["agent_metrics"]`. Raises when every one failed."""
+    if "agent/dropped" not in batch or all(reason is None for reason in batch["agent/dropped"]):
+        return batch
+    from hybridflow.tracking.metrics import compute_agent_metrics
+
+    keep = torch.tensor([reason is None for reason in batch["agent/dropped"]])
+    if not keep.any():
+        raise RuntimeError(f"every trajectory of this batch failed, the first because {batch['agent/dropped'][0]}; "
+                           f"see the agent runner's log lines above")
+    metrics = compute_agent_metrics(batch)
+    kept = batch[keep]
+    kept.meta["agent_metrics"] = metrics
+    return kept
 
 
 def varied_groups(batch: Batch, metric: str) -> torch.Tensor:

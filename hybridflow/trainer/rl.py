@@ -20,6 +20,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from hybridflow import algorithms
 from hybridflow.agents.toolset import ToolSet
 from hybridflow.batch import Batch
@@ -134,7 +136,7 @@ class RLTrainer(Trainer):
         served = loader["epoch"] * len(self.train_loader) + loader["position"]
         prompts.meta.update(sampling={"seed": self.cfg.trainer.seed}, step=served - 1)
         with timer("gen", timings):
-            batch = self.roles.rollout.generate(prompts)
+            batch = core.drop_failed_trajectories(self.roles.rollout.generate(prompts))
         batch["response_text"] = core.decode_responses(batch, self.tokenizer)
         if "agent/env_error" in batch:
             self.env_failures.update(list(batch["agent/env_error"]))
@@ -166,7 +168,8 @@ class RLTrainer(Trainer):
                 rounds.append(core.apply_scores(batch, self.submit_scoring(batch)(), cfg))
             rows = core.varied_groups(batch, fg.metric)
             kept_rows.append(batch[rows])
-            kept_prompts.append(prompts[rows.view(-1, n)[:, 0]])  # rows are interleaved: n per prompt
+            kept_uids = set(batch[rows]["uid"])  # a prompt is kept with its group (failed trajectories are gone)
+            kept_prompts.append(prompts[torch.tensor([uid in kept_uids for uid in prompts["uid"]])])
             kept += len(kept_prompts[-1])
         pad_id = self.train_loader.dataset.pad_token_id
         metrics.update(core.merge_round_metrics(rounds))

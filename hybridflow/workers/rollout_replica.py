@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.agents import AgentLoop
+from hybridflow.agents.episodes import build_episodes
 from hybridflow.agents.trajectory import STAT_FIELDS
 from hybridflow.batch import Batch
 from hybridflow.config.roles import agent_enabled
@@ -61,7 +61,7 @@ class RolloutReplica:
                  pad_id: int, kv_cache_bytes: int | None = None, agent_cfg: Any = None,
                  tokenizer_path: str | None = None) -> None:
         self.cfg, self.pad_id = rollout_cfg, pad_id
-        self.max_response_length = data_cfg.max_response_length
+        self.max_prompt_length, self.max_response_length = data_cfg.max_prompt_length, data_cfg.max_response_length
         max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
         self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len, kv_cache_bytes,
                                     step_rows=getattr(data_cfg, "train_batch_size", 0) * rollout_cfg.n or None)
@@ -74,7 +74,7 @@ class RolloutReplica:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-            self.agent = AgentLoop(agent_cfg, tokenizer, data_cfg.max_response_length)
+            self.agent = build_episodes(agent_cfg, tokenizer, data_cfg.max_prompt_length, data_cfg.max_response_length)
         self.awake = True
         if rollout_cfg.free_cache_after_generate:
             self.sleep()
@@ -105,7 +105,8 @@ class RolloutReplica:
             outs = self.agent.run(self.engine, prompts, prompt_rows(batch), params)
         if self.cfg.free_cache_after_generate:
             self.sleep()
-        out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id)
+        out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id,
+                                   self.max_prompt_length)
         if self.agent is not None:
             add_trajectory_fields(out, [t for row in outs for t in row])
         out.meta["temperature"] = params.temperature
@@ -154,13 +155,16 @@ def prompt_rows(batch: Batch) -> list[dict[str, Any]]:
     return [{k: batch[k][i] for k in keys} for i in range(len(batch))]
 
 
-def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, pad_id: int) -> Batch:
+def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, pad_id: int,
+                         prompt_width: int = 0) -> Batch:
     """The input rows repeated `n` times (interleaved) plus the sampled responses, right-padded to
     `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs.
 
     outs[i][j] has token_ids, logprobs and finish_reason: a `Completion`, or a multi-turn `Trajectory`,
     whose `response_mask` (1 on model tokens, 0 on environment tokens) becomes the row's response_mask
-    while attention_mask covers all its tokens."""
+    while attention_mask covers all its tokens; a trajectory with its own `prompt_ids` (the endpoint's)
+    replaces its row's prompt, the prompts then left-padded to at least `prompt_width` (the same on every
+    rank, so the ranks' rows concatenate)."""
     rows = len(outs) * n
     responses = torch.full((rows, response_width), pad_id, dtype=torch.long)
     logprobs = torch.zeros(rows, response_width, dtype=torch.float32)
@@ -177,6 +181,9 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
             response_mask[r, :k] = 1.0 if mask is None else torch.tensor(mask[:k], dtype=torch.float32)
             finished.append(c.finish_reason)
     out = batch.repeat_interleave(n)
+    own = [getattr(c, "prompt_ids", None) for samples in outs for c in samples]
+    if any(p is not None for p in own):
+        set_prompts(out, own, pad_id, prompt_width)
     attention_mask = torch.cat([out["attention_mask"].long(), real], dim=1)
     out["responses"] = responses
     out["input_ids"] = torch.cat([out["prompts"], responses], dim=1)
@@ -188,13 +195,32 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     return out
 
 
+def set_prompts(out: Batch, prompts: list[list[int] | None], pad_id: int, width: int = 0) -> None:
+    """Rows whose trajectory brought its own prompt (the endpoint's: the runner's first request) get it as
+    their `prompts` (left-padded to at least `width`, grown to the longest); the others keep theirs."""
+    old, mask = out["prompts"], out["attention_mask"].long()
+    width = max([width, old.shape[1]] + [len(p) for p in prompts if p is not None])
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    real = torch.zeros(len(prompts), width, dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        row = old[r][mask[r].bool()].tolist() if prompt is None else prompt
+        ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        real[r, width - len(row):] = 1
+    out["prompts"], out["attention_mask"] = ids, real
+
+
 def add_trajectory_fields(out: Batch, trajectories: list) -> None:
-    """Per-row `agent/<stat>` fields of multi-turn rows (the trainer's `agent/...` metrics) and
-    `agent/env_error` (the environment's first failure, or None), and each row's own `extra_info` with the
-    trajectory's messages, turns and environment reward (for reward functions)."""
+    """Per-row `agent/<stat>` fields of multi-turn rows (the trainer's `agent/...` metrics), `agent/env_error`
+    (the environment's first failure, or None), `agent/dropped` (why the trajectory must not be trained on,
+    or None), `agent/metric/<name>` (what runners returned beside the reward; None where one did not), and
+    each row's own `extra_info` with the trajectory's messages, turns and environment reward (for reward
+    functions)."""
     fields = [t.row_fields() for t in trajectories]
     for name in STAT_FIELDS:
         out[f"agent/{name}"] = [f[f"agent/{name}"] for f in fields]
     out["agent/env_error"] = [t.env_error for t in trajectories]
+    out["agent/dropped"] = [t.dropped for t in trajectories]
+    for name in sorted({k for t in trajectories for k in t.metrics}):
+        out[f"agent/metric/{name}"] = [t.metrics.get(name) for t in trajectories]
     infos = out["extra_info"] if "extra_info" in out else [None] * len(trajectories)
     out["extra_info"] = [{**(info or {}), **t.reward_info()} for info, t in zip(infos, trajectories)]

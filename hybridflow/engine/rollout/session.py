@@ -7,6 +7,7 @@ keep its KV slot and be continued with appended tokens, prefilling only those to
         for seq, completion in session.step():       # a prefill, or a few decode steps; the turns that ended
             ...
     session.extend(a, appended_ids, max_tokens=64)   # `a` goes on: its cached KV is reused
+    session.shorten(b, drop=3, last_token=t)         # `b` forgets the last 3 tokens of its turn
     session.release(a)                               # `a` is done: its slot is free
 
 `RolloutEngine.generate` is a session without `hold`: a sequence frees its slot when it finishes. With
@@ -99,6 +100,16 @@ class Session:
         del self.held[seq]
         self.scheduler.add([Request([seq], [held.last_token, *tokens], self._max_tokens(max_tokens),
                                     start=held.length - 1, slots=[held.slot])])
+
+    def shorten(self, seq: int, drop: int, last_token: int) -> None:
+        """Forget the last `drop` tokens of held sequence `seq` (a caller that cuts a turn short, e.g. at a
+        stop string); `last_token` is its new last token. The cache past the new length is overwritten by
+        the next `extend`."""
+        held = self.held.get(seq)
+        if held is None or not 0 <= drop < held.length:
+            raise ValueError(f"cannot drop {drop} tokens of sequence {seq}: it is not held or holds fewer")
+        held.length -= drop
+        held.last_token = last_token
 
     def release(self, seq: int) -> None:
         """Free held sequence `seq`'s slot (it is finished for good)."""

@@ -1,0 +1,116 @@
+"""`EndpointRollout`: a rollout phase where agent runners drive the model through the OpenAI-compatible
+endpoint, with the same interface as `AgentLoop` (`run(engine, prompts, rows, params)` -> trajectories).
+
+    rollout = EndpointRollout(cfg.agent, tokenizer, budget=1024, max_prompt_length=512)
+    trajectories = rollout.run(engine, prompt_ids, rows, SamplingParams(n=8, temperature=1.0))  # [prompt][sample]
+
+One phase: a held session on the engine (`EngineDriver`), the endpoint serving it on a free port of
+127.0.0.1 with a new random token, and one runner call per trajectory (each row's n samples are n calls)
+in the runner host's child process (`RunnerHost`), each given its own base URL. The runner's reward
+becomes the trajectory's environment reward (`reward.function=environment` trains on it). Failures are
+the trajectory's, never the run's: a runner that raises, returns something else than a reward, dies with
+its process, spends more than `agent.timeout_s` between two of its requests (or before the first, or
+after the last) or returns while one of its requests is still running is counted (`agent/runner_errors`)
+and its trajectory dropped (`Trajectory.drop`: the trainer leaves it out); a request after the runner
+returned is refused, counted (`agent/late_requests`) and drops it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from typing import Any
+
+from hybridflow.agents.driver import EngineDriver
+from hybridflow.agents.endpoint import Endpoint
+from hybridflow.agents.http_server import JSONServer
+from hybridflow.agents.runner_host import RunnerFailed, RunnerHost
+from hybridflow.agents.stitching import Lane
+from hybridflow.agents.trajectory import Trajectory
+from hybridflow.engine.rollout import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EndpointRollout:
+    """Runner-driven trajectories over the endpoint (see the module docstring). runner: the runner spec
+    (`agent.runner`, or a built-in adapter's `package.module:fn`); kwargs: its keyword arguments."""
+
+    def __init__(self, agent_cfg: Any, tokenizer: Any, budget: int, max_prompt_length: int, runner: str,
+                 kwargs: dict[str, Any]) -> None:
+        self.cfg, self.tokenizer, self.budget, self.max_prompt_length = agent_cfg, tokenizer, budget, max_prompt_length
+        self.turn_tokens = min(agent_cfg.max_tokens_per_turn or budget, budget)
+        self.host = RunnerHost(runner, kwargs)
+        self.stats: dict[str, float] = {}
+
+    def run(self, engine: Any, prompts: list[list[int]], rows: list[dict[str, Any]],
+            params: SamplingParams) -> list[list[Trajectory]]:
+        """`params.n` trajectories per row (`prompts` are not used: the runners write their own); outs[i][j]."""
+        return asyncio.run(self._run(engine, rows, params))
+
+    async def _run(self, engine: Any, rows: list[dict[str, Any]], params: SamplingParams) -> list[list[Trajectory]]:
+        session_params = dataclasses.replace(params, n=1, max_tokens=self.turn_tokens)
+        driver = EngineDriver(engine.session(session_params, hold=True))
+        serving = asyncio.create_task(driver.serve())
+        endpoint = Endpoint(self.tokenizer, driver, session_params, self.budget, self.max_prompt_length,
+                            engine.config.vocab_size, self.cfg.max_concurrent_requests, secrets.token_urlsafe(24))
+        server = JSONServer(endpoint.handle)
+        port = await server.start()
+        lanes = [[endpoint.open(secrets.token_urlsafe(12)) for _ in range(params.n)] for _ in rows]
+        timed_out = False
+        try:
+            await self.host.attach()
+            jobs = {self.host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1", endpoint.token): lane
+                    for row, per_row in zip(rows, lanes) for lane in per_row}
+            timed_out = await self._wait(jobs)
+        finally:
+            for lane in endpoint.lanes.values():
+                lane.ended = True
+            self.host.detach()
+            if timed_out:
+                self.host.kill()
+            driver.stop()
+            await asyncio.gather(serving, return_exceptions=True)
+            await server.close()
+        self.stats = dict(endpoint.stats)
+        return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
+
+    async def _wait(self, jobs: dict[asyncio.Future, Lane]) -> bool:
+        """Until every runner has returned or failed; whether one outlived its time limit."""
+        limit, timed_out = self.cfg.timeout_s, False
+        waiting = set(jobs)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, timeout=min(1.0, limit / 4),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                self._returned(jobs[future], future)
+            now = time.monotonic()
+            for future in list(waiting):
+                lane = jobs[future]
+                if lane.in_flight == 0 and now - lane.last_activity > limit:
+                    self._failed(lane, f"no request and no return within agent.timeout_s={limit:g} s")
+                    self.host.cancel(lane.key)
+                    waiting.discard(future)
+                    timed_out = True
+        return timed_out
+
+    def _returned(self, lane: Lane, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return self._failed(lane, "cancelled")
+        error = future.exception()
+        if error is not None:
+            return self._failed(lane, str(error) if isinstance(error, RunnerFailed) else repr(error))
+        lane.ended = True
+        if lane.in_flight:
+            return self._failed(lane, "it returned while one of its requests was still running")
+        lane.trajectory.env_reward, lane.trajectory.metrics = future.result()
+
+    @staticmethod
+    def _failed(lane: Lane, why: str) -> None:
+        lane.ended = True
+        lane.trajectory.runner_errors += 1
+        lane.trajectory.drop(f"the runner failed: {why}")
+        logger.warning("agent runner of trajectory %s failed: %s", lane.key, why)

@@ -1,0 +1,53 @@
+"""Which rollout a multi-turn run uses: the in-process `AgentLoop` (`agent.environment` / `agent.tools`) or
+`EndpointRollout` with the runner of the way in the `agent` section names:
+
+| key | runner (in the runner process) | its keyword arguments |
+|---|---|---|
+| `agent.runner` | the user's `file.py:fn` | `agent.env_kwargs` |
+| `agent.verifiers` | `verifiers_runner.run` | env, env_args=`agent.env_kwargs` |
+| `agent.gym` | `gym_runner.run` | env, env_kwargs, max_turns=`agent.max_turns` |
+| `agent.openenv` | `openenv_runner.run` | client, env_kwargs, max_turns |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.agents.endpoint_rollout import EndpointRollout
+from hybridflow.agents.loop import AgentLoop
+
+
+def _kwargs(value: Any) -> dict[str, Any]:
+    """A config mapping as a plain dict (it travels to the runner process)."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    return dict(value or {})
+
+
+def runner_of(agent_cfg: Any) -> tuple[str, dict[str, Any]] | None:
+    """(runner spec, its keyword arguments) of the way in `agent_cfg` names, None for the in-process loop."""
+    env_kwargs = _kwargs(agent_cfg.env_kwargs)
+    if agent_cfg.runner:
+        return agent_cfg.runner, env_kwargs
+    if agent_cfg.verifiers:
+        return "hybridflow.agents.verifiers_runner:run", {"env": agent_cfg.verifiers, "env_args": env_kwargs}
+    if agent_cfg.gym:
+        return "hybridflow.agents.gym_runner:run", {"env": agent_cfg.gym, "env_kwargs": env_kwargs,
+                                                    "max_turns": agent_cfg.max_turns}
+    if agent_cfg.openenv:
+        return "hybridflow.agents.openenv_runner:run", {"client": agent_cfg.openenv, "env_kwargs": env_kwargs,
+                                                        "max_turns": agent_cfg.max_turns}
+    return None
+
+
+def build_episodes(agent_cfg: Any, tokenizer: Any, max_prompt_length: int, budget: int) -> AgentLoop | EndpointRollout:
+    """The multi-turn rollout of `agent_cfg`; budget: response tokens per trajectory (data.max_response_length)."""
+    runner = runner_of(agent_cfg)
+    if runner is None:
+        return AgentLoop(agent_cfg, tokenizer, budget)
+    return EndpointRollout(agent_cfg, tokenizer, budget, max_prompt_length, *runner)

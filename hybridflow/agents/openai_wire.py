@@ -1,0 +1,250 @@
+"""The OpenAI wire format of the endpoint: requests checked against what the engine can serve, messages
+normalized, responses and error bodies built.
+
+The engine samples every sequence of a rollout phase with the phase's settings (`rollout.temperature`,
+`top_p`, `top_k`, stop ids): a request may leave `temperature` / `top_p` out or repeat those values, and is
+refused otherwise (the trainer needs the log-probs of the distribution that was sampled). Refused too,
+with an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`): another model name,
+`stream`, a forced `tool_choice`, `top_logprobs` > 0 (the engine returns the sampled token's log-prob
+only), `seed`, penalties, `logit_bias`, a JSON `response_format`. Keys the endpoint does not know are
+ignored, as vLLM does with its own extensions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.engine.rollout import Completion
+
+MODEL_NAME = "policy"  # the model name the endpoint serves
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI-style body with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+@dataclass
+class Request:
+    """A checked chat or completion request. messages: normalized (chat); prompt: text or ids (completion);
+    tools: function schemas in the chat template's form; stop: stop strings."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    parse_tools: bool = True
+    prompt: str | list[int] | None = None
+
+
+def _text(content: Any, where: str) -> str:
+    """A message content as text: a string, None, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise _bad(where, "must be a string or a list of {type: text, text} parts (this model reads text only)")
+
+
+def _arguments(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise _bad(where, f"is not a JSON object: {value[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise _bad(where, "must be a JSON object")
+    return value
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as the chat template and the stitching compare them: text contents, tool calls as
+    `{type: function, function: {name, arguments: dict}}` (arguments parsed from their JSON string)."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(where, f"must be a mapping with a role in {list(ROLES)}")
+        message: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), f"{where}.content")}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        calls = m.get("tool_calls")
+        if calls:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                raise _bad(f"{where}.tool_calls", "must be a list, on an assistant message")
+            message["tool_calls"] = []
+            for k, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise _bad(f"{where}.tool_calls[{k}]", "must be {type: function, function: {name, arguments}}")
+                message["tool_calls"].append({"type": "function", "function": {
+                    "name": fn["name"], "arguments": _arguments(fn.get("arguments", {}),
+                                                                f"{where}.tool_calls[{k}].function.arguments")}})
+        out.append(message)
+    return out
+
+
+def same_message(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
+    """Whether a client's assistant message is the one the endpoint returned (content up to surrounding
+    whitespace, the same tool calls; tool call ids do not matter)."""
+    return (sent["role"] == "assistant" and sent["content"].strip() == returned["content"].strip()
+            and sent.get("tool_calls", []) == returned.get("tool_calls", []))
+
+
+def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", "must be a list of {type: function, function: {name, description, parameters}}")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"),
+                                                                                                  str):
+            raise _bad(f"tools[{i}]", "must be {type: function, function: {name, description, parameters}}")
+    return [{"type": "function", "function": t["function"]} for t in tools]
+
+
+def _check_sampling(body: dict[str, Any], temperature: float, top_p: float) -> None:
+    for key, value in (("temperature", temperature), ("top_p", top_p)):
+        given = body.get(key)
+        if given is not None and (not isinstance(given, (int, float)) or not math.isclose(given, value,
+                                                                                             abs_tol=1e-6)):
+            raise _bad(key, f"this rollout phase samples with {key}={value:g} (rollout.{key}, or rollout.val_"
+                            f"{key} when validating): leave it out or pass {value:g}", "unsupported_value")
+    fixed = {"stream": False, "seed": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+             "echo": False, "suffix": None, "best_of": 1}
+    for key, default in fixed.items():
+        if body.get(key) not in (None, default):
+            raise _bad(key, f"is not supported by this endpoint (leave it out or pass {default!r})",
+                       "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _bad("response_format", "only text responses are served", "unsupported_parameter")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _bad("top_logprobs", "the engine returns the sampled token's log-prob only: top_logprobs must be 0",
+                   "unsupported_value")
+
+
+def parse_request(body: Any, chat: bool, temperature: float, top_p: float) -> Request:
+    """A checked `Request` from a chat or completion request body; `APIError` naming the parameter else."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model != MODEL_NAME:
+        raise APIError(404, f"the model {model!r} does not exist; this endpoint serves {MODEL_NAME!r}",
+                       param="model", code="model_not_found")
+    _check_sampling(body, temperature, top_p)
+    n = body.get("n") or 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise _bad("n", f"must be an integer >= 1, got {n!r}")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise _bad("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise _bad("stop", "must be a string or a list of up to 4 non-empty strings")
+    request = Request(n=n, max_tokens=max_tokens, stop=stop)
+    if chat:
+        request.logprobs = bool(body.get("logprobs"))
+        request.messages = normalize_messages(body.get("messages"))
+        request.tools = _check_tools(body.get("tools"))
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise _bad("tool_choice", "only 'auto' and 'none' are served (the model is never forced to call a tool)",
+                       "unsupported_value")
+        request.parse_tools = bool(request.tools) and choice != "none"
+    else:
+        request.logprobs = body.get("logprobs") not in (None, 0, False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) and prompt) and not (
+                isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt)):
+            raise _bad("prompt", "must be one non-empty string or one list of token ids")
+        request.prompt = prompt
+    return request
+
+
+def _logprobs(tokenizer: Any, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+    out = []
+    for token, logprob in zip(ids, logprobs):
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    return out
+
+
+@dataclass
+class Choice:
+    """One sampled answer: its ids and log-probs as recorded, the message (or text) returned."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    message: dict[str, Any] | None = None
+    text: str = ""
+
+    def completion(self) -> Completion:
+        """As the engine's turn (finish "length" or "stop"), for the trajectory."""
+        return Completion(self.ids, self.logprobs, "length" if self.finish_reason == "length" else "stop")
+
+
+def response_body(tokenizer: Any, chat: bool, choices: list[Choice], prompt_tokens: int,
+                  logprobs: bool) -> dict[str, Any]:
+    """A `chat.completion` or `text_completion` object; each choice also carries `token_ids` (the ids the
+    engine sampled, vLLM's extension)."""
+    out = []
+    for i, c in enumerate(choices):
+        entry: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason, "token_ids": c.ids}
+        if chat:
+            message = {"role": "assistant", "content": c.message["content"] or None}
+            if c.message.get("tool_calls"):
+                message["tool_calls"] = [
+                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": t["function"]["name"],
+                                  "arguments": json.dumps(t["function"]["arguments"], ensure_ascii=False)}}
+                    for t in c.message["tool_calls"]]
+            entry["message"] = message
+            entry["logprobs"] = {"content": _logprobs(tokenizer, c.ids, c.logprobs)} if logprobs else None
+        else:
+            entry["text"] = c.text
+            entry["logprobs"] = None
+            if logprobs:
+                tokens = _logprobs(tokenizer, c.ids, c.logprobs)
+                entry["logprobs"] = {"tokens": [t["token"] for t in tokens], "token_logprobs": list(c.logprobs),
+                                     "top_logprobs": None, "text_offset": None}
+        out.append(entry)
+    completion_tokens = sum(len(c.ids) for c in choices)
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": MODEL_NAME, "choices": out,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def models_body() -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "hybridflow"}]}

@@ -1,0 +1,110 @@
+"""The runner host's child process: agent runners (user code) run here, never in a trainer process.
+
+    python -m hybridflow.agents.runner_child FD      # started by `RunnerHost`; FD: its end of a socket pair
+
+It receives ("init", spec, kwargs) and loads the runner (`path/to/file.py:fn`, or `package.module:fn` for
+the built-in adapters), answers ("ready",) or ("init_error", why), then runs each ("run", job, row,
+base_url, api_key) as a task on one asyncio loop: `fn(client, row, **kwargs)` with an `openai.AsyncOpenAI`
+client on that trajectory's base URL (one shared connection pool, no retries: the runner sees errors as
+they are). Each task answers ("done", job, reward, metrics) or ("error", job, why); ("cancel", job) cancels
+one. When the parent's end closes, the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+def load_runner(spec: str) -> Any:
+    """The runner function named by `spec`."""
+    from hybridflow.utils.imports import load_from_file
+
+    target, _, name = spec.rpartition(":")
+    if target.endswith(".py"):
+        fn = load_from_file(spec, "agent runner", "function", "agent.runner")
+    else:
+        fn = getattr(importlib.import_module(target), name)
+    if not callable(fn):
+        raise TypeError(f"agent.runner={spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def as_result(value: Any) -> tuple[float, dict[str, float]]:
+    """(reward, metrics) from what a runner returned: a number, or {"reward": number, "metrics": {name: number}}."""
+    metrics: Any = {}
+    if isinstance(value, dict):
+        reward, metrics = value.get("reward"), value.get("metrics") or {}
+    else:
+        reward = value
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise TypeError(f"the runner returned {value!r:.120}; return a finite number (the reward) or "
+                        f"{{'reward': number, 'metrics': {{name: number}}}}")
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                                and not isinstance(v, bool) for k, v in metrics.items()):
+        raise TypeError(f"the runner's metrics must be a {{name: number}} mapping, got {metrics!r:.120}")
+    return float(reward), {k: float(v) for k, v in metrics.items()}
+
+
+async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:
+    import httpx
+    import openai
+
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                             timeout=httpx.Timeout(None, connect=30.0))
+    tasks: dict[str, asyncio.Task] = {}
+
+    def read() -> None:  # a thread: the loop never blocks on the socket
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                loop.call_soon_threadsafe(inbox.put_nowait, None)
+                return
+            loop.call_soon_threadsafe(inbox.put_nowait, message)
+
+    async def run(job: str, row: dict[str, Any], base_url: str, api_key: str) -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http, max_retries=0)
+        try:
+            if inspect.iscoroutinefunction(runner):
+                value = await runner(client, row, **kwargs)
+            else:
+                value = await asyncio.to_thread(runner, client, row, **kwargs)
+            conn.send(("done", job, *as_result(value)))
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - a runner's failure is its trajectory's, reported
+            conn.send(("error", job, f"{type(e).__name__}: {e}"[:2000]))
+        finally:
+            tasks.pop(job, None)
+
+    threading.Thread(target=read, daemon=True, name="runner-inbox").start()
+    conn.send(("ready",))
+    while (message := await inbox.get()) is not None:
+        if message[0] == "run":
+            tasks[message[1]] = asyncio.create_task(run(*message[1:]))
+        elif message[0] == "cancel" and message[1] in tasks:
+            tasks.pop(message[1]).cancel()
+
+
+def main() -> None:
+    conn = Connection(int(sys.argv[1]))
+    _, spec, kwargs = conn.recv()
+    try:
+        runner = load_runner(spec)
+    except BaseException as e:  # noqa: BLE001 - told to the parent, which names it in its error
+        conn.send(("init_error", f"{type(e).__name__}: {e}"))
+        return
+    asyncio.run(serve(conn, runner, kwargs))
+
+
+if __name__ == "__main__":
+    main()

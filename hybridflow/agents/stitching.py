@@ -1,0 +1,215 @@
+"""One endpoint trajectory's requests stitched into one token sequence (`Lane`).
+
+A trajectory's first request is rendered by the chat template (with its tools) and tokenized: that is the
+trajectory's prompt. Its answers (n choices) wait in their KV slots. The next request continues choice c
+when its messages are the previous request's messages, then choice c's message as it was returned (the
+same content and tool calls), then new messages: the ids of the new messages (`TurnRenderer`, the same
+rendering the in-process loop appends) follow choice c's sampled ids and the engine prefills only them.
+Anything else (edited history, another tool list, a template that renders the conversation differently
+once the new messages follow, n > 1 on a continuation) starts a new segment: the held choices are
+released and the request is rendered and prefilled whole; only the last segment is trained on. Raw
+completions stitch the same way on text (or ids): a prompt that is the previous prompt plus a returned
+text plus more continues it, unless that choice ended on a stop token the text does not show.
+
+The recorded ids and log-probs are always the engine's; `finish` commits the last request's first choice
+and runs the token-exact check (`token_check`) against the template's rendering of the final conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.agents.openai_wire import APIError, Choice, Request, same_message
+from hybridflow.agents.rendering import TurnRenderer
+from hybridflow.agents.token_check import first_mismatch
+from hybridflow.agents.trajectory import Trajectory
+from hybridflow.data.chat import with_tools
+
+logger = logging.getLogger(__name__)
+
+
+class Renderers:
+    """The chat template's renderings for one tokenizer, a `TurnRenderer` per tool list (cached)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[str, TurnRenderer] = {}
+
+    def turn(self, tools: list[dict] | None) -> TurnRenderer:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self.cache:
+            self.cache[key] = TurnRenderer(self.tokenizer, tools)
+        return self.cache[key]
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, generation_prompt: bool) -> str:
+        """The conversation as text, the tools shown the way `TurnRenderer` shows them."""
+        args = self.turn(tools).template_args
+        if tools and not args:  # a template without tools= support: the tools go into the system message
+            messages, _ = with_tools(messages, self.tokenizer, tools)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **args)
+
+    def ids(self, text: str, special: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+@dataclass
+class Pending:
+    """A request's answers, waiting to be continued: its messages (chat) or prompt, tools, the choices
+    and their held sequences (None once released)."""
+
+    chat: bool
+    messages: list[dict[str, Any]] | None
+    tools: list[dict] | None
+    prompt: str | list[int] | None
+    choices: list[Choice]
+    seqs: list[int | None]
+    stopped: list[bool]  # the choice's last id is a stop token (the template's end of turn follows it)
+
+
+@dataclass
+class Plan:
+    """What a request does: continue `seq` (choice `choice`) with `appended` ids, or start a segment from
+    `prompt` ids with n samples."""
+
+    seq: int | None = None
+    choice: int = 0
+    appended: list[int] = field(default_factory=list)
+    prompt: list[int] | None = None
+
+
+class Lane:
+    """A trajectory served by the endpoint (see the module docstring)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.trajectory = Trajectory()
+        self.lock = asyncio.Lock()
+        self.pending: Pending | None = None
+        self.in_flight = 0
+        self.last_activity = time.monotonic()
+        self.ended = False
+
+    # ------------------------------------------------------------------ planning a request
+    def plan(self, request: Request, renderers: Renderers) -> Plan:
+        """Continue a held choice when the request extends it, else a new segment's prompt ids."""
+        chat = request.messages is not None
+        last = self.pending
+        if last is not None and last.chat == chat and request.n == 1:
+            for c, choice in enumerate(last.choices):
+                if last.seqs[c] is None:
+                    continue
+                appended = (self._chat_continuation(request, last, c, renderers) if chat
+                            else self._text_continuation(request, last, c, renderers))
+                if appended:
+                    return Plan(seq=last.seqs[c], choice=c, appended=appended)
+        if chat:
+            prompt = renderers.ids(renderers.render(request.messages, request.tools, generation_prompt=True))
+        else:
+            prompt = list(request.prompt) if isinstance(request.prompt, list) else renderers.ids(request.prompt, True)
+        return Plan(prompt=prompt)
+
+    @staticmethod
+    def _chat_continuation(request: Request, last: Pending, c: int, renderers: Renderers) -> list[int] | None:
+        messages, before = request.messages, len(last.messages)
+        if (request.tools != last.tools or len(messages) <= before + 1 or messages[:before] != last.messages
+                or not same_message(messages[before], last.choices[c].message)):
+            return None
+        try:
+            return renderers.turn(request.tools).render(messages[before + 1:],
+                                                        last.choices[c].ids[-1] if last.stopped[c] else None)
+        except ValueError:  # the template renders the conversation differently once these messages follow
+            return None
+
+    @staticmethod
+    def _text_continuation(request: Request, last: Pending, c: int, renderers: Renderers) -> list[int] | None:
+        if last.stopped[c] or type(request.prompt) is not type(last.prompt):
+            return None
+        choice = last.choices[c]
+        if isinstance(request.prompt, list):
+            done = [*last.prompt, *choice.ids]
+            return request.prompt[len(done):] if request.prompt[:len(done)] == done else None
+        done = last.prompt + choice.text
+        rest = request.prompt[len(done):] if request.prompt.startswith(done) else ""
+        return renderers.ids(rest) if rest else None
+
+    # ------------------------------------------------------------------ recording
+    def continue_with(self, plan: Plan, release: Any) -> None:
+        """Commit the continued choice and the appended ids; release the other held choices."""
+        last = self.pending
+        choice = last.choices[plan.choice]
+        self.trajectory.add_model_turn(choice.completion())
+        self.trajectory.add_env_turn(plan.appended)
+        self.trajectory.kv_reused_tokens += len(self.trajectory.prompt_ids) + len(self.trajectory.token_ids) \
+            - len(plan.appended) - 1
+        last.seqs[plan.choice] = None
+        self.release(release)
+
+    def start_segment(self, prompt: list[int], release: Any) -> None:
+        self.release(release)
+        self.trajectory.start_segment(prompt)
+
+    def release(self, release: Any) -> None:
+        """Free every held choice's sequence (`release(seq)`)."""
+        if self.pending is not None:
+            for seq in self.pending.seqs:
+                if seq is not None:
+                    release(seq)
+            self.pending.seqs = [None] * len(self.pending.seqs)
+
+    def answered(self, request: Request, choices: list[Choice], seqs: list[int], stopped: list[bool]) -> None:
+        self.pending = Pending(request.messages is not None, request.messages, request.tools, request.prompt,
+                               choices, list(seqs), stopped)
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, renderers: Renderers, release: Any) -> Trajectory:
+        """The trajectory as trained: the last request's first choice committed, the token-exact check run."""
+        trajectory, last = self.trajectory, self.pending
+        if last is None:
+            trajectory.drop("the runner made no request")
+            return trajectory
+        self.release(release)
+        first = last.choices[0]
+        trajectory.add_model_turn(first.completion())
+        if not last.chat:
+            return trajectory
+        trajectory.messages = [*last.messages, first.message]
+        expected = renderers.render(trajectory.messages, last.tools, generation_prompt=False)
+        closing = renderers.turn(last.tools).closing(first.ids[-1] if last.stopped[0] else None)
+        position = first_mismatch(renderers.tokenizer, trajectory.prompt_ids, trajectory.token_ids,
+                                  trajectory.response_mask, expected, closing)
+        if position is not None:
+            trajectory.token_mismatch = 1
+            ids = trajectory.prompt_ids + trajectory.token_ids
+            logger.warning("trajectory %s: its ids differ from the chat template's rendering of its final "
+                           "conversation at token %d of %d (%r...)", self.key, position, len(ids),
+                           renderers.tokenizer.decode(ids[position:position + 12], skip_special_tokens=False))
+        return trajectory
+
+
+def cut_at_stop(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[int, str] | None:
+    """(ids to keep, text before the stop string) when the decoded turn contains a stop string; the kept
+    ids are the fewest whose text reaches the end of the first stop string."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    found = [(text.find(s), s) for s in stop if s in text]
+    if not found:
+        return None
+    start, s = min(found)
+    low, high = 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= start + len(s):
+            high = mid
+        else:
+            low = mid + 1
+    return low, text[:start]
+
+
+def budget_error(budget: int) -> APIError:
+    return APIError(400, f"this trajectory has no room for another turn: its turns hold at most "
+                         f"data.max_response_length={budget} tokens together", code="context_length_exceeded")
