@@ -1,0 +1,88 @@
+"""Helpers of the endpoint tests: the endpoint served on a tiny engine (or on a scripted driver) in this
+process, for the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from hybridflow.agents.driver import EngineDriver
+from hybridflow.agents.endpoint import Endpoint
+from hybridflow.agents.http_server import JSONServer
+from hybridflow.engine.rollout import Completion, SamplingParams
+
+TOKEN = "test-token"
+
+
+@contextlib.asynccontextmanager
+async def serving(tokenizer, driver, params: SamplingParams, budget: int = 64, max_prompt_length: int = 200,
+                  vocab_size: int = 10**6, max_concurrent: int = 64) -> AsyncIterator[tuple[Endpoint, int]]:
+    """(endpoint, port) served on 127.0.0.1 while the block runs; `driver.serve()` runs beside it."""
+    endpoint = Endpoint(tokenizer, driver, params, budget, max_prompt_length, vocab_size, max_concurrent, TOKEN)
+    server = JSONServer(endpoint.handle)
+    port = await server.start()
+    task = asyncio.create_task(driver.serve())
+    try:
+        yield endpoint, port
+    finally:
+        driver.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.close()
+
+
+def engine_driver(engine, params: SamplingParams) -> EngineDriver:
+    return EngineDriver(engine.session(params, hold=True))
+
+
+def client(port: int, key: str, api_key: str = TOKEN):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/t/{key}/v1", api_key=api_key, max_retries=0)
+
+
+class ScriptedDriver:
+    """A driver whose "model" writes scripted texts, tokenized as the tokenizer would (then the stop id): the
+    endpoint's stitching and the token check on a real template without an engine. It records what the
+    endpoint asked (`calls`) and keeps each sequence's ids, so a test can compare them with the template."""
+
+    def __init__(self, tokenizer, answers: list[str], stop_id: int) -> None:
+        self.tokenizer, self.answers, self.stop_id = tokenizer, list(answers), stop_id
+        self.sequences: dict[int, list[int]] = {}
+        self.released: set[int] = set()
+        self.calls: list[tuple] = []
+        self.next = 0
+
+    def _answer(self, seq: int) -> asyncio.Future:
+        ids = self.tokenizer(self.answers.pop(0), add_special_tokens=False)["input_ids"] + [self.stop_id]
+        self.sequences[seq] += ids
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(Completion(ids, [-0.5] * len(ids), "stop"))
+        return future
+
+    def start(self, prompt, n, max_tokens):
+        self.calls.append(("start", len(prompt), n))
+        pairs = []
+        for _ in range(n):
+            seq, self.next = self.next, self.next + 1
+            self.sequences[seq] = list(prompt)
+            pairs.append((seq, self._answer(seq)))
+        return pairs
+
+    def extend(self, seq, tokens, max_tokens):
+        assert seq not in self.released
+        self.calls.append(("extend", seq, len(tokens)))
+        self.sequences[seq] += tokens
+        return self._answer(seq)
+
+    def shorten(self, seq, drop, last_token):
+        del self.sequences[seq][-drop:]
+
+    def release(self, seq):
+        self.released.add(seq)
+
+    def stop(self):
+        pass
+
+    async def serve(self):
+        pass
