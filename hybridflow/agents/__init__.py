@@ -9,13 +9,25 @@
   classes / interaction config YAML, behind the tool and environment protocols.
 - `rendering`: the chat template's ids for new messages; `trajectory`: an episode as token ids, mask
   and log-probs; `driver`: the engine session under asyncio; `loop`: `AgentLoop`, which runs them.
+- The OpenAI-compatible endpoint: `endpoint` (routes; `openai_wire`: the wire format; `http_server`;
+  `stitching`: a trajectory's requests as one token sequence; `token_check`), `endpoint_rollout` (runners
+  in the runner process: `runner_host`, `runner_child`), the adapters `gym_runner`, `verifiers_runner`,
+  `openenv_runner`, and `episodes` (which rollout a run uses).
 
-Imports only `engine/rollout`, `data` and `utils`; the rollout worker drives it (docs/agents.md).
+Imports only `engine/rollout`, `data` and `utils`; the rollout worker drives it (docs/agents.md). The
+names below are imported on first use, so the runner process (`runner_child`, which imports modules of
+this package) does not load PyTorch.
 """
 
-from hybridflow.agents.environment import Environment, EnvStep
-from hybridflow.agents.loop import AgentLoop
-from hybridflow.agents.tools import Tool, ToolContext, ToolResult
-from hybridflow.agents.trajectory import Trajectory
+import importlib
+from typing import Any
 
-__all__ = ["AgentLoop", "EnvStep", "Environment", "Tool", "ToolContext", "ToolResult", "Trajectory"]
+_EXPORTS = {"AgentLoop": "loop", "EnvStep": "environment", "Environment": "environment", "Tool": "tools",
+            "ToolContext": "tools", "ToolResult": "tools", "Trajectory": "trajectory"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hybridflow.agents' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hybridflow.agents.{_EXPORTS[name]}"), name)

@@ -63,8 +63,12 @@ class EndpointRollout:
         timed_out = False
         try:
             await self.host.attach()
-            jobs = {self.host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1", endpoint.token): lane
-                    for row, per_row in zip(rows, lanes) for lane in per_row}
+            jobs = {}
+            for row, per_row in zip(rows, lanes):
+                for lane in per_row:
+                    lane.last_activity = time.monotonic()  # the runner's clock starts when it is handed over
+                    jobs[self.host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1",
+                                          endpoint.token)] = lane
             timed_out = await self._wait(jobs)
         finally:
             for lane in endpoint.lanes.values():

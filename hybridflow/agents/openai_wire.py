@@ -17,9 +17,10 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hybridflow.engine.rollout import Completion
+if TYPE_CHECKING:
+    from hybridflow.engine.rollout import Completion
 
 MODEL_NAME = "policy"  # the model name the endpoint serves
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -210,6 +211,8 @@ class Choice:
 
     def completion(self) -> Completion:
         """As the engine's turn (finish "length" or "stop"), for the trajectory."""
+        from hybridflow.engine.rollout import Completion
+
         return Completion(self.ids, self.logprobs, "length" if self.finish_reason == "length" else "stop")
 
 

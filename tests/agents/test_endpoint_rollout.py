@@ -1,0 +1,102 @@
+"""`EndpointRollout` with runners in their own process: rewards and metrics come back per trajectory, and a
+runner that raises, hangs past agent.timeout_s, returns a non-reward, returns while its request runs or
+sends one after it returned, or takes its process down, costs only its trajectory (counted, dropped)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from agent_helpers import agent_cfg
+from hybridflow.agents.endpoint_rollout import EndpointRollout
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+
+RUNNERS = """
+    import asyncio, os
+
+    async def ask(client, text, **kwargs):
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": text}],
+                                                     **kwargs)
+        return reply.choices[0].message.content
+
+    async def play(client, row, bonus=0.0):
+        case = row["extra_info"]["case"]
+        if case == "good":
+            text = await ask(client, "Hello", max_tokens=4)
+            return {"reward": 1.0 + bonus, "metrics": {"chars": len(text)}}
+        if case == "raises":
+            await ask(client, "Hello")
+            raise ValueError("the agent broke")
+        if case == "hangs":
+            await asyncio.sleep(60)
+        if case == "not a reward":
+            return "great"
+        if case == "in flight":
+            asyncio.ensure_future(ask(client, "Hello"))
+            await asyncio.sleep(0)
+            return 1.0
+        if case == "late":
+            async def later():
+                await asyncio.sleep(0.5)
+                await ask(client, "Hello")
+            asyncio.ensure_future(later())
+            return 1.0
+        if case == "exits":
+            os._exit(3)
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_qwen2):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    return tokenizer, RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=8, max_model_len=256)
+
+
+def rows(*cases):
+    return [{"index": i, "raw_prompt": "q", "extra_info": {"case": case}} for i, case in enumerate(cases)]
+
+
+def test_runner_failures_cost_only_their_trajectory(setup, env_file):
+    tokenizer, engine = setup
+    spec = f"{env_file(RUNNERS)}:play"
+    rollout = EndpointRollout(agent_cfg(timeout_s=3, max_tokens_per_turn=8), tokenizer, budget=32,
+                              max_prompt_length=64, runner=spec, kwargs={"bonus": 0.5})
+    cases = ("good", "raises", "hangs", "not a reward", "in flight", "late")
+    start = time.monotonic()
+    outs = rollout.run(engine, [[1]] * len(cases), rows(*cases), SamplingParams(n=2, temperature=1.0, seed=0))
+    assert time.monotonic() - start < 30
+    by_case = dict(zip(cases, outs))
+    for good in by_case["good"]:
+        assert good.dropped is None and good.env_reward == 1.5 and good.runner_errors == 0
+        assert 0 <= good.metrics["chars"] and good.turns == 1 and 1 <= len(good.token_ids) <= 4
+    reasons = {case: {t.dropped for t in per_row} for case, per_row in by_case.items() if case != "good"}
+    assert reasons["raises"] == {"the runner failed: ValueError: the agent broke"}
+    assert reasons["hangs"] == {"the runner failed: no request and no return within agent.timeout_s=3 s"}
+    assert all("return a finite number" in r for r in reasons["not a reward"])
+    # a request still on its way when the runner returned is refused, or its answer abandoned: dropped either way
+    assert reasons["in flight"] <= {"the runner failed: it returned while one of its requests was still running",
+                                    "a request came after its runner returned"}
+    assert all(t.runner_errors + t.late_requests == 1 for t in by_case["in flight"])
+    assert reasons["late"] == {"a request came after its runner returned"}
+    assert all(t.late_requests == 1 and t.runner_errors == 0 for t in by_case["late"])
+    assert all(t.runner_errors == 1 for case in ("raises", "hangs", "not a reward")
+               for t in by_case[case])
+    assert rollout.host.proc is None  # killed after a timeout: a hung runner may not honour a cancel
+
+    # the next phase starts a new runner process; one whose runner takes it down fails its trajectories only
+    outs = rollout.run(engine, [[1]] * 2, rows("good", "exits"), SamplingParams(n=1, temperature=1.0, seed=1))
+    assert "agent runner process ended" in outs[1][0].dropped
+    assert outs[1][0].runner_errors == 1
+    outs = rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1, temperature=1.0, seed=2))
+    assert outs[0][0].dropped is None and outs[0][0].env_reward == 1.5
+
+
+def test_a_runner_that_cannot_load_is_named(setup, env_file):
+    tokenizer, engine = setup
+    path = env_file("raise ImportError('no such agent library')")
+    spec = f"{path}:play"
+    rollout = EndpointRollout(agent_cfg(), tokenizer, budget=32, max_prompt_length=64, runner=spec, kwargs={})
+    with pytest.raises(RuntimeError, match="cannot be loaded: ImportError: no such agent library"):
+        rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1))
