@@ -108,6 +108,7 @@ class Endpoint:
             held = lane.pending.choices[plan.choice]
             room = self.budget - len(lane.trajectory.token_ids) - len(held.ids) - len(plan.appended)
             if room < 1:
+                lane.trajectory.cut()
                 raise budget_error(self.budget)
             lane.continue_with(plan, self.driver.release)
             seqs, futures = [plan.seq], [self.driver.extend(plan.seq, plan.appended, min(cap, room))]
@@ -125,9 +126,10 @@ class Endpoint:
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if len(prompt) > self.max_prompt_length:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens; a trajectory's first request (or one that "
-                                f"does not continue the last) may have data.max_prompt_length="
-                                f"{self.max_prompt_length}", param="messages", code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {self.max_prompt_length} tokens for a "
+                                f"prompt (data.max_prompt_length: a trajectory's first request, or one that does not "
+                                f"continue the last), and this one has {len(prompt)}", param="messages",
+                           code="context_length_exceeded")
         if max(prompt) >= self.vocab_size:
             raise APIError(400, f"token id {max(prompt)} is outside the vocabulary [0, {self.vocab_size})",
                            param="prompt", code="invalid_value")

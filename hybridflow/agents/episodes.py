@@ -6,7 +6,7 @@
 | `agent.runner` | the user's `file.py:fn` | `agent.env_kwargs` |
 | `agent.verifiers` | `verifiers_runner.run` | env, env_args=`agent.env_kwargs` |
 | `agent.gym` | `gym_runner.run` | env, env_kwargs, max_turns=`agent.max_turns` |
-| `agent.openenv` | `openenv_runner.run` | client, env_kwargs, max_turns |
+| `agent.openenv` | `openenv_runner.run` | client_class, env_kwargs, max_turns |
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def runner_of(agent_cfg: Any) -> tuple[str, dict[str, Any]] | None:
         return "hybridflow.agents.gym_runner:run", {"env": agent_cfg.gym, "env_kwargs": env_kwargs,
                                                     "max_turns": agent_cfg.max_turns}
     if agent_cfg.openenv:
-        return "hybridflow.agents.openenv_runner:run", {"client": agent_cfg.openenv, "env_kwargs": env_kwargs,
+        return "hybridflow.agents.openenv_runner:run", {"client_class": agent_cfg.openenv, "env_kwargs": env_kwargs,
                                                         "max_turns": agent_cfg.max_turns}
     return None
 

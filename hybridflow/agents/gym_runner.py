@@ -12,7 +12,8 @@ answer and observations are text (a `gymnasium.Env` subclass, or any class with 
 Per trajectory: one environment, reset with the row's `extra_info.seed` (else its index); the
 conversation is the row's prompt (a string is a system message), then the observation as a user message;
 each model answer is a step, its reward added up, its observation the next user message, until
-terminated, truncated or `agent.max_turns` answers. Returns the summed reward and the `turns`.
+terminated, truncated, `agent.max_turns` answers or the trajectory's token budget is used up. Returns the
+summed reward and the `turns`.
 This module runs in the runner process (`runner_child`); Gymnasium itself is not needed.
 """
 
@@ -71,7 +72,20 @@ def environment_class(spec: str) -> Any:
     return _classes[spec]
 
 
-def _conversation(prompt: Any) -> list[dict[str, str]]:
+async def answer(client: Any, messages: list[dict[str, str]]) -> str | None:
+    """The model's answer to `messages`; None when the trajectory's context is used up (the episode ends)."""
+    import openai
+
+    try:
+        reply = await client.chat.completions.create(model=MODEL_NAME, messages=messages)
+    except openai.BadRequestError as e:
+        if getattr(e, "code", None) == "context_length_exceeded":
+            return None
+        raise
+    return reply.choices[0].message.content or ""
+
+
+def conversation(prompt: Any) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return [{"role": "system", "content": prompt}] if prompt else []
     return [{"role": m["role"], "content": m["content"]} for m in prompt or []]
@@ -83,12 +97,13 @@ async def run(client: Any, row: dict[str, Any], env: str, env_kwargs: dict[str, 
     instance = environment_class(env)(**(env_kwargs or {}))
     seed = (row.get("extra_info") or {}).get("seed", row.get("index"))
     observation, _ = await asyncio.to_thread(instance.reset, seed=None if seed is None else int(seed))
-    messages = [*_conversation(row.get("raw_prompt")), {"role": "user", "content": str(observation)}]
+    messages = [*conversation(row.get("raw_prompt")), {"role": "user", "content": str(observation)}]
     total, turns = 0.0, 0
     try:
         while turns < max_turns:
-            reply = await client.chat.completions.create(model=MODEL_NAME, messages=messages)
-            action = reply.choices[0].message.content or ""
+            action = await answer(client, messages)
+            if action is None:
+                break
             messages.append({"role": "assistant", "content": action})
             turns += 1
             observation, reward, terminated, truncated, _ = await asyncio.to_thread(instance.step, action)

@@ -211,5 +211,6 @@ def cut_at_stop(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[int, s
 
 
 def budget_error(budget: int) -> APIError:
-    return APIError(400, f"this trajectory has no room for another turn: its turns hold at most "
-                         f"data.max_response_length={budget} tokens together", code="context_length_exceeded")
+    """The answer to a request with no room left (the phrase agent libraries recognize as a full context)."""
+    return APIError(400, f"This model's maximum context length is reached for this trajectory: its turns hold at "
+                         f"most data.max_response_length={budget} tokens together", code="context_length_exceeded")

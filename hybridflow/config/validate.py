@@ -248,6 +248,11 @@ def _agent_problems(cfg: Any) -> list[str]:
     if ways and cfg.reward.function == "auto":
         problems.append(f"{ways[0]} returns each trajectory's reward: set reward.function=environment to train on "
                         f"it (or a function of yours that reads extra_info['env_reward'])")
+    for way in ways:
+        spec = getattr(agent, way.removeprefix("agent."))
+        if way != "agent.verifiers" and ":" not in spec:
+            problems.append(f"{way}={spec!r} must name what to load: path/to/file.py:Name or package.module:Name"
+                            + (" (or textarena:<env id>)" if way == "agent.gym" else ""))
     if agent.max_concurrent_requests < 1:
         problems.append(f"agent.max_concurrent_requests={agent.max_concurrent_requests} must be >= 1")
     return problems
@@ -376,6 +381,11 @@ def _path_problems(cfg: Any) -> list[str]:
             load_environment(cfg.agent.environment)
         except Exception as e:
             problems.append(f"agent.environment={cfg.agent.environment!r}: {e}")
+    for way in ENDPOINT_WAYS:  # user code runs in the runner process only: here its file must exist
+        spec = getattr(cfg.agent, way) or ""
+        target = spec.rpartition(":")[0] if ":" in spec and not spec.endswith(".py") else spec
+        if target.endswith(".py") and not Path(target).expanduser().is_file():
+            problems.append(f"agent.{way}={spec!r}: the file {target!r} does not exist")
     try:  # builds every tool, so a bad entry fails before any model loads
         ToolSet(cfg.agent.tools)
     except Exception as e:

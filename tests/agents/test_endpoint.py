@@ -170,3 +170,4 @@ def test_the_concurrency_cap_and_openai_style_errors(tiny):
     assert errors["key"][0] == 401 and errors["key"][1]["code"] == "invalid_api_key"
     assert errors["lane"][0] == 404 and errors["lane"][1]["code"] == "trajectory_not_found"
     assert errors["budget"][0] == 400 and errors["budget"][1]["code"] == "context_length_exceeded"
+    assert "maximum context length" in errors["budget"][1]["message"] and endpoint.lanes["lane1"].trajectory.cut_by_budget

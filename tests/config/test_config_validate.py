@@ -152,6 +152,23 @@ def test_agent_section_checked_before_training(tmp_path):
         validate(_cfg(*base, "agent.tools=[calculator, pyhton]"))
 
 
+def test_the_endpoint_ways_in_are_checked_before_training(tmp_path):
+    msg = _problems(_cfg("agent.runner=agent.py:play", "agent.gym=Maze", "agent.tools=[calculator]",
+                         "agent.max_concurrent_requests=0"))
+    for part in ("agent.runner, agent.gym drive the model through the endpoint and exclude each other and "
+                 "agent.environment / agent.tools: set one of them",
+                 "agent.runner returns each trajectory's reward: set reward.function=environment",
+                 "agent.gym='Maze' must name what to load: path/to/file.py:Name or package.module:Name (or "
+                 "textarena:<env id>)", "agent.max_concurrent_requests=0 must be >= 1"):
+        assert part in msg
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    base = ["model.path=some-org/some-model", f"data.train_files={data}", "reward.function=environment"]
+    validate(_cfg(*base, "agent.gym=textarena:GuessTheNumber-v0"))
+    with pytest.raises(ConfigError, match=r"agent.runner='.*missing.py:play': the file '.*missing.py' does not exist"):
+        validate(_cfg(*base, f"agent.runner={tmp_path}/missing.py:play"))
+
+
 def test_registered_estimators_are_valid_choices():
     from hybridflow.algorithms import ADV_ESTIMATORS, register_adv_estimator
 
