@@ -85,6 +85,14 @@ multiturn_train() {
 }
 multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" --out "$OUT/multiturn_h200.json" 2>&1 \
     | tee "$OUT/multiturn.log"; }
+# The OpenAI-compatible endpoint (issue 38). These stages and `multiturn` (its run 4 is the endpoint path) need
+# the agents' wheels in .whl/: openai, textarena and their dependencies, as cp312 wheels (docs/agents.md).
+# 1,024 trajectories at once through the endpoint: the JSON's endpoint.errors must all be 0
+endpoint_1024() { python3 bench/multiturn.py --device cuda --model "$GGUF" --only-endpoint --prompts 256 --n 4 \
+    --turn-tokens 64 --out "$OUT/endpoint_1024_h200.json" 2>&1 | tee "$OUT/endpoint_1024.log"; }
+# GRPO on textarena's GuessTheNumber through the endpoint, ET_STEPS steps (a reward curve, JSON and PNG)
+endpoint_train() { python3 bench/endpoint_train.py --device cuda --model "$GGUF" --steps "${ET_STEPS:-50}" \
+    --out "$OUT/endpoint_train_h200.json" 2>&1 | tee "$OUT/endpoint_train.log"; }
 
 setup || exit 1
 for stage in "$@"; do

@@ -15,10 +15,16 @@ Three runs, each after a warm-up, on the same chat prompts and sampling (tempera
    --turns model turns of up to --turn-tokens tokens each; each continuation prefills only the new
    tokens and attends over the cached conversation;
 3. multi_turn_no_reuse: the same episodes, but every continuation releases its sequence and prefills
-   the whole conversation again as a new prompt (what an engine without continuation has to do).
+   the whole conversation again as a new prompt (what an engine without continuation has to do);
+4. endpoint: the same episodes written as agent code (`bench/endpoint_agent.py`) with an OpenAI client,
+   run by `EndpointRollout` through the OpenAI-compatible endpoint (HTTP on 127.0.0.1, the runner in its
+   own process); `endpoint_vs_loop` is its model tokens/s over run 2's (the target is >= 0.8).
 Reported per run: seconds, model turns and tokens, turns/s, model tokens/s, all tokens/s (environment
 tokens included), prefill tokens and forwards, decode steps; `kv_reuse`: the prefill tokens avoided
 and the time against run 3; device peak memory. Prints and writes JSON.
+
+    python bench/multiturn.py --device cuda --model ... --only-endpoint --prompts 256 --n 4 --turn-tokens 64
+        # 1,024 trajectories at once through the endpoint: `errors` counts failed requests and trajectories
 """
 
 from __future__ import annotations
@@ -138,6 +144,52 @@ def run_multi(engine, loop, prompts, rows, params, reuse: bool) -> dict:
                 prefill_s=stats["prefill_s"], decode_s=stats["decode_s"])
 
 
+def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, rows, params) -> dict:
+    """Run 4: the episodes through the endpoint (`EndpointRollout` with `bench/endpoint_agent.py:feedback`)."""
+    from hybridflow.agents.endpoint_rollout import EndpointRollout
+    from hybridflow.config.schema import AgentConfig
+
+    cfg = AgentConfig(runner=f"{Path(__file__).resolve().parent / 'endpoint_agent.py'}:feedback",
+                      max_tokens_per_turn=turn_tokens, max_concurrent_requests=4096, timeout_s=600.0)
+    rollout = EndpointRollout(cfg, tokenizer, budget, 4096, cfg.runner, {"turns": turns})
+    rollout.run(engine, [[1]] * 2, rows[:2], SamplingParams(n=1, max_tokens=8, seed=1))  # starts the runner process
+    sessions = []
+    make_session = engine.session
+
+    def recording(*args, **kwargs):
+        sessions.append(make_session(*args, **kwargs))
+        return sessions[-1]
+
+    engine.session = recording
+    try:
+        sync(engine.device)
+        start = time.perf_counter()
+        outs = rollout.run(engine, [[1]] * len(rows), rows, params)
+        sync(engine.device)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.session
+        rollout.host.kill()
+    trajectories = [t for row in outs for t in row]
+    turns_done = sum(t.turns for t in trajectories)
+    model_tokens = sum(sum(t.response_mask) for t in trajectories)
+    all_tokens = sum(len(t.token_ids) for t in trajectories)
+    stats = sessions[-1].stats
+    return dict(seconds=seconds, trajectories=len(trajectories), model_turns=turns_done, model_tokens=model_tokens,
+                env_tokens=all_tokens - model_tokens, turns_per_s=turns_done / seconds,
+                model_tokens_per_s=model_tokens / seconds, all_tokens_per_s=all_tokens / seconds,
+                mean_turns=turns_done / len(trajectories), segments=sum(t.segments for t in trajectories),
+                token_mismatch=sum(t.token_mismatch for t in trajectories),
+                cut_by_budget=sum(t.cut_by_budget for t in trajectories),
+                errors=dict(dropped=sum(t.dropped is not None for t in trajectories),
+                            runner_errors=sum(t.runner_errors for t in trajectories),
+                            failed_requests=rollout.stats["errors"]),
+                requests=rollout.stats["requests"], peak_concurrent_requests=rollout.stats["peak_concurrent"],
+                prefill_tokens=stats["prefill_tokens"], reused_tokens=stats["reused_tokens"],
+                prefill_forwards=stats["prefill_forwards"], decode_steps=stats["decode_steps"],
+                prefill_s=stats["prefill_s"], decode_s=stats["decode_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -148,6 +200,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3, help="model turns per episode")
     parser.add_argument("--turn-tokens", type=int, default=None, help="tokens per model turn (default 256 / 16)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
+    parser.add_argument("--only-endpoint", action="store_true", help="run 4 alone (the concurrency check)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="KV slots (default: every trajectory)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -174,7 +228,8 @@ def main() -> None:
                          add_special_tokens=False)["input_ids"] for q in questions]
     budget = args.turns * turn_tokens + (args.turns - 1) * 64
     dtype = torch.bfloat16 if cuda else torch.float32
-    engine = RolloutEngine.from_pretrained(model_dir, device=device, dtype=dtype, max_num_seqs=prompts_n * n,
+    engine = RolloutEngine.from_pretrained(model_dir, device=device, dtype=dtype,
+                                           max_num_seqs=args.max_num_seqs or prompts_n * n,
                                            max_model_len=max(map(len, prompts)) + budget + 8)
     loop = agent_loop.AgentLoop(agent_config(args.turns, turn_tokens), tokenizer, budget)
     rows = [{"index": i, "raw_prompt": q, "extra_info": {}} for i, q in enumerate(questions)]
@@ -186,13 +241,25 @@ def main() -> None:
     result = dict(device=torch.cuda.get_device_name(device) if cuda else platform.processor(), torch=torch.__version__,
                   model=model_dir, dtype=str(dtype).removeprefix("torch."), prompts=prompts_n, n=n, turns=args.turns,
                   turn_tokens=turn_tokens, budget=budget, mean_prompt_tokens=sum(map(len, prompts)) / len(prompts))
+    if args.only_endpoint:
+        result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params)
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        print(json.dumps(result, indent=1))
+        if args.out:
+            write_json(result, args.out)
+        return
     result["single_turn"] = run_single(engine, prompts, params)
     print("single_turn", result["single_turn"], flush=True)
     result["multi_turn"] = run_multi(engine, loop, prompts, rows, params, reuse=True)
     print("multi_turn", result["multi_turn"], flush=True)
     result["multi_turn_no_reuse"] = run_multi(engine, loop, prompts, rows, params, reuse=False)
     print("multi_turn_no_reuse", result["multi_turn_no_reuse"], flush=True)
+    result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params)
+    print("endpoint", result["endpoint"], flush=True)
     reuse, again = result["multi_turn"], result["multi_turn_no_reuse"]
+    result["endpoint_vs_loop"] = dict(
+        model_tokens_per_s_ratio=result["endpoint"]["model_tokens_per_s"] / reuse["model_tokens_per_s"],
+        turns_per_s_ratio=result["endpoint"]["turns_per_s"] / reuse["turns_per_s"])
     result["kv_reuse"] = dict(
         prefill_tokens_avoided=reuse["reused_tokens"],
         avoided_fraction_of_no_reuse_prefill=reuse["reused_tokens"] / max(again["prefill_tokens"], 1),

@@ -5,9 +5,10 @@
 It receives ("init", spec, kwargs) and loads the runner (`path/to/file.py:fn`, or `package.module:fn` for
 the built-in adapters), answers ("ready",) or ("init_error", why), then runs each ("run", job, row,
 base_url, api_key) as a task on one asyncio loop: `fn(client, row, **kwargs)` with an `openai.AsyncOpenAI`
-client on that trajectory's base URL (one shared connection pool, no retries: the runner sees errors as
-they are). Each task answers ("done", job, reward, metrics) or ("error", job, why); ("cancel", job) cancels
-one. When the parent's end closes, the process exits.
+client on that trajectory's base URL (one shared connection pool; no retries, so the runner sees errors as
+they are; an hour's request timeout, since the endpoint always answers). Each task answers ("done", job,
+reward, metrics) or ("error", job, why); ("cancel", job) cancels one. When the parent's end closes, the
+process exits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
+
+REQUEST_TIMEOUT_S = 3600.0  # a request waits for the engine as long as the rollout phase needs (its own limit)
 
 
 def load_runner(spec: str) -> Any:
@@ -53,13 +56,11 @@ def as_result(value: Any) -> tuple[float, dict[str, float]]:
 
 
 async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:
-    import httpx
     import openai
 
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             timeout=httpx.Timeout(None, connect=30.0))
+    http = openai.DefaultAsyncHttpxClient()  # one connection pool for every trajectory's client
     tasks: dict[str, asyncio.Task] = {}
 
     def read() -> None:  # a thread: the loop never blocks on the socket
@@ -72,7 +73,8 @@ async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, message)
 
     async def run(job: str, row: dict[str, Any], base_url: str, api_key: str) -> None:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http, max_retries=0,
+                                    timeout=REQUEST_TIMEOUT_S)
         try:
             if inspect.iscoroutinefunction(runner):
                 value = await runner(client, row, **kwargs)
