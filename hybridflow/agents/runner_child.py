@@ -34,8 +34,9 @@ def load_runner(spec: str) -> Any:
         fn = load_from_file(spec, "agent runner", "function", "agent.runner")
     else:
         fn = getattr(importlib.import_module(target), name)
-    if not callable(fn):
-        raise TypeError(f"agent.runner={spec!r} is a {type(fn).__name__}, not a function")
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"agent.runner={spec!r} must be an `async def` function (it gets an openai.AsyncOpenAI "
+                        f"client), got {fn!r:.80}")
     return fn
 
 
@@ -76,10 +77,7 @@ async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http, max_retries=0,
                                     timeout=REQUEST_TIMEOUT_S)
         try:
-            if inspect.iscoroutinefunction(runner):
-                value = await runner(client, row, **kwargs)
-            else:
-                value = await asyncio.to_thread(runner, client, row, **kwargs)
+            value = await runner(client, row, **kwargs)
             conn.send(("done", job, *as_result(value)))
         except asyncio.CancelledError:
             pass
