@@ -15,6 +15,8 @@ Two kinds of attention, each with two kernels picked by `Backend`:
 - "sdpa" (CPU, or fp32 on CUDA): `scaled_dot_product_attention` once over the prompts padded to the
   longest (causal and padding mask; per prompt when that would be large) for prefill, and over the
   slot rows (a view when the rows' slots are contiguous) with a causal length mask over the cache.
+- "exact" (`rollout.exact`, any device): every forward attends over the cache (`exact_attention`), with
+  the invariant kernel the training engine's forward runs (`hybridflow.engine.invariant`).
 
 Shapes: T packed tokens, B decode rows, H query heads, Hkv kv heads, D head dim.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engine import invariant
 from hybridflow.engine.rollout import decode_attention
 
 
@@ -46,7 +49,8 @@ class AttnMeta:
     context_lens: over the cache, [B] int32 each row's context length including its new tokens (None:
         a new-prompt prefill, which attends over its own K/V only).
     slots: over the cache, [B] int64 each row's slot.
-    padding: the SDPA layout (prefill: padded prompts; cache: rows, queries and mask), made by the first layer.
+    padding: the backend's layout, made by the first layer (SDPA prefill: padded prompts; SDPA over the
+        cache: rows, queries and mask; exact: each row's first cache row and the kernel's work table).
     """
 
     write_index: torch.Tensor
@@ -66,8 +70,10 @@ class AttnMeta:
         return self.context_lens is not None
 
 
-def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """'flash' on CUDA in half precision, else 'sdpa'."""
+def pick_backend(device: torch.device, dtype: torch.dtype, exact: bool = False) -> str:
+    """'exact' when asked; else 'flash' on CUDA in half precision, else 'sdpa'."""
+    if exact:
+        return "exact"
     return "flash" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
 
 
@@ -135,6 +141,19 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     queries = q[:, :, None] if query_index is None else q[query_index].transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0] if query_index is None else out.transpose(1, 2)[valid]
+
+
+def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                    scale: float) -> torch.Tensor:
+    """The exact backend: each row's queries (packed by `cu_seqlens_q`) over its slot's first context_lens
+    positions, where their own K/V were just written, by `invariant.attention`. q [T, H, D] -> [T, H, D]."""
+    max_len, kv_heads, dim = k_cache.shape[1:]
+    if meta.padding is None:
+        meta.padding = (meta.slots * max_len, invariant.attention_table(meta.cu_seqlens_q, q.shape[0], q.shape[1],
+                                                                        kv_heads))
+    starts, table = meta.padding
+    return invariant.attention(q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim),
+                               meta.cu_seqlens_q, starts, meta.context_lens, scale, table)
 
 
 def decodes_in_triton(meta: AttnMeta, backend: str, head_dim: int) -> bool:

@@ -46,15 +46,16 @@ def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, po
 
 
 def sample_and_record(batch: RunningBatch, size: int, logits: torch.Tensor, params: SamplingParams,
-                      generator: torch.Generator | None) -> None:
+                      generator: torch.Generator | None, exact: bool = False) -> None:
     """Sample a token for the batch's rows [0, size) from logits [size, V] and record it. The fused
     sampler reads the batch's seed and inverse temperature and the seed advances on the device (so this
-    is capturable); otherwise the torch sampler draws from `generator`."""
+    is capturable); otherwise the torch sampler draws from `generator`. `exact`: the log-probs are the
+    invariant ones (`sampler.sample`)."""
     if fused(logits, params):
-        tokens, logprobs = sample(logits, params, None, batch.seed, batch.inv_temp)
+        tokens, logprobs = sample(logits, params, None, batch.seed, batch.inv_temp, exact)
         batch.seed.add_(1)
     else:
-        tokens, logprobs = sample(logits, params, generator)
+        tokens, logprobs = sample(logits, params, generator, exact=exact)
     batch.record(size, tokens, logprobs)
 
 
@@ -69,7 +70,7 @@ class DecodeGraphs:
     """Decode captured per bucket over the batch's buffers (one memory pool for all graphs)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, batch: RunningBatch) -> None:
-        self.sizes = bucket_sizes(batch.capacity)
+        self.sizes, self.exact = bucket_sizes(batch.capacity), model.exact
         batch.clear()  # every row padding: the warm-up runs touch only the scratch slot and scratch row
         self.forwards: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -83,7 +84,7 @@ class DecodeGraphs:
                 params = SamplingParams(temperature=0.0 if greedy else 1.0)
                 if fused(self.logits[size], params):
                     self.tails[size, greedy] = _capture(pool, lambda: sample_and_record(
-                        batch, size, self.logits[size], params, None))[0]
+                        batch, size, self.logits[size], params, None, self.exact))[0]
         batch.clear()
         torch.cuda.synchronize()
 
@@ -100,7 +101,7 @@ class DecodeGraphs:
         if tail is not None:
             tail.replay()
         else:
-            sample_and_record(batch, size, self.logits[size], params, generator)
+            sample_and_record(batch, size, self.logits[size], params, generator, self.exact)
 
 
 def _capture(pool, fn: Callable[[], torch.Tensor | None]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:

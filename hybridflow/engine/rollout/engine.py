@@ -94,7 +94,7 @@ class RolloutEngine:
         self.model, self.config, self.device, self.dtype = model, model.config, device, dtype
         self.default_stop_ids, self.max_model_len = stop_ids, max_model_len
         self.max_prefill_tokens, self.decode_steps_per_sync = max_prefill_tokens, decode_steps_per_sync
-        self.backend = pick_backend(device, dtype)
+        self.backend = pick_backend(device, dtype, model.exact)
         self.use_graphs = cuda_graphs and device.type == "cuda"
         attn = model.model.layers[0].self_attn
         self.kv = KVCache(self.config.num_hidden_layers, attn.kv_heads, attn.head_dim, max_model_len,
@@ -113,7 +113,7 @@ class RolloutEngine:
                         dtype: torch.dtype = torch.float32, max_num_seqs: int = 256,
                         max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                         cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384,
-                        decode_steps_per_sync: int = 8):
+                        decode_steps_per_sync: int = 8, exact: bool = False):
         """Load a Hugging Face model directory.
 
         engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or
@@ -126,6 +126,8 @@ class RolloutEngine:
         decode_steps_per_sync: decode steps queued between two host looks for finished rows (a row
             that stops inside them idles, at most this many steps minus one; the outputs do not depend
             on it, except that the sampled noise follows the batch's composition).
+        exact: run the training engine's batch-invariant arithmetic (`rollout.exact`, docs/exact.md): each
+            sampled token's log-prob is, bit for bit, what the trainer's forward computes for it.
         """
         from transformers import AutoConfig
 
@@ -138,13 +140,17 @@ class RolloutEngine:
         if engine == "fast" and not fast:
             raise ValueError(f"engine='fast' has no path for model_type {config.model_type!r}; fast: "
                              f"{FAST_ARCHITECTURES}; use engine='auto' or 'hf'")
+        if exact and (engine == "hf" or not fast):
+            raise ValueError(f"exact mode needs the fast engine (model_type {config.model_type!r}, engine={engine!r}): "
+                             f"transformers.generate runs other kernels than the trainer's; fast: "
+                             f"{FAST_ARCHITECTURES}")
         if engine == "hf" or not fast:
             from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
             return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096)
         return cls.from_config(config, checkpoint_tensors(path), device, dtype, stop_ids, max_num_seqs,
                                max_model_len, kv_cache_memory, cuda_graphs, max_prefill_tokens,
-                               decode_steps_per_sync)
+                               decode_steps_per_sync, exact)
 
     @classmethod
     def from_config(cls, config, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -152,9 +158,10 @@ class RolloutEngine:
                     stop_token_ids: list[int] | None = None, max_num_seqs: int = 256,
                     max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                     cuda_graphs: bool = True, max_prefill_tokens: int = 16384,
-                    decode_steps_per_sync: int = 8) -> RolloutEngine:
+                    decode_steps_per_sync: int = 8, exact: bool = False) -> RolloutEngine:
         """A fast engine from a HF config and (HF name, tensor) weights, e.g. a trainer's state dict, with
-        no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id)."""
+        no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id); exact: see
+        `from_pretrained`."""
         device = indexed_device(device)
         max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
@@ -164,7 +171,7 @@ class RolloutEngine:
                              f"which the fast path does not implement; pass max_model_len <= {window}")
         if stop_token_ids is None:
             stop_token_ids = eos_ids(config) or []
-        model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype))
+        model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact))
         missing = model.expected_weights() - set(model.load_weights(named_tensors))
         if missing:
             raise ValueError(f"the weights lack {len(missing)} tensors the model needs, e.g. "
@@ -195,6 +202,9 @@ class RolloutEngine:
         its KV slot after a turn, to be continued with appended tokens."""
         if self.kv.k is None:
             raise RuntimeError("the engine is asleep (KV cache freed); call engine.wake() first")
+        if self.model.exact and (params.top_k != -1 or params.top_p != 1.0):
+            raise ValueError(f"exact mode reports each token's log-prob under the whole softmax, the trainer's; "
+                             f"top_k={params.top_k} / top_p={params.top_p} would sample from a truncated one")
         return Session(self, params, hold)
 
     def prefill(self, admitted: list[Request], params: SamplingParams,
@@ -202,7 +212,8 @@ class RolloutEngine:
         """One packed forward over the admitted requests' tokens (K/V written to all their slots); returns
         the first sampled token and its log-prob for each of their samples, request by request ([sum n]).
         A new prompt attends over its own tokens; when a request continues a sequence (start > 0), every
-        request of the forward attends over its slot's cache, where its tokens were just written."""
+        request of the forward attends over its slot's cache, where its tokens were just written (in exact
+        mode every forward does)."""
         lens = [len(r.prompt) for r in admitted]
         counts = torch.tensor([r.n for r in admitted])
         ids = torch.tensor([t for r in admitted for t in r.prompt], dtype=torch.long)
@@ -214,7 +225,7 @@ class RolloutEngine:
         dev = self.device
         write_rows = None if bool((counts == 1).all()) else \
             torch.arange(len(ids)).repeat_interleave(counts.repeat_interleave(torch.tensor(lens))).to(dev)
-        if any(r.start for r in admitted):  # every request attends over its (first) slot's cache
+        if self.model.exact or any(r.start for r in admitted):  # every request attends over its (first) slot's cache
             slots = torch.tensor([r.slots[0] for r in admitted])
             context = torch.tensor([r.start + n for r, n in zip(admitted, lens)])
             starts = slots * self.max_model_len
@@ -229,7 +240,7 @@ class RolloutEngine:
         logits = self.model(ids.to(dev), positions.to(dev), meta, self.kv, (cu[1:] - 1).to(dev))
         if bool((counts > 1).any()):
             logits = logits.repeat_interleave(counts.to(dev), dim=0)
-        return sample(logits, params, generator)
+        return sample(logits, params, generator, exact=self.model.exact)
 
     def decode(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator, steps: int) -> None:
         """`steps` new tokens for every running row of `batch` (rows that finish on the way record no more),
@@ -243,7 +254,7 @@ class RolloutEngine:
             width = min(last + step + 1, self.max_model_len) if self.backend == "sdpa" else self.max_model_len
             logits = decode_forward(self.model, self.kv, batch.tokens[:size], batch.positions[:size],
                                     batch.slots[:size], width)
-            sample_and_record(batch, size, logits, params, generator)
+            sample_and_record(batch, size, logits, params, generator, self.model.exact)
         batch.advanced(steps)
 
     # ---- weights and memory -----------------------------------------------------------------------

@@ -13,6 +13,11 @@ other rope_scaling types), precomputed for all positions. Norms, rotary and silu
 kernels of `kernels` on CUDA; the residual add is fused into the following norm. The forward takes
 packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for the
 rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
+
+With the "exact" backend (`rollout.exact`) every op is the training engine's: the GEMMs, norms, rotary,
+activation and attention of `hybridflow.engine.invariant`, the residual add apart from the norm as in
+Hugging Face's layer, the rotary table of `invariant.rope_table`, and every forward (prefill, continuation
+or decode) writes its K/V to the cache first and attends over the cache (docs/exact.md).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, decodes_in_triton, prefill_attention,
-                                                 rotary_decode_attention, write_kv)
+from hybridflow.engine import invariant
+from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, decodes_in_triton, exact_attention,
+                                                 prefill_attention, rotary_decode_attention, write_kv)
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
@@ -42,17 +48,26 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: str 
     param.data.copy_(tensor)
 
 
-class FusedLinear(nn.Module):
+class Linear(nn.Linear):
+    """y = x @ W.T (+ b): `F.linear`, or with `exact` the invariant GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, exact: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.exact = exact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant.linear(x, self.weight, self.bias) if self.exact else F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
     """Several HF projections sharing an input, stacked on the output dim: y = x @ W.T (+ b)."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__()
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool, exact: bool) -> None:
         self.offsets, start = {}, 0
         for name, size in shards.items():
             self.offsets[name] = (start, size)
             start += size
-        self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(start), requires_grad=False) if bias else None
+        super().__init__(in_features, start, bias, exact)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
         if shard not in self.offsets:
@@ -60,20 +75,21 @@ class FusedLinear(nn.Module):
         start, size = self.offsets[shard]
         default_weight_loader(param.data[start:start + size], tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm (normalise in fp32, cast back, then scale), optionally fused with the residual add."""
+    """HF's RMSNorm (normalise in fp32, cast back, then scale), optionally fused with the residual add
+    (exact: the add apart, then the invariant norm)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, exact: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps = eps
+        self.eps, self.exact = eps, exact
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta); delta None normalises h."""
+        if self.exact:
+            h = h if delta is None else h + delta
+            return invariant.rms_norm(h, self.weight, self.eps), h
         return add_rms_norm(h, delta, self.weight, self.eps)
 
 
@@ -83,14 +99,15 @@ class Attention(nn.Module):
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.layer_index, self.backend, self.scale = layer_index, backend, self.head_dim ** -0.5
+        exact = backend == "exact"
         bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, exact)
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias, exact)
         if config.model_type == "qwen3":
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, exact)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, exact)
         self.splits = [q_size, kv_size, kv_size]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
@@ -98,6 +115,8 @@ class Attention(nn.Module):
         tokens, (q_size, kv_size, _) = x.shape[0], self.splits
         qkv = self.qkv_proj(x)
         v = qkv[:, q_size + kv_size:].view(tokens, self.kv_heads, self.head_dim)
+        if self.backend == "exact":
+            return self.o_proj(self.exact_attention(qkv, v, rope, meta, kv).reshape(tokens, -1))
         fused = self.store_fused(qkv, positions, meta)
         if hasattr(self, "q_norm"):
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
@@ -124,6 +143,25 @@ class Attention(nn.Module):
                 out = prefill_attention(q, k, v, meta, self.scale, self.backend)
         return self.o_proj(out.reshape(tokens, -1))
 
+    def exact_attention(self, qkv: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                        meta: AttnMeta, kv: KVCache) -> torch.Tensor:
+        """The exact backend's attention half (the training engine's arithmetic: `train.exact`): q/k norms,
+        rotary by the tokens' fp32 table rows `rope`, the K/V written to the cache, then the invariant
+        attention of the queries over their slots. -> [T, H, D]."""
+        tokens, (q_size, kv_size, _) = qkv.shape[0], self.splits
+        q = qkv[:, :q_size].view(tokens, self.heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(tokens, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+            invariant.rotary(q, *rope, out=q)
+            invariant.rotary(k, *rope, out=k)
+        else:  # q and k heads are adjacent in qkv: one launch rotates both (per head, the same arithmetic)
+            qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
+            invariant.rotary(qk, *rope, out=qk)
+        k_cache, v_cache = kv.layer(self.layer_index)
+        write_kv(k_cache, v_cache, k, v, meta)
+        return exact_attention(q, k_cache, v_cache, meta, self.scale)
+
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
         """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, q and k
         rotated as projected (no per-head norms), each token written once, a power-of-two head dimension);
@@ -133,17 +171,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, exact: bool) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
         size, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias, exact)
+        self.down_proj = Linear(size, config.hidden_size, bias, exact)
         self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
+        self.exact, self.size = exact, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.exact:
+            return self.down_proj(invariant.silu_mul(gate_up[:, :self.size], gate_up[:, self.size:]))
         if self.act is None:
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -153,10 +194,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, backend: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        exact = backend == "exact"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, exact)
         self.self_attn = Attention(config, layer_index, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, exact)
+        self.mlp = MLP(config, exact)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor | None, rope,
                 meta: AttnMeta, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +214,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact")
 
 
 class CausalLM(nn.Module):
@@ -182,9 +224,11 @@ class CausalLM(nn.Module):
         super().__init__()
         if config.model_type not in FAST_ARCHITECTURES:
             raise ValueError(f"model_type {config.model_type!r} has no fast path; fast: {FAST_ARCHITECTURES}")
-        self.config = config
+        if backend == "exact" and invariant.unsupported(config):
+            raise ValueError(f"exact mode cannot run this model: {'; '.join(invariant.unsupported(config))}")
+        self.config, self.exact = config, backend == "exact"
         self.model = DecoderModel(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.exact)
         self.tie()
 
     def tie(self) -> None:
@@ -204,22 +248,28 @@ class CausalLM(nn.Module):
         return model
 
     def set_rotary(self, max_len: int) -> None:
-        """Precompute cos/sin [max_len, D] (fp32) with HF's rotary embedding for this config."""
+        """Precompute cos/sin [max_len, D] (fp32) with HF's rotary embedding for this config (exact: the
+        table the training engine gathers from too, `invariant.rope_table`)."""
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         device = self.lm_head.weight.device
-        rope = LlamaRotaryEmbedding(self.config).to(device)
-        dummy = torch.zeros(1, dtype=torch.float32, device=device)
-        cos, sin = rope(dummy, torch.arange(max_len, device=device)[None])
-        self.register_buffer("cos", cos[0], persistent=False)
-        self.register_buffer("sin", sin[0], persistent=False)
+        if self.exact:
+            cos, sin = invariant.rope_table(self.config, max_len, device)
+        else:
+            rope = LlamaRotaryEmbedding(self.config).to(device)
+            dummy = torch.zeros(1, dtype=torch.float32, device=device)
+            cos, sin = (t[0] for t in rope(dummy, torch.arange(max_len, device=device)[None]))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, kv: KVCache,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions [T] -> logits [R, V] for rows `logits_index` (all T when None)."""
         h, delta = self.model.embed_tokens(input_ids), None
         rope = (self.cos, self.sin)
-        if not use_triton(h):  # the torch rotary gathers once per forward, not per layer
+        if self.exact:  # each token's fp32 rows, as the training engine gathers them
+            rope, positions = (self.cos[positions], self.sin[positions]), None
+        elif not use_triton(h):  # the torch rotary gathers once per forward, not per layer
             rope, positions = (self.cos[positions].to(h.dtype), self.sin[positions].to(h.dtype)), None
         for layer in self.model.layers:
             h, delta = layer(h, delta, positions, rope, meta, kv)

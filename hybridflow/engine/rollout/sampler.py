@@ -7,13 +7,16 @@ it is the token's log-probability under the distribution actually sampled from, 
 and after top-k / top-p truncation and renormalisation. Without truncation this equals
 `log_softmax(logits / T)`, which is what verl-style trainers recompute. Greedy rows (temperature 0) take
 the argmax and report `log_softmax(logits)`. On CUDA without truncation `kernels.sample_plain` samples
-the same distribution by the inverse CDF, with one uniform per row instead of one per logit.
+the same distribution by the inverse CDF, with one uniform per row instead of one per logit. In exact
+mode (`rollout.exact`) the token is drawn the same way and its log-prob is the training engine's:
+`invariant.token_log_probs` of the logits at the temperature.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybridflow.engine import invariant
 from hybridflow.engine.rollout.kernels import sample_plain, use_triton
 from hybridflow.engine.rollout.types import SamplingParams
 
@@ -40,15 +43,31 @@ def fused(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           seed: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           seed: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None,
+           exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row.
 
     logits: [R, V], any float dtype (converted to fp32; may be modified in place when already fp32).
     Returns (tokens [R] int64, logprobs [R] fp32). When `fused`, `kernels.sample_plain` (the inverse
     CDF, one Philox uniform per row) draws from the same distribution, seeded by `seed` ([1] int64 on
     the device; None: drawn from `generator`) at the inverse temperature `inv_temp` ([1] fp32 on the
-    device; None: from params).
+    device; None: from params). `exact`: the log-probs come from `invariant.token_log_probs` (at temperature
+    1 when greedy), the arithmetic the training engine's log-prob head runs.
     """
+    # the torch path scales fp32 logits in place; the exact log-probs read them afterwards
+    source = logits.clone() if exact and logits.dtype == torch.float32 else logits
+    tokens, logprobs = _draw(source, params, generator, seed, inv_temp)
+    if exact:
+        if params.greedy:
+            inv_temp = None
+        elif inv_temp is None:
+            inv_temp = invariant.inverse_temperature(params.temperature, logits.device)
+        logprobs = invariant.token_log_probs(logits, tokens, inv_temp)[0]
+    return tokens, logprobs
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+          seed: torch.Tensor | None, inv_temp: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     if fused(logits, params):
         if seed is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=logits.device)

@@ -87,14 +87,19 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if query.shape[0] != 1:
         raise ValueError(f"packed attention needs one row [1, T]; got a batch of {query.shape[0]} rows")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    # max_length_q passed through as it came (no int()): under torch.compile it is symbolic, and int() would
+    # specialise the compiled layer on each micro-batch's longest row
+    return packed_attention(q, k, v, cu, kwargs["max_length_q"], scaling).unsqueeze(0), None
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                     scale: float | None) -> torch.Tensor:
+    """Causal attention of rows packed by `cu` (int32 `[N+1]` row starts): q `[T, Hq, D]`, k/v `[T, Hkv, D]` ->
+    `[T, Hq, D]`; the flash varlen kernel where it applies (CUDA, half precision), else SDPA per row."""
     flash = _flash_dtype(q, k, v) if q.is_cuda and _varlen_attn is not None else None
     if flash is not None:
-        # passed through as it came (no int()): under torch.compile it is symbolic, and int() would
-        # specialise the compiled layer on each micro-batch's longest row
-        out = _flash_varlen(*flash, cu, kwargs["max_length_q"], scaling)
-    else:
-        out = _looped_varlen(q, k, v, cu, scaling)
-    return out.unsqueeze(0), None
+        return _flash_varlen(*flash, cu, max_len, scale)
+    return _looped_varlen(q, k, v, cu, scale)
 
 
 def _mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

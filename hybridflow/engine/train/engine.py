@@ -29,6 +29,7 @@ from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
+from hybridflow.engine.train.exact import make_exact
 from hybridflow.engine.train.lora import apply_lora
 from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows, take_rows
 from hybridflow.engine.train.model import load_model, resolve_precision
@@ -83,16 +84,21 @@ class TrainEngine:
         pack_on_cpu: honour `pack=True` on a CPU device too (by default CPU forwards stay padded).
         seed: seeds what the model directory does not hold (LoRA adapters, a value head), so it starts the same
             in every run and on every rank (`trainer.seed`).
+        exact_len: exact mode (`rollout.exact`, an `lm` head): the forward runs the rollout engine's
+            batch-invariant ops (`exact.make_exact`), packed on every device and not compiled, for rows of at
+            most this many tokens; None = the default forward.
     """
 
     def __init__(self, model_cfg: Any, optim_cfg: Any | None = None, *, head: str = "lm",
                  total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, exact_len: int | None = None) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
         # Packing pays on CUDA (varlen flash attention, no padded work). On a CPU the padded forward
         # is faster (docs/benchmarks.md, "Measurements behind choices in the code"), so `pack` is
-        # honoured there only with `pack_on_cpu` (tests use it to check packed == padded).
-        self.pack_allowed = self.device.type == "cuda" or pack_on_cpu
+        # honoured there only with `pack_on_cpu` (tests use it to check packed == padded); exact mode's
+        # attention takes packed rows only.
+        self.exact = exact_len is not None
+        self.pack_allowed = self.device.type == "cuda" or pack_on_cpu or self.exact
         self.head = head
         self.trainable = optim_cfg is not None
         self.precision = resolve_precision(getattr(model_cfg, "dtype", "auto"), self.device, self.trainable,
@@ -109,6 +115,8 @@ class TrainEngine:
                                getattr(model_cfg, "trust_remote_code", False),
                                self.trainable and bool(getattr(model_cfg, "gradient_checkpointing", False)))
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
+        if self.exact:
+            make_exact(model, self.precision.param, exact_len)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
         # update: docs/benchmarks.md), and with LoRA keep a gathered compute-dtype copy of every layer from
         # forward to backward (the frozen model twice). So one rank keeps a plain module in full precision and
@@ -119,7 +127,8 @@ class TrainEngine:
         else:
             model = model.to(self.device)
         self.model = model
-        self.compiled = resolve_compile(getattr(model_cfg, "compile", None), self.device)
+        # compiled layers fuse the elementwise ops around the invariant ones and change their rounding
+        self.compiled = not self.exact and resolve_compile(getattr(model_cfg, "compile", None), self.device)
         # with the warm-up, layers run eagerly until it has filled the compile caches (`_compile_when_warm`)
         self.warmup: CompileWarmup | None = None
         self.warmup_seconds: float | None = None
@@ -134,6 +143,7 @@ class TrainEngine:
         self.config = model.config
         self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
         self.skipped_steps = 0
+        self.optimizer_steps = 0  # steps that changed the weights (skipped ones did not)
         self.optimizer = self.scheduler = None
         if self.trainable:
             self.grad_clip = optim_cfg.grad_clip
@@ -306,6 +316,7 @@ class TrainEngine:
             if self.grad_clip:
                 torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
             self.optimizer.step()
+            self.optimizer_steps += 1
         else:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)

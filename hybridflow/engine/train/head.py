@@ -44,6 +44,7 @@ class LogProbHead(torch.nn.Module):
         self.bias = getattr(linear, "bias", None)
         self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
         self.compiled = compiled
+        self.exact = False  # the invariant logits and log-softmax (`train.exact.make_exact` sets it)
         self._request: HeadRequest | None = None
 
     @contextlib.contextmanager
@@ -65,7 +66,8 @@ class LogProbHead(torch.nn.Module):
         if req.index is not None:
             flat = flat[req.index]
         req.log_probs, req.entropy = token_log_probs(flat, self.weight, req.targets, req.temperature,
-                                                     req.with_entropy, self.bias, compiled=self.compiled)
+                                                     req.with_entropy, self.bias, compiled=self.compiled,
+                                                     exact=self.exact)
         # the model returns this as its `logits`: the log-probs themselves, so FSDP2's hooks on the
         # root's outputs see a tensor of the head's graph
         return req.log_probs

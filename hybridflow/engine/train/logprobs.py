@@ -9,7 +9,9 @@ and `weight` (and `bias`) at once, so at most one chunk of logits exists at a ti
 head's memory no longer grows with the tokens of a micro-batch (`[70k, 152k]` fp32 logits are 42 GB).
 
 The per-chunk arithmetic (`_chunk_stats`, `_chunk_grad`) can run through `torch.compile` (`compiled=True`,
-the engine's choice on CUDA), which fuses its fp32 passes over the chunk into one or two kernels.
+the engine's choice on CUDA), which fuses its fp32 passes over the chunk into one or two kernels. In exact
+mode (`exact=True`) the forward's logits and log-softmax are the invariant ops the rollout engine samples
+with (`hybridflow.engine.invariant`): a token's log-prob is the rollout's, bit for bit (docs/exact.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from hybridflow.engine import invariant
 
 # fp32 elements of one chunk of logits: 2**26 (256 MiB) is 441 tokens at a 151,936-token vocabulary,
 # and the whole micro-batch at a toy one. Compiled, a chunk's arithmetic is one or two fused kernels; eager,
@@ -44,6 +48,18 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, with
     return lse, logp, entropy
 
 
+def _exact_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_chunk_stats` with the log-sum-exp and the target's log-prob from `invariant.token_log_probs`; the
+    entropy (no log-prob depends on it) as usual from them."""
+    logp, lse = invariant.token_log_probs(logits, targets, inv_temp)
+    entropy = None
+    if with_entropy:
+        z = logits.float() * inv_temp
+        entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+    return lse, logp, entropy
+
+
 def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                 grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_t: float) -> torch.Tensor:
     """d loss / d logits `[c, V]` in the logits' dtype: d logp_y / dz = onehot(y) - p and
@@ -66,17 +82,22 @@ def _compiled(fn):
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, chunk: int,
-                compiled: bool):
+                compiled: bool, exact: bool):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         stats = _compiled(_chunk_stats) if compiled else _chunk_stats
+        scale = invariant.inverse_temperature(temperature, hidden.device) if exact else None
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         logp = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            lse[s:e], logp[s:e], ent = stats(F.linear(hidden[s:e], weight, bias), targets[s:e], inv_t,
-                                             with_entropy)
+            if exact:
+                lse[s:e], logp[s:e], ent = _exact_chunk_stats(invariant.linear(hidden[s:e], weight, bias),
+                                                              targets[s:e], scale, with_entropy)
+            else:
+                lse[s:e], logp[s:e], ent = stats(F.linear(hidden[s:e], weight, bias), targets[s:e], inv_t,
+                                                 with_entropy)
             if with_entropy:
                 entropy[s:e] = ent
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
@@ -109,16 +130,17 @@ class _TokenLogProbs(torch.autograd.Function):
                 grad_w.addmm_(g.t(), h)
             if need_b:
                 grad_b += g.float().sum(0)
-        return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None
+        return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None
 
 
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                     with_entropy: bool = False, bias: torch.Tensor | None = None, chunk_size: int | None = None,
-                    compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    compiled: bool = False, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden `[N, H]`, weight `[V, H]` (bias `[V]`), targets long `[N]` -> (log-probs `[N]` fp32,
     entropy `[N]` fp32 or None) of `softmax(hidden @ weight.T + bias)` at `temperature`; differentiable
     with respect to hidden, weight and bias. `chunk_size`: tokens per chunk (default `default_chunk(V, compiled)`).
-    Under autocast the matmuls run in the autocast dtype, as the plain head's would."""
+    Under autocast the matmuls run in the autocast dtype, as the plain head's would. `exact`: the forward runs
+    the invariant ops, in hidden's dtype (see the module docstring)."""
     if (hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]
             or weight.shape[1] != hidden.shape[1]):
         raise ValueError(f"hidden must be [N, H], weight [V, H] and targets [N]; got {tuple(hidden.shape)}, "
@@ -129,8 +151,10 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
+    if exact:
+        weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
     chunk = chunk_size or default_chunk(weight.shape[0], compiled)
     with torch.autocast(hidden.device.type, enabled=False):
         out = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature), bool(with_entropy),
-                                   int(chunk), bool(compiled))
+                                   int(chunk), bool(compiled), bool(exact))
     return (out[0], out[1]) if with_entropy else (out[0], None)

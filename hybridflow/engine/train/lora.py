@@ -14,7 +14,7 @@ The returned `Adapters` gives what the rest of a run needs from them:
   of a KL term, with no second copy of the model;
 - `merged_weights(dtype)`: (HF name of the base weight, W + scale · B·A) per adapted module, gathered one at a
   time: the only weights of the trained policy that differ from the model directory's, what a rollout
-  engine built from that directory is sent;
+  engine built from that directory is sent (`merge`, which exact mode's forward also uses);
 - `peft_config`: the `peft.LoraConfig`, which checkpoints keep so `hybridflow export` can write an adapter
   directory or a merged model.
 `trainable_params` counts, on the meta device, the parameters a LoRA run trains (for device budgeting and
@@ -138,10 +138,17 @@ class Adapters:
         every rank iterates), summed in fp32 and rounded once to `dtype` (None: the base weight's)."""
         for name, layer in self.layers.items():
             base = full_tensor(layer.base_layer.weight.detach())
-            a = full_tensor(layer.lora_A[ADAPTER].weight.detach()).float()
-            b = full_tensor(layer.lora_B[ADAPTER].weight.detach()).float()
-            merged = torch.addmm(base.float(), b, a, alpha=layer.scaling[ADAPTER])
-            yield f"{name}.weight", merged.to(dtype or base.dtype)
+            a = full_tensor(layer.lora_A[ADAPTER].weight.detach())
+            b = full_tensor(layer.lora_B[ADAPTER].weight.detach())
+            yield f"{name}.weight", merge(base, a, b, layer.scaling[ADAPTER], dtype or base.dtype)
+
+
+def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """W + scale · B·A, summed in fp32 (autocast off) and rounded once to `dtype`: what a weight sync sends
+    the rollout engine, and (exact mode, `train.exact`) the weight the adapted layer's forward multiplies by,
+    so both have the same bits. Differentiable in a and b."""
+    with torch.autocast(base.device.type, enabled=False):
+        return torch.addmm(base.float(), b.float(), a.float(), alpha=scale).to(dtype)
 
 
 def apply_lora(model: torch.nn.Module, cfg: Any, head: str, master_dtype: torch.dtype) -> Adapters:

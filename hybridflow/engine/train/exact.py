@@ -1,0 +1,194 @@
+"""Exact mode in the training engine: a causal LM's forward moved onto the batch-invariant ops the rollout
+engine samples with (`hybridflow.engine.invariant`), so every response token's log-prob equals, bit for bit,
+the one the rollout engine reported for it (docs/exact.md).
+
+`make_exact(model, dtype, max_len)` patches the modules of a loaded Llama / Qwen2 / Qwen3 / Mistral model in
+place, as `kernels.fuse_rms_norms` does: the model keeps its class, names and parameters, so LoRA, FSDP2,
+checkpoints and export are unchanged.
+- The embedding's output is cast to the compute dtype `dtype` (the rollout's residual stream is in it; with
+  fp32 master weights under autocast it would be fp32).
+- Every RMSNorm runs `invariant.rms_norm`; the residual adds stay Hugging Face's (one rounded add each, as
+  the rollout's).
+- The rotary embedding returns each position's fp32 row of `invariant.rope_table`, the rollout's table.
+- Each attention block projects with `invariant.linear` (a LoRA layer multiplies by its merged weight
+  W + s·B·A, `lora.merge`, the weight a sync sends), normalises q and k (Qwen3), rotates them, attends with
+  `invariant.attention` over the packed rows and projects out.
+- Each MLP runs `invariant.linear` and `invariant.silu_mul`.
+- The log-prob head computes its logits and log-softmax with the invariant ops (`head.LogProbHead.exact`).
+Forwards must be packed (`[1, T]` rows with `cu_seq_lens_q`); the engine packs every forward in exact mode.
+
+Only the forward has to be invariant. A linear layer's backward is the usual pair of matmuls; each other op
+recomputes the standard PyTorch expression of its maths (flash varlen attention on CUDA) in the backward and
+differentiates that, so gradients are the default engine's up to rounding.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine import invariant
+from hybridflow.engine.invariant.torch_ops import rotary as rotary_reference
+from hybridflow.engine.train.attention import packed_attention
+from hybridflow.engine.train.kernels import STANDARD_RMS_NORMS
+from hybridflow.engine.train.lora import ADAPTER, merge
+from hybridflow.engine.train.model import decoder_layers
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return invariant.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+class _Recomputed(torch.autograd.Function):
+    """`op(*inputs)` forward; the backward differentiates `reference(*inputs)`, recomputed."""
+
+    @staticmethod
+    def forward(ctx, op: Callable, reference: Callable, *inputs):
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        return op(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        wanted = [t for t in inputs if t.requires_grad]
+        with torch.enable_grad():
+            grads = iter(torch.autograd.grad(ctx.reference(*inputs), wanted, grad) if wanted else ())
+        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable `invariant.linear` (operands in one dtype)."""
+    return _Linear.apply(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Differentiable `invariant.rms_norm`; the weight rounded to x's dtype first."""
+    def reference(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h32 = h.float()
+        return w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+    return _Recomputed.apply(lambda h, w: invariant.rms_norm(h, w, eps), reference, x, weight.to(x.dtype))
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Differentiable `invariant.rotary` (a new tensor)."""
+    return _Recomputed.apply(invariant.rotary, rotary_reference, x, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Differentiable `invariant.silu_mul`."""
+    return _Recomputed.apply(invariant.silu_mul, lambda g, u: F.silu(g) * u, gate, up)
+
+
+class _PackedRows:
+    """The attention layout of one packed forward (row starts and lengths, the kernel's work table), made by
+    its first layer and reused by the others: they all receive the same `cu_seq_lens_q` tensor."""
+
+    def __init__(self) -> None:
+        self.cu: torch.Tensor | None = None
+        self.layout: tuple = ()
+
+    def of(self, cu: torch.Tensor, queries: int, heads: int, kv_heads: int) -> tuple:
+        if cu is not self.cu:
+            self.cu = cu
+            self.layout = (cu[:-1].long(), cu[1:] - cu[:-1], invariant.attention_table(cu, queries, heads, kv_heads))
+        return self.layout
+
+
+def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer (or a peft LoRA layer, with its merged weight unless its adapters are disabled) on x,
+    by `linear` in x's dtype."""
+    base = getattr(module, "base_layer", module)
+    weight, bias = base.weight, base.bias
+    if base is not module and not module._disable_adapters:
+        weight = merge(weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight, module.scaling[ADAPTER],
+                       x.dtype)
+    return linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple | None = None,
+                       attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or hidden_states.shape[0] != 1:
+        raise ValueError("exact mode's attention takes packed rows ([1, T] with cu_seq_lens_q); got "
+                         f"{tuple(hidden_states.shape[:-1])} rows without them: keep actor.use_packing=true")
+    x = hidden_states[0]
+    tokens, dim = x.shape[0], self.head_dim
+    q = _project(self.q_proj, x).view(tokens, -1, dim)
+    k = _project(self.k_proj, x).view(tokens, -1, dim)
+    v = _project(self.v_proj, x).view(tokens, -1, dim)
+    if hasattr(self, "q_norm"):
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = (t[0] for t in position_embeddings)
+    q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+    starts, lengths, table = self.exact_rows.of(cu, tokens, q.shape[1], k.shape[1])
+    out = _Recomputed.apply(lambda a, b, c: invariant.attention(a, b, c, cu, starts, lengths, self.scaling, table),
+                            lambda a, b, c: packed_attention(a, b, c, cu, kwargs["max_length_q"], self.scaling),
+                            q, k, v)
+    return _project(self.o_proj, out.reshape(tokens, -1)).unsqueeze(0), None
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    out = _project(self.down_proj, silu_mul(_project(self.gate_proj, flat), _project(self.up_proj, flat)))
+    return out.view(*x.shape[:-1], -1)
+
+
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any):
+    return self.exact_cos[position_ids], self.exact_sin[position_ids]
+
+
+def _embedding_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(input_ids, self.weight, self.padding_idx).to(self.exact_dtype)
+
+
+def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int) -> None:
+    """Patch a causal LM (with its log-prob head installed) in place as the module docstring says; `dtype` is
+    the compute dtype, `max_len` the longest row (prompt + response) its forwards will see. Refuses a model
+    outside `invariant.scope`, naming why."""
+    problems = invariant.unsupported(model.config)
+    if problems:
+        raise ValueError(f"exact mode cannot run {type(model).__name__}: {'; '.join(problems)}")
+    if getattr(model, "use_kernels", False):
+        # transformers' hub kernels (on by default where the `kernels` package is installed) kernelize again at
+        # every train() / eval(), which puts the layers' own forwards back over the ones set here
+        model.use_kernels = False
+    embed = model.get_input_embeddings()
+    embed.exact_dtype = dtype
+    embed.forward = types.MethodType(_embedding_forward, embed)
+    rope = model.get_decoder().rotary_emb
+    cos, sin = invariant.rope_table(model.config, max_len, embed.weight.device)
+    rope.register_buffer("exact_cos", cos, persistent=False)
+    rope.register_buffer("exact_sin", sin, persistent=False)
+    rope.forward = types.MethodType(_rotary_forward, rope)
+    for module in model.modules():
+        if type(module).__name__ in STANDARD_RMS_NORMS and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_norm_forward, module)
+    rows = _PackedRows()
+    for layer in decoder_layers(model):
+        layer.self_attn.exact_rows = rows
+        layer.self_attn.forward = types.MethodType(_attention_forward, layer.self_attn)
+        layer.mlp.forward = types.MethodType(_mlp_forward, layer.mlp)
+    model.get_output_embeddings().exact = True
