@@ -13,10 +13,11 @@ sensitive to the gap (verl's and TRL's "training–inference mismatch"). Metrics
 | `rollout_corr/kl` | mean of log p_rollout − log p_train (k1 estimate of KL(π_rollout ‖ π_train)) |
 | `rollout_corr/k3_kl` | mean of r − log r − 1 (k3 estimate of the same KL; ≥ 0, low variance) |
 | `rollout_corr/log_prob_abs_diff_mean` | mean of \\|log p_train − log p_rollout\\| |
+| `rollout_corr/max_abs_logp_diff` | max of \\|log p_train − log p_rollout\\| (exactly 0 in exact mode) |
 
-The statistics are kept as sums (plus one max), so pieces of a batch (micro-batches, data-parallel
+The statistics are kept as sums (plus two maxima), so pieces of a batch (micro-batches, data-parallel
 ranks) combine exactly: `mismatch_stats` per piece, `merge_mismatch_stats` (or an all-reduce: SUM on
-all entries but the last, MAX on the last), then `mismatch_metrics`.
+the first `len(STAT_SUMS)` entries, MAX on the last `STAT_MAXES`), then `mismatch_metrics`.
 """
 
 from __future__ import annotations
@@ -28,16 +29,18 @@ import torch
 from hybridflow.algorithms.kl import kl_estimate
 from hybridflow.algorithms.utils import check_shapes, masked_sum
 
-# The sums of `mismatch_stats`, in order; one more entry, the max of |p_train - p_rollout|, follows them.
+# The sums of `mismatch_stats`, in order; two maxima follow them: of |p_train - p_rollout| and of
+# |log p_train - log p_rollout|.
 STAT_SUMS = ("tokens", "abs_diff", "sq_diff", "k1", "k3", "log_abs_diff",
              "p_train", "p_rollout", "p_train_sq", "p_rollout_sq", "p_cross")
+STAT_MAXES = 2
 
 
 def mismatch_stats(train_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor
                    ) -> torch.Tensor:
-    """Sufficient statistics of the mismatch over the masked tokens: float64 `[len(STAT_SUMS) + 1]`,
-    the sums named by `STAT_SUMS`, then the max absolute probability difference (0 with no tokens).
-    Inputs are `[B, R]`; gradients are not tracked."""
+    """Sufficient statistics of the mismatch over the masked tokens: float64 `[len(STAT_SUMS) + STAT_MAXES]`,
+    the sums named by `STAT_SUMS`, then the max absolute probability difference and the max absolute log-prob
+    difference (0 with no tokens). Inputs are `[B, R]`; gradients are not tracked."""
     check_shapes("train_logp", train_logp=train_logp, rollout_logp=rollout_logp, response_mask=response_mask)
     train, rollout = train_logp.detach().double(), rollout_logp.detach().double()
     mask = response_mask.detach().double()
@@ -47,30 +50,32 @@ def mismatch_stats(train_logp: torch.Tensor, rollout_logp: torch.Tensor, respons
                  kl_estimate(rollout, train, "k3"), (train - rollout).abs(), p_train, p_rollout,
                  p_train.square(), p_rollout.square(), p_train * p_rollout)
     sums = torch.stack([masked_sum(values, mask) for values in per_token])
-    largest = torch.where(mask.bool(), diff, torch.zeros_like(diff)).max() if diff.numel() else diff.new_zeros(())
-    return torch.cat([sums, largest.reshape(1)])
+    largest = [torch.where(mask.bool(), d, torch.zeros_like(d)).max() if d.numel() else d.new_zeros(())
+               for d in (diff, (train - rollout).abs())]
+    return torch.cat([sums, torch.stack(largest)])
 
 
 def merge_mismatch_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The statistics of two pieces together (sums add, the max is the larger)."""
-    return torch.cat([a[:-1] + b[:-1], torch.maximum(a[-1:], b[-1:])])
+    """The statistics of two pieces together (sums add, the maxima are the larger)."""
+    return torch.cat([a[:-STAT_MAXES] + b[:-STAT_MAXES], torch.maximum(a[-STAT_MAXES:], b[-STAT_MAXES:])])
 
 
 def mismatch_metrics(stats: torch.Tensor) -> dict[str, float]:
     """The metrics of the module docstring from (merged) `mismatch_stats`; {} when there are no tokens.
     The correlation is left out when either side's probabilities do not vary."""
-    s = dict(zip(STAT_SUMS, stats[:-1].tolist()))
+    s = dict(zip(STAT_SUMS, stats[:-STAT_MAXES].tolist()))
     n = s["tokens"]
     if n <= 0:
         return {}
     mean = {k: v / n for k, v in s.items()}
     out = {
         "training/rollout_probs_diff_mean": mean["abs_diff"],
-        "training/rollout_probs_diff_max": float(stats[-1]),
+        "training/rollout_probs_diff_max": float(stats[-2]),
         "training/rollout_probs_diff_std": math.sqrt(max(mean["sq_diff"] - mean["abs_diff"] ** 2, 0.0)),
         "rollout_corr/kl": mean["k1"],
         "rollout_corr/k3_kl": mean["k3"],
         "rollout_corr/log_prob_abs_diff_mean": mean["log_abs_diff"],
+        "rollout_corr/max_abs_logp_diff": float(stats[-1]),
     }
     var_train = mean["p_train_sq"] - mean["p_train"] ** 2
     var_rollout = mean["p_rollout_sq"] - mean["p_rollout"] ** 2

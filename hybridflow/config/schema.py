@@ -140,6 +140,11 @@ class RolloutConfig:
                                      "torch.distributed after each update", ("colocate", "separate"))
     n_workers: Optional[int] = opt(None, "processes (one per device) of the separate rollout group; "
                                          "null = trainer.n_workers (rollout.placement=separate only)")
+    exact: bool = opt(False, "exact on-policy mode: the rollout engine and the trainer's forward run the same "
+                             "batch-invariant kernels, so every sampled token's log-prob equals the trainer's bit "
+                             "for bit; the old-log-prob pass is skipped (the rollout's are the old log-probs) and "
+                             "an update fails if the first forward of the update differs from them at all. Dense "
+                             "Llama/Qwen2/Qwen3/Mistral on one device; eager layers (docs/exact.md)")
 
 
 @dataclass

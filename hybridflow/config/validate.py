@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.exact_checks import exact_problems
 from hybridflow.config.extras import lora_target_problems, package_problems
 from hybridflow.config.roles import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, needs_critic, needs_greedy_baseline,
                                      rollout_workers, run_groups)
@@ -406,6 +407,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
                 + _ray_problems(cfg) + _agent_problems(cfg) + package_problems(cfg))
     if check_paths:
         problems += _path_problems(cfg)
+    problems += exact_problems(cfg, check_paths)
     if n_workers >= 1:
         roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]
         for role in roles:

@@ -6,7 +6,8 @@ One step reads like the algorithm: generate n responses per prompt (multi-turn e
 environment or tools when `agent` sets them: `hybridflow.agents`) → score them (in a process pool,
 overlapped with the log-prob passes) → old and reference log-probs → values → advantages → critic
 update → actor update → weight sync into the rollout engine (in place, or over torch.distributed to a
-separate rollout group: `hybridflow.trainer.roles`). Each arrow is a worker-group call or a
+separate rollout group: `hybridflow.trainer.roles`). In exact mode (`rollout.exact`) the rollout's log-probs
+are the old ones and that pass is skipped. Each arrow is a worker-group call or a
 pure function of `hybridflow.trainer.core`; nothing here touches devices or process groups.
 Two algorithms add to the first arrows: ReMax generates one greedy response per prompt beside the
 samples, whose score is the prompt's baseline (`submit_baselines`); DAPO's dynamic sampling generates and
@@ -95,7 +96,9 @@ class RLTrainer(Trainer):
                 batch = self.generate(prompts, timings)
                 scoring = self.submit_scoring(batch)
             baselines = self.submit_baselines(prompts, timings) if needs_greedy_baseline(cfg) else None
-            if not skips_old_log_probs(cfg):
+            if cfg.rollout.exact:  # the rollout's log-probs are the trainer's, bit for bit (docs/exact.md)
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            elif not skips_old_log_probs(cfg):
                 with timer("old_log_prob", timings):
                     batch = batch.union(actor.compute_log_probs(batch))
             if needs_reference(cfg):

@@ -66,8 +66,10 @@ class ActorWorker(EngineWorker):
         if self.plan is not None and self.rank == 0:
             print(f"device plan: {self.plan.describe()}", flush=True)
         self.cfg, self.rollout_cfg = actor_cfg, rollout_cfg
+        # exact mode: the trainer's forward runs the rollout's invariant kernels, for rows as long as it generates
+        exact_len = data_cfg.max_prompt_length + data_cfg.max_response_length if rollout_cfg.exact else None
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=total_steps, device=self.device,
-                                  seed=seed)
+                                  seed=seed, exact_len=exact_len)
         self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) \
             if with_ref and self.engine.adapters is None else None
         self.rollout = None
@@ -118,13 +120,18 @@ class ActorWorker(EngineWorker):
         if use_kl and "ref_log_probs" not in batch:
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
-        mismatch = RolloutMismatch(self.cfg.rollout_correction, self.device)
+        fresh = None
+        if self.rollout_cfg.exact:  # the update's forwards on the weights that generated are compared
+            start = self.engine.optimizer_steps
+            fresh = lambda: self.engine.optimizer_steps == start  # noqa: E731
+        mismatch = RolloutMismatch(self.cfg.rollout_correction, self.device, fresh)
         # the weight push that follows an update reads the parameter shards: they stay on the device for it
         metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy, mismatch), keep_params=True,
                                passes=self.cfg.ppo_epochs, prefix="actor", rollout_n=self.rollout_cfg.n,
                                temperature=temperature_of(batch, self.rollout_cfg.temperature),
                                with_entropy=use_entropy or "entropy" not in batch)
         metrics.update(mismatch.metrics())
+        mismatch.check(metrics)
         if not use_entropy and "entropy" in batch:  # the token mean over every rank's rows
             mask = batch["response_mask"]
             summed = all_reduce(torch.stack([(batch["entropy"] * mask).sum(), mask.sum()]), self.device)

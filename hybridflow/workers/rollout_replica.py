@@ -27,7 +27,8 @@ UNPLANNED_KV_FRACTION = 0.4
 
 def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torch.dtype, max_model_len: int,
                   kv_cache_bytes: int | None = None, step_rows: int | None = None):
-    """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path`. The KV cache
+    """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
+    kernels when `rollout_cfg.exact`). The KV cache
     on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
     plan's), else `UNPLANNED_KV_FRACTION`. On a CPU, where nothing plans the memory and the cache is
     zero-filled RAM, it holds at most `step_rows` sequences (the rows of one training step; more queue)."""
@@ -40,7 +41,7 @@ def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torc
             kv = kv_cache_bytes if kv_cache_bytes is not None else UNPLANNED_KV_FRACTION
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine)
+        kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact)
 
 
 def pad_token_id(config: Any) -> int:

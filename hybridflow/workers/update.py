@@ -41,7 +41,9 @@ def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool, mismatch: RolloutMisma
         mask, logp = mb["response_mask"], out["log_probs"]
         agg, scale = _agg(cfg, ctx, mask.shape[1]), ctx.share_to_value(mask)
         old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
-        advantages, corrected = (mb["advantages"], {}) if mismatch is None else mismatch.correct(old, mb)
+        # exact mode's old log-probs are the rollout's: its check compares the update's own forward instead
+        measured = logp.detach() if mismatch is not None and mismatch.exact else old
+        advantages, corrected = (mb["advantages"], {}) if mismatch is None else mismatch.correct(measured, mb)
         loss, m = compute_policy_loss(cfg.policy_loss, old, logp, advantages, mask, clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, clip_c=cfg.clip_c, **agg)
         metrics = {"actor/pg_loss": loss.detach() * scale, "actor/pg_clipfrac": m["pg_clipfrac"],

@@ -36,6 +36,7 @@ def test_metrics_match_hand_computed_values():
         "rollout_corr/kl": sum(math.log(b) - math.log(a) for a, b in real) / 5,
         "rollout_corr/k3_kl": sum(x - math.log(x) - 1 for x in r) / 5,
         "rollout_corr/log_prob_abs_diff_mean": sum(abs(math.log(a) - math.log(b)) for a, b in real) / 5,
+        "rollout_corr/max_abs_logp_diff": max(abs(math.log(a) - math.log(b)) for a, b in real),
     }
     assert m == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert m["training/rollout_probs_diff_max"] < 0.6  # the padding token's |0.1 - 0.7| is left out
@@ -52,6 +53,7 @@ def test_identical_log_probs_and_empty_masks():
     logp = torch.log(torch.tensor([[0.3, 0.6], [0.9, 0.2]]))
     m = training_rollout_mismatch(logp, logp, torch.ones(2, 2))
     assert m["training/rollout_probs_diff_max"] == 0 and m["rollout_corr/k3_kl"] == 0
+    assert m["rollout_corr/max_abs_logp_diff"] == 0
     assert m["training/rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
     assert training_rollout_mismatch(logp, logp, torch.zeros(2, 2)) == {}
     constant = training_rollout_mismatch(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
