@@ -131,7 +131,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         f"trainer.seed={a.seed}", "trainer.save_every=0", *a.set,
     ])
     trainer = RLTrainer(cfg)
-    step_s, gen_tok_s, lengths, phases, mfu, tokens_per_s = [], [], [], [], [], []
+    step_s, gen_tok_s, lengths, phases, mfu, tokens_per_s, logp_gap = [], [], [], [], [], [], []
     profile = None
     try:
         for i in range(a.steps):
@@ -148,6 +148,8 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
                 mfu.append(m["perf/mfu/actor"])
             lengths.append(m["response_length/mean"])
             tokens_per_s.append(m["perf/throughput"])  # prompt + response tokens of the step per second
+            if "rollout_corr/max_abs_logp_diff" in m:  # the training-inference mismatch (0 in exact mode)
+                logp_gap.append(m["rollout_corr/max_abs_logp_diff"])
             phase = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")}
             # the controller's own time between phases: dispatch, batch assembly, metrics
             phase["other"] = phase["step"] - sum(v for k, v in phase.items() if k != "step")
@@ -156,7 +158,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
     finally:
         trainer.close()
     return {"step_s": step_s, "gen_tokens_per_s": gen_tok_s, "response_length_mean": lengths,
-            "phases_s": phases, "mfu_actor": mfu, "tokens_per_s": tokens_per_s,
+            "phases_s": phases, "mfu_actor": mfu, "tokens_per_s": tokens_per_s, "max_abs_logp_diff": logp_gap,
             "peak_memory_gb": peak_memory_gb(a.device), "profile": profile}
 
 
@@ -318,6 +320,8 @@ def summarize(name: str, r: dict, warmup: int) -> dict:
     for key in ("gen_tokens_per_s", "mfu_actor", "tokens_per_s"):
         if r.get(key):
             out[f"{key}_median"] = statistics.median(r[key][warmup:] or r[key])
+    if r.get("max_abs_logp_diff"):
+        out["max_abs_logp_diff_max"] = max(r["max_abs_logp_diff"])
     return out
 
 
@@ -343,6 +347,9 @@ def main() -> None:
                    help="with --profile: also write the profiled step's Chrome trace there, gzipped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra hybridflow config override (repeatable), e.g. rollout.cuda_graphs=false")
+    p.add_argument("--against", default=None, metavar="JSON",
+                   help="an earlier run's JSON (e.g. the default's, beside this run's --set rollout.exact=true): "
+                        "the report adds this run's hybridflow step time over that one's")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/grpo_vs_trl_<device>.json)")
     p.add_argument("--child", choices=("hybridflow", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -419,6 +426,14 @@ def main() -> None:
         print(f"hybridflow actor update MFU: {results['hybridflow']['mfu_actor_median']:.1%}")
     if "speedup_step" in report:
         print(f"hybridflow speed-up per step: {report['speedup_step']:.2f}x")
+    if a.against and "step_s_median" in results.get("hybridflow", {}):
+        other = json.loads(Path(a.against).read_text())
+        base = other["results"]["hybridflow"]
+        report["against"] = {"path": a.against, "set": other["settings"].get("set"),
+                             "step_s_median": base["step_s_median"], "phases_s_median": base.get("phases_s_median"),
+                             "step_ratio": results["hybridflow"]["step_s_median"] / base["step_s_median"]}
+        print(f"hybridflow step against {a.against} (--set {other['settings'].get('set')}): "
+              f"{report['against']['step_ratio']:.3f}x")
     write_json(report, a.out or HERE / "results" / f"grpo_vs_trl_{a.device}.json")
 
 

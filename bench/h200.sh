@@ -66,6 +66,38 @@ race_corrections() {
         rm -f "$OUT/correction_$mode.png"
     done
 }
+# exact mode (rollout.exact, docs/exact.md), each stage one device call after model_part1 / model_part2 where it
+# needs the GGUF. exact_tests: the invariance and bitwise engine-vs-trainer GPU tests (the SmolLM2 bf16
+# 64 x 8 x 256 one included); exact_rollout: tokens/s of the exact engine against the default's (target >= 0.7x);
+# exact_grpo: the 0.5B GRPO step, default then exact, with one mini-batch (the default skips its old-log-prob pass
+# too) and with four (exact skips the pass the default runs; target <= 1.15x), 4 JSONs; exact_race: our side of
+# the learning race with rollout.exact=true, then the default's, RACE_BUDGET_S (default 150) each: the mismatch
+# of every step (0 in exact mode) and the two accuracy-against-time curves
+# (pytest's cache holds the real model converted from the GGUF: no `-p no:cacheprovider` here)
+exact_tests() { SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu tests/engine/test_invariant_ops.py \
+    tests/engine/rollout/test_rollout_exact.py 2>&1 | tee "$OUT/exact_tests.log"; }
+exact_rollout() { python3 bench/rollout.py --device cuda --exact --out "$OUT/rollout_exact_h200.json" 2>&1 \
+    | tee "$OUT/rollout_exact.log"; }
+exact_grpo() {
+    local mb
+    for mb in null 8; do
+        python3 bench/grpo_vs_trl.py --device cuda --steps "${EXACT_STEPS:-8}" --only hybridflow \
+            --set actor.mini_batch_size=$mb --out "$OUT/grpo_default_mb$mb.json" 2>&1 | tail -3
+        python3 bench/grpo_vs_trl.py --device cuda --steps "${EXACT_STEPS:-8}" --only hybridflow \
+            --set actor.mini_batch_size=$mb --set rollout.exact=true --against "$OUT/grpo_default_mb$mb.json" \
+            --out "$OUT/grpo_exact_mb$mb.json" 2>&1 | tail -4
+    done 2>&1 | tee "$OUT/exact_grpo.log"
+}
+exact_race() {
+    local mode
+    for mode in exact default; do
+        python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --only hybridflow \
+            --budget-s "${RACE_BUDGET_S:-150}" --eval-every-s "${RACE_EVERY_S:-15}" \
+            --set rollout.exact=$([ $mode = exact ] && echo true || echo false) \
+            --out "$OUT/race_$mode.json" 2>&1 | tail -6 | tee -a "$OUT/exact_race.log"
+        rm -f "$OUT/race_$mode.png"
+    done
+}
 # one framework of the race (RACE_ONLY=hybridflow or trl), for a budget too long for both in one call: the
 # other runs in the next call while the machine is warm (the GGUF stays), then, here,
 # `python bench/learn_vs_trl.py --merge A.json B.json --out bench/results/learn_vs_trl_cuda_<sha>.json`

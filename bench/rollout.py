@@ -6,6 +6,7 @@
     python bench/rollout.py --device cuda --quick --skip-hf   # smoke: 0.5B, batch 256, ours only
     python bench/rollout.py --device cuda --long [--long-max 8192]   # only the long-response regime
     python bench/rollout.py --device cuda --profile           # + a torch.profiler account of a decode run
+    python bench/rollout.py --device cuda --exact             # only exact mode against the default (rollout_exact.py)
 
 On CPU: the fixed-length run at batch 64 (prompt 32, 64 new tokens; ours and `generate` alternate
 three times and the medians are reported, since the 2-core machine is shared), then an RL-shaped one
@@ -34,6 +35,7 @@ import torch
 
 from grpo_vs_trl import git_commit, write_json
 from hybridflow.engine.rollout import SamplingParams
+from rollout_exact import bench_exact
 from rollout_long import bench_long, profile_decode, shared_prefill
 from rollout_util import engine_from, hf_generate, make_model, median, ours_generate, sync
 
@@ -327,6 +329,7 @@ def main() -> None:
                         help="new tokens `generate` is timed for in the long regime")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over a decode run, into the JSON")
     parser.add_argument("--attention-only", action="store_true", help="CUDA: only the decode attention sweep")
+    parser.add_argument("--exact", action="store_true", help="only exact mode's engine against the default")
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
@@ -338,7 +341,10 @@ def main() -> None:
     if cpu:
         torch.set_num_threads(args.threads)
         result["threads"] = args.threads
-    if cpu and not args.long:
+    if args.exact:
+        result["exact"] = bench_exact(device, torch.float32 if cpu else torch.bfloat16, 8 if cpu else 128,
+                                      8 if cpu else 256, 1 if cpu else 3)
+    elif cpu and not args.long:
         if not args.rl_only:
             result["shapes"] = {"cpu-10m": bench_shape("cpu-10m", device, torch.float32, [64], 32, 64,
                                                        args.skip_hf, None, repeats=3)}
@@ -359,7 +365,7 @@ def main() -> None:
                                            bandwidth) for s in shapes}
         result["varied_stop"] = bench_varied("qwen2-0.5b", device, torch.bfloat16, 256, 128, 256)
     dtype = torch.float32 if cpu else torch.bfloat16
-    if args.long or not (args.skip_long or args.quick or args.rl_only or args.attention_only):
+    if args.long or not (args.skip_long or args.quick or args.rl_only or args.attention_only or args.exact):
         if cpu:  # toy size: prompt 32, up to 128 new tokens, batch 16
             result["long"] = {"cpu-10m": bench_long("cpu-10m", device, dtype, 16, 32, 128, (16, 32), 32,
                                                     args.skip_hf)}

@@ -9,13 +9,14 @@ import time
 import torch
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-from hybridflow.utils.model_shapes import QWEN_SHAPES
+from hybridflow.utils.model_shapes import QWEN_SHAPES, SMOLLM2_135M
 
 SHAPES = {
     "cpu-10m": dict(hidden_size=256, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=1024, vocab_size=512),
     "qwen2-0.5b": QWEN_SHAPES["0.5b"],
     "qwen2-1.5b": QWEN_SHAPES["1.5b"],
+    "smollm2-135m": SMOLLM2_135M,  # the learning race's dimensions, built as a Qwen2 (random weights)
 }
 
 

