@@ -52,7 +52,7 @@ class _Linear(torch.autograd.Function):
         flat = grad.reshape(-1, grad.shape[-1])
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_b = flat.float().sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
 
