@@ -1,32 +1,26 @@
-"""The first steps of a compiled update with and without the background compile warm-up (`model.compile_warmup`).
+"""The first steps of a compiled update from empty compile caches, and what a step costs uncompiled.
 
     python bench/compile_warmup.py --device cpu --model tiny                 # toy size on 2 CPU cores
-    python bench/compile_warmup.py --device cpu --model PATH                 # e.g. SmolLM2-135M (fp32)
-    python bench/compile_warmup.py --device cuda --model PATH                # on a GPU (bf16 over fp32)
     python bench/compile_warmup.py --device cuda --model smollm2 --mode cold --checkpointing --rows 64 \
         --prompt 100 --response 200     # the race's model shape, random weights: the first step's stall
     python bench/compile_warmup.py --device cuda --model smollm2 --mode eager --checkpointing --rows 512 \
         --prompt 100 --response 190 --after 3   # what a race-sized step costs uncompiled
 
-Each mode runs in its own process with an empty inductor cache: `cold` compiles at first use (the warm-up
-off), `warmup` trains eagerly while the warm-up subprocess compiles, then switches; `eager` (run on its
-own, not part of the default `both`) never compiles. A step is one no-grad log-prob pass with entropy plus
-one optimizer step (forward + backward with an entropy term) on `--rows` random rows; steps run until
-`--after` steps have run compiled (eager: `--after` steps) or `--max-s` seconds have passed. Prints and
-writes (`--out`, default bench/results/compile_warmup_<device>.json) each step's seconds and whether it ran
-compiled, the warm-up's duration, and on a GPU the allocator's peak and the device's (the whole GPU's used
-memory, the warm-up subprocess's included: `grpo_vs_trl.DeviceMemoryWatch`). Each mode's JSON also holds
-where its compilation went (`compile_s`: dynamo's timed phases summed over the graphs), dynamo's graph
-counts and recompiles. On a GPU the engine runs in a one-rank process group (FSDP2 mixed precision), as in
-a training run. `--model smollm2` is SmolLM2-135M's shape (30 layers) with random weights.
+`cold` compiles at first use (run it with empty `TORCHINDUCTOR_CACHE_DIR` and `TRITON_CACHE_DIR`, as
+`bash bench/h200.sh compile_first_step` does); `eager` never compiles. A step is one no-grad log-prob pass
+with entropy plus one optimizer step (forward + backward with an entropy term) on `--rows` random rows;
+`--after` steps run, or steps until `--max-s` seconds have passed. Prints and writes (`--out`, default
+bench/results/compile_first_step_<device>.json) each step's seconds, where the compilation went
+(`compile_s`: dynamo's timed phases summed over the graphs), dynamo's graph counts and recompiles, and on a
+GPU the allocator's peak and the device's (`grpo_vs_trl.DeviceMemoryWatch`). On a GPU the engine runs in a
+one-rank process group (FSDP2 mixed precision), as in a training run. `--model smollm2` is SmolLM2-135M's
+shape (30 layers) with random weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,12 +33,10 @@ from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
 
 
 def run_mode(args: argparse.Namespace) -> dict:
-    from types import SimpleNamespace
-
     import torch
 
+    from hybridflow.config.schema import ModelConfig, OptimConfig
     from hybridflow.engine.train import TrainEngine
-    from hybridflow.engine.train.warmup import random_batch
 
     device = torch.device(args.device)
     watch = DeviceMemoryWatch() if device.type == "cuda" else None
@@ -65,10 +57,8 @@ def run_mode(args: argparse.Namespace) -> dict:
 
         path = tempfile.mkdtemp(prefix="smollm2-shape-")
         LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(path)
-    cfg = SimpleNamespace(path=path, dtype="auto", compile=args.mode != "eager", compile_warmup=args.mode == "warmup",
-                          gradient_checkpointing=args.checkpointing)
-    optim = SimpleNamespace(lr=1e-5, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0,
-                            weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0)
+    cfg = ModelConfig(path=path, compile=args.mode == "cold", gradient_checkpointing=args.checkpointing)
+    optim = OptimConfig(lr=1e-5, weight_decay=0.0)
     engine = TrainEngine(cfg, optim, device=device)
     batch = random_batch(engine.config.vocab_size, args.rows, args.prompt, args.response)
 
@@ -77,8 +67,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         return ((out["log_probs"] - 0.01 * out["entropy"]) * mask).sum() / ctx.global_tokens, {}
 
     steps, start = [], time.perf_counter()
-    counted = (lambda: len(steps)) if args.mode == "eager" else (lambda: sum(s["compiled"] for s in steps))
-    while counted() < args.after and time.perf_counter() - start < args.max_s:
+    while len(steps) < args.after and time.perf_counter() - start < args.max_s:
         t = time.perf_counter()
         engine.infer(batch, with_entropy=True)
         if device.type == "cuda":
@@ -87,13 +76,11 @@ def run_mode(args: argparse.Namespace) -> dict:
         engine.train_step(batch, loss_fn, with_entropy=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        steps.append({"seconds": round(time.perf_counter() - t, 3), "infer_s": round(infer_s, 3),
-                      "compiled": engine.compiled})
+        steps.append({"seconds": round(time.perf_counter() - t, 3), "infer_s": round(infer_s, 3)})
     from torch._dynamo.utils import compile_times, counters
 
     phases, seconds = compile_times(repr="csv", aggregate=True)
-    out = {"mode": args.mode, "steps": steps, "until_compiled_s": round(time.perf_counter() - start, 2),
-           "warmup_s": engine.warmup_seconds,
+    out = {"mode": args.mode, "steps": steps, "total_s": round(time.perf_counter() - start, 2),
            # where this process's compilation went (dynamo's timed phases, summed over its graphs) and how many
            # graphs it compiled: the first step's stall, by phase
            "compile_s": {phase: round(float(value), 2) for phase, value in zip(phases, seconds)},
@@ -101,47 +88,44 @@ def run_mode(args: argparse.Namespace) -> dict:
     if watch is not None:
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["peak_device_memory_gb"] = watch.stop()
-    engine.close()
     return out
+
+
+def random_batch(vocab: int, rows: int, prompt: int, response: int) -> dict:
+    """`rows` random rows of left-padded prompts and right-padded responses, row i `i` tokens shorter in the
+    prompt and `2 i` in the response (each row keeps one of each)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, prompt + response), generator=g)
+    mask = torch.zeros(rows, prompt + response, dtype=torch.long)
+    for i in range(rows):
+        mask[i, min(i, prompt - 1):prompt + max(response - 2 * i, 1)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, prompt:],
+            "response_mask": mask[:, prompt:].float(), "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="tiny", help="a Hugging Face model directory, tiny or smollm2")
-    parser.add_argument("--mode", default="both", choices=("both", "cold", "warmup", "eager"),
-                        help="eager: no compilation, --after steps (what a step costs before the compile lands)")
+    parser.add_argument("--mode", default="cold", choices=("cold", "eager"),
+                        help="cold: compile at first use; eager: no compilation (what a step costs before the "
+                             "compile lands)")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=24)
     parser.add_argument("--response", type=int, default=40)
-    parser.add_argument("--after", type=int, default=2, help="compiled steps (eager: steps) to run before stopping")
+    parser.add_argument("--after", type=int, default=3, help="steps to run")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (the default under 1B)")
     parser.add_argument("--max-s", type=float, default=600.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.mode != "both":
-        result = run_mode(args)
-        print("RESULT " + json.dumps(result), flush=True)
-        if args.out:  # a child of `both` has none: its parent writes
-            write_json({"args": vars(args), "commit": git_commit(), "runs": [result]}, args.out)
-        return
-    results = []
-    for mode in ("cold", "warmup"):
-        with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
-            argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("mode", "out")]
-            proc = subprocess.run([sys.executable, __file__, *argv, f"--mode={mode}"], capture_output=True, text=True,
-                                  env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=cache))
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                sys.exit(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            results.append(json.loads(lines[-1].removeprefix("RESULT ")))
-            steps = results[-1]["steps"]
-            first = next(i for i, s in enumerate(steps + [{"compiled": True}]) if s["compiled"])
-            print(f"{mode}: {first} eager steps ({sum(s['seconds'] for s in steps[:first]):.1f} s), first compiled "
-                  f"step {steps[first]['seconds'] if first < len(steps) else float('nan'):.1f} s, later "
-                  f"{steps[-1]['seconds']:.2f} s; warm-up {results[-1]['warmup_s'] or 0:.1f} s", flush=True)
-    write_json({"args": vars(args), "commit": git_commit(), "runs": results},
-               args.out or HERE / "results" / f"compile_warmup_{args.device}.json")
+    result = run_mode(args)
+    steps = result["steps"]
+    print(f"{args.mode}: first step {steps[0]['seconds']:.1f} s, later {steps[-1]['seconds']:.2f} s; "
+          f"compile phases {result['compile_s']}", flush=True)
+    write_json({"args": vars(args), "commit": git_commit(), "runs": [result]},
+               args.out or HERE / "results" / f"compile_first_step_{args.device}.json")
 
 
 if __name__ == "__main__":

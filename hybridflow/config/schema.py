@@ -83,12 +83,6 @@ class ModelConfig:
                                                        "off on a CPU")
     compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head (micro-batches "
                                         "are then not host-bound); null = on for CUDA, off on a CPU")
-    compile_warmup: bool = opt(False, "with compile on, train eagerly while a subprocess compiles the same graphs "
-                                      "on a 1-layer stand-in of the model into inductor's on-disk cache, then "
-                                      "switch to compiled layers at the next step (their compile hits that "
-                                      "cache); one rank only; off by default: on the H200 the eager steps and "
-                                      "the warm-up's share of the GPU and host cost more than the first-step "
-                                      "compile it avoids (docs/training_engine.md)")
     attn_implementation: str = opt("sdpa", "transformers attention implementation (sdpa, eager, ...)")
     trust_remote_code: bool = opt(False, "allow model code shipped inside the model directory")
 

@@ -92,8 +92,7 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
     Returns the loss metrics averaged over steps, `{prefix}/grad_norm` (mean pre-clip norm),
     `{prefix}/lr` (of the last step), `{prefix}/skipped_steps` (non-finite norms so far),
     `perf/throughput/{prefix}` (real tokens per second per device), `perf/mfu/{prefix}` (on a GPU),
-    `perf/compiled/{prefix}` (1 once the layers run compiled) and, once a compile warm-up has ended,
-    `perf/compile_warmup_s/{prefix}` (its duration).
+    `perf/compiled/{prefix}` (1 when the layers run compiled).
     """
     rows = tensors["input_ids"].shape[0]
     global_rows = int(all_reduce(torch.tensor([rows]), engine.device).item())

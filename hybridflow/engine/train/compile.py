@@ -37,8 +37,7 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor") -> int:
     returns how many layers were compiled."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
     # input sizes that happen to be equal in the first call (a micro-batch of 64 tokens and a head_dim of 64)
-    # would otherwise share one symbol: a graph specialised on a coincidence, recompiled when it ends, and
-    # not the graph the background warm-up (`warmup.py`) compiled on other sizes
+    # would otherwise share one symbol: a graph specialised on a coincidence, recompiled when it ends
     torch.fx.experimental._config.use_duck_shape = False
     layers = decoder_layers(model)
     for layer in layers:

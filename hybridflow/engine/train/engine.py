@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,6 @@ from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
-from hybridflow.engine.train.warmup import CompileWarmup, WarmupSpec, resolve_warmup
 
 
 @dataclass
@@ -75,7 +73,7 @@ class TrainEngine:
 
     Args:
         model_cfg: `ModelConfig`-like (`path`, `dtype`, `master_dtype`, `gradient_checkpointing`, `compile`,
-            `compile_warmup`, `attn_implementation`, `trust_remote_code`; missing optional ones take their
+            `attn_implementation`, `trust_remote_code`; missing optional ones take their
             defaults).
         optim_cfg: an actor/critic section (`optimizer`, lr, schedule, `grad_clip`, `lora`, ...) or None for
             a frozen model.
@@ -129,15 +127,7 @@ class TrainEngine:
         self.model = model
         # compiled layers fuse the elementwise ops around the invariant ones and change their rounding
         self.compiled = not self.exact and resolve_compile(getattr(model_cfg, "compile", None), self.device)
-        # with the warm-up, layers run eagerly until it has filled the compile caches (`_compile_when_warm`)
-        self.warmup: CompileWarmup | None = None
-        self.warmup_seconds: float | None = None
-        if self.compiled and resolve_warmup(getattr(model_cfg, "compile_warmup", False), True, self.world_size):
-            self.warmup = CompileWarmup.start(WarmupSpec(
-                model_cfg, optim_cfg, head, str(self.device), pack_on_cpu, 2 if lora else 1,
-                dist.get_backend() if self.distributed else None, torch.get_num_threads()))
-            self.compiled = False
-        elif self.compiled:
+        if self.compiled:
             compile_model(model)
         self.lm_head = model.get_output_embeddings() if head == "lm" else None
         self.config = model.config
@@ -201,7 +191,6 @@ class TrainEngine:
               pack: bool = True) -> dict[str, torch.Tensor]:
         """Log-probs (+ entropy) or values for every row of `batch`, `[B, R]` float32 on the CPU; dropout
         (a LoRA adapter's, or the model's own) is off for these passes."""
-        self._compile_when_warm()
         rows = batch["input_ids"].shape[0]
         outs: dict[str, torch.Tensor] = {}
         training = self.model.training
@@ -219,35 +208,9 @@ class TrainEngine:
             self.model.train(training)
         return outs
 
-    def _compile_when_warm(self) -> None:
-        """At a step boundary: once the background warm-up has ended, compile the layers (their compilation
-        now hits its on-disk caches); if it failed, say so once and compile them anyway."""
-        if self.warmup is None:
-            return
-        succeeded = self.warmup.poll()
-        if succeeded is None:
-            return
-        if not succeeded:
-            warnings.warn(f"the background compile warm-up failed ({self.warmup.failure}); compiling the layers "
-                          f"in this process instead", RuntimeWarning, stacklevel=3)
-        else:
-            print(f"compile warm-up done in {self.warmup.seconds:.1f} s: compiling the layers", flush=True)
-        self.warmup_seconds, self.warmup = self.warmup.seconds, None
-        compile_model(self.model)
-        self.compiled = True
-
     def compile_metrics(self) -> dict[str, float]:
-        """`compiled` (1 once the layers run compiled) and, once the warm-up has ended, `compile_warmup_s`."""
-        out = {"compiled": float(self.compiled)}
-        if self.warmup_seconds is not None:
-            out["compile_warmup_s"] = self.warmup_seconds
-        return out
-
-    def close(self) -> None:
-        """End the compile warm-up if it still runs (it also ends with this process)."""
-        if self.warmup is not None:
-            self.warmup.close()
-            self.warmup = None
+        """`compiled`: 1 when the layers run compiled."""
+        return {"compiled": float(self.compiled)}
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None = None,
@@ -260,7 +223,6 @@ class TrainEngine:
         metrics come back averaged over all ranks' response tokens, with `loss` (the summed mini-batch
         loss), `grad_norm` (before clipping), `lr` and `stepped` (0 if the norm was not finite).
         """
-        self._compile_when_warm()
         mask = batch["response_mask"]
         counts = all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
                                          dtype=torch.float64), self.device)
