@@ -26,6 +26,7 @@ a table. On a GPU each run records the device's used-memory peak (`peak_device_m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -97,12 +98,12 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
     ], config_file=ROOT / "recipes" / "gsm8k_smollm2.yaml")
     trainer = RLTrainer(cfg)
     val = list(trainer.val_loader)
+    greedy = dataclasses.replace(trainer.sampling, n=1, temperature=0.0, seed=a.seed)
 
     def evaluate() -> float:
         texts, truths = [], []
         for prompts in val:
-            prompts.meta["sampling"] = {"n": 1, "temperature": 0.0, "seed": a.seed}
-            batch = trainer.roles.rollout.generate(prompts)
+            batch = trainer.roles.rollout.generate(prompts, greedy)
             texts += core.decode_responses(batch, trainer.tokenizer)
             truths += [str(g) for g in batch["ground_truth"]]
         return score(texts, truths)

@@ -35,7 +35,6 @@ import tempfile
 import time
 import traceback
 from collections import defaultdict
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -142,13 +141,12 @@ def estimated_peak_gb(config, tokens: int, device: str, checkpointing: bool) -> 
 def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool, checkpointing: bool,
                  check_parity: bool = False) -> dict:
     """One configuration: old-log-prob pass, warm-up, timed steps, memory (and packed-vs-padded parity)."""
+    from hybridflow.config.schema import ModelConfig, OptimConfig
     from hybridflow.engine.train import TrainEngine
 
-    model_cfg = SimpleNamespace(path=path, dtype="bf16" if args.device == "cuda" else "fp32",
-                                gradient_checkpointing=checkpointing, compile=compiled, attn_implementation="sdpa",
-                                trust_remote_code=False)
-    optim = SimpleNamespace(optimizer="adamw", lr=1e-6, lr_schedule="constant", lr_warmup_steps=0,
-                            min_lr_ratio=0.0, weight_decay=0.01, betas=(0.9, 0.999), grad_clip=1.0)
+    model_cfg = ModelConfig(path=path, dtype="bf16" if args.device == "cuda" else "fp32",
+                            gradient_checkpointing=checkpointing, compile=compiled)
+    optim = OptimConfig(lr=1e-6)
     engine = TrainEngine(model_cfg, optim, head="lm", total_steps=100, pack_on_cpu=True)
     seq_lens = batch["attention_mask"].sum(-1).tolist()
     sync(args.device)

@@ -23,11 +23,12 @@ from transformers import AutoTokenizer
 
 from hybridflow import algorithms
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.chat import encode_prompts
 from hybridflow.data.loader import left_pad
 from hybridflow.rewards.manager import scores_to_token_scores
+from hybridflow.trainer.role_configs import actor_config, train_sampling
 from hybridflow.utils.tiny_model import build_tiny_model
 from hybridflow.workers import ActorWorker
 
@@ -60,22 +61,21 @@ def main() -> None:
     model_path = args.model or build_tiny_model(tempfile.mkdtemp(prefix="tiny_"), hidden=64, layers=2)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    actor = WorkerGroup(ActorWorker, n_workers=1, name="actor", init_kwargs=dict(
-        model_cfg=ModelConfig(path=str(model_path)),
-        actor_cfg=ActorConfig(lr=1e-2, mini_batch_size=None),
-        rollout_cfg=RolloutConfig(n=args.n, temperature=1.0),
-        data_cfg=DataConfig(max_prompt_length=64, max_response_length=16),
-        total_steps=args.steps))
+    cfg = RLConfig(model=ModelConfig(path=str(model_path)), actor=ActorConfig(lr=1e-2, mini_batch_size=None),
+                   rollout=RolloutConfig(n=args.n, temperature=1.0),
+                   data=DataConfig(max_prompt_length=64, max_response_length=16))
+    sampling = train_sampling(cfg)                                   # n, temperature, max_tokens, seed
+    actor = WorkerGroup(ActorWorker, n_workers=1, name="actor",
+                        init_kwargs=dict(config=actor_config(cfg, total_steps=args.steps)))
     with actor:
         for step in range(1, args.steps + 1):
             prompts = prompt_batch(tokenizer, QUESTIONS, step)
-            prompts.meta["sampling"] = {"seed": step}
-            batch = actor.generate(prompts)                          # len(QUESTIONS) * n rows
+            batch = actor.generate(prompts, sampling, step)          # len(QUESTIONS) * n rows
             scores = torch.tensor([digit_share(t) for t in responses_text(tokenizer, batch)])
             batch["token_rewards"] = scores_to_token_scores(scores, batch["response_mask"])
-            batch = batch.union(actor.compute_log_probs(batch))      # old_log_probs, entropy
+            batch = batch.union(actor.compute_log_probs(batch, sampling.temperature))  # old_log_probs, entropy
             batch["advantages"], batch["returns"] = algorithms.compute_advantages("grpo", batch)
-            metrics = actor.update_actor(batch)                      # the same on every rank: one dict
+            metrics = actor.update_actor(batch, sampling.temperature)  # the same on every rank: one dict
             actor.sync_weights()                                     # trained weights -> rollout engine
             print(f"step {step}: digit share {scores.mean():.3f} | pg_loss {metrics['actor/pg_loss']:+.4f} | "
                   f"entropy {metrics['actor/entropy']:.3f}")

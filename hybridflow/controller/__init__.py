@@ -5,7 +5,7 @@ from hybridflow.controller.backends import wait_all
 from hybridflow.controller.colocate import colocate
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerUnresponsiveError
-from hybridflow.controller.group import MemberView, Remote, WorkerGroup
+from hybridflow.controller.group import MemberView, Remote, WorkerGroup, remote, submit
 from hybridflow.controller.pool import Placement, ResourcePool
 from hybridflow.controller.worker import Worker
 
@@ -22,5 +22,7 @@ __all__ = [
     "WorkerUnresponsiveError",
     "colocate",
     "register",
+    "remote",
+    "submit",
     "wait_all",
 ]

@@ -10,16 +10,19 @@ a type checker and an editor see the worker class itself, so go-to-definition fr
 ``roles.actor.update_actor(batch)`` reaches `ActorWorker.update_actor`, and a call takes the method's
 arguments and returns its result, collected as its `@register` says (a Batch, or one value with
 ``collect="same"``). At run time the object is a `WorkerGroup[W]` or a `MemberView[W]`; ``.submit`` exists
-only there.
+only there: typed code starts a call with `submit(handle.method, *args)`, which a type checker reads as the
+method's own signature and result.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, ParamSpec, TypeVar, cast
 
 from hybridflow.controller.backends import make_backend
 from hybridflow.controller.colocate import ColocatedWorker
@@ -30,6 +33,8 @@ from hybridflow.controller.runtime import WorkerSpec
 from hybridflow.controller.worker import Worker
 
 W = TypeVar("W", bound=Worker)
+P = ParamSpec("P")
+R = TypeVar("R")
 Remote = Annotated[W, "a WorkerGroup or MemberView dispatching each call over the ranks"]
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
@@ -86,7 +91,7 @@ def _combine(parts: list[Future], finish: Any) -> Future:
             out.set_exception(exc)
 
     for i, part in enumerate(parts):
-        part.add_done_callback(lambda f, i=i: on_done(i, f))
+        part.add_done_callback(functools.partial(on_done, i))
     return out
 
 
@@ -105,6 +110,20 @@ class RemoteMethod:
 
     def __repr__(self) -> str:
         return f"<{self._spec.mode} method '{self._path}' of group '{self._group.name}'>"
+
+
+def remote(handle: WorkerGroup[W] | MemberView[W]) -> Remote[W]:
+    """`handle` as the `Remote[W]` a controller keeps (the worker class itself, to a type checker)."""
+    return cast(W, handle)
+
+
+def submit(method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+    """Starts `method` (a worker method reached through a `Remote` handle: ``submit(roles.actor.update_actor,
+    batch)``) and returns a Future of its collected result; the same as ``method.submit(...)``, with the
+    method's own argument and result types for a type checker."""
+    if not isinstance(method, RemoteMethod):
+        raise TypeError(f"submit() takes a method of a WorkerGroup or MemberView (group.method), got {method!r}")
+    return method.submit(*args, **kwargs)
 
 
 def _lookup(cls: type, owner: str, name: str) -> DispatchSpec:
@@ -193,9 +212,15 @@ class WorkerGroup(Generic[W]):
         self._backend = backend_obj
         _live_groups.add(self)
 
+    def _started(self) -> Any:
+        """The running backend; a group that is shut down says so."""
+        if self._backend is None:
+            raise RuntimeError(f"worker group '{self.name}' is shut down")
+        return self._backend
+
     @property
     def world_size(self) -> int:
-        return self._backend.world_size
+        return self._started().world_size
 
     def pids(self) -> list[int]:
         """Process id of each rank (the controller's own pid for inline groups)."""
@@ -203,7 +228,7 @@ class WorkerGroup(Generic[W]):
 
     def placement(self) -> Placement:
         """Each rank's node and the address the group's process group met at."""
-        return self._backend.placement()
+        return self._started().placement()
 
     def __getattr__(self, name: str) -> Any:
         cls = self.__dict__.get("worker_cls")

@@ -4,7 +4,10 @@
 checkpoint, and locked to this run: `RunLock`), the checkpoints (the one to resume from found, verified and
 checked against this config, before any model loads), the tokenizer, the train and validation loaders,
 the run's length, the bad-step counter, the worker groups (then loaded from the checkpoint) and the metric
-tracker. If any of it fails, what was started is stopped and the lock released.
+tracker. Once the workers run, the values they filled in where the config left them open (the device
+plan's micro-batch budget and checkpointing, compilation, the rollout engine) come back
+(`effective_values`): the run logs each device plan once and writes the config it runs with to
+`resolved_config.yaml` beside `metrics.jsonl`. If any of it fails, what was started is stopped and the lock released.
 A trainer says what is its own by overriding the methods under "what each trainer says": its loaders,
 its workers, what a checkpoint holds beyond the loader position and the bad-step counter, and
 `train_step` / `validate`, which `fit()` drives through `hybridflow.trainer.loop.run_steps`.
@@ -15,6 +18,7 @@ steps once per optimizer step.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -22,12 +26,16 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import BadStepCounter, RunLock, check_writable
+from hybridflow.config.loader import to_yaml
 from hybridflow.controller import WorkerGroup
 from hybridflow.controller.cluster import connect
 from hybridflow.data.loader import BatchLoader
 from hybridflow.tracking import Tracker
 from hybridflow.trainer.checkpointing import RunCheckpoints
 from hybridflow.trainer.loop import run_steps
+from hybridflow.workers.contracts import TrainedRoleHandle
+
+RESOLVED_CONFIG = "resolved_config.yaml"
 
 
 def device_type(setting: str, backend: str = "local", ray_address: str | None = None) -> str:
@@ -66,7 +74,7 @@ class Trainer(ABC):
         self.lock = RunLock(self.output_dir)
         if self.lock.stale_holder:
             print(f"{self.lock.path}: taking over the lock of a run that has ended ({self.lock.stale_holder})")
-        self.groups: list[WorkerGroup] = []
+        self.groups: list[WorkerGroup[Any]] = []
         self.tracker: Tracker | None = None
         try:
             self.checkpoints = RunCheckpoints(self, checkpoint_bytes)
@@ -77,6 +85,7 @@ class Trainer(ABC):
             self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)
             self.step = 0
             self.start_workers()
+            self.resolved_cfg = self.write_resolved_config()
             self.checkpoints.restore()
             self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
                                    cfg.trainer.experiment_name, cfg, self.total_steps)
@@ -94,8 +103,13 @@ class Trainer(ABC):
         """Starts the run's worker groups (listing them in `self.groups`) and what drives them."""
 
     @abstractmethod
-    def checkpointed_roles(self) -> dict[str, Any]:
+    def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
         """Role name -> handle with `save_checkpoint(dir)` / `load_checkpoint(dir)`, for each trained model."""
+
+    def effective_handles(self) -> dict[str, Any]:
+        """Role name -> handle with `effective_values()`, for every group whose workers fill in config values
+        (by default the trained roles)."""
+        return dict(self.checkpointed_roles())
 
     def checkpointed_state(self) -> dict[str, Any]:
         """The controller's state a checkpoint keeps: the loader position and the bad-step counter, plus
@@ -111,6 +125,35 @@ class Trainer(ABC):
         """Metrics over the validation loader (`val/...`)."""
 
     # ------------------------------------------------------------------ the run
+    def write_resolved_config(self) -> Any:
+        """The config with what the workers filled in (`effective_handles`), written to `resolved_config.yaml`
+        in the output directory under a header naming each device plan, which is also printed once (roles
+        sharing a device share a plan); returns it."""
+        resolved = copy.deepcopy(self.cfg)
+        plans: dict[str, list[str]] = {}
+        for name, handle in self.effective_handles().items():
+            effective = handle.effective_values()
+            for key, value in effective.values.items():
+                *parents, leaf = key.split(".")
+                node = resolved
+                for part in parents:
+                    node = getattr(node, part)
+                setattr(node, leaf, value)
+            if effective.plan is not None:
+                plans.setdefault(effective.plan, []).append(name)
+        header = ""
+        for plan, names in plans.items():
+            print(f"device plan of {', '.join(names)}: {plan}", flush=True)
+            header += f"# device plan of {', '.join(names)}: {plan}\n"
+        (self.output_dir / RESOLVED_CONFIG).write_text(header + to_yaml(resolved))
+        return resolved
+
+    def validation_batches(self) -> BatchLoader:
+        """The validation loader, for `validate` (which runs only when the run has validation files)."""
+        if self.val_loader is None:
+            raise RuntimeError("validate() needs validation data: set data.val_files")
+        return self.val_loader
+
     @property
     def n_devices(self) -> int:
         """Devices (processes) the run holds, over all its groups."""

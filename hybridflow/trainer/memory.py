@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridflow.config.resolved import RunFacts
 from hybridflow.config.roles import rollout_workers
 from hybridflow.engine.budget import DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole
 from hybridflow.engine.train.lora import trainable_params
@@ -33,10 +34,11 @@ def _shape(model_cfg: Any, path: str, head: str) -> ModelShape:
     return ModelShape.from_config(_config(model_cfg, path), head, model_cfg.trust_remote_code)
 
 
-def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: str, head: str) -> TrainedRole:
-    """The role of config section `keys` training the model at `path` (LoRA: its adapters, counted here)."""
+def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: str, head: str,
+             lora: bool) -> TrainedRole:
+    """The role of config section `keys` training the model at `path` (with `lora`: its adapters, counted
+    here)."""
     config = _config(model_cfg, path)
-    lora = role_cfg.lora
     return TrainedRole(keys=keys, model_keys=model_keys,
                        shape=ModelShape.from_config(config, head, model_cfg.trust_remote_code),
                        compute_bytes=_compute_bytes(model_cfg.dtype),
@@ -44,13 +46,13 @@ def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: st
                        param_offload=role_cfg.param_offload, optimizer_offload=role_cfg.optimizer_offload,
                        gradient_checkpointing=model_cfg.gradient_checkpointing,
                        max_tokens=role_cfg.max_tokens_per_micro_batch, micro_batch_rows=role_cfg.micro_batch_size,
-                       lora_params=trainable_params(config, lora, head, model_cfg.trust_remote_code)
-                       if lora.rank > 0 else None)
+                       lora_params=trainable_params(config, role_cfg.lora, head, model_cfg.trust_remote_code)
+                       if lora else None)
 
 
-def device_demands(cfg: Any, with_ref: bool, with_critic: bool) -> dict[str, DeviceDemand]:
+def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
     """{group name: its per-device demand} for the groups `build_roles` starts."""
-    actor = _trained("actor", "model", cfg.model, cfg.actor, cfg.model.path, "lm")
+    actor = _trained("actor", "model", cfg.model, cfg.actor, cfg.model.path, "lm", facts.actor_lora)
     actor_shape = actor.shape
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     common = dict(world_size=cfg.trainer.n_workers, longest_sequence=longest,
@@ -62,21 +64,21 @@ def device_demands(cfg: Any, with_ref: bool, with_critic: bool) -> dict[str, Dev
                           kv_cache_fraction=cfg.rollout.kv_cache_fraction)
     trained = [actor]
     frozen = []
-    if with_ref and actor.lora_params is None:  # a LoRA actor's reference is its own base weights
+    if facts.reference_copy:  # a LoRA actor's reference is its own base weights
         frozen.append(FrozenRole("actor.ref_param_offload", actor_shape, _compute_bytes(cfg.model.dtype),
                                  cfg.actor.ref_param_offload))
     if cfg.reward.reward_model.path:
         frozen.append(FrozenRole(None, _shape(cfg.model, cfg.reward.reward_model.path, "value"),
                                  _compute_bytes(cfg.model.dtype)))
     out = {}
-    if with_critic:
+    if facts.critic:
         critic = _trained("critic", "critic.model", cfg.critic.model, cfg.critic,
-                          cfg.critic.model.path or cfg.model.path, "value")
-        if cfg.trainer.placement == "split":
+                          cfg.critic.model.path or cfg.model.path, "value", facts.critic_lora)
+        if facts.split_critic:
             out["critic"] = DeviceDemand(trained=(critic,), **common)
         else:
             trained.append(critic)
-    separate = cfg.rollout.placement == "separate"
+    separate = facts.separate_rollout
     out["actor"] = DeviceDemand(trained=tuple(trained), frozen=tuple(frozen), rollout=None if separate else rollout,
                                 **common)
     if separate:
@@ -87,7 +89,7 @@ def device_demands(cfg: Any, with_ref: bool, with_critic: bool) -> dict[str, Dev
 def sft_demand(cfg: Any) -> DeviceDemand:
     """An `SFTConfig`'s per-device demand: the model it fine-tunes (section `optim`), nothing else; without
     `data.max_length` the longest conversation is the model's context."""
-    role = _trained("optim", "model", cfg.model, cfg.optim, cfg.model.path, "lm")
+    role = _trained("optim", "model", cfg.model, cfg.optim, cfg.model.path, "lm", cfg.optim.lora.rank > 0)
     longest = cfg.data.max_length or getattr(_config(cfg.model, cfg.model.path), "max_position_embeddings",
                                              None) or 4096
     return DeviceDemand(trained=(role,), world_size=cfg.trainer.n_workers, longest_sequence=longest,

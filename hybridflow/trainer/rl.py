@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,29 +28,37 @@ import torch
 from hybridflow import algorithms
 from hybridflow.agents.toolset import ToolSet
 from hybridflow.batch import Batch
-from hybridflow.config.roles import needs_greedy_baseline, needs_reference
+from hybridflow.config.resolved import resolve_facts
 from hybridflow.config.validate import ConfigError, validate
+from hybridflow.controller import submit
 from hybridflow.data.files import DataError
 from hybridflow.data.loader import BatchLoader, build_prompt_loaders
 from hybridflow.rewards.failures import EnvironmentFailed, FailureStreak
-from hybridflow.rewards.manager import RewardManager
+from hybridflow.rewards.manager import RewardManager, RewardResult
 from hybridflow.tracking.metrics import (compute_agent_metrics, compute_data_metrics, compute_throughput,
                                          compute_timing_metrics, compute_validation_metrics, timer)
 from hybridflow.trainer import core
 from hybridflow.trainer.base import Trainer
 from hybridflow.trainer.checkpointing import checkpoint_bytes_needed
-from hybridflow.trainer.roles import build_roles, skips_old_log_probs
+from hybridflow.trainer.role_configs import train_sampling
+from hybridflow.trainer.roles import Roles, build_roles
+from hybridflow.workers.contracts import TrainedRoleHandle
 
 logger = logging.getLogger(__name__)
 
 
 class RLTrainer(Trainer):
-    """Builds everything a run needs from an `RLConfig` (the common parts in `Trainer`), then `fit()` trains."""
+    """Builds everything a run needs from an `RLConfig` (the common parts in `Trainer`), then `fit()` trains.
+    The facts the config implies are resolved once (`facts`: `hybridflow.config.resolved.RunFacts`), and so
+    are the sampling settings of a training step (`sampling`), passed to every `generate` call."""
 
     model_role = "actor"
+    roles: Roles
 
     def __init__(self, cfg: Any) -> None:
         validate(cfg)
+        self.facts = resolve_facts(cfg)
+        self.sampling = train_sampling(cfg)
         self.rewards: RewardManager | None = None
         super().__init__(cfg, checkpoint_bytes_needed(cfg))
         if self.step:  # the rollout engines were built from model.path: give them the resumed weights
@@ -70,14 +80,21 @@ class RLTrainer(Trainer):
                                           EnvironmentFailed, "trajectory")
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algorithms.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.roles = build_roles(cfg, self.total_steps)
+        self.roles = build_roles(cfg, self.total_steps, self.facts)
         self.groups = self.roles.groups
 
-    def checkpointed_roles(self) -> dict[str, Any]:
-        roles: dict[str, Any] = {"actor": self.roles.actor}
+    def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
+        roles: dict[str, TrainedRoleHandle] = {"actor": self.roles.actor}
         if self.roles.critic is not None:
             roles["critic"] = self.roles.critic
         return roles
+
+    def effective_handles(self) -> dict[str, Any]:
+        """The trained roles and, with `rollout.placement=separate`, the rollout group."""
+        handles = super().effective_handles()
+        if self.roles.separate is not None:
+            handles["rollout"] = self.roles.separate.group
+        return handles
 
     def checkpointed_state(self) -> dict[str, Any]:
         return {**super().checkpointed_state(), "kl_ctrl": self.kl_ctrl}
@@ -85,7 +102,8 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------ the loop
     def train_step(self, prompts: Batch) -> dict[str, float]:
         """One RL iteration on a batch of prompts (more with dynamic sampling); returns its metrics."""
-        cfg, actor, critic = self.cfg, self.roles.actor, self.roles.critic
+        cfg, facts, actor, critic = self.cfg, self.facts, self.roles.actor, self.roles.critic
+        temperature = self.sampling.temperature  # what the rows were sampled at: their log-probs are taken at it
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with timer("step", timings):
@@ -95,15 +113,15 @@ class RLTrainer(Trainer):
             else:
                 batch = self.generate(prompts, timings)
                 scoring = self.submit_scoring(batch)
-            baselines = self.submit_baselines(prompts, timings) if needs_greedy_baseline(cfg) else None
+            baselines = self.submit_baselines(prompts, timings) if facts.greedy_baseline else None
             if cfg.rollout.exact:  # the rollout's log-probs are the trainer's, bit for bit (docs/exact.md)
                 batch["old_log_probs"] = batch["rollout_log_probs"]
-            elif not skips_old_log_probs(cfg):
+            elif not facts.skip_old_log_probs:
                 with timer("old_log_prob", timings):
-                    batch = batch.union(actor.compute_log_probs(batch))
-            if needs_reference(cfg):
+                    batch = batch.union(actor.compute_log_probs(batch, temperature))
+            if facts.reference:
                 with timer("ref", timings):
-                    batch = batch.union(actor.compute_ref_log_probs(batch))
+                    batch = batch.union(actor.compute_ref_log_probs(batch, temperature))
             if critic is not None:
                 with timer("values", timings):
                     batch = batch.union(critic.compute_values(batch))
@@ -111,7 +129,8 @@ class RLTrainer(Trainer):
                 if scoring is not None:
                     metrics.update(core.apply_scores(batch, scoring(), cfg))
                 if baselines is not None:
-                    metrics.update(core.apply_baselines(batch, *baselines(), cfg))
+                    greedy, greedy_result = baselines()
+                    metrics.update(core.apply_baselines(batch, greedy, greedy_result, cfg))
             with timer("adv", timings):
                 metrics.update(core.apply_kl_in_reward(batch, self.kl_ctrl, cfg))
                 core.compute_advantages(batch, cfg)
@@ -120,7 +139,7 @@ class RLTrainer(Trainer):
                     metrics.update(critic.update_critic(batch))
             if critic is None or self.step >= cfg.critic.warmup_steps:
                 with timer("update_actor", timings):
-                    metrics.update(actor.update_actor(batch))
+                    metrics.update(actor.update_actor(batch, temperature))
                 with timer("update_weights", timings):
                     self.roles.sync_weights()
         metrics.update(compute_data_metrics(batch, cfg.data.max_response_length))
@@ -137,9 +156,8 @@ class RLTrainer(Trainer):
         drawn (several per step with dynamic sampling) gets samples of its own, and a resumed run the same."""
         loader = self.train_loader.state_dict()
         served = loader["epoch"] * len(self.train_loader) + loader["position"]
-        prompts.meta.update(sampling={"seed": self.cfg.trainer.seed}, step=served - 1)
         with timer("gen", timings):
-            batch = core.drop_failed_trajectories(self.roles.rollout.generate(prompts))
+            batch = core.drop_failed_trajectories(self.roles.rollout.generate(prompts, self.sampling, served - 1))
         batch["response_text"] = core.decode_responses(batch, self.tokenizer)
         if "agent/env_error" in batch:
             self.env_failures.update(list(batch["agent/env_error"]))
@@ -180,25 +198,26 @@ class RLTrainer(Trainer):
                         "filter_groups/kept_ratio": kept / (len(rounds) * want)})
         return core.concat_rounds(kept_prompts, pad_id)[:want], core.concat_rounds(kept_rows, pad_id)[:want * n]
 
-    def submit_baselines(self, prompts: Batch, timings: dict[str, float]):
+    def submit_baselines(self, prompts: Batch, timings: dict[str, float]
+                         ) -> Callable[[], tuple[Batch, RewardResult]]:
         """ReMax: one greedy (temperature 0) response per prompt, generated now and scored in the background
         like the samples; returns a callable that waits for `(greedy batch, its RewardResult)`."""
-        greedy = prompts.select(*prompts.keys())
-        greedy.meta["sampling"] = {"n": 1, "temperature": 0.0}
         with timer("gen_baseline", timings):
-            greedy = self.roles.rollout.generate(greedy)
+            greedy = self.roles.rollout.generate(prompts, replace(self.sampling, n=1, temperature=0.0, seed=None))
         greedy["response_text"] = core.decode_responses(greedy, self.tokenizer)
         scoring = self.submit_scoring(greedy)
         return lambda: (greedy, scoring())
 
-    def submit_scoring(self, batch: Batch, counted: bool = True):
+    def submit_scoring(self, batch: Batch, counted: bool = True) -> Callable[[], RewardResult]:
         """Starts scoring `batch` (reward function in its pool, reward model on its workers) and returns
         a callable that waits for the combined `RewardResult`. `counted`: a training batch, which counts
         towards `reward.max_failed_steps` (validation batches do not)."""
+        if self.rewards is None:
+            raise RuntimeError("submit_scoring needs the reward pool start_workers builds")
         function = self.rewards.submit(batch, counted)
-        model = self.roles.reward_model.score.submit(batch) if self.roles.reward_model is not None else None
+        model = submit(self.roles.reward_model.score, batch) if self.roles.reward_model is not None else None
 
-        def result():
+        def result() -> RewardResult:
             rm_scores = model.result()["rm_scores"] if model is not None else None
             return core.with_model_scores(function.result(), rm_scores, self.cfg.reward.reward_model.weight)
 
@@ -207,12 +226,13 @@ class RLTrainer(Trainer):
     def validate(self) -> dict[str, float]:
         """Greedy (by default) generation on the validation prompts; `val/...` scores per data source."""
         cfg = self.cfg
-        sources, scores, samples = [], [], []
+        sources: list[str] = []
+        scores: list[float] = []
+        samples: list[dict[str, Any]] = []
         start = time.perf_counter()
-        for prompts in self.val_loader:
-            prompts.meta["sampling"] = {"n": cfg.rollout.val_n, "temperature": cfg.rollout.val_temperature,
-                                        "seed": cfg.trainer.seed}
-            batch = self.roles.rollout.generate(prompts)
+        params = replace(self.sampling, n=cfg.rollout.val_n, temperature=cfg.rollout.val_temperature)
+        for prompts in self.validation_batches():
+            batch = self.roles.rollout.generate(prompts, params)
             batch["response_text"] = core.decode_responses(batch, self.tokenizer)
             result = self.submit_scoring(batch, counted=False)()
             batch["score"] = list(result.scores)
@@ -223,7 +243,8 @@ class RLTrainer(Trainer):
                 texts = [t.replace(self.tokenizer.pad_token or "", "") for t in texts]
                 samples += core.sample_rows(batch, list(batch["response_text"]), texts,
                                             cfg.trainer.log_samples - len(samples))
-        self.tracker.log_samples(samples, self.step)
+        if self.tracker is not None:  # None while the trainer is still being built
+            self.tracker.log_samples(samples, self.step)
         metrics = compute_validation_metrics(sources, scores)
         metrics["timing_s/val"] = time.perf_counter() - start
         return metrics

@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.config.roles import needs_critic, needs_reference
-from hybridflow.controller import Remote, WorkerGroup, colocate, wait_all
+from hybridflow.config.resolved import RunFacts
+from hybridflow.config.roles import needs_critic
+from hybridflow.controller import Remote, WorkerGroup, colocate, submit, wait_all
 from hybridflow.trainer.base import device_type, optimizer_steps
 from hybridflow.trainer.memory import device_demands
 from hybridflow.trainer.placement import check_placement, make_pools
+from hybridflow.trainer.role_configs import actor_config, critic_config, rollout_worker_config
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
+from hybridflow.workers.contracts import RolloutHandle
 from hybridflow.workers.weight_sync import BUCKET_BYTES
 
 
@@ -34,13 +37,14 @@ class SeparateRollout:
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         self.actor, self.group = actor, group
         self.address: tuple[str, int] = actor.open_weight_sync()
-        members = (*self.address, 1 + group.world_size)
-        wait_all([actor.join_weight_sync.submit(*members, bucket_bytes=bucket_bytes),
-                  group.join_weight_sync.submit(*members)])
+        host, port = self.address
+        world = 1 + group.world_size
+        wait_all([submit(actor.join_weight_sync, host, port, world, bucket_bytes=bucket_bytes),
+                  submit(group.join_weight_sync, host, port, world)])
 
     def sync_weights(self) -> dict[str, float]:
         """The actor gathers and sends its weights while the rollout ranks receive them into their engines."""
-        sent, received = wait_all([self.actor.send_weights.submit(), self.group.receive_weights.submit()])
+        sent, received = wait_all([submit(self.actor.send_weights), submit(self.group.receive_weights)])
         return {"timing_s/update_weights": max(sent["timing_s/update_weights"], received["timing_s/update_weights"])}
 
 
@@ -52,11 +56,11 @@ class Roles:
     actor: Remote[ActorWorker]
     critic: Remote[CriticWorker] | None
     reward_model: Remote[RewardModelWorker] | None
-    groups: list[WorkerGroup]
+    groups: list[WorkerGroup[Any]]
     separate: SeparateRollout | None = None
 
     @property
-    def rollout(self) -> Remote[ActorWorker] | Remote[RolloutWorker]:
+    def rollout(self) -> RolloutHandle:
         """What generates: the actor (its colocated engine) or the separate rollout group."""
         return self.actor if self.separate is None else self.separate.group
 
@@ -64,14 +68,6 @@ class Roles:
         """The actor's trained weights into the rollout engines: in place when colocated, over the
         weight-sync group when separate; returns `timing_s/update_weights`."""
         return (self.actor if self.separate is None else self.separate).sync_weights()
-
-
-def skips_old_log_probs(cfg: Any) -> bool:
-    """On-policy (one optimizer step per batch, no KL in reward): the update's own log-probs, detached,
-    are the old ones, so their separate forward pass is skipped (`actor.skip_old_log_probs`)."""
-    a = cfg.actor
-    one_step = a.ppo_epochs == 1 and (a.mini_batch_size is None or a.mini_batch_size >= cfg.data.train_batch_size)
-    return a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward
 
 
 def role_optimizer_steps(cfg: Any, role: str, total_steps: int) -> int:
@@ -82,44 +78,39 @@ def role_optimizer_steps(cfg: Any, role: str, total_steps: int) -> int:
     return optimizer_steps(updating, section.ppo_epochs, section.mini_batch_size, cfg.data.train_batch_size)
 
 
-def build_roles(cfg: Any, total_steps: int) -> Roles:
-    """Starts the worker groups of a run of `total_steps` trainer steps (see the module docstring) and
-    returns their handles."""
+def build_roles(cfg: Any, total_steps: int, facts: RunFacts) -> Roles:
+    """Starts the worker groups of a run of `total_steps` trainer steps (see the module docstring), each worker
+    built from its typed config (`hybridflow.trainer.role_configs`), and returns their handles."""
     device = device_type(cfg.trainer.device, cfg.trainer.backend, cfg.ray.address)
     placed = {name: dict(pool=pool, n_workers=pool.n_processes, backend=cfg.trainer.backend, device=device,
                          worker_timeout_s=cfg.trainer.worker_timeout_s)
               for name, pool in make_pools(cfg, device).items()}
-    separate = cfg.rollout.placement == "separate"
-    memory = device_demands(cfg, needs_reference(cfg), needs_critic(cfg))
-    kwargs = {"actor": dict(model_cfg=cfg.model, actor_cfg=cfg.actor, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
-                            total_steps=role_optimizer_steps(cfg, "actor", total_steps),
-                            with_ref=needs_reference(cfg), with_rollout=not separate, memory=memory["actor"],
-                            agent_cfg=cfg.agent, seed=cfg.trainer.seed)}
+    memory = device_demands(cfg, facts)
+    kwargs: dict[str, dict[str, Any]] = {"actor": dict(config=actor_config(
+        cfg, role_optimizer_steps(cfg, "actor", total_steps), memory["actor"], facts))}
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
-    split_critic = needs_critic(cfg) and cfg.trainer.placement == "split"
-    critic_kwargs = dict(critic_cfg=cfg.critic, actor_model_cfg=cfg.model,
-                         total_steps=role_optimizer_steps(cfg, "critic", total_steps), rollout_n=cfg.rollout.n,
-                         memory=memory["critic" if split_critic else "actor"], seed=cfg.trainer.seed)
-    if needs_critic(cfg) and not split_critic:
+    critic_kwargs = dict(config=critic_config(cfg, role_optimizer_steps(cfg, "critic", total_steps),
+                                              memory["critic" if facts.split_critic else "actor"], facts))
+    if facts.critic and not facts.split_critic:
         classes["critic"], kwargs["critic"] = CriticWorker, critic_kwargs
     handles: dict[str, Any]  # a group, or a colocated group's member views, per role
+    group: WorkerGroup[Any]
     if len(classes) == 1:
         group = WorkerGroup(ActorWorker, name="actor", init_kwargs=kwargs["actor"], **placed["actor"])
         handles = {"actor": group}
     else:
         group = WorkerGroup(colocate(**classes), name="_".join(classes), init_kwargs=kwargs, **placed["actor"])
         handles = {name: getattr(group, name) for name in classes}
-    groups = [group]
+    groups: list[WorkerGroup[Any]] = [group]
     try:
-        if split_critic:
+        if facts.split_critic:
             handles["critic"] = WorkerGroup(CriticWorker, name="critic", init_kwargs=critic_kwargs, **placed["critic"])
             groups.append(handles["critic"])
-        if separate:
+        if facts.separate_rollout:
             rollout = WorkerGroup(RolloutWorker, name="rollout", **placed["rollout"],
-                                  init_kwargs=dict(model_cfg=cfg.model, rollout_cfg=cfg.rollout, data_cfg=cfg.data,
-                                                   memory=memory["rollout"], agent_cfg=cfg.agent))
+                                  init_kwargs=dict(config=rollout_worker_config(cfg, memory["rollout"], facts)))
             groups.append(rollout)
             handles["separate"] = SeparateRollout(handles["actor"], rollout)
         if cfg.trainer.backend == "ray":

@@ -14,18 +14,20 @@ final model is written as a Hugging Face directory under `<trainer.output_dir>/h
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import export_hf
 from hybridflow.config.validate import validate_sft
-from hybridflow.controller import Remote, WorkerGroup
+from hybridflow.controller import Remote, WorkerGroup, remote
 from hybridflow.data.loader import BatchLoader
 from hybridflow.data.sft import SFTDataset, collate_sft_rows
 from hybridflow.tracking.metrics import compute_throughput, timer
 from hybridflow.trainer.base import Trainer, device_type, optimizer_steps
 from hybridflow.trainer.checkpointing import checkpoint_bytes
 from hybridflow.trainer.memory import sft_demand
+from hybridflow.workers.contracts import TrainedRoleHandle
 from hybridflow.workers.sft import SFTWorker
 
 
@@ -46,8 +48,8 @@ class SFTTrainer(Trainer):
         train_ds = self.dataset(data.train_files)
         pad_id = train_ds.pad_token_id
 
-        def collate(items: list[dict[str, Any]], epoch: int) -> Batch:
-            return collate_sft_rows(items, pad_id, epoch)
+        def collate(items: Sequence[Any], epoch: int) -> Batch:
+            return collate_sft_rows(list(items), pad_id, epoch)
 
         train = BatchLoader(train_ds, data.train_batch_size, seed, data.shuffle, collate=collate)
         if not data.val_files:
@@ -68,20 +70,22 @@ class SFTTrainer(Trainer):
         group = WorkerGroup(SFTWorker, name="sft", n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend,
                             device=device_type(cfg.trainer.device, cfg.trainer.backend),
                             worker_timeout_s=cfg.trainer.worker_timeout_s,
-                            init_kwargs=dict(model_cfg=cfg.model, optim_cfg=cfg.optim, total_steps=steps,
-                                             memory=sft_demand(cfg), seed=cfg.trainer.seed))
+                            init_kwargs=dict(config=SFTWorker.Config(
+                                model=cfg.model, optim=cfg.optim, mini_batch_rows=cfg.optim.mini_batch_size,
+                                total_steps=steps, memory=sft_demand(cfg), seed=cfg.trainer.seed)))
         self.groups = [group]
-        self.workers: Remote[SFTWorker] = group
+        self.workers: Remote[SFTWorker] = remote(group)
 
-    def checkpointed_roles(self) -> dict[str, Any]:
+    def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
         return {self.model_role: self.workers}
 
     def fit(self) -> dict[str, float]:
         """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf` (a whole
         model: with LoRA the adapters merged into the base); returns the last step's metrics."""
         metrics = super().fit()
-        if self.step >= self.total_steps:
-            export_hf(self.checkpoints.manager.latest(), self.output_dir / "hf", role=self.model_role, merge=True)
+        latest = self.checkpoints.manager.latest()
+        if self.step >= self.total_steps and latest is not None:  # a finished run saved its last step
+            export_hf(latest, self.output_dir / "hf", role=self.model_role, merge=True)
         return metrics
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -98,7 +102,7 @@ class SFTTrainer(Trainer):
         """`val/loss`: mean NLL per assistant token over the validation conversations."""
         start = time.perf_counter()
         nll = tokens = 0.0
-        for batch in self.val_loader:
+        for batch in self.validation_batches():
             part = self.workers.eval_nll(batch)
             nll, tokens = nll + part["nll"], tokens + part["tokens"]
         return {"val/loss": nll / max(tokens, 1.0), "timing_s/val": time.perf_counter() - start}

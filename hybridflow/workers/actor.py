@@ -1,38 +1,43 @@
 """`ActorWorker`: the policy role — FSDP2 training engine, colocated rollout engine, optional reference.
 
-One process per device holds all three; the controller drives them in the order of an RL step:
-`generate` (rollout engine) -> `compute_log_probs` / `compute_ref_log_probs` -> `update_actor` ->
-`sync_weights` (trained shards -> rollout engine, in place). With `rollout.placement=separate` it is built
-without a rollout engine and `send_weights` streams the gathered weights to the `RolloutWorker` group
-instead (`hybridflow.workers.weight_sync`). With LoRA (`actor.lora.rank` > 0) the reference is the actor's
-own model with its adapters disabled (no copy), and a sync sends only the adapted modules' merged weights
-(`TrainEngine.rollout_weights`): the rollout engine holds the base model's others since it loaded them.
-Memory is handed back and forth: a GPU's
-KV cache sleeps outside generation (`free_cache_after_generate`), and with `optimizer_offload` /
-`param_offload` the optimizer state / parameter shards stay on the CPU except while they are used, and
-with `rollout.offload_weights` the rollout engine's weights too while it sleeps. Given its device's
-`memory` demand, the worker plans the device first (`hybridflow.engine.budget`): it refuses a run that
-cannot fit before loading anything, fills in the micro-batch token budget, gradient checkpointing and the
-KV cache that were left to the plan, and reports a CUDA out-of-memory error with the plan and the keys to
-change. With world size > 1 each rank runs its own rollout replica on its shard of the prompts.
+One process per device holds all three; the controller drives them in the order of an RL step: `generate`
+(rollout engine) -> `compute_log_probs` / `compute_ref_log_probs` -> `update_actor` -> `sync_weights` (trained
+shards -> rollout engine, in place); the sampling settings and the step come as arguments (`generate(batch,
+params, step)`), and the temperature the rows were sampled at comes with each log-prob pass and update. It is
+built from one typed `ActorWorker.Config`, resolved on the controller (`hybridflow.trainer.role_configs`).
+With `rollout.placement=separate` it is built without a rollout engine and `send_weights` streams the gathered
+weights to the `RolloutWorker` group instead (`hybridflow.workers.weight_sync`). With LoRA the
+reference is the actor's own model with its adapters disabled (no copy), and a sync sends only the
+adapted modules' merged weights (`TrainEngine.rollout_weights`): the rollout engine holds the base model's
+others since it loaded them. Memory is handed back and forth: a GPU's KV cache sleeps outside generation
+(`free_cache_after_generate`), and with `optimizer_offload` / `param_offload` the optimizer state / parameter
+shards stay on the CPU except while they are used, and with `rollout.offload_weights` the rollout engine's
+weights too while it sleeps. Given its device's `memory` demand, the worker plans the device first
+(`hybridflow.engine.budget`): it refuses a run that cannot fit before loading anything, fills in the micro-
+batch token budget, gradient checkpointing and the KV cache that were left to the plan (reported back by
+`effective_values`), and reports a CUDA out-of-memory error with the plan and the keys to change. With world
+size > 1 each rank runs its own rollout replica on its shard of the prompts.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.config.schema import ActorConfig, ModelConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine import budget
+from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
-from hybridflow.workers.base import EngineWorker
+from hybridflow.workers.base import Effective, EngineWorker
 from hybridflow.workers.mismatch import RolloutMismatch
-from hybridflow.workers.reference import ReferenceModel, temperature_of
+from hybridflow.workers.reference import ReferenceModel, scoring_temperature
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, WeightChannel, drain, plan_buckets
@@ -43,92 +48,113 @@ ROLLOUT_MEMORY_KEYS = ("rollout.kv_cache_fraction or trainer.gpu_memory_utilizat
 
 
 class ActorWorker(EngineWorker):
-    """The actor (and, with `with_ref`, its reference) on this rank.
+    """The actor (and, with `config.reference_copy`, its reference) on this rank."""
 
-    Args:
-        model_cfg, actor_cfg, rollout_cfg: the config sections (read by attribute).
-        data_cfg: anything with `max_prompt_length` and `max_response_length`.
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """What an actor worker is built from, resolved on the controller.
+
+        model / actor: the `model` and `actor` sections.
+        rollout: the colocated rollout engine's config; None when a separate rollout group generates.
+        reference_copy: hold a frozen reference model (a copy of the initial actor); a LoRA actor's
+            reference is its own base weights, so it needs none.
+        mini_batch_rows: rows per optimizer step over all ranks (`actor.mini_batch_size x rollout.n`);
+            None = the whole batch.
         total_steps: optimizer steps of the whole run (the lr schedule's length).
-        with_ref: also hold a frozen reference model (a copy of the initial actor; with LoRA the base
-            model under the adapters serves, and nothing more is held).
-        with_rollout: build the rollout engine (False when a separate rollout group generates).
         memory: what this device holds (`hybridflow.trainer.memory.device_demands`); None = no planning.
-        agent_cfg: the `agent` config section (multi-turn episodes when it sets an environment or tools).
         seed: seeds the LoRA adapters' initialisation (`trainer.seed`).
-    """
+        exact_len: exact mode (`rollout.exact`): the trainer's forward runs the rollout engine's batch-invariant
+            kernels for rows of at most this many tokens (`data.max_prompt_length + max_response_length`);
+            None = off.
+        """
+
+        model: ModelConfig
+        actor: ActorConfig
+        rollout: RolloutReplica.Config | None = None
+        reference_copy: bool = False
+        mini_batch_rows: int | None = None
+        total_steps: int = 1
+        memory: budget.DeviceDemand | None = None
+        seed: int = 0
+        exact_len: int | None = None
 
     keys, model_keys = "actor", "model"
+    cfg: ActorConfig
 
-    def __init__(self, model_cfg: Any, actor_cfg: Any, rollout_cfg: Any, data_cfg: Any, total_steps: int = 1,
-                 with_ref: bool = False, with_rollout: bool = True, memory: budget.DeviceDemand | None = None,
-                 agent_cfg: Any = None, seed: int = 0) -> None:
-        model_cfg, actor_cfg = self._plan_device(memory, model_cfg, actor_cfg)
-        if self.plan is not None and self.rank == 0:
-            print(f"device plan: {self.plan.describe()}", flush=True)
-        self.cfg, self.rollout_cfg = actor_cfg, rollout_cfg
+    def __init__(self, config: ActorWorker.Config) -> None:
+        model_cfg, actor_cfg = self._plan_device(config.memory, config.model, config.actor)
+        self.cfg, self.mini_batch_rows, self.exact = actor_cfg, config.mini_batch_rows, config.exact_len is not None
         # exact mode: the trainer's forward runs the rollout's invariant kernels, for rows as long as it generates
-        exact_len = data_cfg.max_prompt_length + data_cfg.max_response_length if rollout_cfg.exact else None
-        self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=total_steps, device=self.device,
-                                  seed=seed, exact_len=exact_len)
-        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) \
-            if with_ref and self.engine.adapters is None else None
+        self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=config.total_steps,
+                                  device=self.device, seed=config.seed, exact_len=config.exact_len)
+        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) if config.reference_copy else None
         self.rollout = None
-        if with_rollout:
-            self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device,
-                                          self.engine.precision.param, pad_token_id(self.engine.config),
-                                          kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
-                                          agent_cfg=agent_cfg, tokenizer_path=model_cfg.tokenizer_path)
+        if config.rollout is not None:
+            self.rollout = RolloutReplica(config.rollout, self.device, self.engine.precision.param,
+                                          pad_token_id(self.engine.config),
+                                          kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
         self.channel: WeightChannel | None = None
         self.rendezvous: Rendezvous | None = None
         self._offload_idle()
 
+    @register(Dispatch.BROADCAST)
+    def effective_values(self) -> Effective:
+        """`EngineWorker.effective_values`, with the colocated rollout engine's."""
+        out = super().effective_values()
+        if self.rollout is not None:
+            out.values.update(self.rollout.effective_values())
+        return out
+
     # ------------------------------------------------------------------ RL-step methods
     @register(Dispatch.DATA_PARALLEL)
-    def generate(self, batch: Batch) -> Batch:
-        """Prompts -> rows of the RL batch, `n` samples per prompt interleaved (see `RolloutReplica.generate`)."""
+    def generate(self, batch: Batch, params: SamplingParams, step: int = 0) -> Batch:
+        """Prompts -> rows of the RL batch, `params.n` samples per prompt interleaved; a seed in `params` is
+        mixed with `step` and the rank (see `RolloutReplica.generate`)."""
         if self.rollout is None:
-            raise RuntimeError("this ActorWorker was built with with_rollout=False; it cannot generate "
-                               "(with rollout.placement=separate the RolloutWorker group generates)")
+            raise RuntimeError("this ActorWorker was built without a rollout engine (config.rollout=None); it "
+                               "cannot generate (with rollout.placement=separate the RolloutWorker group generates)")
         self._release_params()  # an update not followed by a weight push left them: the KV cache needs the room
         with budget.reported_oom("generation", self.plan, None, ROLLOUT_MEMORY_KEYS):
-            return self.rollout.generate(batch, self.rank)
+            return self.rollout.generate(batch, params, step, self.rank)
 
     @register(Dispatch.DATA_PARALLEL)
-    def compute_log_probs(self, batch: Batch) -> Batch:
-        """Batch{old_log_probs, entropy} (`[B, R]`) of the current actor at the sampling temperature."""
-        out = self._infer(batch, temperature=temperature_of(batch, self.rollout_cfg.temperature), with_entropy=True)
+    def compute_log_probs(self, batch: Batch, temperature: float) -> Batch:
+        """Batch{old_log_probs, entropy} (`[B, R]`) of the current actor, for rows sampled at `temperature`
+        (greedy rows scored at 1)."""
+        out = self._infer(batch, temperature=scoring_temperature(temperature), with_entropy=True)
         return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DATA_PARALLEL)
-    def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        """Batch{ref_log_probs} from the colocated reference model, or with LoRA from the actor's base weights
-        (its adapters disabled for the pass)."""
-        temperature = temperature_of(batch, self.rollout_cfg.temperature)
+    def compute_ref_log_probs(self, batch: Batch, temperature: float) -> Batch:
+        """Batch{ref_log_probs} for rows sampled at `temperature`, from the colocated reference model, or with
+        LoRA from the actor's base weights (its adapters disabled for the pass)."""
+        temperature = scoring_temperature(temperature)
         if self.engine.adapters is not None:
             with self.engine.adapters.disabled():
                 return Batch({"ref_log_probs": self._infer(batch, temperature=temperature)["log_probs"]})
         if self.ref is None:
-            raise RuntimeError("compute_ref_log_probs needs the ActorWorker built with with_ref=True")
+            raise RuntimeError("compute_ref_log_probs needs the ActorWorker built with config.reference_copy=True")
         with self._reported_oom("reference log-prob pass"):
             return self.ref.log_probs(batch, temperature)
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; metrics (identical on all ranks) with the field's names,
-        the training–inference mismatch and the rollout correction's (`hybridflow.workers.mismatch`)."""
+    def update_actor(self, batch: Batch, temperature: float) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches of rows sampled at `temperature`; metrics (identical on all
+        ranks) with the field's names, the training–inference mismatch and the rollout correction's
+        (`hybridflow.workers.mismatch`)."""
         use_kl = self.cfg.kl_loss_coef > 0
         if use_kl and "ref_log_probs" not in batch:
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
         fresh = None
-        if self.rollout_cfg.exact:  # the update's forwards on the weights that generated are compared
+        if self.exact:  # the update's forwards on the weights that generated are compared
             start = self.engine.optimizer_steps
             fresh = lambda: self.engine.optimizer_steps == start  # noqa: E731
         mismatch = RolloutMismatch(self.cfg.rollout_correction, self.device, fresh)
         # the weight push that follows an update reads the parameter shards: they stay on the device for it
         metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy, mismatch), keep_params=True,
-                               passes=self.cfg.ppo_epochs, prefix="actor", rollout_n=self.rollout_cfg.n,
-                               temperature=temperature_of(batch, self.rollout_cfg.temperature),
+                               passes=self.cfg.ppo_epochs, prefix="actor",
+                               temperature=scoring_temperature(temperature),
                                with_entropy=use_entropy or "entropy" not in batch)
         metrics.update(mismatch.metrics())
         mismatch.check(metrics)
@@ -156,7 +182,7 @@ class ActorWorker(EngineWorker):
         """Trained shards (with LoRA the merged adapted weights) -> the colocated rollout engine's weights, in
         place; returns `timing_s/update_weights`."""
         if self.rollout is None:
-            raise RuntimeError("this ActorWorker has no rollout engine (with_rollout=False); with "
+            raise RuntimeError("this ActorWorker has no rollout engine (config.rollout=None); with "
                                "rollout.placement=separate the weights go out by send_weights")
         return self._with_rollout_weights(self.rollout.load_weights)
 
@@ -184,6 +210,8 @@ class ActorWorker(EngineWorker):
         """Trained shards (with LoRA the merged adapted weights) -> the separate rollout group, bucket by bucket
         from rank 0 (every rank gathers);
         runs concurrently with the rollout group's `receive_weights`; returns `timing_s/update_weights`."""
-        if self.rank == 0 and self.channel is None:
+        if self.rank != 0:
+            return self._with_rollout_weights(drain)
+        if self.channel is None:
             raise RuntimeError("send_weights needs join_weight_sync first (rollout.placement=separate)")
-        return self._with_rollout_weights(self.channel.send if self.rank == 0 else drain)
+        return self._with_rollout_weights(self.channel.send)

@@ -3,31 +3,49 @@ update with the role's batching, offload between uses, checkpoints, out-of-memor
 plan and the keys to change.
 
 Subclasses call `_plan_device` first in `__init__` (it sets `self.plan` and fills in what the config left
-to the plan), then set `self.engine` (a `TrainEngine`) and `self.cfg` (their `OptimConfig` section:
-micro-batching, packing, `param_offload` / `optimizer_offload`); `keys` / `model_keys` on the class name
-their config sections.
+to the plan), then set `self.engine` (a `TrainEngine`), `self.cfg` (their `OptimConfig` section:
+micro-batching, packing, `param_offload` / `optimizer_offload`) and `self.mini_batch_rows` (resolved on the
+controller); `keys` / `model_keys` on the class name their config sections. `effective_values` reports
+back what the plan and the engine filled in (`Effective`), for the run's `resolved_config.yaml`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.config.schema import ModelConfig, OptimConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
-from hybridflow.engine.train import TrainEngine
+from hybridflow.engine.contracts import TrainEngineContract
 from hybridflow.engine.train.engine import LossFn
 from hybridflow.engine.train.optim import apply_config
 from hybridflow.workers.update import run_update
 
+Section = TypeVar("Section", bound=OptimConfig)
+DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}
+
+
+@dataclass
+class Effective:
+    """What a worker runs with where the config left it open: `values` by dotted config key (`actor.
+    max_tokens_per_micro_batch`, `model.gradient_checkpointing`, ...), and its device plan's description
+    (None off an accelerator)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    plan: str | None = None
+
 
 class EngineWorker(Worker):
-    engine: TrainEngine
-    cfg: Any
+    engine: TrainEngineContract
+    cfg: OptimConfig
+    model_cfg: ModelConfig  # with what the device plan filled in
+    mini_batch_rows: int | None = None  # rows per optimizer step over all ranks; None = the whole batch
     update_count: int = 0  # updates so far: seeds each update's mini-batch shuffle
     plan: budget.DevicePlan | None = None
     keys: str  # the role's config section ("actor")
@@ -36,11 +54,24 @@ class EngineWorker(Worker):
     params_on_device: bool = False
     model_keys: str  # its model's ("model")
 
-    def _plan_device(self, memory: budget.DeviceDemand | None, model_cfg: Any, role_cfg: Any) -> tuple[Any, Any]:
+    def _plan_device(self, memory: budget.DeviceDemand | None, model_cfg: ModelConfig,
+                     role_cfg: Section) -> tuple[ModelConfig, Section]:
         """Plans this rank's device from what it will hold (`memory`; refuses a run that cannot fit, before
         any model loads) and returns the model and role sections with what they left to the plan filled in."""
         self.plan = budget.plan_for_device(memory, self.device)
-        return budget.apply_plan(self.plan, self.keys, model_cfg, role_cfg)
+        self.model_cfg, role_cfg = budget.apply_plan(self.plan, self.keys, model_cfg, role_cfg)
+        return self.model_cfg, role_cfg
+
+    @register(Dispatch.BROADCAST)
+    def effective_values(self) -> Effective:
+        """The values this role runs with where its config left them to the device plan or the device: its
+        micro-batch token budget, gradient checkpointing, compilation and compute dtype (rank 0's)."""
+        values = {f"{self.keys}.max_tokens_per_micro_batch": self.cfg.max_tokens_per_micro_batch,
+                  f"{self.model_keys}.gradient_checkpointing": self.model_cfg.gradient_checkpointing,
+                  f"{self.model_keys}.compile": self.engine.compiled,
+                  f"{self.model_keys}.dtype": DTYPE_NAMES.get(str(self.engine.precision.param),
+                                                              self.model_cfg.dtype)}
+        return Effective(values, None if self.plan is None else self.plan.describe())
 
     @contextlib.contextmanager
     def _reported_oom(self, what: str) -> Iterator[None]:
@@ -66,7 +97,8 @@ class EngineWorker(Worker):
         `keep_params` the parameter shards stay on the device afterwards (`params_on_device`)."""
         self._onload()
         with self._reported_oom("update"):
-            metrics = run_update(self.engine, batch.tensors, self.cfg, loss_fn, seed=self.update_count, **options)
+            metrics = run_update(self.engine, batch.tensors, self.cfg, loss_fn, seed=self.update_count,
+                                 mini_batch_rows=self.mini_batch_rows, **options)
         self._offload_idle(keep_params)
         self.update_count += 1
         return metrics

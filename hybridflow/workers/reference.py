@@ -1,26 +1,25 @@
 """The reference policy: a frozen copy of the initial actor that scores responses (`ref_log_probs`).
 
-`ReferenceModel` is held by the actor (`ActorWorker(with_ref=True)`), on the actor's devices. With
+`ReferenceModel` is held by the actor (`ActorWorker.Config.reference_copy`), on the actor's devices. With
 `ref_param_offload` the frozen weights live on the CPU between calls. A LoRA actor holds none: its own base
 weights, its adapters disabled for the pass, are the reference (`ActorWorker.compute_ref_log_probs`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.config.schema import ActorConfig, ModelConfig
 from hybridflow.engine.train import TrainEngine
 
 
 class ReferenceModel:
     """A frozen `TrainEngine` (weights stored in the compute dtype, no optimizer)."""
 
-    def __init__(self, model_cfg: Any, actor_cfg: Any, device: torch.device) -> None:
+    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, device: torch.device) -> None:
         self.actor_cfg = actor_cfg
-        self.offload = bool(getattr(actor_cfg, "ref_param_offload", False))
+        self.offload = actor_cfg.ref_param_offload
         self.engine = TrainEngine(model_cfg, None, head="lm", device=device)
         if self.offload:
             self.engine.offload(params=True, optimizer=False)
@@ -37,8 +36,7 @@ class ReferenceModel:
         return Batch({"ref_log_probs": out["log_probs"]})
 
 
-def temperature_of(batch: Batch, default: float) -> float:
-    """The sampling temperature the rows were generated at (`meta["temperature"]`), else `default`;
-    greedy rows (0) are scored at temperature 1."""
-    t = float(batch.meta.get("temperature", default))
-    return t if t > 0 else 1.0
+def scoring_temperature(sampling_temperature: float) -> float:
+    """The temperature log-probs of rows sampled at `sampling_temperature` are computed at: the same one,
+    except greedy rows (0), scored at 1."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0

@@ -1,12 +1,13 @@
 """A rank's rollout engine and the `generate` call around it, shared by the actor (engine colocated with
-the trainer) and `RolloutWorker` (engine on its own device): building the engine, its sleep/wake
-policy, the sampling parameters of a call, multi-turn episodes through `hybridflow.agents` when the
-`agent` config asks for them, and turning the completions or trajectories into the RL batch layout of
-docs/architecture.md."""
+the trainer) and `RolloutWorker` (engine on its own device): building the engine from its typed config
+(`RolloutReplica.Config`, made on the controller), its sleep/wake policy, a call's sampling seed,
+multi-turn episodes through `hybridflow.agents` when the config carries an `agent` section, and turning the
+completions or trajectories into the RL batch layout of docs/architecture.md."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -14,27 +15,26 @@ import torch
 from hybridflow.agents.episodes import build_episodes
 from hybridflow.agents.trajectory import STAT_FIELDS
 from hybridflow.batch import Batch
-from hybridflow.config.roles import agent_enabled
+from hybridflow.config.schema import AgentConfig, RolloutConfig
 from hybridflow.data.loader import PROMPT_FIELDS
+from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
-
 
 # the KV cache's share of free GPU memory when neither `rollout.kv_cache_fraction` nor a device plan sizes it
 UNPLANNED_KV_FRACTION = 0.4
 
 
-def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                  kv_cache_bytes: int | None = None, step_rows: int | None = None):
+def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype,
+                  max_model_len: int, kv_cache_bytes: int | None = None, step_rows: int | None = None
+                  ) -> RolloutEngineContract:
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
     kernels when `rollout_cfg.exact`). The KV cache
     on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
     plan's), else `UNPLANNED_KV_FRACTION`. On a CPU, where nothing plans the memory and the cache is
     zero-filled RAM, it holds at most `step_rows` sequences (the rows of one training step; more queue)."""
-    kv, max_num_seqs = None, rollout_cfg.max_num_seqs
-    if device.type == "cpu" and step_rows is not None:
-        max_num_seqs = max(1, min(max_num_seqs, step_rows))
+    kv: float | int | None = None
+    max_num_seqs = cpu_max_num_seqs(rollout_cfg.max_num_seqs, step_rows) if device.type == "cpu" \
+        else rollout_cfg.max_num_seqs
     if device.type == "cuda":
         kv = rollout_cfg.kv_cache_fraction
         if kv is None:
@@ -42,6 +42,11 @@ def build_rollout(path: str, rollout_cfg: Any, device: torch.device, dtype: torc
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact)
+
+
+def cpu_max_num_seqs(max_num_seqs: int, step_rows: int | None) -> int:
+    """`rollout.max_num_seqs` on a CPU: at most a step's rows (`step_rows`; None = no bound)."""
+    return max(1, min(max_num_seqs, step_rows)) if step_rows else max_num_seqs
 
 
 def pad_token_id(config: Any) -> int:
@@ -55,30 +60,55 @@ class RolloutReplica:
     `rollout.free_cache_after_generate` (the KV cache is freed after each call, so training has its
     memory; with `rollout.offload_weights` the weights go to the CPU too), else allocated for the whole
     run; weights updated in place by `load_weights`. `kv_cache_bytes`: the device plan's KV cache (see
-    `build_rollout`). With an `agent_cfg` that sets an environment or tools, `generate` runs multi-turn
-    episodes (`AgentLoop`) and needs the tokenizer (at `tokenizer_path`, default the model's)."""
+    `build_rollout`). With `config.agent` set, `generate` runs multi-turn episodes (`build_episodes`), which
+    need the tokenizer."""
 
-    def __init__(self, model_path: str, rollout_cfg: Any, data_cfg: Any, device: torch.device, dtype: torch.dtype,
-                 pad_id: int, kv_cache_bytes: int | None = None, agent_cfg: Any = None,
-                 tokenizer_path: str | None = None) -> None:
-        self.cfg, self.pad_id = rollout_cfg, pad_id
-        self.max_prompt_length, self.max_response_length = data_cfg.max_prompt_length, data_cfg.max_response_length
-        max_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-        self.engine = build_rollout(model_path, rollout_cfg, device, dtype, max_len, kv_cache_bytes,
-                                    step_rows=getattr(data_cfg, "train_batch_size", 0) * rollout_cfg.n or None)
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """What a rollout replica is built from, resolved on the controller.
+
+        model_path / tokenizer_path: the model directory and its tokenizer's (None = the model's).
+        rollout: the `rollout` section (engine, exact mode, KV cache, CUDA graphs, sleep and offload policy).
+        max_prompt_length / max_response_length: the `data` lengths (their sum is the engine's context).
+        step_rows: rows of one training step (bounds a CPU engine's slots); None = no bound.
+        agent: the `agent` section when multi-turn episodes are on, else None.
+        """
+
+        model_path: str
+        tokenizer_path: str | None = None
+        rollout: RolloutConfig
+        max_prompt_length: int
+        max_response_length: int
+        step_rows: int | None = None
+        agent: AgentConfig | None = None
+
+    def __init__(self, config: RolloutReplica.Config, device: torch.device, dtype: torch.dtype, pad_id: int,
+                 kv_cache_bytes: int | None = None) -> None:
+        self.config, self.cfg, self.pad_id = config, config.rollout, pad_id
+        self.max_prompt_length, self.max_response_length = config.max_prompt_length, config.max_response_length
+        self.max_num_seqs = cpu_max_num_seqs(self.cfg.max_num_seqs, config.step_rows) if device.type == "cpu" \
+            else self.cfg.max_num_seqs
+        self.engine = build_rollout(config.model_path, config.rollout, device, dtype,
+                                    config.max_prompt_length + config.max_response_length, kv_cache_bytes,
+                                    step_rows=config.step_rows)
         self.agent = None
-        if agent_enabled(agent_cfg):
+        if config.agent is not None:
             if self.engine.kind != "fast":
                 raise ValueError(f"agent.environment / agent.tools need the fast rollout engine, which continues "
-                                 f"live sequences; {model_path} runs on the {self.engine.kind!r} engine (its "
+                                 f"live sequences; {config.model_path} runs on the {self.engine.kind!r} engine (its "
                                  f"architecture has no fast path, or rollout.engine=hf)")
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-            self.agent = build_episodes(agent_cfg, tokenizer, data_cfg.max_prompt_length, data_cfg.max_response_length)
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+            self.agent = build_episodes(config.agent, tokenizer, config.max_prompt_length, config.max_response_length)
         self.awake = True
-        if rollout_cfg.free_cache_after_generate:
+        if self.cfg.free_cache_after_generate:
             self.sleep()
+
+    def effective_values(self) -> dict[str, Any]:
+        """The rollout keys this replica runs with where they differ from the config's: the engine that
+        serves (`rollout.engine`) and, on a CPU, the slots (`rollout.max_num_seqs`)."""
+        return {"rollout.engine": self.engine.kind, "rollout.max_num_seqs": self.max_num_seqs}
 
     def sleep(self) -> None:
         """Hands the KV cache's memory back until the next `generate`. Only an accelerator's: a CPU cache
@@ -93,13 +123,14 @@ class RolloutReplica:
             self.engine.wake()
             self.awake = True
 
-    def generate(self, batch: Batch, rank: int) -> Batch:
-        """Prompts (`prompts` left-padded + their `attention_mask`; meta `sampling`) -> rows of the RL
-        batch, `n` samples per prompt interleaved; meta gets `temperature`. `rank` offsets
-        a given seed (see `sampling_params`)."""
-        params = sampling_params(batch.meta, self.cfg, self.max_response_length, rank)
+    def generate(self, batch: Batch, params: SamplingParams, step: int, rank: int) -> Batch:
+        """Prompts (`prompts` left-padded + their `attention_mask`) -> rows of the RL batch, `params.n` samples
+        per prompt interleaved. A seed in `params` is mixed with `step` and `rank` (`sampling_seed`)."""
+        if params.seed is not None:
+            params = replace(params, seed=sampling_seed(params.seed, step, rank))
         prompts = prompt_token_lists(batch["prompts"], batch["attention_mask"])
         self.wake()
+        outs: list[list[Any]]  # per prompt, its samples: Completions, or multi-turn Trajectories
         if self.agent is None:
             outs = self.engine.generate(prompts, params)
         else:
@@ -110,7 +141,6 @@ class RolloutReplica:
                                    self.max_prompt_length)
         if self.agent is not None:
             add_trajectory_fields(out, [t for row in outs for t in row])
-        out.meta["temperature"] = params.temperature
         return out
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -118,27 +148,10 @@ class RolloutReplica:
         return self.engine.load_weights(named_tensors)
 
 
-def sampling_params(meta: dict, rollout_cfg: Any, max_tokens: int, rank: int) -> SamplingParams:
-    """`SamplingParams` from the rollout config, overridden by `meta["sampling"]` (a dict or a
-    SamplingParams). A seed is mixed with the step and the rank (`sampling_seed`)."""
-    fields = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                  top_k=rollout_cfg.top_k, max_tokens=max_tokens)
-    given = meta.get("sampling") or {}
-    if isinstance(given, SamplingParams):
-        given = {k: getattr(given, k) for k in SAMPLING_FIELDS}
-    unknown = set(given) - set(SAMPLING_FIELDS)
-    if unknown:
-        raise ValueError(f"meta['sampling'] has unknown keys {sorted(unknown)}; valid: {', '.join(SAMPLING_FIELDS)}")
-    fields.update({k: v for k, v in given.items() if v is not None})
-    if fields.get("seed") is not None:
-        fields["seed"] = sampling_seed(int(fields["seed"]), int(meta.get("step", 0)), rank)
-    return SamplingParams(**fields)
-
-
 def sampling_seed(seed: int, step: int, rank: int) -> int:
-    """The engine seed of one `generate` call on one rank: the given seed mixed with the trainer step
-    (`meta["step"]`) and the rank, so each step draws new samples and data-parallel replicas draw different
-    ones (distinct for every (step, rank) of a run shorter than 100,003 steps)."""
+    """The engine seed of one `generate` call on one rank: the given seed mixed with `step` (the number of
+    the prompt batch in the run) and the rank, so each step draws new samples and data-parallel replicas
+    draw different ones (distinct for every (step, rank) of a run shorter than 100,003 steps)."""
     return seed * 100_003 + step + 1_000_003 * rank
 
 

@@ -10,44 +10,60 @@ trainer, no optimizer. It serves `generate` with the same data-parallel contract
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.config.schema import ModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
+from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.train.model import resolve_precision
+from hybridflow.workers.base import Effective
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.weight_sync import WeightChannel
 
 
 class RolloutWorker(Worker):
-    """A rollout replica on this rank, in the dtype the actor's rollout would use (`model.dtype`).
+    """A rollout replica on this rank, in the dtype the actor's rollout would use (`model.dtype`)."""
 
-    Args:
-        model_cfg, rollout_cfg: the config sections (read by attribute).
-        data_cfg: anything with `max_prompt_length` and `max_response_length`.
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """What a rollout worker is built from, resolved on the controller.
+
+        model: the `model` section (its directory, dtype and `trust_remote_code`).
+        replica: the rollout engine's config (`RolloutReplica.Config`).
         memory: this device's demand (the rollout alone); its plan sizes the KV cache. None = no planning.
-        agent_cfg: the `agent` config section (multi-turn episodes when it sets an environment or tools).
-    """
+        """
 
-    def __init__(self, model_cfg: Any, rollout_cfg: Any, data_cfg: Any,
-                 memory: budget.DeviceDemand | None = None, agent_cfg: Any = None) -> None:
+        model: ModelConfig
+        replica: RolloutReplica.Config
+        memory: budget.DeviceDemand | None = None
+
+    def __init__(self, config: RolloutWorker.Config) -> None:
         from transformers import AutoConfig
 
-        plan = budget.plan_for_device(memory, self.device)
-        config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-        dtype = resolve_precision(model_cfg.dtype, self.device).param
-        self.rollout = RolloutReplica(model_cfg.path, rollout_cfg, data_cfg, self.device, dtype,
-                                      pad_token_id(config), kv_cache_bytes=plan.kv_cache_bytes if plan else None,
-                                      agent_cfg=agent_cfg, tokenizer_path=model_cfg.tokenizer_path)
+        self.plan = budget.plan_for_device(config.memory, self.device)
+        model = config.model
+        if model.path is None:
+            raise ValueError("RolloutWorker.Config.model.path is null; set model.path")
+        hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        dtype = resolve_precision(model.dtype, self.device).param
+        self.rollout = RolloutReplica(config.replica, self.device, dtype, pad_token_id(hf_config),
+                                      kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
         self.channel: WeightChannel | None = None
 
     @register(Dispatch.DATA_PARALLEL)
-    def generate(self, batch: Batch) -> Batch:
-        """Prompts -> rows of the RL batch, `n` samples per prompt interleaved (see `RolloutReplica.generate`)."""
-        return self.rollout.generate(batch, self.rank)
+    def generate(self, batch: Batch, params: SamplingParams, step: int = 0) -> Batch:
+        """Prompts -> rows of the RL batch, `params.n` samples per prompt interleaved (see
+        `RolloutReplica.generate`)."""
+        return self.rollout.generate(batch, params, step, self.rank)
+
+    @register(Dispatch.BROADCAST)
+    def effective_values(self) -> Effective:
+        """The rollout keys this group runs with (`RolloutReplica.effective_values`) and its device plan."""
+        return Effective(self.rollout.effective_values(), None if self.plan is None else self.plan.describe())
 
     @register(Dispatch.BROADCAST)
     def join_weight_sync(self, host: str, port: int, world_size: int) -> None:

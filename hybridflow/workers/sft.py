@@ -7,20 +7,23 @@ The loss is the negative log-likelihood of the assistant tokens (`response_mask`
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from hybridflow.algorithms import aggregate
 from hybridflow.batch import Batch
+from hybridflow.config.schema import ModelConfig, OptimConfig
+from hybridflow.config.sft import SFTOptimConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine import budget
+from hybridflow.engine.contracts import LossFunction
 from hybridflow.engine.train import LossContext, TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import EngineWorker
 
 
-def sft_loss(cfg: Any):
+def sft_loss(cfg: OptimConfig) -> LossFunction:
     """`loss_fn` for `TrainEngine.train_step`: negative log-likelihood of the masked tokens, aggregated
     with `cfg.loss_agg` over the whole mini-batch; reports `train/loss`."""
 
@@ -33,18 +36,36 @@ def sft_loss(cfg: Any):
 
 
 class SFTWorker(EngineWorker):
-    """The model being fine-tuned on this rank: a `TrainEngine` and the SFT loss; `memory`: its device's
-    demand, planned as the RL workers' are (`hybridflow.engine.budget`; None = no planning); `seed`: of the
-    LoRA adapters' initialisation (`trainer.seed`)."""
+    """The model being fine-tuned on this rank: a `TrainEngine` and the SFT loss."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """What an SFT worker is built from, resolved on the controller.
+
+        model / optim: the `model` and `optim` sections.
+        mini_batch_rows: conversations per optimizer step over all ranks (`optim.mini_batch_size`); None =
+            the whole batch.
+        total_steps: optimizer steps of the whole run (the lr schedule's length).
+        memory: its device's demand, planned as the RL workers' are (`hybridflow.engine.budget`); None = no
+            planning.
+        seed: of the LoRA adapters' initialisation (`trainer.seed`).
+        """
+
+        model: ModelConfig
+        optim: SFTOptimConfig
+        mini_batch_rows: int | None = None
+        total_steps: int = 1
+        memory: budget.DeviceDemand | None = None
+        seed: int = 0
 
     keys, model_keys = "optim", "model"
+    cfg: SFTOptimConfig
 
-    def __init__(self, model_cfg: Any, optim_cfg: Any, total_steps: int = 1,
-                 memory: budget.DeviceDemand | None = None, seed: int = 0) -> None:
-        model_cfg, optim_cfg = self._plan_device(memory, model_cfg, optim_cfg)
-        self.cfg = optim_cfg
-        self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=total_steps, device=self.device,
-                                  seed=seed)
+    def __init__(self, config: SFTWorker.Config) -> None:
+        model_cfg, optim_cfg = self._plan_device(config.memory, config.model, config.optim)
+        self.cfg, self.mini_batch_rows = optim_cfg, config.mini_batch_rows
+        self.engine = TrainEngine(model_cfg, optim_cfg, head="lm", total_steps=config.total_steps,
+                                  device=self.device, seed=config.seed)
         self._offload_idle()
 
     @register(Dispatch.DATA_PARALLEL, collect="same")

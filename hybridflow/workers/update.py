@@ -2,7 +2,8 @@
 
 `run_update` makes `passes` passes over this rank's rows (the actor's and critic's `ppo_epochs`, SFT's
 `passes_per_batch`), each pass cut into the same number of (shuffled) mini-batches on every rank — one
-optimizer step each, verl's semantics: a mini-batch is `mini_batch_size x rollout.n` rows over all ranks.
+optimizer step each, verl's semantics: a mini-batch is `mini_batch_rows` rows over all ranks (for the actor
+and critic `mini_batch_size x rollout.n`, resolved on the controller: `hybridflow.config.resolved`).
 `actor_loss` and `critic_loss` build the engine's `loss_fn` from `hybridflow.algorithms` (policy loss, its
 advantages weighted by the rollout correction, + optional KL loss and entropy bonus; clipped value loss),
 aggregating with the mini-batch's global token and sequence counts so micro-batching and data
@@ -14,23 +15,25 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any
 
 import torch
 
 from hybridflow.algorithms import aggregate, compute_policy_loss, kl_loss, value_loss
-from hybridflow.engine.train import LossContext, TrainEngine, timed
+from hybridflow.config.schema import ActorConfig, CriticConfig, OptimConfig
+from hybridflow.engine.contracts import LossFunction, TrainEngineContract
+from hybridflow.engine.train import LossContext, timed
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.microbatch import mini_batch_slices, take_rows
 from hybridflow.workers.mismatch import RolloutMismatch
 
 
-def _agg(cfg: Any, ctx: LossContext, width: int) -> dict:
+def _agg(cfg: OptimConfig, ctx: LossContext, width: int) -> dict:
     return dict(agg=cfg.loss_agg, global_token_count=ctx.global_tokens, global_seq_count=ctx.global_seqs,
                 response_len=width)
 
 
-def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool, mismatch: RolloutMismatch | None = None):
+def actor_loss(cfg: ActorConfig, use_kl: bool, use_entropy: bool, mismatch: RolloutMismatch | None = None
+               ) -> LossFunction:
     """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
     (- entropy_coef x entropy). Needs `advantages`, `response_mask` (and `ref_log_probs`); without
     `old_log_probs` (on-policy: one optimizer step per batch) the current log-probs, detached, stand in.
@@ -63,7 +66,7 @@ def actor_loss(cfg: Any, use_kl: bool, use_entropy: bool, mismatch: RolloutMisma
     return loss_fn
 
 
-def critic_loss(cfg: Any):
+def critic_loss(cfg: CriticConfig) -> LossFunction:
     """`loss_fn` for the critic: PPO's clipped value loss. Needs `values` (old), `returns`, `response_mask`."""
 
     def loss_fn(out: dict, mb: dict, ctx: LossContext):
@@ -77,17 +80,18 @@ def critic_loss(cfg: Any):
     return loss_fn
 
 
-def _mean_over_ranks(values: dict[str, float], engine: TrainEngine) -> dict[str, float]:
+def _mean_over_ranks(values: dict[str, float], engine: TrainEngineContract) -> dict[str, float]:
     keys = sorted(values)
     summed = all_reduce(torch.tensor([values[k] for k in keys], dtype=torch.float64), engine.device)
     return {k: float(v) / engine.world_size for k, v in zip(keys, summed.tolist())}
 
 
-def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, loss_fn, *, passes: int,
-               prefix: str, rollout_n: int = 1, temperature: float = 1.0, with_entropy: bool = False, seed: int = 0
-               ) -> dict[str, float]:
-    """All optimizer steps of one trainer step: `passes` passes over the rows, `cfg` (an `OptimConfig`)
-    cutting each into mini- and micro-batches; metrics identical on every rank.
+def run_update(engine: TrainEngineContract, tensors: dict[str, torch.Tensor], cfg: OptimConfig,
+               loss_fn: LossFunction, *, passes: int, prefix: str, mini_batch_rows: int | None = None,
+               temperature: float = 1.0, with_entropy: bool = False, seed: int = 0) -> dict[str, float]:
+    """All optimizer steps of one trainer step: `passes` passes over the rows, each cut into mini-batches of
+    `mini_batch_rows` rows over all ranks (None: one mini-batch) and those into `cfg`'s micro-batches; metrics
+    identical on every rank.
 
     Returns the loss metrics averaged over steps, `{prefix}/grad_norm` (mean pre-clip norm),
     `{prefix}/lr` (of the last step), `{prefix}/skipped_steps` (non-finite norms so far),
@@ -96,7 +100,7 @@ def run_update(engine: TrainEngine, tensors: dict[str, torch.Tensor], cfg: Any, 
     """
     rows = tensors["input_ids"].shape[0]
     global_rows = int(all_reduce(torch.tensor([rows]), engine.device).item())
-    per_step = global_rows if cfg.mini_batch_size is None else cfg.mini_batch_size * rollout_n
+    per_step = global_rows if mini_batch_rows is None else mini_batch_rows
     if per_step <= 0:
         raise ValueError(f"{prefix}.mini_batch_size={cfg.mini_batch_size} gives {per_step} rows per step")
     steps = max(1, math.ceil(global_rows / per_step))

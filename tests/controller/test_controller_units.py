@@ -265,3 +265,13 @@ def test_a_peer_death_is_reported_rather_than_the_collective_error_it_caused(mon
     parts[1].set_result(2)
     parts[0].set_exception(broken)  # every rank is done: no wait
     assert combined.done() and combined.exception() is broken
+
+
+def test_submit_starts_a_remote_method_and_refuses_anything_else():
+    from hybridflow.controller import submit
+
+    class Method:
+        """Stands for a group's `RemoteMethod` (what `submit` accepts is checked by type)."""
+
+    with pytest.raises(TypeError, match="takes a method of a WorkerGroup or MemberView"):
+        submit(Method(), 1)

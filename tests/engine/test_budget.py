@@ -188,11 +188,12 @@ def test_lora_trains_only_its_adapters_so_14b_grpo_fits_one_h200_with_the_rollou
 
 def test_a_lora_actor_holds_no_reference_copy_and_counts_its_adapters(tiny_qwen2):
     from hybridflow.config.loader import load_config
+    from hybridflow.config.resolved import resolve_facts
     from hybridflow.trainer.memory import device_demands
 
     for lora in (0, 4):
         cfg = load_config([f"model.path={tiny_qwen2}", "actor.kl_loss_coef=0.1", f"actor.lora.rank={lora}"])
-        demand = device_demands(cfg, with_ref=True, with_critic=False)["actor"]
+        demand = device_demands(cfg, resolve_facts(cfg))["actor"]
         assert len(demand.frozen) == (0 if lora else 1)
         per_layer = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 256)  # in + out: q, k and v, o, the MLP's
         assert demand.trained[0].lora_params == (2 * lora * per_layer if lora else None)

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from hybridflow.config import ConfigError, load_config
+from hybridflow.config.resolved import resolve_facts
 from hybridflow.controller import WorkerDiedError
 from hybridflow.controller.cluster import connect, unseen_on
 from hybridflow.trainer.rl import RLTrainer
@@ -88,7 +89,8 @@ def test_a_run_the_cluster_cannot_hold_is_refused_with_the_numbers(cluster, tiny
     overrides = base_overrides(tiny_qwen2, data_dir, tmp_path, *on(cluster), "trainer.n_workers=4",
                                "ray.actor.nnodes=4", "ray.actor.node_resource=train")
     with pytest.raises(ConfigError) as refused:
-        build_roles(load_config(overrides, "recipes/grpo.yaml"), total_steps=1)
+        cfg = load_config(overrides, "recipes/grpo.yaml")
+        build_roles(cfg, total_steps=1, facts=resolve_facts(cfg))
     assert ("pool 'actor' wants 4 shares of 1 CPU on nodes with resource 'train', each on a node of its own "
             "(strategy spread); a share reserves 1 CPU, 0.001 train; but 2 of the cluster's 3 alive node(s) can hold "
             "a share") in str(refused.value)

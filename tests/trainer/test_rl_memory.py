@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from hybridflow.config.loader import load_config
 from hybridflow.controller.errors import WorkerError
 from hybridflow.engine.budget import planning
 from rl_helpers import run
@@ -48,9 +49,13 @@ def test_micro_batches_and_checkpointing_come_from_the_plan(tiny_qwen2, data_dir
     out = capsys.readouterr().out
     # a model this small is host-bound: recomputed micro-batches by default, as long as the cap allows (its
     # layers are far smaller than the 0.5B shape's: ModelShape.host_bound_tokens)
-    assert "device plan: device budget 70.5 GiB of 141.0 GiB; actor update: 262,144-token micro-batches, " \
+    assert "device plan of actor: device budget 70.5 GiB of 141.0 GiB; actor update: 262,144-token micro-batches, " \
            "gradient checkpointing on" in out
     assert "generation: KV cache" in out
+    resolved = (tmp_path / "resolved_config.yaml").read_text()
+    assert resolved.startswith("# device plan of actor: device budget 70.5 GiB")
+    cfg = load_config([], tmp_path / "resolved_config.yaml")
+    assert cfg.actor.max_tokens_per_micro_batch == 262_144 and cfg.model.gradient_checkpointing is True
 
 
 def test_cpu_offloaded_optimizer_trains(tiny_qwen2, data_dir, tmp_path):

@@ -39,6 +39,14 @@ def test_ppo_with_critic_trains_both(tiny_qwen2, data_dir, tmp_path):
     for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "values/mean", "timing_s/old_log_prob",
                 "actor/entropy"):
         assert key in last and math.isfinite(last[key]), key
+    # what the workers filled in where the config left it open, beside metrics.jsonl, loadable again
+    resolved = load_config([], tmp_path / "resolved_config.yaml")
+    asked = load_config([], "recipes/ppo.yaml")
+    assert asked.model.gradient_checkpointing is None and resolved.model.gradient_checkpointing is False
+    assert resolved.critic.model.gradient_checkpointing is False and resolved.critic.model.compile is False
+    assert asked.model.dtype == "auto" and resolved.model.dtype == resolved.critic.model.dtype == "fp32"
+    assert resolved.rollout.engine == "fast" and resolved.rollout.max_num_seqs == 4  # a CPU holds a step's rows
+    assert resolved.actor.lr == 1e-4 and resolved.data.train_batch_size == 2  # the run's own values stay
 
 
 def test_custom_reward_file_and_extras_are_logged(tiny_qwen2, data_dir, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.config.resolved import resolve_facts
 from hybridflow.trainer.roles import build_roles
 from rl_helpers import run
 from test_rl_resume_and_backends import assert_same_metrics
@@ -47,7 +48,7 @@ def test_separate_rollout_without_enough_gpus_is_refused_before_any_group_starts
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cfg = load_config(["trainer.device=cuda", "trainer.n_workers=2", "rollout.placement=separate"])
     with pytest.raises(ValueError) as e:
-        build_roles(cfg, total_steps=1)
+        build_roles(cfg, total_steps=1, facts=resolve_facts(cfg))
     assert ("this run needs 4 GPUs (2 for actor, 2 for rollout (rollout.placement=separate)) but this machine "
             "has 2 (torch.cuda.device_count()); lower trainer.n_workers / rollout.n_workers, or use "
             "rollout.placement=colocate / trainer.placement=colocate") in str(e.value)

@@ -56,6 +56,9 @@ def test_reported_loss_is_the_mean_nll_of_assistant_tokens(tiny_qwen2, chats, tm
     nll = -torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     mask = batch["response_mask"]
     assert metrics["train/loss"] == pytest.approx(float((nll * mask).sum() / mask.sum()), rel=1e-4)
+    resolved = load_config([], tmp_path / "resolved_config.yaml", schema=SFTConfig)  # what the worker ran with
+    assert resolved.optim.max_tokens_per_micro_batch == 64 and resolved.model.gradient_checkpointing is False
+    assert resolved.model.dtype == "fp32" and resolved.model.compile is False
 
 
 def test_sft_cli_learns_logs_checkpoints_and_exports(tiny_qwen2, chats, tmp_path):

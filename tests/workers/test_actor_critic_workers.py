@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from train_helpers import run_ranks
-from worker_helpers import masked_gap, rank_prompts
+from worker_helpers import actor_worker, masked_gap, rank_prompts, sampling
 
-from hybridflow.config.schema import ActorConfig, CriticConfig, DataConfig, ModelConfig, RolloutConfig
+from hybridflow.config.schema import ActorConfig, CriticConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig
 from hybridflow.controller.worker import WorkerContext
-from hybridflow.workers import ActorWorker, CriticWorker
+from hybridflow.trainer.role_configs import critic_config
+from hybridflow.workers import CriticWorker
 
 N = 2
 RESP = 6
@@ -24,28 +25,28 @@ def _ranks(rank, actor_path, critic_path):
                             optimizer_offload=True)
     rollout_cfg = RolloutConfig(n=N, temperature=1.0, cuda_graphs=False)
     data_cfg = DataConfig(max_prompt_length=5, max_response_length=RESP)
-    actor = ActorWorker.create(ctx, dict(model_cfg=model_cfg, actor_cfg=actor_cfg, rollout_cfg=rollout_cfg,
-                                         data_cfg=data_cfg, total_steps=4, with_ref=True))
-    out = actor.generate(rank_prompts(rank))
+    actor = actor_worker(ctx, model_cfg, actor_cfg, rollout_cfg, data_cfg, total_steps=4)
+    out = actor.generate(rank_prompts(rank), sampling(N, RESP))
     res = {"rows": len(out), "uid": list(out["uid"]), "shape": tuple(out["input_ids"].shape),
            "resp_tokens": float(out["response_mask"].sum())}
-    lp = actor.compute_log_probs(out)
+    lp = actor.compute_log_probs(out, 1.0)
     res["gen_vs_logp"] = masked_gap(lp["old_log_probs"], out["rollout_log_probs"], out["response_mask"])
-    ref = actor.compute_ref_log_probs(out)
+    ref = actor.compute_ref_log_probs(out, 1.0)
     res["ref_vs_logp"] = masked_gap(lp["old_log_probs"], ref["ref_log_probs"], out["response_mask"])
     batch = out.union(lp).union(ref)
     batch["advantages"] = torch.randn(len(batch), RESP, generator=torch.Generator().manual_seed(rank))
-    res["metrics"] = actor.update_actor(batch)
+    res["metrics"] = actor.update_actor(batch, 1.0)
     res["sync"] = actor.sync_weights()
-    out2 = actor.generate(rank_prompts(rank))
-    lp2 = actor.compute_log_probs(out2)
+    out2 = actor.generate(rank_prompts(rank), sampling(N, RESP))
+    lp2 = actor.compute_log_probs(out2, 1.0)
     res["after_sync_gen_vs_logp"] = masked_gap(lp2["old_log_probs"], out2["rollout_log_probs"],
                                                    out2["response_mask"])
-    res["moved"] = masked_gap(actor.compute_log_probs(out)["old_log_probs"], lp["old_log_probs"],
+    res["moved"] = masked_gap(actor.compute_log_probs(out, 1.0)["old_log_probs"], lp["old_log_probs"],
                                   out["response_mask"])
 
     critic_cfg = CriticConfig(model=ModelConfig(path=critic_path, dtype="fp32"), lr=1e-3, micro_batch_size=1)
-    critic = CriticWorker.create(ctx, dict(critic_cfg=critic_cfg, actor_model_cfg=model_cfg, rollout_n=N))
+    critic = CriticWorker.create(ctx, dict(config=critic_config(
+        RLConfig(model=model_cfg, critic=critic_cfg, rollout=rollout_cfg), total_steps=1)))
     values = critic.compute_values(batch)
     res["values_nonzero"] = float(values["values"].abs().sum())
     res["values_off_mask"] = float((values["values"] * (1 - batch["response_mask"])).abs().sum())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from train_helpers import rl_batch, run_ranks
-from worker_helpers import masked_gap, rank_prompts
+from worker_helpers import actor_worker, masked_gap, rank_prompts, sampling
 
 from hybridflow.batch import Batch
 from hybridflow.config.schema import (ActorConfig, CriticConfig, DataConfig, LoraConfig, ModelConfig,
@@ -28,16 +28,15 @@ def _actor(rank: int, world: int, path: str, optimizer: str = "adamw") -> ActorW
     ctx = WorkerContext(rank, world, rank, torch.device("cpu"), "actor", None)
     actor_cfg = ActorConfig(lr=5e-2, mini_batch_size=1, micro_batch_size=2, kl_loss_coef=0.1, optimizer=optimizer,
                             lora=LoraConfig(rank=4, alpha=8))
-    return ActorWorker.create(ctx, dict(model_cfg=ModelConfig(path=path, dtype="fp32"), actor_cfg=actor_cfg,
-                                        rollout_cfg=RolloutConfig(n=N, temperature=1.0, cuda_graphs=False),
-                                        data_cfg=DataConfig(max_prompt_length=5, max_response_length=RESP),
-                                        total_steps=4, with_ref=True))
+    return actor_worker(ctx, ModelConfig(path=path, dtype="fp32"), actor_cfg,
+                        RolloutConfig(n=N, temperature=1.0, cuda_graphs=False),
+                        DataConfig(max_prompt_length=5, max_response_length=RESP), total_steps=4)
 
 
 def _update(actor: ActorWorker, out: Batch, rank: int) -> dict[str, float]:
-    batch = out.union(actor.compute_log_probs(out)).union(actor.compute_ref_log_probs(out))
+    batch = out.union(actor.compute_log_probs(out, 1.0)).union(actor.compute_ref_log_probs(out, 1.0))
     batch["advantages"] = torch.randn(len(batch), RESP, generator=torch.Generator().manual_seed(rank))
-    return actor.update_actor(batch)
+    return actor.update_actor(batch, 1.0)
 
 
 def _ranks(rank, world, path, ckpt):
@@ -48,17 +47,17 @@ def _ranks(rank, world, path, ckpt):
     res["dtensors"] = all(isinstance(p, DTensor) for p in engine.model.parameters())
     base = TrainEngine(ModelConfig(path=path, dtype="fp32"), None, head="lm")  # the model directory's policy
 
-    out = actor.generate(rank_prompts(rank))
+    out = actor.generate(rank_prompts(rank), sampling(N, RESP))
     mask = out["response_mask"]
     base_lp = base.infer(out.tensors)["log_probs"]
-    first = actor.compute_log_probs(out)["old_log_probs"]
+    first = actor.compute_log_probs(out, 1.0)["old_log_probs"]
     res["initial_vs_base"] = masked_gap(first, base_lp, mask)  # B starts at 0: the initial policy is the base model
     res["metrics"] = _update(actor, out, rank)
-    res["ref_vs_base"] = masked_gap(actor.compute_ref_log_probs(out)["ref_log_probs"], base_lp, mask)
-    res["moved"] = masked_gap(actor.compute_log_probs(out)["old_log_probs"], first, mask)
+    res["ref_vs_base"] = masked_gap(actor.compute_ref_log_probs(out, 1.0)["ref_log_probs"], base_lp, mask)
+    res["moved"] = masked_gap(actor.compute_log_probs(out, 1.0)["old_log_probs"], first, mask)
 
-    stale = actor.generate(rank_prompts(rank))  # sampled before the sync: still the base model
-    res["stale_gen_vs_logp"] = masked_gap(actor.compute_log_probs(stale)["old_log_probs"], stale["rollout_log_probs"],
+    stale = actor.generate(rank_prompts(rank), sampling(N, RESP))  # sampled before the sync: still the base model
+    res["stale_gen_vs_logp"] = masked_gap(actor.compute_log_probs(stale, 1.0)["old_log_probs"], stale["rollout_log_probs"],
                                     stale["response_mask"])
     sent = []
     load = actor.rollout.engine.load_weights
@@ -67,16 +66,16 @@ def _ranks(rank, world, path, ckpt):
     res["sync"] = actor.sync_weights()
     res["sent"] = sent
     res["in_place"] = storage == {n: p.data_ptr() for n, p in actor.rollout.engine.model.named_parameters()}
-    fresh = actor.generate(rank_prompts(rank))
-    res["gen_vs_logp"] = masked_gap(actor.compute_log_probs(fresh)["old_log_probs"], fresh["rollout_log_probs"],
+    fresh = actor.generate(rank_prompts(rank), sampling(N, RESP))
+    res["gen_vs_logp"] = masked_gap(actor.compute_log_probs(fresh, 1.0)["old_log_probs"], fresh["rollout_log_probs"],
                               fresh["response_mask"])
 
     actor.save_checkpoint(ckpt)
     resumed = _actor(rank, world, path)
     resumed.load_checkpoint(ckpt)
-    res["resumed_vs_saved"] = masked_gap(resumed.compute_log_probs(out)["old_log_probs"],
-                                   actor.compute_log_probs(out)["old_log_probs"], mask)
-    after = [w.compute_log_probs(out)["old_log_probs"] for w in (actor, resumed) if _update(w, out, rank)]
+    res["resumed_vs_saved"] = masked_gap(resumed.compute_log_probs(out, 1.0)["old_log_probs"],
+                                   actor.compute_log_probs(out, 1.0)["old_log_probs"], mask)
+    after = [w.compute_log_probs(out, 1.0)["old_log_probs"] for w in (actor, resumed) if _update(w, out, rank)]
     res["next_step_resumed_vs_straight"] = masked_gap(after[0], after[1], mask)  # the optimizer state came back too
     return res
 
@@ -105,7 +104,7 @@ def test_only_the_adapters_are_in_the_optimizer(tiny_qwen2, optimizer):
     in_optimizer = {id(p) for group in actor.engine.optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for n, p in named.items() if ".lora_" in n}
     before = {n: p.detach().clone() for n, p in named.items()}
-    _update(actor, actor.generate(rank_prompts(0)), 0)
+    _update(actor, actor.generate(rank_prompts(0), sampling(N, RESP)), 0)
     changed = {n for n, p in named.items() if not torch.equal(before[n], p.detach())}
     assert changed and all(".lora_B." in n or ".lora_A." in n for n in changed)
     assert all(not s or all(not torch.is_tensor(v) or v.device.type == "cpu" for v in s.values())
@@ -116,7 +115,7 @@ def test_lora_critic_trains_its_adapters_and_its_score_head(tiny_qwen2):
     ctx = WorkerContext(0, 1, 0, torch.device("cpu"), "critic", None)
     cfg = CriticConfig(model=ModelConfig(path=str(tiny_qwen2), dtype="fp32"), lr=1e-2,
                        lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj"]))
-    critic = CriticWorker.create(ctx, dict(critic_cfg=cfg, rollout_n=1))
+    critic = CriticWorker.create(ctx, dict(config=CriticWorker.Config(model=cfg.model, critic=cfg)))
     trained = {n for n, p in critic.engine.model.named_parameters() if p.requires_grad}
     assert {n for n in trained if ".lora_" not in n} == {"score.weight", "score.bias"}
     assert {n.split(".")[-4] for n in trained if ".lora_" in n} == {"q_proj", "v_proj"}

@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig
 from hybridflow.controller import WorkerGroup
+from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.engine.rollout import SamplingParams
+from hybridflow.trainer.role_configs import actor_config, rollout_worker_config
 from hybridflow.trainer.roles import SeparateRollout
 from hybridflow.workers import ActorWorker, RolloutWorker
 from hybridflow.workers.weight_sync import plan_buckets
@@ -17,15 +19,18 @@ from hybridflow.workers.weight_sync import plan_buckets
 RESP = 6
 
 
-def _prompts(temperature: float) -> Batch:
+def _sampling(temperature: float) -> SamplingParams:
+    return SamplingParams(n=1 if temperature == 0 else 2, temperature=temperature, max_tokens=RESP, seed=3)
+
+
+def _prompts() -> Batch:
     g = torch.Generator().manual_seed(5)
     prompts = torch.zeros(4, 5, dtype=torch.long)
     mask = torch.zeros(4, 5, dtype=torch.long)
     for i, length in enumerate((5, 3, 2, 4)):
         prompts[i, 5 - length:] = torch.randint(4, 250, (length,), generator=g)
         mask[i, 5 - length:] = 1
-    return Batch({"prompts": prompts, "attention_mask": mask}, {"uid": [f"p{i}" for i in range(4)]},
-                 meta={"sampling": {"seed": 3, "temperature": temperature, "n": 1 if temperature == 0 else 2}})
+    return Batch({"prompts": prompts, "attention_mask": mask}, {"uid": [f"p{i}" for i in range(4)]})
 
 
 def test_plan_buckets_bounds_each_bucket_and_keeps_the_order():
@@ -40,24 +45,25 @@ def test_separate_rollout_generates_with_the_synced_weights(tiny_qwen2):
     model_cfg = ModelConfig(path=str(tiny_qwen2), dtype="fp32")
     rollout_cfg = RolloutConfig(n=2, temperature=1.0, cuda_graphs=False)
     data_cfg = DataConfig(max_prompt_length=5, max_response_length=RESP)
-    actor_kwargs = dict(model_cfg=model_cfg, actor_cfg=ActorConfig(lr=0.05, micro_batch_size=4),
-                        rollout_cfg=rollout_cfg, data_cfg=data_cfg)
+    cfg = RLConfig(model=model_cfg, actor=ActorConfig(lr=0.05, micro_batch_size=4), rollout=rollout_cfg,
+                   data=data_cfg)
+    actor_kwargs = dict(config=actor_config(cfg, total_steps=1))  # colocated: it has an engine of its own too
     with WorkerGroup(ActorWorker, n_workers=2, name="actor", init_kwargs=actor_kwargs) as actor, \
             WorkerGroup(RolloutWorker, n_workers=2, name="rollout",
-                        init_kwargs=dict(model_cfg=model_cfg, rollout_cfg=rollout_cfg, data_cfg=data_cfg)) as rollout:
+                        init_kwargs=dict(config=rollout_worker_config(cfg))) as rollout:
         sync = SeparateRollout(actor, rollout, bucket_bytes=16 << 10)  # several buckets, one per big matrix
-        greedy = _prompts(0.0)
-        before = rollout.generate(greedy)
-        batch = rollout.generate(_prompts(1.0))
-        batch = batch.union(actor.compute_log_probs(batch))
+        prompts, greedy = _prompts(), _sampling(0.0)
+        before = rollout.generate(prompts, greedy)
+        batch = rollout.generate(prompts, _sampling(1.0))
+        batch = batch.union(actor.compute_log_probs(batch, 1.0))
         batch["advantages"] = torch.randn(len(batch), RESP, generator=torch.Generator().manual_seed(0))
-        actor.update_actor(batch)
-        stale = rollout.generate(greedy)
+        actor.update_actor(batch, 1.0)
+        stale = rollout.generate(prompts, greedy)
         timing = sync.sync_weights()
-        got = rollout.generate(greedy)
+        got = rollout.generate(prompts, greedy)
         actor.sync_weights()  # the actor's own engine, fed in place from the same weights
-        expected = actor.generate(greedy)
-        trained = actor.compute_log_probs(got)["old_log_probs"]
+        expected = actor.generate(prompts, greedy)
+        trained = actor.compute_log_probs(got, 0.0)["old_log_probs"]
 
     mask = got["response_mask"]
     assert torch.equal(stale["responses"], before["responses"])  # nothing moves before the sync
@@ -70,8 +76,10 @@ def test_separate_rollout_generates_with_the_synced_weights(tiny_qwen2):
 
 
 class _GPUEngineStub:
-    """Records the sleep/wake calls a replica makes on an accelerator's engine."""
+    """A rollout engine on an accelerator, written from the contract (`RolloutEngineContract`), recording the
+    sleep/wake calls a replica makes on it."""
 
+    kind = "fast"
     device = torch.device("cuda")
 
     def __init__(self) -> None:
@@ -88,30 +96,32 @@ class _GPUEngineStub:
 
         return [[Completion([7, 8], [-0.5, -0.25], "stop") for _ in range(params.n)] for _ in prompts]
 
+    def load_weights(self, named_tensors) -> int:
+        return len(list(named_tensors))
 
-def test_free_cache_after_generate_frees_the_cache_after_each_generation_or_never(monkeypatch):
+
+def _replica(monkeypatch, engine: RolloutEngineContract, rollout: RolloutConfig):
     from hybridflow.workers import rollout_replica
 
+    monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args, **kwargs: engine)
+    config = rollout_replica.RolloutReplica.Config(model_path="unused", rollout=rollout, max_prompt_length=5,
+                                                   max_response_length=RESP)
+    return rollout_replica.RolloutReplica(config, torch.device("cuda"), torch.float32, pad_id=0)
+
+
+def test_free_cache_after_generate_frees_the_cache_after_each_generation_or_never(monkeypatch):
     for free, expected in ((True, ["sleep", "wake", "sleep"]), (False, [])):
         engine = _GPUEngineStub()
-        monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args, **kwargs: engine)
-        replica = rollout_replica.RolloutReplica("unused", RolloutConfig(free_cache_after_generate=free),
-                                                 DataConfig(max_prompt_length=5, max_response_length=RESP),
-                                                 torch.device("cuda"), torch.float32, pad_id=0)
-        out = replica.generate(_prompts(1.0), rank=0)
+        replica = _replica(monkeypatch, engine, RolloutConfig(free_cache_after_generate=free))
+        out = replica.generate(_prompts(), _sampling(1.0), step=0, rank=0)
         assert len(out) == 8 and out["response_mask"].sum() == 16
         assert engine.calls == expected and replica.awake == (not free)
 
 
 def test_offload_weights_moves_the_rollout_weights_out_whenever_the_engine_sleeps(monkeypatch):
-    from hybridflow.workers import rollout_replica
-
     engine = _GPUEngineStub()
-    monkeypatch.setattr(rollout_replica, "build_rollout", lambda *args, **kwargs: engine)
-    replica = rollout_replica.RolloutReplica("unused", RolloutConfig(offload_weights=True),
-                                             DataConfig(max_prompt_length=5, max_response_length=RESP),
-                                             torch.device("cuda"), torch.float32, pad_id=0)
-    replica.generate(_prompts(1.0), rank=0)
+    replica = _replica(monkeypatch, engine, RolloutConfig(offload_weights=True))
+    replica.generate(_prompts(), _sampling(1.0), step=0, rank=0)
     assert engine.calls == ["sleep, weights to the CPU", "wake", "sleep, weights to the CPU"]
 
 

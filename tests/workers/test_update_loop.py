@@ -19,7 +19,7 @@ def _ranks(rank, path):
     cfg = ActorConfig(lr=1e-3, mini_batch_size=1, micro_batch_size=1)
     engine = TrainEngine(model_cfg(path), optim_cfg(), head="lm", total_steps=2, pack_on_cpu=True)
     metrics = run_update(engine, local, cfg, actor_loss(cfg, use_kl=False, use_entropy=False), passes=1,
-                         prefix="actor", rollout_n=2)
+                         prefix="actor", mini_batch_rows=cfg.mini_batch_size * 2)
     return metrics, engine.scheduler.last_epoch
 
 

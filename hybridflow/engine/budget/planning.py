@@ -20,10 +20,11 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TypeVar
 
 import torch
 
+from hybridflow.config.schema import ModelConfig, OptimConfig
 from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
                                                MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
                                                DeviceDemand, TrainedRole)
@@ -255,13 +256,17 @@ def plan_for_device(demand: DeviceDemand | None, device: torch.device) -> Device
     return _PLANS[key]
 
 
-def apply_plan(plan_: DevicePlan | None, keys: str, model_cfg: Any, role_cfg: Any) -> tuple[Any, Any]:
+Section = TypeVar("Section", bound=OptimConfig)
+
+
+def apply_plan(plan_: DevicePlan | None, keys: str, model_cfg: ModelConfig, role_cfg: Section
+               ) -> tuple[ModelConfig, Section]:
     """Copies of a trained role's model and role sections with what was left to the plan filled in:
     `gradient_checkpointing` (None -> the plan's, or off without a plan) and `max_tokens_per_micro_batch`
     (None with no `micro_batch_size` -> the plan's token budget; without a plan the whole mini-batch)."""
     role = plan_.roles.get(keys) if plan_ is not None else None
     model_cfg, role_cfg = copy.copy(model_cfg), copy.copy(role_cfg)
-    if getattr(model_cfg, "gradient_checkpointing", None) is None:
+    if model_cfg.gradient_checkpointing is None:
         model_cfg.gradient_checkpointing = role.gradient_checkpointing if role is not None else False
     if role is not None and role_cfg.max_tokens_per_micro_batch is None and role_cfg.micro_batch_size is None:
         role_cfg.max_tokens_per_micro_batch = role.max_tokens

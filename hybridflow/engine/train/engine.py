@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hybridflow.config.schema import ModelConfig, OptimConfig
 from hybridflow.engine.budget import count
 from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
@@ -72,11 +73,10 @@ class TrainEngine:
     role's `lora.rank` > 0 (`lora.py`: only they train; `adapters` is None without).
 
     Args:
-        model_cfg: `ModelConfig`-like (`path`, `dtype`, `master_dtype`, `gradient_checkpointing`, `compile`,
-            `attn_implementation`, `trust_remote_code`; missing optional ones take their
-            defaults).
-        optim_cfg: an actor/critic section (`optimizer`, lr, schedule, `grad_clip`, `lora`, ...) or None for
-            a frozen model.
+        model_cfg: the model's section (`path`, `dtype`, `master_dtype`, `gradient_checkpointing`: None counts
+            as off, `compile`, `attn_implementation`, `trust_remote_code`).
+        optim_cfg: the trained role's section (an actor, critic or SFT `OptimConfig`: `optimizer`, lr,
+            schedule, `grad_clip`, `lora`, ...), or None for a frozen model.
         head: ``"lm"`` (log-probs) or ``"value"`` (critic values).
         total_steps: optimizer steps the lr schedule spans.
         pack_on_cpu: honour `pack=True` on a CPU device too (by default CPU forwards stay padded).
@@ -87,7 +87,7 @@ class TrainEngine:
             most this many tokens; None = the default forward.
     """
 
-    def __init__(self, model_cfg: Any, optim_cfg: Any | None = None, *, head: str = "lm",
+    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig | None = None, *, head: str = "lm",
                  total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False,
                  seed: int = 0, exact_len: int | None = None) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
@@ -99,19 +99,17 @@ class TrainEngine:
         self.pack_allowed = self.device.type == "cuda" or pack_on_cpu or self.exact
         self.head = head
         self.trainable = optim_cfg is not None
-        self.precision = resolve_precision(getattr(model_cfg, "dtype", "auto"), self.device, self.trainable,
-                                           getattr(model_cfg, "master_dtype", "fp32"))
+        self.precision = resolve_precision(model_cfg.dtype, self.device, self.trainable, model_cfg.master_dtype)
         self.distributed = dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
-        lora_cfg = getattr(optim_cfg, "lora", None) if self.trainable else None
+        lora_cfg = optim_cfg.lora if optim_cfg is not None else None
         lora = lora_cfg is not None and lora_cfg.rank > 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             # with LoRA the frozen weights are loaded, and stay, in the compute dtype; only adapters get a master copy
             model = load_model(model_cfg.path, head, self.precision.param if lora else self.precision.master,
-                               getattr(model_cfg, "attn_implementation", "sdpa"),
-                               getattr(model_cfg, "trust_remote_code", False),
-                               self.trainable and bool(getattr(model_cfg, "gradient_checkpointing", False)))
+                               model_cfg.attn_implementation, model_cfg.trust_remote_code,
+                               self.trainable and bool(model_cfg.gradient_checkpointing))
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
         if self.exact:
             make_exact(model, self.precision.param, exact_len)
@@ -126,7 +124,7 @@ class TrainEngine:
             model = model.to(self.device)
         self.model = model
         # compiled layers fuse the elementwise ops around the invariant ones and change their rounding
-        self.compiled = not self.exact and resolve_compile(getattr(model_cfg, "compile", None), self.device)
+        self.compiled = not self.exact and resolve_compile(model_cfg.compile, self.device)
         if self.compiled:
             compile_model(model)
         self.lm_head = model.get_output_embeddings() if head == "lm" else None
@@ -135,7 +133,7 @@ class TrainEngine:
         self.skipped_steps = 0
         self.optimizer_steps = 0  # steps that changed the weights (skipped ones did not)
         self.optimizer = self.scheduler = None
-        if self.trainable:
+        if optim_cfg is not None:
             self.grad_clip = optim_cfg.grad_clip
             self.optimizer = build_optimizer(model.parameters(), optim_cfg, self.device)
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)

@@ -14,18 +14,19 @@ Optimizers (`OPTIMIZERS`), by the device memory their state takes per parameter:
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
+
+from hybridflow.config.schema import OptimConfig
 
 SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
 
 
-def build_optimizer(params, cfg: Any, device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer `cfg.optimizer` (default ``adamw``) over the trainable `params`."""
+def build_optimizer(params, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer `cfg.optimizer` over the trainable `params`."""
     params = [p for p in params if p.requires_grad]
-    name = getattr(cfg, "optimizer", "adamw")
+    name = cfg.optimizer
     if name != "adamw_8bit" and any(p.dtype == torch.bfloat16 for p in params):
         raise ValueError(f"optimizer {name!r} would round every update of bf16 master weights to bf16 (most "
                          f"vanish); use optimizer=adamw_8bit (stochastic rounding) or master_dtype=fp32")
@@ -62,7 +63,7 @@ def lr_factor(step: int, total_steps: int, schedule: str, warmup_steps: int, min
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
                     ) -> torch.optim.lr_scheduler.LambdaLR:
     """A `LambdaLR` stepping `lr_factor` once per optimizer step."""
     schedule, warmup = cfg.lr_schedule, cfg.lr_warmup_steps
@@ -72,7 +73,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int
         optimizer, lambda step: lr_factor(step, total_steps, schedule, warmup, min_ratio))
 
 
-def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: Any) -> None:
+def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                 cfg: OptimConfig) -> None:
     """After loading a checkpoint's optimizer and scheduler state: this config's lr, betas and weight decay
     replace the saved ones, and the lr becomes this config's schedule (the scheduler's own function, built
     from this config) at the restored optimizer step, so a resumed run trains with what its config says."""

@@ -8,11 +8,12 @@ import queue as queue_lib
 import socket
 import time
 import traceback
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hybridflow.config.schema import ModelConfig, OptimConfig
 
 
 def rl_batch(rows: int, prompt_width: int, response_width: int, vocab: int = 200, seed: int = 0
@@ -40,18 +41,12 @@ def rl_batch(rows: int, prompt_width: int, response_width: int, vocab: int = 200
     }
 
 
-def model_cfg(path, **kw) -> SimpleNamespace:
-    base = dict(path=str(path), tokenizer_path=None, dtype="fp32", gradient_checkpointing=False,
-                attn_implementation="sdpa", trust_remote_code=False)
-    base.update(kw)
-    return SimpleNamespace(**base)
+def model_cfg(path, **kw) -> ModelConfig:
+    return ModelConfig(**{"path": str(path), "dtype": "fp32", "gradient_checkpointing": False, **kw})
 
 
-def optim_cfg(**kw) -> SimpleNamespace:
-    base = dict(lr=1e-3, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0,
-                betas=(0.9, 0.999), grad_clip=1.0)
-    base.update(kw)
-    return SimpleNamespace(**base)
+def optim_cfg(**kw) -> OptimConfig:
+    return OptimConfig(**{"lr": 1e-3, "weight_decay": 0.0, **kw})
 
 
 def _free_port() -> int:

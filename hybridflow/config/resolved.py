@@ -1,0 +1,73 @@
+"""The facts an RL run derives from its config, resolved once on the controller (`RunFacts`, `resolve_facts`).
+
+Which roles run (a critic, a reference, ReMax's greedy baseline, multi-turn episodes), whether a role
+trains LoRA adapters, where the rollout and the critic run, how many rows a mini-batch holds and whether
+the old log-probs get a pass of their own: the trainer decides each of these here and hands the answers
+down typed, so no worker or engine re-derives one from config sections. What only a worker can know (the
+device plan, made from its device's free memory) comes back from it instead
+(`hybridflow.workers.base.Effective`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.config.roles import agent_enabled, needs_critic, needs_greedy_baseline, needs_reference, run_groups
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunFacts:
+    """What an `RLConfig` implies (see the module docstring).
+
+    critic / reference / greedy_baseline / agent: the roles and episodes the run needs (a reference when a
+        KL term uses one).
+    actor_lora / critic_lora: the role trains LoRA adapters (`lora.rank` > 0); a LoRA actor's reference is
+        its own base weights, so `reference_copy` (a frozen copy held beside the actor) is False then.
+    separate_rollout / split_critic: `rollout.placement=separate`, `trainer.placement=split` with a critic.
+    step_rows: rows a step generates (`data.train_batch_size x rollout.n`).
+    actor_mini_batch_rows / critic_mini_batch_rows: rows per optimizer step over all ranks
+        (`mini_batch_size x rollout.n`); None = the whole batch.
+    skip_old_log_probs: on-policy (one optimizer step per batch, no KL in reward, `actor.skip_old_log_probs`):
+        the update's own log-probs, detached, are the old ones, so their separate pass is skipped.
+    groups: the worker groups the run starts, with their process counts (`config.roles.run_groups`).
+    """
+
+    critic: bool
+    reference: bool
+    reference_copy: bool
+    greedy_baseline: bool
+    agent: bool
+    actor_lora: bool
+    critic_lora: bool
+    separate_rollout: bool
+    split_critic: bool
+    step_rows: int
+    actor_mini_batch_rows: int | None
+    critic_mini_batch_rows: int | None
+    skip_old_log_probs: bool
+    groups: dict[str, int]
+
+
+def _rows(mini_batch_size: int | None, n: int) -> int | None:
+    return None if mini_batch_size is None else mini_batch_size * n
+
+
+def resolve_facts(cfg: Any) -> RunFacts:
+    """The `RunFacts` of a (validated) `RLConfig`."""
+    actor, n = cfg.actor, cfg.rollout.n
+    actor_lora = actor.lora.rank > 0
+    critic = needs_critic(cfg)
+    reference = needs_reference(cfg)
+    one_step = actor.ppo_epochs == 1 and (actor.mini_batch_size is None
+                                          or actor.mini_batch_size >= cfg.data.train_batch_size)
+    return RunFacts(
+        critic=critic, reference=reference, reference_copy=reference and not actor_lora,
+        greedy_baseline=needs_greedy_baseline(cfg), agent=agent_enabled(cfg.agent),
+        actor_lora=actor_lora, critic_lora=critic and cfg.critic.lora.rank > 0,
+        separate_rollout=cfg.rollout.placement == "separate",
+        split_critic=critic and cfg.trainer.placement == "split",
+        step_rows=cfg.data.train_batch_size * n,
+        actor_mini_batch_rows=_rows(actor.mini_batch_size, n), critic_mini_batch_rows=_rows(cfg.critic.mini_batch_size, n),
+        skip_old_log_probs=actor.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward,
+        groups=run_groups(cfg))

@@ -1,0 +1,67 @@
+"""Each worker role's typed config, made on the controller from an `RLConfig` and its `RunFacts`.
+
+A worker gets its own `Config` (`ActorWorker.Config`, `CriticWorker.Config`, `RolloutWorker.Config`, and
+the `RolloutReplica.Config` inside the actor's or the rollout worker's), never the whole tree: the sections
+it reads, and the facts the controller resolved for it (`hybridflow.config.resolved`), such as its rows per
+mini-batch or whether it holds a reference copy. `train_sampling` is the `SamplingParams` a training step
+generates with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybridflow.config.resolved import RunFacts, resolve_facts
+from hybridflow.engine import budget
+from hybridflow.engine.rollout import SamplingParams
+from hybridflow.workers import ActorWorker, CriticWorker, RolloutWorker
+from hybridflow.workers.rollout_replica import RolloutReplica
+
+
+def replica_config(cfg: Any, facts: RunFacts) -> RolloutReplica.Config:
+    """The rollout engine's config: the `rollout` section, the model directory, the `data` lengths, a step's
+    rows and, when episodes are on, the `agent` section."""
+    return RolloutReplica.Config(model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
+                                 rollout=cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
+                                 max_response_length=cfg.data.max_response_length, step_rows=facts.step_rows,
+                                 agent=cfg.agent if facts.agent else None)
+
+
+def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,
+                 facts: RunFacts | None = None) -> ActorWorker.Config:
+    """The actor's config for a run whose actor takes `total_steps` optimizer steps (`memory`: its device's
+    demand; `facts`: the config's, resolved here when not given); with `rollout.exact` its forward runs the
+    rollout's invariant kernels for rows as long as the run generates."""
+    facts = facts or resolve_facts(cfg)
+    exact_len = cfg.data.max_prompt_length + cfg.data.max_response_length if cfg.rollout.exact else None
+    return ActorWorker.Config(model=cfg.model, actor=cfg.actor,
+                              rollout=None if facts.separate_rollout else replica_config(cfg, facts),
+                              reference_copy=facts.reference_copy, mini_batch_rows=facts.actor_mini_batch_rows,
+                              total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len)
+
+
+def critic_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,
+                  facts: RunFacts | None = None) -> CriticWorker.Config:
+    """The critic's config; a null `critic.model.path` becomes the actor's `model.path`."""
+    facts = facts or resolve_facts(cfg)
+    model = cfg.critic.model
+    if model.path is None:
+        model = dataclasses.replace(model, path=cfg.model.path)
+    return CriticWorker.Config(model=model, critic=cfg.critic, mini_batch_rows=facts.critic_mini_batch_rows,
+                               total_steps=total_steps, memory=memory, seed=cfg.trainer.seed)
+
+
+def rollout_worker_config(cfg: Any, memory: budget.DeviceDemand | None = None,
+                          facts: RunFacts | None = None) -> RolloutWorker.Config:
+    """The separate rollout group's config."""
+    return RolloutWorker.Config(model=cfg.model, replica=replica_config(cfg, facts or resolve_facts(cfg)),
+                                memory=memory)
+
+
+def train_sampling(cfg: Any) -> SamplingParams:
+    """How a training step samples: `rollout.n`, temperature, top-p and top-k, `data.max_response_length`
+    new tokens, seeded with `trainer.seed` (each call mixes in its step and rank)."""
+    r = cfg.rollout
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed)

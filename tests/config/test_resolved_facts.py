@@ -1,0 +1,33 @@
+"""`resolve_facts`: what an RL config implies, decided once on the controller and handed to the workers."""
+
+from __future__ import annotations
+
+from hybridflow.config.loader import load_config
+from hybridflow.config.resolved import resolve_facts
+
+
+def test_grpo_defaults_skip_the_old_log_probs_and_need_no_critic_or_reference():
+    facts = resolve_facts(load_config(["data.train_batch_size=4", "rollout.n=3"]))  # the schema defaults: GRPO
+    assert not facts.critic and not facts.reference and not facts.reference_copy and not facts.greedy_baseline
+    assert facts.skip_old_log_probs and facts.step_rows == 12 and facts.groups == {"actor": 1}
+    assert not facts.separate_rollout and not facts.agent
+
+
+def test_mini_batch_rows_are_prompts_times_n_and_several_mini_batches_need_old_log_probs():
+    facts = resolve_facts(load_config(["data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=2",
+                                       "critic.mini_batch_size=4"], "recipes/ppo.yaml"))
+    assert facts.actor_mini_batch_rows == 8 and facts.critic_mini_batch_rows == 16
+    assert facts.critic and not facts.skip_old_log_probs
+
+
+def test_a_lora_actor_needs_a_reference_but_holds_no_copy():
+    for rank, copy in ((0, True), (4, False)):
+        facts = resolve_facts(load_config(["actor.kl_loss_coef=0.1", f"actor.lora.rank={rank}"]))
+        assert facts.reference and facts.reference_copy == copy and facts.actor_lora == (rank > 0)
+
+
+def test_placements_and_groups():
+    facts = resolve_facts(load_config(["algorithm.adv_estimator=gae", "trainer.placement=split",
+                                       "rollout.placement=separate", "trainer.n_workers=2", "rollout.n_workers=1"]))
+    assert facts.split_critic and facts.separate_rollout
+    assert facts.groups == {"actor": 2, "critic": 2, "rollout": 1}
