@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: demo test bench-cpu venv clean
+.PHONY: demo test typecheck bench-cpu venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# the type-check ratchet: the packages listed under [tool.mypy] in pyproject.toml must pass
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+test: typecheck
 	$(PY) -m pytest -q -ra tests
 
 demo: $(STAMP)

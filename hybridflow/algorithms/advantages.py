@@ -19,8 +19,8 @@ every estimator; an option no estimator knows is an error with a did-you-mean. A
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -42,7 +42,15 @@ def get_adv_estimator(name: str) -> Callable[..., Any]:
     return ADV_ESTIMATORS.get_fn(name)
 
 
-def compute_advantages(name: str, data: Mapping[str, Any], **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+class Rows(Protocol):
+    """What an estimator reads its inputs from: a `Batch`, or a dict of tensors (and per-row fields)."""
+
+    def __getitem__(self, key: str) -> Any: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+def compute_advantages(name: str, data: Rows, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Run estimator `name` on `data` (see the module docstring) -> `(advantages, returns)`, both `[batch, R]`.
 
     Options (`gamma`, `lam`, `scale_by_std`, `eps`, ...) that the estimator does not take are ignored.
@@ -50,7 +58,7 @@ def compute_advantages(name: str, data: Mapping[str, Any], **options: Any) -> tu
     return ADV_ESTIMATORS.call(name, (data,), options)
 
 
-def require(data: Mapping[str, Any], estimator: str, *keys: str) -> tuple[Any, ...]:
+def require(data: Rows, estimator: str, *keys: str) -> tuple[Any, ...]:
     """`(data[key] for key in keys)`; a `KeyError` naming the estimator and the batch's keys if one is missing."""
     values = []
     for key in keys:
@@ -197,36 +205,36 @@ def remax(
 
 
 @register_adv_estimator("gae")
-def _gae_entry(data: Mapping[str, Any], gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae_entry(data: Rows, gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     rewards, values, mask = require(data, "gae", "token_rewards", "values", "response_mask")
     return gae(rewards, values, mask, gamma, lam)
 
 
 @register_adv_estimator("grpo")
 def _grpo_entry(
-    data: Mapping[str, Any], scale_by_std: bool = True, eps: float = 1e-6
+    data: Rows, scale_by_std: bool = True, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rewards, mask, uid = require(data, "grpo", "token_rewards", "response_mask", "uid")
     return grpo(rewards, mask, uid, scale_by_std=scale_by_std, eps=eps)
 
 
 @register_adv_estimator("rloo")
-def _rloo_entry(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _rloo_entry(data: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     return rloo(*require(data, "rloo", "token_rewards", "response_mask", "uid"))
 
 
 @register_adv_estimator("reinforce_plus_plus")
-def _reinforce_pp_entry(data: Mapping[str, Any], gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _reinforce_pp_entry(data: Rows, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     return reinforce_plus_plus(*require(data, "reinforce_plus_plus", "token_rewards", "response_mask"), gamma)
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")
-def _reinforce_pp_baseline_entry(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _reinforce_pp_baseline_entry(data: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     return reinforce_plus_plus_baseline(
         *require(data, "reinforce_plus_plus_baseline", "token_rewards", "response_mask", "uid")
     )
 
 
 @register_adv_estimator("remax")
-def _remax_entry(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _remax_entry(data: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     return remax(*require(data, "remax", "token_rewards", "response_mask", "baselines"))

@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -283,7 +283,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rollout.n=8)")
     try:
-        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"_v={raw}"]))["_v"]
+        value = cast(dict, OmegaConf.to_container(OmegaConf.from_dotlist([f"_v={raw}"])))["_v"]
     except Exception as e:
         raise ConfigError(f"override {item!r}: cannot parse the value {raw!r}: {e}") from None
     return key, value
@@ -375,7 +375,7 @@ def to_yaml(cfg: Any) -> str:
 
 def _flatten(cfg: Any) -> dict[str, Any]:
     """A config (dataclass or nested mapping) as `{dotted key: leaf value}`."""
-    tree = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+    tree = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else cfg
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:

@@ -15,7 +15,7 @@ import copy
 import importlib
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, is_dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 # Estimators that compare the n samples of one prompt, so they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -45,7 +45,7 @@ def opt(default: Any, help: str, choices: tuple | Callable[[], tuple] | None = N
     Mutable defaults (lists, dicts, tuples are fine as is) and nested config classes become
     default factories, so every instance gets its own copy.
     """
-    metadata = {"help": help}
+    metadata: dict[str, Any] = {"help": help}
     if choices is not None:
         metadata["choices"] = choices if callable(choices) else tuple(choices)
     if isinstance(default, type) and is_dataclass(default):
@@ -185,7 +185,7 @@ class OptimConfig:
     lora: LoraConfig = opt(LoraConfig, "train low-rank adapters instead of every weight")
 
     def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # OmegaConf < 2.4 hands tuples over as lists
+        self.betas = cast(tuple[float, float], tuple(self.betas))  # OmegaConf < 2.4 hands tuples over as lists
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copyreg
 from dataclasses import replace
+from typing import Any, cast
 
 from hybridflow.controller.worker import Worker, WorkerContext
 
@@ -21,6 +22,7 @@ class ColocatedWorker(Worker, metaclass=_ColocatedMeta):
     """Holds one instance of each member role; built by `colocate`."""
 
     members: dict[str, type[Worker]] = {}
+    instances: dict[str, Worker]  # this rank's member workers, by name
 
     @classmethod
     def create(cls, context: WorkerContext, init_kwargs: dict | None = None) -> Worker:
@@ -53,16 +55,16 @@ def colocate(**members: type[Worker]) -> type[ColocatedWorker]:
         if name in Worker.__dict__ or name.startswith("_"):
             raise ValueError(f"colocate member name '{name}' clashes with a Worker attribute; pick another")
     label = "_".join(members)
-    return _ColocatedMeta(
+    return cast(type[ColocatedWorker], _ColocatedMeta(
         f"Colocated_{label}", (ColocatedWorker,), {"members": dict(members), "__module__": __name__}
-    )
+    ))
 
 
 def _rebuild(members: dict[str, type[Worker]]) -> type[ColocatedWorker]:
     return colocate(**members)
 
 
-def _reduce_colocated(cls: type) -> str | tuple:
+def _reduce_colocated(cls: Any) -> str | tuple:
     return cls.__qualname__ if cls is ColocatedWorker else (_rebuild, (cls.members,))
 
 

@@ -57,7 +57,7 @@ class Worker:
         Backends call this; tests may too, to build a worker in-process from a hand-made context."""
         obj = cls.__new__(cls)
         obj._bind(context)
-        obj.__init__(**(init_kwargs or {}))
+        cls.__init__(obj, **(init_kwargs or {}))
         return obj
 
     def _bind(self, context: WorkerContext) -> None:

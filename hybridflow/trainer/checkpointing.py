@@ -139,7 +139,7 @@ def check_hf_config(role_dir: Path, model_cfg: Any) -> None:
 def clashing(manager: CheckpointManager, resume_from: Path | None) -> list[Path]:
     """The checkpoints in the output dir that this run would mix with: every one when it starts fresh or
     continues another directory's checkpoint; those after the resumed step when it continues an older one."""
-    existing = manager.existing()
+    existing: list[Path] = manager.existing()
     if resume_from is None or resume_from.parent != manager.root:
         return existing
     return [p for p in existing if p.name > resume_from.name]  # step_<8 digits>: names sort by step

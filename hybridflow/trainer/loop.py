@@ -3,8 +3,9 @@ on schedule (and at the end), log each step, and stop cleanly on SIGINT/SIGTERM:
 is saved, and `Preempted` is raised (`hybridflow train` exits with `PREEMPTED_EXIT_CODE`). A worker that
 dies stops the run with its error saying which checkpoint to resume from.
 
-A trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every,
-save_every), `validates_at_end` (validate after the last step even with `val_every=0`), `step`, `total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
+The trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every,
+save_every), `validates_at_end` (validate after the last step even with `val_every=0`), `step`,
+`total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
 `save() -> Path` and `manager`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
 """
 
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hybridflow.checkpoint import GracefulStop, Preempted
 from hybridflow.controller import WorkerDiedError
 from hybridflow.tracking import ProgressBar
 
+if TYPE_CHECKING:  # base.py imports this module: the type only, for the checker
+    from hybridflow.trainer.base import Trainer
+
 
 @contextmanager
-def _resume_hint(trainer: Any) -> Iterator[None]:
+def _resume_hint(trainer: Trainer) -> Iterator[None]:
     """A worker (or its node) that died ends the run; its error then says where the run can continue from."""
     try:
         yield
@@ -32,12 +36,15 @@ def _resume_hint(trainer: Any) -> Iterator[None]:
         raise
 
 
-def run_steps(trainer: Any) -> dict[str, float]:
+def run_steps(trainer: Trainer) -> dict[str, float]:
     """Runs the loop from `trainer.step` to `trainer.total_steps`; returns the last step's metrics."""
     t, cfg, metrics = trainer, trainer.cfg.trainer, {}
+    tracker = t.tracker
+    if tracker is None:
+        raise RuntimeError("run_steps needs a built trainer (its metric tracker is made last)")
     with GracefulStop() as stop, ProgressBar(t.total_steps, initial=t.step) as bar, _resume_hint(t):
         if t.val_loader is not None and cfg.val_before_train and t.step == 0:
-            t.tracker.log(t.validate(), t.step)
+            tracker.log(t.validate(), t.step)
         while t.step < t.total_steps:
             metrics = t.train_step(t.train_loader.next_batch())
             t.step += 1
@@ -45,11 +52,11 @@ def run_steps(trainer: Any) -> dict[str, float]:
             periodic = cfg.val_every and (t.step % cfg.val_every == 0 or last)
             if t.val_loader is not None and (periodic or (last and t.validates_at_end)):
                 metrics.update(t.validate())
-            t.tracker.log(metrics, t.step)
+            tracker.log(metrics, t.step)
             bar.update(t.step, metrics)
             saved = None
             if last or stop.requested or (cfg.save_every and t.step % cfg.save_every == 0):
                 saved = t.checkpoints.save()
             if stop.requested and not last:
-                raise Preempted(stop.signal_name, t.step, saved)
+                raise Preempted(str(stop.signal_name), t.step, saved)
     return metrics

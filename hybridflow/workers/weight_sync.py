@@ -19,6 +19,7 @@ import math
 import pickle
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,7 @@ class WeightChannel:
     def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device) -> None:
         store = dist.PrefixStore("weight_sync", dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT))
         self.store, self.rank, self.device = store, rank, device
+        self.group: Any  # a c10d backend (NCCL or gloo): its type stubs lack the `broadcast` both have
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = TIMEOUT
@@ -78,19 +80,25 @@ class WeightChannel:
     def publish_plan(self, plan: Plan, dtype: torch.dtype) -> None:
         """Sender: the bucket layout every sync follows (read by the receivers when they first receive)."""
         self.plan, self.dtype = plan, dtype
-        self.store.set(_PLAN_KEY, pickle.dumps((plan, dtype)))
+        # Store.set takes bytes as well as str (its type stub names only str)
+        self.store.set(_PLAN_KEY, pickle.dumps((plan, dtype)))  # type: ignore[arg-type]
 
     def _load_plan(self) -> None:
         if self.plan is None:
             self.plan, self.dtype = pickle.loads(self.store.get(_PLAN_KEY))
 
+    def _planned(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeError("weight sync: no bucket plan (the sender publishes it at join_weight_sync)")
+        return self.plan
+
     def _buffer(self) -> torch.Tensor:
-        return torch.empty(max(map(_numel, self.plan)), dtype=self.dtype, device=self.device)
+        return torch.empty(max(map(_numel, self._planned())), dtype=self.dtype, device=self.device)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Sender: packs the tensors (in plan order) into buckets and broadcasts each; returns the bucket count."""
-        buffer, tensors = self._buffer(), iter(named_tensors)
-        for bucket in self.plan:
+        buffer, tensors, plan = self._buffer(), iter(named_tensors), self._planned()
+        for bucket in plan:
             offset = 0
             for name, shape in bucket:
                 got, tensor = next(tensors)
@@ -100,13 +108,13 @@ class WeightChannel:
                 buffer[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
                 offset += tensor.numel()
             self.group.broadcast(buffer[:offset], 0).wait()
-        return len(self.plan)
+        return len(plan)
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Receiver: (HF name, view into the bucket buffer) per parameter; consume each view before the next."""
         self._load_plan()
         buffer = self._buffer()
-        for bucket in self.plan:
+        for bucket in self._planned():
             self.group.broadcast(buffer[:_numel(bucket)], 0).wait()
             offset = 0
             for name, shape in bucket:

@@ -66,8 +66,9 @@ def wait_all(futures: list[Future]) -> list[Any]:
     collective because another rank failed must not hide that failure)."""
     done, _ = wait(futures, return_when=FIRST_EXCEPTION)
     for future in futures:
-        if future in done and future.exception() is not None:
-            raise future.exception()
+        error = future.exception() if future in done else None
+        if error is not None:
+            raise error
     return [f.result() for f in futures]
 
 

@@ -34,7 +34,7 @@ class InlineBackend(Backend):
         self._closed = False
         try:
             with prefixed_output(prefix(self.spec.role, 0)):
-                self.runtime = WorkerRuntime(self.spec, rank=0, local_rank=0, device=device)
+                self.runtime: WorkerRuntime | None = WorkerRuntime(self.spec, rank=0, local_rank=0, device=device)
         except Exception as exc:
             raise WorkerError(self.spec.role, 0, "__init__", traceback.format_exc()) from exc
 
@@ -43,8 +43,11 @@ class InlineBackend(Backend):
         return tuple(_detach(a) for a in args), {k: _detach(v) for k, v in kwargs.items()}
 
     def _run(self, future: Future, path: str, encoded: tuple[tuple, dict]) -> None:
+        runtime = self.runtime
+        if runtime is None:
+            raise RuntimeError(f"group '{self.spec.role}' is shut down: {path} cannot run")
         with self._lock, prefixed_output(prefix(self.spec.role, 0)):
-            reply = self.runtime.call(path, *encoded)
+            reply = runtime.call(path, *encoded)
         settle(future, reply, self.spec.role, 0, path)
 
     def submit(self, rank: int, path: str, encoded: tuple[tuple, dict], blocking: bool) -> Future:

@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import uuid
+from typing import Any
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -131,14 +132,17 @@ class LocalBackend(Backend):
         self._ids = itertools.count(1)
         self._uid = uuid.uuid4().hex
         self._pending: list[dict[int, tuple[Future, str]]] = [{} for _ in range(self.world_size)]
-        self._dead: dict[int, WorkerDiedError] = {}
+        self._dead: dict[int, Exception] = {}
         self._closing = False
         self._lock = threading.Lock()
-        self._store = dist.TCPStore("127.0.0.1", 0, spec.world_size + 1, is_master=True, wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", 0, spec.world_size + 1, is_master=True, wait_for_workers=False)
+        self._store: dist.TCPStore | None = store
         env = dict(self.env)
         if spec.device_type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = _visible_devices(self.pool.gpu_ids[: self.world_size])
-        self.procs, self._conns, self._outboxes = [], [], []
+        self.procs: list[Any] = []  # the spawned processes
+        self._conns: list[Any] = []  # their pipe ends
+        self._outboxes: list[Any] = []  # their send queues
         with _environ(env):
             ready = [self._spawn(rank) for rank in range(self.world_size)]
         for rank in range(self.world_size):
@@ -164,12 +168,15 @@ class LocalBackend(Backend):
 
     def _spawn(self, rank: int) -> Future:
         """Starts rank `rank`'s process; returns the Future of its start-up reply (its pid)."""
+        store = self._store
+        if store is None:
+            raise RuntimeError(f"group '{self.spec.role}' is shut down: rank {rank} cannot start")
         parent, child = mp.get_context("spawn").Pipe(duplex=True)
         sys_path, blob = self.spec.dumps()
         proc = mp.get_context("spawn").Process(
             target=_worker_main,
             args=(
-                child, sys_path, blob, rank, self._store.port, log_server().address, self._log_key(rank),
+                child, sys_path, blob, rank, store.port, log_server().address, self._log_key(rank),
                 os.getpid(),
             ),
             name=f"hybridflow-{self.spec.role}-{rank}",

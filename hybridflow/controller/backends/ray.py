@@ -76,6 +76,8 @@ class RayWorkerActor:
 
     def call(self, path: str, call_id: int, payload: bytes) -> bytes:
         try:
+            if self.runtime is None:
+                raise RuntimeError(f"{path} was called before this Ray actor's worker was built")
             args, kwargs = pickle.loads(payload)
             data = pickle.dumps(self.runtime.call(path, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # noqa: BLE001 - e.g. a result that cannot be pickled
@@ -112,7 +114,7 @@ class RayBackend(Backend):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
-        self._dead: dict[int, WorkerDiedError] = {}
+        self._dead: dict[int, Exception] = {}
         self._pids: list[int] = []
         self._placement = Placement([], [])
         self._uid = uuid.uuid4().hex
@@ -158,7 +160,9 @@ class RayBackend(Backend):
         infos = ray.get([a.node_info.remote() for a in self.actors])
         port = ray.get(self.actors[0].host_store.remote())
         self._placement = Placement([i[0] for i in infos], [i[1] for i in infos], (infos[0][1], port))
-        local_ranks, node_ranks, node_gpus = [], {}, {}
+        local_ranks: list[int] = []
+        node_ranks: dict[str, int] = {}
+        node_gpus: dict[str, list[str]] = {}
         for node, _, gpus in infos:  # ranks of one node count 0, 1, ... and see all its GPUs of this group
             local_ranks.append(node_ranks.get(node, 0))
             node_ranks[node] = local_ranks[-1] + 1

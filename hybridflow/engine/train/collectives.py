@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 
-def all_reduce(values: torch.Tensor, device: torch.device, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(values: torch.Tensor, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """`values` reduced with `op` over the default process group (as they are without torch.distributed),
     returned on the CPU; the caller's tensor is not modified."""
     if not dist.is_initialized():
