@@ -75,14 +75,13 @@ class ModelConfig:
                                     "or bf16 (half the memory; needs optimizer=adamw_8bit, whose stochastic "
                                     "rounding keeps small updates)", MASTER_DTYPES)
     gradient_checkpointing: Optional[bool] = opt(None, "recompute activations in backward to save memory; null = "
-                                                       "on (GPU) for models under 1B parameters, whose update is "
-                                                       "host-bound (faster and leaner with recomputed micro-batches "
-                                                       "of 32k tokens, more for smaller layers: "
-                                                       "ModelShape.host_bound_tokens), and where the device "
-                                                       "budget needs it; "
-                                                       "off on a CPU")
-    compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head (micro-batches "
-                                        "are then not host-bound); null = on for CUDA, off on a CPU")
+                                                       "the device plan decides: on (GPU) for models under 1B "
+                                                       "parameters, with longer micro-batches "
+                                                       "(ModelShape.host_bound_tokens), and where the memory needs "
+                                                       "it; off on a CPU (why: docs/benchmarks.md#measurements-"
+                                                       "behind-choices-in-the-code)")
+    compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head; null = on for "
+                                        "CUDA, off on a CPU (docs/training_engine.md)")
     attn_implementation: str = opt("sdpa", "transformers attention implementation (sdpa, eager, ...)")
     trust_remote_code: bool = opt(False, "allow model code shipped inside the model directory")
 
@@ -177,7 +176,7 @@ class OptimConfig:
                                                           "null = sized from the device budget on a GPU, the whole "
                                                           "mini-batch on a CPU")
     use_packing: bool = opt(True, "remove padding: pack sequences into one row (on CUDA; CPU forwards stay "
-                                  "padded, which is faster there)")
+                                  "padded: docs/benchmarks.md#measurements-behind-choices-in-the-code)")
     shuffle: bool = opt(True, "shuffle rows between mini-batches")
     loss_agg: str = opt("token-mean", "how per-token losses are aggregated", registered("AGG_MODES"))
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")

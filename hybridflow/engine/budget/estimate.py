@@ -110,9 +110,8 @@ class ModelShape:
 
     def host_bound_tokens(self) -> int:
         """The checkpointed micro-batch of a host-bound model: `CHECKPOINTED_TARGET_TOKENS` scaled up by how
-        much smaller its layers are than the 0.5B shape's, where that was measured best. SmolLM2-135M's
-        layers are 4.2x smaller: one 124k-token micro-batch updated in 0.72 s eager against 1.26 s in four
-        of 32k (docs/benchmarks.md, "The learning race's update")."""
+        much smaller its layers are than the 0.5B shape's, where that was measured best (the numbers:
+        docs/benchmarks.md, "Measurements behind choices in the code")."""
         scaled = CHECKPOINTED_TARGET_TOKENS * REFERENCE_LAYER_PARAMS // max(self.layer_params(), 1)
         return min(MAX_CHECKPOINTED_TOKENS, max(CHECKPOINTED_TARGET_TOKENS, scaled))
 
