@@ -3,8 +3,8 @@ attention of one query per row over its slot, apart or in one kernel.
 
 Over the slot cache (`kv_cache.py`: `[slots + 1, max_len, kv_heads, head_dim]` per layer) a decode step
 of B rows has one new token per row. The general path for it (`attention.cache_attention`, flash's
-varlen kernel with one query per row, plus `index_copy_` writes and contiguous copies of q) ran at 3.4×
-its bandwidth floor on an H200 (docs/benchmarks.md, "Where a decode step's time goes"). Here:
+varlen kernel with one query per row, plus `index_copy_` writes and contiguous copies of q) ran far from
+its bandwidth floor (the numbers: docs/benchmarks.md, "Where a decode step's time goes"). Here:
 
 - `rotary_store_(qkv, positions, cos, sin, k_cache, v_cache, write_index, heads, kv_heads)`: one kernel
   rotates the q and k heads of the fused projection output in place (`kernels.rope`, as
@@ -48,7 +48,7 @@ def supported(head_dim: int) -> bool:
 
 def decode_splits(rows: int, kv_heads: int, max_len: int, multiprocessors: int) -> int:
     """Pieces each row's context is split into: one while the (row, KV head) programs alone fill the
-    multiprocessors (one piece was fastest at 64 and 256 rows on an H200), else enough pieces to fill
+    multiprocessors (measured: docs/benchmarks.md, "Measurements behind choices"), else enough pieces to fill
     them, none shorter than SPLIT_MIN positions of a full slot (few rows over long contexts)."""
     return max(1, min(multiprocessors // (rows * kv_heads), max_len // SPLIT_MIN))
 

@@ -93,8 +93,8 @@ def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tenso
     log-sum-exp; sampling, it draws one uniform u, finds the piece where u x the total falls in the
     pieces' cumulative sums, and scans that piece's cumulative sum of exp for the token: an exact draw
     by the inverse CDF that reads about 1/splits of the row again. Gumbel-max, the kernel this replaced,
-    drew a uniform and took two logs per logit, and cost 0.15 ms a step at 256 x 151,936 on an H200
-    (docs/benchmarks.md). Ties of greedy go to the lowest token id.
+    drew a uniform and took two logs per logit (the two kernels' times: docs/benchmarks.md, "Measurements
+    behind choices"). Ties of greedy go to the lowest token id.
     """
     rows, vocab = logits.shape
     splits = sample_splits(vocab)
