@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.agents.calls import call_with_timeout
 from hybridflow.agents.driver import EngineDriver
@@ -35,6 +35,9 @@ from hybridflow.agents.toolset import ToolSet
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engine.rollout import Completion, SamplingParams
 from hybridflow.engine.rollout.types import check_prompts
+
+if TYPE_CHECKING:  # the `agent` section's type only: this package imports the engine and data layers alone
+    from hybridflow.config.schema import AgentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class AgentLoop:
     environment turns); budget: response tokens per trajectory over all its turns.
     """
 
-    def __init__(self, agent_cfg: Any, tokenizer: Any, budget: int) -> None:
+    def __init__(self, agent_cfg: AgentConfig, tokenizer: Any, budget: int) -> None:
         self.cfg, self.tokenizer, self.budget = agent_cfg, tokenizer, budget
         self.tools = ToolSet(agent_cfg.tools)
         self.env_class = load_environment(agent_cfg.environment) if agent_cfg.environment else None

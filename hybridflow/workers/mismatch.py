@@ -18,13 +18,13 @@ differ from the rollout's by anything at all.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.algorithms import merge_mismatch_stats, mismatch_metrics, mismatch_stats, rollout_correction
 from hybridflow.algorithms.mismatch import STAT_MAXES
+from hybridflow.config.schema import RolloutCorrectionConfig
 from hybridflow.engine.train.collectives import all_reduce
 
 
@@ -32,7 +32,8 @@ class RolloutMismatch:
     """One update's mismatch statistics and its rollout correction (`cfg`: `actor.rollout_correction`).
     `fresh`: exact mode's test of whether the trainer still has the weights that generated (None: not exact)."""
 
-    def __init__(self, cfg: Any, device: torch.device, fresh: Callable[[], bool] | None = None) -> None:
+    def __init__(self, cfg: RolloutCorrectionConfig, device: torch.device, fresh: Callable[[], bool] | None = None
+                 ) -> None:
         self.cfg, self.device, self.fresh = cfg, device, fresh
         self.stats: torch.Tensor | None = None
 

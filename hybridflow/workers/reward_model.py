@@ -6,11 +6,11 @@ set; `score` reads each row's `raw_prompt` and decoded `response_text` and retur
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.config.schema import RewardModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.rewards.model_reward import ModelReward
 
@@ -18,7 +18,9 @@ from hybridflow.rewards.model_reward import ModelReward
 class RewardModelWorker(Worker):
     """Args: rm_cfg (`RewardModelConfig`: `path`, `micro_batch_size`), dtype ("auto" = bf16 on cuda)."""
 
-    def __init__(self, rm_cfg: Any, dtype: str = "auto") -> None:
+    def __init__(self, rm_cfg: RewardModelConfig, dtype: str = "auto") -> None:
+        if rm_cfg.path is None:
+            raise ValueError("RewardModelWorker needs reward.reward_model.path (null means no reward model)")
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.model = ModelReward(rm_cfg.path, device=str(self.device), dtype=dtype,

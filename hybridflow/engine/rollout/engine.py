@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 from hybridflow.engine.rollout.sequence import Request, RunningBatch
 from hybridflow.engine.rollout.session import Session
+
+if TYPE_CHECKING:  # hf_fallback imports transformers' generation: loaded only when an engine needs it
+    from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,7 +117,7 @@ class RolloutEngine:
                         dtype: torch.dtype = torch.float32, max_num_seqs: int = 256,
                         max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                         cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384,
-                        decode_steps_per_sync: int = 8, exact: bool = False):
+                        decode_steps_per_sync: int = 8, exact: bool = False) -> RolloutEngine | HFRolloutEngine:
         """Load a Hugging Face model directory.
 
         engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or

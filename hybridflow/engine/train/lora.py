@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.train.model import decoder_layers
 from hybridflow.engine.train.parallel import full_tensor
 
@@ -151,7 +152,7 @@ def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dt
         return torch.addmm(base.float(), b.float(), a.float(), alpha=scale).to(dtype)
 
 
-def apply_lora(model: torch.nn.Module, cfg: Any, head: str, master_dtype: torch.dtype) -> Adapters:
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, head: str, master_dtype: torch.dtype) -> Adapters:
     """Injects adapters into `model` in place (see the module docstring); returns its `Adapters`."""
     if cfg.init not in INITS:
         raise ValueError(f"lora.init={cfg.init!r} is not valid; valid: {', '.join(INITS)}")
@@ -175,7 +176,7 @@ def apply_lora(model: torch.nn.Module, cfg: Any, head: str, master_dtype: torch.
     return adapters
 
 
-def trainable_params(config: Any, cfg: Any, head: str = "lm", trust_remote_code: bool = False) -> int:
+def trainable_params(config: Any, cfg: LoraConfig, head: str = "lm", trust_remote_code: bool = False) -> int:
     """Parameters a LoRA run of `cfg` trains on the model of Hugging Face `config`: rank x (in + out) per
     adapted linear layer, plus a value model's score head; counted on the meta device."""
     model = meta_model(config, head, trust_remote_code)
