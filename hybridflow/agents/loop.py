@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from hybridflow.agents.calls import call_with_timeout
 from hybridflow.agents.driver import EngineDriver
@@ -36,8 +36,19 @@ from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engine.rollout import Completion, SamplingParams
 from hybridflow.engine.rollout.types import check_prompts
 
-if TYPE_CHECKING:  # the `agent` section's type only: this package imports the engine and data layers alone
-    from hybridflow.config.schema import AgentConfig
+
+class AgentSettings(Protocol):
+    """What the loop reads of its config: the `agent` section (`hybridflow.config.schema.AgentConfig`), stated
+    here since this package imports the engine and data layers alone."""
+
+    environment: str | None
+    env_kwargs: dict[str, Any]
+    tools: list[Any]
+    max_turns: int
+    max_tool_calls: int
+    max_tokens_per_turn: int | None
+    timeout_s: float
+
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +62,7 @@ class AgentLoop:
     environment turns); budget: response tokens per trajectory over all its turns.
     """
 
-    def __init__(self, agent_cfg: AgentConfig, tokenizer: Any, budget: int) -> None:
+    def __init__(self, agent_cfg: AgentSettings, tokenizer: Any, budget: int) -> None:
         self.cfg, self.tokenizer, self.budget = agent_cfg, tokenizer, budget
         self.tools = ToolSet(agent_cfg.tools)
         self.env_class = load_environment(agent_cfg.environment) if agent_cfg.environment else None

@@ -3,9 +3,9 @@ on schedule (and at the end), log each step, and stop cleanly on SIGINT/SIGTERM:
 is saved, and `Preempted` is raised (`hybridflow train` exits with `PREEMPTED_EXIT_CODE`). A worker that
 dies stops the run with its error saying which checkpoint to resume from.
 
-The trainer passed in (a `hybridflow.trainer.base.Trainer`) has `cfg.trainer` (val_before_train, val_every,
-save_every), `validates_at_end` (validate after the last step even with `val_every=0`), `step`,
-`total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
+The trainer passed in (a `hybridflow.trainer.base.Trainer`) keeps `SteppedTrainer`: `cfg.trainer`
+(val_before_train, val_every, save_every), `validates_at_end` (validate after the last step even with
+`val_every=0`), `step`, `total_steps`, `train_loader`, `val_loader` (or None), `tracker`, `checkpoints` (with
 `save() -> Path` and `manager`) and the methods `train_step(batch) -> metrics` and `validate() -> metrics`.
 """
 
@@ -13,18 +13,34 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from hybridflow.batch import Batch
 from hybridflow.checkpoint import GracefulStop, Preempted
 from hybridflow.controller import WorkerDiedError
-from hybridflow.tracking import ProgressBar
+from hybridflow.data.loader import BatchLoader
+from hybridflow.tracking import ProgressBar, Tracker
 
-if TYPE_CHECKING:  # base.py imports this module: the type only, for the checker
-    from hybridflow.trainer.base import Trainer
+
+class SteppedTrainer(Protocol):
+    """What the loop reads and calls on a trainer (`Trainer` keeps it)."""
+
+    cfg: Any
+    validates_at_end: bool
+    step: int
+    total_steps: int
+    train_loader: BatchLoader
+    val_loader: BatchLoader | None
+    tracker: Tracker | None
+    checkpoints: Any  # `checkpointing.RunCheckpoints`: save() -> Path, manager
+
+    def train_step(self, batch: Batch) -> dict[str, float]: ...
+
+    def validate(self) -> dict[str, float]: ...
 
 
 @contextmanager
-def _resume_hint(trainer: Trainer) -> Iterator[None]:
+def _resume_hint(trainer: SteppedTrainer) -> Iterator[None]:
     """A worker (or its node) that died ends the run; its error then says where the run can continue from."""
     try:
         yield
@@ -36,7 +52,7 @@ def _resume_hint(trainer: Trainer) -> Iterator[None]:
         raise
 
 
-def run_steps(trainer: Trainer) -> dict[str, float]:
+def run_steps(trainer: SteppedTrainer) -> dict[str, float]:
     """Runs the loop from `trainer.step` to `trainer.total_steps`; returns the last step's metrics."""
     t, cfg, metrics = trainer, trainer.cfg.trainer, {}
     tracker = t.tracker
