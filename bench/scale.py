@@ -93,8 +93,8 @@ def build(a: argparse.Namespace) -> None:
 
 def summarize(config: str, r: dict, steps_total: int, wall_s: float, log: str) -> dict:
     out = {"config": config, "status": r.get("status", "error"), "wall_s": wall_s,
-           "device_plan": next((line.split("device plan: ", 1)[1] for line in log.splitlines()
-                                if "device plan: " in line), None),
+           "device_plan": next((line.split(": ", 1)[1] for line in log.splitlines()
+                                if line.startswith("device plan of ")), None),
            "peak_device_memory_gb": r.get("peak_device_memory_gb"), "peak_allocated_gb": r.get("peak_memory_gb")}
     if "message" in r:
         out["message"] = r["message"]
