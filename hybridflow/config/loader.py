@@ -242,7 +242,8 @@ def _resolve_code_paths(data: dict, folder: Path) -> None:
         if "environment" in agent:
             agent["environment"] = _recipe_file(agent["environment"], folder)
         tools = agent.get("tools")
-        for i, entry in enumerate(tools if isinstance(tools, list) else []):
+        tools = tools if isinstance(tools, list) else []
+        for i, entry in enumerate(tools):
             if isinstance(entry, dict) and "class" in entry:
                 entry["class"] = _recipe_file(entry["class"], folder)
             else:
