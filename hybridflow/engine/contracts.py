@@ -33,6 +33,7 @@ class TrainEngineContract(Protocol):
     trainable: bool
     compiled: bool
     skipped_steps: int
+    optimizer_steps: int  # steps that changed the weights (skipped ones did not)
     model: torch.nn.Module
     optimizer: Any  # a torch optimizer, None when frozen
     scheduler: Any  # its lr schedule, None when frozen
