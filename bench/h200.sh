@@ -46,7 +46,7 @@ scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:def
 compile_first_step() {
     local cache
     cache=$(mktemp -d)
-    TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton python3 bench/compile_warmup.py --device cuda \
+    TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton python3 bench/compile_first_step.py --device cuda \
         --model smollm2 --mode cold --checkpointing --rows 64 --prompt 100 --response 200 \
         --out "$OUT/compile_first_step.json" 2>&1 \
         | tee "$OUT/compile_first_step.log"

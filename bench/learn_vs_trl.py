@@ -82,7 +82,7 @@ class RaceClock:
 
 def run_hybridflow(a: argparse.Namespace) -> dict:
     from hybridflow.config.loader import load_config
-    from hybridflow.trainer import core
+    from hybridflow.trainer import step_math
     from hybridflow.trainer.rl import RLTrainer
 
     started = time.perf_counter()
@@ -104,7 +104,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         texts, truths = [], []
         for prompts in val:
             batch = trainer.roles.rollout.generate(prompts, greedy)
-            texts += core.decode_responses(batch, trainer.tokenizer)
+            texts += step_math.decode_responses(batch, trainer.tokenizer)
             truths += [str(g) for g in batch["ground_truth"]]
         return score(texts, truths)
 

@@ -40,8 +40,8 @@ import torch
 from grpo_vs_trl import write_json
 
 from hybridflow.agents import Environment, EnvStep
-from hybridflow.agents import loop as agent_loop
-from hybridflow.agents.driver import EngineDriver
+from hybridflow.agents import agent_loop
+from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 
 

@@ -50,8 +50,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def _sft(args: argparse.Namespace) -> int:
     from hybridflow.config.loader import load_config
-    from hybridflow.config.sft import SFTConfig
-    from hybridflow.trainer.sft import train_sft
+    from hybridflow.config.sft_schema import SFTConfig
+    from hybridflow.trainer.sft_trainer import train_sft
 
     train_sft(load_config(args.overrides, args.config, schema=SFTConfig))
     return 0

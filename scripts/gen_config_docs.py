@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybridflow.config.reference import render_reference
+from hybridflow.config.config_docs import render_reference
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

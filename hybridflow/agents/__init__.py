@@ -22,7 +22,7 @@ this package) does not load PyTorch.
 import importlib
 from typing import Any
 
-_EXPORTS = {"AgentLoop": "loop", "EnvStep": "environment", "Environment": "environment", "Tool": "tools",
+_EXPORTS = {"AgentLoop": "agent_loop", "EnvStep": "environment", "Environment": "environment", "Tool": "tools",
             "ToolContext": "tools", "ToolResult": "tools", "Trajectory": "trajectory"}
 __all__ = sorted(_EXPORTS)
 

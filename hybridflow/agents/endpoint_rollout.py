@@ -24,7 +24,7 @@ import secrets
 import time
 from typing import Any
 
-from hybridflow.agents.driver import EngineDriver
+from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.agents.endpoint import Endpoint
 from hybridflow.agents.http_server import JSONServer
 from hybridflow.agents.runner_host import RunnerFailed, RunnerHost

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.agents.endpoint_rollout import EndpointRollout
-from hybridflow.agents.loop import AgentLoop
+from hybridflow.agents.agent_loop import AgentLoop
 
 
 def _kwargs(value: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config.roles import needs_critic
+from hybridflow.config.role_needs import needs_critic
 
 
 def _get(cfg: Any, key: str) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.config.roles import agent_enabled, needs_critic, needs_greedy_baseline, needs_reference, run_groups
+from hybridflow.config.role_needs import agent_enabled, needs_critic, needs_greedy_baseline, needs_reference, run_groups
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

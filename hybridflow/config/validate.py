@@ -19,8 +19,8 @@ from typing import Any
 
 from hybridflow.config.exact_checks import exact_problems
 from hybridflow.config.extras import lora_target_problems, package_problems
-from hybridflow.config.roles import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, needs_critic, needs_greedy_baseline,
-                                     rollout_workers, run_groups)
+from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, needs_critic,
+                                          needs_greedy_baseline, rollout_workers, run_groups)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 # GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
@@ -416,7 +416,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
 
 
 def validate_sft(cfg: Any) -> None:
-    """Raises one `ConfigError` listing every problem of an `SFTConfig` (`hybridflow.config.sft`), before
+    """Raises one `ConfigError` listing every problem of an `SFTConfig` (`hybridflow.config.sft_schema`), before
     any model loads: the RL checks that apply to it (bounds, model and data paths, resume, device, the
     mini-batch relation) and its own."""
     data, optim, run = cfg.data, cfg.optim, cfg.trainer

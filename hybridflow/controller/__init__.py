@@ -6,7 +6,7 @@ from hybridflow.controller.colocate import colocate
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerUnresponsiveError
 from hybridflow.controller.group import MemberView, Remote, WorkerGroup, remote, submit
-from hybridflow.controller.pool import Placement, ResourcePool
+from hybridflow.controller.resource_pool import Placement, ResourcePool
 from hybridflow.controller.worker import Worker
 
 __all__ = [

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.resource_pool import ResourcePool
 
 PIN_AMOUNT = 0.001  # how much of its node's custom resource one share of a pinned pool takes
 _EPS = 1e-4  # Ray keeps resource amounts to 4 decimals

@@ -28,7 +28,7 @@ from hybridflow.controller.backends import make_backend
 from hybridflow.controller.colocate import ColocatedWorker
 from hybridflow.controller.dispatch import DispatchSpec, gather, registered_methods, scatter
 from hybridflow.controller.errors import WorkerError
-from hybridflow.controller.pool import Placement, ResourcePool
+from hybridflow.controller.resource_pool import Placement, ResourcePool
 from hybridflow.controller.runtime import WorkerSpec
 from hybridflow.controller.worker import Worker
 

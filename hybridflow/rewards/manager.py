@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.rewards.failures import FailureStreak, RewardFunctionFailed
-from hybridflow.rewards.pool import Outcome, ScoringPool, score_job
+from hybridflow.rewards.scoring_pool import Outcome, ScoringPool, score_job
 from hybridflow.rewards.registry import check_requirements, route_data_source
 from hybridflow.rewards.scorer import RewardSpec, Row, Scorer, batch_arguments
 

@@ -10,7 +10,7 @@ plan's micro-batch budget and checkpointing, compilation, the rollout engine) co
 `resolved_config.yaml` beside `metrics.jsonl`. If any of it fails, what was started is stopped and the lock released.
 A trainer says what is its own by overriding the methods under "what each trainer says": its loaders,
 its workers, what a checkpoint holds beyond the loader position and the bad-step counter, and
-`train_step` / `validate`, which `fit()` drives through `hybridflow.trainer.loop.run_steps`.
+`train_step` / `validate`, which `fit()` drives through `hybridflow.trainer.step_loop.run_steps`.
 
 `optimizer_steps` turns the run's length in trainer steps into the length of a role's lr schedule, which
 steps once per optimizer step.
@@ -32,8 +32,8 @@ from hybridflow.controller.cluster import connect
 from hybridflow.data.loader import BatchLoader
 from hybridflow.tracking import Tracker
 from hybridflow.trainer.checkpointing import RunCheckpoints
-from hybridflow.trainer.loop import run_steps
-from hybridflow.workers.contracts import TrainedRoleHandle
+from hybridflow.trainer.step_loop import run_steps
+from hybridflow.workers.handles import TrainedRoleHandle
 
 RESOLVED_CONFIG = "resolved_config.yaml"
 

@@ -24,7 +24,7 @@ from hybridflow.checkpoint import (CheckpointError, CheckpointManager, check_com
 from hybridflow.checkpoint.export import HF_DIR
 from hybridflow.checkpoint.manager import human_bytes
 from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
-from hybridflow.config.roles import needs_critic
+from hybridflow.config.role_needs import needs_critic
 
 
 def checkpoint_bytes(models: list[tuple[str, str, Any]], trust_remote_code: bool = False) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.config.resolved import RunFacts
-from hybridflow.config.roles import rollout_workers
+from hybridflow.config.role_needs import rollout_workers
 from hybridflow.engine.budget import DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole
 from hybridflow.engine.train.lora import trainable_params
 

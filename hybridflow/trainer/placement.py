@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.config.roles import GROUP_KEYS, run_groups
+from hybridflow.config.role_needs import GROUP_KEYS, run_groups
 from hybridflow.config.validate import ConfigError
 from hybridflow.controller import ResourcePool, WorkerGroup
 from hybridflow.controller.cluster import CapacityError, alive_nodes, check_capacity, connect, unseen_on

@@ -6,9 +6,9 @@ One step reads like the algorithm: generate n responses per prompt (multi-turn e
 environment or tools when `agent` sets them: `hybridflow.agents`) → score them (in a process pool,
 overlapped with the log-prob passes) → old and reference log-probs → values → advantages → critic
 update → actor update → weight sync into the rollout engine (in place, or over torch.distributed to a
-separate rollout group: `hybridflow.trainer.roles`). In exact mode (`rollout.exact`) the rollout's log-probs
+separate rollout group: `hybridflow.trainer.role_groups`). In exact mode (`rollout.exact`) the rollout's log-probs
 are the old ones and that pass is skipped. Each arrow is a worker-group call or a
-pure function of `hybridflow.trainer.core`; nothing here touches devices or process groups.
+pure function of `hybridflow.trainer.step_math`; nothing here touches devices or process groups.
 Two algorithms add to the first arrows: ReMax generates one greedy response per prompt beside the
 samples, whose score is the prompt's baseline (`submit_baselines`); DAPO's dynamic sampling generates and
 scores more prompt batches until `data.train_batch_size` groups with differing scores are kept
@@ -37,12 +37,12 @@ from hybridflow.rewards.failures import EnvironmentFailed, FailureStreak
 from hybridflow.rewards.manager import RewardManager, RewardResult
 from hybridflow.tracking.metrics import (compute_agent_metrics, compute_data_metrics, compute_throughput,
                                          compute_timing_metrics, compute_validation_metrics, timer)
-from hybridflow.trainer import core
+from hybridflow.trainer import step_math
 from hybridflow.trainer.base import Trainer
 from hybridflow.trainer.checkpointing import checkpoint_bytes_needed
 from hybridflow.trainer.role_configs import train_sampling
-from hybridflow.trainer.roles import Roles, build_roles
-from hybridflow.workers.contracts import TrainedRoleHandle
+from hybridflow.trainer.role_groups import Roles, build_roles
+from hybridflow.workers.handles import TrainedRoleHandle
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class RLTrainer(Trainer):
 
     def start_workers(self) -> None:
         """The reward function's pool (checked against the datasets' data sources first), the KL
-        controller and the role groups (`hybridflow.trainer.roles`)."""
+        controller and the role groups (`hybridflow.trainer.role_groups`)."""
         cfg = self.cfg
         self.rewards = RewardManager.from_config(cfg.reward)
         for loader in (self.train_loader, self.val_loader):
@@ -127,13 +127,13 @@ class RLTrainer(Trainer):
                     batch = batch.union(critic.compute_values(batch))
             with timer("reward", timings):
                 if scoring is not None:
-                    metrics.update(core.apply_scores(batch, scoring(), cfg))
+                    metrics.update(step_math.apply_scores(batch, scoring(), cfg))
                 if baselines is not None:
                     greedy, greedy_result = baselines()
-                    metrics.update(core.apply_baselines(batch, greedy, greedy_result, cfg))
+                    metrics.update(step_math.apply_baselines(batch, greedy, greedy_result, cfg))
             with timer("adv", timings):
-                metrics.update(core.apply_kl_in_reward(batch, self.kl_ctrl, cfg))
-                core.compute_advantages(batch, cfg)
+                metrics.update(step_math.apply_kl_in_reward(batch, self.kl_ctrl, cfg))
+                step_math.compute_advantages(batch, cfg)
             if critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(critic.update_critic(batch))
@@ -157,8 +157,9 @@ class RLTrainer(Trainer):
         loader = self.train_loader.state_dict()
         served = loader["epoch"] * len(self.train_loader) + loader["position"]
         with timer("gen", timings):
-            batch = core.drop_failed_trajectories(self.roles.rollout.generate(prompts, self.sampling, served - 1))
-        batch["response_text"] = core.decode_responses(batch, self.tokenizer)
+            batch = step_math.drop_failed_trajectories(
+                self.roles.rollout.generate(prompts, self.sampling, served - 1))
+        batch["response_text"] = step_math.decode_responses(batch, self.tokenizer)
         if "agent/env_error" in batch:
             self.env_failures.update(list(batch["agent/env_error"]))
         return batch
@@ -186,17 +187,18 @@ class RLTrainer(Trainer):
                 prompts = self.train_loader.next_batch()
             batch = self.generate(prompts, timings)
             with timer("reward", timings):
-                rounds.append(core.apply_scores(batch, self.submit_scoring(batch)(), cfg))
-            rows = core.varied_groups(batch, fg.metric)
+                rounds.append(step_math.apply_scores(batch, self.submit_scoring(batch)(), cfg))
+            rows = step_math.varied_groups(batch, fg.metric)
             kept_rows.append(batch[rows])
             kept_uids = set(batch[rows]["uid"])  # a prompt is kept with its group (failed trajectories are gone)
             kept_prompts.append(prompts[torch.tensor([uid in kept_uids for uid in prompts["uid"]])])
             kept += len(kept_prompts[-1])
         pad_id = self.train_loader.dataset.pad_token_id
-        metrics.update(core.merge_round_metrics(rounds))
+        metrics.update(step_math.merge_round_metrics(rounds))
         metrics.update({"filter_groups/num_gen_batches": float(len(rounds)),
                         "filter_groups/kept_ratio": kept / (len(rounds) * want)})
-        return core.concat_rounds(kept_prompts, pad_id)[:want], core.concat_rounds(kept_rows, pad_id)[:want * n]
+        return (step_math.concat_rounds(kept_prompts, pad_id)[:want],
+                step_math.concat_rounds(kept_rows, pad_id)[:want * n])
 
     def submit_baselines(self, prompts: Batch, timings: dict[str, float]
                          ) -> Callable[[], tuple[Batch, RewardResult]]:
@@ -204,7 +206,7 @@ class RLTrainer(Trainer):
         like the samples; returns a callable that waits for `(greedy batch, its RewardResult)`."""
         with timer("gen_baseline", timings):
             greedy = self.roles.rollout.generate(prompts, replace(self.sampling, n=1, temperature=0.0, seed=None))
-        greedy["response_text"] = core.decode_responses(greedy, self.tokenizer)
+        greedy["response_text"] = step_math.decode_responses(greedy, self.tokenizer)
         scoring = self.submit_scoring(greedy)
         return lambda: (greedy, scoring())
 
@@ -219,7 +221,7 @@ class RLTrainer(Trainer):
 
         def result() -> RewardResult:
             rm_scores = model.result()["rm_scores"] if model is not None else None
-            return core.with_model_scores(function.result(), rm_scores, self.cfg.reward.reward_model.weight)
+            return step_math.with_model_scores(function.result(), rm_scores, self.cfg.reward.reward_model.weight)
 
         return result
 
@@ -233,7 +235,7 @@ class RLTrainer(Trainer):
         params = replace(self.sampling, n=cfg.rollout.val_n, temperature=cfg.rollout.val_temperature)
         for prompts in self.validation_batches():
             batch = self.roles.rollout.generate(prompts, params)
-            batch["response_text"] = core.decode_responses(batch, self.tokenizer)
+            batch["response_text"] = step_math.decode_responses(batch, self.tokenizer)
             result = self.submit_scoring(batch, counted=False)()
             batch["score"] = list(result.scores)
             sources += [str(s) for s in batch["data_source"]]
@@ -241,7 +243,7 @@ class RLTrainer(Trainer):
             if len(samples) < cfg.trainer.log_samples:
                 texts = self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=False)
                 texts = [t.replace(self.tokenizer.pad_token or "", "") for t in texts]
-                samples += core.sample_rows(batch, list(batch["response_text"]), texts,
+                samples += step_math.sample_rows(batch, list(batch["response_text"]), texts,
                                             cfg.trainer.log_samples - len(samples))
         if self.tracker is not None:  # None while the trainer is still being built
             self.tracker.log_samples(samples, self.step)

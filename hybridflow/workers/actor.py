@@ -37,7 +37,7 @@ from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.workers.base import Effective, EngineWorker
 from hybridflow.workers.mismatch import RolloutMismatch
-from hybridflow.workers.reference import ReferenceModel, scoring_temperature
+from hybridflow.workers.reference_model import ReferenceModel, scoring_temperature
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, WeightChannel, drain, plan_buckets

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from hybridflow.agents.driver import EngineDriver
+from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.agents.endpoint import Endpoint
 from hybridflow.agents.http_server import JSONServer
 from hybridflow.engine.rollout import Completion, SamplingParams

@@ -100,7 +100,7 @@ def test_paths(tmp_path):
 
 
 def test_sft_config_gets_the_shared_checks_and_its_own(tmp_path):
-    from hybridflow.config.sft import SFTConfig
+    from hybridflow.config.sft_schema import SFTConfig
     from hybridflow.config.validate import validate_sft
 
     data = tmp_path / "chats.jsonl"
@@ -226,7 +226,7 @@ def test_reward_workers_may_be_zero_but_not_negative():
 
 
 def test_lora_ranges_are_checked_in_every_trained_section(tmp_path):
-    from hybridflow.config.sft import SFTConfig
+    from hybridflow.config.sft_schema import SFTConfig
     from hybridflow.config.validate import validate_sft
 
     msg = _problems(_cfg("actor.lora.rank=-1", "actor.lora.alpha=0", "critic.lora.dropout=1.0"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import load_config, validate
-from hybridflow.config.reference import render_reference
+from hybridflow.config.config_docs import render_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -27,7 +27,7 @@ def test_recipe_loads_and_validates(recipe):
 
 def test_the_sft_recipe_the_help_names_loads(capsys):
     from hybridflow.cli import main
-    from hybridflow.config.sft import SFTConfig
+    from hybridflow.config.sft_schema import SFTConfig
 
     with pytest.raises(SystemExit):
         main(["sft", "--help"])

@@ -58,7 +58,7 @@ def test_too_small_a_task_space_is_refused():
 
 
 def test_a_new_run_removes_only_the_previous_demo_outputs(tmp_path):
-    from hybridflow.demo.driver import _clear_previous
+    from hybridflow.demo.pipeline import _clear_previous
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val/reward/mean": 1.0}\n')
     (tmp_path / "sft" / "hf").mkdir(parents=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.config.loader import load_config
-from hybridflow.trainer import core
+from hybridflow.trainer import step_math
 from hybridflow.trainer.rl import RLTrainer
 from rl_helpers import VARIED, base_overrides, read_metrics, reward_file, run
 from test_rl_resume_and_backends import assert_same_metrics
@@ -22,9 +22,9 @@ COMMON = ("algorithm.filter_groups.enable=true", "trainer.val_before_train=false
 def test_generates_until_the_batch_is_full_and_the_loader_counts_every_batch(tiny_qwen2, data_dir, tmp_path,
                                                                               monkeypatch, engine_steps):
     trained = []
-    compute_advantages = core.compute_advantages
-    monkeypatch.setattr(core, "compute_advantages", lambda batch, cfg: (trained.append(batch),
-                                                                         compute_advantages(batch, cfg)))
+    compute_advantages = step_math.compute_advantages
+    monkeypatch.setattr(step_math, "compute_advantages", lambda batch, cfg: (trained.append(batch),
+                                                                              compute_advantages(batch, cfg)))
     cfg = load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, *COMMON, "trainer.total_steps=3",
                                      f"reward.function={reward_file(tmp_path, EVEN_VARY)}"), "recipes/grpo.yaml")
     trainer = RLTrainer(cfg)
@@ -89,7 +89,7 @@ def test_rounds_with_different_prompt_widths_concatenate_left_padded():
                       "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
                       "responses": torch.tensor([response] * len(prompt))}, {"uid": [str(p) for p in prompt]})
 
-    merged = core.concat_rounds([rows([[5, 6]], [9]), rows([[0, 7, 8, 4]], [3])], pad_id=0)
+    merged = step_math.concat_rounds([rows([[5, 6]], [9]), rows([[0, 7, 8, 4]], [3])], pad_id=0)
     assert merged["prompts"].tolist() == [[0, 0, 5, 6], [0, 7, 8, 4]]
     assert merged["input_ids"].tolist() == [[0, 0, 5, 6, 9], [0, 7, 8, 4, 3]]
     assert merged["attention_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
@@ -98,6 +98,6 @@ def test_rounds_with_different_prompt_widths_concatenate_left_padded():
 
 
 def test_round_metrics_average_means_and_add_counts():
-    merged = core.merge_round_metrics([{"reward/mean": 0.2, "reward/errors": 1.0, "reward/acc/mean": 1.0},
+    merged = step_math.merge_round_metrics([{"reward/mean": 0.2, "reward/errors": 1.0, "reward/acc/mean": 1.0},
                                        {"reward/mean": 0.4, "reward/errors": 2.0, "reward/acc/mean": 0.0}])
     assert merged == pytest.approx({"reward/mean": 0.3, "reward/errors": 3.0, "reward/acc/mean": 0.5})

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from hybridflow.agents.rendering import TurnRenderer
 from hybridflow.config.loader import load_config
-from hybridflow.trainer import core
+from hybridflow.trainer import step_math
 from hybridflow.trainer.rl import train
 from rl_helpers import read_metrics
 
@@ -38,13 +38,13 @@ def write_rows(path, count, **extra_info):
 def capture_batches(monkeypatch):
     """The step batches as the advantage computation gets them."""
     seen = []
-    compute = core.compute_advantages
+    compute = step_math.compute_advantages
 
     def capturing(batch, cfg):
         compute(batch, cfg)
         seen.append(batch)
 
-    monkeypatch.setattr(core, "compute_advantages", capturing)
+    monkeypatch.setattr(step_math, "compute_advantages", capturing)
     return seen
 
 

@@ -21,7 +21,7 @@ import pytest
 from hybridflow.algorithms import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
-from hybridflow.config.roles import needs_critic
+from hybridflow.config.role_needs import needs_critic
 from rl_helpers import read_metrics, reward_file
 
 ROOT = Path(__file__).resolve().parents[2]

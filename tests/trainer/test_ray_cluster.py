@@ -22,7 +22,7 @@ from hybridflow.config.resolved import resolve_facts
 from hybridflow.controller import WorkerDiedError
 from hybridflow.controller.cluster import connect, unseen_on
 from hybridflow.trainer.rl import RLTrainer
-from hybridflow.trainer.roles import build_roles
+from hybridflow.trainer.role_groups import build_roles
 from rl_helpers import TWO_WORKERS, base_overrides, read_metrics, run
 from test_rl_resume_and_backends import assert_same_metrics
 

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from hybridflow.trainer import core
+from hybridflow.trainer import step_math
 from rl_helpers import reward_file, run
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_remax_baseline_is_the_greedy_responses_score(tiny_qwen2, data_dir, tmp_path, monkeypatch, engine_steps, n):
     seen = []
-    apply_baselines, compute_advantages = core.apply_baselines, core.compute_advantages
+    apply_baselines, compute_advantages = step_math.apply_baselines, step_math.compute_advantages
 
     def spy_baselines(batch, greedy, result, cfg):
         seen.append({"greedy": greedy, "scores": list(result.scores)})
@@ -25,8 +25,8 @@ def test_remax_baseline_is_the_greedy_responses_score(tiny_qwen2, data_dir, tmp_
         compute_advantages(batch, cfg)
         seen[-1]["batch"] = batch
 
-    monkeypatch.setattr(core, "apply_baselines", spy_baselines)
-    monkeypatch.setattr(core, "compute_advantages", spy_advantages)
+    monkeypatch.setattr(step_math, "apply_baselines", spy_baselines)
+    monkeypatch.setattr(step_math, "compute_advantages", spy_advantages)
     rows = run(tiny_qwen2, data_dir, tmp_path, "algorithm.adv_estimator=remax", f"rollout.n={n}",
                f"reward.function={reward_file(tmp_path)}", "trainer.val_before_train=false", "trainer.val_every=0")
     assert [r["step"] for r in rows] == [1, 2] and len(seen) == 2

@@ -8,7 +8,7 @@ import torch
 
 from hybridflow.config import ConfigError, load_config, validate
 from hybridflow.config.resolved import resolve_facts
-from hybridflow.trainer.roles import build_roles
+from hybridflow.trainer.role_groups import build_roles
 from rl_helpers import run
 from test_rl_resume_and_backends import assert_same_metrics
 

@@ -9,10 +9,10 @@ import torch
 
 from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
-from hybridflow.config.sft import SFTConfig
+from hybridflow.config.sft_schema import SFTConfig
 from hybridflow.config.validate import ConfigError
-from hybridflow.data.sft import SFTDataset, collate_sft_rows
-from hybridflow.trainer.sft import SFTTrainer
+from hybridflow.data.sft_data import SFTDataset, collate_sft_rows
+from hybridflow.trainer.sft_trainer import SFTTrainer
 
 WORDS = ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]  # the conversations of the `chats` fixture
 
@@ -123,7 +123,7 @@ def test_config_errors_name_key_and_valid_values(tiny_qwen2, chats, tmp_path):
 def test_docs_reference_matches_the_schema():
     from pathlib import Path
 
-    from hybridflow.config.reference import INTRO, render_reference
+    from hybridflow.config.config_docs import INTRO, render_reference
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "sft.md").read_text()
     assert render_reference(SFTConfig)[len(INTRO):].strip() in docs

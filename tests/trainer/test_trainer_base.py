@@ -8,11 +8,11 @@ from rl_helpers import base_overrides
 
 from hybridflow.checkpoint import CheckpointError
 from hybridflow.config.loader import load_config
-from hybridflow.config.sft import SFTConfig
+from hybridflow.config.sft_schema import SFTConfig
 from hybridflow.controller import WorkerError
 from hybridflow.trainer.rl import RLTrainer
-from hybridflow.trainer.roles import role_optimizer_steps
-from hybridflow.trainer.sft import SFTTrainer
+from hybridflow.trainer.role_groups import role_optimizer_steps
+from hybridflow.trainer.sft_trainer import SFTTrainer
 
 
 def assert_warmup_then_cosine(lrs: list[float], lr: float, warmup: int, floor: float, steps: int) -> None:
@@ -79,7 +79,7 @@ def test_sft_validation_loss_is_the_same_on_one_and_two_ranks(tiny_qwen2, chats,
 
 
 def test_a_failed_checkpoint_save_leaves_no_temp_dir(tiny_qwen2, chats, tmp_path, monkeypatch):
-    from hybridflow.workers.sft import SFTWorker
+    from hybridflow.workers.sft_worker import SFTWorker
 
     cfg = load_config([f"model.path={tiny_qwen2}", f"data.train_files={chats}", "data.train_batch_size=4",
                        "trainer.total_steps=1", f"trainer.output_dir={tmp_path}"], schema=SFTConfig)

@@ -12,7 +12,7 @@ from hybridflow.controller import WorkerGroup
 from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.trainer.role_configs import actor_config, rollout_worker_config
-from hybridflow.trainer.roles import SeparateRollout
+from hybridflow.trainer.role_groups import SeparateRollout
 from hybridflow.workers import ActorWorker, RolloutWorker
 from hybridflow.workers.weight_sync import plan_buckets
 

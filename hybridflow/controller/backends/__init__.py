@@ -8,7 +8,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from typing import Any
 
 from hybridflow.controller.errors import WorkerError
-from hybridflow.controller.pool import Placement, ResourcePool
+from hybridflow.controller.resource_pool import Placement, ResourcePool
 from hybridflow.controller.runtime import Reply, WorkerSpec
 
 

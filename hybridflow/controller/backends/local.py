@@ -6,7 +6,7 @@ pickled calls, its reader thread matches replies to futures by call id and notic
 (the pipe closes) at once. Workers exit when the controller goes away (a parent watchdog), on
 `shutdown()`, and at controller exit (atexit, see `group.py`). They ignore SIGINT and SIGTERM: a Ctrl-C,
 `scancel` or `systemctl stop` signals the whole process group, and the controller, which gets the signal
-too, decides how the run stops (`hybridflow.trainer.loop`); a worker killed mid-step would lose it.
+too, decides how the run stops (`hybridflow.trainer.step_loop`); a worker killed mid-step would lose it.
 """
 
 from __future__ import annotations

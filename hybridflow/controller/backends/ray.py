@@ -26,7 +26,7 @@ from hybridflow.controller.cluster import RAY_STRATEGY, alive_nodes, check_capac
 from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.liveness import Liveness, fail
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
-from hybridflow.controller.pool import Placement
+from hybridflow.controller.resource_pool import Placement
 from hybridflow.controller.runtime import WorkerRuntime, ignore_stop_signals, join_process_group, load_spec
 
 PLACEMENT_TIMEOUT_S = 120.0

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.config.resolved import RunFacts
-from hybridflow.config.roles import needs_critic
+from hybridflow.config.role_needs import needs_critic
 from hybridflow.controller import Remote, WorkerGroup, colocate, submit, wait_all
 from hybridflow.trainer.base import device_type, optimizer_steps
 from hybridflow.trainer.memory import device_demands
 from hybridflow.trainer.placement import check_placement, make_pools
 from hybridflow.trainer.role_configs import actor_config, critic_config, rollout_worker_config
 from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
-from hybridflow.workers.contracts import RolloutHandle
+from hybridflow.workers.handles import RolloutHandle
 from hybridflow.workers.weight_sync import BUCKET_BYTES
 
 

@@ -1,7 +1,7 @@
 """`SFTWorker`: the model being fine-tuned on one rank, and the SFT loss it trains on.
 
 The loss is the negative log-likelihood of the assistant tokens (`response_mask` of the rows
-`hybridflow.data.sft.collate_sft_rows` makes), aggregated over the whole mini-batch like the RL losses;
+`hybridflow.data.sft_data.collate_sft_rows` makes), aggregated over the whole mini-batch like the RL losses;
 `train_batch` runs the shared update loop (`hybridflow.workers.update.run_update`).
 """
 
@@ -14,7 +14,7 @@ import torch
 from hybridflow.algorithms import aggregate
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ModelConfig, OptimConfig
-from hybridflow.config.sft import SFTOptimConfig
+from hybridflow.config.sft_schema import SFTOptimConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine import budget
 from hybridflow.engine.contracts import LossFunction

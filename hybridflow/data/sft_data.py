@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.sft import SFT_TRUNCATION_MODES
+from hybridflow.config.sft_schema import SFT_TRUNCATION_MODES
 from hybridflow.data.chat import check_messages, encode_conversation, has_chat_template
 from hybridflow.data.dataset import RowDataset
 from hybridflow.data.files import DataError, Record, as_path_list, read_records

@@ -3,8 +3,8 @@
     hybridflow sft --config recipes/sft.yaml model.path=MODEL_DIR data.train_files=chats.jsonl
 
 A step takes `data.train_batch_size` conversations (`messages`, or `prompt` + `response`, from parquet
-or jsonl; `hybridflow.data.SFTDataset`, rows made by `hybridflow.data.sft.collate_sft_rows`), and one
-`SFTWorker` group (`hybridflow.workers.sft`) trains on them with the FSDP2 `TrainEngine`: negative
+or jsonl; `hybridflow.data.SFTDataset`, rows made by `hybridflow.data.sft_data.collate_sft_rows`), and one
+`SFTWorker` group (`hybridflow.workers.sft_worker`) trains on them with the FSDP2 `TrainEngine`: negative
 log-likelihood on assistant tokens only, rows packed into token-budget micro-batches (`optim.use_packing`,
 `optim.max_tokens_per_micro_batch`). Checkpoints, resume and the metric sinks are the RL trainer's; the
 final model is written as a Hugging Face directory under `<trainer.output_dir>/hf`, ready for
@@ -22,13 +22,13 @@ from hybridflow.checkpoint import export_hf
 from hybridflow.config.validate import validate_sft
 from hybridflow.controller import Remote, WorkerGroup, remote
 from hybridflow.data.loader import BatchLoader
-from hybridflow.data.sft import SFTDataset, collate_sft_rows
+from hybridflow.data.sft_data import SFTDataset, collate_sft_rows
 from hybridflow.tracking.metrics import compute_throughput, timer
 from hybridflow.trainer.base import Trainer, device_type, optimizer_steps
 from hybridflow.trainer.checkpointing import checkpoint_bytes
 from hybridflow.trainer.memory import sft_demand
-from hybridflow.workers.contracts import TrainedRoleHandle
-from hybridflow.workers.sft import SFTWorker
+from hybridflow.workers.handles import TrainedRoleHandle
+from hybridflow.workers.sft_worker import SFTWorker
 
 
 class SFTTrainer(Trainer):

@@ -1,9 +1,9 @@
 """The first steps of a compiled update from empty compile caches, and what a step costs uncompiled.
 
-    python bench/compile_warmup.py --device cpu --model tiny                 # toy size on 2 CPU cores
-    python bench/compile_warmup.py --device cuda --model smollm2 --mode cold --checkpointing --rows 64 \
+    python bench/compile_first_step.py --device cpu --model tiny                 # toy size on 2 CPU cores
+    python bench/compile_first_step.py --device cuda --model smollm2 --mode cold --checkpointing --rows 64 \
         --prompt 100 --response 200     # the race's model shape, random weights: the first step's stall
-    python bench/compile_warmup.py --device cuda --model smollm2 --mode eager --checkpointing --rows 512 \
+    python bench/compile_first_step.py --device cuda --model smollm2 --mode eager --checkpointing --rows 512 \
         --prompt 100 --response 190 --after 3   # what a race-sized step costs uncompiled
 
 `cold` compiles at first use (run it with empty `TORCHINDUCTOR_CACHE_DIR` and `TRITON_CACHE_DIR`, as

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from hybridflow.agents.calls import call_with_timeout
-from hybridflow.agents.driver import EngineDriver
+from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.agents.environment import as_env_step, environment_kwargs, load_environment
 from hybridflow.agents.parsing import parse_tool_calls
 from hybridflow.agents.rendering import TurnRenderer

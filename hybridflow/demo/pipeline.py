@@ -6,7 +6,7 @@
    built from scratch with `hybridflow.utils.tiny_model` and saved as a Hugging Face directory;
 2. **data** — a procedural string task (`hybridflow.demo.tasks`): SFT conversations, RL prompts and
    held-out problems with disjoint questions;
-3. **sft** — `hybridflow.trainer.sft.train_sft` with `SFT_SETTINGS` (the model learns the format and
+3. **sft** — `hybridflow.trainer.sft_trainer.train_sft` with `SFT_SETTINGS` (the model learns the format and
    part of the task); the same as `hybridflow sft <SFT_SETTINGS> model.path=... data.train_files=...`;
 4. **rl** — `hybridflow.trainer.rl.train` with `recipes/demo_grpo.yaml`: exactly what
    `hybridflow train --config recipes/demo_grpo.yaml ...` runs. Its validation on the held-out problems
@@ -117,10 +117,10 @@ def run_demo(output_dir: str | Path = "outputs/demo", size: str | DemoSize = "fu
     `size`: a `SIZES` name or a `DemoSize`; `*_overrides`: `key=value` applied last to each recipe.
     """
     from hybridflow.config.loader import load_config
-    from hybridflow.config.sft import SFTConfig
+    from hybridflow.config.sft_schema import SFTConfig
     from hybridflow.demo.tasks import write_task_data
     from hybridflow.trainer.rl import train
-    from hybridflow.trainer.sft import train_sft
+    from hybridflow.trainer.sft_trainer import train_sft
     from hybridflow.utils.tiny_model import build_tiny_model
 
     spec = SIZES[size] if isinstance(size, str) else size
