@@ -68,6 +68,7 @@ def resolve_facts(cfg: Any) -> RunFacts:
         separate_rollout=cfg.rollout.placement == "separate",
         split_critic=critic and cfg.trainer.placement == "split",
         step_rows=cfg.data.train_batch_size * n,
-        actor_mini_batch_rows=_rows(actor.mini_batch_size, n), critic_mini_batch_rows=_rows(cfg.critic.mini_batch_size, n),
+        actor_mini_batch_rows=_rows(actor.mini_batch_size, n),
+        critic_mini_batch_rows=_rows(cfg.critic.mini_batch_size, n),
         skip_old_log_probs=actor.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward,
         groups=run_groups(cfg))
