@@ -5,11 +5,12 @@ processes, and a scratch directory it cannot leave; its stdout and stderr captur
     result = await run_python("print(2 ** 10)", scratch_dir, SandboxLimits(timeout_s=5))
     result.output, result.exit_code, result.timed_out, result.truncated, result.layers
 
-A run past `timeout_s`, or one that writes more than `max_output_bytes`, is killed (its whole process
-group). `layers` names the isolation the kernel granted (`netns`, `landlock-vN`) besides the resource
-limits and the audit hook, which are always there. Without Landlock the file-system and network rules
-rest on the audit hook alone, which stops ordinary and naive hostile code but is no security boundary
-against code that sets out to escape the interpreter.
+A run past `timeout_s`, or one that writes more than `max_output_bytes`, is killed; it cannot have
+started another process (a seccomp filter refuses it, root or not), and it dies with the process that
+started it. `layers` names the isolation in force: the resource limits, the seccomp filter and the audit
+hook always (the code does not run without them), and `netns` and `landlock-vN` where the kernel grants
+them. Without Landlock the file-system rules rest on the audit hook alone, which stops ordinary and
+naive hostile code but is no security boundary against code that sets out to escape the interpreter.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
     """Run `code` in a sandboxed interpreter whose working directory is `scratch` (see the module docstring)."""
     scratch = str(Path(scratch).resolve())
     child_limits = {"memory_mb": limits.memory_mb, "cpu_s": math.ceil(limits.timeout_s) + 1,
-                    "file_mb": limits.file_mb}
+                    "file_mb": limits.file_mb, "parent": os.getpid()}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.timeout_s
     proc = await asyncio.create_subprocess_exec(
@@ -116,8 +117,7 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
             except ProcessLookupError:
                 pass
         # asyncio reports the exit only once the output pipe is closed, and a read stopped at the cap has
-        # paused the pipe: read it to its end. Something the code started outside the killed process
-        # group could hold it open; then give up waiting (the group is dead, the pipe closes with it).
+        # paused the pipe: read it to its end (bounded: the child was killed and could start nothing).
         try:
             await asyncio.wait_for(_discard(proc.stdout), 5.0)
             await asyncio.wait_for(proc.wait(), 5.0)

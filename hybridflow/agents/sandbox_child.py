@@ -3,16 +3,22 @@ the code on stdin) by `hybridflow.agents.sandbox`, never imported by the framewo
 
 Before the user's code runs, in this order:
 1. resource limits: address space (memory), CPU seconds, file size, open files, no core dumps, and no
-   new processes or threads (RLIMIT_NPROC);
-2. a private network namespace (`unshare(CLONE_NEWUSER | CLONE_NEWNET)`): no interface but a down
+   new processes or threads (RLIMIT_NPROC, which binds every user but root);
+2. it dies with the process that started it (a parent-death signal);
+3. a private network namespace (`unshare(CLONE_NEWUSER | CLONE_NEWNET)`): no interface but a down
    loopback, so nothing can be reached (skipped where the kernel refuses it);
-3. Landlock (Linux >= 5.13): the file system is read-only and execute-only under the Python
+4. Landlock (Linux >= 5.13): the file system is read-only and execute-only under the Python
    installation and the system library directories, read-write under the scratch directory, and
    closed everywhere else; on ABI >= 4 TCP bind/connect are refused, on ABI >= 6 signals and abstract
    unix sockets cannot leave the sandbox (skipped where the kernel lacks it);
-4. an audit hook (PEP 578, always there): refuses sockets, process creation, signals, ctypes, heap
-   walking (`gc.get_objects`), raising limits, and any file access outside the same allowed places
-   (resolving symlinks and `..`), and refuses imports of socket, ssl, ctypes and subprocess.
+5. a seccomp filter (`sandbox_seccomp.py`, always: the code does not run without it): no new process
+   (fork, exec; threads stay possible), no signal to another process, no tracing, no raising a limit,
+   no namespace or mount change, for root too;
+6. an audit hook (PEP 578, always there): refuses sockets, process creation, signals, ctypes, heap
+   walking (`gc.get_objects`), tracing, raising limits, replacing a function's code, and any file access
+   outside the same allowed places (resolving symlinks and `..`), and refuses imports of socket, ssl,
+   ctypes and subprocess. Its state is out of the code's reach (`make_hook`), but it shares the
+   interpreter with the code: the kernel layers are the boundary, the hook gives clear errors early.
 The first line written to stdout is a JSON header naming the layers that are active; then the code
 runs with the scratch directory as its working directory, HOME and TMPDIR; an exception prints the
 traceback of the user's frames only.
@@ -29,7 +35,8 @@ _DENIED_EVENTS = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.fork", "os
                   "os.spawn", "os.system", "os.kill", "os.killpg", "signal.pthread_kill", "pty.spawn",
                   "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
                   "resource.setrlimit", "resource.prlimit", "urllib.Request", "http.client.", "ftplib.",
-                  "smtplib.", "poplib.", "imaplib.", "nntplib.", "telnetlib.", "webbrowser.", "os.startfile")
+                  "smtplib.", "poplib.", "imaplib.", "nntplib.", "telnetlib.", "webbrowser.", "os.startfile",
+                  "sys.settrace", "sys.setprofile", "sys.monitoring")
 _DENIED_IMPORTS = ("socket", "_socket", "ssl", "_ssl", "ctypes", "_ctypes", "subprocess", "_posixsubprocess",
                    "multiprocessing", "_multiprocessing")
 _READ_EVENTS = ("os.listdir", "os.scandir", "glob.glob", "glob.glob/2", "os.fwalk", "pathlib.Path.glob",
@@ -49,23 +56,35 @@ def limit_resources(limits: dict) -> None:
         resource.setrlimit(which, (value, value))
 
 
-def kernel_isolation(scratch: str, readable: list) -> list:
-    """Steps 2 and 3 of the module docstring; returns the names of the layers the kernel granted."""
+def kernel_isolation(scratch: str, readable: list, parent: int) -> list:
+    """Steps 2 to 5 of the module docstring; returns the names of the layers the kernel granted. Raises
+    OSError when the seccomp filter cannot be installed."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, 9, 0, 0, 0) != 0 or os.getppid() != parent:  # PR_SET_PDEATHSIG, SIGKILL
+        raise OSError("sandbox: the process that started it is gone")
+    seccomp = load_seccomp()  # before Landlock closes the file's directory
     layers = []
     if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0 or libc.unshare(_CLONE_NEWNET) == 0:
         layers.append("netns")
     abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)
-    if abi < 1:
-        return layers
+    if abi >= 1 and landlock(libc, abi, scratch, readable):
+        layers.append(f"landlock-v{abi}")
+    seccomp.install()
+    return layers + ["seccomp"]
+
+
+def landlock(libc, abi: int, scratch: str, readable: list) -> bool:
+    """Step 4 at Landlock ABI `abi`; whether the kernel took the rules."""
+    import ctypes
+
     fs_all = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
     attr = (ctypes.c_uint64 * 3)(fs_all, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     ruleset = libc.syscall(444, ctypes.byref(attr), size, 0)
     if ruleset < 0:
-        return layers
+        return False
 
     class PathBeneath(ctypes.Structure):
         _pack_ = 1
@@ -82,66 +101,133 @@ def kernel_isolation(scratch: str, readable: list) -> list:
             rights &= execute | read_file | write_file | (1 << 14 if abi >= 3 else 0)
         libc.syscall(445, ruleset, 1, ctypes.byref(PathBeneath(rights, fd)), 0)
         os.close(fd)
-    if libc.prctl(38, 1, 0, 0, 0) == 0 and libc.syscall(446, ruleset, 0) == 0:  # PR_SET_NO_NEW_PRIVS
-        layers.append(f"landlock-v{abi}")
+    granted = libc.prctl(38, 1, 0, 0, 0) == 0 and libc.syscall(446, ruleset, 0) == 0  # PR_SET_NO_NEW_PRIVS
     os.close(ruleset)
-    return layers
+    return granted
 
 
-def install_guard(scratch: str, readable: list) -> None:
-    """Step 4. The hook closes over its own copies of the functions it uses, so rebinding `os.path`
-    and friends from the sandboxed code does not change what it checks."""
-    fsdecode, join, normpath, readlink, lstat, getcwd = (os.fsdecode, os.path.join, os.path.normpath,
-                                                         os.readlink, os.lstat, os.getcwd)
-    islink = __import__("stat").S_ISLNK
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    roots = tuple(readable)
+def load_seccomp():
+    """Step 5's module, `sandbox_seccomp.py` beside this file (loaded by path: `-I` keeps hybridflow off
+    sys.path)."""
+    import importlib.util
 
-    def resolve(path) -> str:
-        path = normpath(join(getcwd(), fsdecode(path)))
-        for _ in range(40):  # follow symlinks component by component, as the kernel would
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_seccomp.py")
+    spec = importlib.util.spec_from_file_location("sandbox_seccomp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_hook(scratch: str, readable: list):
+    """Step 5's hook. Its state is bound as default arguments of the hook and its helpers: no module
+    globals (which the code could reach through `sys._getframe(...).f_globals`), no closure cells (which a
+    frame's locals proxy can write), no name looked up when it runs (builtins can be rebound). It never
+    runs the code's own methods (a str subclass's `split`, an object's `__fspath__`): paths are read from
+    exact str / bytes copies and pathlib's cached string, so no sandboxed code runs while a hook call
+    holds its state. Replacing a function's code or defaults is refused, so the helpers the tracebacks of
+    its refusals show cannot be altered either."""
+    import pathlib
+    import stat
+    import types
+
+    def text(value, _str=str, _bytes=bytes, _type=type, _isinstance=isinstance, _all=slice(None),
+             _copy=str.__getitem__, _copy_bytes=bytes.__getitem__, _decode=bytes.decode,
+             _encoding=sys.getfilesystemencoding(), _pure=pathlib.PurePosixPath, _path=pathlib.PosixPath,
+             _cached=pathlib.PurePath.__dict__["_str"].__get__, _AttributeError=AttributeError):
+        """`value` as an exact str, calling none of its methods; None for anything but str, bytes, pathlib."""
+        kind = _type(value)
+        if kind is _str:
+            return value
+        if kind is _pure or kind is _path:  # `open(path)` passes it on after `os.fspath` cached its string
+            try:
+                value = _cached(value)
+            except _AttributeError:
+                return None
+        if _isinstance(value, _str):
+            return _copy(value, _all)
+        if _isinstance(value, _bytes):
+            return _decode(_copy_bytes(value, _all), _encoding, "surrogateescape")
+        return None
+
+    def normal(path, _cwd=os.getcwd):
+        """`path` made absolute, its `.`, `..` and repeated slashes resolved by its text alone."""
+        parts = []
+        for part in (path if path[:1] == "/" else _cwd() + "/" + path).split("/"):
+            if part == "..":
+                if parts:
+                    parts.pop()
+            elif part and part != ".":
+                parts.append(part)
+        return "/" + "/".join(parts)
+
+    def resolve(path, _normal=normal, _lstat=os.lstat, _readlink=os.readlink, _islink=stat.S_ISLNK, _range=range,
+                _enumerate=enumerate, _OSError=OSError, _PermissionError=PermissionError):
+        """`path` with its symlinks followed component by component, as the kernel would."""
+        path = _normal(path)
+        for _ in _range(40):
             parts, current = path.split("/")[1:], ""
-            for i, part in enumerate(parts):
+            for i, part in _enumerate(parts):
                 candidate = current + "/" + part
                 try:
-                    link = islink(lstat(candidate).st_mode)
-                except OSError:
+                    link = _islink(_lstat(candidate).st_mode)
+                except _OSError:
                     return path
                 if link:
-                    path = normpath(join(current or "/", fsdecode(readlink(candidate)), *parts[i + 1:]))
+                    target = _readlink(candidate)
+                    base = target if target[:1] == "/" else current + "/" + target
+                    path = _normal(base + "/" + "/".join(parts[i + 1:]))
                     break
                 current = candidate
             else:
                 return path
-        raise PermissionError("sandbox: too many levels of symbolic links")
+        raise _PermissionError("sandbox: too many levels of symbolic links")
 
-    def inside(path: str, bases) -> bool:
-        return any(path == b or path.startswith(b.rstrip("/") + "/") for b in bases)
+    def inside(path, bases):
+        for base in bases:
+            if path == base or path.startswith(base.rstrip("/") + "/"):
+                return True
+        return False
 
-    def check(event: str, path, write: bool) -> None:
-        if isinstance(path, int) or path is None:
+    def check(event, value, write, _text=text, _resolve=resolve, _inside=inside, _scratch=(scratch,),
+              _roots=tuple(readable), _PermissionError=PermissionError):
+        path = _text(value)
+        if path is None:
+            raise _PermissionError(f"sandbox: {event} needs a str, bytes or pathlib path")
+        real = _resolve(path)
+        if _inside(real, _scratch) or real == "/dev/null" or not write and _inside(real, _roots):
             return
-        real = resolve(path)
-        if inside(real, (scratch,)) or real == "/dev/null" or not write and inside(real, roots):
-            return
-        raise PermissionError(f"sandbox: {event} of {fsdecode(path)!r} is outside the scratch directory")
+        raise _PermissionError(f"sandbox: {event} of {path!r} is outside the scratch directory")
 
-    def hook(event: str, args: tuple) -> None:
-        if event.startswith(_DENIED_EVENTS):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0].split(".")[0] in _DENIED_IMPORTS:
-            raise ImportError(f"sandbox: importing {args[0]} is not allowed")
-        if event == "open":
-            mode, flags = args[1] or "", args[2] or 0
-            check(event, args[0], any(c in mode for c in "wax+") or bool(flags & write_flags))
-        elif event in _READ_EVENTS:
-            check(event, args[0], False)
-        elif event.startswith(_WRITE_EVENTS):
+    def hook(event, args, _text=text, _check=check, _denied=_DENIED_EVENTS, _imports=_DENIED_IMPORTS,
+             _reads=_READ_EVENTS, _writes=_WRITE_EVENTS, _flags=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+             | os.O_APPEND, _type=type, _len=len, _int=int, _float=float, _tuple=tuple,
+             _function=types.FunctionType, _PermissionError=PermissionError, _ImportError=ImportError):
+        event = _text(event)
+        if event is None or event.startswith(_denied):
+            raise _PermissionError(f"sandbox: {event} is not allowed")
+        if event == "object.__setattr__" or event == "object.__delattr__":
+            if _len(args) and _type(args[0]) is _function:
+                raise _PermissionError("sandbox: changing a function's code or defaults is not allowed")
+        elif event == "import":
+            name = _text(args[0]) if _len(args) else None
+            if name is None or name.split(".")[0] in _imports:
+                raise _ImportError(f"sandbox: importing {name} is not allowed")
+        elif event == "open" and _len(args) == 3:
+            mode, flags = _text(args[1]) or "", args[2]
+            write = _type(flags) is _int and flags & _flags != 0
+            for c in "wax+":
+                if c in mode:
+                    write = True
+            _check(event, args[0], write)
+        elif event in _reads and _len(args):
+            _check(event, args[0], False)
+        elif event.startswith(_writes):
             for arg in args:
-                if isinstance(arg, (str, bytes, os.PathLike)):
-                    check(event, arg, True)
+                kind = _type(arg)
+                if not (arg is None or kind is _int or kind is _float or kind is _tuple):
+                    _check(event, arg, True)
 
-    sys.addaudithook(hook)
+    return hook
 
 
 def main() -> None:
@@ -150,12 +236,17 @@ def main() -> None:
     readable = sorted({os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]
                        if p and os.path.exists(p)} | {p for p in _SYSTEM_LIBS if os.path.exists(p)})
     limit_resources(limits)
-    layers = kernel_isolation(scratch, readable)
+    try:
+        layers = kernel_isolation(scratch, readable, int(limits["parent"]))
+    except OSError as error:  # no code runs without the seccomp filter
+        print(json.dumps({"layers": []}), flush=True)
+        print(f"sandbox: not started: {error}", flush=True)
+        sys.exit(1)
     for name in [m for m in sys.modules if m.split(".")[0] in _DENIED_IMPORTS]:
         del sys.modules[name]
     os.chdir(scratch)
     sys.dont_write_bytecode = True
-    install_guard(scratch, readable)
+    sys.addaudithook(make_hook(scratch, readable))
     print(json.dumps({"layers": ["rlimits", *layers, "audit"]}), flush=True)
     try:
         exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})

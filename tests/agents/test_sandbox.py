@@ -28,6 +28,8 @@ def test_normal_code_runs_in_its_scratch_directory(tmp_path):
     assert run("import os; print(os.getcwd() == os.environ['HOME'], open('notes.txt').read())",
                tmp_path).output == "True kept\n"  # files stay for the next call of the episode
     assert (tmp_path / "notes.txt").read_text() == "kept"
+    assert run("import pathlib\npathlib.Path('p.txt').write_text('via pathlib')\nprint(pathlib.Path('p.txt').read_text())",
+               tmp_path).output == "via pathlib\n"
 
 
 @pytest.mark.parametrize("code", ["while True: pass", "import time\nwhile True: time.sleep(0.01)",
@@ -116,3 +118,164 @@ def test_python_tool_reports_errors_and_limits(tmp_path):
     assert not os.path.exists(path)
     with pytest.raises(ValueError, match="timeout_s=0 is invalid"):
         PythonTool(timeout_s=0)
+
+
+def sandbox_processes(scratch) -> list[int]:
+    """Pids of live processes whose HOME is `scratch`: the sandbox's and whatever it started."""
+    marker = f"HOME={os.path.realpath(scratch)}".encode() + b"\0"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read():
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+FORK_BOMBS = [
+    # the earlier bypass: the hook's deny list reached through the caller's globals, then forks that
+    # leave the process group
+    "import sys, os, time\nsys._getframe(1).f_globals['_DENIED_EVENTS'] = ('x',)\n"
+    "for _ in range(5):\n    if os.fork() == 0:\n        os.setsid()\n        if os.fork() == 0:\n"
+    "            time.sleep(60)\n        os._exit(0)\nprint('forked')",
+    "import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid(); time.sleep(60)\nprint('forked')",
+    "import os\nos.execv('/bin/sleep', ['sleep', '60'])",
+    "import _posixsubprocess",
+    "import threading, time\nts = [threading.Thread(target=time.sleep, args=(0.1,)) for _ in range(4)]\n"
+    "[t.start() for t in ts]; [t.join() for t in ts]\nprint('threads ok')",
+]
+
+
+@pytest.mark.parametrize("code", FORK_BOMBS)
+def test_no_process_outlives_the_call_even_for_root(tmp_path, code):
+    result = run(code, tmp_path)
+    assert "forked" not in result.output
+    if "threads" in code:  # threads are not processes: they still work
+        assert result.output == "threads ok\n", result.output
+    else:
+        assert result.exit_code == 1 and ("PermissionError" in result.output or "ImportError" in result.output)
+    assert "seccomp" in result.layers
+    time.sleep(0.2)  # a fork that escaped would be running by now
+    assert sandbox_processes(tmp_path) == []
+
+
+SECCOMP_PROBE = """
+import ctypes, importlib.util, json, os, resource, subprocess, sys, threading
+spec = importlib.util.spec_from_file_location("sandbox_seccomp", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.install()
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def unshare(flags):
+    if libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare")
+
+
+attempts = {
+    "fork": os.fork, "exec": lambda: os.execv("/bin/true", ["true"]),
+    "subprocess": lambda: subprocess.run(["/bin/true"]), "posix_spawn": lambda: os.posix_spawn("/bin/true", ["true"], {}),
+    "signal the parent": lambda: os.kill(os.getppid(), 0), "signal every process": lambda: os.kill(-1, 0),
+    "raise a limit": lambda: resource.setrlimit(resource.RLIMIT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)),
+    "unshare": lambda: unshare(0x20000),  # CLONE_NEWNS
+    "signal itself": lambda: os.kill(os.getpid(), 0), "read a limit": lambda: resource.getrlimit(resource.RLIMIT_AS),
+    "thread": lambda: [t.start() or t.join() for t in [threading.Thread(target=lambda: None)]],
+}
+outcome = {}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+        outcome[name] = "allowed"
+    except OSError as e:
+        outcome[name] = e.errno
+    except ValueError:  # what the resource module makes of EPERM
+        outcome[name] = "ValueError"
+print(json.dumps(outcome))
+"""
+
+
+def test_the_seccomp_filter_refuses_processes_signals_and_limits_on_its_own(tmp_path):
+    """The kernel layer alone, with no audit hook: what code that escaped the interpreter could still do."""
+    import errno
+    import json
+    import subprocess
+    import sys
+
+    from hybridflow.agents import sandbox_seccomp
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(SECCOMP_PROBE)
+    done = subprocess.run([sys.executable, "-I", str(probe), sandbox_seccomp.__file__], capture_output=True,
+                          text=True, timeout=60)
+    outcome = json.loads(done.stdout)
+    refused = ["fork", "exec", "subprocess", "posix_spawn", "signal the parent", "signal every process", "unshare"]
+    assert {name: outcome[name] for name in refused} == {name: errno.EPERM for name in refused}, done.stderr
+    assert outcome["raise a limit"] == "ValueError"
+    assert outcome["signal itself"] == outcome["read a limit"] == outcome["thread"] == "allowed"
+
+
+def test_the_hook_keeps_its_state_out_of_reach(tmp_path):
+    """The hook reads no global or closure cell, and runs none of the code's methods."""
+    import builtins
+    import pathlib
+    import types
+
+    from hybridflow.agents import sandbox_child
+
+    hook = sandbox_child.make_hook(str(tmp_path), ["/usr/lib"])
+    functions, todo = [], [hook]
+    while todo:
+        fn = todo.pop()
+        if fn in functions:
+            continue
+        functions.append(fn)
+        todo += [d for d in fn.__defaults__ or () if isinstance(d, types.FunctionType)]
+    assert sorted(fn.__name__ for fn in functions) == ["check", "hook", "inside", "normal", "resolve", "text"]
+    for fn in functions:
+        assert fn.__code__.co_freevars == ()
+        assert not set(fn.__code__.co_names) & (set(vars(builtins)) | set(vars(sandbox_child))), fn.__name__
+    called = []
+
+    class Sly(str):
+        def split(self, *args):
+            called.append("split")
+            return ["json"]
+
+        def startswith(self, *args):
+            called.append("startswith")
+            return False
+
+    class Path:
+        def __fspath__(self):
+            called.append("__fspath__")
+            return str(tmp_path / "fine")
+
+    with pytest.raises(ImportError, match="importing socket"):
+        hook("import", (Sly("socket"),))
+    with pytest.raises(PermissionError, match="outside the scratch"):
+        hook("open", (Sly("/etc/passwd"), "r", 0))
+    with pytest.raises(PermissionError, match="needs a str, bytes or pathlib path"):
+        hook("open", (Path(), "r", 0))
+    with pytest.raises(PermissionError, match="os.fork is not allowed"):
+        hook(Sly("os.fork"), ())
+    assert called == []
+    path = pathlib.Path(str(tmp_path / "x.txt"))
+    os.fspath(path)  # as open() does before the event
+    hook("open", (path, "w", 0))
+    hook("open", (b"/usr/lib/python3", "r", 0))
+
+
+@pytest.mark.parametrize("code", [
+    "import sys\ng = sys._getframe(1).f_globals\ng['_DENIED_IMPORTS'] = g['_DENIED_EVENTS'] = ()\nimport socket",
+    "try:\n    open('/etc/passwd')\nexcept PermissionError as e:\n    tb = e.__traceback__\nwhile tb:\n"
+    "    for value in list(tb.tb_frame.f_locals.values()):\n        if hasattr(value, '__defaults__'):\n"
+    "            value.__defaults__ = None\n    tb = tb.tb_next\nimport socket",
+    "import sys\nsys.settrace(lambda *a: None)",
+])
+def test_tampering_with_the_hook_from_inside_fails(tmp_path, code):
+    result = run(code, tmp_path)
+    assert result.exit_code == 1 and ("ImportError: sandbox" in result.output or "PermissionError: sandbox"
+                                      in result.output), result.output
