@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from hybridflow.rewards.scorer import Job, RewardSpec
+from hybridflow.utils.child_process import cap_prints, die_with_parent, print_budget
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,17 @@ _STARTUP_TIMEOUT_S = 300.0
 _IDLE = -1.0  # value of the shared "current row" slot between rows
 
 
-def _worker_main(spec: RewardSpec, conn: Connection, current: Any) -> None:
+def _worker_main(spec: RewardSpec, conn: Connection, current: Any, parent_pid: int) -> None:
     """Worker process body: build the scorer, then score ``[(index, job), ...]`` chunks until ``None``.
 
     `current` is a shared ``[row index, start time]`` pair; the index is set to `_IDLE` while the pair
-    is being written and between rows, so the controller never reads a torn pair.
+    is being written and between rows, so the controller never reads a torn pair. The worker dies with the
+    controller (even one killed by SIGKILL) and what the function prints is capped per row.
     """
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM to the run are the controller's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    cap_prints()
     from hybridflow.rewards.scorer import Scorer
 
     try:
@@ -73,7 +77,7 @@ def _worker_main(spec: RewardSpec, conn: Connection, current: Any) -> None:
         for index, row in chunk:
             current[0], current[1] = _IDLE, time.monotonic()
             current[0] = float(index)
-            results.append((index, score_job(fn, row)))
+            results.append((index, _score_in_worker(fn, row)))
             if time.monotonic() - flushed > _FLUSH_S:
                 conn.send(results)
                 results, flushed = [], time.monotonic()
@@ -90,6 +94,16 @@ def score_job(fn: Any, job: Job) -> Outcome:
         return ("error", f"{type(e).__name__}: {e}")
 
 
+def _score_in_worker(fn: Any, job: Job) -> Outcome:
+    """`score_job` in a worker process, what the function prints capped; no signal reaches a worker, so a
+    `KeyboardInterrupt` is the function's own, the job's error too."""
+    try:
+        with print_budget():
+            return score_job(fn, job)
+    except KeyboardInterrupt as e:
+        return ("error", f"{type(e).__name__}: {e}")
+
+
 def _fork_score(fn: Any, row: Job) -> tuple[int, Any]:
     """Forks a child that scores `row` and writes its pickled outcome to a pipe; returns (pid, pipe reader)."""
     read_fd, write_fd = os.pipe()
@@ -98,7 +112,7 @@ def _fork_score(fn: Any, row: Job) -> tuple[int, Any]:
         try:
             os.close(read_fd)
             with os.fdopen(write_fd, "wb") as out:
-                out.write(pickle.dumps(score_job(fn, row)))
+                out.write(pickle.dumps(_score_in_worker(fn, row)))
         finally:
             os._exit(0)
     os.close(write_fd)
@@ -177,7 +191,7 @@ class ScoringPool:
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         current = self._ctx.Array("d", [_IDLE, 0.0], lock=False)
-        process = self._ctx.Process(target=_worker_main, args=(self.spec, child, current),
+        process = self._ctx.Process(target=_worker_main, args=(self.spec, child, current, os.getpid()),
                                     daemon=True, name="hybridflow-reward")
         process.start()
         child.close()

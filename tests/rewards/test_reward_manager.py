@@ -176,3 +176,46 @@ def test_every_row_failing_for_several_batches_stops_with_the_first_error_of_the
                                                        r"\(reward.max_failed_steps=2\); the first error of the last "
                                                        r"one: error: SystemExit: 2"):
             manager.score(_rows(["exit", "raise"]))
+
+
+def test_pool_workers_die_with_a_killed_controller(reward_file, tmp_path):
+    """SIGKILL leaves no chance to clean up: the workers' parent-death signal ends them."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "controller.py"
+    script.write_text("import json, sys, time\nfrom hybridflow.rewards.scoring_pool import ScoringPool\n"
+                      "from hybridflow.rewards.scorer import RewardSpec\n"
+                      "if __name__ == '__main__':\n"
+                      f"    pool = ScoringPool(RewardSpec.of({reward_file!r}), 2, 5.0)\n"
+                      "    pool.run([('row', ('demo', 'a', 'a', {}))] * 4)\n"
+                      "    print(json.dumps([w.process.pid for w in pool._workers]), flush=True)\n"
+                      "    time.sleep(600)\n")
+    controller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = json.loads(controller.stdout.readline())
+    controller.kill()
+    controller.wait()
+    deadline = time.monotonic() + 10
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}") and
+                 open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"]
+    for pid in alive:  # on failure, do not leave them behind
+        os.kill(pid, signal.SIGKILL)
+    assert alive == []
+
+
+def test_what_a_reward_function_prints_is_capped_per_row(tmp_path, capfd):
+    path = tmp_path / "loud.py"
+    path.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    print('x' * 10 ** 6)\n    raise KeyboardInterrupt\n")
+    with RewardManager(f"{path}:score", num_workers=1, timeout_s=30.0, fallback_score=-1.0) as manager:
+        result = manager.score(_rows(["a", "b"]))
+    assert result.scores == [-1.0, -1.0] and "KeyboardInterrupt" in result.errors[0]
+    out, _ = capfd.readouterr()
+    assert out.count("[hybridflow: this call printed more than 4096 characters; the rest is dropped]") == 2
+    assert len(out) < 2 * 4200
