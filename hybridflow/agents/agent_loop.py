@@ -2,6 +2,7 @@
 
     loop = AgentLoop(cfg.agent, tokenizer, budget=cfg.data.max_response_length)
     trajectories = loop.run(engine, prompt_ids, rows, SamplingParams(n=8, temperature=1.0))  # [prompt][sample]
+    loop.close()                                              # ends the environments' process
 
 Each episode: the model's turn (the prompt's n samples share one prefill) -> if tools are configured and
 the turn calls any, their results as `tool` messages; else the environment's next message; else the
@@ -10,28 +11,27 @@ cached KV. It ends when the environment sends nothing or says done, at `agent.ma
 when tool calls pass `agent.max_tool_calls`, or when the token budget (`data.max_response_length`
 over all turns, each model turn also capped by `agent.max_tokens_per_turn`) runs out, which counts
 as a cut. All episodes run at once on one asyncio loop around the engine's session (`EngineDriver`):
-one waiting on a tool leaves the batch and comes back when answered. Environment and tool failures
-(exceptions, `agent.timeout_s`) are counted on the trajectory and end it or answer the model; an
-engine failure fails the call.
+one waiting on a tool leaves the batch and comes back when answered. Environments and tools run in a
+process of their own (`UserCodeHost`); their failures (exceptions, `SystemExit`, `agent.timeout_s`, the
+process dying) are counted on the trajectory and end it or answer the model; an engine failure fails
+the call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
+import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from hybridflow.agents.calls import call_with_timeout
+from hybridflow.agents.calls import UserCodeError
 from hybridflow.agents.engine_driver import EngineDriver
-from hybridflow.agents.environment import as_env_step, environment_kwargs, load_environment
+from hybridflow.agents.host import UserCodeHost, host_setup
 from hybridflow.agents.parsing import parse_tool_calls
 from hybridflow.agents.rendering import TurnRenderer
-from hybridflow.agents.tools import Scratch, ToolContext, ToolResult
-from hybridflow.agents.toolset import ToolSet
+from hybridflow.agents.tools import ToolResult
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engine.rollout import Completion, SamplingParams
 from hybridflow.engine.rollout.types import check_prompts
@@ -52,8 +52,6 @@ class AgentSettings(Protocol):
 
 logger = logging.getLogger(__name__)
 
-ENV_THREADS = 32  # sync environment steps and tool calls in flight at once
-
 
 class AgentLoop:
     """Multi-turn episodes per `agent` config (see the module docstring).
@@ -64,48 +62,49 @@ class AgentLoop:
 
     def __init__(self, agent_cfg: AgentSettings, tokenizer: Any, budget: int) -> None:
         self.cfg, self.tokenizer, self.budget = agent_cfg, tokenizer, budget
-        self.tools = ToolSet(agent_cfg.tools)
-        self.env_class = load_environment(agent_cfg.environment) if agent_cfg.environment else None
-        self.renderer = TurnRenderer(tokenizer, self.tools.schemas() or None)
+        self.host = UserCodeHost(host_setup(agent_cfg))
+        self.has_tools = bool(self.host.schemas)
+        self.renderer = TurnRenderer(tokenizer, self.host.schemas or None)
         self.turn_tokens = min(agent_cfg.max_tokens_per_turn or budget, budget)
+        self._ids = itertools.count()  # trajectory ids, unique for the host's whole life
+
+    def close(self) -> None:
+        """Ends the process the environments and tools run in."""
+        self.host.close()
 
     def run(self, engine: Any, prompts: list[list[int]], rows: list[dict[str, Any]],
             params: SamplingParams) -> list[list[Trajectory]]:
         """`params.n` trajectories per prompt (`rows[i]`: prompt i's dataset row); outs[i][j]."""
         check_prompts(prompts, engine.max_model_len, engine.config.vocab_size)
-        threads = ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="hybridflow-env")
-        try:
-            return asyncio.run(self._run(engine, prompts, rows, params, threads))
-        finally:
-            threads.shutdown(wait=False, cancel_futures=True)  # a hung sync environment keeps its thread
+        return asyncio.run(self._run(engine, prompts, rows, params))
 
-    async def _run(self, engine: Any, prompts: list[list[int]], rows: list[dict[str, Any]], params: SamplingParams,
-                   threads: ThreadPoolExecutor) -> list[list[Trajectory]]:
+    async def _run(self, engine: Any, prompts: list[list[int]], rows: list[dict[str, Any]],
+                   params: SamplingParams) -> list[list[Trajectory]]:
         session = engine.session(dataclasses.replace(params, max_tokens=self.turn_tokens), hold=True)
         driver = EngineDriver(session)
-        serving = asyncio.create_task(driver.serve())
-        episodes = [[asyncio.create_task(self._episode(driver, seq, first, row, len(prompt), threads))
-                     for seq, first in driver.start(prompt, params.n, self.turn_tokens)]
-                    for prompt, row in zip(prompts, rows)]
-        try:
-            await asyncio.gather(*(e for per_prompt in episodes for e in per_prompt))
-        finally:
-            driver.stop()
-            await asyncio.gather(serving, return_exceptions=True)  # its error, if any, reached the episodes
+        async with self.host.attached():
+            serving = asyncio.create_task(driver.serve())
+            episodes = [[asyncio.create_task(self._episode(driver, seq, first, row, len(prompt)))
+                         for seq, first in driver.start(prompt, params.n, self.turn_tokens)]
+                        for prompt, row in zip(prompts, rows)]
+            try:
+                await asyncio.gather(*(e for per_prompt in episodes for e in per_prompt))
+            finally:
+                driver.stop()
+                await asyncio.gather(serving, return_exceptions=True)  # its error, if any, reached the episodes
         return [[e.result() for e in per_prompt] for per_prompt in episodes]
 
     async def _episode(self, driver: EngineDriver, seq: int, first: asyncio.Future, row: dict[str, Any],
-                       prompt_len: int, threads: ThreadPoolExecutor) -> Trajectory:
-        trajectory, scratch = Trajectory(), Scratch()
-        contexts = self.tools.contexts(row, scratch)
-        env = await self._make_env(row, trajectory, threads)
+                       prompt_len: int) -> Trajectory:
+        trajectory, tid = Trajectory(), next(self._ids)
+        has_env = await self._open(tid, row, trajectory)
         try:
             completion: Completion = await first
             while True:
                 text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
                 trajectory.add_model_turn(completion, text)
                 spent = len(trajectory.token_ids) >= self.budget
-                messages = await self._respond(text, trajectory, env, contexts, threads,
+                messages = await self._respond(text, trajectory, tid, has_env,
                                                last=spent or trajectory.turns >= self.cfg.max_turns)
                 if spent:
                     trajectory.cut()
@@ -122,47 +121,40 @@ class AgentLoop:
                 completion = await driver.extend(seq, ids, min(self.turn_tokens, room))
         finally:
             driver.release(seq)
-            trajectory.env_reward += await self.tools.finish(contexts, self.cfg.timeout_s, threads)
-            scratch.cleanup()
-            if env is not None and callable(getattr(env, "close", None)):
-                try:
-                    await call_with_timeout(env.close, timeout_s=self.cfg.timeout_s, threads=threads)
-                except Exception as e:  # noqa: BLE001 - the episode is over; a failing close only warns
-                    logger.warning("environment close() failed: %s: %s", type(e).__name__, e)
+            try:  # the tools' end-of-trajectory rewards (verl's calc_reward), the environment's close()
+                trajectory.env_reward += await self.host.call("close", tid)
+            except Exception:  # noqa: BLE001 - its process died (said once, when it did): nothing to add
+                pass
         return trajectory
 
-    async def _make_env(self, row: dict[str, Any], trajectory: Trajectory, threads: ThreadPoolExecutor) -> Any:
-        """This trajectory's environment (None without one, or when making it failed: counted)."""
-        if self.env_class is None:
-            return None
-        kwargs = environment_kwargs(self.env_class, self.cfg.env_kwargs, row)
+    async def _open(self, tid: int, row: dict[str, Any], trajectory: Trajectory) -> bool:
+        """Makes the trajectory's tool contexts and environment in the host; whether it has an environment
+        (not without one, nor when making it failed: counted)."""
         try:
-            return await call_with_timeout(functools.partial(self.env_class, dict(row), **kwargs),
-                                           timeout_s=self.cfg.timeout_s, threads=threads)
+            await self.host.call("open", tid, (dict(row), dict(self.cfg.env_kwargs)))
         except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
-            trajectory.env_failed(f"making the environment failed: {type(e).__name__}: {e}")
-            logger.warning("making the environment %s failed: %s: %s", self.cfg.environment, type(e).__name__, e)
-            return None
+            trajectory.env_failed(f"making the environment failed: {_failure(e)}")
+            logger.warning("making the environment %s failed: %s", self.cfg.environment, _failure(e))
+            return False
+        return bool(self.cfg.environment)
 
-    async def _respond(self, text: str, trajectory: Trajectory, env: Any, contexts: dict[str, ToolContext],
-                       threads: ThreadPoolExecutor, last: bool) -> list[dict[str, str]]:
+    async def _respond(self, text: str, trajectory: Trajectory, tid: int, has_env: bool,
+                       last: bool) -> list[dict[str, str]]:
         """The messages answering a model turn: tool results when it calls tools, else the environment's
         message; [] ends the episode. On the `last` turn (turn or token limit reached) no tool runs and
         the environment's step only adds its reward."""
         start = time.perf_counter()
         try:
-            calls = parse_tool_calls(text) if self.tools and not last else []
+            calls = parse_tool_calls(text) if self.has_tools and not last else []
             if calls:
-                return await self._call_tools(calls, trajectory, contexts, threads)
-            if env is None:
+                return await self._call_tools(calls, trajectory, tid)
+            if not has_env:
                 return []
             try:
-                step = as_env_step(await call_with_timeout(env.step, text, trajectory.turns - 1,
-                                                           timeout_s=self.cfg.timeout_s, threads=threads),
-                                   f"{self.cfg.environment} step()")
+                step = await self.host.call("step", tid, (text, trajectory.turns - 1))
             except Exception as e:  # noqa: BLE001 - ends this trajectory, counted
-                trajectory.env_failed(f"step() failed: {type(e).__name__}: {e}")
-                logger.warning("environment %s step() failed: %s: %s", self.cfg.environment, type(e).__name__, e)
+                trajectory.env_failed(f"step() failed: {_failure(e)}")
+                logger.warning("environment %s step() failed: %s", self.cfg.environment, _failure(e))
                 return []
             trajectory.env_reward += step.reward
             if step.message is None or step.done or last:
@@ -171,16 +163,27 @@ class AgentLoop:
         finally:
             trajectory.env_seconds += time.perf_counter() - start
 
-    async def _call_tools(self, calls: list, trajectory: Trajectory, contexts: dict[str, ToolContext],
-                          threads: ThreadPoolExecutor) -> list[dict[str, str]]:
+    async def _call_tools(self, calls: list, trajectory: Trajectory, tid: int) -> list[dict[str, str]]:
+        """The calls' results as tool messages ([] past `agent.max_tool_calls`, or when the host died: the
+        trajectory's tool state is gone, it ends with its calls counted as errors)."""
         left = self.cfg.max_tool_calls - trajectory.tool_calls
         if left <= 0:
             return []
-        results = list(await asyncio.gather(*(self.tools.run(call, contexts.get(call.name), self.cfg.timeout_s,
-                                                             threads) for call in calls[:left])))
+        results = await asyncio.gather(*(self.host.call("tool", tid, call) for call in calls[:left]),
+                                       return_exceptions=True)
         trajectory.tool_calls += len(results)
+        died = [r for r in results if isinstance(r, BaseException)]
+        if died:
+            trajectory.tool_errors += len(results)
+            logger.warning("tool calls failed: %s", died[0])
+            return []
         trajectory.tool_errors += sum(r.error for r in results)
         trajectory.env_reward += sum(r.reward for r in results)
         results += [ToolResult(f"Error: this episode's limit of {self.cfg.max_tool_calls} tool calls is reached",
                                error=True) for _ in calls[left:]]
         return [{"role": "tool", "content": r.text} for r in results]
+
+
+def _failure(error: Exception) -> str:
+    """A failed call as `Type: message` (a `UserCodeError` already reads so)."""
+    return str(error) if isinstance(error, UserCodeError) else f"{type(error).__name__}: {error}"

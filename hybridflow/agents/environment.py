@@ -58,18 +58,21 @@ class Environment:
 
 
 def as_env_step(value: Any, where: str) -> EnvStep:
-    """An `EnvStep` from what `step` returned; TypeError naming `where` for anything else."""
+    """An `EnvStep` of plain types from what `step` returned; TypeError naming `where` for anything else."""
     if value is None:
         return EnvStep()
     if isinstance(value, str):
-        return EnvStep(value)
+        return EnvStep(str(value))
     if not isinstance(value, EnvStep):
         raise TypeError(f"{where} returned a {type(value).__name__}; return an EnvStep, a str (a user message) "
                         f"or None (end the episode)")
     if value.message is not None and not isinstance(value.message, str) or not isinstance(value.role, str):
         raise TypeError(f"{where} returned an EnvStep whose message/role are not strings: {value!r:.120}")
-    value.reward = float(value.reward)
-    return value
+    try:
+        reward = float(value.reward)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where} returned an EnvStep whose reward {value.reward!r:.40} is not a number") from None
+    return EnvStep(None if value.message is None else str(value.message), str(value.role), reward, bool(value.done))
 
 
 def environment_kwargs(env_class: type, env_kwargs: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:

@@ -37,15 +37,17 @@ class ToolResult:
 
 
 class Scratch:
-    """One trajectory's scratch directory, made on first use and deleted by `cleanup`."""
+    """One trajectory's scratch directory, made on first use (under `root`, default the system's temporary
+    directory) and deleted by `cleanup`."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root
         self._path: str | None = None
 
     @property
     def path(self) -> str:
         if self._path is None:
-            self._path = tempfile.mkdtemp(prefix="hybridflow-tool-")
+            self._path = tempfile.mkdtemp(prefix="hybridflow-tool-", dir=self.root)
         return self._path
 
     def cleanup(self) -> None:

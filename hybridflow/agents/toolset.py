@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hybridflow.agents.calculator import Calculator
-from hybridflow.agents.calls import call_with_timeout
+from hybridflow.agents.calls import UserCodeError, call_with_timeout
 from hybridflow.agents.parsing import ToolCall, check_arguments, coerce_arguments
 from hybridflow.agents.sandbox import PythonTool
 from hybridflow.agents.tools import Scratch, Tool, ToolContext, ToolResult
@@ -115,13 +115,11 @@ class ToolSet:
         try:
             result = await call_with_timeout(tool.call, arguments, context, timeout_s=timeout_s,
                                              threads=threads)
-        except Exception as e:  # noqa: BLE001 - a tool's failure is the model's answer, not the run's end
-            return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", error=True)
-        if isinstance(result, ToolResult):
-            return result
-        if isinstance(result, str):
-            return ToolResult(result)
-        return ToolResult(f"Error: {call.name} returned a {type(result).__name__}, not text", error=True)
+        except UserCodeError as e:  # a tool's failure is the model's answer, not the run's end
+            return ToolResult(f"Error: {call.name} failed: {e}", error=True)
+        except TimeoutError as e:
+            return ToolResult(f"Error: {call.name} failed: TimeoutError: {e}", error=True)
+        return plain_result(result, call.name)
 
     async def finish(self, contexts: dict[str, ToolContext], timeout_s: float,
                      threads: ThreadPoolExecutor | None = None) -> float:
@@ -136,3 +134,21 @@ class ToolSet:
                 except Exception as e:  # noqa: BLE001 - the trajectory is over; its reward stays as it was
                     logger.warning("tool %s finish failed: %s: %s", name, type(e).__name__, e)
         return total
+
+
+def plain_result(result: Any, name: str) -> ToolResult:
+    """What a tool's `call` returned as a `ToolResult` of plain types (a str, or a `ToolResult` whose text is a
+    str, reward a number and error a bool); anything else is an error result naming the tool."""
+    if isinstance(result, str):
+        return ToolResult(str(result))
+    if not isinstance(result, ToolResult):
+        return ToolResult(f"Error: {name} returned a {type(result).__name__}, not text", error=True)
+    if not isinstance(result.text, str):
+        return ToolResult(f"Error: {name} returned a ToolResult whose text is a {type(result.text).__name__}, "
+                          f"not a str", error=True)
+    try:
+        reward = float(result.reward)
+    except (TypeError, ValueError):
+        return ToolResult(f"Error: {name} returned a ToolResult whose reward {result.reward!r:.40} is not a number",
+                          error=True)
+    return ToolResult(str(result.text), reward, bool(result.error))

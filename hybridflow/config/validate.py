@@ -374,23 +374,17 @@ def _path_problems(cfg: Any) -> list[str]:
     except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
         key = "reward.functions" if cfg.reward.functions else "reward.function"
         problems.append(f"{key}={_get(cfg, key)!r}: {e}")
-    from hybridflow.agents.environment import load_environment
-    from hybridflow.agents.toolset import ToolSet
+    from hybridflow.agents.host import tool_schemas
 
-    if cfg.agent.environment:
-        try:  # imports the user's file and finds the class in it
-            load_environment(cfg.agent.environment)
-        except Exception as e:
-            problems.append(f"agent.environment={cfg.agent.environment!r}: {e}")
     for way in ENDPOINT_WAYS:  # user code runs in the runner process only: here its file must exist
         spec = getattr(cfg.agent, way) or ""
         target = spec.rpartition(":")[0] if ":" in spec and not spec.endswith(".py") else spec
         if target.endswith(".py") and not Path(target).expanduser().is_file():
             problems.append(f"agent.{way}={spec!r}: the file {target!r} does not exist")
-    try:  # builds every tool, so a bad entry fails before any model loads
-        ToolSet(cfg.agent.tools)
-    except Exception as e:
-        problems.append(f"agent.tools: {e}")
+    try:  # a process of their own imports the environment's file and builds every tool, before any model loads
+        tool_schemas(cfg.agent)
+    except (ValueError, RuntimeError) as e:
+        problems.append(str(e))
     return problems + _run_problems(cfg)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hybridflow import algorithms
-from hybridflow.agents.toolset import ToolSet
+from hybridflow.agents.host import tool_schemas
 from hybridflow.batch import Batch
 from hybridflow.config.resolved import resolve_facts
 from hybridflow.config.validate import ConfigError, validate
@@ -65,7 +65,7 @@ class RLTrainer(Trainer):
             self.roles.sync_weights()
 
     def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
-        tools = ToolSet(self.cfg.agent.tools).schemas() or None  # shown in every prompt of a tool-calling run
+        tools = tool_schemas(self.cfg.agent) or None  # shown in every prompt of a tool-calling run
         return build_prompt_loaders(self.cfg, self.tokenizer, tools)
 
     def start_workers(self) -> None:

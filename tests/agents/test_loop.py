@@ -148,29 +148,29 @@ def test_environment_failures_end_their_trajectory_only(tiny_qwen2, env_file):
     assert outs[2][0].env_seconds >= 1.0
 
 
-def test_a_slow_environment_holds_up_no_one(tiny_qwen2, env_file):
+def test_a_slow_environment_holds_up_no_one(tiny_qwen2, env_file, tmp_path):
     source = """
         import time
         from hybridflow.agents import EnvStep
 
         class Slow:
-            LOG = []
+            def __init__(self, row, log):
+                self.index, self.log = row["index"], log
 
-            def __init__(self, row):
-                self.index = row["index"]
-
-            def step(self, text, turn):      # sync: runs in a worker thread
+            def step(self, text, turn):      # sync: runs in a worker thread of the host process
                 if self.index == 0 and turn == 0:
                     time.sleep(2.0)
-                self.LOG.append((self.index, turn, time.perf_counter()))
+                with open(self.log, "a") as f:
+                    f.write(f"{self.index} {turn} {time.time()}\\n")
                 return EnvStep("go on")
     """
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
     engine = RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=8, max_model_len=512)
-    loop = AgentLoop(agent_cfg(environment=f"{env_file(source)}:Slow", max_turns=4, max_tokens_per_turn=4),
-                     tokenizer, budget=150)
+    log_file = tmp_path / "steps.log"
+    loop = AgentLoop(agent_cfg(environment=f"{env_file(source)}:Slow", env_kwargs={"log": str(log_file)},
+                               max_turns=4, max_tokens_per_turn=4), tokenizer, budget=150)
     outs = loop.run(engine, prompts_for(tokenizer, ["a", "b", "c"]), rows_for(3), SamplingParams(seed=0))
-    log = loop.env_class.LOG
+    log = [(int(i), int(turn), float(t)) for i, turn, t in map(str.split, log_file.read_text().splitlines())]
     slow_done = next(t for i, turn, t in log if i == 0 and turn == 0)
     others_done = max(t for i, turn, t in log if i != 0)
     assert others_done < slow_done  # the others finished all their turns while row 0 waited

@@ -13,8 +13,8 @@ from hybridflow.agents.tools import Scratch, ToolContext
 from hybridflow.agents.toolset import ToolSet
 
 USER_TOOLS = """
-    import time
-    from hybridflow.agents import Tool
+    import sys, time
+    from hybridflow.agents import Tool, ToolResult
 
     class Lookup(Tool):
         name = "lookup"
@@ -31,6 +31,12 @@ USER_TOOLS = """
                 time.sleep(1.5)
             if arguments["word"] == "number":
                 return 3
+            if arguments["word"] == "wrapped number":
+                return ToolResult(3)
+            if arguments["word"] == "exit":
+                sys.exit("bye")
+            if arguments["word"] == "interrupt":
+                raise KeyboardInterrupt
             return self.prefix + arguments["word"]
 
     NOT_A_TOOL = 1
@@ -64,7 +70,11 @@ def test_failing_calls_answer_the_model(env_file):
                        (ToolCall("lookup", {"word": "boom"}), "Error: lookup failed: RuntimeError: lookup exploded"),
                        (ToolCall("lookup", {"word": "slow"}),
                         "Error: lookup failed: TimeoutError: no answer within 0.5 s"),
-                       (ToolCall("lookup", {"word": "number"}), "Error: lookup returned a int, not text")]:
+                       (ToolCall("lookup", {"word": "number"}), "Error: lookup returned a int, not text"),
+                       (ToolCall("lookup", {"word": "wrapped number"}),
+                        "Error: lookup returned a ToolResult whose text is a int, not a str"),
+                       (ToolCall("lookup", {"word": "exit"}), "Error: lookup failed: SystemExit: bye"),
+                       (ToolCall("lookup", {"word": "interrupt"}), "Error: lookup failed: KeyboardInterrupt: ")]:
         result = run(tools, call, timeout_s=0.5)
         assert result.error and result.text == text
 
