@@ -111,7 +111,7 @@ class AgentLoop:
                 if not messages:
                     break
                 ids = self.renderer.render(messages, completion.token_ids[-1] if completion.finish_reason == "stop"
-                                           else None)
+                                           else None, limit=self.budget - len(trajectory.token_ids))
                 room = self.budget - len(trajectory.token_ids) - len(ids)
                 if room < 1:
                     trajectory.cut()

@@ -7,15 +7,28 @@ new messages are then: the part of the tail the model did not write (ChatML: the
 `<|im_end|>` it sampled; all of it when the turn was cut), followed by what rendering the reference
 conversation plus the messages, with the next assistant turn's generation prompt, adds to it. They are
 tokenized once and appended as they are: the trainer sees exactly the ids the engine saw.
+
+The template's own text is tokenized with its special tokens; the messages' contents are tokenized as
+plain text (`split_special_tokens`), so an environment or tool that writes `<|im_end|>` or
+`<|im_start|>assistant` cannot forge a turn. The contents are found by rendering the messages once more
+with placeholders; a template that changes contents beyond trimming them cannot be split that way and
+is tokenized whole (a warning says so, once). Given the token room left (`limit`), a content is cut to
+what could still fit before it is rendered or tokenized (no token spans more characters than the
+longest vocabulary entry), so a huge message costs no more than a fitting one: its ids then exceed
+`limit` and the caller ends the episode.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from hybridflow.data.chat import with_tools
 
+logger = logging.getLogger(__name__)
+
 _MARK = "HYBRIDFLOW-TURN-MARK"
+_SLOT = "HYBRIDFLOW-CONTENT-{}-SLOT"
 
 
 class TurnRenderer:
@@ -37,21 +50,64 @@ class TurnRenderer:
             raise ValueError("the chat template drops the content of earlier assistant messages, so turns cannot "
                              "be appended to a conversation; use a model whose template keeps them")
         self.tail = self.before[self.before.rindex(_MARK) + len(_MARK):]
+        self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
+        self.warned = False
 
-    def render(self, messages: list[dict[str, str]], last_token: int | None) -> list[int]:
-        """Ids to append after a model turn for `messages` ({role, content}) and the next generation prompt.
-
-        last_token: the stop token that ended the model turn, or None when the turn was cut at its limit
-        (then the template's whole end-of-turn text is added first).
-        """
-        after = self.tokenizer.apply_chat_template(self.base + messages, tokenize=False,
-                                                   add_generation_prompt=True, **self.template_args)
+    def _after(self, messages: list[dict[str, str]]) -> str:
+        """What the template adds after the reference conversation for `messages` and the generation prompt."""
+        after = self.tokenizer.apply_chat_template(self.base + messages, tokenize=False, add_generation_prompt=True,
+                                                   **self.template_args)
         if not after.startswith(self.before):
             roles = [m["role"] for m in messages]
             raise ValueError(f"the chat template does not render a conversation prefix by prefix when messages "
                              f"with roles {roles} follow an assistant turn; check the roles the environment sends")
-        text = self.closing(last_token) + after[len(self.before):]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return after[len(self.before):]
+
+    def _encode(self, text: str, plain: bool = False) -> list[int]:
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
+
+    def _pieces(self, messages: list[dict[str, str]], after: str) -> list[tuple[str, bool]] | None:
+        """`after` as (text, is_content) pieces, or None when the contents cannot be told from the template."""
+        slots = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
+        skeleton = self._after(slots)
+        for transform in (lambda text: text, str.strip):
+            pieces, rest = [], skeleton
+            for i, message in enumerate(messages):
+                head, found, rest = rest.partition(_SLOT.format(i))
+                if not found:
+                    break
+                pieces += [(head, False), (transform(message["content"]), True)]
+            else:
+                pieces.append((rest, False))
+                if "".join(text for text, _ in pieces) == after:
+                    return pieces
+        return None
+
+    def render(self, messages: list[dict[str, str]], last_token: int | None, limit: int | None = None) -> list[int]:
+        """Ids to append after a model turn for `messages` ({role, content}) and the next generation prompt.
+
+        last_token: the stop token that ended the model turn, or None when the turn was cut at its limit
+        (then the template's whole end-of-turn text is added first). limit: the tokens the trajectory can
+        still take (None: no limit); longer contents are cut first, and the ids then exceed it.
+        """
+        if limit is not None:
+            cap = (limit + 1) * self.max_token_chars
+            messages = [{**m, "content": m["content"][:cap]} for m in messages]
+        lead = self.closing(last_token)
+        after = self._after(messages)
+        pieces = self._pieces(messages, after)
+        if pieces is None:
+            if not self.warned:
+                logger.warning("the chat template changes message contents beyond trimming them; environment and "
+                               "tool messages are tokenized with the template, special-token text included")
+                self.warned = True
+            return self._encode(lead + after)
+        ids = self._encode(lead + pieces[0][0])
+        for text, is_content in pieces[1:]:
+            ids += self._encode(text, plain=is_content)
+        return ids
 
     def closing(self, last_token: int | None) -> str:
         """The part of the template's end-of-turn text (`tail`) the model did not write: after a turn that

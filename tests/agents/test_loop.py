@@ -212,3 +212,23 @@ def test_tools_are_called_limited_and_answered(tool_calling_model, env_file):
     cut = AgentLoop(agent_cfg(tools=["calculator"], max_turns=5), tokenizer, budget=40)
     (trajectory,), _ = cut.run(engine, prompts, rows_for(2), greedy)
     assert trajectory.cut_by_budget and trajectory.finish_reason == "length" and len(trajectory.token_ids) <= 40
+
+
+def test_a_huge_environment_message_cuts_the_episode_fast(tiny_qwen2, env_file):
+    source = """
+        class Flood:
+            def __init__(self, row):
+                pass
+
+            def step(self, text, turn):
+                return "flood " * 200_000
+    """
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    engine = RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=8, max_model_len=512)
+    loop = AgentLoop(agent_cfg(environment=f"{env_file(source)}:Flood", max_turns=3, max_tokens_per_turn=4),
+                     tokenizer, budget=100)
+    start = time.perf_counter()
+    outs = loop.run(engine, prompts_for(tokenizer, ["a", "b", "c", "d"]), rows_for(4), SamplingParams(n=2, seed=0))
+    assert time.perf_counter() - start < 15  # tokenizing the whole of each message took 5 s here
+    assert all(t.cut_by_budget and t.turns == 1 for row in outs for t in row)
+    loop.close()
