@@ -9,8 +9,9 @@
     hybridflow migrate run_verl.sh|verl.yaml [--out R.yaml]  # a recipe from a verl command line or config
 
 Exit status of `train` and `sft`: 0 the run finished; 2 it was refused or stopped on something to fix
-first (config, data, output directory, checkpoint, disk space, a reward function or an environment that
-fails every row), printed as one line `hybridflow <command>: ...`; 75 (`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after
+first (config, data, output directory, checkpoint, disk space for checkpoints or logs, a reward function or
+an environment that fails every row), printed as one line `hybridflow <command>: ...`; 75
+(`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after
 saving a checkpoint (run the same command again to resume); 130 a second signal ended it at once; 1 any
 other error (a traceback).
 """
@@ -155,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.config.validate import ConfigError
     from hybridflow.data.files import DataError
     from hybridflow.rewards.failures import RowsFailed
+    from hybridflow.tracking.jsonl_logger import LogWriteError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataError, CheckpointError, IncompatibleCheckpoint, RowsFailed) as e:
+    except (ConfigError, DataError, CheckpointError, IncompatibleCheckpoint, RowsFailed, LogWriteError) as e:
         print(f"hybridflow {args.command}: {e}", file=sys.stderr)
         return 2
     except Preempted as e:

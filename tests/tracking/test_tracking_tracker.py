@@ -39,6 +39,33 @@ def test_jsonl_one_line_per_step_and_a_second_tracker_appends(tmp_path):
         {"step": 3, "prompt": "p", "response": "r", "reward": 1.0, "data_source": "d"}]
 
 
+@pytest.mark.parametrize("torn", [b'{"step": 2, "reward/me', b'{"step": 2, "reward/mean": 0.2}'])
+def test_a_torn_last_line_is_repaired_when_the_run_resumes(tmp_path, caplog, torn):
+    """A crash or a full disk mid-write leaves a line without its newline: the resumed run's next line
+    must not be glued to it (both would be unreadable, and the report would skip the step)."""
+    from hybridflow.report.runlog import load_run
+
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "reward/mean": 0.1}\n' + torn)
+    with Tracker("jsonl", output_dir=tmp_path) as tracker:
+        tracker.log({"reward/mean": 0.25}, step=2)
+    lines = _read_jsonl(tmp_path / "metrics.jsonl")
+    whole = torn.endswith(b"}")
+    assert [line["step"] for line in lines] == ([1, 2, 2] if whole else [1, 2])
+    assert lines[-1] == {"step": 2, "reward/mean": 0.25}
+    assert ("dropped a torn last line (22 bytes)" in caplog.text) is not whole
+    run = load_run(tmp_path)
+    assert not run.unreadable and run.steps == [1, 2] and run.metrics[2]["reward/mean"] == 0.25
+
+
+def test_a_full_disk_while_logging_names_the_file(tmp_path):
+    from hybridflow.tracking.jsonl_logger import LogWriteError
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC
+    with Tracker("jsonl", output_dir=tmp_path) as tracker:
+        with pytest.raises(LogWriteError, match=r"cannot write .*metrics.jsonl: No space left on device"):
+            tracker.log({"reward/mean": 0.25}, step=1)
+
+
 def test_tensorboard_events_are_readable(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

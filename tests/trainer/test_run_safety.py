@@ -167,6 +167,16 @@ def test_a_full_disk_mid_save_leaves_the_previous_checkpoint_and_the_run_resumes
     assert _names(out) == ["step_00000001", "step_00000002"]
 
 
+def test_a_full_disk_while_logging_metrics_names_the_file_and_exits_2(tiny_qwen2, data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC
+    assert train(tiny_qwen2, data_dir, out, "trainer.total_steps=1") == 2
+    err = capsys.readouterr().err
+    assert f"hybridflow train: cannot write {out}/metrics.jsonl: No space left on device (" in err
+    assert "Traceback" not in err
+
+
 def test_a_reward_function_failing_every_row_stops_the_run(tiny_qwen2, data_dir, tmp_path, capsys):
     broken = tmp_path / "broken.py"
     broken.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
