@@ -11,9 +11,10 @@
 Exit status of `train` and `sft`: 0 the run finished; 2 it was refused or stopped on something to fix
 first (config, data, output directory, checkpoint, disk space for checkpoints or logs, a reward function or
 an environment that fails every row), printed as one line `hybridflow <command>: ...`; 75
-(`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after
-saving a checkpoint (run the same command again to resume); 130 a second signal ended it at once; 1 any
-other error (a traceback).
+(`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command again
+to resume); 128 + the signal's number (130 SIGINT, 143 SIGTERM) stopped at once by a signal outside a
+training step (while starting) or by a second one during a step; 1 any other error (a traceback).
+docs/troubleshooting.md lists them.
 """
 
 from __future__ import annotations
@@ -138,6 +139,21 @@ def _passthrough(name: str):
     raise KeyError(name)
 
 
+def _run(args: argparse.Namespace) -> int:
+    """The command; the errors that mean "fix this first" are printed as one line and exit 2."""
+    from hybridflow.checkpoint import CheckpointError, IncompatibleCheckpoint
+    from hybridflow.config.validate import ConfigError
+    from hybridflow.data.files import DataError
+    from hybridflow.rewards.failures import RowsFailed
+    from hybridflow.tracking.jsonl_logger import LogWriteError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DataError, CheckpointError, IncompatibleCheckpoint, RowsFailed, LogWriteError) as e:
+        print(f"hybridflow {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in PASSTHROUGH_HELP:
@@ -152,23 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 0
-    from hybridflow.checkpoint import CheckpointError, IncompatibleCheckpoint, Preempted
-    from hybridflow.config.validate import ConfigError
-    from hybridflow.data.files import DataError
-    from hybridflow.rewards.failures import RowsFailed
-    from hybridflow.tracking.jsonl_logger import LogWriteError
+    from hybridflow.utils.stop_signals import Interrupted, Preempted, StopAtOnce  # light: before any heavy import
 
     try:
-        return args.fn(args)
-    except (ConfigError, DataError, CheckpointError, IncompatibleCheckpoint, RowsFailed, LogWriteError) as e:
-        print(f"hybridflow {args.command}: {e}", file=sys.stderr)
-        return 2
+        with StopAtOnce():
+            return _run(args)
     except Preempted as e:
         print(f"hybridflow {args.command}: {e}", file=sys.stderr)
         return e.exit_code
+    except Interrupted as e:
+        what = ("the step under way was not saved, the run resumes from its last checkpoint" if e.second else
+                "outside a training step, so nothing in progress was lost; the same command resumes from the "
+                "last checkpoint, if there is one")
+        print(f"hybridflow {args.command}: stopped at once by {'a second ' if e.second else ''}{e.signal_name}; "
+              f"{what}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
-        print(f"hybridflow {args.command}: interrupted by a second signal; the step under way was not saved, "
-              f"the run resumes from its last checkpoint", file=sys.stderr)
+        print(f"hybridflow {args.command}: interrupted; the run resumes from its last checkpoint", file=sys.stderr)
         return 130
 
 

@@ -21,7 +21,7 @@ from hybridflow.checkpoint.lock import RunLock
 from hybridflow.checkpoint.manager import CheckpointManager, check_writable, find_checkpoint
 from hybridflow.checkpoint.manifest import CheckpointError, is_complete, verify
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
-from hybridflow.checkpoint.signals import PREEMPTED_EXIT_CODE, GracefulStop, Preempted
+from hybridflow.utils.stop_signals import PREEMPTED_EXIT_CODE, GracefulStop, Interrupted, Preempted, StopAtOnce
 from hybridflow.checkpoint.state import (
     ControllerState,
     estimate_checkpoint_bytes,
@@ -38,7 +38,8 @@ from hybridflow.checkpoint.state import (
 
 __all__ = [
     "PREEMPTED_EXIT_CODE", "BadStepCounter", "CheckpointError", "CheckpointManager", "ControllerState",
-    "GracefulStop", "IncompatibleCheckpoint", "Preempted", "RunLock", "TrainingDiverged", "capture_rng_state",
+    "GracefulStop", "IncompatibleCheckpoint", "Interrupted", "Preempted", "RunLock", "StopAtOnce", "TrainingDiverged",
+    "capture_rng_state",
     "check_compatible", "check_model_config", "check_writable", "estimate_checkpoint_bytes", "export_hf",
     "find_checkpoint", "is_complete", "load_controller_state", "load_model_state", "load_worker_state",
     "main_export", "read_config", "read_full_model_state", "read_meta", "restore_rng_state",

@@ -4,6 +4,7 @@ functions whose scores differ between the responses to one prompt."""
 from __future__ import annotations
 
 import json
+import os
 
 from hybridflow.config.loader import load_config
 from hybridflow.trainer.rl import train
@@ -41,3 +42,19 @@ def reward_file(folder, body: str = VARIED) -> str:
     path.write_text(f"def reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
                     f"    return {body}\n")
     return f"{path}:reward"
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds `marker` ("NAME=value", set for a run under test and
+    inherited by everything it starts)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() + b"\0" in f.read():
+                    with open(f"/proc/{pid}/stat") as stat:
+                        if stat.read().rsplit(") ", 1)[1][0] != "Z":
+                            found.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found

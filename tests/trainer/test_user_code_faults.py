@@ -12,7 +12,7 @@ import textwrap
 import time
 import uuid
 
-from rl_helpers import read_metrics
+from rl_helpers import processes_with, read_metrics
 
 from hybridflow.checkpoint import CheckpointManager
 
@@ -36,18 +36,6 @@ FAULTS = """
                 time.sleep(600)
             return EnvStep("again")
 """
-
-
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def test_failing_environments_cost_trajectories_not_the_run(tiny_qwen2, tmp_path):

@@ -1,0 +1,117 @@
+"""Stopping on SIGINT / SIGTERM: a flag the trainer checks at step boundaries, and at once outside them.
+
+    with StopAtOnce():                      # the whole command (`hybridflow train` / `sft`)
+        start_the_run()                     # a signal here raises `Interrupted`: the `finally` blocks stop
+        with GracefulStop() as stop:        # the workers, nothing of a step is lost (there is none)
+            for step in ...:
+                train_step()
+                if stop.requested:
+                    save_checkpoint()
+                    raise Preempted(stop.signal_name, step, checkpoint)
+
+Inside `GracefulStop` the first signal only sets `requested` (and `signal_name`), so the current step
+finishes and a checkpoint can be written; a second signal raises `Interrupted` at once for a user who
+really wants out. Outside it (loading models, starting workers, the last save's aftermath) `StopAtOnce`
+raises `Interrupted` on the first signal. Either way a copy of the signal just handled, arriving within
+`DUPLICATE_WINDOW_S`, is one signal: a wrapper such as `timeout --foreground` forwards the Ctrl-C its
+process group already got, so the run sees every Ctrl-C twice. Leaving a block puts the previous
+handlers back. Signal handlers can only be installed from the main thread; elsewhere both raise a
+clear error.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+# `hybridflow train` / `sft` exit with this after a stop by signal that saved a checkpoint: "preempted,
+# run the same command again to resume". 75 is EX_TEMPFAIL of sysexits.h (a temporary failure; retry).
+PREEMPTED_EXIT_CODE = 75
+DUPLICATE_WINDOW_S = 0.5  # a forwarded copy arrives within milliseconds; a person's second Ctrl-C later
+
+
+class Preempted(Exception):
+    """A run stopped by SIGINT / SIGTERM after saving the checkpoint of its last finished step."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path | None) -> None:
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint} saved; run the "
+                         f"same command again (trainer.resume=auto) to continue from it")
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped at once by a signal: a second one during a step (`second`), or one outside the steps.
+    `exit_code` is 128 + the signal's number, as a shell reports a process that signal ended."""
+
+    def __init__(self, signum: int, second: bool) -> None:
+        self.signal_name, self.second = signal.Signals(signum).name, second
+        self.exit_code = 128 + signum
+        super().__init__(f"second {self.signal_name}: stopping immediately" if second else
+                         f"{self.signal_name} outside a training step: stopping immediately")
+
+
+class _Handler:
+    """Installs `_handle` for `signals` while the block runs; tells a copy of the last signal from a new one."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self.signals = signals
+        self._previous: dict[signal.Signals, object] = {}
+        self._last: tuple[int, float] | None = None  # (signal number, when handled)
+
+    def _is_copy(self, signum: int) -> bool:
+        now, last = time.monotonic(), self._last
+        self._last = (signum, now)
+        return last is not None and last[0] == signum and now - last[1] < DUPLICATE_WINDOW_S
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"{type(self).__name__} must be entered in the main thread (Python delivers "
+                               f"signals only there)")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class StopAtOnce(_Handler):
+    """Context manager: SIGINT / SIGTERM (or the given `signals`) raise `Interrupted` at once."""
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self._is_copy(signum):
+            raise Interrupted(signum, second=False)
+
+
+class GracefulStop(_Handler):
+    """Context manager turning SIGINT / SIGTERM (or the given `signals`) into a stop request."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        super().__init__(signals)
+        self.requested = False
+        self.signal_name: str | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._is_copy(signum):
+            return
+        if self.requested:
+            raise Interrupted(signum, second=True)
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> GracefulStop:
+        self.requested, self.signal_name, self._last = False, None, None
+        return super().__enter__()
+
+    def __bool__(self) -> bool:
+        return self.requested
