@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
 from hybridflow.checkpoint.manager import CheckpointError, find_checkpoint
-from hybridflow.checkpoint.state import read_full_model_state
+from hybridflow.checkpoint.state import read_full_model_state, read_meta
 
 HF_DIR, SOURCE_FILE, ADAPTER_CONFIG = "hf", "source.json", "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,7 +102,9 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
     state = read_full_model_state(role_dir, dtype)
     out_dir = Path(out_dir)
     if (role_dir / ADAPTER_CONFIG).is_file():
-        model = _lora_model(role_dir, state, config, _base_path(role_dir, model_path_or_config, merge), dtype, merge)
+        base_path = _base_path(role_dir, model_path_or_config, merge)
+        _check_base(checkpoint, role, base_path, isinstance(model_path_or_config, (str, Path)), merge)
+        model = _lora_model(role_dir, state, config, base_path, dtype, merge)
     else:
         model = _full_model(role, state, config, dtype)
     if generation is not None and isinstance(model, PreTrainedModel):  # not a peft adapter directory
@@ -140,6 +143,24 @@ def _base_path(role_dir: Path, model_path_or_config, merge: bool) -> str | None:
         raise CheckpointError(f"merging the LoRA adapters of {role_dir} needs the base model's weights; the run "
                               f"started from {path!r}, which is not there: pass its path (--model)")
     return path
+
+
+def _check_base(checkpoint: Path, role: str, base_path: str | None, given: bool, merge: bool) -> None:
+    """A LoRA checkpoint's base weights against the fingerprint it recorded: a merge onto changed weights found
+    where the run started is refused; onto a base `given` (--model), or for an adapter directory, it warns."""
+    recorded = read_meta(checkpoint).get("lora_bases", {}).get(role)
+    if base_path is None or not recorded:
+        return
+    problem = base_changed(role, recorded, base_path, base_fingerprint(base_path))
+    if problem is None:
+        return
+    if merge and not given:
+        raise CheckpointError(f"{problem}: merging them would write another model than the one trained; pass the "
+                              f"base they were trained on (--model)")
+    print(f"hybridflow export: warning: {problem}; " + (
+        "merging them onto the --model given, as asked" if merge else
+        f"the adapter directory names {base_path} as its base: load it on the weights it was trained on"),
+        file=sys.stderr)
 
 
 def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_path: str | None,

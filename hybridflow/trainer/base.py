@@ -111,6 +111,10 @@ class Trainer(ABC):
         (by default the trained roles)."""
         return dict(self.checkpointed_roles())
 
+    def lora_bases(self) -> dict[str, str]:
+        """Role -> base model path of each role trained with LoRA (its checkpoint records the base's fingerprint)."""
+        return {}
+
     def checkpointed_state(self) -> dict[str, Any]:
         """The controller's state a checkpoint keeps: the loader position and the bad-step counter, plus
         what a trainer adds (objects with `state_dict()` / `load_state_dict()`)."""

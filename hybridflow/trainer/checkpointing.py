@@ -18,10 +18,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hybridflow.checkpoint import (CheckpointError, CheckpointManager, check_compatible, check_model_config,
-                                   check_writable, estimate_checkpoint_bytes, load_controller_state, read_config,
-                                   save_controller_state, save_hf_assets)
+from hybridflow.checkpoint import (CheckpointError, CheckpointManager, IncompatibleCheckpoint, check_compatible,
+                                   check_model_config, check_writable, estimate_checkpoint_bytes,
+                                   load_controller_state, read_config, read_meta, save_controller_state,
+                                   save_hf_assets)
 from hybridflow.checkpoint.export import HF_DIR
+from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
 from hybridflow.checkpoint.manager import human_bytes
 from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
 from hybridflow.config.role_needs import needs_critic
@@ -64,10 +66,12 @@ class RunCheckpoints:
     `checkpointed_roles()`, the controller state of its `checkpointed_state()`.
 
     Built before any model loads, it finds the checkpoint to resume from (`trainer.resume`, verified
-    against its checksums), refuses one saved with an incompatible config or model, and refuses to start
-    where this run would mix with checkpoints it does not continue from (`clashing`) unless
-    `trainer.discard_checkpoints` lets it delete them. `restore()` then loads the checkpoint into the
-    started workers; `save()` writes one per call, checking the free space first.
+    against its checksums), refuses one saved with an incompatible config or model, or whose LoRA adapters
+    were trained on other base weights than `model.path` holds now (each checkpoint records the fingerprint
+    of its LoRA roles' bases, `hybridflow.checkpoint.fingerprint`), and refuses to start where this run
+    would mix with checkpoints it does not continue from (`clashing`) unless `trainer.discard_checkpoints`
+    lets it delete them. `restore()` then loads the checkpoint into the started workers; `save()` writes
+    one per call, checking the free space first.
     """
 
     def __init__(self, trainer: Any, estimate_bytes: int) -> None:
@@ -77,9 +81,16 @@ class RunCheckpoints:
         self.manager = CheckpointManager(cfg.trainer.output_dir, keep=cfg.trainer.keep_checkpoints)
         self.resume_from = self.manager.resolve(cfg.trainer.resume)
         self.changed: list[str] = []
+        self.lora_bases = {role: {"path": path, "fingerprint": base_fingerprint(path)}
+                           for role, path in trainer.lora_bases().items()}
         if self.resume_from is not None:
             self.changed = check_compatible(read_config(self.resume_from), cfg)
             check_hf_config(self.resume_from / trainer.model_role, cfg.model)
+            recorded = read_meta(self.resume_from).get("lora_bases", {})
+            problems = [base_changed(role, recorded.get(role), base["path"], base["fingerprint"])
+                        for role, base in self.lora_bases.items()]
+            if any(problems):
+                raise IncompatibleCheckpoint([p for p in problems if p])
         clash = clashing(self.manager, self.resume_from)
         if clash and not cfg.trainer.discard_checkpoints:
             raise CheckpointError(clash_message(self.manager, self.resume_from, clash))
@@ -102,7 +113,8 @@ class RunCheckpoints:
                 role.save_checkpoint(str(tmp / name))
             save_hf_assets(tmp / t.model_role, t.cfg.model.path)
             save_controller_state(tmp, t.step, t.cfg, t.checkpointed_state(),
-                                  meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path})
+                                  meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path,
+                                        "lora_bases": self.lora_bases})
         except BaseException as exc:
             free = shutil.disk_usage(self.manager.root).free
             self.manager.abort(tmp)  # a failed save (a worker died, the disk filled) leaves no temp dir

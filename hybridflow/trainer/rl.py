@@ -83,6 +83,15 @@ class RLTrainer(Trainer):
         self.roles = build_roles(cfg, self.total_steps, self.facts)
         self.groups = self.roles.groups
 
+    def lora_bases(self) -> dict[str, str]:
+        cfg = self.cfg
+        bases: dict[str, str] = {}
+        if self.facts.actor_lora:
+            bases["actor"] = cfg.model.path
+        if self.facts.critic and self.facts.critic_lora:
+            bases["critic"] = cfg.critic.model.path or cfg.model.path
+        return bases
+
     def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
         roles: dict[str, TrainedRoleHandle] = {"actor": self.roles.actor}
         if self.roles.critic is not None:

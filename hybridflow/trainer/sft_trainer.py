@@ -79,6 +79,9 @@ class SFTTrainer(Trainer):
     def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
         return {self.model_role: self.workers}
 
+    def lora_bases(self) -> dict[str, str]:
+        return {self.model_role: self.cfg.model.path} if self.cfg.optim.lora.rank > 0 else {}
+
     def fit(self) -> dict[str, float]:
         """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf` (a whole
         model: with LoRA the adapters merged into the base); returns the last step's metrics."""

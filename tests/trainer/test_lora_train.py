@@ -122,3 +122,28 @@ def test_lora_sft_trains_the_adapters_and_writes_a_merged_model(tiny_qwen2, chat
     start = AutoModelForCausalLM.from_pretrained(tiny_qwen2).state_dict()
     changed = {n.rsplit(".", 2)[-2] for n, p in exported.items() if not torch.equal(p, start[n])}
     assert changed == {"q_proj", "down_proj"}  # the adapters merged into their modules, nothing else moved
+
+
+def test_a_changed_base_model_is_refused_on_resume_and_merge(tiny_qwen2, data_dir, tmp_path, capsys):
+    """The same `model.path`, other weights: the adapters would silently make another model."""
+    from rl_helpers import base_overrides
+
+    base = shutil.copytree(tiny_qwen2, tmp_path / "base")
+    out = tmp_path / "run"
+    args = ["train", "--config", "recipes/grpo.yaml",
+            *base_overrides(base, data_dir, out, *LORA, *QUIET, f"reward.function={reward_file(tmp_path)}")]
+    assert cli_main([*args, "trainer.total_steps=1"]) == 0
+    assert cli_main([*args, "trainer.total_steps=2"]) == 0  # the same base: resumes
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(0.01)  # one tensor of the base changes, shapes stay
+    model.save_pretrained(base)
+    capsys.readouterr()
+    assert cli_main([*args, "trainer.total_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and f"the base model of the LoRA role 'actor' changed: the checkpoint's adapters " \
+        f"were trained on {base} (1 weight files" in err and "The adapters only fit the weights they were trained on" in err
+    assert main_export([str(out), str(tmp_path / "merged"), "--merge"]) == 1
+    assert "merging them would write another model than the one trained" in capsys.readouterr().err
+    assert main_export([str(out), str(tmp_path / "adapter")]) == 0
+    assert "warning: the base model of the LoRA role 'actor' changed" in capsys.readouterr().err
