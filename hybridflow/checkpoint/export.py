@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
-from hybridflow.checkpoint.manager import CheckpointError, find_checkpoint
+from hybridflow.checkpoint.manager import CheckpointError, disk_full, find_checkpoint, human_bytes
+from hybridflow.checkpoint.manifest import MANIFEST
 from hybridflow.checkpoint.state import read_full_model_state, read_meta
 
 HF_DIR, SOURCE_FILE, ADAPTER_CONFIG = "hf", "source.json", "adapter_config.json"
@@ -77,6 +81,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
     checkpoint = find_checkpoint(checkpoint_dir)
+    out_dir = Path(out_dir).expanduser().resolve()
+    _check_target(out_dir, checkpoint)
     role = role or exported_role(checkpoint)
     role_dir = checkpoint / role
     if not (role_dir / "model").is_dir():
@@ -100,7 +106,6 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
         except OSError:
             generation = None
     state = read_full_model_state(role_dir, dtype)
-    out_dir = Path(out_dir)
     if (role_dir / ADAPTER_CONFIG).is_file():
         base_path = _base_path(role_dir, model_path_or_config, merge)
         _check_base(checkpoint, role, base_path, isinstance(model_path_or_config, (str, Path)), merge)
@@ -109,10 +114,43 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
         model = _full_model(role, state, config, dtype)
     if generation is not None and isinstance(model, PreTrainedModel):  # not a peft adapter directory
         model.generation_config = generation
-    model.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
+    _write_whole(out_dir, write)
     return out_dir
+
+
+def _check_target(out_dir: Path, checkpoint: Path) -> None:
+    """Refuse an export into a checkpoint, or into the directory of checkpoints it belongs to (their manifests
+    and the keep-last-k pruning own what is there)."""
+    for folder in (out_dir, *out_dir.parents):
+        if (folder / MANIFEST).is_file() or folder == checkpoint.parent:
+            raise CheckpointError(f"the export target {out_dir} is inside {folder}, which holds checkpoints: "
+                                  f"choose a directory outside it")
+
+
+def _write_whole(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """`write(folder)` into a temporary directory beside `out_dir`, then its files moved into `out_dir` (made
+    if needed): a write that fails (a full disk) leaves nothing behind, and `out_dir` as it was."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        out_dir.mkdir(exist_ok=True)
+        for path in sorted(tmp.iterdir()):
+            path.replace(out_dir / path.name)
+    except BaseException as exc:
+        free = shutil.disk_usage(out_dir.parent).free
+        if disk_full(exc, free):
+            raise CheckpointError(f"cannot write {out_dir}: the disk is full ({human_bytes(free)} free when the "
+                                  f"write failed: {exc}); nothing was left there") from exc
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _full_model(role: str, state: dict[str, torch.Tensor], config, dtype: torch.dtype | None):
@@ -204,10 +242,11 @@ def main_export(argv: list[str] | None = None) -> int:
                              "adapter directory (a full-parameter checkpoint is a whole model either way)")
     args = parser.parse_args(argv)
     try:
-        role = args.role or exported_role(find_checkpoint(args.checkpoint_dir))
-        out = export_hf(args.checkpoint_dir, args.out_dir, args.model, role=role, dtype=args.dtype, merge=args.merge)
+        checkpoint = find_checkpoint(args.checkpoint_dir)
+        role = args.role or exported_role(checkpoint)
+        out = export_hf(checkpoint, args.out_dir, args.model, role=role, dtype=args.dtype, merge=args.merge)
     except CheckpointError as exc:
         print(f"hybridflow export: error: {exc}", file=sys.stderr)
         return 1
-    print(f"exported {role} to {out}")
+    print(f"exported {role} of {checkpoint} to {out}")
     return 0

@@ -21,6 +21,7 @@ checkpoint never looks complete; the previous checkpoint is pruned only after th
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -59,6 +60,17 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def disk_full(exc: BaseException, free: int) -> bool:
+    """Did a save fail because the disk filled? ENOSPC anywhere in the exception chain, its text in a
+    worker's traceback, or (torch's zip writer reports "unexpected pos" instead) no space left at all."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return free < (1 << 20)
 
 
 def warn(message: str) -> None:

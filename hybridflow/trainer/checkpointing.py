@@ -12,7 +12,6 @@ before any model loads.
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 from pathlib import Path
@@ -24,7 +23,7 @@ from hybridflow.checkpoint import (CheckpointError, CheckpointManager, Incompati
                                    save_hf_assets)
 from hybridflow.checkpoint.export import HF_DIR
 from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
-from hybridflow.checkpoint.manager import human_bytes
+from hybridflow.checkpoint.manager import disk_full, human_bytes
 from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
 from hybridflow.config.role_needs import needs_critic
 
@@ -165,17 +164,6 @@ def clash_message(manager: CheckpointManager, resume_from: Path | None, clash: l
     return (f"{manager.root} holds checkpoints of another run ({names}) and {what}: its checkpoints would "
             f"mix with them. Use another trainer.output_dir, resume the newest (trainer.resume=auto), or set "
             f"trainer.discard_checkpoints=true to delete them")
-
-
-def disk_full(exc: BaseException, free: int) -> bool:
-    """Did a save fail because the disk filled? ENOSPC anywhere in the exception chain, its text in a
-    worker's traceback, or (torch's zip writer reports "unexpected pos" instead) no space left at all."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return free < (1 << 20)
 
 
 def save_failed(manager: CheckpointManager, step: int, exc: BaseException, free: int) -> str:

@@ -1,7 +1,8 @@
 """The step loop every trainer shares: validate first, train to `total_steps`, validate and checkpoint
 on schedule (and at the end), log each step, and stop cleanly on SIGINT/SIGTERM: the step under way finishes, its checkpoint
 is saved, and `Preempted` is raised (`hybridflow train` exits with `PREEMPTED_EXIT_CODE`). A worker that
-dies stops the run with its error saying which checkpoint to resume from.
+dies stops the run with its error saying which checkpoint to resume from. A run resumed at `total_steps`
+says it has nothing to train.
 
 The trainer passed in (a `hybridflow.trainer.base.Trainer`) keeps `SteppedTrainer`: `cfg.trainer`
 (val_before_train, val_every, save_every), `validates_at_end` (validate after the last step even with
@@ -58,6 +59,10 @@ def run_steps(trainer: SteppedTrainer) -> dict[str, float]:
     tracker = t.tracker
     if tracker is None:
         raise RuntimeError("run_steps needs a built trainer (its metric tracker is made last)")
+    if t.step >= t.total_steps:
+        print(f"the run is already at step {t.step} of {t.total_steps}: nothing to train (raise "
+              f"trainer.total_steps to train on)")
+        return {}
     with GracefulStop() as stop, ProgressBar(t.total_steps, initial=t.step) as bar, _resume_hint(t):
         if t.val_loader is not None and cfg.val_before_train and t.step == 0:
             tracker.log(t.validate(), t.step)

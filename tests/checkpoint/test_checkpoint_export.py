@@ -73,3 +73,32 @@ def test_export_untied_llama(tmp_path, tiny_model_factory):
     ids = torch.randint(4, 260, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_export_refuses_a_target_inside_the_checkpoints(tmp_path, checkpoint):
+    from hybridflow.checkpoint import verify
+
+    path, _ = checkpoint
+    for target in (path / "hf", path / "actor" / "hf2", path.parent / "exported", path.parent):
+        with pytest.raises(CheckpointError, match=f"the export target {target} is inside .* which holds checkpoints: "
+                                                  f"choose a directory outside it"):
+            export_hf(path, target)
+    verify(path)  # untouched
+
+
+def test_a_full_disk_during_export_leaves_no_directory(tmp_path, checkpoint, monkeypatch, capsys):
+    from transformers import PreTrainedModel
+
+    path, _ = checkpoint
+
+    def fills_the_disk(self, folder, *args, **kwargs):
+        (tmp_path / "seen").write_text(str(folder))
+        (folder / "model.safetensors").write_bytes(b"0" * 1000)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", fills_the_disk)
+    assert main_export([str(path), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'hf'}: the disk is full (" in err and "nothing was left there" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "seen"]  # no hf/, no partial directory
+    assert (tmp_path / "seen").read_text().startswith(str(tmp_path / ".hf.partial-"))

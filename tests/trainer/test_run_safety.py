@@ -95,8 +95,10 @@ def test_a_damaged_newest_checkpoint_is_named_and_skipped_and_the_new_lr_applies
     damage = f"is damaged: actor/model/{shard.name} has checksum"
 
     assert main_export([str(out), str(tmp_path / "hf")]) == 0
-    err = capsys.readouterr().err
-    assert f"WARNING: checkpoint {newest} {damage}" in err and f"falling back to the older checkpoint {older}" in err
+    captured = capsys.readouterr()
+    assert f"WARNING: checkpoint {newest} {damage}" in captured.err
+    assert f"falling back to the older checkpoint {older}" in captured.err
+    assert f"exported actor of {older} to {tmp_path / 'hf'}" in captured.out  # says which step it wrote
 
     assert train(tiny_qwen2, data_dir, out, "trainer.total_steps=3", f"trainer.resume={newest}") == 2
     assert f"hybridflow train: trainer.resume={newest}: checkpoint {newest} {damage}" in capsys.readouterr().err
@@ -165,6 +167,10 @@ def test_a_full_disk_mid_save_leaves_the_previous_checkpoint_and_the_run_resumes
     assert train(tiny_qwen2, data_dir, out, "trainer.total_steps=2", "trainer.save_every=1") == 0
     assert f"resumed from {out}/checkpoints/step_00000001 at step 1" in capsys.readouterr().out
     assert _names(out) == ["step_00000001", "step_00000002"]
+    assert train(tiny_qwen2, data_dir, out, "trainer.total_steps=2", "trainer.save_every=1") == 0  # done already
+    assert "the run is already at step 2 of 2: nothing to train (raise trainer.total_steps to train on)" in \
+        capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 2]
 
 
 def test_a_full_disk_while_logging_metrics_names_the_file_and_exits_2(tiny_qwen2, data_dir, tmp_path, capsys):
