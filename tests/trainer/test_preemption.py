@@ -99,7 +99,8 @@ def test_a_signal_while_starting_stops_at_once_leaving_no_process(tiny_qwen2, da
     try:
         deadline = time.monotonic() + STARTUP_S
         while not (_caught(run.pid, sig) and len(processes_with(marker)) > 1):  # its reward or model workers start
-            assert run.poll() is None and time.monotonic() < deadline, "the run ended or hung before starting"
+            if run.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run ended or hung before starting: {run.communicate(timeout=60)[1][-3000:]}")
             time.sleep(0.05)
         if sig == signal.SIGINT:  # a Ctrl-C reaches the whole group; a `kill` only the run
             os.killpg(run.pid, sig)
