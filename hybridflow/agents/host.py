@@ -34,9 +34,7 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -46,6 +44,7 @@ from typing import Any
 
 from hybridflow.agents.calls import UserCodeError
 from hybridflow.agents.host_process import HostSetup
+from hybridflow.utils.child_process import spawn_module
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +68,7 @@ def plain(value: Any) -> Any:
 
 def host_setup(agent_cfg: Any) -> HostSetup:
     """The host's setup from the `agent` config section."""
-    return HostSetup(agent_cfg.environment or None, plain(agent_cfg.tools or []), float(agent_cfg.timeout_s),
-                     list(sys.path))
+    return HostSetup(agent_cfg.environment or None, plain(agent_cfg.tools or []), float(agent_cfg.timeout_s))
 
 
 def _exit_text(code: int | None) -> str:
@@ -84,7 +82,10 @@ def _exit_text(code: int | None) -> str:
 
 def _kill(process: subprocess.Popen, conn: Connection, scratch_root: str) -> None:
     conn.close()
-    process.kill()
+    try:  # with whatever the user code started in its session
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     try:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:  # unkillable (a stuck disk): leave it to the kernel, do not hang the run
@@ -112,11 +113,7 @@ class UserCodeHost:
     def _start(self) -> list[dict]:
         """Starts a process, hands it the setup, waits until it loaded the user code; returns the schemas."""
         root = tempfile.mkdtemp(prefix="hybridflow-host-")
-        ours, theirs = socket.socketpair()
-        with theirs:
-            process = subprocess.Popen([sys.executable, "-m", "hybridflow.agents.host_process", str(theirs.fileno()),
-                                        str(os.getpid())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
-        conn = Connection(ours.detach())
+        process, conn = spawn_module("hybridflow.agents.host_process")
         finalizer = weakref.finalize(self, _kill, process, conn, root)
         what = "the process running agent.environment / agent.tools"
         try:

@@ -1,6 +1,6 @@
 """The process where a run's environments and tools live (`hybridflow.agents.host` starts it and talks to it).
 
-    python -m hybridflow.agents.host_process FD PARENT_PID      # FD: its end of a socket pair
+    python -m hybridflow.agents.host_process FD PARENT_PID      # `spawn_module` starts it; FD: its end of the pipe
 
 It dies with its parent, ignores SIGINT and SIGTERM (the run decides how it stops), and caps what user code
 prints per call. It reads a `HostSetup`, loads the environment class and builds the tools (user code:
@@ -38,7 +38,7 @@ from hybridflow.agents.calls import UserCodeError, call_with_timeout
 from hybridflow.agents.environment import as_env_step, environment_kwargs, load_environment
 from hybridflow.agents.tools import Scratch, ToolContext
 from hybridflow.agents.toolset import ToolSet
-from hybridflow.utils.child_process import cap_prints, die_with_parent
+from hybridflow.utils.child_process import cap_prints, parent_connection
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,11 @@ ENV_THREADS = 32  # sync environment steps and tool calls in flight at once
 @dataclass(frozen=True)
 class HostSetup:
     """environment: `agent.environment` (or None); tools: `agent.tools` as plain lists and dicts; timeout_s:
-    `agent.timeout_s`; sys_path: the parent's import path (a user file may import its neighbours);
-    scratch_root: where trajectories' scratch directories are made."""
+    `agent.timeout_s`; scratch_root: where trajectories' scratch directories are made."""
 
     environment: str | None
     tools: list = field(default_factory=list)
     timeout_s: float = 30.0
-    sys_path: list = field(default_factory=list)
     scratch_root: str | None = None
 
 
@@ -75,7 +73,6 @@ class HostState:
 
     def __init__(self, setup: HostSetup) -> None:
         self.setup = setup
-        sys.path[:0] = [p for p in setup.sys_path if p not in sys.path]
         self.env_class = None
         if setup.environment:
             try:
@@ -170,12 +167,10 @@ async def serve(conn: Connection, state: HostState) -> None:
 
 
 def main() -> None:
-    fd, parent = int(sys.argv[1]), int(sys.argv[2])
-    die_with_parent(parent)
+    conn = parent_connection()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     cap_prints()
-    conn = Connection(fd)
     try:
         state = HostState(conn.recv())
     except BaseException as e:  # noqa: BLE001 - anything that stops the start is the parent's error to show

@@ -1,6 +1,6 @@
 """The runner host's child process: agent runners (user code) run here, never in a trainer process.
 
-    python -m hybridflow.agents.runner_child FD      # started by `RunnerHost`; FD: its end of a socket pair
+    python -m hybridflow.agents.runner_child FD PARENT_PID   # `RunnerHost` starts it (`spawn_module`)
 
 It receives ("init", spec, kwargs) and loads the runner (`path/to/file.py:fn`, or `package.module:fn` for
 the built-in adapters), answers ("ready",) or ("init_error", why), then runs each ("run", job, row,
@@ -8,7 +8,7 @@ base_url, api_key) as a task on one asyncio loop: `fn(client, row, **kwargs)` wi
 client on that trajectory's base URL (one shared connection pool; no retries, so the runner sees errors as
 they are; an hour's request timeout, since the endpoint always answers). Each task answers ("done", job,
 reward, metrics) or ("error", job, why); ("cancel", job) cancels one. When the parent's end closes, the
-process exits.
+process exits; it dies with its parent too (`parent_connection`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import asyncio
 import importlib
 import inspect
 import math
-import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
+
+from hybridflow.utils.child_process import parent_connection
 
 REQUEST_TIMEOUT_S = 3600.0  # a request waits for the engine as long as the rollout phase needs (its own limit)
 
@@ -96,7 +97,7 @@ async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    conn = Connection(int(sys.argv[1]))
+    conn = parent_connection()
     _, spec, kwargs = conn.recv()
     try:
         runner = load_runner(spec)

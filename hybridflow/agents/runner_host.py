@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from hybridflow.utils.child_process import spawn_module
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -103,13 +103,7 @@ class RunnerHost:
         self._died()
 
     def _spawn(self) -> None:
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybridflow.agents.runner_child", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env=env)
-        theirs.close()
-        self.conn = Connection(ours.detach())
+        self.proc, self.conn = spawn_module("hybridflow.agents.runner_child")
         self.ready = self.loop.create_future()
         self.conn.send(("init", self.spec, self.kwargs))
 

@@ -1,7 +1,9 @@
-"""What a process running user code (reward functions, environments, tools) sets up first: it dies with the
-process that started it, even one killed by SIGKILL, and what the user code prints is capped per call, so a
-loop of prints cannot flood the run's logs.
+"""Processes that run user code (reward functions, environments, tools, agent runners): how they are started,
+and what they set up first. They die with the process that started them, even one killed by SIGKILL, and
+what the user code prints is capped per call, so a loop of prints cannot flood the run's logs.
 
+    process, conn = spawn_module("hybridflow.agents.host_process")   # in the parent
+    conn = parent_connection()         # in the child: its end of the pipe; it now dies with the parent
     die_with_parent(parent_pid)        # a parent-death signal: SIGKILL when the parent is gone
     cap_prints()                       # once: sys.stdout and sys.stderr obey the budgets below
     with print_budget():               # around each call of user code: PRINT_CAP_CHARS (per thread or task)
@@ -18,9 +20,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
+from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
 PRINT_CAP_CHARS = 4096  # per call of user code, stdout and stderr together
@@ -39,6 +44,24 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def spawn_module(module: str) -> tuple[subprocess.Popen, Connection]:
+    """Starts `python -m module FD PARENT_PID` with this process's import path, in a session of its own (so
+    `os.killpg` ends it with whatever it started); FD is its end of a socket pair. Returns it and our end."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        process = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno()), str(os.getpid())],
+                                   pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+                                   env=env)
+    return process, Connection(ours.detach())
+
+
+def parent_connection() -> Connection:
+    """In a process `spawn_module` started: its end of the pipe; from now on it dies with its parent."""
+    die_with_parent(int(sys.argv[2]))
+    return Connection(int(sys.argv[1]))
 
 
 class _CappedStream:
