@@ -45,6 +45,7 @@ from typing import Any
 from hybridflow.agents.calls import UserCodeError
 from hybridflow.agents.host_process import HostSetup
 from hybridflow.utils.child_process import spawn_module
+from hybridflow.utils.stop_signals import held_signals
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,12 @@ class UserCodeHost:
     def _start(self) -> list[dict]:
         """Starts a process, hands it the setup, waits until it loaded the user code; returns the schemas."""
         root = tempfile.mkdtemp(prefix="hybridflow-host-")
-        process, conn = spawn_module("hybridflow.agents.host_process")
-        finalizer = weakref.finalize(self, _kill, process, conn, root)
+        with held_signals():  # a stop between the start and the setup would leave the process without its work
+            process, conn = spawn_module("hybridflow.agents.host_process")
+            finalizer = weakref.finalize(self, _kill, process, conn, root)
+            conn.send(dataclasses.replace(self.setup, scratch_root=root))
         what = "the process running agent.environment / agent.tools"
         try:
-            conn.send(dataclasses.replace(self.setup, scratch_root=root))
             if not conn.poll(STARTUP_TIMEOUT_S):
                 raise RuntimeError(f"{what} did not load them within {STARTUP_TIMEOUT_S:g} s")
             status, value = conn.recv()

@@ -27,7 +27,6 @@ import asyncio
 import functools
 import logging
 import os
-import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from hybridflow.agents.environment import as_env_step, environment_kwargs, load_
 from hybridflow.agents.tools import Scratch, ToolContext
 from hybridflow.agents.toolset import ToolSet
 from hybridflow.utils.child_process import cap_prints, parent_connection
+from hybridflow.utils.stop_signals import ignore_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -168,16 +168,24 @@ async def serve(conn: Connection, state: HostState) -> None:
 
 def main() -> None:
     conn = parent_connection()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_stop_signals()
     cap_prints()
     try:
-        state = HostState(conn.recv())
-    except BaseException as e:  # noqa: BLE001 - anything that stops the start is the parent's error to show
-        conn.send(("failed", str(e)))
+        setup = conn.recv()
+    except (EOFError, OSError):  # the parent stopped before handing over the setup: nothing to do
         os._exit(0)
-    conn.send(("ready", state.schemas))
-    asyncio.run(serve(conn, state))
+    try:
+        state = HostState(setup)
+        reply = ("ready", state.schemas)
+    except BaseException as e:  # noqa: BLE001 - anything that stops the start is the parent's error to show
+        reply = ("failed", str(e))
+    try:
+        conn.send(reply)
+    except OSError:  # the parent stopped meanwhile
+        os._exit(0)
+    if reply[0] == "ready":
+        asyncio.run(serve(conn, state))
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -51,14 +50,6 @@ def load_spec(sys_path: list[str], blob: bytes) -> WorkerSpec:
         if p not in sys.path:
             sys.path.insert(0, p)
     return pickle.loads(blob)
-
-
-def ignore_stop_signals() -> None:
-    """In a worker process: ignore SIGINT and SIGTERM, which a terminal, Slurm or systemd send to every
-    process of the run; the controller gets them too and coordinates the stop (it finishes the step and
-    saves), then shuts the workers down."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def dist_backend(device_type: str) -> str:

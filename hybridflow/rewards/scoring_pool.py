@@ -35,6 +35,7 @@ from typing import Any
 
 from hybridflow.rewards.scorer import Job, RewardSpec
 from hybridflow.utils.child_process import cap_prints, die_with_parent, print_budget
+from hybridflow.utils.stop_signals import held_signals, ignore_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ def _worker_main(spec: RewardSpec, conn: Connection, current: Any, parent_pid: i
     controller (even one killed by SIGKILL) and what the function prints is capped per row.
     """
     die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM to the run are the controller's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_stop_signals()  # Ctrl-C and SIGTERM to the run are the controller's to handle
     cap_prints()
     from hybridflow.rewards.scorer import Scorer
 
@@ -193,7 +193,8 @@ class ScoringPool:
         current = self._ctx.Array("d", [_IDLE, 0.0], lock=False)
         process = self._ctx.Process(target=_worker_main, args=(self.spec, child, current, os.getpid()),
                                     daemon=True, name="hybridflow-reward")
-        process.start()
+        with held_signals():  # a stop now would leave the new process without its work, printing a traceback
+            process.start()
         child.close()
         return _Worker(process, parent, current)
 

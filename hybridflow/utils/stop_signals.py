@@ -17,13 +17,30 @@ raises `Interrupted` on the first signal. Either way a copy of the signal just h
 process group already got, so the run sees every Ctrl-C twice. Leaving a block puts the previous
 handlers back. Signal handlers can only be installed from the main thread; elsewhere both raise a
 clear error.
+
+    with held_signals():                    # around starting a process: a signal arriving meanwhile
+        process.start()                     # is handled when the block ends
+    ignore_stop_signals()                   # first thing in that process
+
+A child whose start is cut short (its parent stopped between starting it and handing it its work)
+would print a traceback of its own, and so would a child that a Ctrl-C to the process group reaches
+while Python is still starting in it. `held_signals` closes both windows, in the main thread: the stop
+handlers' answer to a signal already caught waits for the block's end, and the two signals are ignored
+while the block runs, so the child starts ignoring them (an ignored disposition survives exec; a
+blocked mask does not survive Python's process start); `ignore_stop_signals` keeps them so in it. A
+signal that arrives during the block itself (the few milliseconds a process start takes) is lost.
+Processes the run starts ignore SIGINT and SIGTERM: a terminal, Slurm or systemd send them to every
+process of the run; the controller gets them too and coordinates the stop (it finishes the step and
+saves), then shuts the processes down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -31,6 +48,7 @@ from types import FrameType
 # run the same command again to resume". 75 is EX_TEMPFAIL of sysexits.h (a temporary failure; retry).
 PREEMPTED_EXIT_CODE = 75
 DUPLICATE_WINDOW_S = 0.5  # a forwarded copy arrives within milliseconds; a person's second Ctrl-C later
+_held: list | None = None  # inside `held_signals`: the (handler, signal number) pairs that arrived
 
 
 class Preempted(Exception):
@@ -69,6 +87,12 @@ class _Handler:
         return last is not None and last[0] == signum and now - last[1] < DUPLICATE_WINDOW_S
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if _held is not None:
+            _held.append((self, signum))
+        else:
+            self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
         raise NotImplementedError
 
     def __enter__(self):
@@ -88,7 +112,7 @@ class _Handler:
 class StopAtOnce(_Handler):
     """Context manager: SIGINT / SIGTERM (or the given `signals`) raise `Interrupted` at once."""
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _on_signal(self, signum: int) -> None:
         if not self._is_copy(signum):
             raise Interrupted(signum, second=False)
 
@@ -101,7 +125,7 @@ class GracefulStop(_Handler):
         self.requested = False
         self.signal_name: str | None = None
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _on_signal(self, signum: int) -> None:
         if self._is_copy(signum):
             return
         if self.requested:
@@ -115,3 +139,31 @@ class GracefulStop(_Handler):
 
     def __bool__(self) -> bool:
         return self.requested
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """Around starting a process (see the module docstring): SIGINT and SIGTERM ignored, and the stop handlers'
+    answer to one already caught deferred to the block's end. Nested blocks wait for the outermost; outside
+    the main thread (where handlers do not run and cannot be changed) nothing is held."""
+    global _held
+    if _held is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held = []
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        held, _held = _held, None
+        for handler, signum in held:
+            handler._on_signal(signum)
+
+
+def ignore_stop_signals() -> None:
+    """In a process the run started (a worker, a reward or environment process): ignore SIGINT and SIGTERM
+    (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

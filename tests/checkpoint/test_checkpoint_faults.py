@@ -97,3 +97,25 @@ def test_sigterm_stops_a_loop_after_saving(tmp_path):
     checkpoint = CheckpointManager(tmp_path / "run").latest()
     assert read_config(checkpoint) == {"stopped_by": "SIGTERM"}
     assert f"stopped at step {int(checkpoint.name.split('_')[1])} " in out
+
+
+def test_a_process_started_while_signals_are_held_ignores_them_and_a_caught_one_waits():
+    from hybridflow.checkpoint import Interrupted, StopAtOnce
+    from hybridflow.utils.stop_signals import held_signals
+
+    with StopAtOnce():
+        pending = signal.getsignal(signal.SIGTERM)  # a signal caught just before the block runs its handler in it
+        with pytest.raises(Interrupted, match="SIGTERM outside a training step"):
+            with held_signals():
+                assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+                child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+                pending(signal.SIGTERM, None)
+                reached = True
+        assert reached and signal.getsignal(signal.SIGTERM) == pending
+    try:
+        with open(f"/proc/{child.pid}/status") as f:
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored >> (signal.SIGINT - 1) & 1 and ignored >> (signal.SIGTERM - 1) & 1  # a Ctrl-C spares it
+    finally:
+        child.kill()
+        child.wait()

@@ -33,8 +33,8 @@ from hybridflow.controller.backends import Backend, settle, wait_all
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
 from hybridflow.controller.liveness import Liveness, fail
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
-from hybridflow.controller.runtime import (Reply, WorkerRuntime, ignore_stop_signals, join_process_group,
-                                          load_spec)
+from hybridflow.controller.runtime import Reply, WorkerRuntime, join_process_group, load_spec
+from hybridflow.utils.stop_signals import held_signals, ignore_stop_signals
 
 _env_lock = threading.Lock()
 GRACEFUL_EXIT_S = 5.0
@@ -181,7 +181,8 @@ class LocalBackend(Backend):
             ),
             name=f"hybridflow-{self.spec.role}-{rank}",
         )
-        proc.start()
+        with held_signals():  # a stop now would leave the new process without its work, printing a traceback
+            proc.start()
         child.close()  # the pipe now closes as soon as the worker dies
         self.procs.append(proc)
         self._conns.append(parent)

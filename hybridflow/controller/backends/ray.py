@@ -27,7 +27,8 @@ from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.liveness import Liveness, fail
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
 from hybridflow.controller.resource_pool import Placement
-from hybridflow.controller.runtime import WorkerRuntime, ignore_stop_signals, join_process_group, load_spec
+from hybridflow.controller.runtime import WorkerRuntime, join_process_group, load_spec
+from hybridflow.utils.stop_signals import ignore_stop_signals
 
 PLACEMENT_TIMEOUT_S = 120.0
 
