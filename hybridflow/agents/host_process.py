@@ -8,12 +8,12 @@ their modules run here, never in the controller), and answers `("ready", tool sc
 `("failed", message)`. Then it serves batches of requests `(request id, op, trajectory id, payload)`,
 each in a task of its own on one asyncio loop, and sends back batches of `(request id, (status, value))`:
 
-| op | payload | ok value |
-|---|---|---|
-| `open` | (row, `agent.env_kwargs`) | None: the trajectory's tool contexts are made, and its environment (an error: none) |
-| `step` | (text, turn) | the environment's `EnvStep` |
-| `tool` | a `ToolCall` | its `ToolResult` (a failing tool gives an error result, not an error status) |
-| `close` | None | the tools' end-of-trajectory rewards (`ToolSet.finish`); the environment's `close()` has run (a failure is logged here) and the scratch directory is gone |
+- `open`, payload (row, `agent.env_kwargs`): the trajectory's tool contexts are made, then its environment
+  (if that fails: an error, and no environment); value None;
+- `step`, payload (text, turn): the environment's `EnvStep`;
+- `tool`, payload a `ToolCall`: its `ToolResult` (a failing tool gives an error result, not an error status);
+- `close`, no payload: the tools' end-of-trajectory rewards (`ToolSet.finish`), after which the
+  environment's `close()` has run (a failure is logged here) and the scratch directory is gone.
 
 status is `ok`, `error` (the message) or `timeout` (the call is past `timeout_s`; a sync call may still be
 running in its thread, which is why the parent kills a host that timed out at the end of the rollout).

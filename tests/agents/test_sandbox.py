@@ -28,8 +28,8 @@ def test_normal_code_runs_in_its_scratch_directory(tmp_path):
     assert run("import os; print(os.getcwd() == os.environ['HOME'], open('notes.txt').read())",
                tmp_path).output == "True kept\n"  # files stay for the next call of the episode
     assert (tmp_path / "notes.txt").read_text() == "kept"
-    assert run("import pathlib\npathlib.Path('p.txt').write_text('via pathlib')\nprint(pathlib.Path('p.txt').read_text())",
-               tmp_path).output == "via pathlib\n"
+    code = "import pathlib\npathlib.Path('p.txt').write_text('via pathlib')\nprint(pathlib.Path('p.txt').read_text())"
+    assert run(code, tmp_path).output == "via pathlib\n"
 
 
 @pytest.mark.parametrize("code", ["while True: pass", "import time\nwhile True: time.sleep(0.01)",
@@ -177,7 +177,8 @@ def unshare(flags):
 
 attempts = {
     "fork": os.fork, "exec": lambda: os.execv("/bin/true", ["true"]),
-    "subprocess": lambda: subprocess.run(["/bin/true"]), "posix_spawn": lambda: os.posix_spawn("/bin/true", ["true"], {}),
+    "subprocess": lambda: subprocess.run(["/bin/true"]),
+    "posix_spawn": lambda: os.posix_spawn("/bin/true", ["true"], {}),
     "signal the parent": lambda: os.kill(os.getppid(), 0), "signal every process": lambda: os.kill(-1, 0),
     "raise a limit": lambda: resource.setrlimit(resource.RLIMIT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)),
     "unshare": lambda: unshare(0x20000),  # CLONE_NEWNS
