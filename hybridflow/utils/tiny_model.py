@@ -4,9 +4,11 @@ Tests, the demo and CPU benchmarks need a model directory that `AutoModelForCaus
 and `AutoTokenizer.from_pretrained` load with no network. This module builds one: a byte-level BPE
 tokenizer made with the `tokenizers` library (optionally with merges learnt from task text, plus chat
 special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
-Mistral model of a chosen size, saved as a normal Hugging Face directory.
+Mistral model, or a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert), of a chosen
+size, saved as a normal Hugging Face directory (experts saved one tensor per expert, as on the hub).
 
     python -m hybridflow.utils.tiny_model /tmp/tiny --arch qwen2 --hidden 64 --layers 2
+    python -m hybridflow.utils.tiny_model /tmp/tiny_moe --arch qwen3_moe --experts 8 --experts-per-token 2
 """
 
 from __future__ import annotations
@@ -27,7 +29,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+
+
+def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:
+    """The config keywords of a mixture of experts of `arch` (empty for a dense one), with the routing of
+    the real models: Qwen3-30B-A3B renormalises its top-k weights, Qwen1.5-MoE (Qwen2-MoE) does not and
+    has a shared expert 4x an expert's width, Mixtral always renormalises."""
+    if arch == "mixtral":
+        return dict(num_local_experts=experts, num_experts_per_tok=experts_per_token,
+                    intermediate_size=expert_intermediate)
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        out = dict(num_experts=experts, num_experts_per_tok=experts_per_token,
+                   moe_intermediate_size=expert_intermediate, norm_topk_prob=arch == "qwen3_moe")
+        if arch == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = 4 * expert_intermediate
+        return out
+    return {}
 
 
 def build_tokenizer(train_texts: list[str] | None = None, vocab_size: int = 300):
@@ -63,8 +81,10 @@ def build_tokenizer(train_texts: list[str] | None = None, vocab_size: int = 300)
 
 def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
                 kv_heads: int = 2, intermediate: int | None = None, max_positions: int = 512,
-                pad_token_id: int = 0, eos_token_id: int = 3, tie_word_embeddings: bool = True):
-    """A `transformers` config of the named architecture at a debug size."""
+                pad_token_id: int = 0, eos_token_id: int = 3, tie_word_embeddings: bool = True,
+                experts: int = 4, experts_per_token: int = 2, expert_intermediate: int | None = None):
+    """A `transformers` config of the named architecture at a debug size; the MoE architectures get
+    `experts` experts of width `expert_intermediate` (default hidden / 2), `experts_per_token` per token."""
     from transformers import AutoConfig
 
     if arch not in ARCHITECTURES:
@@ -83,8 +103,9 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
         tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=1e-6,
     )
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = hidden // heads
+    kwargs.update(moe_kwargs(arch, experts, experts_per_token, expert_intermediate or hidden // 2))
     return AutoConfig.for_model(arch, **kwargs)
 
 
@@ -92,8 +113,10 @@ def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, la
                      heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
                      max_positions: int = 512, seed: int = 0, train_texts: list[str] | None = None,
                      vocab_size: int = 300, tie_word_embeddings: bool = True, model_vocab_size: int | None = None,
-                     dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
-    """Save a random model + tokenizer + generation config under `path` and return it.
+                     dtype: torch.dtype = torch.float32, device: str = "cpu", experts: int = 4,
+                     experts_per_token: int = 2, expert_intermediate: int | None = None) -> Path:
+    """Save a random model + tokenizer + generation config under `path` and return it (`experts`,
+    `experts_per_token`, `expert_intermediate`: the MoE architectures' routing, see `tiny_config`).
 
     `model_vocab_size`: the model's vocabulary when it should be larger than the tokenizer's (Qwen2.5 has
     151,936 rows for 151,665 tokens; benchmarks use it to get a real vocabulary's head on a small
@@ -108,7 +131,8 @@ def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, la
     if model_vocab_size is not None and model_vocab_size < len(tok):
         raise ValueError(f"model_vocab_size={model_vocab_size} is below the tokenizer's {len(tok)} tokens")
     config = tiny_config(arch, model_vocab_size or len(tok), hidden, layers, heads, kv_heads, intermediate,
-                         max_positions, pad_id, eos_id, tie_word_embeddings)
+                         max_positions, pad_id, eos_id, tie_word_embeddings, experts, experts_per_token,
+                         expert_intermediate)
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
@@ -128,9 +152,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--experts-per-token", type=int, default=2)
     args = parser.parse_args()
     print(build_tiny_model(args.path, args.arch, args.hidden, args.layers, args.heads, args.kv_heads,
-                           seed=args.seed))
+                           seed=args.seed, experts=args.experts, experts_per_token=args.experts_per_token))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ drawn from the shared last-position logits), otherwise run `decode_steps_per_syn
 running row (fewer when a row reaches its length limit sooner) before the one host sync that looks for
 finished rows; rows that finished free their slot then. A session that holds its sequences lets a caller
 continue one with appended tokens: only those are prefilled, attending over the slot's cached prefix.
+With `record_routes` (a mixture of experts) each completion also carries the experts every token it fed
+through the model was routed to (`Completion.routes`, from the blocks' `moe.RouteRecord`).
 Architectures outside the fast families go to `HFRolloutEngine`.
 """
 
@@ -29,6 +31,7 @@ from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM
+from hybridflow.engine.rollout.moe import RouteRecord
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 from hybridflow.engine.rollout.sequence import Request, RunningBatch
@@ -86,13 +89,15 @@ def indexed_device(device: str | torch.device) -> torch.device:
 
 
 class RolloutEngine:
-    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral). Build it with `from_pretrained`."""
+    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral, Qwen3-MoE / Mixtral / Qwen2-MoE). Build it with
+    `from_pretrained`."""
 
     kind = "fast"
 
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, stop_ids: list[int],
                  max_num_seqs: int, max_model_len: int, kv_cache_memory: float | int | None,
-                 cuda_graphs: bool, max_prefill_tokens: int, decode_steps_per_sync: int = 8) -> None:
+                 cuda_graphs: bool, max_prefill_tokens: int, decode_steps_per_sync: int = 8,
+                 record_routes: bool = False) -> None:
         if not isinstance(decode_steps_per_sync, int) or decode_steps_per_sync < 1:
             raise ValueError(f"decode_steps_per_sync={decode_steps_per_sync!r} is invalid; it must be an int >= 1")
         self.model, self.config, self.device, self.dtype = model, model.config, device, dtype
@@ -107,6 +112,14 @@ class RolloutEngine:
         # buffers, so the CUDA graphs are captured over them
         self.batch = RunningBatch(self.kv.num_slots, self.kv.scratch_slot, max_model_len,
                                   self.config.vocab_size, device)
+        self.routes: RouteRecord | None = None
+        if record_routes:
+            blocks = model.moe_blocks()
+            if not blocks:
+                raise ValueError(f"record_routes needs a mixture-of-experts model; {self.config.model_type!r} has "
+                                 f"no expert layers")
+            self.routes = RouteRecord(blocks, self.kv.num_slots + 1, max_model_len, blocks[0].gate.spec.top_k,
+                                      device)
         self.graphs: DecodeGraphs | None = None
         self.weights_offloaded = False
         self.stats: dict[str, float] = {"kv_cache_gb": self.kv.bytes / 2**30, "num_slots": self.kv.num_slots}
@@ -117,7 +130,8 @@ class RolloutEngine:
                         dtype: torch.dtype = torch.float32, max_num_seqs: int = 256,
                         max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                         cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384,
-                        decode_steps_per_sync: int = 8, exact: bool = False) -> RolloutEngine | HFRolloutEngine:
+                        decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
+                        moe_kernel: str = "auto") -> RolloutEngine | HFRolloutEngine:
         """Load a Hugging Face model directory.
 
         engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or
@@ -132,6 +146,9 @@ class RolloutEngine:
             on it, except that the sampled noise follows the batch's composition).
         exact: run the training engine's batch-invariant arithmetic (`rollout.exact`, docs/exact.md): each
             sampled token's log-prob is, bit for bit, what the trainer's forward computes for it.
+        record_routes: a mixture of experts records each token's experts per sparse layer
+            (`Completion.routes`); the fast engine only.
+        moe_kernel: the experts' grouped GEMMs: auto, grouped_mm, triton or gather (`grouped_gemm.py`).
         """
         from transformers import AutoConfig
 
@@ -151,10 +168,13 @@ class RolloutEngine:
         if engine == "hf" or not fast:
             from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
+            if record_routes:
+                raise ValueError(f"record_routes needs the fast engine, which has no path for model_type "
+                                 f"{config.model_type!r} with engine={engine!r}; fast: {FAST_ARCHITECTURES}")
             return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096)
         return cls.from_config(config, checkpoint_tensors(path), device, dtype, stop_ids, max_num_seqs,
                                max_model_len, kv_cache_memory, cuda_graphs, max_prefill_tokens,
-                               decode_steps_per_sync, exact)
+                               decode_steps_per_sync, exact, record_routes, moe_kernel)
 
     @classmethod
     def from_config(cls, config, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -162,26 +182,27 @@ class RolloutEngine:
                     stop_token_ids: list[int] | None = None, max_num_seqs: int = 256,
                     max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                     cuda_graphs: bool = True, max_prefill_tokens: int = 16384,
-                    decode_steps_per_sync: int = 8, exact: bool = False) -> RolloutEngine:
+                    decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
+                    moe_kernel: str = "auto") -> RolloutEngine:
         """A fast engine from a HF config and (HF name, tensor) weights, e.g. a trainer's state dict, with
         no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id); exact: see
         `from_pretrained`."""
         device = indexed_device(device)
         max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
-        uses_window = config.model_type in ("llama", "mistral") or getattr(config, "use_sliding_window", False)
+        uses_window = config.model_type in ("llama", "mistral", "mixtral") or getattr(config, "use_sliding_window", False)
         if window and uses_window and max_model_len > window:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
                              f"which the fast path does not implement; pass max_model_len <= {window}")
         if stop_token_ids is None:
             stop_token_ids = eos_ids(config) or []
-        model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact))
-        missing = model.expected_weights() - set(model.load_weights(named_tensors))
+        model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact), moe_kernel)
+        missing = model.expected_weights() - model.covered(model.load_weights(named_tensors))
         if missing:
             raise ValueError(f"the weights lack {len(missing)} tensors the model needs, e.g. "
                              f"{sorted(str(m) for m in missing)[:4]}")
         return cls(model, device, dtype, stop_token_ids, max_num_seqs, max_model_len, kv_cache_memory,
-                   cuda_graphs, max_prefill_tokens, decode_steps_per_sync)
+                   cuda_graphs, max_prefill_tokens, decode_steps_per_sync, record_routes)
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],

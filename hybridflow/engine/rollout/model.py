@@ -1,7 +1,9 @@
-"""One fast decoder for the Llama, Qwen2, Qwen3 and Mistral families, with Hugging Face parameter names.
+"""One fast decoder for the Llama, Qwen2, Qwen3 and Mistral families and the mixtures of experts built on them
+(Qwen3-MoE, Mixtral, Qwen2-MoE), with Hugging Face parameter names.
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
-and k per head, Llama may have `attention_bias` / `mlp_bias`, Mistral is Llama's shape. q/k/v are
+and k per head, Llama may have `attention_bias` / `mlp_bias`, Mistral is Llama's shape; a mixture of experts
+has its family's attention and a `moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are
 fused into `qkv_proj` and gate/up into `gate_up_proj`. Checkpoint loading and the trainer -> rollout
 sync (`load_weights`) share one path that takes HF names (`...self_attn.q_proj.weight`) and copies in
 place: a module's `weight_loader(param, tensor, shard)` serves its parameters (the fused ones place a
@@ -34,8 +36,10 @@ from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, deco
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.moe import SparseMoE, expert_target
+from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", *MOE_ARCHITECTURES)
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -69,6 +73,10 @@ class FusedLinear(Linear):
             start += size
         super().__init__(in_features, start, bias, exact)
 
+    def shard_ids(self, leaf: str) -> list[str]:
+        """The pieces a full load of `weight` or `bias` consists of."""
+        return list(self.offsets)
+
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
         if shard not in self.offsets:
             raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)}, got {shard!r}")
@@ -100,12 +108,14 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.layer_index, self.backend, self.scale = layer_index, backend, self.head_dim ** -0.5
         exact = backend == "exact"
-        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        qkv_bias = (getattr(config, "qkv_bias", True) if config.model_type == "qwen2_moe"
+                    else config.model_type == "qwen2")
+        bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, exact)
-        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type not in ("qwen2", "qwen2_moe") and bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(q_size, config.hidden_size, o_bias, exact)
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, exact)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, exact)
         self.splits = [q_size, kv_size, kv_size]
@@ -170,35 +180,52 @@ class Attention(nn.Module):
                 and use_triton(qkv) and supported(self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, config, exact: bool) -> None:
-        super().__init__()
-        from transformers.activations import ACT2FN
+def gated_act(config):
+    """[T, 2I] gate and up side by side -> act(gate) * up [T, I] (the fused kernel for SiLU)."""
+    if config.hidden_act == "silu":
+        return silu_mul
+    from transformers.activations import ACT2FN
 
-        size, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+    act = ACT2FN[config.hidden_act]
+    return lambda gate_up: act(gate_up[:, :gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:]
+
+
+class MLP(nn.Module):
+    """A SwiGLU MLP of width `size` (default the config's `intermediate_size`)."""
+
+    def __init__(self, config, exact: bool, size: int | None = None) -> None:
+        super().__init__()
+        size, bias = size or config.intermediate_size, bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias, exact)
         self.down_proj = Linear(size, config.hidden_size, bias, exact)
-        self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
+        self.act = gated_act(config)
         self.exact, self.size = exact, size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttnMeta | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.exact:
             return self.down_proj(invariant.silu_mul(gate_up[:, :self.size], gate_up[:, self.size:]))
-        if self.act is None:
-            return self.down_proj(silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate_up))
+
+
+def layer_mlp(config, layer_index: int, exact: bool, moe_kernel: str) -> nn.Module:
+    """The layer's MLP: a `SparseMoE` block in a mixture of experts' sparse layers (never exact: exact mode
+    refuses mixtures of experts), else a dense one."""
+    spec = moe_spec(config)
+    if spec is None or not spec.is_sparse(layer_index):
+        return MLP(config, exact, spec.dense_intermediate if spec else None)
+    shared = MLP(config, exact, spec.shared_intermediate) if spec.shared_intermediate else None
+    return SparseMoE(spec, config.hidden_size, gated_act(config), moe_kernel, shared)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_index: int, backend: str) -> None:
+    def __init__(self, config, layer_index: int, backend: str, moe_kernel: str = "grouped_mm") -> None:
         super().__init__()
         exact = backend == "exact"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, exact)
         self.self_attn = Attention(config, layer_index, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, exact)
-        self.mlp = MLP(config, exact)
+        self.mlp = layer_mlp(config, layer_index, exact, moe_kernel)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor | None, rope,
                 meta: AttnMeta, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,28 +233,29 @@ class DecoderLayer(nn.Module):
         the residual add is fused into the next norm."""
         x, h = self.input_layernorm(h, delta)
         x, h = self.post_attention_layernorm(h, self.self_attn(x, positions, rope, meta, kv))
-        return h, self.mlp(x)
+        return h, self.mlp(x, meta)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, backend: str) -> None:
+    def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, moe_kernel)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact")
 
 
 class CausalLM(nn.Module):
     """The fast decoder; `CausalLM.build(config, max_len, device, dtype)` makes one with empty weights."""
 
-    def __init__(self, config, backend: str) -> None:
+    def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
         super().__init__()
         if config.model_type not in FAST_ARCHITECTURES:
             raise ValueError(f"model_type {config.model_type!r} has no fast path; fast: {FAST_ARCHITECTURES}")
         if backend == "exact" and invariant.unsupported(config):
             raise ValueError(f"exact mode cannot run this model: {'; '.join(invariant.unsupported(config))}")
         self.config, self.exact = config, backend == "exact"
-        self.model = DecoderModel(config, backend)
+        self.model = DecoderModel(config, backend, moe_kernel)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.exact)
         self.tie()
 
@@ -237,9 +265,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def build(cls, config, max_len: int, device: torch.device, dtype: torch.dtype, backend: str) -> CausalLM:
+    def build(cls, config, max_len: int, device: torch.device, dtype: torch.dtype, backend: str,
+              moe_kernel: str = "auto") -> CausalLM:
+        """moe_kernel: the experts' grouped GEMMs (`grouped_gemm.KERNELS`; auto: `resolve_kernel`)."""
+        from hybridflow.engine.rollout.grouped_gemm import resolve_kernel
+
         with torch.device("meta"):
-            model = cls(config, backend).to(dtype)
+            model = cls(config, backend, resolve_kernel(moe_kernel, device, dtype)).to(dtype)
         model.to_empty(device=device)
         model.tie()  # to_empty makes new parameters, which unties them
         for p in model.parameters():
@@ -277,21 +309,27 @@ class CausalLM(nn.Module):
             h, delta = h[logits_index], delta[logits_index]
         return self.lm_head(self.model.norm(h, delta)[0])
 
-    def expected_weights(self) -> set[tuple[str, str | None]]:
+    def moe_blocks(self) -> list[SparseMoE]:
+        """The sparse layers' MoE blocks, in layer order (empty for a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def expected_weights(self) -> set[tuple[str, object]]:
         """(parameter, shard) pairs a full checkpoint must provide (a tied lm_head is not needed)."""
         expected = set()
         for name, _ in self.named_parameters():
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            shards = list(owner.offsets) if isinstance(owner, FusedLinear) else [None]
+            owner_name, leaf = name.rsplit(".", 1)
+            owner = self.get_submodule(owner_name)
+            shards = owner.shard_ids(leaf) if hasattr(owner, "shard_ids") else [None]
             expected.update((name, shard) for shard in shards)
         return expected
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str | None]]:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, object]]:
         """Copy HF-named tensors into the parameters in place; returns the (parameter, shard) per tensor.
 
         Names may carry HF's `model.` prefix or not (`layers.0...` as in the inner model's state dict);
-        `lm_head.weight` is accepted whether or not the embeddings are tied. Tensors on another device
-        or dtype are converted by `copy_`; DTensors are gathered first. An unknown name raises KeyError.
+        `lm_head.weight` is accepted whether or not the embeddings are tied; experts load stacked or one
+        tensor per expert (`moe.expert_target`). Tensors on another device or dtype are converted by
+        `copy_`; DTensors are gathered first. An unknown name raises KeyError.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = []
@@ -300,9 +338,9 @@ class CausalLM(nn.Module):
                 tensor = tensor.full_tensor()
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name
-            target, shard = name, None
+            target, shard = expert_target(name) or (name, None)
             for piece, (fused, shard_id) in _FUSED.items():
-                if f".{piece}." in name:
+                if target == name and f".{piece}." in name:
                     target, shard = name.replace(f".{piece}.", f".{fused}."), shard_id
                     break
             param = params.get(target)
@@ -319,3 +357,13 @@ class CausalLM(nn.Module):
                 raise ValueError(f"cannot load {name!r}: {err}") from None
             loaded.append((target, shard))
         return loaded
+
+    def covered(self, loaded: list[tuple[str, object]]) -> set[tuple[str, object]]:
+        """The `expected_weights` pieces that `load_weights`' (parameter, shard) results filled (a stacked
+        experts tensor fills every expert's pieces)."""
+        out = set()
+        for name, shard in loaded:
+            owner_name, leaf = name.rsplit(".", 1)
+            owner = self.get_submodule(owner_name)
+            out.update((name, s) for s in (owner.covers(leaf, shard) if hasattr(owner, "covers") else [shard]))
+        return out

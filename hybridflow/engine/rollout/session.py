@@ -146,12 +146,15 @@ class Session:
         if finished is None:
             return []
         done = []
-        for slot, tokens, logprobs, stopped in zip(finished.slots, finished.token_ids, finished.logprobs,
-                                                   finished.stopped):
+        fed = [self.running[slot][1] + len(tokens) - 1 for slot, tokens in zip(finished.slots, finished.token_ids)]
+        routes = self.engine.routes.read(finished.slots, fed) if self.engine.routes is not None else \
+            [None] * len(fed)
+        for slot, tokens, logprobs, stopped, route in zip(finished.slots, finished.token_ids, finished.logprobs,
+                                                          finished.stopped, routes):
             seq, before = self.running.pop(slot)
             if self.hold:
                 self.held[seq] = _Held(slot, before + len(tokens), tokens[-1])
-            done.append((seq, Completion(tokens, logprobs, "stop" if stopped else "length")))
+            done.append((seq, Completion(tokens, logprobs, "stop" if stopped else "length", route)))
             self.stats["generated_tokens"] += len(tokens)
         if not self.hold:
             self.scheduler.release(finished.slots)

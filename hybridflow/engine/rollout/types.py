@@ -8,7 +8,10 @@ take and return exactly these types.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length"]
 
@@ -72,11 +75,15 @@ class Completion:
         logits / temperature, after top-k / top-p truncation and renormalisation (without truncation
         this is exactly log_softmax(logits / temperature)); for greedy decoding, log_softmax(logits).
     finish_reason: "stop" (emitted a stop token) or "length" (max_tokens or the context was reached).
+    routes: with the engine's `record_routes`, int16 [L, sparse layers, k]: the experts each token the model
+        was fed for this sequence went to, in the router's top-k order: the prompt's tokens (all earlier turns'
+        too, for a continued sequence), then the generated ones but the last (never fed back), L of them.
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+    routes: torch.Tensor | None = None
 
 
 def check_prompts(prompt_token_ids: list[list[int]], max_model_len: int, vocab_size: int) -> None:

@@ -1,0 +1,147 @@
+"""The routed experts' SwiGLU MLPs over a batch of tokens: each token's top-k (token, expert) pairs sorted by
+expert and run as grouped GEMMs, with no host sync, so a decode step keeps it inside its CUDA graph.
+
+`expert_mlp(x, weights, ids, gate_up, down, act, kernel)` -> the tokens' weighted sum of their experts' outputs.
+Pair p = t * k + j is token t's j-th choice. Three kernels compute `pairs x gate_up[e]^T` and
+`act(...) x down[e]^T`:
+- "grouped_mm": `torch._grouped_mm` over the pairs sorted by expert, with per-expert row offsets (CPU in any
+  float dtype, CUDA in bf16);
+- "triton": `grouped_matmul`, a Triton grouped GEMM (CUDA): the sorted pairs are laid out in blocks of
+  BLOCK_M rows, each expert's run padded to a whole number of blocks so a block has one expert
+  (`block_layout`); the number of blocks is bounded by pairs + experts x (BLOCK_M - 1), a static grid
+  whose unused blocks return at once, so it is capturable; the kernel gathers each pair's input row itself
+  and writes its output at the pair's own row, so nothing is permuted back;
+- "gather": a batched matmul over each pair's expert weights gathered (any device and dtype; memory grows
+  with the pairs, for tests and fp32 on CUDA).
+Outputs are rounded and weighted as Hugging Face's grouped_mm experts path does: each projection's output
+in the model dtype, the routing weight multiplied in its own dtype (bf16 for Qwen, fp32 for Mixtral), the k
+weighted outputs of a token summed, then cast back to the model dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+KERNELS = ("auto", "grouped_mm", "triton", "gather")
+
+
+def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`kernel` with "auto" made concrete: grouped_mm where torch has it for the device and dtype (CPU, or
+    CUDA in bf16), else the gather fallback."""
+    if kernel not in KERNELS:
+        raise ValueError(f"moe_kernel={kernel!r} is invalid; valid: {', '.join(KERNELS)}")
+    if kernel == "triton" and (triton is None or device.type != "cuda"):
+        raise ValueError("moe_kernel='triton' needs a CUDA device and Triton")
+    if kernel != "auto":
+        return kernel
+    if device.type == "cpu" or (dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)):
+        return "grouped_mm"
+    return "gather"
+
+
+def expert_mlp(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], kernel: str) -> torch.Tensor:
+    """x [T, H]; weights [T, k] (model dtype or fp32) and ids [T, k] of each token's experts; gate_up
+    [E, 2I, H], down [E, H, I]; act: [P, 2I] -> [P, I] (silu(gate) * up) -> [T, H] in x's dtype."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    if kernel == "triton":
+        slot_pair, block_expert = block_layout(flat, gate_up.shape[0], BLOCK_M)
+        hidden = grouped_matmul(x, gate_up, slot_pair, block_expert, k)
+        out = grouped_matmul(act(hidden), down, slot_pair, block_expert, 1)
+    else:
+        order = torch.argsort(flat, stable=True)
+        rows = x[order // k]
+        if kernel == "grouped_mm":
+            counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            sorted_out = torch._grouped_mm(act(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)),
+                                           down.transpose(1, 2), offs=offsets)
+        else:
+            experts = flat[order]
+            hidden = torch.bmm(gate_up[experts], rows[:, :, None])[..., 0]
+            sorted_out = torch.bmm(down[experts], act(hidden)[:, :, None])[..., 0]
+        out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+    weighted = out * weights.reshape(-1, 1)
+    return weighted.view(tokens, k, -1).sum(1).to(x.dtype)
+
+
+BLOCK_M = 32  # pair rows per Triton program (bench/moe.py sweeps it)
+
+
+def block_layout(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel's layout of P pairs (flat_ids [P], their experts): (slot_pair [S] int32, the pair in
+    each slot (P: an empty slot), block_expert [S / block_m] int32, each block's expert (-1: unused)). Pairs are
+    sorted by expert (stably) and each expert's run starts at a multiple of block_m; S = the bound
+    P + E x (block_m - 1), rounded up to block_m, so the shapes depend only on P."""
+    pairs, device = flat_ids.shape[0], flat_ids.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat_ids, stable=True)
+    experts = flat_ids[order]
+    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[experts]
+    size = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    slot_pair = torch.full((size,), pairs, dtype=torch.int32, device=device)
+    slot_pair[(ends - padded)[experts] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, size, block_m, device=device)
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(starts < ends[-1], block_expert, -1).to(torch.int32)
+    return slot_pair, block_expert
+
+
+def grouped_matmul(a: torch.Tensor, w: torch.Tensor, slot_pair: torch.Tensor, block_expert: torch.Tensor,
+                   top_k: int, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+                   num_stages: int = 3) -> torch.Tensor:
+    """out[p] = a[p // top_k] @ w[expert of p]^T for every pair p of `block_layout`'s layout: a [rows, K], w
+    [E, N, K] -> [P, N] in a's dtype, fp32 accumulation. top_k: pairs per row of `a` (1 when `a` is already
+    one row per pair)."""
+    num_pairs = a.shape[0] * top_k
+    n, kdim = w.shape[1], w.shape[2]
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    block_m = slot_pair.shape[0] // block_expert.shape[0]
+    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+    _grouped_kernel[grid](a, w, out, slot_pair, block_expert, num_pairs, n, kdim, top_k, a.stride(0), w.stride(0),
+                          w.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                          num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_kernel(a_ptr, w_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, num_pairs, n, kdim, top_k,
+                        stride_a, stride_we, stride_wn, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """One BLOCK_M x BLOCK_N tile of one expert's pairs: rows gathered from `a` by pair // top_k, the
+        expert's weight tile read once for the block, the tile stored at the pairs' own rows."""
+        block = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + block)
+        if expert < 0:
+            return
+        pair = tl.load(slot_pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pair < num_pairs
+        row = tl.where(valid, pair // top_k, 0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        steps = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, kdim, BLOCK_K):
+            ks = start + steps
+            a = tl.load(a_ptr + row[:, None] * stride_a + ks[None, :], mask=valid[:, None] & (ks[None, :] < kdim),
+                        other=0.0)
+            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=(ks[:, None] < kdim) & (cols[None, :] < n),
+                        other=0.0)
+            acc = tl.dot(a, w, acc)
+        out = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < n))
