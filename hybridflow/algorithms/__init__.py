@@ -2,7 +2,8 @@
 
 Advantage estimators (`advantages`), policy and value losses (`losses`), KL estimators and KL in
 reward (`kl`), loss aggregation (`aggregation`), KL controllers (`kl_control`), DAPO helpers (`dapo`),
-the training–inference mismatch (`mismatch`) and its correction (`rollout_correction`), and masked
+the training–inference mismatch (`mismatch`) and its correction (`rollout_correction`), mixture-of-experts
+routing (`moe_routing`: replayed routing weights, router agreement, the load-balancing loss), and masked
 statistics (`utils`). No I/O and no distributed calls: the trainer and the workers call
 these. Add an estimator, a loss or a rollout correction by name with `register_adv_estimator` /
 `register_policy_loss` / `register_rollout_correction`.
@@ -40,6 +41,7 @@ from hybridflow.algorithms.mismatch import (
     mismatch_stats,
     training_rollout_mismatch,
 )
+from hybridflow.algorithms.moe_routing import load_balancing_loss, replayed_weights, same_experts
 from hybridflow.algorithms.registry import Registry
 from hybridflow.algorithms.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -72,6 +74,7 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "kl_penalty_rewards",
+    "load_balancing_loss",
     "make_kl_controller",
     "masked_mean",
     "masked_sum",
@@ -89,8 +92,10 @@ __all__ = [
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
+    "replayed_weights",
     "rloo",
     "rollout_correction",
+    "same_experts",
     "training_rollout_mismatch",
     "value_loss",
 ]

@@ -44,13 +44,13 @@ MUST_MATCH: tuple[str, ...] = (
     "*model.path", "*tokenizer_path", "*model.name_or_path", "*vocab_size", "*architectures",
     "*model_type",
     # which parameters a checkpoint holds: every weight, or LoRA adapters of this rank on these modules
-    "*.lora.rank", "*.lora.target_modules",
+    "*.lora.rank", "*.lora.target_modules", "*.lora.target_parameters",
     # the data-loader position counts batches of this many prompts
     "data.train_batch_size",
 )
 # What a key absent from a checkpoint's config (saved before the key existed) stood for: runs then trained
 # every weight.
-ABSENT_MEANS: dict[str, Any] = {"*.lora.rank": 0, "*.lora.target_modules": []}
+ABSENT_MEANS: dict[str, Any] = {"*.lora.rank": 0, "*.lora.target_modules": [], "*.lora.target_parameters": []}
 HF_ARCH_KEYS: tuple[str, ...] = (
     "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",

@@ -1,8 +1,8 @@
 """The facts an RL run derives from its config, resolved once on the controller (`RunFacts`, `resolve_facts`).
 
 Which roles run (a critic, a reference, ReMax's greedy baseline, multi-turn episodes), whether a role
-trains LoRA adapters, where the rollout and the critic run, how many rows a mini-batch holds and whether
-the old log-probs get a pass of their own: the trainer decides each of these here and hands the answers
+trains LoRA adapters, where the rollout and the critic run, how many rows a mini-batch holds, whether
+the old log-probs get a pass of their own and whether the actor hooks a mixture of experts' routers: the trainer decides each of these here and hands the answers
 down typed, so no worker or engine re-derives one from config sections. What only a worker can know (the
 device plan, made from its device's free memory) comes back from it instead
 (`hybridflow.workers.base.Effective`).
@@ -31,6 +31,9 @@ class RunFacts:
     skip_old_log_probs: on-policy (one optimizer step per batch, no KL in reward, `actor.skip_old_log_probs`):
         the update's own log-probs, detached, are the old ones, so their separate pass is skipped.
     groups: the worker groups the run starts, with their process counts (`config.roles.run_groups`).
+    router_hooks: the actor's forwards hook a mixture of experts' routers: to compare the experts they use with
+        those the rollout recorded (`rollout.record_routes`), to replay those (`actor.router_replay`), or for the
+        load-balancing loss (`actor.router_aux_loss_coef` > 0).
     """
 
     critic: bool
@@ -47,6 +50,7 @@ class RunFacts:
     critic_mini_batch_rows: int | None
     skip_old_log_probs: bool
     groups: dict[str, int]
+    router_hooks: bool
 
 
 def _rows(mini_batch_size: int | None, n: int) -> int | None:
@@ -71,4 +75,5 @@ def resolve_facts(cfg: Any) -> RunFacts:
         actor_mini_batch_rows=_rows(actor.mini_batch_size, n),
         critic_mini_batch_rows=_rows(cfg.critic.mini_batch_size, n),
         skip_old_log_probs=actor.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward,
-        groups=run_groups(cfg))
+        groups=run_groups(cfg),
+        router_hooks=(cfg.rollout.record_routes or actor.router_replay != "none" or actor.router_aux_loss_coef > 0))

@@ -138,6 +138,9 @@ class RolloutConfig:
                              "for bit; the old-log-prob pass is skipped (the rollout's are the old log-probs) and "
                              "an update fails if the first forward of the update differs from them at all. Dense "
                              "Llama/Qwen2/Qwen3/Mistral on one device; eager layers (docs/exact.md)")
+    record_routes: bool = opt(False, "mixture of experts: record the experts every token was routed to in each "
+                                     "sparse layer (the batch's rollout_routes), for actor.router_replay and the "
+                                     "router/* agreement metrics (docs/moe.md); fast engine, single-turn")
 
 
 @dataclass
@@ -151,6 +154,10 @@ class LoraConfig:
     target_modules: list[str] = opt([], "linear layers of the decoder layers given adapters: a module whose name "
                                         "is, or ends with, one of these (q_proj, mlp.down_proj, ...); [] = all of "
                                         "them (Llama, Qwen, Mistral: q/k/v/o_proj, gate/up/down_proj)")
+    target_parameters: list[str] = opt([], "mixture of experts: 3-D stacked expert weights given adapters (one per "
+                                           "expert, peft's target_parameters), by name: a parameter whose name is, or "
+                                           "ends with, one of these (experts.gate_up_proj, experts.down_proj); [] = "
+                                           "none (docs/moe.md)")
     init: str = opt("default", "initial A (B starts at 0, so the initial policy is the base model): default = "
                                "nn.Linear's Kaiming uniform, gaussian = normal with std 1/rank", LORA_INITS)
 
@@ -225,6 +232,13 @@ class ActorConfig(OptimizedRoleConfig):
                                          "own (detached): skip their separate forward pass")
     rollout_correction: RolloutCorrectionConfig = opt(RolloutCorrectionConfig, "training-inference mismatch "
                                                                                "correction")
+    router_replay: str = opt("none", "mixture of experts: rollout = the training forwards (log-probs and "
+                                     "update) use the experts the rollout engine chose for each token, weighted "
+                                     "by the trainer's router (needs rollout.record_routes); none = the "
+                                     "trainer's own top-k (docs/moe.md)", ("none", "rollout"))
+    router_aux_loss_coef: float = opt(0.0, "mixture of experts: weight of the routers' load-balancing loss "
+                                           "(transformers' load_balancing_loss_func) added to the update's "
+                                           "loss; 0 = off")
 
 
 @dataclass

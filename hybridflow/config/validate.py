@@ -181,6 +181,10 @@ def _lora_problems(cfg: Any, sections: tuple[str, ...]) -> list[str]:
             problems.append(f"{section}.lora.alpha={lora.alpha} must be > 0")
         if not 0.0 <= lora.dropout < 1.0:
             problems.append(f"{section}.lora.dropout={lora.dropout} must be in [0.0, 1.0)")
+        if lora.target_parameters and lora.dropout:
+            problems.append(f"{section}.lora.dropout={lora.dropout} cannot apply to expert weights "
+                            f"({section}.lora.target_parameters={list(lora.target_parameters)}): their update is "
+                            f"added to the weight, not to each input; use {section}.lora.dropout=0")
     return problems
 
 
@@ -257,6 +261,46 @@ def _agent_problems(cfg: Any) -> list[str]:
     if agent.max_concurrent_requests < 1:
         problems.append(f"agent.max_concurrent_requests={agent.max_concurrent_requests} must be >= 1")
     return problems
+
+
+def _moe_problems(cfg: Any) -> list[str]:
+    """What router replay and route recording need from the rest of the config."""
+    problems, actor, rollout = [], cfg.actor, cfg.rollout
+    if actor.router_replay == "rollout" and not rollout.record_routes:
+        problems.append("actor.router_replay=rollout replays the experts the rollout engine recorded: set "
+                        "rollout.record_routes=true")
+    if actor.router_aux_loss_coef < 0:
+        problems.append(f"actor.router_aux_loss_coef={actor.router_aux_loss_coef} must be >= 0 (0 = off)")
+    if rollout.record_routes and rollout.engine == "hf":
+        problems.append("rollout.record_routes=true needs the fast engine (rollout.engine=auto or fast); "
+                        "transformers.generate (rollout.engine=hf) does not record routes")
+    if rollout.record_routes and agent_enabled(cfg.agent):
+        problems.append("rollout.record_routes=true records single-turn generations; multi-turn episodes "
+                        "(agent.environment / agent.tools) are not supported with it")
+    return problems
+
+
+def _moe_model_problems(cfg: Any) -> list[str]:
+    """Route recording, replay and the router aux loss need a mixture of experts the fast engine knows."""
+    actor, uses = cfg.actor, []
+    if cfg.rollout.record_routes:
+        uses.append("rollout.record_routes=true")
+    if actor.router_replay != "none":
+        uses.append(f"actor.router_replay={actor.router_replay}")
+    if actor.router_aux_loss_coef > 0:
+        uses.append(f"actor.router_aux_loss_coef={actor.router_aux_loss_coef}")
+    path = cfg.model.path
+    if not uses or path is None or not Path(path).expanduser().is_dir():
+        return []
+    from transformers import AutoConfig
+
+    from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    if moe_spec(config) is None:
+        return [f"{', '.join(uses)} need a mixture of experts of {', '.join(MOE_ARCHITECTURES)}; model.path={path} "
+                f"is a {config.model_type!r} model"]
+    return []
 
 
 def _rollout_placement_problems(cfg: Any) -> list[str]:
@@ -398,9 +442,10 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
     problems = (_range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
-                + _ray_problems(cfg) + _agent_problems(cfg) + package_problems(cfg))
+                + _ray_problems(cfg) + _agent_problems(cfg) + package_problems(cfg)
+                + _moe_problems(cfg))
     if check_paths:
-        problems += _path_problems(cfg)
+        problems += _path_problems(cfg) + _moe_model_problems(cfg)
     problems += exact_problems(cfg, check_paths)
     if n_workers >= 1:
         roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]

@@ -81,6 +81,11 @@ class TrainEngineContract(Protocol):
         """`compiled`: 1 when the layers run compiled."""
         ...
 
+    def router_metrics(self) -> dict[str, float]:
+        """A mixture of experts' agreement with the rollout's recorded routes since the last call, over every rank
+        (a collective); {} without router hooks."""
+        ...
+
 
 class RolloutEngineContract(Protocol):
     """A generation engine: samples continuations and takes new weights in place."""

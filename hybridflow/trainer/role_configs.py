@@ -15,6 +15,7 @@ from typing import Any
 from hybridflow.config.resolved import RunFacts, resolve_facts
 from hybridflow.engine import budget
 from hybridflow.engine.rollout import SamplingParams
+from hybridflow.engine.train.router_replay import RouterHooks
 from hybridflow.workers import ActorWorker, CriticWorker, RolloutWorker
 from hybridflow.workers.rollout_replica import RolloutReplica
 
@@ -32,13 +33,17 @@ def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None 
                  facts: RunFacts | None = None) -> ActorWorker.Config:
     """The actor's config for a run whose actor takes `total_steps` optimizer steps (`memory`: its device's
     demand; `facts`: the config's, resolved here when not given); with `rollout.exact` its forward runs the
-    rollout's invariant kernels for rows as long as the run generates."""
+    rollout's invariant kernels for rows as long as the run generates, and with `facts.router_hooks` its
+    forwards hook a mixture of experts' routers as the `actor` section says."""
     facts = facts or resolve_facts(cfg)
     exact_len = cfg.data.max_prompt_length + cfg.data.max_response_length if cfg.rollout.exact else None
+    router = RouterHooks.Config(replay=cfg.actor.router_replay == "rollout",
+                                aux_loss_coef=cfg.actor.router_aux_loss_coef) if facts.router_hooks else None
     return ActorWorker.Config(model=cfg.model, actor=cfg.actor,
                               rollout=None if facts.separate_rollout else replica_config(cfg, facts),
                               reference_copy=facts.reference_copy, mini_batch_rows=facts.actor_mini_batch_rows,
-                              total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len)
+                              total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len,
+                              router=router)
 
 
 def critic_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,

@@ -35,6 +35,7 @@ from hybridflow.engine import budget
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
+from hybridflow.engine.train.router_replay import RouterHooks
 from hybridflow.workers.base import Effective, EngineWorker
 from hybridflow.workers.mismatch import RolloutMismatch
 from hybridflow.workers.reference_model import ReferenceModel, scoring_temperature
@@ -66,6 +67,8 @@ class ActorWorker(EngineWorker):
         exact_len: exact mode (`rollout.exact`): the trainer's forward runs the rollout engine's batch-invariant
             kernels for rows of at most this many tokens (`data.max_prompt_length + max_response_length`);
             None = off.
+        router: a mixture of experts' router hooks on the trainer's forwards (replay of the rollout's recorded
+            experts, router agreement, the load-balancing loss); None = none.
         """
 
         model: ModelConfig
@@ -77,6 +80,7 @@ class ActorWorker(EngineWorker):
         memory: budget.DeviceDemand | None = None
         seed: int = 0
         exact_len: int | None = None
+        router: RouterHooks.Config | None = None
 
     keys, model_keys = "actor", "model"
     cfg: ActorConfig
@@ -86,7 +90,8 @@ class ActorWorker(EngineWorker):
         self.cfg, self.mini_batch_rows, self.exact = actor_cfg, config.mini_batch_rows, config.exact_len is not None
         # exact mode: the trainer's forward runs the rollout's invariant kernels, for rows as long as it generates
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=config.total_steps,
-                                  device=self.device, seed=config.seed, exact_len=config.exact_len)
+                                  device=self.device, seed=config.seed, exact_len=config.exact_len,
+                                  router=config.router)
         self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) if config.reference_copy else None
         self.rollout = None
         if config.rollout is not None:
@@ -129,9 +134,10 @@ class ActorWorker(EngineWorker):
         """Batch{ref_log_probs} for rows sampled at `temperature`, from the colocated reference model, or with
         LoRA from the actor's base weights (its adapters disabled for the pass)."""
         temperature = scoring_temperature(temperature)
-        if self.engine.adapters is not None:
+        if self.engine.adapters is not None:  # the reference routes its tokens itself: no replayed experts
+            plain = Batch({k: v for k, v in batch.tensors.items() if k != "rollout_routes"})
             with self.engine.adapters.disabled():
-                return Batch({"ref_log_probs": self._infer(batch, temperature=temperature)["log_probs"]})
+                return Batch({"ref_log_probs": self._infer(plain, temperature=temperature)["log_probs"]})
         if self.ref is None:
             raise RuntimeError("compute_ref_log_probs needs the ActorWorker built with config.reference_copy=True")
         with self._reported_oom("reference log-prob pass"):
@@ -158,6 +164,7 @@ class ActorWorker(EngineWorker):
                                with_entropy=use_entropy or "entropy" not in batch)
         metrics.update(mismatch.metrics())
         mismatch.check(metrics)
+        metrics.update(self.engine.router_metrics())
         if not use_entropy and "entropy" in batch:  # the token mean over every rank's rows
             mask = batch["response_mask"]
             summed = all_reduce(torch.stack([(batch["entropy"] * mask).sum(), mask.sum()]), self.device)

@@ -41,7 +41,8 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
             kv = kv_cache_bytes if kv_cache_bytes is not None else UNPLANNED_KV_FRACTION
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact)
+        kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact,
+        record_routes=rollout_cfg.record_routes)
 
 
 def cpu_max_num_seqs(max_num_seqs: int, step_rows: int | None) -> int:
@@ -93,6 +94,9 @@ class RolloutReplica:
                                     step_rows=config.step_rows)
         self.agent = None
         if config.agent is not None:
+            if self.cfg.record_routes:
+                raise ValueError("rollout.record_routes records single-turn generations; agent.environment / "
+                                 "agent.tools episodes are not supported with it")
             if self.engine.kind != "fast":
                 raise ValueError(f"agent.environment / agent.tools need the fast rollout engine, which continues "
                                  f"live sequences; {config.model_path} runs on the {self.engine.kind!r} engine (its "
@@ -172,7 +176,8 @@ def prompt_rows(batch: Batch) -> list[dict[str, Any]]:
 def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, pad_id: int,
                          prompt_width: int = 0) -> Batch:
     """The input rows repeated `n` times (interleaved) plus the sampled responses, right-padded to
-    `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs.
+    `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs,
+    and, when the engine recorded routes, rollout_routes (`routes_to_batch`).
 
     outs[i][j] has token_ids, logprobs and finish_reason: a `Completion`, or a multi-turn `Trajectory`,
     whose `response_mask` (1 on model tokens, 0 on environment tokens) becomes the row's response_mask
@@ -206,6 +211,22 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     out["response_mask"] = response_mask
     out["rollout_log_probs"] = logprobs
     out["finish_reason"] = finished
+    completions = [c for samples in outs for c in samples]
+    if completions and getattr(completions[0], "routes", None) is not None:
+        out["rollout_routes"] = routes_to_batch(completions, out["prompts"].shape[1], response_width,
+                                                attention_mask[:, :out["prompts"].shape[1]].sum(-1).tolist())
+    return out
+
+
+def routes_to_batch(completions: list, prompt_width: int, response_width: int, prompt_lens: list[int]) -> torch.Tensor:
+    """int16 [rows, P+R, sparse layers, k] aligned with `input_ids`: each row's recorded experts (`Completion.routes`)
+    at its prompt's columns (left-padded) and its response tokens' (right-padded), -1 where none was recorded
+    (padding, the last response token, which the engine never fed back)."""
+    first = completions[0].routes
+    out = torch.full((len(completions), prompt_width + response_width, *first.shape[1:]), -1, dtype=torch.int16)
+    for r, (c, length) in enumerate(zip(completions, prompt_lens)):
+        fed = c.routes[:length + response_width]
+        out[r, prompt_width - length:prompt_width - length + fed.shape[0]] = fed
     return out
 
 

@@ -31,3 +31,17 @@ def test_placements_and_groups():
                                        "rollout.placement=separate", "trainer.n_workers=2", "rollout.n_workers=1"]))
     assert facts.split_critic and facts.separate_rollout
     assert facts.groups == {"actor": 2, "critic": 2, "rollout": 1}
+
+
+def test_router_hooks_follow_the_moe_keys_and_reach_the_actor_config():
+    from hybridflow.engine.train.router_replay import RouterHooks
+    from hybridflow.trainer.role_configs import actor_config
+
+    plain = load_config([])
+    assert not resolve_facts(plain).router_hooks and actor_config(plain, 1).router is None
+    replay = ["rollout.record_routes=true", "actor.router_replay=rollout"]
+    for keys, router in ((["rollout.record_routes=true"], RouterHooks.Config()),
+                         (replay, RouterHooks.Config(replay=True)),
+                         (["actor.router_aux_loss_coef=0.01"], RouterHooks.Config(aux_loss_coef=0.01))):
+        cfg = load_config(keys)
+        assert resolve_facts(cfg).router_hooks and actor_config(cfg, 1).router == router

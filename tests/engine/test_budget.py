@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from hybridflow.config.schema import LoraConfig
 from hybridflow.engine import budget
 from hybridflow.engine.budget import planning
 from hybridflow.engine.budget import (DeviceDemand, DoesNotFit, FrozenRole, ModelShape, RolloutRole,
@@ -169,7 +170,7 @@ def test_out_of_memory_errors_come_out_explained():
 def lora_role(name: str, rank: int = 32) -> TrainedRole:
     """recipes/grpo_lora.yaml's actor: rank-32 adapters on every linear layer of the decoder layers."""
     adapters = trainable_params(AutoConfig.for_model("qwen2", **QWEN_SHAPES[name]),
-                                SimpleNamespace(rank=rank, target_modules=[]))
+                                LoraConfig(rank=rank))
     return TrainedRole("actor", "model", shape(name), compute_bytes=2, master_bytes=4, lora_params=adapters)
 
 

@@ -37,6 +37,7 @@ from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
+from hybridflow.engine.train.router_replay import RouterHooks, flat_routes, require_spec
 
 
 @dataclass
@@ -85,11 +86,16 @@ class TrainEngine:
         exact_len: exact mode (`rollout.exact`, an `lm` head): the forward runs the rollout engine's
             batch-invariant ops (`exact.make_exact`), packed on every device and not compiled, for rows of at
             most this many tokens; None = the default forward.
+        router: a mixture of experts' router hooks (`router_replay.RouterHooks`: the actor's `rollout.record_routes`,
+            `actor.router_replay` and `actor.router_aux_loss_coef`): from the first forward on, a micro-batch's
+            `rollout_routes` are replayed (`router.replay`) and compared with the experts used, and
+            `router.aux_loss_coef` > 0 adds that multiple of the routers' load-balancing loss to each update's
+            loss; None = no hooks.
     """
 
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig | None = None, *, head: str = "lm",
                  total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False,
-                 seed: int = 0, exact_len: int | None = None) -> None:
+                 seed: int = 0, exact_len: int | None = None, router: RouterHooks.Config | None = None) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
         # Packing pays on CUDA (varlen flash attention, no padded work). On a CPU the padded forward
         # is faster (docs/benchmarks.md, "Measurements behind choices in the code"), so `pack` is
@@ -132,6 +138,7 @@ class TrainEngine:
         self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
         self.skipped_steps = 0
         self.optimizer_steps = 0  # steps that changed the weights (skipped ones did not)
+        self.routing = RouterHooks(model, require_spec(self.config), router) if router is not None else None
         self.optimizer = self.scheduler = None
         if optim_cfg is not None:
             self.grad_clip = optim_cfg.grad_clip
@@ -158,6 +165,8 @@ class TrainEngine:
         # indices are built on the host (no device syncs), then moved once
         inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
         inputs = inputs.to(self.device)
+        if self.routing is not None:
+            self.routing.prepare(*flat_routes(mb, inputs.packed, self.device))
         if pack and self.config._attn_implementation != VARLEN_ATTENTION:
             raise ValueError(f"use_packing needs model attn_implementation='sdpa' (packed rows run varlen "
                              f"attention); this model uses {self.config._attn_implementation!r}")
@@ -235,8 +244,12 @@ class TrainEngine:
             mb = take_rows(batch, rows)
             out, _ = self.forward(mb, temperature, with_entropy, pack)
             loss, metrics = loss_fn(out, {k: to_device(v, self.device) for k, v in mb.items()}, ctx)
-            (loss * self.world_size).backward()
             weight = float(mb["response_mask"].sum())
+            aux = self.routing.aux_loss() if self.routing is not None else None
+            if aux is not None:  # the micro-batch's share of the token-weighted mean over the mini-batch
+                loss = loss + self.routing.config.aux_loss_coef * aux * (weight / max(ctx.global_tokens, 1.0))
+                metrics = {**metrics, "router/aux_loss": aux.detach()}
+            (loss * self.world_size).backward()
             local_tokens += weight
             total_loss += loss.detach()
             for k, v in metrics.items():
@@ -282,6 +295,11 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return float(norm), finite
+
+    # ------------------------------------------------------------------ mixture of experts
+    def router_metrics(self) -> dict[str, float]:
+        """`RouterHooks.metrics` (a collective) since the last call; {} without router hooks."""
+        return self.routing.metrics(self.device) if self.routing is not None else {}
 
     # ------------------------------------------------------------------ perf, memory, weights
     def trained_params(self) -> int:

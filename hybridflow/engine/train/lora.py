@@ -2,7 +2,11 @@
 
 `apply_lora(model, cfg, head, master_dtype)` gives the linear layers `cfg.target_modules` names (default:
 every linear layer inside the decoder layers; for Llama, Qwen and Mistral q/k/v/o and gate/up/down
-projections) a rank-`cfg.rank` adapter through `peft.inject_adapter_in_model`, freezes every other weight and
+projections; for a mixture of experts its attention and shared-expert projections) and the 3-D expert weights
+`cfg.target_parameters` names (a mixture of experts' stacked `experts.gate_up_proj` / `experts.down_proj`,
+through peft's `target_parameters`: a `ParamWrapper` per weight, a rank-r adapter per expert, added to the
+weight as W + scale · B·A for each forward) a rank-`cfg.rank` adapter through `peft.inject_adapter_in_model`,
+freezes every other weight and
 stores the adapters (and a value model's score head, which starts untrained) in the master dtype; the
 frozen weights stay in the dtype the model was loaded in (the compute dtype: no master copy, no gradient,
 no optimizer state). The model keeps its class and Hugging Face names: an adapted `...q_proj` holds
@@ -12,9 +16,10 @@ checkpoints apply unchanged. Both `init` choices start with B = 0: the initial p
 The returned `Adapters` gives what the rest of a run needs from them:
 - `disabled()`: a context in which the model computes with its base weights alone — the reference policy
   of a KL term, with no second copy of the model;
-- `merged_weights(dtype)`: (HF name of the base weight, W + scale · B·A) per adapted module, gathered one at a
-  time: the only weights of the trained policy that differ from the model directory's, what a rollout
-  engine built from that directory is sent (`merge`, which exact mode's forward also uses);
+- `merged_weights(dtype)`: (HF name of the base weight, W + scale · B·A) per adapted module or expert weight
+  (stacked, `...mlp.experts.gate_up_proj`), gathered one at a time: the only weights of the trained policy
+  that differ from the model directory's, what a rollout engine built from that directory is sent (`merge`,
+  which exact mode's forward also uses);
 - `peft_config`: the `peft.LoraConfig`, which checkpoints keep so `hybridflow export` can write an adapter
   directory or a merged model.
 `trainable_params` counts, on the meta device, the parameters a LoRA run trains (for device budgeting and
@@ -88,6 +93,42 @@ def resolve_targets(model: torch.nn.Module, names: list[str] | tuple[str, ...]) 
     return out
 
 
+def resolve_parameters(model: torch.nn.Module, names: list[str] | tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """{qualified name: shape} of the 3-D weights (a mixture of experts' stacked experts) inside the decoder
+    layers that `names` select (a parameter whose qualified name is one of them or ends with a dot and one of
+    them). Refuses a name that selects nothing, or a weight that is not 3-D, naming those that could be."""
+    inside = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    stacked = {n: tuple(p.shape) for n, p in model.named_parameters() if id(p) in inside and p.dim() == 3}
+    available = sorted({".".join(n.rsplit(".", 2)[-2:]) for n in stacked})
+    out: dict[str, tuple[int, ...]] = {}
+    for key in names:
+        chosen = {n for n, _ in model.named_parameters() if n == key or n.endswith("." + key)}
+        wrong = sorted(chosen - set(stacked))
+        if not chosen or wrong:
+            found = f"it selects {', '.join(wrong[:3])}, not a 3-D expert weight" if wrong else \
+                "no parameter has that name"
+            valid = ", ".join(available) or "none (the model has no stacked expert weights)"
+            raise ValueError(f"lora.target_parameters: {key!r}: {found}; valid: {valid}")
+        out.update({n: stacked[n] for n in chosen})
+    return out
+
+
+def _param_name(module_name: str, parameter: str) -> str:
+    """The Hugging Face name of the weight a (possibly nested) peft `ParamWrapper` adapts."""
+    return ".".join(p for p in module_name.split(".") if p != "base_layer") + "." + parameter
+
+
+def _expert_delta(layer: Any) -> torch.Tensor:
+    """scale · B·A per expert, [E, out, in] in fp32, of a `ParamWrapper` (peft's `get_delta_weight` layout:
+    lora_A [r·E, in] read as [E, r, in], lora_B [out, r·E] read as [out, r, E]), from gathered factors."""
+    a = full_tensor(layer.lora_A[ADAPTER].weight.detach()).float()
+    b = full_tensor(layer.lora_B[ADAPTER].weight.detach()).float()
+    a = a.reshape(layer.num_experts, -1, a.shape[-1])
+    b = b.reshape(b.shape[0], -1, layer.num_experts)
+    pattern = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
+    return torch.einsum(pattern, b, a) * layer.scaling[ADAPTER]
+
+
 def _head_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """A value model's score head: the parameters outside its backbone (`base_model_prefix`)."""
     prefix = model.base_model_prefix + "."
@@ -129,19 +170,29 @@ class Adapters:
             for layer in self.layers.values():
                 layer._disable_adapters = False
 
+    def _base(self, name: str, layer: Any) -> tuple[str, torch.Tensor]:
+        """(HF name, the frozen weight) an adapted module or expert weight adds its update to."""
+        if hasattr(layer, "parameter_name"):
+            return _param_name(name, layer.parameter_name), layer.get_param()
+        return f"{name}.weight", layer.base_layer.weight
+
     def merged_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of each tensor `merged_weights` yields, in its order."""
-        return [(f"{name}.weight", tuple(layer.base_layer.weight.shape)) for name, layer in self.layers.items()]
+        return [(hf, tuple(weight.shape)) for hf, weight in (self._base(n, layer) for n, layer in self.layers.items())]
 
     @torch.no_grad()
     def merged_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, W + scale · B·A) per adapted module, each gathered in full (a collective under FSDP2:
-        every rank iterates), summed in fp32 and rounded once to `dtype` (None: the base weight's)."""
+        """(HF name, W + scale · B·A) per adapted module or expert weight, each gathered in full (a collective
+        under FSDP2: every rank iterates), summed in fp32 and rounded once to `dtype` (None: the base weight's)."""
         for name, layer in self.layers.items():
-            base = full_tensor(layer.base_layer.weight.detach())
+            hf_name, weight = self._base(name, layer)
+            base = full_tensor(weight.detach())
+            if hasattr(layer, "parameter_name"):
+                yield hf_name, (base.float() + _expert_delta(layer)).to(dtype or base.dtype)
+                continue
             a = full_tensor(layer.lora_A[ADAPTER].weight.detach())
             b = full_tensor(layer.lora_B[ADAPTER].weight.detach())
-            yield f"{name}.weight", merge(base, a, b, layer.scaling[ADAPTER], dtype or base.dtype)
+            yield hf_name, merge(base, a, b, layer.scaling[ADAPTER], dtype or base.dtype)
 
 
 def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -158,8 +209,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, head: str, master_dtype:
         raise ValueError(f"lora.init={cfg.init!r} is not valid; valid: {', '.join(INITS)}")
     targets = resolve_targets(model, list(cfg.target_modules))
     names = target_names(cfg.target_modules) or list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in targets))
+    parameters = list(cfg.target_parameters)
+    resolve_parameters(model, parameters)  # refuses a name that selects no expert weight, naming those that could
+    if parameters and cfg.dropout:
+        raise ValueError(f"lora.dropout={cfg.dropout} cannot apply to expert weights (lora.target_parameters="
+                         f"{parameters}): peft adds their update to the weight, not to each input; use lora.dropout=0")
     config = _peft().LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names,
-                                init_lora_weights=INITS[cfg.init], bias="none")
+                                target_parameters=parameters or None, init_lora_weights=INITS[cfg.init], bias="none")
     model.requires_grad_(False)
     _peft().inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -169,7 +225,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, head: str, master_dtype:
         p.requires_grad_(True)
         p.data = p.data.to(master_dtype)
     adapters = Adapters(model, config)
-    extra = sorted(set(adapters.layers) - set(targets))
+    adapted = {n for n, layer in adapters.layers.items() if not hasattr(layer, "parameter_name")}
+    extra = sorted(adapted - set(targets))
     if extra:
         raise ValueError(f"lora.target_modules={names} also selects {', '.join(extra[:3])} outside the decoder "
                          f"layers; name the modules more fully (e.g. self_attn.q_proj)")
@@ -178,10 +235,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, head: str, master_dtype:
 
 def trainable_params(config: Any, cfg: LoraConfig, head: str = "lm", trust_remote_code: bool = False) -> int:
     """Parameters a LoRA run of `cfg` trains on the model of Hugging Face `config`: rank x (in + out) per
-    adapted linear layer, plus a value model's score head; counted on the meta device."""
+    adapted linear layer, rank x experts x (in + out) per adapted expert weight, plus a value model's score
+    head; counted on the meta device."""
     model = meta_model(config, head, trust_remote_code)
     targets = resolve_targets(model, list(cfg.target_modules)).values()
     adapters = sum(cfg.rank * (m.in_features + m.out_features) for m in targets)
+    stacked = resolve_parameters(model, list(cfg.target_parameters)).values()
+    adapters += sum(cfg.rank * experts * (rows + cols) for experts, rows, cols in stacked)
     return adapters + (sum(p.numel() for p in _head_params(model)) if head == "value" else 0)
 
 

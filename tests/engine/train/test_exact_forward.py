@@ -4,15 +4,14 @@ forward are the rollout's. The exact forward refuses rows that are not packed.""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch
 
+from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.train import TrainEngine
 
-LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=[], init="gaussian")
+LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=[], init="gaussian")
 
 
 def _forward_and_grads(path, lora, exact_len):

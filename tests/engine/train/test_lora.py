@@ -13,6 +13,7 @@ import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch, run_ranks
 from transformers import AutoConfig
 
+from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.compile import compile_model
 from hybridflow.engine.train.flops import matmul_params, train_flops
@@ -21,8 +22,8 @@ from hybridflow.engine.train.lora import trainable_params
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora(rank: int = 4, **kw) -> SimpleNamespace:
-    return SimpleNamespace(**{**dict(rank=rank, alpha=8.0, dropout=0.0, target_modules=[], init="default"), **kw})
+def lora(rank: int = 4, **kw) -> LoraConfig:
+    return LoraConfig(**{**dict(rank=rank, alpha=8.0, dropout=0.0, target_modules=[], init="default"), **kw})
 
 
 def loss_fn(out, mb, ctx):

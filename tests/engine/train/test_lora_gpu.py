@@ -5,20 +5,19 @@ what the trainer scores."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch
 
 from hybridflow.batch import Batch
+from hybridflow.config.schema import LoraConfig
 from hybridflow.controller.runtime import ensure_single_process_group
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.train import TrainEngine
 from hybridflow.workers.rollout_replica import completions_to_batch
 
 pytestmark = pytest.mark.gpu
-LORA = SimpleNamespace(rank=8, alpha=16.0, dropout=0.0, target_modules=[], init="default")
+LORA = LoraConfig(rank=8, alpha=16.0, dropout=0.0, target_modules=[], init="default")
 
 
 def loss_fn(out, mb, ctx):
