@@ -17,7 +17,7 @@ from typing import Any
 from hybridflow.config.resolved import RunFacts
 from hybridflow.config.role_needs import rollout_workers
 from hybridflow.engine.budget import DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole
-from hybridflow.engine.train.lora import trainable_params
+from hybridflow.engine.train.lora import adapted_expert_params, trainable_params
 
 
 def _compute_bytes(dtype: str) -> int:
@@ -47,7 +47,9 @@ def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: st
                        gradient_checkpointing=model_cfg.gradient_checkpointing,
                        max_tokens=role_cfg.max_tokens_per_micro_batch, micro_batch_rows=role_cfg.micro_batch_size,
                        lora_params=trainable_params(config, role_cfg.lora, head, model_cfg.trust_remote_code)
-                       if lora else None)
+                       if lora else None,
+                       expert_lora_params=adapted_expert_params(config, role_cfg.lora, model_cfg.trust_remote_code)
+                       if lora else 0)
 
 
 def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:

@@ -10,9 +10,10 @@ from hybridflow.config.loader import load_config
 from hybridflow.config.validate import ConfigError, validate
 from rl_helpers import base_overrides, reward_file, run
 
-MOE = ("actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",
-       "rollout.record_routes=true", "trainer.val_before_train=false", "trainer.val_every=0", "reward.num_workers=0",
-       "trainer.loggers=[jsonl]", "actor.lr=1e-2")
+MOE = ("actor.lora.rank=4", "actor.lora.alpha=8",
+       "actor.lora.target_parameters=[experts.gate_up_proj,experts.down_proj]", "rollout.record_routes=true",
+       "trainer.val_before_train=false", "trainer.val_every=0", "reward.num_workers=0", "trainer.loggers=[jsonl]",
+       "actor.lr=1e-2")
 
 
 @pytest.fixture(scope="module")

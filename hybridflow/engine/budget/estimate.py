@@ -9,6 +9,11 @@ Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
   T alone, nothing gathered on one rank, where the model is not sharded):
   `layers x c x (7h + 2kv + 4i)` (the inputs of the norms, projections, attention and SwiGLU), or with
   checkpointing `layers x c x h` plus one layer's worth; the log-prob head adds one chunk;
+- a mixture of experts: P counts every expert (weights, gradients, state, the rollout's copy), while a token's
+  activations and FLOPs count the k experts it is routed to (`i` = k x expert width + a shared expert), plus
+  per sparse layer its k gathered input and output rows (`2 k h`) and the router's fp32 probabilities; LoRA on
+  the stacked experts (`lora.target_parameters`) materialises W + B·A of each adapted weight in the compute
+  dtype for each forward, kept for the backward: every layer's, or with checkpointing one layer's, twice;
 - between its uses (generation): its weights unless `param_offload`, its state unless `optimizer_offload`;
 - a frozen model: its compute-dtype weights unless offloaded (a LoRA actor's reference is its own base
   weights: nothing);
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from hybridflow.utils.model_shapes import QWEN_SHAPES
+from hybridflow.utils.moe_spec import moe_spec
 
 GIB = 2**30
 TARGET_TOKENS = 16384  # default micro-batch: bounded memory at no speed cost (bench/train.py)
@@ -79,6 +85,9 @@ class ModelShape:
     kv_dim: int
     vocab: int
     largest_param: int
+    active_params: int | None = None  # a mixture of experts' parameters one token uses (None: all of them)
+    top_k: int = 0  # experts per token (0: dense)
+    experts: int = 0
 
     @classmethod
     def from_config(cls, config: Any, head: str = "lm", trust_remote_code: bool = False) -> ModelShape:
@@ -96,13 +105,28 @@ class ModelShape:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv = getattr(config, "num_key_value_heads", None) or heads
-        return cls(params=sum(numels), layers=config.num_hidden_layers, hidden=config.hidden_size,
-                   intermediate=config.intermediate_size, kv_dim=kv * head_dim, vocab=config.vocab_size,
-                   largest_param=max(numels))
+        spec, params = moe_spec(config), sum(numels)
+        moe = {}
+        if spec is not None:
+            idle = len(spec.sparse_layers) * (spec.num_experts - spec.top_k) * 3 * config.hidden_size \
+                * spec.expert_intermediate
+            dense = spec.dense_intermediate if len(spec.sparse_layers) < config.num_hidden_layers else 0
+            moe = dict(intermediate=max(spec.active_mlp_width(), dense), active_params=params - idle,
+                       top_k=spec.top_k, experts=spec.num_experts)
+        return cls(**{**dict(params=params, layers=config.num_hidden_layers, hidden=config.hidden_size,
+                             intermediate=config.intermediate_size, kv_dim=kv * head_dim, vocab=config.vocab_size,
+                             largest_param=max(numels)), **moe})
+
+    @property
+    def compute_params(self) -> int:
+        """The parameters a token runs through: all of them, or a mixture of experts' active ones."""
+        return self.params if self.active_params is None else self.active_params
 
     def describe(self) -> str:
+        active = "" if self.active_params is None else \
+            f", {count(self.active_params)} active: {self.top_k} of {self.experts} experts"
         return (f"{count(self.params)} parameters ({self.layers} layers, hidden {self.hidden}, "
-                f"vocabulary {self.vocab:,})")
+                f"vocabulary {self.vocab:,}{active})")
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's projections (attention and MLP)."""
@@ -116,8 +140,10 @@ class ModelShape:
         return min(MAX_CHECKPOINTED_TOKENS, max(CHECKPOINTED_TARGET_TOKENS, scaled))
 
     def layer_activation_bytes(self, c: int) -> int:
-        """Bytes per token one layer keeps for its backward."""
-        return c * (7 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate)
+        """Bytes per token one layer keeps for its backward (a sparse layer: also its gathered expert rows and
+        the router's fp32 probabilities)."""
+        routed = c * 2 * self.top_k * self.hidden + 8 * self.experts
+        return c * (7 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate) + routed
 
     def activation_bytes(self, c: int, checkpointing: bool) -> int:
         """Bytes per micro-batch token of a training forward kept until its backward."""
@@ -145,6 +171,7 @@ class TrainedRole:
     max_tokens: int | None = None
     micro_batch_rows: int | None = None
     lora_params: int | None = None
+    expert_lora_params: int = 0  # the stacked expert weights LoRA adapts (`lora.target_parameters`), all layers
 
     @property
     def trained_params(self) -> int:
@@ -167,9 +194,16 @@ class TrainedRole:
             out["optimizer workspace"] = 2 * 4 * largest / world
         return out
 
+    def forward_fixed_bytes(self, checkpointing: bool) -> float:
+        """What a forward keeps whatever its tokens: the merged W + B·A of the adapted expert weights, every
+        layer's (kept for the backward), or with checkpointing one layer's, recomputed with its gradient."""
+        per_layer = self.expert_lora_params * self.compute_bytes / self.shape.layers
+        return 2 * per_layer if checkpointing else self.expert_lora_params * self.compute_bytes + per_layer
+
     def activation_peak(self, tokens: int, checkpointing: bool) -> float:
         """Activations of a `tokens`-token micro-batch, and one chunk of the log-prob head."""
-        return tokens * self.shape.activation_bytes(self.compute_bytes, checkpointing) + HEAD_CHUNK_BYTES
+        return (tokens * self.shape.activation_bytes(self.compute_bytes, checkpointing) + HEAD_CHUNK_BYTES
+                + self.forward_fixed_bytes(checkpointing))
 
     def idle_bytes(self, world: int) -> float:
         weights = 0 if self.param_offload else self.weight_bytes(world)
@@ -216,8 +250,8 @@ class RolloutRole:
     def workspace_bytes(self) -> int:
         """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step."""
         s = self.shape
-        return (self.max_prefill_tokens * self.compute_bytes * (4 * s.hidden + 3 * s.intermediate)
-                + 4 * 4 * self.max_num_seqs * s.vocab)
+        per_token = 4 * s.hidden + 3 * s.intermediate + 2 * s.top_k * s.hidden
+        return self.max_prefill_tokens * self.compute_bytes * per_token + 4 * 4 * self.max_num_seqs * s.vocab
 
 
 @dataclass(frozen=True)

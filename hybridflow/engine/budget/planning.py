@@ -8,8 +8,9 @@ The memory a run may use is `cap = min(utilization x total, free at start)` (vLL
 `gpu_memory_utilization`). A trained role gets `TARGET_TOKENS`-token micro-batches where they fit (bounded
 memory; compiled layers make them as fast as one forward), fewer where memory is short, and gradient
 checkpointing when not even `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without
-it, or when the model has fewer than `HOST_BOUND_PARAMS` parameters (its update is host-bound: longer,
-recomputed micro-batches are faster and leaner), whose micro-batches then get `CHECKPOINTED_TARGET_TOKENS`,
+it, or when the model has fewer than `HOST_BOUND_PARAMS` parameters (a mixture of experts: active ones; its
+update is host-bound: longer, recomputed micro-batches are faster and leaner), whose micro-batches then get
+`CHECKPOINTED_TARGET_TOKENS`,
 more for layers smaller than the 0.5B shape's (`ModelShape.host_bound_tokens`).
 The KV cache gets what is left within the cap while generating, at most what its slots need.
 """
@@ -105,8 +106,9 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
     shape, c, longest = role.shape, role.compute_bytes, demand.longest_sequence
     given = role.max_tokens if role.max_tokens is not None else (
         role.micro_batch_rows * longest if role.micro_batch_rows is not None else None)
-    most = {ck: max(0, int(free // shape.activation_bytes(c, ck))) for ck in (False, True)}
-    host_bound = shape.params < HOST_BOUND_PARAMS
+    most = {ck: max(0, int((free - role.forward_fixed_bytes(ck)) // shape.activation_bytes(c, ck)))
+            for ck in (False, True)}
+    host_bound = shape.compute_params < HOST_BOUND_PARAMS
     # without recomputation, at least the given budget (or the floor below which it would pay) must fit
     needed = given if given is not None else max(longest, MIN_TOKENS_WITHOUT_CHECKPOINTING)
     ckpt = role.gradient_checkpointing if role.gradient_checkpointing is not None else \
@@ -116,7 +118,7 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
     else:
         target = shape.host_bound_tokens() if ckpt and host_bound else TARGET_TOKENS
         tokens = max(longest, min(target, most[ckpt]))
-    activations = tokens * shape.activation_bytes(c, ckpt)
+    activations = tokens * shape.activation_bytes(c, ckpt) + role.forward_fixed_bytes(ckpt)
     short = max(0.0, activations - free)
     if free < 0:
         why = (f"its weights, gradients, optimizer state and workspace alone take {_gib(fixed)} "

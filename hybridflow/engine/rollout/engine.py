@@ -190,7 +190,8 @@ class RolloutEngine:
         device = indexed_device(device)
         max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
-        uses_window = config.model_type in ("llama", "mistral", "mixtral") or getattr(config, "use_sliding_window", False)
+        uses_window = (config.model_type in ("llama", "mistral", "mixtral")
+                       or getattr(config, "use_sliding_window", False))
         if window and uses_window and max_model_len > window:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
                              f"which the fast path does not implement; pass max_model_len <= {window}")

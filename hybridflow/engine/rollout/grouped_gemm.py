@@ -140,8 +140,8 @@ if triton is not None:
             ks = start + steps
             a = tl.load(a_ptr + row[:, None] * stride_a + ks[None, :], mask=valid[:, None] & (ks[None, :] < kdim),
                         other=0.0)
-            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=(ks[:, None] < kdim) & (cols[None, :] < n),
-                        other=0.0)
+            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
+                        mask=(ks[:, None] < kdim) & (cols[None, :] < n), other=0.0)
             acc = tl.dot(a, w, acc)
         out = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < n))

@@ -5,26 +5,34 @@ backward, plus causal attention `6 x layers x heads x head_dim x context` (QK^T 
 backward, half the square for causality). Only real (unpadded) tokens are counted. Recomputation
 (gradient checkpointing) is not counted: MFU measures useful work. With LoRA the frozen weights get no
 gradient: 4 x (matmul parameters) per token (forward and the inputs' gradients), plus 6 x the adapters'.
+A mixture of experts counts the experts a token is routed to (top-k, and a shared expert) and its router.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybridflow.utils.moe_spec import moe_spec
+
 # Dense bf16 peak per device kind; MFU is relative to these.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 
 
 def matmul_params(config) -> int:
-    """Parameters that take part in a matmul per token: attention and MLP projections of every layer,
-    plus the output head (the embedding lookup is free)."""
+    """Parameters that take part in a matmul per token: attention and MLP projections of every layer (a sparse
+    layer: its router, the top-k experts and a shared expert with its gate), plus the output head (the
+    embedding lookup is free)."""
     h, layers = config.hidden_size, config.num_hidden_layers
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or h // heads
-    inter = config.intermediate_size
     attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    mlp = 3 * h * inter
-    return layers * (attn + mlp) + h * config.vocab_size
+    spec = moe_spec(config)
+    if spec is None:
+        return layers * (attn + 3 * h * config.intermediate_size) + h * config.vocab_size
+    sparse = len(spec.sparse_layers)
+    routed = 3 * h * spec.active_mlp_width() + h * spec.num_experts + (h if spec.shared_intermediate else 0)
+    mlp = sparse * routed + (layers - sparse) * 3 * h * spec.dense_intermediate
+    return layers * attn + mlp + h * config.vocab_size
 
 
 def train_flops(config, seq_lens: list[int], adapter_params: int | None = None) -> float:

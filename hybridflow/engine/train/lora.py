@@ -257,3 +257,13 @@ def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -
     with torch.device("meta"):
         auto = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
         return auto.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def adapted_expert_params(config: Any, cfg: LoraConfig, trust_remote_code: bool = False) -> int:
+    """Weights of the stacked expert parameters `cfg.target_parameters` gives adapters (0 for none): what each
+    forward merges with its adapters (the device budget counts it)."""
+    names = list(cfg.target_parameters)
+    if not names:
+        return 0
+    shapes = resolve_parameters(meta_model(config, "lm", trust_remote_code), names).values()
+    return sum(experts * rows * cols for experts, rows, cols in shapes)
