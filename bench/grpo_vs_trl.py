@@ -47,7 +47,8 @@ SHAPES = {
 
 def make_inputs(work: Path, shape: dict, n_prompts: int, seed: int, vocab: int | None = None,
                 device: str = "cpu") -> tuple[Path, Path]:
-    """A random model of `shape` (`SHAPES` values; `vocab`: the model's vocabulary, None = the tokenizer's)
+    """A random model of `shape` (`SHAPES` values, Qwen2 unless it names an `arch`; `vocab`: the model's
+    vocabulary, None = the tokenizer's)
     and a prompt parquet (synthetic GSM8K-style, verl format). `device="cuda"` makes the weights there in
     bf16 (billion-parameter shapes; call it from a process that exits afterwards, so no CUDA context
     lingers beside the measured runs)."""
@@ -58,7 +59,8 @@ def make_inputs(work: Path, shape: dict, n_prompts: int, seed: int, vocab: int |
 
     rows = make_rows(n_prompts, "train", seed)
     texts = [r["prompt"][0]["content"] for r in rows]
-    model = build_tiny_model(work / "model", arch="qwen2", seed=seed, train_texts=texts, vocab_size=400,
+    shape = {"arch": "qwen2", **shape}
+    model = build_tiny_model(work / "model", seed=seed, train_texts=texts, vocab_size=400,
                              max_positions=2048, model_vocab_size=vocab, device=device,
                              dtype=torch.bfloat16 if device == "cuda" else torch.float32, **shape)
     return model, write_parquet(rows, work / "train.parquet")
@@ -114,6 +116,10 @@ class DeviceMemoryWatch:
         return self.peak / 2**30
 
 
+# the training-inference mismatch and router metrics a step reports, kept per step
+MISMATCH_METRICS = ("rollout_corr/", "training/rollout", "router/")
+
+
 def run_hybridflow(a: argparse.Namespace) -> dict:
     from hybridflow.config.loader import load_config
     from hybridflow.trainer.rl import RLTrainer
@@ -131,7 +137,7 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         f"trainer.seed={a.seed}", "trainer.save_every=0", *a.set,
     ])
     trainer = RLTrainer(cfg)
-    step_s, gen_tok_s, lengths, phases, mfu, tokens_per_s, logp_gap = [], [], [], [], [], [], []
+    step_s, gen_tok_s, lengths, phases, mfu, tokens_per_s, logp_gap, mismatch = [], [], [], [], [], [], [], []
     profile = None
     try:
         for i in range(a.steps):
@@ -154,11 +160,13 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
             # the controller's own time between phases: dispatch, batch assembly, metrics
             phase["other"] = phase["step"] - sum(v for k, v in phase.items() if k != "step")
             phases.append(phase)
+            mismatch.append({k: v for k, v in m.items() if k.startswith(MISMATCH_METRICS)})
             print(f"hybridflow step {trainer.step}: {m['timing_s/step']:.3f}s", flush=True)
     finally:
         trainer.close()
     return {"step_s": step_s, "gen_tokens_per_s": gen_tok_s, "response_length_mean": lengths,
             "phases_s": phases, "mfu_actor": mfu, "tokens_per_s": tokens_per_s, "max_abs_logp_diff": logp_gap,
+            "mismatch": mismatch,
             "peak_memory_gb": peak_memory_gb(a.device), "profile": profile}
 
 

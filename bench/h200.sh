@@ -51,6 +51,23 @@ compile_first_step() {
         --out "$OUT/compile_first_step.json" 2>&1 \
         | tee "$OUT/compile_first_step.log"
 }
+# mixture of experts (issue 40; docs/moe.md). The experts' grouped GEMMs alone: torch._grouped_mm against the Triton
+# kernel's tiles, at decode and prefill token counts
+moe_kernels() { python3 bench/moe.py --device cuda --out "$OUT/moe_kernels_h200.json" 2>&1 \
+    | tee "$OUT/moe_kernels.log"; }
+# rollout tok/s at batch 256: the Qwen3-30B-A3B shape (per experts' kernel, routes recorded or not) against the dense
+# model of its active parameters and transformers.generate
+moe_rollout() { python3 bench/moe_rollout.py --device cuda --out "$OUT/moe_rollout_h200.json" 2>&1 \
+    | tee "$OUT/moe_rollout.log"; }
+# training-inference mismatch and router agreement, a small Qwen3-MoE with replay off and on beside its dense twin
+moe_mismatch() { python3 bench/scale.py --configs moe-small:routes,moe-small:replay,dense-small:default --steps 4 \
+    --budget-s 560 --out "$OUT/moe_mismatch_h200.json" 2>&1 | tee "$OUT/moe_mismatch.log"; }
+# LoRA GRPO on the Qwen3-30B-A3B shape (16 x 8, <= 512 new tokens), one configuration per call (MOE_GRPO): its
+# 57 GiB checkpoint is written to TMPDIR first, so run it where the disk holds it (the 2-GPU kind, one GPU used)
+moe_grpo() { CUDA_VISIBLE_DEVICES=${MOE_GPU:-0} python3 bench/scale.py --configs "${MOE_GRPO:-30b-a3b:lora_replay}" \
+    --steps "${MOE_STEPS:-2}" --budget-s 570 --out "$OUT/moe_grpo_h200.json" 2>&1 | tee "$OUT/moe_grpo.log"; }
+moe_gpu_tests() { python3 -m pytest -q -m gpu tests/engine/rollout/test_moe_gpu.py \
+    tests/engine/train/test_moe_train_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe_gpu_tests.log"; }
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \

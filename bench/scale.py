@@ -6,17 +6,24 @@ the step time and tokens/s, with the default settings and with the memory option
     python bench/scale.py --configs 7b:8bit,7b:cpu_offload --budget-s 540 --out bench/results/scale_b.json
     python bench/scale.py --configs 14b:bf16_8bit --budget-s 540 --out bench/results/scale_c.json
     python bench/scale.py --configs 7b:lora,14b:lora,14b:lora_kl --budget-s 540 --out bench/results/scale_lora.json
+    python bench/scale.py --configs 30b-a3b:lora,30b-a3b:lora_replay --budget-s 540   # Qwen3-30B-A3B (docs/moe.md)
+    python bench/scale.py --configs moe-small:routes,moe-small:replay,dense-small:default --steps 4   # mismatch
     python bench/scale.py --device cpu --configs tiny:default,tiny:cpu_offload,tiny:lora_kl   # a toy check on a CPU
+    python bench/scale.py --device cpu --configs moe-tiny:routes,moe-tiny:lora_replay
 
 Random weights at the real shapes and vocabularies, a 400-token tokenizer (sampled ids past it decode to
 nothing), synthetic GSM8K-style prompts, 16 prompts x 8 samples, <= 512 new tokens, `--steps` steps (the
 first compiles), the settings of `bench/grpo_vs_trl.py` plus each configuration's memory keys (`OPTIONS`; `lora`:
 recipes/grpo_lora.yaml's adapters with the rollout colocated, `lora_kl` with its KL loss too, whose reference is
-the base model under the adapters). `sync_s` is the weight sync of the last step (`timing_s/update_weights`).
+the base model under the adapters; for a mixture of experts `routes` records the rollout's routes and reports
+router agreement without replaying them, `replay` replays them, `lora_replay` both with LoRA). `sync_s` is the
+weight sync of the last step (`timing_s/update_weights`); `mismatch` the training-inference mismatch and router
+metrics of each step (`rollout_corr/*`, `training/rollout_*`, `router/*`).
 Each configuration runs in its own subprocess under a time limit, so an out-of-memory error or a hang is
 recorded and the next one runs; one the device plan refuses is recorded with the plan's message (which
 names the keys that would fit). A shape's model directory is built once (on the GPU, in a subprocess) and
-deleted after its last configuration (a 14B one is 30 GB). The JSON is rewritten after every configuration.
+deleted after its last configuration (a 14B one is 30 GB, Qwen3-30B-A3B's 61 GB: the build refuses to start
+on a disk without room for it). The JSON is rewritten after every configuration.
 """
 
 from __future__ import annotations
@@ -39,13 +46,19 @@ sys.path.insert(0, str(HERE))
 
 from grpo_vs_trl import DeviceMemoryWatch, git_commit, make_inputs, run_hybridflow  # noqa: E402
 
-from hybridflow.utils.model_shapes import QWEN_SHAPES, tiny_model_kwargs  # noqa: E402
+from hybridflow.utils.model_shapes import MOE_SHAPES, QWEN_SHAPES, tiny_model_kwargs  # noqa: E402
 
 SHAPES = {"tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab=None),
+          "moe-tiny": dict(arch="qwen3_moe", hidden=64, layers=2, heads=4, kv_heads=2, experts=8, experts_per_token=2,
+                           vocab=None),
           **{name: {**tiny_model_kwargs(shape), "vocab": shape["vocab_size"]} for name, shape in QWEN_SHAPES.items()
-             if name != "0.5b"}}
+             if name != "0.5b"},
+          **{name.removeprefix("qwen3-"): {**tiny_model_kwargs(shape), "vocab": shape["vocab_size"]}
+             for name, shape in MOE_SHAPES.items()}}
 BF16_8BIT = ["model.dtype=bf16", "model.master_dtype=bf16", "actor.optimizer=adamw_8bit"]
 LORA = ["actor.lora.rank=32", "actor.lora.alpha=32"]  # recipes/grpo_lora.yaml's adapters
+ROUTES = ["rollout.record_routes=true"]
+REPLAY = ROUTES + ["actor.router_replay=rollout"]
 OPTIONS = {
     "default": [],
     "8bit": ["actor.optimizer=adamw_8bit"],
@@ -55,6 +68,9 @@ OPTIONS = {
                         "actor.optimizer_offload=true", "rollout.offload_weights=true"],
     "lora": LORA,
     "lora_kl": LORA + ["actor.kl_loss_coef=0.001"],
+    "routes": ROUTES,
+    "replay": REPLAY,
+    "lora_replay": LORA + REPLAY,
 }
 DEFAULT_CONFIGS = ("1.5b:default", "3b:default", "7b:default", "7b:8bit", "7b:cpu_offload", "14b:default",
                    "14b:bf16_8bit", "14b:all")
@@ -84,9 +100,28 @@ def child(a: argparse.Namespace) -> None:
     Path(a.result).write_text(json.dumps(out))
 
 
+def checkpoint_bytes(shape: dict) -> int:
+    """The bf16 safetensors a shape's model directory holds (its parameters counted on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.utils.tiny_model import tiny_config
+
+    keys = {k: v for k, v in shape.items() if k not in ("arch", "vocab", "tie_word_embeddings")}
+    config = tiny_config(shape.get("arch", "qwen2"), shape.get("vocab") or 400, **keys,
+                         tie_word_embeddings=shape.get("tie_word_embeddings", True))
+    with torch.device("meta"):
+        return 2 * sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
 def build(a: argparse.Namespace) -> None:
-    """The shape's model directory and prompts (on the GPU for the large shapes)."""
+    """The shape's model directory and prompts (on the GPU for the large shapes); refused up front when the
+    disk cannot hold the checkpoint."""
     shape = dict(SHAPES[a.shape])
+    need, free = checkpoint_bytes(shape), shutil.disk_usage(Path(a.work).parent).free
+    if need * 1.05 > free:
+        sys.exit(f"the {a.shape} model directory needs {need / 2**30:.1f} GiB of disk, {free / 2**30:.1f} GiB is free "
+                 f"under {a.work}: run on a machine with a larger disk (TMPDIR picks the folder)")
     vocab = shape.pop("vocab")
     make_inputs(Path(a.work), shape, a.prompts * (a.steps + 1), seed=0, vocab=vocab, device=a.device)
 
@@ -110,7 +145,8 @@ def summarize(config: str, r: dict, steps_total: int, wall_s: float, log: str) -
                    tokens_per_s=statistics.median(r["tokens_per_s"][1:] or r["tokens_per_s"]),
                    gen_tokens_per_s=statistics.median(r["gen_tokens_per_s"][1:] or r["gen_tokens_per_s"]),
                    response_length_mean=statistics.mean(r["response_length_mean"]),
-                   phases_s=r["phases_s"][-1], sync_s=r["phases_s"][-1].get("update_weights"))
+                   phases_s=r["phases_s"][-1], sync_s=r["phases_s"][-1].get("update_weights"),
+                   mismatch=r.get("mismatch"))
         if r.get("mfu_actor"):
             out["mfu_actor"] = statistics.median(r["mfu_actor"][1:] or r["mfu_actor"])
     return out

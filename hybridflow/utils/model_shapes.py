@@ -57,8 +57,14 @@ def moe_shape_config(name: str, **overrides: Any):
 
 
 def tiny_model_kwargs(shape: dict[str, Any]) -> dict[str, Any]:
-    """A `QWEN_SHAPES` entry as `build_tiny_model`'s keywords (its vocabulary is the caller's
+    """A `QWEN_SHAPES` or `MOE_SHAPES` entry as `build_tiny_model`'s keywords (its vocabulary is the caller's
     `model_vocab_size`, since the tokenizer built beside the model is small)."""
-    return dict(hidden=shape["hidden_size"], intermediate=shape["intermediate_size"],
-                layers=shape["num_hidden_layers"], heads=shape["num_attention_heads"],
-                kv_heads=shape["num_key_value_heads"], tie_word_embeddings=shape["tie_word_embeddings"])
+    out = dict(hidden=shape["hidden_size"], intermediate=shape["intermediate_size"],
+               layers=shape["num_hidden_layers"], heads=shape["num_attention_heads"],
+               kv_heads=shape["num_key_value_heads"], tie_word_embeddings=shape["tie_word_embeddings"])
+    if "model_type" in shape:
+        out.update(arch=shape["model_type"], head_dim=shape.get("head_dim"))
+    if "num_experts" in shape:
+        out.update(experts=shape["num_experts"], experts_per_token=shape["num_experts_per_tok"],
+                   expert_intermediate=shape["moe_intermediate_size"])
+    return out

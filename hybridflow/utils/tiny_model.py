@@ -82,9 +82,11 @@ def build_tokenizer(train_texts: list[str] | None = None, vocab_size: int = 300)
 def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
                 kv_heads: int = 2, intermediate: int | None = None, max_positions: int = 512,
                 pad_token_id: int = 0, eos_token_id: int = 3, tie_word_embeddings: bool = True,
-                experts: int = 4, experts_per_token: int = 2, expert_intermediate: int | None = None):
+                experts: int = 4, experts_per_token: int = 2, expert_intermediate: int | None = None,
+                head_dim: int | None = None):
     """A `transformers` config of the named architecture at a debug size; the MoE architectures get
-    `experts` experts of width `expert_intermediate` (default hidden / 2), `experts_per_token` per token."""
+    `experts` experts of width `expert_intermediate` (default hidden / 2), `experts_per_token` per token.
+    head_dim: Qwen3's per-head width (default hidden / heads)."""
     from transformers import AutoConfig
 
     if arch not in ARCHITECTURES:
@@ -104,7 +106,7 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
         rms_norm_eps=1e-6,
     )
     if arch in ("qwen3", "qwen3_moe"):
-        kwargs["head_dim"] = hidden // heads
+        kwargs["head_dim"] = head_dim or hidden // heads
     kwargs.update(moe_kwargs(arch, experts, experts_per_token, expert_intermediate or hidden // 2))
     return AutoConfig.for_model(arch, **kwargs)
 
@@ -114,9 +116,10 @@ def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, la
                      max_positions: int = 512, seed: int = 0, train_texts: list[str] | None = None,
                      vocab_size: int = 300, tie_word_embeddings: bool = True, model_vocab_size: int | None = None,
                      dtype: torch.dtype = torch.float32, device: str = "cpu", experts: int = 4,
-                     experts_per_token: int = 2, expert_intermediate: int | None = None) -> Path:
+                     experts_per_token: int = 2, expert_intermediate: int | None = None,
+                     head_dim: int | None = None) -> Path:
     """Save a random model + tokenizer + generation config under `path` and return it (`experts`,
-    `experts_per_token`, `expert_intermediate`: the MoE architectures' routing, see `tiny_config`).
+    `experts_per_token`, `expert_intermediate`: the MoE architectures' routing, and `head_dim`: see `tiny_config`).
 
     `model_vocab_size`: the model's vocabulary when it should be larger than the tokenizer's (Qwen2.5 has
     151,936 rows for 151,665 tokens; benchmarks use it to get a real vocabulary's head on a small
@@ -132,7 +135,7 @@ def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, la
         raise ValueError(f"model_vocab_size={model_vocab_size} is below the tokenizer's {len(tok)} tokens")
     config = tiny_config(arch, model_vocab_size or len(tok), hidden, layers, heads, kv_heads, intermediate,
                          max_positions, pad_id, eos_id, tie_word_embeddings, experts, experts_per_token,
-                         expert_intermediate)
+                         expert_intermediate, head_dim)
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)

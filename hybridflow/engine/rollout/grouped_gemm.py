@@ -48,15 +48,19 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
 
 
 def expert_mlp(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], kernel: str) -> torch.Tensor:
+               down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], kernel: str,
+               tiles: dict[str, int] | None = None) -> torch.Tensor:
     """x [T, H]; weights [T, k] (model dtype or fp32) and ids [T, k] of each token's experts; gate_up
-    [E, 2I, H], down [E, H, I]; act: [P, 2I] -> [P, I] (silu(gate) * up) -> [T, H] in x's dtype."""
+    [E, 2I, H], down [E, H, I]; act: [P, 2I] -> [P, I] (silu(gate) * up) -> [T, H] in x's dtype.
+    tiles: the Triton kernel's block_m / block_n / block_k / num_warps / num_stages (default `TILES`)."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     if kernel == "triton":
-        slot_pair, block_expert = block_layout(flat, gate_up.shape[0], BLOCK_M)
-        hidden = grouped_matmul(x, gate_up, slot_pair, block_expert, k)
-        out = grouped_matmul(act(hidden), down, slot_pair, block_expert, 1)
+        tiles = {**TILES, **(tiles or {})}
+        block_m = tiles.pop("block_m")
+        slot_pair, block_expert = block_layout(flat, gate_up.shape[0], block_m)
+        hidden = grouped_matmul(x, gate_up, slot_pair, block_expert, k, **tiles)
+        out = grouped_matmul(act(hidden), down, slot_pair, block_expert, 1, **tiles)
     else:
         order = torch.argsort(flat, stable=True)
         rows = x[order // k]
@@ -75,7 +79,9 @@ def expert_mlp(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_u
     return weighted.view(tokens, k, -1).sum(1).to(x.dtype)
 
 
-BLOCK_M = 32  # pair rows per Triton program (bench/moe.py sweeps it)
+# the Triton kernel's tiles (pair rows, output columns and reduction per program; warps, pipeline stages);
+# bench/moe.py sweeps them on the GPU
+TILES = dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
 def block_layout(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +117,8 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, slot_pair: torch.Tensor, bl
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     block_m = slot_pair.shape[0] // block_expert.shape[0]
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
-    _grouped_kernel[grid](a, w, out, slot_pair, block_expert, num_pairs, n, kdim, top_k, a.stride(0), w.stride(0),
-                          w.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    _grouped_kernel[grid](a, w, out, slot_pair, block_expert, num_pairs, n, top_k, a.stride(0), w.stride(0),
+                          w.stride(1), out.stride(0), KDIM=kdim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                           num_warps=num_warps, num_stages=num_stages)
     return out
 
@@ -120,11 +126,12 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, slot_pair: torch.Tensor, bl
 if triton is not None:
 
     @triton.jit
-    def _grouped_kernel(a_ptr, w_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, num_pairs, n, kdim, top_k,
-                        stride_a, stride_we, stride_wn, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+    def _grouped_kernel(a_ptr, w_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, num_pairs, n, top_k,
+                        stride_a, stride_we, stride_wn, stride_out, KDIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One BLOCK_M x BLOCK_N tile of one expert's pairs: rows gathered from `a` by pair // top_k, the
-        expert's weight tile read once for the block, the tile stored at the pairs' own rows."""
+        expert's weight tile read once for the block, the tile stored at the pairs' own rows (the reduction
+        length KDIM is a compile-time constant: a model has two, hidden and expert width)."""
         block = tl.program_id(0)
         expert = tl.load(block_expert_ptr + block)
         if expert < 0:
@@ -136,12 +143,12 @@ if triton is not None:
         steps = tl.arange(0, BLOCK_K)
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, kdim, BLOCK_K):
+        for start in range(0, KDIM, BLOCK_K):
             ks = start + steps
-            a = tl.load(a_ptr + row[:, None] * stride_a + ks[None, :], mask=valid[:, None] & (ks[None, :] < kdim),
+            a = tl.load(a_ptr + row[:, None] * stride_a + ks[None, :], mask=valid[:, None] & (ks[None, :] < KDIM),
                         other=0.0)
             w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
-                        mask=(ks[:, None] < kdim) & (cols[None, :] < n), other=0.0)
+                        mask=(ks[:, None] < KDIM) & (cols[None, :] < n), other=0.0)
             acc = tl.dot(a, w, acc)
         out = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < n))
