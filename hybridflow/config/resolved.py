@@ -2,7 +2,8 @@
 
 Which roles run (a critic, a reference, ReMax's greedy baseline, multi-turn episodes), whether a role
 trains LoRA adapters, where the rollout and the critic run, how many rows a mini-batch holds, whether
-the old log-probs get a pass of their own and whether the actor hooks a mixture of experts' routers: the trainer decides each of these here and hands the answers
+the old log-probs get a pass of their own, whether the actor hooks a mixture of experts' routers and lends
+its frozen weights to the rollout engine beside it: the trainer decides each of these here and hands the answers
 down typed, so no worker or engine re-derives one from config sections. What only a worker can know (the
 device plan, made from its device's free memory) comes back from it instead
 (`hybridflow.workers.base.Effective`).
@@ -34,6 +35,10 @@ class RunFacts:
     router_hooks: the actor's forwards hook a mixture of experts' routers: to compare the experts they use with
         those the rollout recorded (`rollout.record_routes`), to replay those (`actor.router_replay`), or for the
         load-balancing loss (`actor.router_aux_loss_coef` > 0).
+    lend_frozen_weights: a LoRA actor on one device (`trainer.n_workers=1`, no `actor.param_offload`, which moves
+        its weights) lends its frozen weights to the colocated fast rollout engine, which holds them instead of
+        copies; the device plan counts the engine's copy without them. Read from the model's config: its
+        architecture must have a fast path (`rollout.engine` not hf).
     """
 
     critic: bool
@@ -51,10 +56,23 @@ class RunFacts:
     skip_old_log_probs: bool
     groups: dict[str, int]
     router_hooks: bool
+    lend_frozen_weights: bool
 
 
 def _rows(mini_batch_size: int | None, n: int) -> int | None:
     return None if mini_batch_size is None else mini_batch_size * n
+
+
+def _fast_architecture(model: Any) -> bool:
+    """The model at `model.path` has a fast rollout engine path (False without a path)."""
+    if model.path is None:
+        return False
+    from transformers import AutoConfig
+
+    from hybridflow.engine.rollout.model import FAST_ARCHITECTURES
+
+    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    return config.model_type in FAST_ARCHITECTURES
 
 
 def resolve_facts(cfg: Any) -> RunFacts:
@@ -76,4 +94,7 @@ def resolve_facts(cfg: Any) -> RunFacts:
         critic_mini_batch_rows=_rows(cfg.critic.mini_batch_size, n),
         skip_old_log_probs=actor.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward,
         groups=run_groups(cfg),
-        router_hooks=(cfg.rollout.record_routes or actor.router_replay != "none" or actor.router_aux_loss_coef > 0))
+        router_hooks=(cfg.rollout.record_routes or actor.router_replay != "none" or actor.router_aux_loss_coef > 0),
+        lend_frozen_weights=(actor_lora and cfg.trainer.n_workers == 1 and not actor.param_offload
+                             and cfg.rollout.placement == "colocate" and cfg.rollout.engine != "hf"
+                             and _fast_architecture(cfg.model)))

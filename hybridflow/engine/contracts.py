@@ -69,6 +69,11 @@ class TrainEngineContract(Protocol):
         """(HF name, shape) of each tensor `rollout_weights` yields, in its order."""
         ...
 
+    def frozen_weights(self) -> dict[str, torch.Tensor]:
+        """{HF name: tensor} of a LoRA model's frozen weights, which a rollout engine on the same device may hold
+        instead of copies (one unsharded rank only)."""
+        ...
+
     def describe(self) -> str:
         """The model's size and dtypes, for messages."""
         ...

@@ -17,7 +17,7 @@ from typing import Any
 from hybridflow.config.resolved import RunFacts
 from hybridflow.config.role_needs import rollout_workers
 from hybridflow.engine.budget import DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole
-from hybridflow.engine.train.lora import adapted_expert_params, trainable_params
+from hybridflow.engine.train.lora import adapted_expert_params, shareable_params, trainable_params
 
 
 def _compute_bytes(dtype: str) -> int:
@@ -63,7 +63,10 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
                           max_num_seqs=cfg.rollout.max_num_seqs, max_model_len=longest,
                           offload_weights=cfg.rollout.offload_weights,
                           cache_stays=not cfg.rollout.free_cache_after_generate,
-                          kv_cache_fraction=cfg.rollout.kv_cache_fraction)
+                          kv_cache_fraction=cfg.rollout.kv_cache_fraction,
+                          shared_params=shareable_params(_config(cfg.model, cfg.model.path), cfg.actor.lora,
+                                                         cfg.model.trust_remote_code)
+                          if facts.lend_frozen_weights else 0)
     trained = [actor]
     frozen = []
     if facts.reference_copy:  # a LoRA actor's reference is its own base weights

@@ -43,7 +43,7 @@ def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None 
                               rollout=None if facts.separate_rollout else replica_config(cfg, facts),
                               reference_copy=facts.reference_copy, mini_batch_rows=facts.actor_mini_batch_rows,
                               total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len,
-                              router=router)
+                              router=router, lend_frozen_weights=facts.lend_frozen_weights)
 
 
 def critic_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,

@@ -69,6 +69,8 @@ class ActorWorker(EngineWorker):
             None = off.
         router: a mixture of experts' router hooks on the trainer's forwards (replay of the rollout's recorded
             experts, router agreement, the load-balancing loss); None = none.
+        lend_frozen_weights: the colocated rollout engine holds the LoRA model's frozen weights (embeddings, head,
+            norms, routers, unadapted experts) as they are instead of copies (`TrainEngine.frozen_weights`).
         """
 
         model: ModelConfig
@@ -81,6 +83,7 @@ class ActorWorker(EngineWorker):
         seed: int = 0
         exact_len: int | None = None
         router: RouterHooks.Config | None = None
+        lend_frozen_weights: bool = False
 
     keys, model_keys = "actor", "model"
     cfg: ActorConfig
@@ -95,9 +98,12 @@ class ActorWorker(EngineWorker):
         self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) if config.reference_copy else None
         self.rollout = None
         if config.rollout is not None:
+            # a LoRA actor's frozen weights never change: the engine holds them as they are
+            shared = self.engine.frozen_weights() if config.lend_frozen_weights else {}
             self.rollout = RolloutReplica(config.rollout, self.device, self.engine.precision.param,
                                           pad_token_id(self.engine.config),
-                                          kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
+                                          kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
+                                          shared_weights=shared)
         self.channel: WeightChannel | None = None
         self.rendezvous: Rendezvous | None = None
         self._offload_idle()

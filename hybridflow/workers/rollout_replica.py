@@ -25,10 +25,11 @@ UNPLANNED_KV_FRACTION = 0.4
 
 
 def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype,
-                  max_model_len: int, kv_cache_bytes: int | None = None, step_rows: int | None = None
-                  ) -> RolloutEngineContract:
+                  max_model_len: int, kv_cache_bytes: int | None = None, step_rows: int | None = None,
+                  shared_weights: dict[str, torch.Tensor] | None = None) -> RolloutEngineContract:
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
-    kernels when `rollout_cfg.exact`). The KV cache
+    kernels when `rollout_cfg.exact`), holding `shared_weights` (a colocated LoRA trainer's frozen ones) instead
+    of copies (the fast engine). The KV cache
     on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
     plan's), else `UNPLANNED_KV_FRACTION`. On a CPU, where nothing plans the memory and the cache is
     zero-filled RAM, it holds at most `step_rows` sequences (the rows of one training step; more queue)."""
@@ -42,7 +43,7 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact,
-        record_routes=rollout_cfg.record_routes)
+        record_routes=rollout_cfg.record_routes, shared_weights=shared_weights)
 
 
 def cpu_max_num_seqs(max_num_seqs: int, step_rows: int | None) -> int:
@@ -62,14 +63,15 @@ class RolloutReplica:
     memory; with `rollout.offload_weights` the weights go to the CPU too), else allocated for the whole
     run; weights updated in place by `load_weights`. `kv_cache_bytes`: the device plan's KV cache (see
     `build_rollout`). With `config.agent` set, `generate` runs multi-turn episodes (`build_episodes`), which
-    need the tokenizer."""
+    need the tokenizer. `shared_weights`: a colocated LoRA trainer's frozen weights, held instead of copies."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
         """What a rollout replica is built from, resolved on the controller.
 
         model_path / tokenizer_path: the model directory and its tokenizer's (None = the model's).
-        rollout: the `rollout` section (engine, exact mode, KV cache, CUDA graphs, sleep and offload policy).
+        rollout: the `rollout` section (engine, exact mode, KV cache, CUDA graphs, sleep and offload policy,
+            recorded routes).
         max_prompt_length / max_response_length: the `data` lengths (their sum is the engine's context).
         step_rows: rows of one training step (bounds a CPU engine's slots); None = no bound.
         agent: the `agent` section when multi-turn episodes are on, else None.
@@ -84,14 +86,14 @@ class RolloutReplica:
         agent: AgentConfig | None = None
 
     def __init__(self, config: RolloutReplica.Config, device: torch.device, dtype: torch.dtype, pad_id: int,
-                 kv_cache_bytes: int | None = None) -> None:
+                 kv_cache_bytes: int | None = None, shared_weights: dict[str, torch.Tensor] | None = None) -> None:
         self.config, self.cfg, self.pad_id = config, config.rollout, pad_id
         self.max_prompt_length, self.max_response_length = config.max_prompt_length, config.max_response_length
         self.max_num_seqs = cpu_max_num_seqs(self.cfg.max_num_seqs, config.step_rows) if device.type == "cpu" \
             else self.cfg.max_num_seqs
         self.engine = build_rollout(config.model_path, config.rollout, device, dtype,
                                     config.max_prompt_length + config.max_response_length, kv_cache_bytes,
-                                    step_rows=config.step_rows)
+                                    step_rows=config.step_rows, shared_weights=shared_weights)
         self.agent = None
         if config.agent is not None:
             if self.cfg.record_routes:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.budget import DeviceDemand, DoesNotFit, ModelShape, RolloutRole, TrainedRole, plan
 from hybridflow.engine.train.flops import matmul_params
-from hybridflow.engine.train.lora import adapted_expert_params, trainable_params
+from hybridflow.engine.train.lora import adapted_expert_params, shareable_params, trainable_params
 from hybridflow.utils.model_shapes import moe_shape_config
 
 GIB = 2**30
@@ -57,19 +57,46 @@ def test_expert_lora_costs_the_merged_weights_of_each_forward():
 
 def test_30b_a3b_lora_grpo_plan_on_one_h200():
     """recipes/grpo_lora.yaml's adapters (rank 32 on the linear layers: attention alone in a Qwen3-MoE), GRPO's
-    512 + 512 tokens, 256 sequences, the rollout colocated: the estimate fits with checkpointed micro-batches;
-    adapting every expert too trains 1.3B parameters, and is refused with the keys that fit it."""
+    512 + 512 tokens, 256 sequences, the rollout colocated: with the frozen weights lent to the rollout engine
+    (embeddings, head, norms, routers, experts: 29.6B) its own copy is the attention's, and the KV cache gets all
+    its slots; without lending, both copies leave little for the cache. Adapting every expert too trains 1.3B
+    parameters and is refused with the keys that fit it."""
     config = moe_shape_config("qwen3-30b-a3b")
     s = ModelShape.from_config(config)
 
-    def demand(cfg):
+    def demand(cfg, lend: bool = True):
         role = TrainedRole("actor", "model", s, 2, 4, lora_params=trainable_params(config, cfg),
                            expert_lora_params=adapted_expert_params(config, cfg))
-        return DeviceDemand(trained=(role,), rollout=RolloutRole(s, 2, max_num_seqs=256, max_model_len=1024),
-                            longest_sequence=1024)
+        rollout = RolloutRole(s, 2, max_num_seqs=256, max_model_len=1024,
+                              shared_params=shareable_params(config, cfg) if lend else 0)
+        return DeviceDemand(trained=(role,), rollout=rollout, longest_sequence=1024)
 
-    fitted = plan(demand(lora()), *H200)
-    actor = fitted.roles["actor"]
-    assert actor.gradient_checkpointing and actor.max_tokens == 16384 and fitted.kv_cache_bytes > 4 * GIB
+    assert abs(shareable_params(config, lora()) - 29.63e9) < 0.01e9
+    lent, copied = plan(demand(lora()), *H200), plan(demand(lora(), lend=False), *H200)
+    assert lent.generation_breakdown["rollout weights"] < 2 * GIB
+    assert lent.kv_cache_bytes == 257 * 1024 * 48 * 2 * 512 * 2  # every slot and the scratch one
+    assert copied.kv_cache_bytes < lent.kv_cache_bytes / 3 and copied.roles["actor"].gradient_checkpointing
     with pytest.raises(DoesNotFit, match="3.35B active: 8 of 128 experts.*it fits with"):
         plan(demand(lora(target_parameters=["experts.gate_up_proj", "experts.down_proj"])), *H200)
+
+
+def test_the_run_plans_lent_weights_only_where_the_actor_lends_them(tiny_model_factory, tmp_path):
+    from transformers import AutoConfig
+
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.resolved import resolve_facts
+    from hybridflow.trainer.memory import device_demands
+    from hybridflow.trainer.role_configs import actor_config
+
+    path = tiny_model_factory("qwen3_moe", experts=8, experts_per_token=2)
+
+    def lent(*extra):
+        cfg = load_config([f"model.path={path}", "actor.lora.rank=4", *extra], "recipes/grpo.yaml")
+        facts = resolve_facts(cfg)  # the actor lends exactly where the plan counts it
+        assert actor_config(cfg, 1, facts=facts).lend_frozen_weights == facts.lend_frozen_weights
+        return device_demands(cfg, facts)["actor"].rollout.shared_params
+
+    expected = shareable_params(AutoConfig.from_pretrained(path), lora(rank=4))
+    assert lent() == expected > 0
+    assert lent("trainer.n_workers=2") == lent("actor.param_offload=true") == lent("actor.lora.rank=0") == 0
+    assert lent("rollout.engine=hf") == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig
+from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig, TrainerConfig
 from hybridflow.controller.worker import WorkerContext
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.trainer.role_configs import actor_config
@@ -30,8 +30,10 @@ def sampling(n: int, max_tokens: int, temperature: float = 1.0) -> SamplingParam
 
 def actor_worker(ctx: WorkerContext, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig,
                  data: DataConfig, total_steps: int = 1) -> ActorWorker:
-    """An `ActorWorker` on `ctx` built as `hybridflow train` builds it from these sections."""
-    cfg = RLConfig(model=model, actor=actor, rollout=rollout, data=data)
+    """An `ActorWorker` on `ctx` built as `hybridflow train` builds it from these sections, in a run of as many
+    workers as `ctx`'s group has."""
+    cfg = RLConfig(model=model, actor=actor, rollout=rollout, data=data,
+                   trainer=TrainerConfig(n_workers=ctx.world_size))
     return ActorWorker.create(ctx, dict(config=actor_config(cfg, total_steps)))
 
 

@@ -17,7 +17,9 @@ Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
 - between its uses (generation): its weights unless `param_offload`, its state unless `optimizer_offload`;
 - a frozen model: its compute-dtype weights unless offloaded (a LoRA actor's reference is its own base
   weights: nothing);
-- the rollout engine: `P x c` weights (unless offloaded while training), the KV cache while generating.
+- the rollout engine: `P x c` weights (unless offloaded while training; beside a LoRA trainer on one device,
+  less the frozen weights it holds as they are: embeddings, head, norms, routers, unadapted experts), the KV
+  cache while generating.
 `bench/train.py` and `bench/scale.py` record this estimate beside the measured device peak of each run.
 """
 
@@ -239,10 +241,11 @@ class RolloutRole:
     offload_weights: bool = False
     cache_stays: bool = False
     kv_cache_fraction: float | None = None
+    shared_params: int = 0  # a colocated LoRA trainer's frozen weights the engine holds instead of copies
 
     @property
     def weight_bytes(self) -> int:
-        return self.shape.params * self.compute_bytes
+        return (self.shape.params - self.shared_params) * self.compute_bytes
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.shape.layers * self.shape.kv_dim * self.compute_bytes

@@ -21,7 +21,7 @@ Architectures outside the fast families go to `HFRolloutEngine`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +30,7 @@ import torch
 from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
-from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM
+from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, weight_target
 from hybridflow.engine.rollout.moe import RouteRecord
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
@@ -41,8 +41,10 @@ if TYPE_CHECKING:  # hf_fallback imports transformers' generation: loaded only w
     from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
 
-def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor in a model directory's safetensors (or .bin) files."""
+def checkpoint_tensors(path: str | Path, keep: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor in a model directory's safetensors (or .bin) files; with `keep`
+    (name -> bool), safetensors files skip the others unread."""
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if files:
@@ -51,7 +53,8 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         return
     files = sorted(path.glob("pytorch_model*.bin"))
     if not files:
@@ -131,7 +134,8 @@ class RolloutEngine:
                         max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                         cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384,
                         decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
-                        moe_kernel: str = "auto") -> RolloutEngine | HFRolloutEngine:
+                        moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None
+                        ) -> RolloutEngine | HFRolloutEngine:
         """Load a Hugging Face model directory.
 
         engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or
@@ -149,6 +153,8 @@ class RolloutEngine:
         record_routes: a mixture of experts records each token's experts per sparse layer
             (`Completion.routes`); the fast engine only.
         moe_kernel: the experts' grouped GEMMs: auto, grouped_mm, triton or gather (`grouped_gemm.py`).
+        shared_weights: a colocated trainer's frozen weights by HF name, held by the fast engine as they are
+            (no copy, not read from `path`; see `from_config`).
         """
         from transformers import AutoConfig
 
@@ -172,9 +178,11 @@ class RolloutEngine:
                 raise ValueError(f"record_routes needs the fast engine, which has no path for model_type "
                                  f"{config.model_type!r} with engine={engine!r}; fast: {FAST_ARCHITECTURES}")
             return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096)
-        return cls.from_config(config, checkpoint_tensors(path), device, dtype, stop_ids, max_num_seqs,
-                               max_model_len, kv_cache_memory, cuda_graphs, max_prefill_tokens,
-                               decode_steps_per_sync, exact, record_routes, moe_kernel)
+        shared = shared_weights or {}
+        tensors = checkpoint_tensors(path, keep=lambda name: weight_target(name)[0] not in shared)
+        return cls.from_config(config, tensors, device, dtype, stop_ids, max_num_seqs, max_model_len,
+                               kv_cache_memory, cuda_graphs, max_prefill_tokens, decode_steps_per_sync, exact,
+                               record_routes, moe_kernel, shared)
 
     @classmethod
     def from_config(cls, config, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -183,10 +191,14 @@ class RolloutEngine:
                     max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                     cuda_graphs: bool = True, max_prefill_tokens: int = 16384,
                     decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
-                    moe_kernel: str = "auto") -> RolloutEngine:
+                    moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None) -> RolloutEngine:
         """A fast engine from a HF config and (HF name, tensor) weights, e.g. a trainer's state dict, with
         no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id); exact: see
-        `from_pretrained`."""
+        `from_pretrained`. shared_weights: weights the engine holds as they are instead of copies (a LoRA
+        trainer's frozen embeddings, head, norms, routers and experts on the same device:
+        `TrainEngine.frozen_weights`), each one whose name, shape, dtype and device match a parameter of its own
+        (fused q/k/v and gate/up never do); they are never loaded into nor moved by `sleep`, and
+        `named_tensors` need not hold them."""
         device = indexed_device(device)
         max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
@@ -197,8 +209,11 @@ class RolloutEngine:
                              f"which the fast path does not implement; pass max_model_len <= {window}")
         if stop_token_ids is None:
             stop_token_ids = eos_ids(config) or []
-        model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact), moe_kernel)
-        missing = model.expected_weights() - model.covered(model.load_weights(named_tensors))
+        model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact), moe_kernel,
+                               shared_weights)
+        loaded = model.load_weights((name, t) for name, t in named_tensors
+                                    if weight_target(name)[0] not in model.shared)
+        missing = model.expected_weights() - model.covered(loaded + [(name, None) for name in model.shared])
         if missing:
             raise ValueError(f"the weights lack {len(missing)} tensors the model needs, e.g. "
                              f"{sorted(str(m) for m in missing)[:4]}")
@@ -326,7 +341,8 @@ class RolloutEngine:
         host allocator caches the blocks, so each sleep reuses them) as asynchronous copies with one wait
         at the end; back, the copies from page-locked memory are asynchronous too. Copies through pageable
         memory were most of an offloaded 14B run's generation phase (docs/benchmarks.md)."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = [p for name, p in self.model.named_parameters() if name not in self.model.shared]
+        tensors += list(self.model.buffers())
         if device.type == "cpu" and self.device.type == "cuda":
             for tensor in tensors:
                 host = torch.empty_like(tensor.data, device="cpu", pin_memory=True)

@@ -46,6 +46,20 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
 
+def weight_target(name: str) -> tuple[str, object]:
+    """The fast model's (parameter name, shard) for a Hugging Face weight name: `model.` prefixed when missing,
+    q/k/v and gate/up into their fused parameters, experts stacked (`moe.expert_target`)."""
+    if not name.startswith(("model.", "lm_head.")):
+        name = "model." + name
+    expert = expert_target(name)
+    if expert is not None:
+        return expert
+    for piece, (fused, shard_id) in _FUSED.items():
+        if f".{piece}." in name:
+            return name.replace(f".{piece}.", f".{fused}."), shard_id
+    return name, None
+
+
 def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"shape {tuple(tensor.shape)} does not match the parameter's {tuple(param.shape)}")
@@ -255,6 +269,7 @@ class CausalLM(nn.Module):
         if backend == "exact" and invariant.unsupported(config):
             raise ValueError(f"exact mode cannot run this model: {'; '.join(invariant.unsupported(config))}")
         self.config, self.exact = config, backend == "exact"
+        self.shared: set[str] = set()  # parameters that are someone else's tensors (`build`)
         self.model = DecoderModel(config, backend, moe_kernel)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.exact)
         self.tie()
@@ -266,16 +281,24 @@ class CausalLM(nn.Module):
 
     @classmethod
     def build(cls, config, max_len: int, device: torch.device, dtype: torch.dtype, backend: str,
-              moe_kernel: str = "auto") -> CausalLM:
-        """moe_kernel: the experts' grouped GEMMs (`grouped_gemm.KERNELS`; auto: `resolve_kernel`)."""
+              moe_kernel: str = "auto", shared: dict[str, torch.Tensor] | None = None) -> CausalLM:
+        """moe_kernel: the experts' grouped GEMMs (`grouped_gemm.KERNELS`; auto: `resolve_kernel`). shared:
+        weights by parameter name held by someone else (a colocated trainer's frozen ones): a parameter of the
+        same name, shape, dtype and device becomes that very tensor instead of memory of its own (`shared`)."""
         from hybridflow.engine.rollout.grouped_gemm import resolve_kernel
 
         with torch.device("meta"):
             model = cls(config, backend, resolve_kernel(moe_kernel, device, dtype)).to(dtype)
-        model.to_empty(device=device)
-        model.tie()  # to_empty makes new parameters, which unties them
-        for p in model.parameters():
-            p.requires_grad_(False)
+        for name, param in list(model.named_parameters()):
+            owner_name, leaf = name.rsplit(".", 1)
+            given = (shared or {}).get(name)
+            if given is not None and (given.shape, given.dtype, given.device) == (param.shape, dtype, device):
+                data = given.detach()
+                model.shared.add(name)
+            else:
+                data = torch.empty(param.shape, dtype=dtype, device=device)
+            model.get_submodule(owner_name)._parameters[leaf] = nn.Parameter(data, requires_grad=False)
+        model.tie()  # new parameters: the head points at the embedding again
         model.set_rotary(max_len)
         return model
 
@@ -329,20 +352,17 @@ class CausalLM(nn.Module):
         Names may carry HF's `model.` prefix or not (`layers.0...` as in the inner model's state dict);
         `lm_head.weight` is accepted whether or not the embeddings are tied; experts load stacked or one
         tensor per expert (`moe.expert_target`). Tensors on another device or dtype are converted by
-        `copy_`; DTensors are gathered first. An unknown name raises KeyError.
+        `copy_`; DTensors are gathered first. An unknown name raises KeyError; a shared weight, ValueError.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = []
         for name, tensor in named_tensors:
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
-            if not name.startswith(("model.", "lm_head.")):
-                name = "model." + name
-            target, shard = expert_target(name) or (name, None)
-            for piece, (fused, shard_id) in _FUSED.items():
-                if target == name and f".{piece}." in name:
-                    target, shard = name.replace(f".{piece}.", f".{fused}."), shard_id
-                    break
+            target, shard = weight_target(name)
+            if target in self.shared:
+                raise ValueError(f"cannot load {name!r}: {target} is a colocated trainer's frozen weight, shared with "
+                                 f"this engine, not a copy")
             param = params.get(target)
             if param is None:
                 import difflib

@@ -30,7 +30,7 @@ from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
 from hybridflow.engine.train.exact import make_exact
-from hybridflow.engine.train.lora import apply_lora
+from hybridflow.engine.train.lora import apply_lora, frozen_weights
 from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows, take_rows
 from hybridflow.engine.train.model import load_model, resolve_precision
 from hybridflow.engine.train.offload import move_optimizer, move_params
@@ -356,6 +356,15 @@ class TrainEngine:
         the trained policy, one at a time (a collective: every rank iterates): every parameter, or with LoRA
         only the merged weight W + scale · B·A of each adapted module (nothing else ever changes)."""
         return self.iter_full_params(dtype) if self.adapters is None else self.adapters.merged_weights(dtype)
+
+    def frozen_weights(self) -> dict[str, torch.Tensor]:
+        """{HF name: tensor} of the frozen weights a rollout engine on this device may hold instead of copies
+        (`lora.frozen_weights`), with LoRA on one unsharded rank (full training changes every weight; FSDP2
+        keeps only shards)."""
+        if self.adapters is None or self.sharded:
+            raise RuntimeError(f"frozen_weights needs LoRA on one unsharded rank; this engine has "
+                               f"{'no adapters' if self.adapters is None else 'sharded weights (FSDP2)'}")
+        return frozen_weights(self.model)
 
     def rollout_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of each tensor `rollout_weights` yields, in its order."""

@@ -22,8 +22,10 @@ The returned `Adapters` gives what the rest of a run needs from them:
   which exact mode's forward also uses);
 - `peft_config`: the `peft.LoraConfig`, which checkpoints keep so `hybridflow export` can write an adapter
   directory or a merged model.
-`trainable_params` counts, on the meta device, the parameters a LoRA run trains (for device budgeting and
-the checkpoint-size check).
+`frozen_weights(model)` names the frozen weights a colocated rollout engine may hold as they are (those outside
+the decoder layers' linear layers with no adapter: embeddings, head, norms, routers, unadapted stacked experts;
+the engine fuses or merges the rest). `trainable_params` counts, on the meta device, the parameters a LoRA run
+trains (for device budgeting and the checkpoint-size check), `shareable_params` those frozen weights.
 """
 
 from __future__ import annotations
@@ -233,6 +235,27 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, head: str, master_dtype:
     return adapters
 
 
+def _outside_linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """{HF name: parameter} of the weights outside the decoder layers' linear layers, without adapters: peft's
+    adapters and the expert weights its `ParamWrapper`s adapt are left out, the other weights under a wrapper
+    keep their Hugging Face names."""
+    inside = {id(p) for layer in decoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear)
+              for p in m.parameters()}
+    adapted = {_param_name(n, m.parameter_name) for n, m in model.named_modules() if hasattr(m, "parameter_name")}
+    out = {}
+    for name, p in model.named_parameters():
+        hf = ".".join(part for part in name.split(".") if part != "base_layer")
+        if id(p) not in inside and ".lora_" not in name and hf not in adapted:
+            out[hf] = p
+    return out
+
+
+def frozen_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{HF name: tensor} of a LoRA model's frozen weights a rollout engine can hold as they are (see the module
+    docstring): they never change, so the engine needs no copy of them."""
+    return {n: p.detach() for n, p in _outside_linear_layers(model).items() if not p.requires_grad}
+
+
 def trainable_params(config: Any, cfg: LoraConfig, head: str = "lm", trust_remote_code: bool = False) -> int:
     """Parameters a LoRA run of `cfg` trains on the model of Hugging Face `config`: rank x (in + out) per
     adapted linear layer, rank x experts x (in + out) per adapted expert weight, plus a value model's score
@@ -267,3 +290,11 @@ def adapted_expert_params(config: Any, cfg: LoraConfig, trust_remote_code: bool 
         return 0
     shapes = resolve_parameters(meta_model(config, "lm", trust_remote_code), names).values()
     return sum(experts * rows * cols for experts, rows, cols in shapes)
+
+
+def shareable_params(config: Any, cfg: LoraConfig, trust_remote_code: bool = False) -> int:
+    """How many of a LoRA causal LM's weights `frozen_weights` gives a rollout engine (the device budget counts
+    the engine's copy without them)."""
+    model = meta_model(config, "lm", trust_remote_code)
+    outside = sum(p.numel() for p in _outside_linear_layers(model).values())
+    return outside - adapted_expert_params(config, cfg, trust_remote_code)

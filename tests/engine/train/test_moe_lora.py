@@ -78,3 +78,36 @@ def test_target_parameters_are_checked_and_counted(moe_path):
     cfg = lora(target_parameters=EXPERTS)
     engine = TrainEngine(model_cfg(moe_path), optim_cfg(lora=cfg), head="lm")
     assert trainable_params(AutoConfig.from_pretrained(moe_path), cfg) == engine.trained_params()
+
+
+def test_the_rollout_engine_holds_a_lora_trainers_frozen_weights(moe_path):
+    """A LoRA trainer on one device lends its frozen weights (embeddings, head, norms, routers, unadapted experts)
+    to the rollout engine, which holds them as they are: same storage, the same samples as an engine with copies,
+    not read from the directory, never loaded into, left in place by an offloading sleep; the device budget's
+    count of them is exact."""
+    from hybridflow.engine.train.lora import shareable_params
+
+    cfg = lora(target_parameters=["experts.down_proj"])
+    engine = TrainEngine(model_cfg(moe_path), optim_cfg(lora=cfg), head="lm")
+    shared = engine.frozen_weights()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in shared and "model.embed_tokens.weight" in shared
+    assert not any("down_proj" in n or "self_attn.q_proj" in n for n in shared)  # adapted, or a linear layer
+    assert sum(t.numel() for t in shared.values()) == shareable_params(AutoConfig.from_pretrained(moe_path), cfg)
+    holder = RolloutEngine.from_pretrained(moe_path, max_num_seqs=4, shared_weights=shared)
+    copies = RolloutEngine.from_pretrained(moe_path, max_num_seqs=4)
+    experts = holder.model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.data_ptr() == shared["model.layers.1.mlp.experts.gate_up_proj"].data_ptr()
+    assert holder.model.model.layers[1].mlp.experts.down_proj.data_ptr() != \
+        engine.model.model.layers[1].mlp.experts.base_layer.down_proj.data_ptr()
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[])
+    prompts = [[5, 6, 7, 8], [10, 11, 12]]
+    assert [o[0].token_ids for o in holder.generate(prompts, params)] == \
+        [o[0].token_ids for o in copies.generate(prompts, params)]
+    with pytest.raises(ValueError, match="shared with this engine"):
+        holder.load_weights([("model.layers.0.mlp.gate.weight", shared["model.layers.0.mlp.gate.weight"])])
+    holder.load_weights(engine.rollout_weights())  # the merged adapted weights alone: fine
+    holder.sleep(offload_weights=True)
+    holder.wake()
+    assert experts.gate_up_proj.data_ptr() == shared["model.layers.1.mlp.experts.gate_up_proj"].data_ptr()
+    with pytest.raises(RuntimeError, match="needs LoRA on one unsharded rank"):  # full training changes them all
+        TrainEngine(model_cfg(moe_path), optim_cfg(), head="lm").frozen_weights()
