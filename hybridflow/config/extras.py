@@ -45,8 +45,9 @@ def package_problems(cfg: Any) -> list[str]:
 
 def lora_target_problems(cfg: Any, sections: tuple[tuple[str, str, str], ...]) -> list[str]:
     """Each `(optimizer section, model key, head)` training LoRA on a local model directory: its
-    `lora.target_modules` must name linear layers of the model's decoder layers."""
-    from hybridflow.engine.train.lora import meta_model, resolve_targets, target_names
+    `lora.target_modules` must name linear layers of the model's decoder layers, its `lora.target_parameters`
+    stacked expert weights."""
+    from hybridflow.engine.train.lora import meta_model, resolve_parameters, resolve_targets, target_names
 
     problems = []
     for section, model_key, head in sections:
@@ -60,8 +61,10 @@ def lora_target_problems(cfg: Any, sections: tuple[tuple[str, str, str], ...]) -
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        model = meta_model(config, head, cfg.model.trust_remote_code)
         try:
-            resolve_targets(meta_model(config, head, cfg.model.trust_remote_code), list(lora.target_modules))
+            resolve_targets(model, list(lora.target_modules))
+            resolve_parameters(model, list(lora.target_parameters))
         except ValueError as e:
             problems.append(f"{section}.{e} (model {path})")
     return problems

@@ -47,5 +47,7 @@ def test_moe_keys_are_checked(moe_model, tiny_qwen2, data_dir, tmp_path):
     assert "set rollout.record_routes=true" in problems(moe_model, "actor.router_replay=rollout")
     assert "needs the fast engine" in problems(moe_model, "rollout.record_routes=true", "rollout.engine=hf")
     assert "need a mixture of experts" in problems(tiny_qwen2, "rollout.record_routes=true")
+    assert "actor.lora.target_parameters: 'experts.gate': no parameter has that name" in problems(
+        moe_model, "actor.lora.rank=4", "actor.lora.target_parameters=[experts.gate]")
     assert "actor.lora.dropout=0.1 cannot apply to expert weights" in problems(
         moe_model, "actor.lora.rank=4", "actor.lora.dropout=0.1", "actor.lora.target_parameters=[experts.down_proj]")
