@@ -1,7 +1,7 @@
 """What a run needs beyond its keys, checked with the config before any model loads: the optional packages
-its settings use (a logger, the 8-bit optimizer, LoRA, Ray), and LoRA's target modules on the model's own
-layers (built on the meta device, no weights read). Each problem names the key, and the pip command or the
-valid module names."""
+its settings use (a logger, the 8-bit optimizer, LoRA, Ray), LoRA's target modules on the model's own
+layers (built on the meta device, no weights read), and a mixture of experts for the MoE settings. Each
+problem names the key, and the pip command or the valid module names."""
 
 from __future__ import annotations
 
@@ -68,3 +68,26 @@ def lora_target_problems(cfg: Any, sections: tuple[tuple[str, str, str], ...]) -
         except ValueError as e:
             problems.append(f"{section}.{e} (model {path})")
     return problems
+
+
+def moe_model_problems(cfg: Any) -> list[str]:
+    """Route recording, replay and the router aux loss need a mixture of experts the fast engine knows."""
+    actor, uses = cfg.actor, []
+    if cfg.rollout.record_routes:
+        uses.append("rollout.record_routes=true")
+    if actor.router_replay != "none":
+        uses.append(f"actor.router_replay={actor.router_replay}")
+    if actor.router_aux_loss_coef > 0:
+        uses.append(f"actor.router_aux_loss_coef={actor.router_aux_loss_coef}")
+    path = cfg.model.path
+    if not uses or path is None or not (Path(path).expanduser() / "config.json").is_file():
+        return []
+    from transformers import AutoConfig
+
+    from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    if moe_spec(config) is None:
+        return [f"{', '.join(uses)} need a mixture of experts of {', '.join(MOE_ARCHITECTURES)}; model.path={path} "
+                f"is a {config.model_type!r} model"]
+    return []

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.exact_checks import exact_problems
-from hybridflow.config.extras import lora_target_problems, package_problems
+from hybridflow.config.extras import lora_target_problems, moe_model_problems, package_problems
 from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, needs_critic,
                                           needs_greedy_baseline, rollout_workers, run_groups)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
@@ -280,29 +280,6 @@ def _moe_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def _moe_model_problems(cfg: Any) -> list[str]:
-    """Route recording, replay and the router aux loss need a mixture of experts the fast engine knows."""
-    actor, uses = cfg.actor, []
-    if cfg.rollout.record_routes:
-        uses.append("rollout.record_routes=true")
-    if actor.router_replay != "none":
-        uses.append(f"actor.router_replay={actor.router_replay}")
-    if actor.router_aux_loss_coef > 0:
-        uses.append(f"actor.router_aux_loss_coef={actor.router_aux_loss_coef}")
-    path = cfg.model.path
-    if not uses or path is None or not Path(path).expanduser().is_dir():
-        return []
-    from transformers import AutoConfig
-
-    from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    if moe_spec(config) is None:
-        return [f"{', '.join(uses)} need a mixture of experts of {', '.join(MOE_ARCHITECTURES)}; model.path={path} "
-                f"is a {config.model_type!r} model"]
-    return []
-
-
 def _rollout_placement_problems(cfg: Any) -> list[str]:
     """`rollout.placement` and `rollout.n_workers`: the separate rollout group's size and its share of prompts."""
     rollout, prompts = cfg.rollout, cfg.data.train_batch_size
@@ -445,7 +422,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
                 + _ray_problems(cfg) + _agent_problems(cfg) + package_problems(cfg)
                 + _moe_problems(cfg))
     if check_paths:
-        problems += _path_problems(cfg) + _moe_model_problems(cfg)
+        problems += _path_problems(cfg) + moe_model_problems(cfg)
     problems += exact_problems(cfg, check_paths)
     if n_workers >= 1:
         roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]
