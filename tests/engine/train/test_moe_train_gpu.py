@@ -43,8 +43,13 @@ def test_compiled_packed_replay_uses_the_recorded_experts(tiny_model_factory, fs
     engine = TrainEngine(model_cfg(path, dtype="auto", compile=True), optim_cfg(), head="lm",
                          router=RouterHooks.Config(replay=True, aux_loss_coef=0.01))
     used = []
+
+    @torch.compiler.disable
+    def grab(module, args, out):
+        used.append(out[2].detach().cpu())
+
     for layer in decoder_layers(engine.model):
-        layer.mlp.gate.register_forward_hook(lambda m, a, out: used.append(out[2].detach().cpu()))
+        layer.mlp.gate.register_forward_hook(grab)
     batch = moe_batch()
     metrics = engine.train_step(batch, loss_fn)
     flat = batch["rollout_routes"][batch["attention_mask"].bool()]
