@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_helpers import model_cfg, optim_cfg
+from train_helpers import model_cfg, optim_cfg, run_ranks
 
 from hybridflow.algorithms import load_balancing_loss, replayed_weights, same_experts
 from hybridflow.batch import Batch
@@ -98,6 +98,7 @@ def test_replay_uses_exactly_the_recorded_experts(moe_path, rollout_batch, pack)
     assert metrics["router/agreement"] == metrics["router/topk_agreement"] < 0.5
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_replay_holds_in_checkpointed_recomputation(moe_path, rollout_batch):
     """A checkpointed layer recomputes its forward in the backward: it replays the same experts, so the
     gradients equal those without checkpointing."""
@@ -120,6 +121,35 @@ def test_replay_holds_in_checkpointed_recomputation(moe_path, rollout_batch):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5)
+
+
+def _pg_loss(out, mb, ctx):
+    return -(out["log_probs"] * mb["response_mask"]).sum() / ctx.global_tokens, {}
+
+
+def _replay_ranks(rank, path, batch):
+    """Half the rows per rank (FSDP2 over two gloo ranks), replayed, in micro-batches of 2 rows."""
+    local = {k: v[rank::2] for k, v in batch.items()}
+    engine = TrainEngine(model_cfg(path), optim_cfg(grad_clip=1e9), head="lm", pack_on_cpu=True,
+                         router=RouterHooks.Config(replay=True))
+    metrics = engine.train_step(local, _pg_loss, micro_batch_size=2)
+    return metrics["grad_norm"], metrics["loss"], engine.router_metrics()
+
+
+def test_replay_under_fsdp2_on_two_ranks_matches_one_process(moe_path, rollout_batch):
+    """The HF MoE model sharded by FSDP2 (two gloo ranks, micro-batches) replays the same routes as one
+    process: the same loss and gradient norm, and the agreement counted over both ranks."""
+    forced = rollout_batch["rollout_routes"].clone()
+    forced[forced >= 0] = (forced[forced >= 0] + 5) % 8
+    batch = {**rollout_batch, "rollout_routes": forced}
+    engine = TrainEngine(model_cfg(moe_path), optim_cfg(grad_clip=1e9), head="lm", pack_on_cpu=True,
+                         router=RouterHooks.Config(replay=True))
+    reference = engine.train_step(batch, _pg_loss)
+    expected = engine.router_metrics()
+    for norm, loss, metrics in run_ranks(2, _replay_ranks, str(moe_path), batch):
+        assert abs(norm - reference["grad_norm"]) < 1e-4 * reference["grad_norm"]
+        assert abs(loss - reference["loss"]) < 1e-5
+        assert metrics == pytest.approx(expected) and metrics["router/agreement"] == 1.0
 
 
 def test_aux_loss_equals_transformers(moe_path, rollout_batch):
