@@ -101,7 +101,8 @@ def test_bf16_log_probs_within_tolerance(spread_model, arch):
         logp, _ = hf_forward(model, prompt + out.token_ids[:-1])
         picked = logp[len(prompt) - 1:].gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
         diffs.append((torch.tensor(out.logprobs) - picked).abs())
-    assert torch.cat(diffs).mean() < 0.05
+    diffs = torch.cat(diffs)
+    assert diffs.mean() < 5e-3 and diffs.max() < 5e-2
 
 
 def test_routes_of_n_samples_and_decode_windows(spread_model):
