@@ -53,7 +53,7 @@ compile_first_step() {
 }
 # mixture of experts (issue 40; docs/moe.md). The experts' grouped GEMMs alone: torch._grouped_mm against the Triton
 # kernel's tiles, at decode and prefill token counts
-moe_kernels() { python3 bench/moe.py --device cuda --out "$OUT/moe_kernels_h200.json" 2>&1 \
+moe_kernels() { python3 bench/moe_kernels.py --device cuda --out "$OUT/moe_kernels_h200.json" 2>&1 \
     | tee "$OUT/moe_kernels.log"; }
 # rollout tok/s at batch 256: the Qwen3-30B-A3B shape (per experts' kernel, routes recorded or not) against the dense
 # model of its active parameters and transformers.generate

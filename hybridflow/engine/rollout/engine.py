@@ -14,7 +14,7 @@ running row (fewer when a row reaches its length limit sooner) before the one ho
 finished rows; rows that finished free their slot then. A session that holds its sequences lets a caller
 continue one with appended tokens: only those are prefilled, attending over the slot's cached prefix.
 With `record_routes` (a mixture of experts) each completion also carries the experts every token it fed
-through the model was routed to (`Completion.routes`, from the blocks' `moe.RouteRecord`).
+through the model was routed to (`Completion.routes`, from the blocks' `sparse_moe.RouteRecord`).
 Architectures outside the fast families go to `HFRolloutEngine`.
 """
 
@@ -31,7 +31,7 @@ from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, weight_target
-from hybridflow.engine.rollout.moe import RouteRecord
+from hybridflow.engine.rollout.sparse_moe import RouteRecord
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 from hybridflow.engine.rollout.sequence import Request, RunningBatch

@@ -80,7 +80,7 @@ def expert_mlp(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_u
 
 
 # the Triton kernel's tiles (pair rows, output columns and reduction per program; warps, pipeline stages);
-# bench/moe.py sweeps them on the GPU
+# bench/moe_kernels.py sweeps them on the GPU
 TILES = dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 

@@ -3,7 +3,7 @@
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
 and k per head, Llama may have `attention_bias` / `mlp_bias`, Mistral is Llama's shape; a mixture of experts
-has its family's attention and a `moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are
+has its family's attention and a `sparse_moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are
 fused into `qkv_proj` and gate/up into `gate_up_proj`. Checkpoint loading and the trainer -> rollout
 sync (`load_weights`) share one path that takes HF names (`...self_attn.q_proj.weight`) and copies in
 place: a module's `weight_loader(param, tensor, shard)` serves its parameters (the fused ones place a
@@ -36,7 +36,7 @@ from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, deco
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
-from hybridflow.engine.rollout.moe import SparseMoE, expert_target
+from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
 FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", *MOE_ARCHITECTURES)
@@ -48,7 +48,7 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
 
 def weight_target(name: str) -> tuple[str, object]:
     """The fast model's (parameter name, shard) for a Hugging Face weight name: `model.` prefixed when missing,
-    q/k/v and gate/up into their fused parameters, experts stacked (`moe.expert_target`)."""
+    q/k/v and gate/up into their fused parameters, experts stacked (`sparse_moe.expert_target`)."""
     if not name.startswith(("model.", "lm_head.")):
         name = "model." + name
     expert = expert_target(name)
@@ -351,7 +351,7 @@ class CausalLM(nn.Module):
 
         Names may carry HF's `model.` prefix or not (`layers.0...` as in the inner model's state dict);
         `lm_head.weight` is accepted whether or not the embeddings are tied; experts load stacked or one
-        tensor per expert (`moe.expert_target`). Tensors on another device or dtype are converted by
+        tensor per expert (`sparse_moe.expert_target`). Tensors on another device or dtype are converted by
         `copy_`; DTensors are gathered first. An unknown name raises KeyError; a shared weight, ValueError.
         """
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -1,8 +1,8 @@
 """The routed experts' grouped GEMMs alone: torch._grouped_mm against the Triton grouped GEMM (a sweep of its
 tiles) and the gather fallback, at decode and prefill token counts, as the rollout engine runs them.
 
-    python bench/moe.py --device cuda --out bench/results/moe_kernels_h200.json   # Qwen3-30B-A3B + small shapes
-    python bench/moe.py --device cpu                                            # a toy shape, grouped_mm / gather
+    python bench/moe_kernels.py --device cuda --out bench/results/moe_kernels_h200.json  # 30B-A3B, small shapes
+    python bench/moe_kernels.py --device cpu                                             # a toy shape
 
 Each case is one sparse layer's `grouped_gemm.expert_mlp` (sort the token-expert pairs, both GEMMs, SiLU, the
 weighted sum), in bf16 on a GPU, on T tokens routed uniformly at random to their top-k of E experts (a
