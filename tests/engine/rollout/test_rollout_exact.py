@@ -7,11 +7,10 @@ of 256-token responses."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from hybridflow.config.schema import LoraConfig, ModelConfig, OptimConfig
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.train import TrainEngine
 
@@ -22,13 +21,11 @@ DEVICES = [pytest.param("cpu", "fp32", id="cpu-fp32"),
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _trainer(path, device: str = "cpu", dtype: str = "fp32", lora: SimpleNamespace | None = None,
+def _trainer(path, device: str = "cpu", dtype: str = "fp32", lora: LoraConfig | None = None,
              max_len: int = MAX_LEN) -> TrainEngine:
     """A trained policy (fp32 master weights; bf16 compute under autocast) whose forward is exact."""
-    model = SimpleNamespace(path=str(path), tokenizer_path=None, dtype=dtype, gradient_checkpointing=False,
-                            attn_implementation="sdpa", trust_remote_code=False)
-    optim = SimpleNamespace(lr=1e-3, lr_schedule="constant", lr_warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0,
-                            betas=(0.9, 0.999), grad_clip=1.0, lora=lora)
+    model = ModelConfig(path=str(path), dtype=dtype, gradient_checkpointing=False)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0, lora=lora or LoraConfig())
     return TrainEngine(model, optim, head="lm", device=torch.device(device), exact_len=max_len)
 
 
@@ -104,7 +101,7 @@ def test_a_continued_turn_is_the_trainers_forward_of_the_whole_conversation(spre
     assert _gap(_trainer(path), rows, 1.0) == 0.0
 
 
-LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=[], init="default")
+LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=[], init="default")
 
 
 def _adapted(trainer: TrainEngine, seed: int = 5) -> TrainEngine:
