@@ -3,10 +3,11 @@
 Advantage estimators (`advantages`), policy and value losses (`losses`), KL estimators and KL in
 reward (`kl`), loss aggregation (`aggregation`), KL controllers (`kl_control`), DAPO helpers (`dapo`),
 the training–inference mismatch (`mismatch`) and its correction (`rollout_correction`), mixture-of-experts
-routing (`moe_routing`: replayed routing weights, router agreement, the load-balancing loss), and masked
-statistics (`utils`). No I/O and no distributed calls: the trainer and the workers call
-these. Add an estimator, a loss or a rollout correction by name with `register_adv_estimator` /
-`register_policy_loss` / `register_rollout_correction`.
+routing (`moe_routing`: replayed routing weights, router agreement, the load-balancing loss), offline
+preference losses and the reward model's (`preference_losses`), and masked statistics (`utils`). No I/O and no
+distributed calls: the trainer and the workers call these. Add an estimator, a loss or a rollout correction by
+name with `register_adv_estimator` / `register_policy_loss` / `register_preference_loss` /
+`register_rollout_correction`.
 """
 
 from hybridflow.algorithms.advantages import (
@@ -42,6 +43,14 @@ from hybridflow.algorithms.mismatch import (
     training_rollout_mismatch,
 )
 from hybridflow.algorithms.moe_routing import load_balancing_loss, replayed_weights, same_experts
+from hybridflow.algorithms.preference_losses import (
+    PREFERENCE_LOSSES,
+    PreferenceOut,
+    bradley_terry_loss,
+    compute_preference_loss,
+    preference_needs_reference,
+    register_preference_loss,
+)
 from hybridflow.algorithms.registry import Registry
 from hybridflow.algorithms.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -55,14 +64,18 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
     "ROLLOUT_CORRECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
+    "PreferenceOut",
     "Registry",
     "aggregate",
+    "bradley_terry_loss",
     "cispo_policy_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "compute_preference_loss",
     "filter_groups",
     "gae",
     "get_adv_estimator",
@@ -86,8 +99,10 @@ __all__ = [
     "mismatch_stats",
     "overlong_penalty",
     "ppo_policy_loss",
+    "preference_needs_reference",
     "register_adv_estimator",
     "register_policy_loss",
+    "register_preference_loss",
     "register_rollout_correction",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
