@@ -43,14 +43,16 @@ class TrainEngineContract(Protocol):
 
     def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
               max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-              pack: bool = True) -> dict[str, torch.Tensor]:
-        """Log-probs (+ entropy) or values for every row, `[B, R]` float32 on the CPU."""
+              pack: bool = True, row_group: int = 1) -> dict[str, torch.Tensor]:
+        """Log-probs (+ entropy) or values for every row, `[B, R]` float32 on the CPU; runs of `row_group`
+        consecutive rows share a micro-batch."""
         ...
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFunction,
                    micro_batch_size: int | None = None, max_tokens: int | None = None, temperature: float = 1.0,
-                   with_entropy: bool = False, pack: bool = True) -> dict[str, float]:
-        """One optimizer step over this rank's share of a mini-batch; metrics averaged over all ranks."""
+                   with_entropy: bool = False, pack: bool = True, row_group: int = 1) -> dict[str, float]:
+        """One optimizer step over this rank's share of a mini-batch; metrics averaged over all ranks; runs of
+        `row_group` consecutive rows (a preference pair's) share a micro-batch."""
         ...
 
     def offload(self, params: bool = True, optimizer: bool = True) -> None:

@@ -88,10 +88,11 @@ def _mean_over_ranks(values: dict[str, float], engine: TrainEngineContract) -> d
 
 def run_update(engine: TrainEngineContract, tensors: dict[str, torch.Tensor], cfg: OptimConfig,
                loss_fn: LossFunction, *, passes: int, prefix: str, mini_batch_rows: int | None = None,
-               temperature: float = 1.0, with_entropy: bool = False, seed: int = 0) -> dict[str, float]:
+               temperature: float = 1.0, with_entropy: bool = False, seed: int = 0, row_group: int = 1
+               ) -> dict[str, float]:
     """All optimizer steps of one trainer step: `passes` passes over the rows, each cut into mini-batches of
-    `mini_batch_rows` rows over all ranks (None: one mini-batch) and those into `cfg`'s micro-batches; metrics
-    identical on every rank.
+    `mini_batch_rows` rows over all ranks (None: one mini-batch) and those into `cfg`'s micro-batches (runs of
+    `row_group` consecutive rows stay in one mini- and micro-batch); metrics identical on every rank.
 
     Returns the loss metrics averaged over steps, `{prefix}/grad_norm` (mean pre-clip norm),
     `{prefix}/lr` (of the last step), `{prefix}/skipped_steps` (non-finite norms so far),
@@ -108,11 +109,11 @@ def run_update(engine: TrainEngineContract, tensors: dict[str, torch.Tensor], cf
 
     def train() -> None:
         for epoch in range(passes):
-            for idx in mini_batch_slices(rows, steps, cfg.shuffle, seed * 1000 + epoch):
-                mb = take_rows(tensors, idx)
+            for idx in mini_batch_slices(rows, steps, cfg.shuffle, seed * 1000 + epoch, row_group):
+                mb = take_rows(tensors, idx, empty_rows=row_group)
                 m = engine.train_step(mb, loss_fn, micro_batch_size=cfg.micro_batch_size,
                                       max_tokens=cfg.max_tokens_per_micro_batch, temperature=temperature,
-                                      with_entropy=with_entropy, pack=cfg.use_packing)
+                                      with_entropy=with_entropy, pack=cfg.use_packing, row_group=row_group)
                 for k, v in m.items():
                     history[k].append(v)
 

@@ -31,7 +31,8 @@ from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
 from hybridflow.engine.train.exact import make_exact
 from hybridflow.engine.train.lora import apply_lora, frozen_weights
-from hybridflow.engine.train.microbatch import agree_count, count_micro_batches, split_rows, take_rows
+from hybridflow.engine.train.microbatch import (agree_count, count_micro_batches, group_lengths, group_rows,
+                                                split_rows, take_rows)
 from hybridflow.engine.train.model import load_model, resolve_precision
 from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
@@ -184,27 +185,29 @@ class TrainEngine:
         return out, inputs.num_tokens
 
     def micro_batch_rows(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None,
-                         max_tokens: int | None) -> list[list[int]]:
-        """Row indices of each micro-batch; the same number of micro-batches on every rank."""
+                         max_tokens: int | None, row_group: int = 1) -> list[list[int]]:
+        """Row indices of each micro-batch; the same number of micro-batches on every rank. Runs of `row_group`
+        consecutive rows share a micro-batch (`micro_batch_size` then counts runs)."""
         if batch["input_ids"].shape[0] == 0:
             raise ValueError("this rank got an empty batch; every data-parallel rank needs at least one row")
-        lengths = batch["attention_mask"].sum(-1).tolist()
+        lengths = group_lengths(batch["attention_mask"].sum(-1).tolist(), row_group)
         local = count_micro_batches(lengths, micro_batch_size, max_tokens)
-        return split_rows(lengths, agree_count(local, self.device), by_tokens=max_tokens is not None)
+        groups = split_rows(lengths, agree_count(local, self.device), by_tokens=max_tokens is not None)
+        return groups if row_group == 1 else group_rows(groups, row_group)
 
     @torch.no_grad()
     def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
               max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-              pack: bool = True) -> dict[str, torch.Tensor]:
+              pack: bool = True, row_group: int = 1) -> dict[str, torch.Tensor]:
         """Log-probs (+ entropy) or values for every row of `batch`, `[B, R]` float32 on the CPU; dropout
-        (a LoRA adapter's, or the model's own) is off for these passes."""
+        (a LoRA adapter's, or the model's own) is off for these passes. `row_group`: as `micro_batch_rows`."""
         rows = batch["input_ids"].shape[0]
         outs: dict[str, torch.Tensor] = {}
         training = self.model.training
         if self.has_dropout:
             self.model.eval()
         try:
-            for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens):
+            for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens, row_group):
                 out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack)
                 for k, v in out.items():
                     if k not in outs:
@@ -222,13 +225,14 @@ class TrainEngine:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None = None,
                    max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-                   pack: bool = True) -> dict[str, float]:
+                   pack: bool = True, row_group: int = 1) -> dict[str, float]:
         """One optimizer step over this rank's share of a mini-batch.
 
         `loss_fn(outputs, micro_batch, ctx) -> (loss, metrics)` returns the micro-batch's share of the
         mini-batch loss (aggregated with `ctx`'s global counts) and per-micro-batch mean metrics. The
         metrics come back averaged over all ranks' response tokens, with `loss` (the summed mini-batch
-        loss), `grad_norm` (before clipping), `lr` and `stepped` (0 if the norm was not finite).
+        loss), `grad_norm` (before clipping), `lr` and `stepped` (0 if the norm was not finite). Runs of
+        `row_group` consecutive rows share a micro-batch (a loss that reads them together: preference pairs).
         """
         mask = batch["response_mask"]
         counts = all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
@@ -238,10 +242,10 @@ class TrainEngine:
         sums: dict[str, torch.Tensor] = {}
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         local_tokens = 0.0
-        groups = self.micro_batch_rows(batch, micro_batch_size, max_tokens)
+        groups = self.micro_batch_rows(batch, micro_batch_size, max_tokens, row_group)
         for i, rows in enumerate(groups):
             self._accumulate_unsharded(last=i == len(groups) - 1)
-            mb = take_rows(batch, rows)
+            mb = take_rows(batch, rows, empty_rows=row_group)
             out, _ = self.forward(mb, temperature, with_entropy, pack)
             loss, metrics = loss_fn(out, {k: to_device(v, self.device) for k, v in mb.items()}, ctx)
             weight = float(mb["response_mask"].sum())

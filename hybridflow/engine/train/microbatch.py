@@ -6,6 +6,9 @@ agreed first (the largest any rank needs, `agree_count`), and each rank then spl
 exactly that many groups. A rank with fewer rows than groups fills the rest with empty groups, which
 the engine runs as one fully masked row.
 
+Rows that one loss reads together (a preference pair's chosen and rejected rows) stay together: with
+`row_group` = k, consecutive runs of k rows are the units that are split, shuffled and budgeted.
+
 Token budget (dynamic batch sizing): rows are grouped so no group's real-token count passes
 `max_tokens` where possible (a single longer row gets a group of its own), balancing the groups by
 putting each row, longest first, into the group with the fewest tokens so far.
@@ -79,22 +82,42 @@ def split_rows(lengths: list[int], groups: int, by_tokens: bool) -> list[list[in
     return [sorted(rows) for rows in out]
 
 
-def mini_batch_slices(rows: int, mini_batches: int, shuffle: bool, seed: int) -> list[torch.Tensor]:
-    """A (seeded) permutation of `range(rows)` cut into `mini_batches` near-equal parts."""
+def group_lengths(lengths: list[int], row_group: int) -> list[int]:
+    """The token count of each unit of `row_group` consecutive rows."""
+    if row_group < 1 or len(lengths) % row_group:
+        raise ValueError(f"{len(lengths)} rows do not divide into groups of row_group={row_group}")
+    return [sum(lengths[i:i + row_group]) for i in range(0, len(lengths), row_group)]
+
+
+def group_rows(units: Sequence[Sequence[int]] | torch.Tensor, row_group: int) -> list[list[int]]:
+    """Unit indices -> the row indices of those units (`row_group` consecutive rows each), per part."""
+    return [[int(u) * row_group + k for u in part for k in range(row_group)] for part in units]
+
+
+def mini_batch_slices(rows: int, mini_batches: int, shuffle: bool, seed: int, row_group: int = 1
+                      ) -> list[torch.Tensor]:
+    """A (seeded) permutation of `range(rows)` cut into `mini_batches` near-equal parts; runs of `row_group`
+    consecutive rows move (and stay) together."""
+    units = rows // row_group
     if shuffle:
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+        order = torch.randperm(units, generator=torch.Generator().manual_seed(seed))
     else:
-        order = torch.arange(rows)
-    return list(torch.tensor_split(order, mini_batches))
+        order = torch.arange(units)
+    parts = torch.tensor_split(order, mini_batches)
+    if row_group == 1:
+        return list(parts)
+    return [torch.tensor(part, dtype=torch.long) for part in group_rows(parts, row_group)]
 
 
-def take_rows(batch: dict[str, torch.Tensor], rows: Sequence[int] | torch.Tensor) -> dict[str, torch.Tensor]:
-    """Rows `rows` of `batch`; no rows -> row 0 with its response masked out, a forward that adds nothing
-    (so a rank with no rows in a micro- or mini-batch still joins the step's collectives)."""
+def take_rows(batch: dict[str, torch.Tensor], rows: Sequence[int] | torch.Tensor,
+              empty_rows: int = 1) -> dict[str, torch.Tensor]:
+    """Rows `rows` of `batch`; no rows -> the first `empty_rows` rows with their responses masked out, a
+    forward that adds nothing (so a rank with no rows in a micro- or mini-batch still joins the step's
+    collectives)."""
     if len(rows):
         idx = torch.as_tensor(rows, dtype=torch.long)
         return {k: v[idx.to(v.device)] for k, v in batch.items()}
-    out = {k: v[:1].clone() for k, v in batch.items()}
+    out = {k: v[:empty_rows].clone() for k, v in batch.items()}
     if "response_mask" in out:
         out["response_mask"].zero_()
     return out

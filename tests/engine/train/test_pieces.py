@@ -10,7 +10,8 @@ from train_helpers import model_cfg, optim_cfg, rl_batch
 
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.flops import matmul_params, train_flops
-from hybridflow.engine.train.microbatch import count_micro_batches, mini_batch_slices, split_rows, take_rows
+from hybridflow.engine.train.microbatch import (count_micro_batches, group_lengths, group_rows, mini_batch_slices,
+                                                split_rows, take_rows)
 from hybridflow.engine.train.optim import lr_factor
 
 
@@ -40,6 +41,20 @@ def test_token_budget_groups_stay_under_budget_and_balance():
         count_micro_batches(lengths, None, 0)
     parts = mini_batch_slices(7, 3, shuffle=True, seed=1)
     assert sorted(torch.cat(parts).tolist()) == list(range(7)) and [len(p) for p in parts] == [3, 2, 2]
+
+
+def test_row_groups_stay_together_in_mini_and_micro_batches():
+    lengths = [4, 5, 9, 1, 3, 3]  # three groups of two rows (a preference pair's chosen and rejected)
+    units = group_lengths(lengths, 2)
+    assert units == [9, 10, 6]
+    assert group_rows(split_rows(units, 2, by_tokens=True), 2) == [[2, 3], [0, 1, 4, 5]]
+    parts = mini_batch_slices(6, 2, shuffle=True, seed=3, row_group=2)
+    assert sorted(torch.cat(parts).tolist()) == list(range(6))
+    assert all(p[0::2].remainder(2).eq(0).all() and (p[1::2] - p[0::2]).eq(1).all() for p in parts)
+    with pytest.raises(ValueError, match="5 rows do not divide into groups of row_group=2"):
+        group_lengths(lengths[:5], 2)
+    batch = {"input_ids": torch.arange(12).view(4, 3), "response_mask": torch.ones(4, 2)}
+    assert take_rows(batch, [], empty_rows=2)["response_mask"].tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
 
 def test_take_rows_picks_rows_or_one_masked_row():
