@@ -6,7 +6,8 @@ needs besides weights: `hf/config.json`, `hf/generation_config.json`, the tokeni
 it reads the DCP model shards into full CPU tensors in one process (any saved world size), puts them
 into a meta-initialised `AutoModelForCausalLM` of the saved config and writes config, generation
 config, tokenizer and safetensors with `save_pretrained`, so `AutoModelForCausalLM.from_pretrained`
-loads the trained weights and gives the trainer's logits.
+loads the trained weights and gives the trainer's logits. A reward model's (`hybridflow rm`) saved config
+is a sequence classifier's (`head_config`), and it is written as one, which `reward.reward_model.path` loads.
 
 A LoRA checkpoint (its role dir holds peft's `adapter_config.json` and the adapters alone) is written as a
 peft adapter directory (`adapter_config.json` naming the base model, `adapter_model.safetensors`, the
@@ -39,13 +40,40 @@ HF_DIR, SOURCE_FILE, ADAPTER_CONFIG = "hf", "source.json", "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def save_hf_assets(role_dir: str | Path, model_path: str | Path) -> Path:
-    """Store config, generation config and tokenizer of `model_path` under `<role_dir>/hf/`."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+def head_config(model_path: str | Path, head: str = "lm", trust_remote_code: bool = False):
+    """The Hugging Face config of the model a role trains from `model_path`: its own for a causal LM (`lm`); for
+    a reward model (`score`, `hybridflow.engine.train.model`) the `...ForSequenceClassification` of it with one
+    label and a pad id (the tokenizer's, else its eos), which reads the score at the last non-pad token."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if head == "score":
+        config.num_labels = 1
+        config.architectures = [a.replace("ForCausalLM", "ForSequenceClassification")
+                                for a in config.architectures or []]
+        if config.pad_token_id is None:
+            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+                else tokenizer.eos_token_id
+    return config
+
+
+def _auto_class(config):
+    """The `transformers` auto class of a saved config: a sequence classifier (a reward model) or a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
+
+
+def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm") -> Path:
+    """Store config (`head_config`), generation config and tokenizer of `model_path` under `<role_dir>/hf/`."""
+    from transformers import AutoTokenizer, GenerationConfig
 
     dest = Path(role_dir) / HF_DIR
     dest.mkdir(parents=True, exist_ok=True)
-    AutoConfig.from_pretrained(model_path).save_pretrained(dest)
+    head_config(model_path, head).save_pretrained(dest)
     try:
         GenerationConfig.from_pretrained(model_path).save_pretrained(dest)
     except OSError:
@@ -154,12 +182,11 @@ def _write_whole(out_dir: Path, write: Callable[[Path], None]) -> None:
 
 
 def _full_model(role: str, state: dict[str, torch.Tensor], config, dtype: torch.dtype | None):
-    """Every weight of the checkpoint in a meta-initialised model of `config`."""
-    from transformers import AutoModelForCausalLM
-
+    """Every weight of the checkpoint in a meta-initialised model of `config` (a causal LM, or a reward model's
+    sequence classifier)."""
     saved_dtype = dtype or next(v.dtype for v in state.values() if v.is_floating_point())
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=saved_dtype)
+        model = _auto_class(config).from_config(config, dtype=saved_dtype)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

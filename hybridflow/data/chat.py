@@ -107,6 +107,20 @@ def encode_prompts(prompts: Sequence[str | Messages], tokenizer: Any, apply_chat
     return out  # type: ignore[return-value]
 
 
+def render_scored_text(prompt: str | Messages, completion: str | Messages, tokenizer: Any) -> str:
+    """The text a reward model scores (`hybridflow.rewards.model_reward.ModelReward`): a message prompt and its
+    completion (a string becomes an assistant message) through the chat template; a string prompt and
+    string completion concatenated as they are."""
+    if isinstance(prompt, str):
+        if not isinstance(completion, str):
+            raise ValueError("a plain-string prompt needs a plain-string completion")
+        return prompt + completion
+    if not has_chat_template(tokenizer):
+        raise ValueError("chat-message prompts need a tokenizer with a chat template")
+    turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+    return tokenizer.apply_chat_template([*prompt, *turns], tokenize=False)
+
+
 def assistant_char_spans(messages: Messages, tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the `[start, end)` character span of each assistant turn.
 

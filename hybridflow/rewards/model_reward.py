@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hybridflow.data.chat import render_scored_text
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,14 +65,7 @@ class ModelReward:
         the response as the assistant turn; string prompts are concatenated with the response."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        texts = []
-        for prompt, response in zip(prompts, responses):
-            if isinstance(prompt, str):
-                texts.append(prompt + response)
-            else:
-                messages = [*prompt, {"role": "assistant", "content": response}]
-                texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
-        return texts
+        return [render_scored_text(prompt, response, self.tokenizer) for prompt, response in zip(prompts, responses)]
 
     @torch.no_grad()
     def score(self, texts: Sequence[str]) -> list[float]:

@@ -65,6 +65,7 @@ class Trainer(ABC):
 
     model_role: str  # the checkpoint role whose model `hybridflow export` writes out (its HF files are saved)
     validates_at_end = False  # validate after the last step even with trainer.val_every=0
+    model_head = "lm"  # that model's head (`hybridflow.engine.train.model`): a reward model's is "score"
 
     def __init__(self, cfg: Any, checkpoint_bytes: int) -> None:
         from transformers import AutoTokenizer

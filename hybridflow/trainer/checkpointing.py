@@ -21,7 +21,7 @@ from hybridflow.checkpoint import (CheckpointError, CheckpointManager, Incompati
                                    check_model_config, check_writable, estimate_checkpoint_bytes,
                                    load_controller_state, read_config, read_meta, save_controller_state,
                                    save_hf_assets)
-from hybridflow.checkpoint.export import HF_DIR
+from hybridflow.checkpoint.export import HF_DIR, head_config
 from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
 from hybridflow.checkpoint.manager import disk_full, human_bytes
 from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
@@ -84,7 +84,7 @@ class RunCheckpoints:
                            for role, path in trainer.lora_bases().items()}
         if self.resume_from is not None:
             self.changed = check_compatible(read_config(self.resume_from), cfg)
-            check_hf_config(self.resume_from / trainer.model_role, cfg.model)
+            check_hf_config(self.resume_from / trainer.model_role, cfg.model, trainer.model_head)
             recorded = read_meta(self.resume_from).get("lora_bases", {})
             problems = [base_changed(role, recorded.get(role), base["path"], base["fingerprint"])
                         for role, base in self.lora_bases.items()]
@@ -110,7 +110,7 @@ class RunCheckpoints:
         try:
             for name, role in t.checkpointed_roles().items():
                 role.save_checkpoint(str(tmp / name))
-            save_hf_assets(tmp / t.model_role, t.cfg.model.path)
+            save_hf_assets(tmp / t.model_role, t.cfg.model.path, t.model_head)
             save_controller_state(tmp, t.step, t.cfg, t.checkpointed_state(),
                                   meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path,
                                         "lora_bases": self.lora_bases})
@@ -136,14 +136,12 @@ class RunCheckpoints:
                  if self.changed else ""))
 
 
-def check_hf_config(role_dir: Path, model_cfg: Any) -> None:
+def check_hf_config(role_dir: Path, model_cfg: Any, head: str = "lm") -> None:
     """Refuse (`IncompatibleCheckpoint`) a `model.path` whose architecture differs from the one the checkpoint's
-    role was trained from (its saved `hf/config.json`), before any weights load."""
-    from transformers import AutoConfig
-
+    role was trained from (its saved `hf/config.json`, of a model with `head`), before any weights load."""
     saved = role_dir / HF_DIR / "config.json"
     if saved.is_file():
-        new = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+        new = head_config(model_cfg.path, head, model_cfg.trust_remote_code)
         check_model_config(json.loads(saved.read_text()), new.to_dict(), role_dir.name)
 
 

@@ -1,8 +1,12 @@
-"""Loading the Hugging Face model a training engine wraps: a causal LM, or a critic (backbone + scalar head).
+"""Loading the Hugging Face model a training engine wraps: a causal LM, a critic or a reward model (backbone +
+scalar head).
 
-`load_model(path, head)` works for any `AutoModelForCausalLM` architecture. The critic is
+`load_model(path, head)` works for any `AutoModelForCausalLM` architecture. The critic (`head="value"`) is
 `AutoModelForTokenClassification` with one label: the backbone's weights come from `path` (a causal-LM
-checkpoint loads into it; only the head starts fresh), so a critic may start from any model directory.
+checkpoint loads into it; only the head starts fresh), so a critic may start from any model directory. A
+reward model in training (`head="score"`) is the same without the head's bias, so its weights are exactly
+those of `AutoModelForSequenceClassification` (which reads the score at the last token), the model an RL run
+scores with.
 Weights are loaded in the master dtype (fp32 by default); low-precision compute is FSDP's mixed-precision
 policy. RMSNorms run the fused kernel (`kernels.fuse_rms_norms`), and a causal LM's `lm_head` becomes the
 log-prob head (`head.install_log_prob_head`), so no forward materialises full-vocabulary logits. This is
@@ -17,7 +21,7 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
-HEADS = ("lm", "value")
+HEADS = ("lm", "value", "score")
 MASTER_DTYPES = ("fp32", "bf16")
 # config attributes of architectures that transform the logits after `lm_head` (soft-capping, scaling),
 # which the log-prob head does not reproduce
@@ -61,9 +65,9 @@ def resolve_precision(dtype: str, device: torch.device, trainable: bool = True,
 def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                gradient_checkpointing: bool = False) -> torch.nn.Module:
-    """The model at `path` on CPU in `dtype`: a causal LM (`head="lm"`) or a critic (`head="value"`,
-    outputs `[*, 1]` logits per position)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    """The model at `path` on CPU in `dtype`: a causal LM (`head="lm"`), a critic (`head="value"`, outputs
+    `[*, 1]` logits per position) or a reward model (`head="score"`: the critic's outputs, no bias)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from hybridflow.engine.train import attention
     from hybridflow.engine.train.head import install_log_prob_head
@@ -78,7 +82,9 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     if head == "lm":
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     else:
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+        config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
+        config.token_classification_bias = head == "value"
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
         model.config.classifier_dropout = 0.0
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
