@@ -5,12 +5,14 @@
     hybridflow config [--config FILE] [key=value ...]     # print the resolved config
     hybridflow report outputs/run [--out FILE.html]        # plots + HTML page of a run
     hybridflow sft --config recipes/sft.yaml model.path=MODEL data.train_files=chats.jsonl
+    hybridflow dpo --config recipes/preference/dpo.yaml model.path=MODEL data.train_files=pairs.jsonl
+    hybridflow rm --config recipes/preference/reward_model.yaml model.path=MODEL data.train_files=pairs.jsonl
     hybridflow demo [--output-dir outputs/demo]            # SFT then GRPO on a tiny model, offline
     hybridflow migrate run_verl.sh|verl.yaml [--out R.yaml]  # a recipe from a verl command line or config
 
-Exit status of `train` and `sft`: 0 the run finished; 2 it was refused or stopped on something to fix
-first (config, data, output directory, checkpoint, disk space for checkpoints or logs, a reward function or
-an environment that fails every row), printed as one line `hybridflow <command>: ...`; 75
+Exit status of `train`, `sft`, `dpo` and `rm`: 0 the run finished; 2 it was refused or stopped on something
+to fix first (config, data, output directory, checkpoint, disk space for checkpoints or logs, a reward function
+or an environment that fails every row), printed as one line `hybridflow <command>: ...`; 75
 (`PREEMPTED_EXIT_CODE`) stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command again
 to resume); 128 + the signal's number (130 SIGINT, 143 SIGTERM) stopped at once by a signal outside a
 training step (while starting) or by a second one during a step; 1 any other error (a traceback).
@@ -59,6 +61,24 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dpo(args: argparse.Namespace) -> int:
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.preference_schema import DPOConfig
+    from hybridflow.trainer.preference_trainer import train_dpo
+
+    train_dpo(load_config(args.overrides, args.config, schema=DPOConfig))
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.preference_schema import RewardModelTrainConfig
+    from hybridflow.trainer.preference_trainer import train_reward_model
+
+    train_reward_model(load_config(args.overrides, args.config, schema=RewardModelTrainConfig))
+    return 0
+
+
 def _migrate(args: argparse.Namespace) -> int:
     from hybridflow.config.migrate import migrate
 
@@ -103,12 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the HTML file to write (default <run_dir>/report.html)")
     p.set_defaults(fn=_report)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning on chat data (loss on assistant tokens)",
-                       description="Supervised fine-tuning. Options are dotted key=value overrides; see "
-                       "docs/sft.md for every key.")
-    p.add_argument("--config", help="a YAML recipe (e.g. recipes/sft.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=1e-5 data.max_length=2048")
-    p.set_defaults(fn=_sft)
+    for name, fn, text, docs, recipe in (
+            ("sft", _sft, "supervised fine-tuning on chat data (loss on assistant tokens)", "sft.md", "sft.yaml"),
+            ("dpo", _dpo, "preference optimisation of a policy on chosen/rejected pairs (DPO, IPO, SimPO, ORPO)",
+             "preference.md", "preference/dpo.yaml"),
+            ("rm", _rm, "Bradley-Terry reward-model training on chosen/rejected pairs (for reward.reward_model)",
+             "preference.md", "preference/reward_model.yaml")):
+        p = sub.add_parser(name, help=text, description=f"{text[:1].upper()}{text[1:]}. Options are dotted "
+                           f"key=value overrides; see docs/{docs} for every key.")
+        p.add_argument("--config", help=f"a YAML recipe (e.g. recipes/{recipe})")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=1e-5 data.max_length=2048")
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("migrate", help="a hybridflow recipe from a verl command line (.sh) or config (.yaml)",
                        description="Writes a recipe from a verl shell script running verl.trainer.main_ppo or a verl "

@@ -163,7 +163,7 @@ class LoraConfig:
 
 
 @dataclass
-class OptimConfig:
+class EngineOptimConfig:
     """Optimisation of a trained model: AdamW, lr schedule, clipping, mini-/micro-batching, packing, offload."""
 
     lr: float = opt(1e-6, "peak learning rate")
@@ -185,13 +185,19 @@ class OptimConfig:
     use_packing: bool = opt(True, "remove padding: pack sequences into one row (on CUDA; CPU forwards stay "
                                   "padded: docs/benchmarks.md#measurements-behind-choices-in-the-code)")
     shuffle: bool = opt(True, "shuffle rows between mini-batches")
-    loss_agg: str = opt("token-mean", "how per-token losses are aggregated", registered("AGG_MODES"))
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")
     optimizer_offload: bool = opt(False, "keep optimizer state on the CPU between uses")
     lora: LoraConfig = opt(LoraConfig, "train low-rank adapters instead of every weight")
 
     def __post_init__(self) -> None:
         self.betas = cast(tuple[float, float], tuple(self.betas))  # OmegaConf < 2.4 hands tuples over as lists
+
+
+@dataclass
+class OptimConfig(EngineOptimConfig):
+    """Optimisation of a model trained on a per-token loss (the RL roles, SFT)."""
+
+    loss_agg: str = opt("token-mean", "how per-token losses are aggregated", registered("AGG_MODES"))
 
 
 @dataclass

@@ -431,10 +431,11 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     _raise_if_any(problems)
 
 
-def validate_sft(cfg: Any) -> None:
-    """Raises one `ConfigError` listing every problem of an `SFTConfig` (`hybridflow.config.sft_schema`), before
-    any model loads: the RL checks that apply to it (bounds, model and data paths, resume, device, the
-    mini-batch relation) and its own."""
+def validate_sft(cfg: Any, rows_per_example: int = 1, more: list[str] | None = None) -> None:
+    """Raises one `ConfigError` listing every problem of an `SFTConfig` (`hybridflow.config.sft_schema`), or of
+    another program of its shape (`hybridflow.config.preference_schema`: `rows_per_example=2`, a pair's two
+    sequences sharing a micro-batch; `more`: that program's own problems), before any model loads: the RL
+    checks that apply to it (bounds, model and data paths, resume, device, the mini-batch relation) and its own."""
     data, optim, run = cfg.data, cfg.optim, cfg.trainer
     problems = _bound_problems(cfg, {1: ["data.train_batch_size", "trainer.n_workers", "optim.passes_per_batch",
                                          "trainer.total_epochs"]},
@@ -449,10 +450,12 @@ def validate_sft(cfg: Any) -> None:
                         f"{run.n_workers} ranks no conversation; use >= {run.n_workers}")
     problems += _mini_batch_problems("optim.mini_batch_size", optim.mini_batch_size, data.train_batch_size)
     budget = optim.max_tokens_per_micro_batch
-    if budget is not None and data.max_length is not None and budget < data.max_length:
-        problems.append(f"optim.max_tokens_per_micro_batch={budget} is below data.max_length={data.max_length}; "
-                        f"use >= {data.max_length}")
-    _raise_if_any(problems)
+    if budget is not None and data.max_length is not None and budget < data.max_length * rows_per_example:
+        need = data.max_length * rows_per_example
+        limit = f"data.max_length={data.max_length}" if rows_per_example == 1 else \
+            f"{rows_per_example} x data.max_length={data.max_length} (the sequences of one example share a forward)"
+        problems.append(f"optim.max_tokens_per_micro_batch={budget} is below {limit}; use >= {need}")
+    _raise_if_any(problems + list(more or ()))
 
 
 def _raise_if_any(problems: list[str]) -> None:

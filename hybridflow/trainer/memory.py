@@ -91,11 +91,12 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
     return out
 
 
-def sft_demand(cfg: Any) -> DeviceDemand:
+def sft_demand(cfg: Any, head: str = "lm", rows_per_example: int = 1) -> DeviceDemand:
     """An `SFTConfig`'s per-device demand: the model it fine-tunes (section `optim`), nothing else; without
-    `data.max_length` the longest conversation is the model's context."""
-    role = _trained("optim", "model", cfg.model, cfg.optim, cfg.model.path, "lm", cfg.optim.lora.rank > 0)
+    `data.max_length` the longest conversation is the model's context. The preference programs' too: `head`
+    `score` for a reward model, `rows_per_example=2` for a pair's two sequences, which share a micro-batch."""
+    role = _trained("optim", "model", cfg.model, cfg.optim, cfg.model.path, head, cfg.optim.lora.rank > 0)
     longest = cfg.data.max_length or getattr(_config(cfg.model, cfg.model.path), "max_position_embeddings",
                                              None) or 4096
-    return DeviceDemand(trained=(role,), world_size=cfg.trainer.n_workers, longest_sequence=longest,
-                        utilization=cfg.trainer.gpu_memory_utilization)
+    return DeviceDemand(trained=(role,), world_size=cfg.trainer.n_workers,
+                        longest_sequence=longest * rows_per_example, utilization=cfg.trainer.gpu_memory_utilization)

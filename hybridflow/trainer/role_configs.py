@@ -1,10 +1,11 @@
-"""Each worker role's typed config, made on the controller from an `RLConfig` and its `RunFacts`.
+"""Each worker role's typed config, made on the controller from an `RLConfig` and its `RunFacts`, or from a
+preference program's config (`hybridflow dpo`, `hybridflow rm`).
 
 A worker gets its own `Config` (`ActorWorker.Config`, `CriticWorker.Config`, `RolloutWorker.Config`, and
-the `RolloutReplica.Config` inside the actor's or the rollout worker's), never the whole tree: the sections
-it reads, and the facts the controller resolved for it (`hybridflow.config.resolved`), such as its rows per
-mini-batch or whether it holds a reference copy. `train_sampling` is the `SamplingParams` a training step
-generates with.
+the `RolloutReplica.Config` inside the actor's or the rollout worker's; `PreferenceWorker.Config`), never the
+whole tree: the sections it reads, and the facts the controller resolved for it (`hybridflow.config.resolved`),
+such as its rows per mini-batch or whether it holds a reference copy. `train_sampling` is the `SamplingParams` a
+training step generates with.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hybridflow.engine import budget
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.train.router_replay import RouterHooks
 from hybridflow.workers import ActorWorker, CriticWorker, RolloutWorker
+from hybridflow.workers.preference_worker import PAIR, PreferenceWorker
 from hybridflow.workers.rollout_replica import RolloutReplica
 
 
@@ -70,3 +72,13 @@ def train_sampling(cfg: Any) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                           max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed)
+
+
+def preference_config(cfg: Any, head: str, pad_id: int, total_steps: int,
+                      memory: budget.DeviceDemand | None = None) -> PreferenceWorker.Config:
+    """The preference worker's config for a `DPOConfig` (head `lm`, its `dpo` loss) or a `RewardModelTrainConfig`
+    (head `score`, its `rm` loss); a mini-batch of `optim.mini_batch_size` pairs is twice as many engine rows."""
+    pairs = cfg.optim.mini_batch_size
+    return PreferenceWorker.Config(model=cfg.model, optim=cfg.optim, loss=cfg.dpo if head == "lm" else cfg.rm,
+                                   head=head, pad_id=pad_id, mini_batch_rows=None if pairs is None else pairs * PAIR,
+                                   total_steps=total_steps, memory=memory, seed=cfg.trainer.seed)

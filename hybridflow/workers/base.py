@@ -3,7 +3,7 @@ update with the role's batching, offload between uses, checkpoints, out-of-memor
 plan and the keys to change.
 
 Subclasses call `_plan_device` first in `__init__` (it sets `self.plan` and fills in what the config left
-to the plan), then set `self.engine` (a `TrainEngine`), `self.cfg` (their `OptimConfig` section:
+to the plan), then set `self.engine` (a `TrainEngine`), `self.cfg` (their `EngineOptimConfig` section:
 micro-batching, packing, `param_offload` / `optimizer_offload`) and `self.mini_batch_rows` (resolved on the
 controller); `keys` / `model_keys` on the class name their config sections. `effective_values` reports
 back what the plan and the engine filled in (`Effective`), for the run's `resolved_config.yaml`.
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ModelConfig, OptimConfig
+from hybridflow.config.schema import EngineOptimConfig, ModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
 from hybridflow.engine.contracts import TrainEngineContract
@@ -27,7 +27,7 @@ from hybridflow.engine.train.engine import LossFn
 from hybridflow.engine.train.optim import apply_config
 from hybridflow.workers.update import run_update
 
-Section = TypeVar("Section", bound=OptimConfig)
+Section = TypeVar("Section", bound=EngineOptimConfig)
 DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}
 
 
@@ -43,7 +43,7 @@ class Effective:
 
 class EngineWorker(Worker):
     engine: TrainEngineContract
-    cfg: OptimConfig
+    cfg: EngineOptimConfig
     model_cfg: ModelConfig  # with what the device plan filled in
     mini_batch_rows: int | None = None  # rows per optimizer step over all ranks; None = the whole batch
     update_count: int = 0  # updates so far: seeds each update's mini-batch shuffle

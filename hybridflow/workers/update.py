@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from hybridflow.algorithms import aggregate, compute_policy_loss, kl_loss, value_loss
-from hybridflow.config.schema import ActorConfig, CriticConfig, OptimConfig
+from hybridflow.config.schema import ActorConfig, CriticConfig, EngineOptimConfig, OptimConfig
 from hybridflow.engine.contracts import LossFunction, TrainEngineContract
 from hybridflow.engine.train import LossContext, timed
 from hybridflow.engine.train.collectives import all_reduce
@@ -86,7 +86,7 @@ def _mean_over_ranks(values: dict[str, float], engine: TrainEngineContract) -> d
     return {k: float(v) / engine.world_size for k, v in zip(keys, summed.tolist())}
 
 
-def run_update(engine: TrainEngineContract, tensors: dict[str, torch.Tensor], cfg: OptimConfig,
+def run_update(engine: TrainEngineContract, tensors: dict[str, torch.Tensor], cfg: EngineOptimConfig,
                loss_fn: LossFunction, *, passes: int, prefix: str, mini_batch_rows: int | None = None,
                temperature: float = 1.0, with_entropy: bool = False, seed: int = 0, row_group: int = 1
                ) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset, a few SFT conversations, the
-metrics of one local run that the Ray backend's runs must reproduce, and a record of every optimizer step the
-in-process engines take."""
+"""Fixtures of the trainer tests: a tiny verl-format GSM8K-style dataset, a few SFT conversations, preference
+pairs and a reward model trained on them, the metrics of one local run that the Ray backend's runs must
+reproduce, and a record of every optimizer step the in-process engines take."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
 from hybridflow.engine.train import TrainEngine
+from pair_helpers import write_pairs
 from rl_helpers import TWO_WORKERS, run
 
 
@@ -28,6 +29,27 @@ def chats(tmp_path_factory):
             for w in ["abc", "hello", "xyz", "qqq", "test", "foo", "bar", "baz"]]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def pairs(tmp_path_factory):
+    """Conversational preference pairs: `train` (48) and held-out `val` (16) jsonl files."""
+    out = tmp_path_factory.mktemp("pairs")
+    return {"train": write_pairs(out / "train.jsonl", 48, seed=0), "val": write_pairs(out / "val.jsonl", 16, seed=1)}
+
+
+@pytest.fixture(scope="session")
+def trained_reward_model(tiny_qwen2, pairs, tmp_path_factory):
+    """The output dir of `hybridflow rm` trained on `pairs` (its metrics; `hf/` the reward model)."""
+    from hybridflow.cli import main as cli_main
+
+    out = tmp_path_factory.mktemp("rm")
+    assert cli_main(["rm", "--config", "recipes/preference/reward_model.yaml", f"model.path={tiny_qwen2}",
+                     f"data.train_files={pairs['train']}", f"data.val_files={pairs['val']}", "data.train_batch_size=16",
+                     "optim.lr=1e-3", "optim.lr_warmup_steps=0", "rm.center_coef=0.01", "trainer.total_steps=9",
+                     "trainer.val_before_train=true", "trainer.val_every=9", "trainer.loggers=[jsonl]",
+                     f"trainer.output_dir={out}"]) == 0
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -85,19 +85,9 @@ def test_bad_key_fails_with_did_you_mean(capsys):
     assert "did you mean 'rollout.temperature'" in capsys.readouterr().err
 
 
-def test_reward_model_scores_are_added_to_the_function_reward(tiny_qwen2, data_dir, tmp_path):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from hybridflow.utils.tiny_model import build_tokenizer
-
-    rm_dir = tmp_path / "rm"
-    tok = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    Qwen2ForSequenceClassification(config).save_pretrained(rm_dir)
-    tok.save_pretrained(rm_dir)
-    rows = run(tiny_qwen2, data_dir, tmp_path / "out", f"reward.reward_model.path={rm_dir}",
+def test_reward_model_scores_are_added_to_the_function_reward(tiny_qwen2, data_dir, tmp_path, trained_reward_model):
+    """The reward model is the one `hybridflow rm` trained (the `trained_reward_model` fixture)."""
+    rows = run(tiny_qwen2, data_dir, tmp_path / "out", f"reward.reward_model.path={trained_reward_model / 'hf'}",
                "reward.reward_model.weight=0.5", "trainer.val_before_train=false", "trainer.total_steps=1")
     last = rows[-1]
     assert math.isfinite(last["reward/model/mean"]) and last["reward/model/mean"] != 0

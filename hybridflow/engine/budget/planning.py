@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import torch
 
-from hybridflow.config.schema import ModelConfig, OptimConfig
+from hybridflow.config.schema import EngineOptimConfig, ModelConfig
 from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
                                                MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
                                                DeviceDemand, TrainedRole)
@@ -258,7 +258,7 @@ def plan_for_device(demand: DeviceDemand | None, device: torch.device) -> Device
     return _PLANS[key]
 
 
-Section = TypeVar("Section", bound=OptimConfig)
+Section = TypeVar("Section", bound=EngineOptimConfig)
 
 
 def apply_plan(plan_: DevicePlan | None, keys: str, model_cfg: ModelConfig, role_cfg: Section

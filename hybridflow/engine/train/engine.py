@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hybridflow.config.schema import ModelConfig, OptimConfig
+from hybridflow.config.schema import EngineOptimConfig, ModelConfig
 from hybridflow.engine.budget import count
 from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
@@ -77,9 +77,9 @@ class TrainEngine:
     Args:
         model_cfg: the model's section (`path`, `dtype`, `master_dtype`, `gradient_checkpointing`: None counts
             as off, `compile`, `attn_implementation`, `trust_remote_code`).
-        optim_cfg: the trained role's section (an actor, critic or SFT `OptimConfig`: `optimizer`, lr,
-            schedule, `grad_clip`, `lora`, ...), or None for a frozen model.
-        head: ``"lm"`` (log-probs) or ``"value"`` (critic values).
+        optim_cfg: the trained role's section (an actor, critic, SFT or preference `EngineOptimConfig`:
+            `optimizer`, lr, schedule, `grad_clip`, `lora`, ...), or None for a frozen model.
+        head: ``"lm"`` (log-probs), ``"value"`` (critic values) or ``"score"`` (a reward model's, read as values).
         total_steps: optimizer steps the lr schedule spans.
         pack_on_cpu: honour `pack=True` on a CPU device too (by default CPU forwards stay padded).
         seed: seeds what the model directory does not hold (LoRA adapters, a value head), so it starts the same
@@ -94,7 +94,7 @@ class TrainEngine:
             loss; None = no hooks.
     """
 
-    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig | None = None, *, head: str = "lm",
+    def __init__(self, model_cfg: ModelConfig, optim_cfg: EngineOptimConfig | None = None, *, head: str = "lm",
                  total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False,
                  seed: int = 0, exact_len: int | None = None, router: RouterHooks.Config | None = None) -> None:
         self.device = torch.device(device) if device is not None else _default_device()

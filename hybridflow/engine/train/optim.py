@@ -17,13 +17,13 @@ import math
 
 import torch
 
-from hybridflow.config.schema import OptimConfig
+from hybridflow.config.schema import EngineOptimConfig
 
 SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
 
 
-def build_optimizer(params, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: EngineOptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer `cfg.optimizer` over the trainable `params`."""
     params = [p for p in params if p.requires_grad]
     name = cfg.optimizer
@@ -63,7 +63,7 @@ def lr_factor(step: int, total_steps: int, schedule: str, warmup_steps: int, min
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: EngineOptimConfig, total_steps: int
                     ) -> torch.optim.lr_scheduler.LambdaLR:
     """A `LambdaLR` stepping `lr_factor` once per optimizer step."""
     schedule, warmup = cfg.lr_schedule, cfg.lr_warmup_steps
@@ -74,7 +74,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
 
 
 def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                 cfg: OptimConfig) -> None:
+                 cfg: EngineOptimConfig) -> None:
     """After loading a checkpoint's optimizer and scheduler state: this config's lr, betas and weight decay
     replace the saved ones, and the lr becomes this config's schedule (the scheduler's own function, built
     from this config) at the restored optimizer step, so a resumed run trains with what its config says."""
