@@ -34,6 +34,10 @@ train_race() { python3 bench/train.py --shapes smollm2 --budgets 32768,65536,ful
     --profile --out "$OUT/train_race_h200.json" 2>&1 | tee "$OUT/train_race.log"; }
 # 8 steps: TRL's steps vary by a third from one to the next, and its median needs several
 grpo() { python3 bench/grpo_vs_trl.py --device cuda --steps 8 --out "$OUT/grpo_vs_trl_cuda.json" 2>&1 | tee "$OUT/grpo.log"; }
+# a DPO step against TRL's DPOTrainer at the 0.5B shape, real vocabulary, 32 pairs of 256 + 256 tokens; TRL with
+# its reference precomputed (our work per step) and with its default per-step reference model (issue 41)
+dpo() { python3 bench/dpo_vs_trl.py --device cuda --trl-ref precompute,per-step --out "$OUT/dpo_vs_trl_h200.json" \
+    2>&1 | tee "$OUT/dpo.log"; }
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
     | tee "$OUT/rollout.log"; }
 # the decode step's GEMMs alone: cuBLAS, cuBLASLt and Triton tiles at 64-512 rows (issue 19)
