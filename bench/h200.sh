@@ -4,7 +4,7 @@
 #   HYBRIDFLOW_COMMIT=<sha> bash bench/h200.sh gpu_tests train grpo     # one call
 #   bash bench/h200.sh model_part1                                       # two calls back to back: the GGUF
 #   bash bench/h200.sh model_part2 race                                  #   travels as two pieces
-#   (multiturn and multiturn_train also need the GGUF)
+#   (multiturn, multiturn_train and distill also need the GGUF)
 #
 # The device machine has torch, transformers, peft and pandas but not our other dependencies: they travel
 # as wheels in .whl/ (omegaconf, antlr4, trl, datasets, dill, multiprocess, gguf, torchao), installed into
@@ -136,6 +136,10 @@ multiturn_train() {
         | tee "$OUT/multiturn_train.log"
     cp "$run/metrics.jsonl" "$OUT/multiturn_train_metrics.jsonl"
 }
+# on-policy distillation (issue 41): the race's GRPO run (150 s) trains the teacher, saved, then 60 s of distilling
+# it into the untrained SmolLM2; needs the GGUF (model_part1, model_part2)
+distill() { python3 bench/distill.py --device cuda --model "$GGUF" --out "$OUT/distill_h200.json" 2>&1 \
+    | tee "$OUT/distill.log"; }
 multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" --out "$OUT/multiturn_h200.json" 2>&1 \
     | tee "$OUT/multiturn.log"; }
 # The OpenAI-compatible endpoint (issue 38). These stages and `multiturn` (its run 4 is the endpoint path) need

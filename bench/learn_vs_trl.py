@@ -81,6 +81,13 @@ class RaceClock:
 
 
 def run_hybridflow(a: argparse.Namespace) -> dict:
+    return race_hybridflow(a, a.set)
+
+
+def race_hybridflow(a: argparse.Namespace, overrides: list[str], name: str = "hybridflow", finish=None) -> dict:
+    """Our side of the race: `recipes/gsm8k_smollm2.yaml` with the race's settings and `overrides`, trained for
+    `a.budget_s` seconds (output dir `<work>/<name>_run`), greedy accuracy every `a.eval_every_s`; `finish(trainer)`
+    runs after the last step, before the workers stop (e.g. to save the trained policy)."""
     from hybridflow.config.loader import load_config
     from hybridflow.trainer import step_math
     from hybridflow.trainer.rl import RLTrainer
@@ -93,8 +100,8 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
         f"rollout.n={a.n}", f"actor.mini_batch_size={a.prompts}", f"actor.lr={a.lr}",
         f"actor.weight_decay={a.weight_decay}", "actor.grad_clip=1.0", "actor.loss_agg=token-mean",
         "reward.num_workers=2", "trainer.total_steps=1000000", "trainer.loggers=[jsonl]",
-        f"trainer.output_dir={a.work}/hybridflow_run", "trainer.resume=never", f"trainer.device={a.device}",
-        f"trainer.seed={a.seed}", *a.set,
+        f"trainer.output_dir={a.work}/{name}_run", "trainer.resume=never", f"trainer.device={a.device}",
+        f"trainer.seed={a.seed}", *overrides,
     ], config_file=ROOT / "recipes" / "gsm8k_smollm2.yaml")
     trainer = RLTrainer(cfg)
     val = list(trainer.val_loader)
@@ -116,8 +123,11 @@ def run_hybridflow(a: argparse.Namespace) -> dict:
             m = trainer.train_step(trainer.train_loader.next_batch())
             trainer.step += 1
             steps.append({k: v for k, v in m.items() if k.startswith(("timing_s/", "reward/mean", "response_length/",
-                                                                      "training/", "rollout_corr/", "actor/"))})
+                                                                      "training/", "rollout_corr/", "actor/",
+                                                                      "teacher/"))})
             done = clock.check(evaluate, trainer.step)
+        if finish is not None:
+            finish(trainer)
     finally:
         trainer.close()
     return {"setup_s": setup_s, "points": clock.points, "steps": steps}

@@ -4,10 +4,10 @@ Advantage estimators (`advantages`), policy and value losses (`losses`), KL esti
 reward (`kl`), loss aggregation (`aggregation`), KL controllers (`kl_control`), DAPO helpers (`dapo`),
 the training–inference mismatch (`mismatch`) and its correction (`rollout_correction`), mixture-of-experts
 routing (`moe_routing`: replayed routing weights, router agreement, the load-balancing loss), offline
-preference losses and the reward model's (`preference_losses`), and masked statistics (`utils`). No I/O and no
-distributed calls: the trainer and the workers call these. Add an estimator, a loss or a rollout correction by
-name with `register_adv_estimator` / `register_policy_loss` / `register_preference_loss` /
-`register_rollout_correction`.
+preference losses and the reward model's (`preference_losses`), on-policy distillation's advantage
+(`distillation`), and masked statistics (`utils`). No I/O and no distributed calls: the trainer and the
+workers call these. Add an estimator, a loss or a rollout correction by name with `register_adv_estimator` /
+`register_policy_loss` / `register_preference_loss` / `register_rollout_correction`.
 """
 
 from hybridflow.algorithms.advantages import (
@@ -24,6 +24,7 @@ from hybridflow.algorithms.advantages import (
 )
 from hybridflow.algorithms.aggregation import AGG_MODES, aggregate
 from hybridflow.algorithms.dapo import filter_groups, overlong_penalty
+from hybridflow.algorithms.distillation import distillation_advantages
 from hybridflow.algorithms.kl import KL_KINDS, kl_estimate, kl_loss, kl_penalty_rewards, mean_kl
 from hybridflow.algorithms.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
 from hybridflow.algorithms.losses import (
@@ -76,6 +77,7 @@ __all__ = [
     "compute_advantages",
     "compute_policy_loss",
     "compute_preference_loss",
+    "distillation_advantages",
     "filter_groups",
     "gae",
     "get_adv_estimator",

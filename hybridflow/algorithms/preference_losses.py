@@ -54,7 +54,8 @@ def preference_needs_reference(name: str) -> bool:
 
 
 def compute_preference_loss(name: str, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
-                            chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, **options: Any) -> PreferenceOut:
+                            chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+                            **options: Any) -> PreferenceOut:
     """Run preference loss `name` on per-pair inputs (see the module docstring); options it does not take
     (e.g. reference log-probs for `simpo`) are left out, unknown ones raise."""
     _check_pairs(chosen_logps=chosen_logps, rejected_logps=rejected_logps, chosen_tokens=chosen_tokens,

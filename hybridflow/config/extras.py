@@ -12,7 +12,8 @@ from typing import Any
 from hybridflow.config.role_needs import needs_critic
 
 
-def _get(cfg: Any, key: str) -> Any:
+def config_value(cfg: Any, key: str) -> Any:
+    """The value of dotted `key` (`actor.lora.rank`) in a config."""
     for part in key.split("."):
         cfg = getattr(cfg, part)
     return cfg
@@ -35,10 +36,10 @@ def package_problems(cfg: Any) -> list[str]:
     if cfg.trainer.backend == "ray":
         needs.append(("trainer.backend=ray", "ray", "hybridflow[ray]"))
     for section in _trained_sections(cfg):
-        if _get(cfg, f"{section}.optimizer") == "adamw_8bit":
+        if config_value(cfg, f"{section}.optimizer") == "adamw_8bit":
             needs.append((f"{section}.optimizer=adamw_8bit", "torchao", "hybridflow[memory]"))
-        if _get(cfg, f"{section}.lora.rank") > 0:
-            needs.append((f"{section}.lora.rank={_get(cfg, f'{section}.lora.rank')}", "peft", "hybridflow[lora]"))
+        if config_value(cfg, f"{section}.lora.rank") > 0:
+            needs.append((f"{section}.lora.rank={config_value(cfg, f'{section}.lora.rank')}", "peft", "hybridflow[lora]"))
     return [f"{setting} needs the {module} package: pip install '{requirement}'"
             for setting, module, requirement in needs if importlib.util.find_spec(module) is None]
 
@@ -51,7 +52,7 @@ def lora_target_problems(cfg: Any, sections: tuple[tuple[str, str, str], ...]) -
 
     problems = []
     for section, model_key, head in sections:
-        lora, path = _get(cfg, f"{section}.lora"), _get(cfg, model_key)
+        lora, path = config_value(cfg, f"{section}.lora"), config_value(cfg, model_key)
         if lora.rank <= 0 or path is None or not (Path(path).expanduser() / "config.json").is_file():
             continue
         try:

@@ -1,12 +1,12 @@
 """The facts an RL run derives from its config, resolved once on the controller (`RunFacts`, `resolve_facts`).
 
-Which roles run (a critic, a reference, ReMax's greedy baseline, multi-turn episodes), whether a role
-trains LoRA adapters, where the rollout and the critic run, how many rows a mini-batch holds, whether
-the old log-probs get a pass of their own, whether the actor hooks a mixture of experts' routers and lends
-its frozen weights to the rollout engine beside it: the trainer decides each of these here and hands the answers
-down typed, so no worker or engine re-derives one from config sections. What only a worker can know (the
-device plan, made from its device's free memory) comes back from it instead
-(`hybridflow.workers.base.Effective`).
+Which roles run (a critic, a reference, a distillation teacher, ReMax's greedy baseline, multi-turn episodes),
+whether the advantage estimator runs on the task's scores, whether a role trains LoRA adapters, where the
+rollout and the critic run, how many rows a mini-batch holds, whether the old log-probs get a pass of their
+own, whether the actor hooks a mixture of experts' routers and lends its frozen weights to the rollout engine
+beside it: the trainer decides each of these here and hands the answers down typed, so no worker or engine
+re-derives one from config sections. What only a worker can know (the device plan, made from its device's free
+memory) comes back from it instead (`hybridflow.workers.base.Effective`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.config.role_needs import agent_enabled, needs_critic, needs_greedy_baseline, needs_reference, run_groups
+from hybridflow.config.role_needs import (agent_enabled, distills, needs_critic, needs_greedy_baseline, needs_reference,
+                                          run_groups, uses_task_advantage)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,6 +24,9 @@ class RunFacts:
 
     critic / reference / greedy_baseline / agent: the roles and episodes the run needs (a reference when a
         KL term uses one).
+    teacher: on-policy distillation: a teacher (`teacher.model.path`) scores the sampled tokens.
+    task_advantage: the advantage estimator runs on the task's scores (always, except distillation alone:
+        `teacher.task_reward=false`, which needs no critic nor greedy baseline).
     actor_lora / critic_lora: the role trains LoRA adapters (`lora.rank` > 0); a LoRA actor's reference is
         its own base weights, so `reference_copy` (a frozen copy held beside the actor) is False then.
     separate_rollout / split_critic: `rollout.placement=separate`, `trainer.placement=split` with a critic.
@@ -31,7 +35,7 @@ class RunFacts:
         (`mini_batch_size x rollout.n`); None = the whole batch.
     skip_old_log_probs: on-policy (one optimizer step per batch, no KL in reward, `actor.skip_old_log_probs`):
         the update's own log-probs, detached, are the old ones, so their separate pass is skipped.
-    groups: the worker groups the run starts, with their process counts (`config.roles.run_groups`).
+    groups: the worker groups the run starts, with their process counts (`config.role_needs.run_groups`).
     router_hooks: the actor's forwards hook a mixture of experts' routers: to compare the experts they use with
         those the rollout recorded (`rollout.record_routes`), to replay those (`actor.router_replay`), or for the
         load-balancing loss (`actor.router_aux_loss_coef` > 0).
@@ -46,6 +50,8 @@ class RunFacts:
     reference_copy: bool
     greedy_baseline: bool
     agent: bool
+    teacher: bool
+    task_advantage: bool
     actor_lora: bool
     critic_lora: bool
     separate_rollout: bool
@@ -85,7 +91,8 @@ def resolve_facts(cfg: Any) -> RunFacts:
                                           or actor.mini_batch_size >= cfg.data.train_batch_size)
     return RunFacts(
         critic=critic, reference=reference, reference_copy=reference and not actor_lora,
-        greedy_baseline=needs_greedy_baseline(cfg), agent=agent_enabled(cfg.agent),
+        greedy_baseline=needs_greedy_baseline(cfg), agent=agent_enabled(cfg.agent), teacher=distills(cfg),
+        task_advantage=uses_task_advantage(cfg),
         actor_lora=actor_lora, critic_lora=critic and cfg.critic.lora.rank > 0,
         separate_rollout=cfg.rollout.placement == "separate",
         split_critic=critic and cfg.trainer.placement == "split",

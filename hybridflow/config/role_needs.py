@@ -1,20 +1,31 @@
-"""Which roles and worker groups a run's config asks for: a critic, a reference model, ReMax's greedy baseline,
-multi-turn episodes, and the worker groups (with their process counts) the trainer starts. `validate`
-checks a config with these; the trainer builds its roles from them."""
+"""Which roles and worker groups a run's config asks for: a critic, a reference model, a distillation teacher,
+ReMax's greedy baseline, multi-turn episodes, and the worker groups (with their process counts) the trainer
+starts. `validate` checks a config with these; the trainer builds its roles from them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
+def distills(cfg: Any) -> bool:
+    """On-policy distillation: a teacher model (`teacher.model.path`) scores the sampled tokens."""
+    return cfg.teacher.model.path is not None
+
+
+def uses_task_advantage(cfg: Any) -> bool:
+    """The advantage estimator runs on the task's scores: always, except in distillation alone
+    (`teacher.task_reward=false`)."""
+    return not distills(cfg) or cfg.teacher.task_reward
+
+
 def needs_critic(cfg: Any) -> bool:
-    """A critic (value model) is trained only for the estimator that uses values (`gae`)."""
-    return cfg.algorithm.adv_estimator == "gae"
+    """A critic (value model) is trained only for the estimator that uses values (`gae`), when it runs."""
+    return cfg.algorithm.adv_estimator == "gae" and uses_task_advantage(cfg)
 
 
 def needs_greedy_baseline(cfg: Any) -> bool:
     """ReMax's baseline: each prompt's greedy response, generated and scored beside its n samples."""
-    return cfg.algorithm.adv_estimator == "remax"
+    return cfg.algorithm.adv_estimator == "remax" and uses_task_advantage(cfg)
 
 
 def needs_reference(cfg: Any) -> bool:

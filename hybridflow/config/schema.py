@@ -4,9 +4,9 @@ Each field is declared with `opt(default, help, choices=...)`: the help line and
 in the field's metadata, so the loader names valid values in its errors and `docs/config.md` is generated
 from this file (`python scripts/gen_config_docs.py`). Workers read these objects by attribute.
 
-The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, agent, trainer, ray)`; the loader
-(`hybridflow.config.loader.load_config`) takes any such root dataclass through `schema=`, so other
-programs (the SFT trainer) bring their own root.
+The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, teacher, agent, trainer, ray)`;
+the loader (`hybridflow.config.loader.load_config`) takes any such root dataclass through `schema=`, so other
+programs (the SFT and preference trainers) bring their own root.
 """
 
 from __future__ import annotations
@@ -65,12 +65,22 @@ def field_default(f) -> Any:
 
 
 @dataclass
-class ModelConfig:
-    """A Hugging Face model to load."""
+class FrozenModelConfig:
+    """A Hugging Face model to load, never trained (a distillation teacher)."""
 
     path: Optional[str] = opt(None, "Hugging Face model directory (or hub id)")
     tokenizer_path: Optional[str] = opt(None, "tokenizer directory; null = the model's `path`")
     dtype: str = opt("auto", "parameter dtype; auto = bf16 on cuda, fp32 on cpu", DTYPES)
+    compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head; null = on for "
+                                        "CUDA, off on a CPU (docs/training_engine.md)")
+    attn_implementation: str = opt("sdpa", "transformers attention implementation (sdpa, eager, ...)")
+    trust_remote_code: bool = opt(False, "allow model code shipped inside the model directory")
+
+
+@dataclass
+class ModelConfig(FrozenModelConfig):
+    """A Hugging Face model to load."""
+
     master_dtype: str = opt("fp32", "dtype of the trained weights, gradients and updates: fp32 (mixed precision) "
                                     "or bf16 (half the memory; needs optimizer=adamw_8bit, whose stochastic "
                                     "rounding keeps small updates)", MASTER_DTYPES)
@@ -80,10 +90,6 @@ class ModelConfig:
                                                        "(ModelShape.host_bound_tokens), and where the memory needs "
                                                        "it; off on a CPU (why: docs/benchmarks.md#measurements-"
                                                        "behind-choices-in-the-code)")
-    compile: Optional[bool] = opt(None, "torch.compile each decoder layer and the log-prob head; null = on for "
-                                        "CUDA, off on a CPU (docs/training_engine.md)")
-    attn_implementation: str = opt("sdpa", "transformers attention implementation (sdpa, eager, ...)")
-    trust_remote_code: bool = opt(False, "allow model code shipped inside the model directory")
 
 
 @dataclass
@@ -336,6 +342,21 @@ class RewardConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation: the per-token reverse KL to a teacher is each sampled token's advantage.
+
+    The teacher scores every token the policy samples (docs/distillation.md)."""
+
+    model: FrozenModelConfig = opt(FrozenModelConfig, "the teacher: a causal LM with the policy's tokenizer (it may be "
+                                                      "larger), on the actor's devices; path null = no distillation")
+    param_offload: bool = opt(False, "keep the teacher's parameters on the CPU between uses")
+    kl_coef: float = opt(1.0, "weight of -(log p_policy - log p_teacher), the negated per-token reverse KL, in each "
+                              "sampled token's advantage")
+    task_reward: bool = opt(False, "add the task reward's advantages (algorithm.adv_estimator over the scores) to "
+                                   "the distillation advantage; false = distillation alone (no critic, any rollout.n)")
+
+
+@dataclass
 class AgentConfig:
     """Multi-turn episodes: an environment and/or tools answer each model turn in-process, or agent code
     (a runner, or a verifiers / Gymnasium / OpenEnv environment) drives the model through the
@@ -441,6 +462,7 @@ class RLConfig:
     critic: CriticConfig = opt(CriticConfig, "value model")
     algorithm: AlgorithmConfig = opt(AlgorithmConfig, "advantages and KL")
     reward: RewardConfig = opt(RewardConfig, "scoring")
+    teacher: TeacherConfig = opt(TeacherConfig, "on-policy distillation from a teacher model")
     agent: AgentConfig = opt(AgentConfig, "multi-turn episodes: environment and tools")
     trainer: TrainerConfig = opt(TrainerConfig, "the run")
     ray: RayConfig = opt(RayConfig, "Ray cluster and placement (trainer.backend=ray)")

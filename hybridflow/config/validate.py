@@ -1,5 +1,6 @@
-"""Checks across keys of an `RLConfig` (and an `SFTConfig`), run before any model loads: batch sizes,
-ranges, estimators, paths, the optional packages and LoRA targets a run needs (`hybridflow.config.extras`).
+"""Checks across keys of an `RLConfig` (and an `SFTConfig` or a preference config), run before any model loads:
+batch sizes, ranges, estimators, distillation; what the run will read (`hybridflow.config.input_checks`) and the
+optional packages and LoRA targets it needs (`hybridflow.config.extras`).
 
 `validate(cfg, n_workers)` collects every problem and raises one `ConfigError` listing them all, each
 naming the keys, their values and the values that would be valid, e.g.
@@ -14,13 +15,13 @@ optimizer step takes `mini_batch_size` prompts (`mini_batch_size x n` rows), spl
 from __future__ import annotations
 
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 from hybridflow.config.exact_checks import exact_problems
-from hybridflow.config.extras import lora_target_problems, moe_model_problems, package_problems
-from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, needs_critic,
-                                          needs_greedy_baseline, rollout_workers, run_groups)
+from hybridflow.config.extras import config_value, lora_target_problems, moe_model_problems, package_problems
+from hybridflow.config.input_checks import data_file_problems, model_problems, path_problems, run_problems
+from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, distills, needs_critic,
+                                          needs_greedy_baseline, rollout_workers, run_groups, uses_task_advantage)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 # GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
@@ -97,7 +98,7 @@ def _range_problems(cfg: Any) -> list[str]:
     }
     problems = _bound_problems(cfg, at_least, intervals)
     for key in ("data.val_batch_size", "actor.mini_batch_size", "critic.mini_batch_size"):
-        value = _get(cfg, key)
+        value = config_value(cfg, key)
         if value is not None and value < 1:
             problems.append(f"{key}={value} must be >= 1 or null")
     fraction = cfg.rollout.kv_cache_fraction
@@ -123,11 +124,11 @@ def _bound_problems(cfg: Any, at_least: dict[int, list[str]],
     problems = []
     for low, keys in at_least.items():
         for key in keys:
-            value = _get(cfg, key)
+            value = config_value(cfg, key)
             if value < low:
                 problems.append(f"{key}={value} must be >= {low}")
     for key, (lo, hi, lo_in, hi_in) in intervals.items():
-        value = _get(cfg, key)
+        value = config_value(cfg, key)
         if not ((value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)):
             bounds = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
             problems.append(f"{key}={value} must be in {bounds}")
@@ -149,11 +150,11 @@ def _precision_problems(cfg: Any, sections: tuple[tuple[str, str], ...]) -> list
     optimizer that rounds stochastically, and a bf16 compute dtype."""
     problems = []
     for role, model in sections:
-        master, optimizer = _get(cfg, f"{model}.master_dtype"), _get(cfg, f"{role}.optimizer")
+        master, optimizer = config_value(cfg, f"{model}.master_dtype"), config_value(cfg, f"{role}.optimizer")
         if master == "bf16" and optimizer != "adamw_8bit":
             problems.append(f"{model}.master_dtype=bf16 needs {role}.optimizer=adamw_8bit (its stochastic rounding "
                             f"keeps updates below bf16's resolution); got {role}.optimizer={optimizer}")
-        if master == "bf16" and _get(cfg, f"{model}.dtype") == "fp32":
+        if master == "bf16" and config_value(cfg, f"{model}.dtype") == "fp32":
             problems.append(f"{model}.master_dtype=bf16 is below {model}.dtype=fp32; use {model}.dtype=bf16 or auto")
     return problems
 
@@ -170,7 +171,7 @@ def _lora_problems(cfg: Any, sections: tuple[str, ...]) -> list[str]:
     from hybridflow.engine.train.lora import target_names
 
     for section in sections:
-        lora = _get(cfg, f"{section}.lora")
+        lora = config_value(cfg, f"{section}.lora")
         try:
             target_names(lora.target_modules)
         except ValueError as e:
@@ -188,20 +189,14 @@ def _lora_problems(cfg: Any, sections: tuple[str, ...]) -> list[str]:
     return problems
 
 
-def _get(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def _algorithm_problems(cfg: Any) -> list[str]:
     """What the chosen estimator and options need from the rest of the config."""
     alg, n, problems = cfg.algorithm, cfg.rollout.n, []
     est = alg.adv_estimator
-    if est in GROUP_ESTIMATORS and n < 2:
+    if est in GROUP_ESTIMATORS and n < 2 and uses_task_advantage(cfg):
         problems.append(f"algorithm.adv_estimator={est} compares the responses of one prompt: "
                         f"rollout.n={n} must be >= 2")
-    if est in GROUP_ESTIMATORS and n >= 2 and cfg.rollout.temperature <= 0:
+    if est in GROUP_ESTIMATORS and n >= 2 and cfg.rollout.temperature <= 0 and uses_task_advantage(cfg):
         problems.append(f"algorithm.adv_estimator={est} with rollout.temperature=0 (greedy): the {n} responses "
                         f"of a prompt are identical, so every advantage is 0; use rollout.temperature > 0")
     if cfg.rollout.val_n > 1 and cfg.rollout.val_temperature <= 0:
@@ -229,6 +224,22 @@ def _algorithm_problems(cfg: Any) -> list[str]:
     if not needs_critic(cfg) and cfg.critic.warmup_steps > 0:
         problems.append(f"critic.warmup_steps={cfg.critic.warmup_steps} needs a critic "
                         f"(algorithm.adv_estimator=gae), got adv_estimator={est}")
+    return problems
+
+
+def _teacher_problems(cfg: Any) -> list[str]:
+    """On-policy distillation: a positive weight, no KL-in-reward without the task reward it shapes (the
+    teacher's directory and tokenizer: `hybridflow.config.input_checks`)."""
+    teacher = cfg.teacher
+    problems: list[str] = []
+    if not distills(cfg):
+        return problems
+    if teacher.kl_coef <= 0:
+        problems.append(f"teacher.kl_coef={teacher.kl_coef} must be > 0 (the weight of the distillation advantage)")
+    if cfg.algorithm.use_kl_in_reward and not teacher.task_reward:
+        problems.append("algorithm.use_kl_in_reward=true shapes the task reward, which distillation alone "
+                        "(teacher.task_reward=false) does not use; set teacher.task_reward=true or use "
+                        "actor.kl_loss_coef for a KL term")
     return problems
 
 
@@ -336,79 +347,6 @@ def _ray_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def _model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
-    """`model.path` is required; each local model directory under `keys` must exist."""
-    problems = []
-    if cfg.model.path is None:
-        problems.append("model.path is required (a Hugging Face model directory)")
-    for key in keys:
-        value = _get(cfg, key)
-        if value is not None and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
-            problems.append(f"{key}={value}: no such directory")
-    return problems
-
-
-def _data_file_problems(cfg: Any) -> list[str]:
-    """`data.train_files` is required; every training and validation file must exist."""
-    problems = []
-    if not cfg.data.train_files:
-        problems.append("data.train_files is required (one parquet/jsonl path or a list)")
-    for key in ("data.train_files", "data.val_files"):
-        for path in _get(cfg, key):
-            if Path(path).expanduser().is_dir():
-                problems.append(f"{key}: {path} is a directory; give a .parquet or .jsonl file in it (or a list "
-                                f"of them)")
-            elif not Path(path).expanduser().is_file():
-                problems.append(f"{key}: file {path} not found")
-    return problems
-
-
-def _run_problems(cfg: Any) -> list[str]:
-    """The run's resume checkpoint must exist; `trainer.device=cuda` on the local backend needs a visible GPU."""
-    problems = []
-    resume = cfg.trainer.resume
-    if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
-        problems.append(f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path")
-    if cfg.trainer.device == "cuda" and cfg.trainer.backend == "local":  # Ray's GPUs: `check_capacity`
-        import torch
-
-        if not torch.cuda.is_available():
-            problems.append("trainer.device=cuda but no CUDA device is visible; valid here: auto, cpu")
-    return problems
-
-
-def _path_problems(cfg: Any) -> list[str]:
-    """What the run will read: data files, the reward function, a resume checkpoint, model directories."""
-    problems = _model_problems(cfg, ("model.path", "model.tokenizer_path", "critic.model.path",
-                                     "reward.reward_model.path"))
-    if cfg.model.path is None and needs_critic(cfg) and cfg.critic.model.path is None:
-        problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
-                        "or model.path (the critic then starts from the actor's model)")
-    problems += _data_file_problems(cfg)
-    problems += lora_target_problems(cfg, (("actor", "model.path", "lm"),
-                                           ("critic", "critic.model.path" if cfg.critic.model.path else "model.path",
-                                            "value")) if needs_critic(cfg) else (("actor", "model.path", "lm"),))
-    from hybridflow.rewards import RewardSpec, Scorer
-
-    try:  # resolves names, imports users' files, binds each function's parameters
-        Scorer(RewardSpec.from_config(cfg.reward))
-    except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
-        key = "reward.functions" if cfg.reward.functions else "reward.function"
-        problems.append(f"{key}={_get(cfg, key)!r}: {e}")
-    from hybridflow.agents.host import tool_schemas
-
-    for way in ENDPOINT_WAYS:  # user code runs in the runner process only: here its file must exist
-        spec = getattr(cfg.agent, way) or ""
-        target = spec.rpartition(":")[0] if ":" in spec and not spec.endswith(".py") else spec
-        if target.endswith(".py") and not Path(target).expanduser().is_file():
-            problems.append(f"agent.{way}={spec!r}: the file {target!r} does not exist")
-    try:  # a process of their own imports the environment's file and builds every tool, before any model loads
-        tool_schemas(cfg.agent)
-    except (ValueError, RuntimeError) as e:
-        problems.append(str(e))
-    return problems + _run_problems(cfg)
-
-
 def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -> None:
     """Raises one `ConfigError` listing every cross-key problem of an `RLConfig`.
 
@@ -419,10 +357,10 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
     problems = (_range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
-                + _ray_problems(cfg) + _agent_problems(cfg) + package_problems(cfg)
+                + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg) + package_problems(cfg)
                 + _moe_problems(cfg))
     if check_paths:
-        problems += _path_problems(cfg) + moe_model_problems(cfg)
+        problems += path_problems(cfg) + moe_model_problems(cfg)
     problems += exact_problems(cfg, check_paths)
     if n_workers >= 1:
         roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]
@@ -442,8 +380,8 @@ def validate_sft(cfg: Any, rows_per_example: int = 1, more: list[str] | None = N
                                {"optim.lr": (0.0, float("inf"), False, False),
                                 "trainer.gpu_memory_utilization": (0.0, 1.0, False, True)})
     problems += _precision_problems(cfg, (("optim", "model"),)) + _lora_problems(cfg, ("optim",))
-    problems += _model_problems(cfg, ("model.path", "model.tokenizer_path")) + _data_file_problems(cfg)
-    problems += lora_target_problems(cfg, (("optim", "model.path", "lm"),)) + _run_problems(cfg)
+    problems += model_problems(cfg, ("model.path", "model.tokenizer_path")) + data_file_problems(cfg)
+    problems += lora_target_problems(cfg, (("optim", "model.path", "lm"),)) + run_problems(cfg)
     problems += package_problems(cfg)
     if data.train_batch_size < run.n_workers:
         problems.append(f"data.train_batch_size={data.train_batch_size} gives some of trainer.n_workers="

@@ -1,8 +1,8 @@
 """What each worker group will hold on its devices, read from an `RLConfig` before any model loads.
 
 `device_demands(cfg)` returns one `hybridflow.engine.budget.DeviceDemand` per group of an RL run (``actor``: the actor,
-its reference and rollout engine when colocated, the critic and reward model when they share its
-processes; ``critic`` with `trainer.placement=split`; ``rollout`` with `rollout.placement=separate`);
+its reference and rollout engine when colocated, the critic, reward model and distillation teacher when they
+share its processes; ``critic`` with `trainer.placement=split`; ``rollout`` with `rollout.placement=separate`);
 `sft_demand(cfg)` the one of an SFT run's workers. A LoRA role trains its adapters alone (counted on the meta
 device), and a LoRA actor's reference is its own base weights, which take no memory of their own.
 Each worker plans its device from its group's demand (`budget.plan_for_device`) and refuses to start if
@@ -75,6 +75,10 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
     if cfg.reward.reward_model.path:
         frozen.append(FrozenRole(None, _shape(cfg.model, cfg.reward.reward_model.path, "value"),
                                  _compute_bytes(cfg.model.dtype)))
+    if facts.teacher:
+        teacher = cfg.teacher
+        frozen.append(FrozenRole("teacher.param_offload", _shape(teacher.model, teacher.model.path, "lm"),
+                                 _compute_bytes(teacher.model.dtype), teacher.param_offload))
     out = {}
     if facts.critic:
         critic = _trained("critic", "critic.model", cfg.critic.model, cfg.critic,

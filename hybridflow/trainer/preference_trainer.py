@@ -66,7 +66,8 @@ class ReferenceLogps:
     def attach(self, batch: Batch) -> Batch:
         """`batch` with `ref_chosen_logps` / `ref_rejected_logps` `[P]` of its pairs."""
         ref = self.values[torch.as_tensor(list(batch["index"]))]
-        return batch.union(Batch({"ref_chosen_logps": ref[:, 0].contiguous(), "ref_rejected_logps": ref[:, 1].contiguous()}))
+        return batch.union(Batch({"ref_chosen_logps": ref[:, 0].contiguous(),
+                                  "ref_rejected_logps": ref[:, 1].contiguous()}))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"values": self.values}
@@ -175,7 +176,8 @@ class PreferenceTrainer(Trainer):
             for name, v in self.pair_metrics(batch, values["chosen"], values["rejected"]).items():
                 sums[name] = sums.get(name, 0.0) + float(v.double().sum())
             pairs += len(batch)
-        metrics = {f"val/{name}" if name == "loss" else f"val/{self.kind}/{name}": v / pairs for name, v in sums.items()}
+        metrics = {f"val/{name}" if name == "loss" else f"val/{self.kind}/{name}": v / pairs
+                   for name, v in sums.items()}
         metrics["timing_s/val"] = time.perf_counter() - start
         return metrics
 

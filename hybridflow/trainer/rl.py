@@ -4,10 +4,10 @@
 
 One step reads like the algorithm: generate n responses per prompt (multi-turn episodes with an
 environment or tools when `agent` sets them: `hybridflow.agents`) → score them (in a process pool,
-overlapped with the log-prob passes) → old and reference log-probs → values → advantages → critic
-update → actor update → weight sync into the rollout engine (in place, or over torch.distributed to a
-separate rollout group: `hybridflow.trainer.role_groups`). In exact mode (`rollout.exact`) the rollout's log-probs
-are the old ones and that pass is skipped. Each arrow is a worker-group call or a
+overlapped with the log-prob passes) → old and reference log-probs (and a distillation teacher's) → values →
+advantages → critic update → actor update → weight sync into the rollout engine (in place, or over
+torch.distributed to a separate rollout group: `hybridflow.trainer.role_groups`). In exact mode (`rollout.exact`)
+the rollout's log-probs are the old ones and that pass is skipped. Each arrow is a worker-group call or a
 pure function of `hybridflow.trainer.step_math`; nothing here touches devices or process groups.
 Two algorithms add to the first arrows: ReMax generates one greedy response per prompt beside the
 samples, whose score is the prompt's baseline (`submit_baselines`); DAPO's dynamic sampling generates and
@@ -99,8 +99,10 @@ class RLTrainer(Trainer):
         return roles
 
     def effective_handles(self) -> dict[str, Any]:
-        """The trained roles and, with `rollout.placement=separate`, the rollout group."""
+        """The trained roles, the distillation teacher and, with `rollout.placement=separate`, the rollout group."""
         handles = super().effective_handles()
+        if self.roles.teacher is not None:
+            handles["teacher"] = self.roles.teacher
         if self.roles.separate is not None:
             handles["rollout"] = self.roles.separate.group
         return handles
@@ -131,6 +133,9 @@ class RLTrainer(Trainer):
             if facts.reference:
                 with timer("ref", timings):
                     batch = batch.union(actor.compute_ref_log_probs(batch, temperature))
+            if self.roles.teacher is not None:
+                with timer("teacher", timings):
+                    batch = batch.union(self.roles.teacher.compute_teacher_log_probs(batch, temperature))
             if critic is not None:
                 with timer("values", timings):
                     batch = batch.union(critic.compute_values(batch))
@@ -142,7 +147,7 @@ class RLTrainer(Trainer):
                     metrics.update(step_math.apply_baselines(batch, greedy, greedy_result, cfg))
             with timer("adv", timings):
                 metrics.update(step_math.apply_kl_in_reward(batch, self.kl_ctrl, cfg))
-                step_math.compute_advantages(batch, cfg)
+                metrics.update(step_math.compute_advantages(batch, cfg, facts))
             if critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(critic.update_critic(batch))

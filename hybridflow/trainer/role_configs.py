@@ -1,11 +1,11 @@
 """Each worker role's typed config, made on the controller from an `RLConfig` and its `RunFacts`, or from a
 preference program's config (`hybridflow dpo`, `hybridflow rm`).
 
-A worker gets its own `Config` (`ActorWorker.Config`, `CriticWorker.Config`, `RolloutWorker.Config`, and
-the `RolloutReplica.Config` inside the actor's or the rollout worker's; `PreferenceWorker.Config`), never the
-whole tree: the sections it reads, and the facts the controller resolved for it (`hybridflow.config.resolved`),
-such as its rows per mini-batch or whether it holds a reference copy. `train_sampling` is the `SamplingParams` a
-training step generates with.
+A worker gets its own `Config` (`ActorWorker.Config`, `CriticWorker.Config`, `RolloutWorker.Config`,
+`TeacherWorker.Config`, and the `RolloutReplica.Config` inside the actor's or the rollout worker's;
+`PreferenceWorker.Config`), never the whole tree: the sections it reads, and the facts the controller resolved
+for it (`hybridflow.config.resolved`), such as its rows per mini-batch or whether it holds a reference copy.
+`train_sampling` is the `SamplingParams` a training step generates with.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hybridflow.config.resolved import RunFacts, resolve_facts
 from hybridflow.engine import budget
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.train.router_replay import RouterHooks
-from hybridflow.workers import ActorWorker, CriticWorker, RolloutWorker
+from hybridflow.workers import ActorWorker, CriticWorker, RolloutWorker, TeacherWorker
 from hybridflow.workers.preference_worker import PAIR, PreferenceWorker
 from hybridflow.workers.rollout_replica import RolloutReplica
 
@@ -64,6 +64,13 @@ def rollout_worker_config(cfg: Any, memory: budget.DeviceDemand | None = None,
     """The separate rollout group's config."""
     return RolloutWorker.Config(model=cfg.model, replica=replica_config(cfg, facts or resolve_facts(cfg)),
                                 memory=memory)
+
+
+def teacher_config(cfg: Any, memory: budget.DeviceDemand | None = None) -> TeacherWorker.Config:
+    """The distillation teacher's config: `teacher.model` and its offload, and the actor's sections whose
+    micro-batching its forwards use (`memory`: the actor's device's demand, which counts the teacher)."""
+    return TeacherWorker.Config(model=cfg.teacher.model, actor_model=cfg.model, actor=cfg.actor,
+                                param_offload=cfg.teacher.param_offload, memory=memory)
 
 
 def train_sampling(cfg: Any) -> SamplingParams:

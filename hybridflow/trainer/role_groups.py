@@ -3,9 +3,9 @@
 `build_roles(cfg, total_steps)` returns `Roles`: handles on which the loop calls worker methods
 (`roles.rollout.generate(batch)`, `roles.actor.update_actor(batch)`, `roles.sync_weights()`). With
 `trainer.placement=colocate` (the default) the actor (with its rollout engine and, when a KL term needs
-it, the reference), the critic and the reward model share one process per device; with `split` the
-critic gets its own group of processes. With `rollout.placement=separate` the rollout engine leaves the
-actor for a `RolloutWorker` group of its own, fed over a weight-sync process group (`SeparateRollout`).
+it, the reference), the critic, the reward model and the distillation teacher share one process per device;
+with `split` the critic gets its own group of processes. With `rollout.placement=separate` the rollout engine
+leaves the actor for a `RolloutWorker` group of its own, fed over a weight-sync process group (`SeparateRollout`).
 Each group gets a resource pool of its own (`hybridflow.trainer.placement`: sizes, Ray nodes, checks).
 Each group's workers get what their devices will hold (`memory.device_demands`), to plan the device and
 refuse a run that cannot fit before any model loads.
@@ -22,8 +22,8 @@ from hybridflow.controller import Remote, WorkerGroup, colocate, submit, wait_al
 from hybridflow.trainer.base import device_type, optimizer_steps
 from hybridflow.trainer.memory import device_demands
 from hybridflow.trainer.placement import check_placement, make_pools
-from hybridflow.trainer.role_configs import actor_config, critic_config, rollout_worker_config
-from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker
+from hybridflow.trainer.role_configs import actor_config, critic_config, rollout_worker_config, teacher_config
+from hybridflow.workers import ActorWorker, CriticWorker, RewardModelWorker, RolloutWorker, TeacherWorker
 from hybridflow.workers.handles import RolloutHandle
 from hybridflow.workers.weight_sync import BUCKET_BYTES
 
@@ -50,14 +50,15 @@ class SeparateRollout:
 
 @dataclass
 class Roles:
-    """Controller-side handles on the role workers; `critic` / `reward_model` / `separate` are None when
-    not used."""
+    """Controller-side handles on the role workers; `critic` / `reward_model` / `separate` / `teacher` are None
+    when not used."""
 
     actor: Remote[ActorWorker]
     critic: Remote[CriticWorker] | None
     reward_model: Remote[RewardModelWorker] | None
     groups: list[WorkerGroup[Any]]
     separate: SeparateRollout | None = None
+    teacher: Remote[TeacherWorker] | None = None
 
     @property
     def rollout(self) -> RolloutHandle:
@@ -91,6 +92,8 @@ def build_roles(cfg: Any, total_steps: int, facts: RunFacts) -> Roles:
     classes: dict[str, type] = {"actor": ActorWorker}
     if cfg.reward.reward_model.path:
         classes["reward_model"], kwargs["reward_model"] = RewardModelWorker, dict(rm_cfg=cfg.reward.reward_model)
+    if facts.teacher:
+        classes["teacher"], kwargs["teacher"] = TeacherWorker, dict(config=teacher_config(cfg, memory["actor"]))
     critic_kwargs = dict(config=critic_config(cfg, role_optimizer_steps(cfg, "critic", total_steps),
                                               memory["critic" if facts.split_critic else "actor"], facts))
     if facts.critic and not facts.split_critic:
@@ -120,4 +123,4 @@ def build_roles(cfg: Any, total_steps: int, facts: RunFacts) -> Roles:
             started.shutdown()
         raise
     return Roles(actor=handles["actor"], critic=handles.get("critic"), reward_model=handles.get("reward_model"),
-                 groups=groups, separate=handles.get("separate"))
+                 groups=groups, separate=handles.get("separate"), teacher=handles.get("teacher"))

@@ -2,7 +2,8 @@
 
 Each function takes the step's batch (row keys of docs/architecture.md) and the run config, adds
 its outputs as new row keys and returns the metrics it produced, so `rl.py` reads like the
-algorithm: rewards (and ReMax's greedy baselines) → DAPO's group filter → (KL in reward) → advantages.
+algorithm: rewards (and ReMax's greedy baselines) → DAPO's group filter → (KL in reward) → advantages (with
+on-policy distillation's).
 No worker calls happen here.
 """
 
@@ -15,6 +16,7 @@ import torch
 
 from hybridflow import algorithms
 from hybridflow.batch import Batch
+from hybridflow.config.resolved import RunFacts
 from hybridflow.rewards.manager import RewardResult, scores_to_token_scores
 
 
@@ -94,12 +96,29 @@ def apply_kl_in_reward(batch: Batch, kl_ctrl: Any, cfg: Any) -> dict[str, float]
     return {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta}
 
 
-def compute_advantages(batch: Batch, cfg: Any) -> None:
-    """Sets `advantages` and `returns` with the configured estimator (`algorithm.adv_estimator`)."""
-    alg = cfg.algorithm
-    advantages, returns = algorithms.compute_advantages(alg.adv_estimator, batch, gamma=alg.gamma, lam=alg.lam,
-                                                        scale_by_std=alg.norm_adv_by_std)
+def compute_advantages(batch: Batch, cfg: Any, facts: RunFacts) -> dict[str, float]:
+    """Sets `advantages` and `returns`: the configured estimator's (`algorithm.adv_estimator`) on the scores
+    (`facts.task_advantage`), plus, when a teacher scored the rows (`facts.teacher`: `teacher_log_probs`),
+    on-policy distillation's per-token advantage (that alone without the task's, and the returns are the
+    advantages). The policy's log-probs of its samples are the actor's before the update (`old_log_probs`) or,
+    when that pass is skipped, the rollout's. Returns `teacher/kl` (token mean of the reverse-KL estimate) and
+    `teacher/log_prob` when distilling."""
+    alg, mask = cfg.algorithm, batch["response_mask"]
+    if facts.task_advantage:
+        advantages, returns = algorithms.compute_advantages(alg.adv_estimator, batch, gamma=alg.gamma, lam=alg.lam,
+                                                            scale_by_std=alg.norm_adv_by_std)
+    else:
+        advantages = returns = torch.zeros_like(mask)
+    metrics: dict[str, float] = {}
+    if facts.teacher:
+        logp = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+        teacher = batch["teacher_log_probs"]
+        advantages = advantages + algorithms.distillation_advantages(logp, teacher, mask, cfg.teacher.kl_coef)
+        returns = returns if facts.task_advantage else advantages
+        metrics = {"teacher/kl": algorithms.masked_mean(logp - teacher, mask).item(),
+                   "teacher/log_prob": algorithms.masked_mean(teacher, mask).item()}
     batch["advantages"], batch["returns"] = advantages.float(), returns.float()
+    return metrics
 
 
 def drop_failed_trajectories(batch: Batch) -> Batch:

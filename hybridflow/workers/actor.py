@@ -95,7 +95,8 @@ class ActorWorker(EngineWorker):
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=config.total_steps,
                                   device=self.device, seed=config.seed, exact_len=config.exact_len,
                                   router=config.router)
-        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device) if config.reference_copy else None
+        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device, actor_cfg.ref_param_offload) \
+            if config.reference_copy else None
         self.rollout = None
         if config.rollout is not None:
             # a LoRA actor's frozen weights never change: the engine holds them as they are
@@ -147,7 +148,7 @@ class ActorWorker(EngineWorker):
         if self.ref is None:
             raise RuntimeError("compute_ref_log_probs needs the ActorWorker built with config.reference_copy=True")
         with self._reported_oom("reference log-prob pass"):
-            return self.ref.log_probs(batch, temperature)
+            return Batch({"ref_log_probs": self.ref.log_probs(batch, temperature)})
 
     @register(Dispatch.DATA_PARALLEL, collect="same")
     def update_actor(self, batch: Batch, temperature: float) -> dict[str, float]:

@@ -1,8 +1,12 @@
-"""The reference policy: a frozen copy of the initial actor that scores responses (`ref_log_probs`).
+"""Frozen models that score the policy's responses: the reference policy (`ref_log_probs`) and the teacher of
+on-policy distillation (`teacher_log_probs`).
 
-`ReferenceModel` is held by the actor (`ActorWorker.Config.reference_copy`), on the actor's devices. With
-`ref_param_offload` the frozen weights live on the CPU between calls. A LoRA actor holds none: its own base
-weights, its adapters disabled for the pass, are the reference (`ActorWorker.compute_ref_log_probs`).
+`ReferenceModel` is a frozen `TrainEngine` (weights stored in the compute dtype, no optimizer) with the
+micro-batching and packing of the actor it sits beside; with `offload` its weights live on the CPU between
+calls. The actor holds its reference (`ActorWorker.Config.reference_copy`), on the actor's devices; a LoRA actor
+holds none: its own base weights, its adapters disabled for the pass, are the reference
+(`ActorWorker.compute_ref_log_probs`). The distillation teacher is a `TeacherWorker` (`hybridflow.workers.teacher`)
+colocated with the actor.
 """
 
 from __future__ import annotations
@@ -10,30 +14,32 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, ModelConfig
+from hybridflow.config.schema import EngineOptimConfig, FrozenModelConfig
 from hybridflow.engine.train import TrainEngine
 
 
 class ReferenceModel:
-    """A frozen `TrainEngine` (weights stored in the compute dtype, no optimizer)."""
+    """A frozen causal LM on `device`: `model_cfg` its model section, `batching_cfg` the (actor's) section whose
+    `micro_batch_size`, `max_tokens_per_micro_batch` and `use_packing` its forwards use."""
 
-    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, device: torch.device) -> None:
-        self.actor_cfg = actor_cfg
-        self.offload = actor_cfg.ref_param_offload
+    def __init__(self, model_cfg: FrozenModelConfig, batching_cfg: EngineOptimConfig, device: torch.device,
+                 offload: bool = False) -> None:
+        self.batching_cfg, self.offload = batching_cfg, offload
         self.engine = TrainEngine(model_cfg, None, head="lm", device=device)
         if self.offload:
             self.engine.offload(params=True, optimizer=False)
 
-    def log_probs(self, batch: Batch, temperature: float) -> Batch:
-        """Batch{ref_log_probs [B, R]} for prompt + response rows."""
+    def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """`[B, R]` log-probs of the response tokens of prompt + response rows."""
         if self.offload:
             self.engine.onload(params=True, optimizer=False)
-        out = self.engine.infer(batch.tensors, micro_batch_size=self.actor_cfg.micro_batch_size,
-                                max_tokens=self.actor_cfg.max_tokens_per_micro_batch, temperature=temperature,
-                                pack=self.actor_cfg.use_packing)
+        cfg = self.batching_cfg
+        out = self.engine.infer(batch.tensors, micro_batch_size=cfg.micro_batch_size,
+                                max_tokens=cfg.max_tokens_per_micro_batch, temperature=temperature,
+                                pack=cfg.use_packing)
         if self.offload:
             self.engine.offload(params=True, optimizer=False)
-        return Batch({"ref_log_probs": out["log_probs"]})
+        return out["log_probs"]
 
 
 def scoring_temperature(sampling_temperature: float) -> float:

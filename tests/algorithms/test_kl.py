@@ -95,3 +95,14 @@ def test_controller_errors():
         make_kl_controller("adaptive", coef=0.1)
     with pytest.raises(ValueError, match="unknown KL controller"):
         make_kl_controller("pid", coef=0.1)
+
+
+def test_distillation_advantage_is_the_negated_weighted_reverse_kl_on_real_tokens():
+    from hybridflow.algorithms import distillation_advantages
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    teacher = torch.tensor([[-3.0, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert distillation_advantages(logp, teacher, mask, coef=0.5).tolist() == [[-1.0, 0.5, 0.0]]
+    with pytest.raises(ValueError, match="teacher_logp has shape"):
+        distillation_advantages(logp, teacher[:, :2], mask)

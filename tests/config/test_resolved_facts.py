@@ -10,7 +10,7 @@ def test_grpo_defaults_skip_the_old_log_probs_and_need_no_critic_or_reference():
     facts = resolve_facts(load_config(["data.train_batch_size=4", "rollout.n=3"]))  # the schema defaults: GRPO
     assert not facts.critic and not facts.reference and not facts.reference_copy and not facts.greedy_baseline
     assert facts.skip_old_log_probs and facts.step_rows == 12 and facts.groups == {"actor": 1}
-    assert not facts.separate_rollout and not facts.agent
+    assert not facts.separate_rollout and not facts.agent and not facts.teacher and facts.task_advantage
 
 
 def test_mini_batch_rows_are_prompts_times_n_and_several_mini_batches_need_old_log_probs():

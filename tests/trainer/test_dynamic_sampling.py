@@ -23,8 +23,8 @@ def test_generates_until_the_batch_is_full_and_the_loader_counts_every_batch(tin
                                                                               monkeypatch, engine_steps):
     trained = []
     compute_advantages = step_math.compute_advantages
-    monkeypatch.setattr(step_math, "compute_advantages", lambda batch, cfg: (trained.append(batch),
-                                                                              compute_advantages(batch, cfg)))
+    monkeypatch.setattr(step_math, "compute_advantages", lambda batch, cfg, facts: (
+        trained.append(batch), compute_advantages(batch, cfg, facts))[1])
     cfg = load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, *COMMON, "trainer.total_steps=3",
                                      f"reward.function={reward_file(tmp_path, EVEN_VARY)}"), "recipes/grpo.yaml")
     trainer = RLTrainer(cfg)

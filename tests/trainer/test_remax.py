@@ -21,9 +21,9 @@ def test_remax_baseline_is_the_greedy_responses_score(tiny_qwen2, data_dir, tmp_
         seen.append({"greedy": greedy, "scores": list(result.scores)})
         return apply_baselines(batch, greedy, result, cfg)
 
-    def spy_advantages(batch, cfg):
-        compute_advantages(batch, cfg)
+    def spy_advantages(batch, cfg, facts):
         seen[-1]["batch"] = batch
+        return compute_advantages(batch, cfg, facts)
 
     monkeypatch.setattr(step_math, "apply_baselines", spy_baselines)
     monkeypatch.setattr(step_math, "compute_advantages", spy_advantages)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig
+from hybridflow.config.schema import EngineOptimConfig, FrozenModelConfig, ModelConfig
 from hybridflow.engine.budget import count
 from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
@@ -75,8 +75,9 @@ class TrainEngine:
     role's `lora.rank` > 0 (`lora.py`: only they train; `adapters` is None without).
 
     Args:
-        model_cfg: the model's section (`path`, `dtype`, `master_dtype`, `gradient_checkpointing`: None counts
-            as off, `compile`, `attn_implementation`, `trust_remote_code`).
+        model_cfg: the model's section (`path`, `dtype`, `compile`, `attn_implementation`, `trust_remote_code`;
+            a trained model's `ModelConfig` also `master_dtype` and `gradient_checkpointing`: None counts as off).
+            A frozen model (a reference, a distillation teacher) may take a `FrozenModelConfig`.
         optim_cfg: the trained role's section (an actor, critic, SFT or preference `EngineOptimConfig`:
             `optimizer`, lr, schedule, `grad_clip`, `lora`, ...), or None for a frozen model.
         head: ``"lm"`` (log-probs), ``"value"`` (critic values) or ``"score"`` (a reward model's, read as values).
@@ -94,9 +95,10 @@ class TrainEngine:
             loss; None = no hooks.
     """
 
-    def __init__(self, model_cfg: ModelConfig, optim_cfg: EngineOptimConfig | None = None, *, head: str = "lm",
-                 total_steps: int = 1, device: torch.device | None = None, pack_on_cpu: bool = False,
-                 seed: int = 0, exact_len: int | None = None, router: RouterHooks.Config | None = None) -> None:
+    def __init__(self, model_cfg: FrozenModelConfig, optim_cfg: EngineOptimConfig | None = None, *,
+                 head: str = "lm", total_steps: int = 1, device: torch.device | None = None,
+                 pack_on_cpu: bool = False, seed: int = 0, exact_len: int | None = None,
+                 router: RouterHooks.Config | None = None) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
         # Packing pays on CUDA (varlen flash attention, no padded work). On a CPU the padded forward
         # is faster (docs/benchmarks.md, "Measurements behind choices in the code"), so `pack` is
@@ -106,7 +108,14 @@ class TrainEngine:
         self.pack_allowed = self.device.type == "cuda" or pack_on_cpu or self.exact
         self.head = head
         self.trainable = optim_cfg is not None
-        self.precision = resolve_precision(model_cfg.dtype, self.device, self.trainable, model_cfg.master_dtype)
+        trained = model_cfg if isinstance(model_cfg, ModelConfig) else None
+        if self.trainable and trained is None:
+            raise TypeError(f"a trained model takes a ModelConfig (master_dtype, gradient_checkpointing), got "
+                            f"{type(model_cfg).__name__}")
+        if trained is not None:
+            self.precision = resolve_precision(model_cfg.dtype, self.device, self.trainable, trained.master_dtype)
+        else:  # a frozen model's weights stay in the compute dtype: it has no master dtype
+            self.precision = resolve_precision(model_cfg.dtype, self.device, trainable=False)
         self.distributed = dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         lora_cfg = optim_cfg.lora if optim_cfg is not None else None
@@ -116,7 +125,7 @@ class TrainEngine:
             # with LoRA the frozen weights are loaded, and stay, in the compute dtype; only adapters get a master copy
             model = load_model(model_cfg.path, head, self.precision.param if lora else self.precision.master,
                                model_cfg.attn_implementation, model_cfg.trust_remote_code,
-                               self.trainable and bool(model_cfg.gradient_checkpointing))
+                               self.trainable and trained is not None and bool(trained.gradient_checkpointing))
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
         if self.exact:
             make_exact(model, self.precision.param, exact_len)

@@ -1,0 +1,111 @@
+"""Checks of what a run will read, before any model loads: model directories, data files, the reward functions,
+the environment and tools, the resume checkpoint, a visible GPU, LoRA's targets on the model (`extras`), and a
+distillation teacher's tokenizer.
+
+Each function returns the problems it found as messages naming the key and its value (`validate` and
+`validate_sft` in `hybridflow.config.validate` gather them into one `ConfigError`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.extras import config_value, lora_target_problems
+from hybridflow.config.role_needs import ENDPOINT_WAYS, distills, needs_critic
+
+
+def model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
+    """`model.path` is required; each local model directory under `keys` must exist."""
+    required = [] if cfg.model.path is not None else ["model.path is required (a Hugging Face model directory)"]
+    return required + directory_problems(cfg, keys)
+
+
+def directory_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
+    """Each local model directory under `keys` (a path, not a hub id) must exist."""
+    return [f"{key}={value}: no such directory" for key in keys if (value := config_value(cfg, key)) is not None
+            and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists()]
+
+
+def data_file_problems(cfg: Any) -> list[str]:
+    """`data.train_files` is required; every training and validation file must exist."""
+    problems = []
+    if not cfg.data.train_files:
+        problems.append("data.train_files is required (one parquet/jsonl path or a list)")
+    for key in ("data.train_files", "data.val_files"):
+        for path in config_value(cfg, key):
+            if Path(path).expanduser().is_dir():
+                problems.append(f"{key}: {path} is a directory; give a .parquet or .jsonl file in it (or a list "
+                                f"of them)")
+            elif not Path(path).expanduser().is_file():
+                problems.append(f"{key}: file {path} not found")
+    return problems
+
+
+def run_problems(cfg: Any) -> list[str]:
+    """The run's resume checkpoint must exist; `trainer.device=cuda` on the local backend needs a visible GPU."""
+    problems = []
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
+        problems.append(f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path")
+    if cfg.trainer.device == "cuda" and cfg.trainer.backend == "local":  # Ray's GPUs: `check_capacity`
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("trainer.device=cuda but no CUDA device is visible; valid here: auto, cpu")
+    return problems
+
+
+def teacher_problems(cfg: Any) -> list[str]:
+    """A distillation teacher's directories must exist and its tokenizer must be the policy's: it scores the
+    policy's token ids, so both need one vocabulary."""
+    if not distills(cfg):
+        return []
+    problems = directory_problems(cfg, ("teacher.model.path", "teacher.model.tokenizer_path"))
+    student = cfg.model.tokenizer_path or cfg.model.path
+    teacher = cfg.teacher.model.tokenizer_path or cfg.teacher.model.path
+    if problems or student is None or not all(Path(p).expanduser().is_dir() for p in (student, teacher)):
+        return problems
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(student, trust_remote_code=cfg.model.trust_remote_code).get_vocab()
+    theirs = AutoTokenizer.from_pretrained(teacher, trust_remote_code=cfg.teacher.model.trust_remote_code).get_vocab()
+    if ours == theirs:
+        return []
+    differ = sorted(set(ours.items()) ^ set(theirs.items()))
+    return [f"teacher.model: the tokenizer at {teacher} ({len(theirs)} tokens) is not the policy's at {student} "
+            f"({len(ours)} tokens; {len(differ)} token-id pairs differ, e.g. {differ[0]}): the teacher scores the "
+            f"policy's token ids, so both need one vocabulary"]
+
+
+def path_problems(cfg: Any) -> list[str]:
+    """What an RL run will read: data files, the reward function, a resume checkpoint, model directories, the
+    environment and tools, a distillation teacher."""
+    problems = model_problems(cfg, ("model.path", "model.tokenizer_path", "critic.model.path",
+                                    "reward.reward_model.path"))
+    if cfg.model.path is None and needs_critic(cfg) and cfg.critic.model.path is None:
+        problems.append("algorithm.adv_estimator=gae needs a critic model: critic.model.path, "
+                        "or model.path (the critic then starts from the actor's model)")
+    problems += data_file_problems(cfg)
+    problems += lora_target_problems(cfg, (("actor", "model.path", "lm"),
+                                           ("critic", "critic.model.path" if cfg.critic.model.path else "model.path",
+                                            "value")) if needs_critic(cfg) else (("actor", "model.path", "lm"),))
+    from hybridflow.rewards import RewardSpec, Scorer
+
+    try:  # resolves names, imports users' files, binds each function's parameters
+        Scorer(RewardSpec.from_config(cfg.reward))
+    except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
+        key = "reward.functions" if cfg.reward.functions else "reward.function"
+        problems.append(f"{key}={config_value(cfg, key)!r}: {e}")
+    from hybridflow.agents.host import tool_schemas
+
+    for way in ENDPOINT_WAYS:  # user code runs in the runner process only: here its file must exist
+        spec = getattr(cfg.agent, way) or ""
+        target = spec.rpartition(":")[0] if ":" in spec and not spec.endswith(".py") else spec
+        if target.endswith(".py") and not Path(target).expanduser().is_file():
+            problems.append(f"agent.{way}={spec!r}: the file {target!r} does not exist")
+    try:  # a process of their own imports the environment's file and builds every tool, before any model loads
+        tool_schemas(cfg.agent)
+    except (ValueError, RuntimeError) as e:
+        problems.append(str(e))
+    return problems + teacher_problems(cfg) + run_problems(cfg)
