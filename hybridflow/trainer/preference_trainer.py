@@ -85,6 +85,7 @@ class PreferenceTrainer(Trainer):
     (`hybridflow.trainer.role_configs.preference_config`)."""
 
     kind: str  # the metric prefix: "dpo" or "rm"
+    validates_at_end = True  # the final validation says what the exported model is worth
 
     def __init__(self, cfg: Any) -> None:
         validate_sft(cfg, rows_per_example=2, more=preference_problems(cfg))
