@@ -80,7 +80,10 @@ def _tensor_state(t: torch.Tensor) -> tuple | torch.Tensor:
     tensor on the received buffer without another copy. Device tensors are left to torch."""
     if t.device.type != "cpu":
         return t
-    flat = t.detach().contiguous().reshape(-1)
+    # contiguous_format, not .contiguous(): a one-element column slice counts as contiguous with its parent's stride
+    flat = t.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
     return (t.dtype, tuple(t.shape), t.requires_grad, flat.view(torch.uint8).numpy())
 
 

@@ -241,6 +241,13 @@ def test_pickle_keeps_dtype_shape_grad_and_writability(dtype):
     assert b["t"][0, 0, 0] == 0
 
 
+def test_pickle_takes_one_row_column_slices():
+    # a [1] slice of a [1, 2] tensor counts as contiguous while its stride is 2
+    column = torch.tensor([[1.5, 2.5]])[:, 0]
+    restored = pickle.loads(pickle.dumps(Batch({"c": column})))
+    assert restored["c"].tolist() == [1.5]
+
+
 def test_torch_multiprocessing_pickler_roundtrip():
     import io
 

@@ -98,13 +98,17 @@ def test_simpo_loss_is_that_of_the_models_log_probs_whatever_the_micro_batching(
 @pytest.mark.parametrize("loss_type,extra", [
     ("ipo", ["optim.lora.rank=4", "optim.lora.alpha=8", "optim.lr=1e-2", "data.max_length=35",
              "data.truncation=filter", "optim.max_tokens_per_micro_batch=80"]),
-    ("orpo", ["optim.passes_per_batch=2", "dpo.beta=0.5"]),
+    # two ranks sharing 15 pairs (8 and 7), a last validation batch of one pair (padded over the ranks)
+    ("orpo", ["optim.passes_per_batch=2", "dpo.beta=0.5", "trainer.n_workers=2", "data.train_batch_size=15",
+              "data.val_batch_size=5", "optim.micro_batch_size=2"]),
 ])
 def test_ipo_with_lora_and_orpo_train(tiny_qwen2, pairs, tmp_path, loss_type, extra):
     from transformers import AutoModelForCausalLM
 
     metrics = DPOTrainer(load_config(overrides(tiny_qwen2, pairs, tmp_path, f"dpo.loss_type={loss_type}",
-                                               "trainer.total_steps=3", *extra), schema=DPOConfig)).fit()
+                                               f"data.val_files={pairs['val']}", "trainer.total_steps=3", *extra),
+                                     schema=DPOConfig)).fit()
+    assert metrics["val/dpo/accuracy"] > 0.5
     train = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     assert len(train) == 3 and all(math.isfinite(r["train/loss"]) for r in train)
     assert train[-1]["dpo/margin"] > train[0]["dpo/margin"] and metrics["train/grad_norm"] > 0
