@@ -38,8 +38,9 @@ def package_problems(cfg: Any) -> list[str]:
     for section in _trained_sections(cfg):
         if config_value(cfg, f"{section}.optimizer") == "adamw_8bit":
             needs.append((f"{section}.optimizer=adamw_8bit", "torchao", "hybridflow[memory]"))
-        if config_value(cfg, f"{section}.lora.rank") > 0:
-            needs.append((f"{section}.lora.rank={config_value(cfg, f'{section}.lora.rank')}", "peft", "hybridflow[lora]"))
+        rank = config_value(cfg, f"{section}.lora.rank")
+        if rank > 0:
+            needs.append((f"{section}.lora.rank={rank}", "peft", "hybridflow[lora]"))
     return [f"{setting} needs the {module} package: pip install '{requirement}'"
             for setting, module, requirement in needs if importlib.util.find_spec(module) is None]
 

@@ -23,6 +23,7 @@ metrics here, with the same pure functions the workers train on (`hybridflow.alg
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,8 +93,9 @@ class PreferenceTrainer(Trainer):
         super().__init__(cfg, checkpoint_bytes([(cfg.model.path, self.model_head, cfg.optim.lora)],
                                                cfg.model.trust_remote_code))
 
+    @abstractmethod
     def encode(self, prompt: Any, chosen: Any, rejected: Any) -> dict[str, list[int]]:
-        raise NotImplementedError
+        """A dataset item of one pair (`encode_policy_pair` or `encode_scored_pair` with this run's tokenizer)."""
 
     def collate(self, items: Sequence[Any], epoch: int) -> Batch:
         collate = collate_policy_pairs if self.model_head == "lm" else collate_scored_pairs
@@ -162,9 +164,9 @@ class PreferenceTrainer(Trainer):
         self.bad_steps.update(self.step + 1, **{k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         return metrics
 
+    @abstractmethod
     def pair_metrics(self, batch: Batch, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-pair `loss` and the kind's metrics (`margin`, `accuracy`, ...) `[P]` of scored pairs."""
-        raise NotImplementedError
 
     def validate(self) -> dict[str, float]:
         """`val/loss` and `val/<kind>/...`: means over the validation pairs."""
