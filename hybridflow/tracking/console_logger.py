@@ -1,5 +1,6 @@
 """The console logger: one compact line per step with the metrics a person watches (an SFT step's
-``loss``/``val_loss``, an RL step's as below).
+``loss``/``val_loss``; a DPO or reward-model step's ``margin`` and pair accuracy ``pair_acc`` / ``val_pair_acc``;
+an RL step's as below, with ``teacher_kl`` when distilling).
 
     step  12/200 | reward 0.531 | val 0.550 | pg_loss -0.0123 | vf_loss 0.412 | kl 0.0012 | entropy 2.31
       | grad 1.23 | lr 1e-06 | len 87.4 (max 256, clip 3.1%) | 4.21 s | 1,234 tok/s | reward errors 6%
@@ -29,6 +30,12 @@ FIELDS: list[tuple[str, str, Callable[[float], str]]] = [
     ("val/loss", "val_loss", _num),
     ("reward/mean", "reward", lambda v: f"{v:.3f}"),
     ("val/reward/mean", "val", lambda v: f"{v:.3f}"),
+    ("dpo/margin", "margin", _num),
+    ("dpo/accuracy", "pair_acc", lambda v: f"{v:.3f}"),
+    ("val/dpo/accuracy", "val_pair_acc", lambda v: f"{v:.3f}"),
+    ("rm/accuracy", "pair_acc", lambda v: f"{v:.3f}"),
+    ("val/rm/accuracy", "val_pair_acc", lambda v: f"{v:.3f}"),
+    ("teacher/kl", "teacher_kl", _num),
     ("actor/pg_loss", "pg_loss", _num),
     ("critic/vf_loss", "vf_loss", _num),
     ("actor/kl_loss", "kl", _num),

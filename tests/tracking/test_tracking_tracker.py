@@ -90,6 +90,9 @@ def test_console_line_format():
                         "agent/env_error_share": 0.0}, step=3) == "step 3 | reward 1.000 | reward errors 25%"
     assert format_line({"reward/error_share": 0.0, "agent/env_error_share": 0.5}, step=3) == "step 3 | env errors 50%"
     assert format_line({"train/loss": 1.5, "val/loss": 1.75}, step=2, total_steps=9) == "step 2/9 | loss 1.5 | val_loss 1.75"
+    assert format_line({"train/loss": 0.6, "dpo/margin": 0.25, "dpo/accuracy": 0.75, "val/dpo/accuracy": 0.5},
+                       step=1) == "step 1 | loss 0.6 | margin 0.25 | pair_acc 0.750 | val_pair_acc 0.500"
+    assert format_line({"teacher/kl": 0.125}, step=4) == "step 4 | teacher_kl 0.125"
     stream = io.StringIO()
     with Tracker(["console"], output_dir=".", total_steps=100, stream=stream) as tracker:
         tracker.log(STEP_METRICS, step=7)
