@@ -40,9 +40,10 @@ def capture_batches(monkeypatch):
     seen = []
     compute = step_math.compute_advantages
 
-    def capturing(batch, cfg):
-        compute(batch, cfg)
+    def capturing(batch, cfg, facts):
+        metrics = compute(batch, cfg, facts)
         seen.append(batch)
+        return metrics
 
     monkeypatch.setattr(step_math, "compute_advantages", capturing)
     return seen
