@@ -5,6 +5,7 @@
     outs[i][j].token_ids, outs[i][j].logprobs, outs[i][j].finish_reason
     session = engine.session(params, hold=True)   # sequences continued turn by turn (session.py)
     engine.load_weights(trainer_named_tensors)    # HF names, copied in place
+    engine.weight_version = 3                     # recorded with each token sampled from now on
     engine.sleep(); engine.wake()                 # free / re-make the KV cache (and CUDA graphs)
 
 The loop per `generate` call (a `Session`): admit waiting prompts into free slots and prefill them in one
@@ -125,6 +126,9 @@ class RolloutEngine:
                                       device)
         self.graphs: DecodeGraphs | None = None
         self.weights_offloaded = False
+        # the policy version of the weights loaded, recorded with every sampled token (`Completion.versions`);
+        # its owner sets it when it loads new weights (a trainer: its update count)
+        self.weight_version = 0
         self.stats: dict[str, float] = {"kv_cache_gb": self.kv.bytes / 2**30, "num_slots": self.kv.num_slots}
         self._capture()
 

@@ -32,6 +32,7 @@ class HFRolloutEngine:
                                                                                      "n_positions", None)
         self.max_model_len = min(max_model_len, positions) if positions else max_model_len
         self.max_num_seqs = max_num_seqs
+        self.weight_version = 0  # recorded with every token, as the fast engine does
         self.stats: dict[str, float] = {}
 
     @torch.inference_mode()
@@ -79,7 +80,8 @@ class HFRolloutEngine:
                 tokens = new_tokens[r, :limit].tolist()
                 end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
                 tokens = tokens[:end] if end else tokens
-                row.append(Completion(tokens, logprobs[r, :len(tokens)].tolist(), "stop" if end else "length"))
+                row.append(Completion(tokens, logprobs[r, :len(tokens)].tolist(), "stop" if end else "length",
+                                      versions=[self.weight_version] * len(tokens)))
             results.append(row)
         return results
 

@@ -79,6 +79,23 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
+    def withdraw(self, seqs: set[int] | None) -> list[Request]:
+        """Take the waiting new prompts of sequences `seqs` (None: all) out of the queue, whole: a request's
+        samples share one prefill, so withdrawing some of them alone is refused."""
+        taken, kept = [], deque()
+        for request in self.waiting:
+            chosen = request.seqs if seqs is None else [s for s in request.seqs if s in seqs]
+            if not chosen:
+                kept.append(request)
+                continue
+            if len(chosen) != request.n:
+                raise ValueError(f"sequences {request.seqs} wait to be prefilled together; withdraw all of them "
+                                 f"or none (asked for {chosen})")
+            taken.append(request)
+            self.waiting_slots -= request.n
+        self.waiting = kept
+        return taken
+
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             heapq.heappush(self.free_slots, slot)

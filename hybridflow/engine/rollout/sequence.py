@@ -10,7 +10,8 @@ slot, already finished). A decode step samples and records a token for every row
 recognised from its state alone (its last token is a stop id, or it has its `max_gen` tokens): it
 records nothing more and its position stops advancing, so its outputs are exactly those of
 one-step-at-a-time decoding and its (wasted) cache writes stay at its own last position. Generated
-tokens and log-probs go into per-slot output buffers and are read back once, when the row finishes.
+tokens, log-probs and the weight version that sampled each token go into per-slot output buffers and are
+read back once, when the row finishes or is taken out unfinished (`pop_slots`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ class Request:
 
 @dataclass
 class Finished:
-    """Rows that finished since the last look, read back to the host: their slots and outputs."""
+    """Rows taken out of the batch (finished since the last look, or suspended), read back to the host:
+    their slots and outputs."""
 
     slots: list[int]
     token_ids: list[list[int]]
     logprobs: list[list[float]]
+    versions: list[list[int]]
     stopped: list[bool]
 
 
@@ -56,6 +59,7 @@ class RunningBatch:
     input token goes; context length - 1), tokens (the last sampled token, the next input), generated
     (tokens so far), max_gen (the row's limit). Per session (`reset`): is_stop [V] (the stop ids as a
     mask), inv_temp [1] and seed [1] (the fused sampler's, advanced by one per decode step on the device).
+    version [1]: the weight version each sampled token is recorded with (set by the session between steps).
     Output buffers [slots + 1, width]: the last row is the scratch row finished rows write to.
 
     The host mirrors each live row's slot, position and remaining steps (`steps_left`), so it can bound a
@@ -72,6 +76,8 @@ class RunningBatch:
         self.generated, self.max_gen = longs(), longs()
         self.out_tokens = torch.zeros(scratch_slot + 1, width, dtype=torch.long, device=device)
         self.out_logprobs = torch.zeros(scratch_slot + 1, width, dtype=torch.float32, device=device)
+        self.out_versions = torch.zeros(scratch_slot + 1, width, dtype=torch.int32, device=device)
+        self.version = torch.zeros(1, dtype=torch.int32, device=device)
         self.is_stop = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.inv_temp = torch.ones(1, dtype=torch.float32, device=device)
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
@@ -108,6 +114,7 @@ class RunningBatch:
         new_slots, size = as_long(slots), len(self)
         self.out_tokens[new_slots, 0] = tokens
         self.out_logprobs[new_slots, 0] = logprobs
+        self.out_versions[new_slots, 0] = self.version
         all_slots = self.host_slots + list(slots)
         order = sorted(range(len(all_slots)), key=all_slots.__getitem__)
         index = torch.tensor(order, device=self.device)
@@ -142,6 +149,7 @@ class RunningBatch:
         column = torch.where(live, self.generated[:size], 0)
         self.out_tokens.index_put_((row, column), tokens)
         self.out_logprobs.index_put_((row, column), logprobs)
+        self.out_versions.index_put_((row, column), self.version.expand(size))
         self.tokens[:size].copy_(torch.where(live, tokens, self.tokens[:size]))
         step = live.long()
         self.generated[:size].add_(step)
@@ -154,18 +162,24 @@ class RunningBatch:
 
     def pop_finished(self) -> Finished | None:
         """Remove the rows that hit a stop token or their length limit; None if none did (one sync)."""
+        gone = [i for i, finished in enumerate(self.done(len(self)).tolist()) if finished]
+        return self._remove(gone) if gone else None
+
+    def pop_slots(self, slots: set[int]) -> Finished:
+        """Remove the live rows of `slots`, finished or not, with their outputs so far."""
+        return self._remove([i for i, slot in enumerate(self.host_slots) if slot in slots])
+
+    def _remove(self, gone: list[int]) -> Finished:
+        """Take rows `gone` (indices into the live rows) out, reading their outputs back; the rest close up."""
         size = len(self)
-        gone = [i for i, finished in enumerate(self.done(size).tolist()) if finished]
-        if not gone:
-            return None
         idx = torch.tensor(gone, dtype=torch.long, device=self.device)
         slots, gens = self.slots[idx], self.generated[idx]
         gens_list = gens.tolist()
-        width = max(gens_list)
-        tokens = self.out_tokens[slots, :width].tolist()
-        logprobs = self.out_logprobs[slots, :width].tolist()
-        finished = Finished([self.host_slots[i] for i in gone], [t[:g] for t, g in zip(tokens, gens_list)],
-                            [lp[:g] for lp, g in zip(logprobs, gens_list)], self.is_stop[self.tokens[idx]].tolist())
+        width = max(gens_list, default=0)
+        outputs = [buffer[slots, :width].tolist() for buffer in (self.out_tokens, self.out_logprobs, self.out_versions)]
+        tokens, logprobs, versions = ([row[:g] for row, g in zip(rows, gens_list)] for rows in outputs)
+        finished = Finished([self.host_slots[i] for i in gone], tokens, logprobs, versions,
+                            self.is_stop[self.tokens[idx]].tolist())
         keep = sorted(set(range(size)) - set(gone))
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         for buffer in (self.slots, self.positions, self.tokens, self.generated, self.max_gen):

@@ -18,6 +18,14 @@ that waits (on a tool, an environment) costs the others nothing, and it re-enter
 continuation. Sampling settings (temperature, top-k / top-p, stop ids, seed) are the session's;
 max_tokens may be lowered per request. Nothing here knows about chat templates or tools.
 
+A session that does not hold its sequences can also `suspend` them unfinished: their tokens so far come
+back (log-probs and the weight version of each token included) and their slots are free, so a caller can
+carry them across a step boundary or a checkpoint and prefill them again later (partial rollouts,
+`hybridflow.workers.partial_rollout`). Each token records the engine's `weight_version` when it was sampled,
+so a sequence that runs on across an in-place weight update knows which tokens which weights produced.
+`reseed` restarts the session's random streams from a seed, so what a session samples next depends on that
+seed and its rows alone, not on what it sampled before.
+
 One session decodes on an engine at a time: sessions share the engine's KV slots and its running-row
 buffers (`RolloutEngine.batch`), which a new session resets.
 """
@@ -25,6 +33,7 @@ buffers (`RolloutEngine.batch`), which a new session resets.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,23 +62,31 @@ class Session:
 
     stats: prefill_forwards, prefill_tokens (tokens run through prefill), reused_tokens (cached tokens
     continuations attended over instead of prefilling again), decode_steps, generated_tokens, prefill_s,
-    decode_s.
+    decode_s, row_steps (running rows summed over decode steps: / (decode_steps x slots) is how full the
+    batch ran), busy_s (on CUDA: the time the GPU had the steps' work queued, from events around each
+    step; 0 elsewhere).
     """
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, hold: bool = False) -> None:
         self.engine, self.params, self.hold = engine, params, hold
         stop_ids = engine.default_stop_ids if params.stop_token_ids is None else params.stop_token_ids
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
-        self.generator = torch.Generator(engine.device).manual_seed(seed)
         self.scheduler = Scheduler(engine.kv.num_slots, engine.max_prefill_tokens)
         self.batch = engine.batch
-        decode_seed = torch.randint(2**62, (1,), generator=self.generator, device=engine.device)
-        self.batch.reset(stop_ids, params.temperature, decode_seed)
+        self.batch.reset(stop_ids, params.temperature, torch.zeros(1, dtype=torch.long, device=engine.device))
+        self.reseed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        self.version: int | None = None  # the weight version the batch records tokens with
         self.running: dict[int, tuple[int, int]] = {}  # slot -> (sequence, its length before this turn)
         self.held: dict[int, _Held] = {}
         self.next_seq = 0
         self.stats: dict[str, float] = dict(prefill_forwards=0, prefill_tokens=0, reused_tokens=0, decode_steps=0,
-                                            generated_tokens=0, prefill_s=0.0, decode_s=0.0)
+                                            generated_tokens=0, prefill_s=0.0, decode_s=0.0, row_steps=0,
+                                            busy_s=0.0)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the session's random streams from `seed`: the host generator (prefill sampling, the torch
+        sampler) and the fused sampler's device seed drawn from it."""
+        self.generator = torch.Generator(self.engine.device).manual_seed(seed)
+        self.batch.seed.copy_(torch.randint(2**62, (1,), generator=self.generator, device=self.engine.device))
 
     def _max_tokens(self, max_tokens: int | None) -> int:
         if max_tokens is None:
@@ -117,6 +134,22 @@ class Session:
             raise ValueError(f"sequence {seq} is not held (it is running, queued, or already released)")
         self.scheduler.release([self.held.pop(seq).slot])
 
+    def suspend(self, seqs: Iterable[int] | None = None) -> dict[int, Completion]:
+        """Take sequences `seqs` (None: every one) out unfinished and free their slots: a running one's
+        completion holds its tokens so far, a queued one's is empty (finish_reason "suspended"). Sequences
+        that already finished are not here (`step` returned them). Only for sessions that do not hold."""
+        if self.hold:
+            raise ValueError("suspend is for sessions that do not hold their sequences (hold=False)")
+        wanted = None if seqs is None else set(seqs)
+        out = {seq: Completion([], [], "suspended") for r in self.scheduler.withdraw(wanted) for seq in r.seqs}
+        slots = {slot for slot, (seq, _) in self.running.items() if wanted is None or seq in wanted}
+        taken = self.batch.pop_slots(slots)
+        for slot, tokens, logprobs, versions in zip(taken.slots, taken.token_ids, taken.logprobs, taken.versions):
+            out[self.running.pop(slot)[0]] = Completion(tokens, logprobs, "suspended", versions=versions)
+            self.stats["generated_tokens"] += len(tokens)
+        self.scheduler.release(taken.slots)
+        return out
+
     @property
     def has_work(self) -> bool:
         """Whether `step` would run a forward: rows are decoding, or a waiting request can be admitted
@@ -129,32 +162,42 @@ class Session:
         between them, so the host builds a forward's inputs while the GPU runs the one before), else decode
         `engine.decode_steps_per_sync` tokens for every running row (fewer when a row reaches its length
         limit sooner); returns the (sequence, completion of this turn) of the rows that finished."""
+        if self.version != self.engine.weight_version:
+            self.version = self.engine.weight_version
+            self.batch.version.fill_(self.version)
         admitted = self.scheduler.admit(len(self.batch))
+        if not admitted and not len(self.batch):
+            return []
         tick = time.perf_counter()
+        events = _gpu_events(self.engine.device)
         prefilled = bool(admitted)
         while admitted:
             self._prefill(sorted(admitted, key=lambda r: r.slots[0]))
             admitted = self.scheduler.admit(len(self.batch))
-        if not prefilled and len(self.batch):
+        if not prefilled:
             steps = min(self.engine.decode_steps_per_sync, self.batch.steps_left())
             self.engine.decode(self.batch, self.params, self.generator, steps)
             self.stats["decode_steps"] += steps
-        elif not prefilled:
-            return []
+            self.stats["row_steps"] += steps * len(self.batch)
+        if events is not None:
+            events[1].record()
         finished = self.batch.pop_finished()  # syncs, so the timings are real
         self.stats["prefill_s" if prefilled else "decode_s"] += time.perf_counter() - tick
+        if events is not None:
+            self.stats["busy_s"] += events[0].elapsed_time(events[1]) / 1000
         if finished is None:
             return []
         done = []
         fed = [self.running[slot][1] + len(tokens) - 1 for slot, tokens in zip(finished.slots, finished.token_ids)]
         routes = self.engine.routes.read(finished.slots, fed) if self.engine.routes is not None else \
             [None] * len(fed)
-        for slot, tokens, logprobs, stopped, route in zip(finished.slots, finished.token_ids, finished.logprobs,
-                                                          finished.stopped, routes):
+        for slot, tokens, logprobs, versions, stopped, route in zip(finished.slots, finished.token_ids,
+                                                                    finished.logprobs, finished.versions,
+                                                                    finished.stopped, routes):
             seq, before = self.running.pop(slot)
             if self.hold:
                 self.held[seq] = _Held(slot, before + len(tokens), tokens[-1])
-            done.append((seq, Completion(tokens, logprobs, "stop" if stopped else "length", route)))
+            done.append((seq, Completion(tokens, logprobs, "stop" if stopped else "length", route, versions)))
             self.stats["generated_tokens"] += len(tokens)
         if not self.hold:
             self.scheduler.release(finished.slots)
@@ -181,3 +224,12 @@ class Session:
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_tokens"] += sum(len(r.prompt) for r in admitted)
         self.stats["reused_tokens"] += sum(r.start for r in admitted)
+
+
+def _gpu_events(device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+    """On CUDA, a (start, end) pair of timing events with start recorded now, before a step's work is queued."""
+    if device.type != "cuda":
+        return None
+    events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events[0].record()
+    return events

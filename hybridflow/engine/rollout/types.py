@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "suspended"]
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,20 @@ class Completion:
     logprobs: per token, its log-probability under the distribution it was sampled from: softmax of
         logits / temperature, after top-k / top-p truncation and renormalisation (without truncation
         this is exactly log_softmax(logits / temperature)); for greedy decoding, log_softmax(logits).
-    finish_reason: "stop" (emitted a stop token) or "length" (max_tokens or the context was reached).
+    finish_reason: "stop" (emitted a stop token), "length" (max_tokens or the context was reached), or
+        "suspended" (taken out of its session unfinished, `Session.suspend`: the tokens so far).
     routes: with the engine's `record_routes`, int16 [L, sparse layers, k]: the experts each token the model
         was fed for this sequence went to, in the router's top-k order: the prompt's tokens (all earlier turns'
         too, for a continued sequence), then the generated ones but the last (never fed back), L of them.
+    versions: per token, the engine's `weight_version` when it was sampled (the policy version that
+        produced it; partial rollouts carry a sequence across weight updates).
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
     routes: torch.Tensor | None = None
+    versions: list[int] = field(default_factory=list)
 
 
 def check_prompts(prompt_token_ids: list[list[int]], max_model_len: int, vocab_size: int) -> None:
