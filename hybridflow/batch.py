@@ -378,6 +378,18 @@ class Batch:
         meta = f", meta keys={list(self.meta)}" if self.meta else ""
         return f"Batch(len={len(self)}, {{{', '.join(fields)}}}{meta})"
 
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """The batch as plain data a checkpoint keeps (`torch.load(weights_only=True)` reads it back when its
+        non-tensors and meta are plain data): tensors, non-tensors as lists, meta."""
+        return {"tensors": dict(self.tensors), "non_tensors": {k: v.tolist() for k, v in self.non_tensors.items()},
+                "meta": dict(self.meta)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Batch:
+        """Inverse of `state_dict`."""
+        return cls(state["tensors"], state["non_tensors"], state["meta"])
+
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict:
         """Tensors travel as raw bytes (see `_tensor_state`) and come back as tensors."""

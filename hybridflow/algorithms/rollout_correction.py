@@ -13,6 +13,13 @@ secretly brings you off-policy RL training"; Liu, Li et al. 2025, "When speed ki
 | `seq_tis` | min(ρ_seq, C), ρ_seq = Π_t ρ_t over the row's real tokens |
 | `token_mis` | ρ_t if lo ≤ ρ_t ≤ C, else 0 — masked importance sampling: the token is dropped |
 | `seq_mis` | ρ_seq if lo ≤ ρ_seq ≤ C, else 0 — the whole sequence is dropped |
+| `decoupled` | ρ_t if ρ_t ≤ C, else 0 — AReaL's decoupled PPO: no lower bound |
+
+With `old_log_probs` recomputed (the actor's forward before the update), `train_logp` is the proximal policy
+π_prox and the policy loss clips its ratio against it, while π_rollout, the behaviour policy that sampled the
+tokens (older weights, for samples carried across updates by partial rollouts), only weights each token's term
+(Fu et al. 2025, "AReaL: a large-scale asynchronous reinforcement learning system", the decoupled objective;
+its `behav_imp_weight_cap` is C). Every mode above is such a weighting; `decoupled` is AReaL's own.
 
 C is `threshold`, lo is `threshold_lower` (default 1/C). Log-ratios are clamped to ±20 before `exp`
 (ρ_seq of a long row overflows otherwise); bounds are compared in log space. Every entry of
@@ -92,10 +99,10 @@ def _truncated(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) ->
                      "rollout_is_ratio_fraction_high": _fraction(log_ratio > math.log(threshold), mask)}
 
 
-def _masked(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float, threshold_lower: float | None
-            ) -> CorrectionOut:
-    lower = _lower_bound(threshold, threshold_lower)
-    high, low = log_ratio > math.log(threshold), log_ratio < math.log(lower)
+def _masked(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float, lower: float) -> CorrectionOut:
+    """Weights ρ inside [lower, threshold], 0 outside (`lower` 0: no lower edge)."""
+    high = log_ratio > math.log(threshold)
+    low = log_ratio < math.log(lower) if lower > 0 else torch.zeros_like(high)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     weights = torch.where(high | low, torch.zeros_like(ratio), ratio)
     return weights, {"rollout_is_mean": masked_mean(weights, mask),
@@ -130,7 +137,7 @@ def token_mis(train_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mas
               threshold: float = 2.0, threshold_lower: float | None = None) -> CorrectionOut:
     """Token-level masked IS: w_t = ρ_t inside [threshold_lower, threshold], 0 (token dropped) outside."""
     return _masked(_log_ratio(train_logp, rollout_logp, response_mask, "token"), response_mask, threshold,
-                   threshold_lower)
+                   _lower_bound(threshold, threshold_lower))
 
 
 @register_rollout_correction("seq_mis")
@@ -138,4 +145,13 @@ def seq_mis(train_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask:
             threshold: float = 2.0, threshold_lower: float | None = None) -> CorrectionOut:
     """Sequence-level masked IS: the row's tokens get Π_t ρ_t inside the bounds, 0 (row dropped) outside."""
     return _masked(_log_ratio(train_logp, rollout_logp, response_mask, "seq"), response_mask, threshold,
-                   threshold_lower)
+                   _lower_bound(threshold, threshold_lower))
+
+
+@register_rollout_correction("decoupled")
+def decoupled(train_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor,
+              threshold: float = 2.0) -> CorrectionOut:
+    """AReaL's decoupled objective: w_t = π_prox / π_behav per token (`train_logp` the recomputed old log-probs),
+    tokens whose weight exceeds `threshold` dropped (weight 0), no lower bound."""
+    _check_threshold(threshold)
+    return _masked(_log_ratio(train_logp, rollout_logp, response_mask, "token"), response_mask, threshold, 0.0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.config.role_needs import (agent_enabled, distills, needs_critic, needs_greedy_baseline, needs_reference,
-                                          run_groups, uses_task_advantage)
+                                          rollout_workers, run_groups, uses_task_advantage)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,7 +30,13 @@ class RunFacts:
     actor_lora / critic_lora: the role trains LoRA adapters (`lora.rank` > 0); a LoRA actor's reference is
         its own base weights, so `reference_copy` (a frozen copy held beside the actor) is False then.
     separate_rollout / split_critic: `rollout.placement=separate`, `trainer.placement=split` with a critic.
+    rollout_ranks: the rollout replicas, one per process that generates (`rollout.n_workers` when separate,
+        else `trainer.n_workers`).
     step_rows: rows a step generates (`data.train_batch_size x rollout.n`).
+    rows_in_flight: rows generated at once: `step_rows`, times `1 + rollout.partial_extra_batches` prompt
+        batches with partial rollouts.
+    off_policy: partial rollouts or the pipelined rollout (`rollout.partial`, `rollout.pipeline`): rows record
+        each token's policy version, and what is in flight goes into checkpoints.
     actor_mini_batch_rows / critic_mini_batch_rows: rows per optimizer step over all ranks
         (`mini_batch_size x rollout.n`); None = the whole batch.
     skip_old_log_probs: on-policy (one optimizer step per batch, no KL in reward, `actor.skip_old_log_probs`):
@@ -56,7 +62,10 @@ class RunFacts:
     critic_lora: bool
     separate_rollout: bool
     split_critic: bool
+    rollout_ranks: int
     step_rows: int
+    rows_in_flight: int
+    off_policy: bool
     actor_mini_batch_rows: int | None
     critic_mini_batch_rows: int | None
     skip_old_log_probs: bool
@@ -83,7 +92,9 @@ def _fast_architecture(model: Any) -> bool:
 
 def resolve_facts(cfg: Any) -> RunFacts:
     """The `RunFacts` of a (validated) `RLConfig`."""
-    actor, n = cfg.actor, cfg.rollout.n
+    actor, rollout, n = cfg.actor, cfg.rollout, cfg.rollout.n
+    separate = rollout.placement == "separate"
+    step_rows = cfg.data.train_batch_size * n
     actor_lora = actor.lora.rank > 0
     critic = needs_critic(cfg)
     reference = needs_reference(cfg)
@@ -94,9 +105,12 @@ def resolve_facts(cfg: Any) -> RunFacts:
         greedy_baseline=needs_greedy_baseline(cfg), agent=agent_enabled(cfg.agent), teacher=distills(cfg),
         task_advantage=uses_task_advantage(cfg),
         actor_lora=actor_lora, critic_lora=critic and cfg.critic.lora.rank > 0,
-        separate_rollout=cfg.rollout.placement == "separate",
+        separate_rollout=separate,
         split_critic=critic and cfg.trainer.placement == "split",
-        step_rows=cfg.data.train_batch_size * n,
+        rollout_ranks=rollout_workers(cfg) if separate else cfg.trainer.n_workers,
+        step_rows=step_rows,
+        rows_in_flight=step_rows * (1 + (rollout.partial_extra_batches if rollout.partial else 0)),
+        off_policy=rollout.partial or rollout.pipeline,
         actor_mini_batch_rows=_rows(actor.mini_batch_size, n),
         critic_mini_batch_rows=_rows(cfg.critic.mini_batch_size, n),
         skip_old_log_probs=actor.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward,

@@ -147,6 +147,25 @@ class RolloutConfig:
     record_routes: bool = opt(False, "mixture of experts: record the experts every token was routed to in each "
                                      "sparse layer (the batch's rollout_routes), for actor.router_replay and the "
                                      "router/* agreement metrics (docs/moe.md); fast engine, single-turn")
+    partial: bool = opt(False, "partial rollouts: a step's generation ends once data.train_batch_size prompt groups "
+                               "(all rollout.n samples of a prompt) are complete, with more prompts in flight "
+                               "(rollout.partial_extra_batches); unfinished samples go on in the next step under "
+                               "the new weights, each token recording the policy version that sampled it "
+                               "(docs/long_reasoning.md)")
+    partial_extra_batches: int = opt(1, "rollout.partial: prompt batches (of data.train_batch_size prompts) kept in "
+                                        "flight beyond the one a step trains; the data loader tops them up when "
+                                        "groups are dropped")
+    partial_unfinished: str = opt("continue", "rollout.partial: what an unfinished sample does across a step "
+                                              "boundary. continue: keeps its KV slot and decodes on under the new "
+                                              "weights (needs rollout.free_cache_after_generate=false); recompute: "
+                                              "its KV is dropped, and the next step prefills prompt + tokens so far "
+                                              "under the new weights", ("continue", "recompute"))
+    max_staleness: int = opt(1, "with rollout.partial or rollout.pipeline: the most policy versions a trained "
+                                "sample's oldest token may lag the weights it trains; older groups are dropped "
+                                "(and counted: rollout/dropped)")
+    pipeline: bool = opt(False, "rollout.placement=separate: the rollout group generates the next step's samples "
+                                "while this step scores and trains them (one step off-policy: needs "
+                                "rollout.max_staleness >= 1)")
 
 
 @dataclass
@@ -212,7 +231,9 @@ class RolloutCorrectionConfig:
 
     mode: str = opt("none", "weight on each token's policy loss from rho = pi_train/pi_rollout: none; token_tis / "
                             "seq_tis: min(rho, threshold) per token / per sequence; token_mis / seq_mis: rho inside "
-                            "[threshold_lower, threshold], the token / sequence dropped outside",
+                            "[threshold_lower, threshold], the token / sequence dropped outside; decoupled: AReaL's "
+                            "decoupled PPO, rho = pi_old/pi_rollout with the old log-probs as proximal policy, tokens "
+                            "above threshold dropped, no lower bound",
                     registered("ROLLOUT_CORRECTIONS"))
     threshold: float = opt(2.0, "upper bound C of the importance ratio (truncation point, or upper edge of the "
                                 "kept range)")

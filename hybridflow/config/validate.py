@@ -87,7 +87,8 @@ def _range_problems(cfg: Any) -> list[str]:
             "actor.entropy_coef", "actor.clip_low", "actor.clip_high", "critic.cliprange_value",
             "rollout.temperature", "rollout.val_temperature", "actor.grad_clip", "critic.grad_clip",
             "actor.weight_decay", "critic.weight_decay", "algorithm.kl_ctrl.kl_coef",
-            "algorithm.filter_groups.max_num_gen_batches", "reward.num_workers"],
+            "algorithm.filter_groups.max_num_gen_batches", "reward.num_workers", "rollout.partial_extra_batches",
+            "rollout.max_staleness"],
     }
     intervals = {  # key: (low, high, low inclusive, high inclusive)
         "rollout.top_p": (0.0, 1.0, False, True), "trainer.gpu_memory_utilization": (0.0, 1.0, False, True),
@@ -310,6 +311,46 @@ def _rollout_placement_problems(cfg: Any) -> list[str]:
     return []
 
 
+def _off_policy_problems(cfg: Any) -> list[str]:
+    """`rollout.partial` and `rollout.pipeline`: what they run with, and what they cannot run with."""
+    rollout, problems = cfg.rollout, []
+    modes = [key for key, on in (("rollout.partial=true", rollout.partial), ("rollout.pipeline=true", rollout.pipeline))
+             if on]
+    if rollout.pipeline and rollout.placement != "separate":
+        problems.append(f"rollout.pipeline=true overlaps the next step's generation with this step's update, on the "
+                        f"rollout's own devices; set rollout.placement=separate (got {rollout.placement})")
+    if rollout.pipeline and rollout.max_staleness < 1:
+        problems.append(f"rollout.pipeline=true trains each batch one policy version after the weights that "
+                        f"generated it: rollout.max_staleness={rollout.max_staleness} must be >= 1")
+    if rollout.partial and rollout.partial_unfinished == "continue" and rollout.free_cache_after_generate:
+        problems.append("rollout.partial_unfinished=continue keeps unfinished samples' KV slots from one step to the "
+                        "next, which rollout.free_cache_after_generate=true frees after each generation; set "
+                        "rollout.free_cache_after_generate=false (the cache then stays through training) or "
+                        "rollout.partial_unfinished=recompute")
+    ranks = rollout_workers(cfg) if rollout.placement == "separate" else cfg.trainer.n_workers
+    prompts = cfg.data.train_batch_size
+    if rollout.partial and prompts >= 1 and ranks >= 1 and prompts % ranks:
+        problems.append(f"rollout.partial=true takes data.train_batch_size={prompts} complete groups per step in "
+                        f"equal shares from the {ranks} rollout ranks; valid data.train_batch_size: multiples of "
+                        f"{ranks}")
+    for mode in modes:
+        clash = [what for what, on in (
+            ("algorithm.filter_groups.enable=true (dynamic sampling draws several prompt batches a step)",
+             cfg.algorithm.filter_groups.enable),
+            ("algorithm.adv_estimator=remax (its greedy baselines are generated beside each step's prompts)",
+             needs_greedy_baseline(cfg)),
+            ("agent.environment / agent.tools (multi-turn episodes)", agent_enabled(cfg.agent)),
+            ("rollout.exact=true (the rollout's log-probs stand for the old ones, which tokens sampled by older "
+             "weights are not)", cfg.rollout.exact),
+            ("rollout.engine=hf (no sessions to carry samples in)", mode.startswith("rollout.partial")
+             and rollout.engine == "hf"),
+            ("rollout.record_routes=true (routes are recorded per generation call; a sample carried across steps "
+             "would lose those of its earlier tokens)", mode.startswith("rollout.partial") and rollout.record_routes),
+        ) if on]
+        problems += [f"{mode} does not run with {what}; turn one of them off" for what in clash]
+    return problems
+
+
 def _changed(section: Any, default: Any, prefix: str) -> list[str]:
     """`prefix.key=value` for every key of a config section that differs from its default (nested too)."""
     out = []
@@ -357,8 +398,8 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
     problems = (_range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
-                + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg) + package_problems(cfg)
-                + _moe_problems(cfg))
+                + _off_policy_problems(cfg) + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg)
+                + package_problems(cfg) + _moe_problems(cfg))
     if check_paths:
         problems += path_problems(cfg) + moe_model_problems(cfg)
     problems += exact_problems(cfg, check_paths)

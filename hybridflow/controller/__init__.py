@@ -5,7 +5,7 @@ from hybridflow.controller.backends import wait_all
 from hybridflow.controller.colocate import colocate
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerUnresponsiveError
-from hybridflow.controller.group import MemberView, Remote, WorkerGroup, remote, submit
+from hybridflow.controller.group import MemberView, Remote, WorkerGroup, per_rank, remote, submit
 from hybridflow.controller.resource_pool import Placement, ResourcePool
 from hybridflow.controller.worker import Worker
 
@@ -21,6 +21,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerUnresponsiveError",
     "colocate",
+    "per_rank",
     "register",
     "remote",
     "submit",

@@ -11,7 +11,8 @@ a type checker and an editor see the worker class itself, so go-to-definition fr
 arguments and returns its result, collected as its `@register` says (a Batch, or one value with
 ``collect="same"``). At run time the object is a `WorkerGroup[W]` or a `MemberView[W]`; ``.submit`` exists
 only there: typed code starts a call with `submit(handle.method, *args)`, which a type checker reads as the
-method's own signature and result.
+method's own signature and result. A method that collects one result per rank is reached through
+`per_rank(handle.method)`, typed as the list it returns.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Annotated, Any, Generic, ParamSpec, TypeVar, cast
 
 from hybridflow.controller.backends import make_backend
 from hybridflow.controller.colocate import ColocatedWorker
-from hybridflow.controller.dispatch import DispatchSpec, gather, registered_methods, scatter
+from hybridflow.controller.dispatch import Dispatch, DispatchSpec, gather, registered_methods, scatter
 from hybridflow.controller.errors import WorkerError
 from hybridflow.controller.resource_pool import Placement, ResourcePool
 from hybridflow.controller.runtime import WorkerSpec
@@ -124,6 +125,22 @@ def submit(method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[
     if not isinstance(method, RemoteMethod):
         raise TypeError(f"submit() takes a method of a WorkerGroup or MemberView (group.method), got {method!r}")
     return method.submit(*args, **kwargs)
+
+
+def per_rank(method: Callable[P, R]) -> Callable[P, list[R]]:
+    """`method` (a worker method reached through a `Remote` handle) typed as what a call of it returns when it
+    collects one result per rank (`Dispatch.BROADCAST` with ``collect="all"``, `Dispatch.PER_RANK`, or
+    `Dispatch.DATA_PARALLEL` with results that are not Batches): the list of them, in rank order. Call it or
+    `submit` it: ``submit(per_rank(roles.rollout.in_flight), version)``. A method that collects one result is
+    refused."""
+    if not isinstance(method, RemoteMethod):
+        raise TypeError(f"per_rank() takes a method of a WorkerGroup or MemberView (group.method), got {method!r}")
+    spec = method._spec
+    if spec.collect == "same" or spec.mode is Dispatch.RANK_ZERO or (
+            spec.mode is Dispatch.BROADCAST and spec.collect == "default"):
+        raise TypeError(f"{method!r} collects one result (collect={spec.collect!r}), not one per rank; call it "
+                        f"without per_rank()")
+    return cast(Callable[P, list[R]], method)
 
 
 def _lookup(cls: type, owner: str, name: str) -> DispatchSpec:

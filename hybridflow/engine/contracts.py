@@ -99,6 +99,8 @@ class RolloutEngineContract(Protocol):
 
     kind: str  # "fast" (our engine) or "hf" (the transformers.generate fallback)
     device: torch.device
+    weight_version: int  # the policy version of its weights, recorded with each sampled token (`Completion.versions`)
+    stats: dict[str, float]  # what its last calls measured (the fast engine's: `RolloutEngine.stats`)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """outs[i][j]: the j-th of `params.n` samples for prompt i."""

@@ -3,11 +3,13 @@
     hybridflow train --config recipes/grpo.yaml model.path=MODEL_DIR data.train_files=train.parquet
 
 One step reads like the algorithm: generate n responses per prompt (multi-turn episodes with an
-environment or tools when `agent` sets them: `hybridflow.agents`) → score them (in a process pool,
-overlapped with the log-prob passes) → old and reference log-probs (and a distillation teacher's) → values →
-advantages → critic update → actor update → weight sync into the rollout engine (in place, or over
-torch.distributed to a separate rollout group: `hybridflow.trainer.role_groups`). In exact mode (`rollout.exact`)
-the rollout's log-probs are the old ones and that pass is skipped. Each arrow is a worker-group call or a
+environment or tools when `agent` sets them: `hybridflow.agents`; with partial rollouts, take the prompt groups
+that are complete, and with the pipelined separate rollout, the rows generated during the step before:
+`hybridflow.trainer.rollout_stream`) → score them (in a process pool, overlapped with the log-prob passes) →
+old and reference log-probs (and a distillation teacher's) → values → advantages → critic update → actor
+update → weight sync into the rollout engine (in place, or over torch.distributed to a separate rollout group:
+`hybridflow.trainer.role_groups`). In exact mode (`rollout.exact`) the rollout's log-probs are the old ones and
+that pass is skipped. Each arrow is a worker-group call or a
 pure function of `hybridflow.trainer.step_math`; nothing here touches devices or process groups.
 Two algorithms add to the first arrows: ReMax generates one greedy response per prompt beside the
 samples, whose score is the prompt's baseline (`submit_baselines`); DAPO's dynamic sampling generates and
@@ -42,6 +44,7 @@ from hybridflow.trainer.base import Trainer
 from hybridflow.trainer.checkpointing import checkpoint_bytes_needed
 from hybridflow.trainer.role_configs import train_sampling
 from hybridflow.trainer.role_groups import Roles, build_roles
+from hybridflow.trainer.rollout_stream import RolloutStream
 from hybridflow.workers.handles import TrainedRoleHandle
 
 logger = logging.getLogger(__name__)
@@ -82,6 +85,8 @@ class RLTrainer(Trainer):
         self.kl_ctrl = algorithms.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.roles = build_roles(cfg, self.total_steps, self.facts)
         self.groups = self.roles.groups
+        self.stream = RolloutStream(cfg, self.facts, self.sampling, self.roles.rollout, self.train_loader,
+                                    self.train_loader.dataset.pad_token_id)
 
     def lora_bases(self) -> dict[str, str]:
         cfg = self.cfg
@@ -108,7 +113,10 @@ class RLTrainer(Trainer):
         return handles
 
     def checkpointed_state(self) -> dict[str, Any]:
-        return {**super().checkpointed_state(), "kl_ctrl": self.kl_ctrl}
+        state = {**super().checkpointed_state(), "kl_ctrl": self.kl_ctrl}
+        if self.facts.off_policy:  # what is in flight (partial rollouts, the pipelined next batch)
+            state["rollouts"] = self.stream
+        return state
 
     # ------------------------------------------------------------------ the loop
     def train_step(self, prompts: Batch) -> dict[str, float]:
@@ -122,7 +130,7 @@ class RLTrainer(Trainer):
                 prompts, batch = self.sample_varied_groups(prompts, timings, metrics)
                 scoring = None
             else:
-                batch = self.generate(prompts, timings)
+                batch = self.generate(prompts, timings, metrics)
                 scoring = self.submit_scoring(batch)
             baselines = self.submit_baselines(prompts, timings) if facts.greedy_baseline else None
             if cfg.rollout.exact:  # the rollout's log-probs are the trainer's, bit for bit (docs/exact.md)
@@ -164,15 +172,15 @@ class RLTrainer(Trainer):
                                                 if k in ("actor/grad_norm", "actor/pg_loss", "critic/vf_loss")})
         return metrics
 
-    def generate(self, prompts: Batch, timings: dict[str, float]) -> Batch:
-        """`rollout.n` responses to each of the prompts the train loader served last (`response_text` decoded).
-        The sampling seed mixes `trainer.seed` with the number of that prompt batch in the run, so every batch
-        drawn (several per step with dynamic sampling) gets samples of its own, and a resumed run the same."""
-        loader = self.train_loader.state_dict()
-        served = loader["epoch"] * len(self.train_loader) + loader["position"]
+    def generate(self, prompts: Batch, timings: dict[str, float], metrics: dict[str, float]) -> Batch:
+        """This step's rows for `prompts`, the batch the train loader served last (`response_text` decoded):
+        `rollout.n` responses to each, or with partial rollouts the complete groups taken from those in
+        flight (`RolloutStream`, which also says how the sampling seed follows the prompt batches). The
+        generation's metrics go into `metrics`."""
         with timer("gen", timings):
-            batch = step_math.drop_failed_trajectories(
-                self.roles.rollout.generate(prompts, self.sampling, served - 1))
+            batch, generated = self.stream.next_batch(prompts, self.step)
+            batch = step_math.drop_failed_trajectories(batch)
+        metrics.update(generated)
         batch["response_text"] = step_math.decode_responses(batch, self.tokenizer)
         if "agent/env_error" in batch:
             self.env_failures.update(list(batch["agent/env_error"]))
@@ -199,7 +207,7 @@ class RLTrainer(Trainer):
                         break
                     raise RuntimeError(dynamic_sampling_failure(cfg, kept, len(rounds)))
                 prompts = self.train_loader.next_batch()
-            batch = self.generate(prompts, timings)
+            batch = self.generate(prompts, timings, metrics)
             with timer("reward", timings):
                 rounds.append(step_math.apply_scores(batch, self.submit_scoring(batch)(), cfg))
             rows = step_math.varied_groups(batch, fg.metric)

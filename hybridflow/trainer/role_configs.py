@@ -23,11 +23,11 @@ from hybridflow.workers.rollout_replica import RolloutReplica
 
 
 def replica_config(cfg: Any, facts: RunFacts) -> RolloutReplica.Config:
-    """The rollout engine's config: the `rollout` section, the model directory, the `data` lengths, a step's
-    rows and, when episodes are on, the `agent` section."""
+    """The rollout engine's config: the `rollout` section, the model directory, the `data` lengths, the rows
+    generated at once and, when episodes are on, the `agent` section."""
     return RolloutReplica.Config(model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
                                  rollout=cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
-                                 max_response_length=cfg.data.max_response_length, step_rows=facts.step_rows,
+                                 max_response_length=cfg.data.max_response_length, rows_in_flight=facts.rows_in_flight,
                                  agent=cfg.agent if facts.agent else None)
 
 

@@ -21,6 +21,7 @@ size > 1 each rank runs its own rollout replica on its shard of the prompts.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,13 +33,13 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig, ModelConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine import budget
-from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.router_replay import RouterHooks
 from hybridflow.workers.base import Effective, EngineWorker
 from hybridflow.workers.mismatch import RolloutMismatch
 from hybridflow.workers.reference_model import ReferenceModel, scoring_temperature
+from hybridflow.workers.rollout_calls import RolloutCalls
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.update import actor_loss
 from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, WeightChannel, drain, plan_buckets
@@ -48,8 +49,9 @@ ROLLOUT_MEMORY_KEYS = ("rollout.kv_cache_fraction or trainer.gpu_memory_utilizat
                        "rollout.max_num_seqs, actor.param_offload=true, actor.optimizer_offload=true")
 
 
-class ActorWorker(EngineWorker):
-    """The actor (and, with `config.reference_copy`, its reference) on this rank."""
+class ActorWorker(RolloutCalls, EngineWorker):
+    """The actor (and, with `config.reference_copy`, its reference) on this rank; the calls that generate come
+    from `RolloutCalls`, on the colocated engine."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -118,16 +120,16 @@ class ActorWorker(EngineWorker):
         return out
 
     # ------------------------------------------------------------------ RL-step methods
-    @register(Dispatch.DATA_PARALLEL)
-    def generate(self, batch: Batch, params: SamplingParams, step: int = 0) -> Batch:
-        """Prompts -> rows of the RL batch, `params.n` samples per prompt interleaved; a seed in `params` is
-        mixed with `step` and the rank (see `RolloutReplica.generate`)."""
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[RolloutReplica]:
+        """The colocated replica, given the device's memory: the parameter shards an update left go first, and
+        a CUDA out-of-memory error in generation is reported with the plan and the keys to change."""
         if self.rollout is None:
             raise RuntimeError("this ActorWorker was built without a rollout engine (config.rollout=None); it "
                                "cannot generate (with rollout.placement=separate the RolloutWorker group generates)")
         self._release_params()  # an update not followed by a weight push left them: the KV cache needs the room
         with budget.reported_oom("generation", self.plan, None, ROLLOUT_MEMORY_KEYS):
-            return self.rollout.generate(batch, params, step, self.rank)
+            yield self.rollout
 
     @register(Dispatch.DATA_PARALLEL)
     def compute_log_probs(self, batch: Batch, temperature: float) -> Batch:

@@ -9,7 +9,7 @@ class itself to a type checker), and a test may hand it any object that keeps th
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from hybridflow.batch import Batch
 from hybridflow.engine.rollout import SamplingParams
@@ -20,6 +20,30 @@ class RolloutHandle(Protocol):
     def generate(self, batch: Batch, params: SamplingParams, step: int = 0) -> Batch:
         """Prompts -> rows of the RL batch, `params.n` samples per prompt interleaved; a seed in `params` is
         mixed with `step` and each rank."""
+        ...
+
+    # one result per rank (called through `hybridflow.controller.per_rank`): a step's generation with each
+    # token's policy version, and partial rollouts' in-flight buffers (`hybridflow.workers.rollout_calls`)
+    def generate_versioned(self, prompts: Batch, params: SamplingParams, step: int,
+                           version: int) -> tuple[Batch, dict[str, float]]:
+        """A rank's rows with `rollout_versions`, and its generation stats."""
+        ...
+
+    def generate_groups(self, prompts: Batch, params: SamplingParams, step: int, version: int,
+                        count: int) -> tuple[Batch, dict[str, float]]:
+        """A rank's share of the prompts joins its in-flight buffer; its `count` complete groups' rows, and stats."""
+        ...
+
+    def in_flight(self, oldest_version: int) -> dict[str, int]:
+        """A rank drops its groups older than `oldest_version`: {"groups" left, samples "dropped"}."""
+        ...
+
+    def partial_state(self) -> dict[str, Any]:
+        """A rank's in-flight buffer, for a checkpoint."""
+        ...
+
+    def load_partial_state(self, states: list[dict[str, Any]]) -> None:
+        """Every rank r continues from `states[r]`."""
         ...
 
     def effective_values(self) -> Effective:

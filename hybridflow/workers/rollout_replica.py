@@ -1,8 +1,9 @@
 """A rank's rollout engine and the `generate` call around it, shared by the actor (engine colocated with
 the trainer) and `RolloutWorker` (engine on its own device): building the engine from its typed config
 (`RolloutReplica.Config`, made on the controller), its sleep/wake policy, a call's sampling seed,
-multi-turn episodes through `hybridflow.agents` when the config carries an `agent` section, and turning the
-completions or trajectories into the RL batch layout of docs/architecture.md."""
+multi-turn episodes through `hybridflow.agents` when the config carries an `agent` section, partial rollouts
+through its in-flight buffer (`hybridflow.workers.partial_rollout`) when `rollout.partial` is on, and turning
+the completions or trajectories into the RL batch layout of docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -19,22 +20,26 @@ from hybridflow.config.schema import AgentConfig, RolloutConfig
 from hybridflow.data.loader import PROMPT_FIELDS
 from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+from hybridflow.workers.partial_rollout import PartialRollouts, groups_to_prompts
 
+# what a generation reports besides its wall time (`gen_s`): GPU busy seconds (CUDA), running rows summed over
+# decode steps, decode steps, KV slots; `hybridflow.trainer.rollout_stream.generation_metrics` reads them
+GENERATION_STATS = ("busy_s", "row_steps", "decode_steps", "num_slots")
 # the KV cache's share of free GPU memory when neither `rollout.kv_cache_fraction` nor a device plan sizes it
 UNPLANNED_KV_FRACTION = 0.4
 
 
 def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype,
-                  max_model_len: int, kv_cache_bytes: int | None = None, step_rows: int | None = None,
+                  max_model_len: int, kv_cache_bytes: int | None = None, rows_in_flight: int | None = None,
                   shared_weights: dict[str, torch.Tensor] | None = None) -> RolloutEngineContract:
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
     kernels when `rollout_cfg.exact`), holding `shared_weights` (a colocated LoRA trainer's frozen ones) instead
     of copies (the fast engine). The KV cache
     on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
     plan's), else `UNPLANNED_KV_FRACTION`. On a CPU, where nothing plans the memory and the cache is
-    zero-filled RAM, it holds at most `step_rows` sequences (the rows of one training step; more queue)."""
+    zero-filled RAM, it holds at most `rows_in_flight` sequences (the rows generated at once; more queue)."""
     kv: float | int | None = None
-    max_num_seqs = cpu_max_num_seqs(rollout_cfg.max_num_seqs, step_rows) if device.type == "cpu" \
+    max_num_seqs = cpu_max_num_seqs(rollout_cfg.max_num_seqs, rows_in_flight) if device.type == "cpu" \
         else rollout_cfg.max_num_seqs
     if device.type == "cuda":
         kv = rollout_cfg.kv_cache_fraction
@@ -46,9 +51,9 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
         record_routes=rollout_cfg.record_routes, shared_weights=shared_weights)
 
 
-def cpu_max_num_seqs(max_num_seqs: int, step_rows: int | None) -> int:
-    """`rollout.max_num_seqs` on a CPU: at most a step's rows (`step_rows`; None = no bound)."""
-    return max(1, min(max_num_seqs, step_rows)) if step_rows else max_num_seqs
+def cpu_max_num_seqs(max_num_seqs: int, rows_in_flight: int | None) -> int:
+    """`rollout.max_num_seqs` on a CPU: at most the rows generated at once (`rows_in_flight`; None = no bound)."""
+    return max(1, min(max_num_seqs, rows_in_flight)) if rows_in_flight else max_num_seqs
 
 
 def pad_token_id(config: Any) -> int:
@@ -71,9 +76,10 @@ class RolloutReplica:
 
         model_path / tokenizer_path: the model directory and its tokenizer's (None = the model's).
         rollout: the `rollout` section (engine, exact mode, KV cache, CUDA graphs, sleep and offload policy,
-            recorded routes).
+            recorded routes, partial rollouts: `partial`, `partial_unfinished`).
         max_prompt_length / max_response_length: the `data` lengths (their sum is the engine's context).
-        step_rows: rows of one training step (bounds a CPU engine's slots); None = no bound.
+        rows_in_flight: rows generated at once (a step's, with partial rollouts its extra prompt batches'
+            too; `RunFacts.rows_in_flight`): bounds a CPU engine's slots; None = no bound.
         agent: the `agent` section when multi-turn episodes are on, else None.
         """
 
@@ -82,18 +88,26 @@ class RolloutReplica:
         rollout: RolloutConfig
         max_prompt_length: int
         max_response_length: int
-        step_rows: int | None = None
+        rows_in_flight: int | None = None
         agent: AgentConfig | None = None
 
     def __init__(self, config: RolloutReplica.Config, device: torch.device, dtype: torch.dtype, pad_id: int,
                  kv_cache_bytes: int | None = None, shared_weights: dict[str, torch.Tensor] | None = None) -> None:
         self.config, self.cfg, self.pad_id = config, config.rollout, pad_id
         self.max_prompt_length, self.max_response_length = config.max_prompt_length, config.max_response_length
-        self.max_num_seqs = cpu_max_num_seqs(self.cfg.max_num_seqs, config.step_rows) if device.type == "cpu" \
+        self.max_num_seqs = cpu_max_num_seqs(self.cfg.max_num_seqs, config.rows_in_flight) if device.type == "cpu" \
             else self.cfg.max_num_seqs
         self.engine = build_rollout(config.model_path, config.rollout, device, dtype,
                                     config.max_prompt_length + config.max_response_length, kv_cache_bytes,
-                                    step_rows=config.step_rows, shared_weights=shared_weights)
+                                    rows_in_flight=config.rows_in_flight, shared_weights=shared_weights)
+        self.partial: PartialRollouts | None = None
+        if self.cfg.partial:
+            if not isinstance(self.engine, RolloutEngine):
+                raise ValueError(f"rollout.partial=true carries unfinished samples in engine sessions, which the "
+                                 f"{self.engine.kind!r} engine does not have; use rollout.engine=auto or fast with "
+                                 f"a Llama / Qwen2 / Qwen3 / Mistral model")
+            self.partial = PartialRollouts(self.engine, self.cfg.partial_unfinished)
+        self.last_stats: dict[str, float] = {}
         self.agent = None
         if config.agent is not None:
             if self.cfg.record_routes:
@@ -129,29 +143,83 @@ class RolloutReplica:
             self.engine.wake()
             self.awake = True
 
-    def generate(self, batch: Batch, params: SamplingParams, step: int, rank: int) -> Batch:
+    def generate(self, batch: Batch, params: SamplingParams, step: int, rank: int,
+                 version: int | None = None) -> Batch:
         """Prompts (`prompts` left-padded + their `attention_mask`) -> rows of the RL batch, `params.n` samples
-        per prompt interleaved. A seed in `params` is mixed with `step` and `rank` (`sampling_seed`)."""
-        if params.seed is not None:
-            params = replace(params, seed=sampling_seed(params.seed, step, rank))
+        per prompt interleaved. A seed in `params` is mixed with `step` and `rank` (`sampling_seed`). With
+        `version` (the policy version of the engine's weights) the rows get `rollout_versions`. Partial
+        rollouts in flight are suspended first (this call's session takes the engine's slots)."""
+        params = seeded(params, step, rank)
         prompts = prompt_token_lists(batch["prompts"], batch["attention_mask"])
+        if self.partial is not None:
+            self.partial.suspend()
+        if version is not None:
+            self.engine.weight_version = version
         self.wake()
         outs: list[list[Any]]  # per prompt, its samples: Completions, or multi-turn Trajectories
         if self.agent is None:
             outs = self.engine.generate(prompts, params)
+            stats = self.engine.stats  # the fast engine's session stats (the transformers fallback has none)
+            self.last_stats = {"gen_s": stats["generate_s"], **{k: stats[k] for k in GENERATION_STATS}} \
+                if "row_steps" in stats else {}
         else:
             outs = self.agent.run(self.engine, prompts, prompt_rows(batch), params)
+            self.last_stats = {}
         if self.cfg.free_cache_after_generate:
             self.sleep()
         out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id,
-                                   self.max_prompt_length)
+                                   self.max_prompt_length, with_versions=version is not None)
         if self.agent is not None:
             add_trajectory_fields(out, [t for row in outs for t in row])
         return out
 
+    # ------------------------------------------------------------------ partial rollouts
+    def generate_groups(self, prompts: Batch, params: SamplingParams, step: int, rank: int, version: int,
+                        count: int) -> tuple[Batch, dict[str, float]]:
+        """Partial rollouts: `prompts` join the in-flight buffer as groups of `params.n` samples, then the engine
+        (its weights at policy `version`) generates until `count` groups are complete; returns their rows (as
+        `generate` lays them out, with `rollout_versions`) and the step's generation stats
+        (`PartialRollouts.take`). The session is reseeded from the seed in `params` mixed with `step` and
+        `rank` (`sampling_seed`)."""
+        params = seeded(params, step, rank)
+        partial = self._partial()
+        partial.add(prompt_token_lists(prompts["prompts"], prompts["attention_mask"]), prompt_rows(prompts), params.n)
+        self.wake()
+        groups, self.last_stats = partial.take(count, version, params)
+        if self.cfg.free_cache_after_generate:
+            self.sleep()
+        rows, outs = groups_to_prompts(groups, self.pad_id)
+        out = completions_to_batch(rows, outs, params.n, self.max_response_length, self.pad_id, with_versions=True)
+        return out, dict(self.last_stats)
+
+    def generation_stats(self) -> dict[str, float]:
+        """The last generation's `gen_s` and `GENERATION_STATS` (empty before any, or after a multi-turn one)."""
+        return dict(self.last_stats)
+
+    def in_flight(self, oldest_version: int) -> dict[str, int]:
+        """Drops the groups in flight whose oldest token predates `oldest_version`; {"groups", "dropped"}."""
+        return self._partial().in_flight(oldest_version)
+
+    def partial_state(self) -> dict[str, Any]:
+        """The in-flight buffer for a checkpoint (its samples suspended: the next step prefills them again)."""
+        return self._partial().state_dict()
+
+    def load_partial_state(self, state: dict[str, Any]) -> None:
+        self._partial().load_state_dict(state)
+
+    def _partial(self) -> PartialRollouts:
+        if self.partial is None:
+            raise RuntimeError("this rollout was built without rollout.partial; it has no in-flight buffer")
+        return self.partial
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """(HF name, tensor) pairs copied into the engine in place, consumed one at a time; returns the count."""
         return self.engine.load_weights(named_tensors)
+
+
+def seeded(params: SamplingParams, step: int, rank: int) -> SamplingParams:
+    """`params` with its seed, if it has one, mixed with `step` and `rank` (`sampling_seed`)."""
+    return params if params.seed is None else replace(params, seed=sampling_seed(params.seed, step, rank))
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:
@@ -176,10 +244,11 @@ def prompt_rows(batch: Batch) -> list[dict[str, Any]]:
 
 
 def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, pad_id: int,
-                         prompt_width: int = 0) -> Batch:
+                         prompt_width: int = 0, with_versions: bool = False) -> Batch:
     """The input rows repeated `n` times (interleaved) plus the sampled responses, right-padded to
     `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs,
-    and, when the engine recorded routes, rollout_routes (`routes_to_batch`).
+    and, when the engine recorded routes, rollout_routes (`routes_to_batch`), and with `with_versions`
+    rollout_versions (int32: the policy version that sampled each token).
 
     outs[i][j] has token_ids, logprobs and finish_reason: a `Completion`, or a multi-turn `Trajectory`,
     whose `response_mask` (1 on model tokens, 0 on environment tokens) becomes the row's response_mask
@@ -191,6 +260,7 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     logprobs = torch.zeros(rows, response_width, dtype=torch.float32)
     response_mask = torch.zeros(rows, response_width, dtype=torch.float32)
     real = torch.zeros(rows, response_width, dtype=torch.long)
+    versions = torch.zeros(rows, response_width, dtype=torch.int32)
     finished = []
     for i, samples in enumerate(outs):
         for j, c in enumerate(samples):
@@ -200,6 +270,8 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
             real[r, :k] = 1
             mask = getattr(c, "response_mask", None)
             response_mask[r, :k] = 1.0 if mask is None else torch.tensor(mask[:k], dtype=torch.float32)
+            if with_versions:
+                versions[r, :k] = torch.tensor(c.versions[:k], dtype=torch.int32)
             finished.append(c.finish_reason)
     out = batch.repeat_interleave(n)
     own = [getattr(c, "prompt_ids", None) for samples in outs for c in samples]
@@ -212,6 +284,8 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out["response_mask"] = response_mask
     out["rollout_log_probs"] = logprobs
+    if with_versions:
+        out["rollout_versions"] = versions
     out["finish_reason"] = finished
     completions = [c for samples in outs for c in samples]
     if completions and getattr(completions[0], "routes", None) is not None:

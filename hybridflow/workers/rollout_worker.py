@@ -1,10 +1,10 @@
 """`RolloutWorker`: the rollout engine on its own devices (`rollout.placement=separate`).
 
 Each rank owns one `RolloutReplica` (engine, KV cache, CUDA graphs) on its device and nothing else: no
-trainer, no optimizer. It serves `generate` with the same data-parallel contract and output as
-`ActorWorker.generate`, and takes new weights from the actor over the weight-sync group
-(`join_weight_sync` once, then `receive_weights` at each sync, concurrently with the actor's
-`send_weights`; see `hybridflow.workers.weight_sync`).
+trainer, no optimizer. It serves the calls that generate (`RolloutCalls`: `generate`, and partial rollouts'
+in-flight buffer) with the same data-parallel contract and output as the actor's colocated engine, and takes
+new weights from the actor over the weight-sync group (`join_weight_sync` once, then `receive_weights` at each
+sync, concurrently with the actor's `send_weights`; see `hybridflow.workers.weight_sync`).
 """
 
 from __future__ import annotations
@@ -14,19 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.batch import Batch
 from hybridflow.config.schema import ModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
-from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.train.model import resolve_precision
 from hybridflow.workers.base import Effective
+from hybridflow.workers.rollout_calls import RolloutCalls
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
 from hybridflow.workers.weight_sync import WeightChannel
 
 
-class RolloutWorker(Worker):
-    """A rollout replica on this rank, in the dtype the actor's rollout would use (`model.dtype`)."""
+class RolloutWorker(RolloutCalls, Worker):
+    """A rollout replica on this rank, in the dtype the actor's rollout would use (`model.dtype`); the calls
+    that generate come from `RolloutCalls`."""
+
+    rollout: RolloutReplica  # always built here
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -53,12 +55,6 @@ class RolloutWorker(Worker):
         self.rollout = RolloutReplica(config.replica, self.device, dtype, pad_token_id(hf_config),
                                       kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
         self.channel: WeightChannel | None = None
-
-    @register(Dispatch.DATA_PARALLEL)
-    def generate(self, batch: Batch, params: SamplingParams, step: int = 0) -> Batch:
-        """Prompts -> rows of the RL batch, `params.n` samples per prompt interleaved (see
-        `RolloutReplica.generate`)."""
-        return self.rollout.generate(batch, params, step, self.rank)
 
     @register(Dispatch.BROADCAST)
     def effective_values(self) -> Effective:

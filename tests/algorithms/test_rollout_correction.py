@@ -48,6 +48,10 @@ CASES = {
                                                 "rollout_is_ratio_fraction_high": 0.0,
                                                 "rollout_is_ratio_fraction_low": 0.0,
                                                 "rollout_rs_masked_fraction": 0.0}),
+    # AReaL's decoupled weight: 3 is above the cap and dropped, the small ratios are kept (no lower edge)
+    ("decoupled", ()): ([[0.0, 0.25, 1.5], [0.8, 0.4, 0.0]],
+                        {"rollout_is_mean": 2.95 / 5, "rollout_is_ratio_fraction_high": 1 / 5,
+                         "rollout_is_ratio_fraction_low": 0.0, "rollout_rs_masked_fraction": 1 / 5}),
     ("none", ()): ([[1.0] * 3, [1.0, 1.0, 0.0]], {}),
 }
 
@@ -78,7 +82,7 @@ def test_bad_bounds_are_refused():
         rollout_correction("token_mis", train, rollout, MASK, threshold=2.0, threshold_lower=3.0)
     with pytest.raises(ValueError, match="token_tis"):
         rollout_correction("token_tsi", train, rollout, MASK)
-    assert list(ROLLOUT_CORRECTIONS) == ["none", "token_tis", "seq_tis", "token_mis", "seq_mis"]
+    assert list(ROLLOUT_CORRECTIONS) == ["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled"]
 
 
 @pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])

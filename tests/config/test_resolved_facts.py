@@ -11,6 +11,7 @@ def test_grpo_defaults_skip_the_old_log_probs_and_need_no_critic_or_reference():
     assert not facts.critic and not facts.reference and not facts.reference_copy and not facts.greedy_baseline
     assert facts.skip_old_log_probs and facts.step_rows == 12 and facts.groups == {"actor": 1}
     assert not facts.separate_rollout and not facts.agent and not facts.teacher and facts.task_advantage
+    assert facts.rows_in_flight == 12 and facts.rollout_ranks == 1 and not facts.off_policy
 
 
 def test_mini_batch_rows_are_prompts_times_n_and_several_mini_batches_need_old_log_probs():
@@ -30,7 +31,13 @@ def test_placements_and_groups():
     facts = resolve_facts(load_config(["algorithm.adv_estimator=gae", "trainer.placement=split",
                                        "rollout.placement=separate", "trainer.n_workers=2", "rollout.n_workers=1"]))
     assert facts.split_critic and facts.separate_rollout
-    assert facts.groups == {"actor": 2, "critic": 2, "rollout": 1}
+    assert facts.groups == {"actor": 2, "critic": 2, "rollout": 1} and facts.rollout_ranks == 1
+
+
+def test_partial_rollouts_keep_extra_prompt_batches_in_flight_and_train_off_policy():
+    facts = resolve_facts(load_config(["data.train_batch_size=4", "rollout.n=3", "rollout.partial=true",
+                                       "rollout.partial_extra_batches=2", "trainer.n_workers=2"]))
+    assert facts.step_rows == 12 and facts.rows_in_flight == 36 and facts.rollout_ranks == 2 and facts.off_policy
 
 
 def test_router_hooks_follow_the_moe_keys_and_reach_the_actor_config():

@@ -275,3 +275,19 @@ def test_submit_starts_a_remote_method_and_refuses_anything_else():
 
     with pytest.raises(TypeError, match="takes a method of a WorkerGroup or MemberView"):
         submit(Method(), 1)
+
+
+def test_per_rank_types_a_method_that_returns_one_result_per_rank_and_refuses_the_others():
+    from hybridflow.controller import per_rank, submit
+
+    group = WorkerGroup(ToyWorker, 1, name="per-rank")
+    try:
+        assert [r["rank"] for r in per_rank(group.info)()] == [0]  # collect="all": a list
+        assert submit(per_rank(group.row_count), numbered(3), offset=1).result(timeout=10) == [4]
+        for one_result in (group.allreduce_sum, group.total_rows, group.only_rank_zero):
+            with pytest.raises(TypeError, match="collects one result"):
+                per_rank(one_result)
+        with pytest.raises(TypeError, match="takes a method of a WorkerGroup or MemberView"):
+            per_rank(len)
+    finally:
+        group.shutdown()

@@ -23,6 +23,28 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def stopping_qwen2(tiny_qwen2, tmp_path_factory):
+    """The tiny Qwen2 with its end-of-sequence logit raised (its tied output row set along the mean final hidden
+    state), so sampled responses to the GSM8K-style prompts mostly stop within 16 tokens, long-tailed: partial
+    rollouts carry the long ones."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    ids = torch.randint(4, model.config.vocab_size, (16, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mean = model(ids, output_hidden_states=True).hidden_states[-1].reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[model.config.eos_token_id] = 4.5 * mean / mean.dot(mean)
+    out = tmp_path_factory.mktemp("stopping_qwen2")
+    model.save_pretrained(out)
+    for f in tiny_qwen2.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
 def chats(tmp_path_factory):
     path = tmp_path_factory.mktemp("sft") / "chats.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"copy {w}"}, {"role": "assistant", "content": w}]}

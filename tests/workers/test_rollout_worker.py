@@ -84,6 +84,7 @@ class _GPUEngineStub:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.stats: dict[str, float] = {}
 
     def sleep(self, offload_weights: bool = False) -> None:
         self.calls.append("sleep, weights to the CPU" if offload_weights else "sleep")
@@ -130,7 +131,7 @@ def test_a_cpu_kv_cache_holds_one_training_step_of_rows_not_max_num_seqs(tiny_qw
 
     # sized by max_num_seqs alone, a real model's zero-filled CPU cache took most of the machine's RAM
     engine = build_rollout(str(tiny_qwen2), RolloutConfig(max_num_seqs=256), torch.device("cpu"), torch.float32,
-                           64, step_rows=6)
+                           64, rows_in_flight=6)
     assert engine.kv.num_slots == 6
     out = engine.generate([[5, 6, 7]] * 4, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0))
     assert [len(row) for row in out] == [3] * 4  # 12 rows through 6 slots: the rest queue

@@ -239,6 +239,7 @@ class RolloutEngine:
         self.stats.update(generate_s=elapsed, prefill_s=stats["prefill_s"], decode_s=elapsed - stats["prefill_s"],
                           generated_tokens=stats["generated_tokens"], decode_steps=stats["decode_steps"],
                           prefill_forwards=stats["prefill_forwards"], prefill_tokens=stats["prefill_tokens"],
+                          row_steps=stats["row_steps"], busy_s=stats["busy_s"],
                           tokens_per_s=stats["generated_tokens"] / max(elapsed, 1e-9))
         return [[done[seq] for seq in row] for row in seqs]
 

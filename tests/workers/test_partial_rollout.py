@@ -1,0 +1,86 @@
+"""The in-flight buffer of partial rollouts on one engine (CPU, fp32): a step takes the oldest complete groups and
+carries the rest, each token keeping the policy version that sampled it; stale groups are dropped whole; a buffer
+saved and loaded into a fresh engine goes on exactly as the saved one does; buffers saved by one number of ranks
+are dealt out to another."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+from hybridflow.trainer.rollout_stream import redistribute
+from hybridflow.workers.partial_rollout import PartialRollouts
+
+# a sixth of the tiny vocabulary stops a sample: lengths spread from 1 to 24
+PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=24, stop_token_ids=list(range(20, 65)))
+PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+
+
+def buffer(path, unfinished="continue"):
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=8, max_model_len=64)
+    out = PartialRollouts(engine, unfinished)
+    out.add(PROMPTS[:4], [{"uid": f"u{i}"} for i in range(4)], PARAMS.n)
+    return out
+
+
+def seeded(seed):
+    return replace(PARAMS, seed=seed)
+
+
+def lengths(groups):
+    return [[len(s.tokens) for s in g.samples] for g in groups]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen2):
+    return tiny_qwen2
+
+
+def test_a_step_takes_the_oldest_complete_groups_and_carries_the_rest(model):
+    buf = buffer(model)
+    taken, stats = buf.take(2, version=0, params=seeded(1))
+    assert len(taken) == 2 and all(g.complete for g in taken) and len(buf.groups) == 2
+    assert stats["in_flight"] == 4 and stats["decode_steps"] > 0
+    buf.add(PROMPTS[4:], [{"uid": "u4"}, {"uid": "u5"}], PARAMS.n)
+    later, _ = buf.take(2, version=1, params=seeded(2))
+    orders = [g.order for g in later]
+    assert orders == sorted(orders)
+    versions = {v for g in taken + later for s in g.samples for v in s.versions}
+    assert versions <= {0, 1} and all(len(s.versions) == len(s.tokens) for g in later for s in g.samples)
+
+
+@pytest.mark.parametrize("unfinished", ["continue", "recompute"])
+def test_a_saved_buffer_goes_on_in_a_fresh_engine_exactly_as_the_saved_one(model, unfinished):
+    buf = buffer(model, unfinished)
+    buf.take(1, version=0, params=seeded(1))
+    state = buf.state_dict()
+    assert any(s["finish"] == "" and len(s["tokens"]) for g in state["groups"] for s in g["samples"])
+    other = buffer(model, unfinished)
+    other.load_state_dict(state)
+    for b in (buf, other):
+        b.add(PROMPTS[4:], [{"uid": "u4"}, {"uid": "u5"}], PARAMS.n)
+    mine, _ = buf.take(2, version=1, params=seeded(5))
+    theirs, _ = other.take(2, version=1, params=seeded(5))
+    assert [[(s.tokens, s.logprobs, s.versions) for s in g.samples] for g in mine] == \
+        [[(s.tokens, s.logprobs, s.versions) for s in g.samples] for g in theirs]
+
+
+def test_stale_groups_are_dropped_whole_and_their_slots_freed(model):
+    buf = buffer(model)
+    buf.take(1, version=0, params=seeded(1))
+    started = [g for g in buf.groups if g.oldest_version == 0]
+    assert started
+    counts = buf.in_flight(oldest_version=1)
+    assert counts == {"groups": 3 - len(started), "dropped": 2 * len(started)}
+    assert len(buf.session.scheduler.free_slots) + len(buf.session.batch) == buf.engine.kv.num_slots
+
+
+def test_buffers_saved_by_two_ranks_are_dealt_to_three():
+    states = [{"next_order": 3, "dropped_total": 2, "groups": [{"order": 1}, {"order": 2}]},
+              {"next_order": 2, "dropped_total": 1, "groups": [{"order": 1}]}]
+    assert redistribute(states, 2) is states
+    three = redistribute(states, 3)
+    assert [[g["order"] for g in s["groups"]] for s in three] == [[1], [1], [2]]
+    assert [s["dropped_total"] for s in three] == [3, 0, 0] and {s["next_order"] for s in three} == {3}
