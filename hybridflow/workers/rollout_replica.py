@@ -168,7 +168,7 @@ class RolloutReplica:
         if self.cfg.free_cache_after_generate:
             self.sleep()
         out = completions_to_batch(batch, outs, params.n, self.max_response_length, self.pad_id,
-                                   self.max_prompt_length, with_versions=version is not None)
+                                   self.max_prompt_length, version=version)
         if self.agent is not None:
             add_trajectory_fields(out, [t for row in outs for t in row])
         return out
@@ -189,7 +189,7 @@ class RolloutReplica:
         if self.cfg.free_cache_after_generate:
             self.sleep()
         rows, outs = groups_to_prompts(groups, self.pad_id)
-        out = completions_to_batch(rows, outs, params.n, self.max_response_length, self.pad_id, with_versions=True)
+        out = completions_to_batch(rows, outs, params.n, self.max_response_length, self.pad_id, version=version)
         return out, dict(self.last_stats)
 
     def generation_stats(self) -> dict[str, float]:
@@ -244,11 +244,12 @@ def prompt_rows(batch: Batch) -> list[dict[str, Any]]:
 
 
 def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, pad_id: int,
-                         prompt_width: int = 0, with_versions: bool = False) -> Batch:
+                         prompt_width: int = 0, version: int | None = None) -> Batch:
     """The input rows repeated `n` times (interleaved) plus the sampled responses, right-padded to
     `response_width`: responses, input_ids, attention_mask, position_ids, response_mask, rollout_log_probs,
-    and, when the engine recorded routes, rollout_routes (`routes_to_batch`), and with `with_versions`
-    rollout_versions (int32: the policy version that sampled each token).
+    and, when the engine recorded routes, rollout_routes (`routes_to_batch`), and given the engine's `version`,
+    rollout_versions (int32: the policy version that sampled each token; a multi-turn trajectory, generated in one
+    call, is all of `version`).
 
     outs[i][j] has token_ids, logprobs and finish_reason: a `Completion`, or a multi-turn `Trajectory`,
     whose `response_mask` (1 on model tokens, 0 on environment tokens) becomes the row's response_mask
@@ -270,8 +271,9 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
             real[r, :k] = 1
             mask = getattr(c, "response_mask", None)
             response_mask[r, :k] = 1.0 if mask is None else torch.tensor(mask[:k], dtype=torch.float32)
-            if with_versions:
-                versions[r, :k] = torch.tensor(c.versions[:k], dtype=torch.int32)
+            if version is not None:
+                versions[r, :k] = torch.tensor(c.versions[:k], dtype=torch.int32) if hasattr(c, "versions") \
+                    else version
             finished.append(c.finish_reason)
     out = batch.repeat_interleave(n)
     own = [getattr(c, "prompt_ids", None) for samples in outs for c in samples]
@@ -284,7 +286,7 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out["response_mask"] = response_mask
     out["rollout_log_probs"] = logprobs
-    if with_versions:
+    if version is not None:
         out["rollout_versions"] = versions
     out["finish_reason"] = finished
     completions = [c for samples in outs for c in samples]

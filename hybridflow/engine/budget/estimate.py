@@ -251,10 +251,13 @@ class RolloutRole:
         return 2 * self.shape.layers * self.shape.kv_dim * self.compute_bytes
 
     def workspace_bytes(self) -> int:
-        """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step."""
+        """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step.
+        A forward packs `max_prefill_tokens`, or holds one longer sequence alone: a sample prefilled again with
+        its tokens so far (partial rollouts) may be `max_model_len` long."""
         s = self.shape
         per_token = 4 * s.hidden + 3 * s.intermediate + 2 * s.top_k * s.hidden
-        return self.max_prefill_tokens * self.compute_bytes * per_token + 4 * 4 * self.max_num_seqs * s.vocab
+        tokens = max(self.max_prefill_tokens, self.max_model_len)
+        return tokens * self.compute_bytes * per_token + 4 * 4 * self.max_num_seqs * s.vocab
 
 
 @dataclass(frozen=True)

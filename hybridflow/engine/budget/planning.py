@@ -12,7 +12,10 @@ it, or when the model has fewer than `HOST_BOUND_PARAMS` parameters (a mixture o
 update is host-bound: longer, recomputed micro-batches are faster and leaner), whose micro-batches then get
 `CHECKPOINTED_TARGET_TOKENS`,
 more for layers smaller than the 0.5B shape's (`ModelShape.host_bound_tokens`).
-The KV cache gets what is left within the cap while generating, at most what its slots need.
+The KV cache gets what is left within the cap while generating, at most what its slots need. A cache that
+stays allocated through training (`RolloutRole.cache_stays`: partial rollouts keep unfinished samples' keys and
+values between steps) gets, unless its size is fixed by a fraction, what the trained roles' updates leave,
+so its size falls with the responses' length instead of refusing the run.
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def _items(d: dict[str, float]) -> str:
     return ", ".join(f"{k} {_gib(v)}" for k, v in d.items() if v > 0)
 
 
-def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RolePlan, float, str]:
-    """(the role's plan, bytes it is short by (0 if it fits), why)."""
+def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int, kept_kv: int) -> tuple[RolePlan, float, str]:
+    """(the role's plan, bytes it is short by (0 if it fits), why); `kept_kv`: a KV cache of fixed size that
+    stays through the update."""
     w = demand.world_size
     breakdown = dict(role.update_bytes(w))
     others = sum(r.idle_bytes(w) for r in demand.trained if r is not role)
@@ -99,8 +103,8 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
     ro = demand.rollout
     if ro is not None and not ro.offload_weights:
         breakdown["rollout weights"] = ro.weight_bytes
-    if ro is not None and ro.cache_stays:
-        breakdown["KV cache (kept)"] = ro.max_num_seqs * ro.max_model_len * ro.kv_bytes_per_token()
+    if kept_kv:
+        breakdown["KV cache (kept)"] = kept_kv
     fixed = sum(breakdown.values()) + HEAD_CHUNK_BYTES + SLACK_BYTES
     free = cap - fixed
     shape, c, longest = role.shape, role.compute_bytes, demand.longest_sequence
@@ -131,8 +135,10 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int) -> tuple[RoleP
     return RolePlan(tokens, ckpt, sum(breakdown.values()), breakdown), short, why if short else ""
 
 
-def _generation(demand: DeviceDemand, cap: int, free: int) -> tuple[int, float, dict[str, float], float]:
-    """(KV cache bytes, peak, breakdown, bytes it is short by) while the rollout engine generates."""
+def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = None
+                ) -> tuple[int, float, dict[str, float], float]:
+    """(KV cache bytes, peak, breakdown, bytes it is short by) while the rollout engine generates; `room`: the
+    most a cache that stays through training may take beside the updates."""
     ro, w = demand.rollout, demand.world_size
     breakdown = {"trained models": sum(r.idle_bytes(w) for r in demand.trained),
                  "frozen models": sum(f.idle_bytes(w) for f in demand.frozen),
@@ -143,9 +149,24 @@ def _generation(demand: DeviceDemand, cap: int, free: int) -> tuple[int, float, 
     if ro.kv_cache_fraction is not None:
         kv = int(ro.kv_cache_fraction * max(free - used, 0))
     else:
-        kv = min(wanted, max(int(cap - used), 0))
+        kv = min(wanted, max(int(cap - used), 0), wanted if room is None else max(int(room), 0))
     breakdown["KV cache"] = kv
     return kv, used + kv, breakdown, max(0.0, 2 * per_seq - kv)
+
+
+def _kept_reserve(demand: DeviceDemand, cap: int) -> int:
+    """The share of a KV cache kept through training that the updates plan around: what its slots need, at most
+    half of what each update leaves beside its weights, gradients, state and workspace, and never so much that
+    the update's smallest micro-batch (one sequence, recomputed unless checkpointing is set off) would not fit.
+    The updates' micro-batches and the cache compete for the rest; the cache also gets what they leave unused."""
+    ro = demand.rollout
+    reserve = float((ro.max_num_seqs + 1) * ro.max_model_len * ro.kv_bytes_per_token())
+    for role in demand.trained:
+        alone = _role_plan(demand, role, cap, 0)[0]
+        left = cap - SLACK_BYTES - (alone.peak_bytes - alone.breakdown["activations"])
+        smallest = role.activation_peak(demand.longest_sequence, role.gradient_checkpointing is not False)
+        reserve = min(reserve, max(0.0, min(left / 2, left - smallest)))
+    return int(reserve)
 
 
 def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, float, list[str]]:
@@ -153,18 +174,31 @@ def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, flo
     cap = int(min(demand.utilization * total, free))
     out = DevicePlan(cap_bytes=cap, total_bytes=total)
     problems, worst = [], 0.0
+    ro = demand.rollout
+    kept = ro is not None and ro.cache_stays
+    planned = kept and ro.kv_cache_fraction is None and bool(demand.trained)  # kept, sized here
+    reserve = _kept_reserve(demand, cap) if planned else (
+        _generation(demand, cap, free)[0] if kept else 0)  # a fraction's fixed size
     for role in demand.trained:
-        out.roles[role.keys], short, why = _role_plan(demand, role, cap)
+        out.roles[role.keys], short, why = _role_plan(demand, role, cap, reserve)
         if short:
             worst = max(worst, short)
             problems.append(f"{role.keys} update of {role.shape.describe()}: {why}")
-    if demand.rollout is not None:
-        kv, peak, breakdown, short = _generation(demand, cap, free)
+    if ro is not None:
+        updates = max((r.peak_bytes - reserve for r in out.roles.values()), default=0.0)
+        room = cap - SLACK_BYTES - updates if planned else None
+        kv, peak, breakdown, short = _generation(demand, cap, free, room)
         out.kv_cache_bytes, out.generation_peak_bytes, out.generation_breakdown = kv, peak, breakdown
+        if planned:  # the updates run beside the cache: its share grew by what they left
+            for r in out.roles.values():
+                r.breakdown["KV cache (kept)"] = kv
+                r.peak_bytes += kv - reserve
         if short:
             worst = max(worst, short)
-            problems.append(f"generation: the KV cache gets {_gib(kv)}, one {demand.rollout.max_model_len:,}-token "
-                            f"sequence needs {_gib(short + kv)} ({_items(breakdown)})")
+            beside = (f", beside the update's {_gib(updates)}: rollout.free_cache_after_generate=false keeps it "
+                      f"through training" if room is not None else "")
+            problems.append(f"generation: the KV cache gets {_gib(kv)}, one {ro.max_model_len:,}-token "
+                            f"sequence needs {_gib(short + kv)} ({_items(breakdown)}{beside})")
     return out, worst, problems
 
 
@@ -192,6 +226,10 @@ def _remedies(demand: DeviceDemand) -> list[tuple[str, DeviceDemand]]:
     if demand.rollout is not None and not demand.rollout.offload_weights:
         out.append(("rollout.offload_weights=true",
                     replace(demand, rollout=replace(demand.rollout, offload_weights=True))))
+    if demand.rollout is not None and demand.rollout.cache_stays:
+        out.append(("rollout.free_cache_after_generate=true (with rollout.partial, also "
+                    "rollout.partial_unfinished=recompute)",
+                    replace(demand, rollout=replace(demand.rollout, cache_stays=False))))
     offloadable = [f for f in demand.frozen if f.offload_key and not f.offload]
     for f in offloadable:
         out.append((f"{f.offload_key}=true", replace(demand, frozen=tuple(
