@@ -72,6 +72,21 @@ moe_grpo() { CUDA_VISIBLE_DEVICES=${MOE_GPU:-0} python3 bench/scale.py --configs
     --steps "${MOE_STEPS:-2}" --budget-s 570 --out "$OUT/moe_grpo_h200.json" 2>&1 | tee "$OUT/moe_grpo.log"; }
 moe_gpu_tests() { python3 -m pytest -q -m gpu tests/engine/rollout/test_moe_gpu.py \
     tests/engine/train/test_moe_train_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe_gpu_tests.log"; }
+# long reasoning (issue 42): GRPO on the real model (needs the GGUF) at LONG_RL_LIMIT-token responses (4096 or
+# 8192), synchronous steps against partial rollouts; one (limit, mode) fits a call at the defaults, so run
+# LONG_RL_MODES=sync and LONG_RL_MODES=partial in two calls, then join them here with
+# `python bench/long_rl.py --merge A.json B.json ... --out bench/results/long_rl_h200.json`
+long_rl() { python3 bench/long_rl.py --device cuda --model "$GGUF" --max-response "${LONG_RL_LIMIT:-4096}" \
+    --modes "${LONG_RL_MODES:-sync}" --budget-s "${LONG_RL_BUDGET_S:-300}" --eval-every-s "${LONG_RL_EVERY_S:-60}" \
+    ${LONG_RL_SET:+--set "$LONG_RL_SET"} --out "$OUT/long_rl_${LONG_RL_LIMIT:-4096}_${LONG_RL_MODES:-sync}.json" 2>&1 \
+    | tee "$OUT/long_rl.log"; }
+# GRPO at 4,096-token responses against TRL (issue 42): 16 prompts x 8; GRPO_LONG_ONLY=trl in a call of its own
+grpo_long() { python3 bench/grpo_vs_trl.py --device cuda --prompts 16 --n 8 --max-new-tokens 4096 \
+    --steps "${GRPO_LONG_STEPS:-4}" --only "${GRPO_LONG_ONLY:-hybridflow}" \
+    --out "$OUT/grpo_vs_trl_4096_${GRPO_LONG_ONLY:-hybridflow}.json" 2>&1 | tee "$OUT/grpo_long.log"; }
+# the 1.5B shape at 16,384-token responses (issue 42): step time and device peak with the defaults
+scale_long() { python3 bench/scale.py --configs 1.5b:default --max-new-tokens 16384 --steps "${SCALE_LONG_STEPS:-3}" \
+    --budget-s 540 --out "$OUT/scale_long_h200.json" 2>&1 | tee "$OUT/scale_long.log"; }
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
