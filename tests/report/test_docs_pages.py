@@ -19,7 +19,7 @@ from hybridflow.config.schema import RLConfig
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = ("index", "quickstart", "custom_loop", "placement", "migrating_from_verl", "troubleshooting", "real_model",
-         "agents", "migrating_from_trl", "agents_from_verl_and_trl", "moe")
+         "agents", "migrating_from_trl", "agents_from_verl_and_trl", "moe", "long_reasoning")
 KEYS = set(schema_fields(RLConfig))
 
 
