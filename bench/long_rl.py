@@ -16,10 +16,11 @@ training wall-clock; greedy validation accuracy is measured whenever the clock p
 flight, which the next step prefills again inside the clock).
 
 Recorded per run: response tokens trained per second (the real response tokens of the trained rows over the
-steps' wall time), the GPU busy share during generation (`perf/gen/gpu_busy_share`: the share of generation wall
-time the GPU had work queued) and the batch occupancy, staleness mean / max, the off-policy token share, samples
-carried over and dropped, the distribution of the trained responses' lengths (quantiles, the share at the limit,
-a histogram by powers of two), greedy accuracy against training time, and the device's peak memory. Prints a
+steps' wall time), the GPU busy share during generation (`perf/gen/gpu_busy_share`: the GPU's time on the
+engine's steps over the generation's wall time) and the batch occupancy, staleness mean / max, the off-policy
+token share, samples carried over and dropped, the distribution of the trained responses' lengths (quantiles,
+the share at the limit, a histogram by powers of two), greedy accuracy against training time, and the device's
+peak memory. Prints a
 table; writes JSON (`--out`) and a PNG of accuracy against time beside it. One (limit, mode) at the defaults fits
 one 10-minute device call: `--merge` joins the JSONs of several calls.
 """
@@ -134,7 +135,8 @@ def totals(steps: list[dict]) -> dict:
         return sum(s[key] * x for s, x in zip(rows, w)) / max(sum(w), 1e-9)
 
     step_s = sum(s["timing_s/step"] for s in steps)
-    return {"steps_done": len(steps), "response_tokens_per_s": sum(s["response_tokens"] for s in steps) / max(step_s, 1e-9),
+    tokens = sum(s["response_tokens"] for s in steps)
+    return {"steps_done": len(steps), "response_tokens_per_s": tokens / max(step_s, 1e-9),
             "gpu_busy_share": mean("perf/gen/gpu_busy_share", "timing_s/gen"),
             "batch_occupancy": mean("perf/gen/batch_occupancy", "timing_s/gen"),
             "gen_share_of_step": sum(s.get("timing_s/gen", 0.0) for s in steps) / max(step_s, 1e-9),
@@ -164,8 +166,8 @@ def report_table(report: dict) -> None:
         sync = next((r for r in runs if r["limit"] == limit and r["mode"] == "sync"), None)
         for r in runs:
             if sync is not None and r["limit"] == limit and r is not sync and sync["response_tokens_per_s"]:
-                print(f"limit {limit}: {r['mode']} trains {r['response_tokens_per_s'] / sync['response_tokens_per_s']:.2f}x "
-                      f"sync's response tokens per second")
+                ratio = r["response_tokens_per_s"] / sync["response_tokens_per_s"]
+                print(f"limit {limit}: {r['mode']} trains {ratio:.2f}x sync's response tokens per second")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -277,7 +279,8 @@ def main() -> None:
                    "--limit", str(limit), "--result", str(res)]
             cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in settings and k != "set"]
             cmd += [f"--set={kv}" for kv in a.set]
-            subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+            subprocess.run(cmd, check=True, env=env)
             runs.append(json.loads(res.read_text()))
     import torch
 

@@ -25,12 +25,12 @@ from the checkpoint alike) and, pipelined, the generated rows of the next step (
 loader's position is the trainer's own checkpoint entry.
 
 Metrics: every run gets `generation_metrics`: `perf/gen/batch_occupancy` (running rows over KV slots,
-averaged over decode steps) and, on CUDA, `perf/gen/gpu_busy_share` (the share of generation wall time the
-GPU had work queued). With partial rollouts or pipelining, `rollout_metrics`: `rollout/staleness_mean` and
-`rollout/staleness_max` (per trained sample: the step's version minus the version of its oldest token),
-`rollout/off_policy_token_share` (trained response tokens sampled by older weights); with partial rollouts,
-`rollout/carried_over` (samples left in flight for the next steps) and `rollout/dropped` (samples dropped
-for staleness when this step's generation started).
+averaged over decode steps) and, on CUDA, `perf/gen/gpu_busy_share` (the GPU's time on the engine's steps over
+the generation's wall time, `RolloutEngine.busy`). With partial rollouts or pipelining, `rollout_metrics`:
+`rollout/staleness_mean` and `rollout/staleness_max` (per trained sample: the step's version minus the version of
+its oldest token), `rollout/off_policy_token_share` (trained response tokens sampled by older weights); with
+partial rollouts, `rollout/carried_over` (samples left in flight for the next steps) and `rollout/dropped`
+(samples dropped for staleness when this step's generation started).
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def test_what_cannot_fit_at_long_responses_is_refused_naming_the_keys():
         plan(demand("1.5b", 16384, kept=True), 36 * GIB, 141 * GIB)
     msg = str(err.value)
     assert "generation: the KV cache gets" in msg and "rollout.free_cache_after_generate=false keeps it" in msg
-    assert "rollout.free_cache_after_generate=true (with rollout.partial, also rollout.partial_unfinished=recompute)" in msg
+    assert ("rollout.free_cache_after_generate=true (with rollout.partial, also "
+            "rollout.partial_unfinished=recompute)") in msg
     plan(demand("1.5b", 16384), 36 * GIB, 141 * GIB)  # freed after each generation, it fits
     with pytest.raises(DoesNotFit, match="it fits with actor.optimizer=adamw_8bit"):
         plan(demand("7b", 16384), *H200)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
+from hybridflow.engine.rollout.busy_clock import BusyClock
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, weight_target
@@ -129,6 +130,7 @@ class RolloutEngine:
         # the policy version of the weights loaded, recorded with every sampled token (`Completion.versions`);
         # its owner sets it when it loads new weights (a trainer: its update count)
         self.weight_version = 0
+        self.busy = BusyClock(device)  # the GPU's time on the steps (sessions' busy_s)
         self.stats: dict[str, float] = {"kv_cache_gb": self.kv.bytes / 2**30, "num_slots": self.kv.num_slots}
         self._capture()
 
@@ -283,6 +285,7 @@ class RolloutEngine:
         else:
             meta = AttnMeta(write_index=write_index.to(dev), write_rows=write_rows, cu_seqlens=cu.to(dev, torch.int32),
                             seqlens=lens, max_seqlen=max(lens))
+        self.busy.launch()
         logits = self.model(ids.to(dev), positions.to(dev), meta, self.kv, (cu[1:] - 1).to(dev))
         if bool((counts > 1).any()):
             logits = logits.repeat_interleave(counts.to(dev), dim=0)
@@ -292,6 +295,7 @@ class RolloutEngine:
         """`steps` new tokens for every running row of `batch` (rows that finish on the way record no more),
         queued with no host sync in between: CUDA-graph replays when captured, else the same step eagerly."""
         size, last = len(batch), batch.max_position()
+        self.busy.launch()
         for step in range(steps):
             if self.graphs is not None:
                 self.graphs.step(batch, params, generator)

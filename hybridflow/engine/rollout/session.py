@@ -63,8 +63,7 @@ class Session:
     stats: prefill_forwards, prefill_tokens (tokens run through prefill), reused_tokens (cached tokens
     continuations attended over instead of prefilling again), decode_steps, generated_tokens, prefill_s,
     decode_s, row_steps (running rows summed over decode steps: / (decode_steps x slots) is how full the
-    batch ran), busy_s (on CUDA: the time the GPU had the steps' work queued, from events around each
-    step; 0 elsewhere).
+    batch ran), busy_s (on CUDA: the GPU's time on the steps' work, `RolloutEngine.busy`; 0 elsewhere).
     """
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, hold: bool = False) -> None:
@@ -168,8 +167,7 @@ class Session:
         admitted = self.scheduler.admit(len(self.batch))
         if not admitted and not len(self.batch):
             return []
-        tick = time.perf_counter()
-        events = _gpu_events(self.engine.device)
+        tick, busy = time.perf_counter(), self.engine.busy.seconds
         prefilled = bool(admitted)
         while admitted:
             self._prefill(sorted(admitted, key=lambda r: r.slots[0]))
@@ -179,12 +177,11 @@ class Session:
             self.engine.decode(self.batch, self.params, self.generator, steps)
             self.stats["decode_steps"] += steps
             self.stats["row_steps"] += steps * len(self.batch)
-        if events is not None:
-            events[1].record()
+        self.engine.busy.stop()
         finished = self.batch.pop_finished()  # syncs, so the timings are real
         self.stats["prefill_s" if prefilled else "decode_s"] += time.perf_counter() - tick
-        if events is not None:
-            self.stats["busy_s"] += events[0].elapsed_time(events[1]) / 1000
+        self.engine.busy.settle()
+        self.stats["busy_s"] += self.engine.busy.seconds - busy
         if finished is None:
             return []
         done = []
@@ -225,11 +222,3 @@ class Session:
         self.stats["prefill_tokens"] += sum(len(r.prompt) for r in admitted)
         self.stats["reused_tokens"] += sum(r.start for r in admitted)
 
-
-def _gpu_events(device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
-    """On CUDA, a (start, end) pair of timing events with start recorded now, before a step's work is queued."""
-    if device.type != "cuda":
-        return None
-    events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    events[0].record()
-    return events

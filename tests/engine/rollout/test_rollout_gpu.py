@@ -24,6 +24,16 @@ def test_cuda_graph_decode_equals_eager(spread_model, dtype):
     assert [o[0].token_ids for o in graphs] == [o[0].token_ids for o in eager]
 
 
+def test_the_busy_clock_times_the_gpu_work_of_the_steps_within_their_wall_time(spread_model):
+    engine = RolloutEngine.from_pretrained(spread_model("qwen2"), device="cuda", max_num_seqs=8)
+    session = engine.session(SamplingParams(temperature=1.0, max_tokens=64, stop_token_ids=[], seed=0))
+    for i in range(6):
+        session.add([5 + i, 6, 7])
+    session.run()
+    stats = session.stats
+    assert 0 < stats["busy_s"] <= stats["prefill_s"] + stats["decode_s"]
+
+
 @pytest.mark.parametrize("top_k", [-1, 3])
 def test_in_graph_sampling_equals_eager_sampling_for_a_seed(spread_model, top_k):
     """4 rows (a captured bucket's size, so the GEMMs match): the fused sampler inside the graph (seed
