@@ -66,6 +66,13 @@ def test_stale_groups_are_dropped_and_counted_when_recomputing(stopping_qwen2, d
     assert all(r["rollout/staleness_max"] == 0 and r["rollout/off_policy_token_share"] == 0 for r in rows)
 
 
+def test_each_data_parallel_rank_gives_its_share_of_complete_groups(stopping_qwen2, data_dir, tmp_path):
+    rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=1", "trainer.n_workers=2")
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollout/carried_over"] > 0
+    state = torch.load(tmp_path / "out/checkpoints/step_00000001/controller.pt", weights_only=True)["rollouts"]
+    assert [len(rank["groups"]) for rank in state["partial"]] == [1, 1]  # one buffer per rank, one group left each
+
+
 def test_pipelined_separate_rollout_trains_one_step_off_policy(stopping_qwen2, data_dir, tmp_path):
     rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PIPELINE, "trainer.total_steps=2")
     assert rows[0]["rollout/staleness_max"] == 0  # the first step generates its own batch
