@@ -189,7 +189,5 @@ def redistribute(states: list[dict[str, Any]], ranks: int) -> list[dict[str, Any
         return states
     groups = sorted(((g["order"], i, g) for i, s in enumerate(states) for g in s["groups"]), key=lambda t: t[:2])
     top = max((s["next_order"] for s in states), default=0)
-    dropped = sum(s["dropped_total"] for s in states)
-    return [{"next_order": top, "dropped_total": dropped if r == 0 else 0,
-             "groups": [g for _, _, g in groups[r::ranks]]} for r in range(ranks)]
+    return [{"next_order": top, "groups": [g for _, _, g in groups[r::ranks]]} for r in range(ranks)]
 

@@ -97,7 +97,6 @@ class PartialRollouts:
         self.groups: list[Group] = []
         self.session: Session | None = None
         self.next_order = 0
-        self.dropped_total = 0
 
     # ------------------------------------------------------------------ a step
     def add(self, prompts: list[list[int]], fields: list[dict[str, Any]], n: int) -> None:
@@ -114,9 +113,7 @@ class PartialRollouts:
         if live and self.session is not None:
             self.session.suspend(live)
         self.groups = [g for g in self.groups if g not in stale]
-        dropped = sum(len(g.samples) for g in stale)
-        self.dropped_total += dropped
-        return {"groups": len(self.groups), "dropped": dropped}
+        return {"groups": len(self.groups), "dropped": sum(len(g.samples) for g in stale)}
 
     def take(self, count: int, version: int, params: SamplingParams) -> tuple[list[Group], dict[str, float]]:
         """Generate with `params` (its seed, when set, reseeds the session), the engine's weights at policy
@@ -180,13 +177,12 @@ class PartialRollouts:
     def state_dict(self) -> dict[str, Any]:
         """The groups in flight (every sample suspended first), as tensors and plain data."""
         self.suspend()
-        return {"next_order": self.next_order, "dropped_total": self.dropped_total,
-                "groups": [group_state(g) for g in self.groups]}
+        return {"next_order": self.next_order, "groups": [group_state(g) for g in self.groups]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`'s groups (all suspended: the next `take` prefills them)."""
         self.suspend()
-        self.next_order, self.dropped_total = int(state["next_order"]), int(state["dropped_total"])
+        self.next_order = int(state["next_order"])
         self.groups = [group_from_state(g) for g in state["groups"]]
 
 
