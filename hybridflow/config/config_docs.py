@@ -10,7 +10,8 @@ import json
 from typing import Any
 
 from hybridflow.config.loader import schema_fields, type_name
-from hybridflow.config.schema import RLConfig, field_default
+from hybridflow.config.options import field_default
+from hybridflow.config.schema import RLConfig
 
 INTRO = """# Configuration reference
 

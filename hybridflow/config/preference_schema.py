@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig, TrainerConfig, opt, registered
+from hybridflow.config.options import opt, registered
+from hybridflow.config.schema import EngineOptimConfig, ModelConfig, TrainerConfig
 
 PREFERENCE_TRUNCATION_MODES = ("error", "filter")
 

@@ -1,8 +1,10 @@
 """The typed configuration of `hybridflow train`: one dataclass per section, every default defined once.
 
-Each field is declared with `opt(default, help, choices=...)`: the help line and the valid choices live
-in the field's metadata, so the loader names valid values in its errors and `docs/config.md` is generated
-from this file (`python scripts/gen_config_docs.py`). Workers read these objects by attribute.
+Each field is declared with `opt(default, help, choices=...)` (`hybridflow.config.options`): the help line and
+the valid choices live in the field's metadata, so the loader names valid values in its errors and
+`docs/config.md` is generated from these classes (`python scripts/gen_config_docs.py`). Workers read these
+objects by attribute. The `agent` section is `hybridflow.config.agent_schema`'s, `ray` is
+`hybridflow.config.ray_schema`'s.
 
 The root is `RLConfig(model, data, rollout, actor, critic, algorithm, reward, teacher, agent, trainer, ray)`;
 the loader (`hybridflow.config.loader.load_config`) takes any such root dataclass through `schema=`, so other
@@ -11,11 +13,12 @@ programs (the SFT and preference trainers) bring their own root.
 
 from __future__ import annotations
 
-import copy
-import importlib
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, is_dataclass
+from dataclasses import dataclass
 from typing import Any, Optional, cast
+
+from hybridflow.config.agent_schema import AgentConfig
+from hybridflow.config.options import opt, registered
+from hybridflow.config.ray_schema import PoolConfig, RayConfig
 
 # Estimators that compare the n samples of one prompt, so they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -26,42 +29,6 @@ MASTER_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LORA_INITS = ("default", "gaussian")
-
-
-def registered(attr: str) -> Callable[[], tuple[str, ...]]:
-    """Choices read from `hybridflow.algorithms.<attr>` (a registry or a tuple) when they are checked,
-    so an estimator or loss a user registers before loading the config is accepted."""
-
-    def names() -> tuple[str, ...]:
-        return tuple(getattr(importlib.import_module("hybridflow.algorithms"), attr))
-
-    return names
-
-
-def opt(default: Any, help: str, choices: tuple | Callable[[], tuple] | None = None) -> Any:
-    """A dataclass field with its default, a one-line `help` and optional valid `choices`
-    (a tuple, or a function returning one, for names that live in a registry).
-
-    Mutable defaults (lists, dicts, tuples are fine as is) and nested config classes become
-    default factories, so every instance gets its own copy.
-    """
-    metadata: dict[str, Any] = {"help": help}
-    if choices is not None:
-        metadata["choices"] = choices if callable(choices) else tuple(choices)
-    if isinstance(default, type) and is_dataclass(default):
-        return field(default_factory=default, metadata=metadata)
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def field_default(f) -> Any:
-    """The default value of a dataclass field (calling its factory when it has one)."""
-    if f.default is not MISSING:
-        return f.default
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return MISSING
 
 
 @dataclass
@@ -378,40 +345,6 @@ class TeacherConfig:
 
 
 @dataclass
-class AgentConfig:
-    """Multi-turn episodes: an environment and/or tools answer each model turn in-process, or agent code
-    (a runner, or a verifiers / Gymnasium / OpenEnv environment) drives the model through the
-    OpenAI-compatible endpoint (on when any of these is set; the endpoint ways exclude each other and the
-    in-process ones)."""
-
-    environment: Optional[str] = opt(None, "environment class answering each model turn: path/to/file.py:Class; "
-                                           "null = none")
-    env_kwargs: dict[str, Any] = opt({}, "keyword arguments for the environment (a row's "
-                                         "extra_info.interaction_kwargs overrides them)")
-    tools: list[Any] = opt([], "tools the model may call: built-in names (calculator, python), "
-                               "path/to/file.py:Class, or {name, class, description, parameters, kwargs}")
-    max_turns: int = opt(4, "most model turns per trajectory")
-    max_tool_calls: int = opt(8, "most tool calls per trajectory")
-    max_tokens_per_turn: Optional[int] = opt(None, "most tokens per model turn; null = data.max_response_length "
-                                                   "(which bounds all turns together)")
-    timeout_s: float = opt(30.0, "time limit of one environment step or tool call, in seconds; with a runner, "
-                                 "the most it may spend between two of its requests (and before the first, "
-                                 "after the last)")
-    runner: Optional[str] = opt(None, "agent code run against the OpenAI-compatible endpoint: path/to/file.py:fn, "
-                                      "`async def fn(client, row, **env_kwargs)` returning the reward or {reward, "
-                                      "metrics}; null = none")
-    verifiers: Optional[str] = opt(None, "a verifiers environment run through the endpoint: an installed "
-                                         "environment id or path/to/file.py (its load_environment(**env_kwargs)); "
-                                         "null = none")
-    gym: Optional[str] = opt(None, "a Gymnasium-style text environment played through the endpoint: "
-                                   "module:Class, path/to/file.py:Class or textarena:<env id>; null = none")
-    openenv: Optional[str] = opt(None, "an OpenEnv environment played through the endpoint, by its HTTP client: "
-                                       "module:ClientClass or path/to/file.py:ClientClass (env_kwargs: base_url "
-                                       "and the action's text field); null = none")
-    max_concurrent_requests: int = opt(1024, "requests the endpoint serves at once (more wait their turn)")
-
-
-@dataclass
 class TrainerConfig:
     """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
 
@@ -444,32 +377,6 @@ class TrainerConfig:
                                      "critic gets its own processes (where the rollout runs is "
                                      "rollout.placement)",
                          ("colocate", "split"))
-
-
-@dataclass
-class PoolConfig:
-    """Where one worker group's processes go on a Ray cluster (`trainer.backend=ray`)."""
-
-    nnodes: int = opt(1, "nodes the group is spread over: its processes are cut into nnodes equal shares, each "
-                         "on one node (processes / nnodes devices per node)")
-    strategy: str = opt("spread", "spread: every share on a node of its own; pack: as few nodes as hold the "
-                                  "shares (several may share a node with room)", ("spread", "pack"))
-    node_resource: Optional[str] = opt(None, "pin the group to nodes that have this custom Ray resource "
-                                             "(ray start --resources='{\"NAME\": 1}'); null = any node")
-
-
-@dataclass
-class RayConfig:
-    """The Ray cluster of `trainer.backend=ray`, and where each worker group goes on it."""
-
-    address: Optional[str] = opt(None, "cluster to join: null = RAY_ADDRESS, else the one last started with "
-                                       "`ray start` on this machine, else a new local one; auto = an existing "
-                                       "cluster (fail if none); HOST:PORT = that head node")
-    actor: PoolConfig = opt(PoolConfig, "the actor's group (with the roles colocated with it) and, with "
-                                        "trainer.placement=split, the critic's own group alike: "
-                                        "trainer.n_workers processes each")
-    rollout: PoolConfig = opt(PoolConfig, "the separate rollout group (rollout.placement=separate): "
-                                          "rollout.n_workers processes")
 
 
 @dataclass

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from hybridflow.config.schema import ModelConfig, OptimConfig, TrainerConfig, opt
+from hybridflow.config.options import opt
+from hybridflow.config.schema import ModelConfig, OptimConfig, TrainerConfig
 
 SFT_TRUNCATION_MODES = ("error", "filter", "right")
 

@@ -1,6 +1,7 @@
 """Checks across keys of an `RLConfig` (and an `SFTConfig` or a preference config), run before any model loads:
-batch sizes, ranges, estimators, distillation; what the run will read (`hybridflow.config.input_checks`) and the
-optional packages and LoRA targets it needs (`hybridflow.config.extras`).
+batch sizes, ranges, estimators, distillation; the rollout keys (`hybridflow.config.rollout_checks`); what the
+run will read (`hybridflow.config.input_checks`) and the optional packages and LoRA targets it needs
+(`hybridflow.config.extras`).
 
 `validate(cfg, n_workers)` collects every problem and raises one `ConfigError` listing them all, each
 naming the keys, their values and the values that would be valid, e.g.
@@ -20,8 +21,10 @@ from typing import Any
 from hybridflow.config.exact_checks import exact_problems
 from hybridflow.config.extras import config_value, lora_target_problems, moe_model_problems, package_problems
 from hybridflow.config.input_checks import data_file_problems, model_problems, path_problems, run_problems
+from hybridflow.config.rollout_checks import (divisors, join_values, moe_problems, off_policy_problems,
+                                              placement_problems)
 from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, distills, needs_critic,
-                                          needs_greedy_baseline, rollout_workers, run_groups, uses_task_advantage)
+                                          needs_greedy_baseline, run_groups, uses_task_advantage)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 # GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
@@ -30,15 +33,6 @@ GSPO_CLIP_LIMIT = 0.01
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key, the value and what would be valid."""
-
-
-def divisors(n: int) -> list[int]:
-    """The positive divisors of `n` in increasing order (`[]` for n < 1)."""
-    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
-
-
-def _join(values: list[int]) -> str:
-    return ", ".join(map(str, values)) if values else "none"
 
 
 def _batch_problems(role: str, cfg: Any, n_workers: int) -> list[str]:
@@ -56,8 +50,8 @@ def _batch_problems(role: str, cfg: Any, n_workers: int) -> list[str]:
     rows = mini * n
     if rows % n_workers:
         valid = [m for m in divisors(prompts) if m * n % n_workers == 0]
-        fix = (f"valid {role}.mini_batch_size: {_join(valid)}" if valid else
-               f"no mini_batch_size works; valid trainer.n_workers: {_join(divisors(prompts * n))}")
+        fix = (f"valid {role}.mini_batch_size: {join_values(valid)}" if valid else
+               f"no mini_batch_size works; valid trainer.n_workers: {join_values(divisors(prompts * n))}")
         return [f"{role} mini-batch rows ({mini_desc} x rollout.n={n} = {rows}) must divide by "
                 f"trainer.n_workers={n_workers}; {fix}"]
     per_rank = rows // n_workers
@@ -65,7 +59,7 @@ def _batch_problems(role: str, cfg: Any, n_workers: int) -> list[str]:
     if micro is not None and section.max_tokens_per_micro_batch is None and (micro < 1 or per_rank % micro):
         return [f"{role}.micro_batch_size={micro} must divide the per-rank mini-batch of {per_rank} rows "
                 f"(mini_batch_size {mini} x rollout.n {n} / n_workers {n_workers}); "
-                f"valid: {_join(divisors(per_rank))}"]
+                f"valid: {join_values(divisors(per_rank))}"]
     budget = section.max_tokens_per_micro_batch
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if budget is not None and budget < longest:
@@ -143,7 +137,7 @@ def _mini_batch_problems(key: str, mini: int | None, batch: int) -> list[str]:
     """A mini-batch size (null = the whole batch) must divide `data.train_batch_size`."""
     if mini is None or (mini >= 1 and batch % mini == 0):
         return []
-    return [f"{key}={mini} must divide data.train_batch_size={batch}; valid: {_join(divisors(batch))} or null"]
+    return [f"{key}={mini} must divide data.train_batch_size={batch}; valid: {join_values(divisors(batch))} or null"]
 
 
 def _precision_problems(cfg: Any, sections: tuple[tuple[str, str], ...]) -> list[str]:
@@ -275,82 +269,6 @@ def _agent_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def _moe_problems(cfg: Any) -> list[str]:
-    """What router replay and route recording need from the rest of the config."""
-    problems, actor, rollout = [], cfg.actor, cfg.rollout
-    if actor.router_replay == "rollout" and not rollout.record_routes:
-        problems.append("actor.router_replay=rollout replays the experts the rollout engine recorded: set "
-                        "rollout.record_routes=true")
-    if actor.router_aux_loss_coef < 0:
-        problems.append(f"actor.router_aux_loss_coef={actor.router_aux_loss_coef} must be >= 0 (0 = off)")
-    if rollout.record_routes and rollout.engine == "hf":
-        problems.append("rollout.record_routes=true needs the fast engine (rollout.engine=auto or fast); "
-                        "transformers.generate (rollout.engine=hf) does not record routes")
-    if rollout.record_routes and agent_enabled(cfg.agent):
-        problems.append("rollout.record_routes=true records single-turn generations; multi-turn episodes "
-                        "(agent.environment / agent.tools) are not supported with it")
-    return problems
-
-
-def _rollout_placement_problems(cfg: Any) -> list[str]:
-    """`rollout.placement` and `rollout.n_workers`: the separate rollout group's size and its share of prompts."""
-    rollout, prompts = cfg.rollout, cfg.data.train_batch_size
-    if rollout.placement != "separate":
-        if rollout.n_workers is not None:
-            return [f"rollout.n_workers={rollout.n_workers} sizes the separate rollout group, but "
-                    f"rollout.placement={rollout.placement} runs the engine in the actor's trainer.n_workers "
-                    f"processes; set rollout.placement=separate or rollout.n_workers=null"]
-        return []
-    if rollout.n_workers is not None and rollout.n_workers < 1:
-        return [f"rollout.n_workers={rollout.n_workers} must be >= 1 or null (= trainer.n_workers)"]
-    workers = rollout_workers(cfg)
-    if prompts >= 1 and workers >= 1 and prompts % workers:
-        return [f"data.train_batch_size={prompts} prompts must split evenly over the {workers} rollout ranks "
-                f"(rollout.n_workers={rollout.n_workers}, null = trainer.n_workers); valid rollout.n_workers: "
-                f"{_join(divisors(prompts))}"]
-    return []
-
-
-def _off_policy_problems(cfg: Any) -> list[str]:
-    """`rollout.partial` and `rollout.pipeline`: what they run with, and what they cannot run with."""
-    rollout, problems = cfg.rollout, []
-    modes = [key for key, on in (("rollout.partial=true", rollout.partial), ("rollout.pipeline=true", rollout.pipeline))
-             if on]
-    if rollout.pipeline and rollout.placement != "separate":
-        problems.append(f"rollout.pipeline=true overlaps the next step's generation with this step's update, on the "
-                        f"rollout's own devices; set rollout.placement=separate (got {rollout.placement})")
-    if rollout.pipeline and rollout.max_staleness < 1:
-        problems.append(f"rollout.pipeline=true trains each batch one policy version after the weights that "
-                        f"generated it: rollout.max_staleness={rollout.max_staleness} must be >= 1")
-    if rollout.partial and rollout.partial_unfinished == "continue" and rollout.free_cache_after_generate:
-        problems.append("rollout.partial_unfinished=continue keeps unfinished samples' KV slots from one step to the "
-                        "next, which rollout.free_cache_after_generate=true frees after each generation; set "
-                        "rollout.free_cache_after_generate=false (the cache then stays through training) or "
-                        "rollout.partial_unfinished=recompute")
-    ranks = rollout_workers(cfg) if rollout.placement == "separate" else cfg.trainer.n_workers
-    prompts = cfg.data.train_batch_size
-    if rollout.partial and prompts >= 1 and ranks >= 1 and prompts % ranks:
-        problems.append(f"rollout.partial=true takes data.train_batch_size={prompts} complete groups per step in "
-                        f"equal shares from the {ranks} rollout ranks; valid data.train_batch_size: multiples of "
-                        f"{ranks}")
-    for mode in modes:
-        clash = [what for what, on in (
-            ("algorithm.filter_groups.enable=true (dynamic sampling draws several prompt batches a step)",
-             cfg.algorithm.filter_groups.enable),
-            ("algorithm.adv_estimator=remax (its greedy baselines are generated beside each step's prompts)",
-             needs_greedy_baseline(cfg)),
-            ("agent.environment / agent.tools (multi-turn episodes)", agent_enabled(cfg.agent)),
-            ("rollout.exact=true (the rollout's log-probs stand for the old ones, which tokens sampled by older "
-             "weights are not)", cfg.rollout.exact),
-            ("rollout.engine=hf (no sessions to carry samples in)", mode.startswith("rollout.partial")
-             and rollout.engine == "hf"),
-            ("rollout.record_routes=true (routes are recorded per generation call; a sample carried across steps "
-             "would lose those of its earlier tokens)", mode.startswith("rollout.partial") and rollout.record_routes),
-        ) if on]
-        problems += [f"{mode} does not run with {what}; turn one of them off" for what in clash]
-    return problems
-
-
 def _changed(section: Any, default: Any, prefix: str) -> list[str]:
     """`prefix.key=value` for every key of a config section that differs from its default (nested too)."""
     out = []
@@ -384,7 +302,7 @@ def _ray_problems(cfg: Any) -> list[str]:
         nnodes, size_key = getattr(cfg.ray, name).nnodes, GROUP_KEYS[name][1]
         if name in pools and (nnodes < 1 or pools[name] % nnodes):
             problems.append(f"ray.{name}.nnodes={nnodes} must divide the {name} group's {pools[name]} processes "
-                            f"({size_key}) into equal shares per node; valid: {_join(divisors(pools[name]))}")
+                            f"({size_key}) into equal shares per node; valid: {join_values(divisors(pools[name]))}")
     return problems
 
 
@@ -397,9 +315,9 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     `data.train_files` may then be unset), e.g. to check a recipe on its own.
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
-    problems = (_range_problems(cfg) + _algorithm_problems(cfg) + _rollout_placement_problems(cfg)
-                + _off_policy_problems(cfg) + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg)
-                + package_problems(cfg) + _moe_problems(cfg))
+    problems = (_range_problems(cfg) + _algorithm_problems(cfg) + placement_problems(cfg)
+                + off_policy_problems(cfg) + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg)
+                + package_problems(cfg) + moe_problems(cfg))
     if check_paths:
         problems += path_problems(cfg) + moe_model_problems(cfg)
     problems += exact_problems(cfg, check_paths)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from hybridflow.config import ConfigError, RLConfig, config_diff, load_config, to_yaml
-from hybridflow.config.schema import opt
+from hybridflow.config.options import opt
 
 
 def test_defaults_are_typed_dataclasses():
