@@ -28,7 +28,6 @@ one 10-minute device call: `--merge` joins the JSONs of several calls.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -43,7 +42,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
-from learn_vs_trl import RaceClock, score  # noqa: E402
+from learn_vs_trl import RaceClock, greedy_accuracy  # noqa: E402
 
 MODES = {"sync": ["rollout.partial=false"],
          "partial": ["rollout.partial=true", "rollout.partial_unfinished=continue",
@@ -87,7 +86,6 @@ def run_child(a: argparse.Namespace) -> dict:
         f"trainer.seed={a.seed}", *MODES[a.mode], *a.set,
     ], config_file=ROOT / "recipes" / "gsm8k_smollm2_long.yaml")
     trainer = RLTrainer(cfg)
-    val = list(trainer.val_loader)
     lengths: list[int] = []
     next_batch = trainer.stream.next_batch
 
@@ -98,15 +96,7 @@ def run_child(a: argparse.Namespace) -> dict:
 
     trainer.stream.next_batch = recorded
 
-    greedy = dataclasses.replace(trainer.sampling, n=1, temperature=0.0, seed=a.seed)
-
-    def evaluate() -> float:
-        texts, truths = [], []
-        for prompts in val:
-            batch = trainer.roles.rollout.generate(prompts, greedy)
-            texts += step_math.decode_responses(batch, trainer.tokenizer)
-            truths += [str(g) for g in batch["ground_truth"]]
-        return score(texts, truths)
+    evaluate = greedy_accuracy(trainer, a.seed)
 
     setup_s = time.perf_counter() - started
     clock, steps = RaceClock(a.budget_s, a.eval_every_s), []

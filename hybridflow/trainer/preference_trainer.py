@@ -31,19 +31,17 @@ import torch
 
 from hybridflow.algorithms import bradley_terry_loss, compute_preference_loss, preference_needs_reference
 from hybridflow.batch import Batch
-from hybridflow.checkpoint import export_hf
 from hybridflow.config.preference_schema import preference_problems
 from hybridflow.config.validate import validate_sft
-from hybridflow.controller import Remote, WorkerGroup, remote
+from hybridflow.controller import Remote
 from hybridflow.data.loader import BatchLoader
 from hybridflow.data.preference_data import (PreferenceDataset, collate_policy_pairs, collate_scored_pairs,
                                              encode_policy_pair, encode_scored_pair, pair_tokens)
 from hybridflow.tracking.metrics import timer
-from hybridflow.trainer.base import Trainer, device_type, optimizer_steps
 from hybridflow.trainer.checkpointing import checkpoint_bytes
 from hybridflow.trainer.memory import sft_demand
 from hybridflow.trainer.role_configs import preference_config
-from hybridflow.workers.handles import TrainedRoleHandle
+from hybridflow.trainer.single_model import SingleModelTrainer
 from hybridflow.workers.preference_worker import PreferenceWorker
 
 
@@ -80,13 +78,12 @@ class ReferenceLogps:
         self.values = state["values"]
 
 
-class PreferenceTrainer(Trainer):
+class PreferenceTrainer(SingleModelTrainer[PreferenceWorker]):
     """What `hybridflow dpo` and `hybridflow rm` share (see the module docstring); a subclass says its head,
     how a pair is tokenized (`encode`) and its validation metrics (`pair_metrics`); its loss section is the worker's
     (`hybridflow.trainer.role_configs.preference_config`)."""
 
     kind: str  # the metric prefix: "dpo" or "rm"
-    validates_at_end = True  # the final validation says what the exported model is worth
 
     def __init__(self, cfg: Any) -> None:
         validate_sft(cfg, rows_per_example=2, more=preference_problems(cfg))
@@ -124,30 +121,8 @@ class PreferenceTrainer(Trainer):
 
     def start_workers(self) -> None:
         cfg = self.cfg
-        steps = optimizer_steps(self.total_steps, cfg.optim.passes_per_batch, cfg.optim.mini_batch_size,
-                                cfg.data.train_batch_size)
-        config = preference_config(cfg, self.model_head, self.pad_id, steps,
-                                   sft_demand(cfg, self.model_head, rows_per_example=2))
-        group = WorkerGroup(PreferenceWorker, name=self.model_role, n_workers=cfg.trainer.n_workers,
-                            backend=cfg.trainer.backend, device=device_type(cfg.trainer.device, cfg.trainer.backend),
-                            worker_timeout_s=cfg.trainer.worker_timeout_s, init_kwargs=dict(config=config))
-        self.groups = [group]
-        self.workers: Remote[PreferenceWorker] = remote(group)
-
-    def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
-        return {self.model_role: self.workers}
-
-    def lora_bases(self) -> dict[str, str]:
-        return {self.model_role: self.cfg.model.path} if self.cfg.optim.lora.rank > 0 else {}
-
-    def fit(self) -> dict[str, float]:
-        """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf` (a whole
-        model: with LoRA the adapters merged into the base); returns the last step's metrics."""
-        metrics = super().fit()
-        latest = self.checkpoints.manager.latest()
-        if self.step >= self.total_steps and latest is not None:  # a finished run saved its last step
-            export_hf(latest, self.output_dir / "hf", role=self.model_role, merge=True)
-        return metrics
+        self.start_group(PreferenceWorker, preference_config(cfg, self.model_head, self.pad_id, self.schedule_steps(),
+                                                             sft_demand(cfg, self.model_head, rows_per_example=2)))
 
     def prepare(self, batch: Batch, split: str) -> Batch:
         """What a batch of pairs of `split` (train or val) needs beyond the loader's (DPO: the reference's

@@ -18,25 +18,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridflow.batch import Batch
-from hybridflow.checkpoint import export_hf
 from hybridflow.config.validate import validate_sft
-from hybridflow.controller import Remote, WorkerGroup, remote
 from hybridflow.data.loader import BatchLoader
 from hybridflow.data.sft_data import SFTDataset, collate_sft_rows
 from hybridflow.tracking.metrics import compute_throughput, timer
-from hybridflow.trainer.base import Trainer, device_type, optimizer_steps
 from hybridflow.trainer.checkpointing import checkpoint_bytes
 from hybridflow.trainer.memory import sft_demand
-from hybridflow.workers.handles import TrainedRoleHandle
+from hybridflow.trainer.single_model import SingleModelTrainer
 from hybridflow.workers.sft_worker import SFTWorker
 
 
-class SFTTrainer(Trainer):
-    """Builds data, workers, checkpoints and loggers from an `SFTConfig` (the common parts in `Trainer`);
-    `fit()` trains and exports."""
+class SFTTrainer(SingleModelTrainer[SFTWorker]):
+    """Builds data, workers, checkpoints and loggers from an `SFTConfig` (the common parts in `Trainer` and
+    `SingleModelTrainer`); `fit()` trains and exports."""
 
     model_role = "sft"
-    validates_at_end = True  # the final val/loss says what the exported model is worth
 
     def __init__(self, cfg: Any) -> None:
         validate_sft(cfg)
@@ -65,31 +61,10 @@ class SFTTrainer(Trainer):
 
     def start_workers(self) -> None:
         cfg = self.cfg
-        steps = optimizer_steps(self.total_steps, cfg.optim.passes_per_batch, cfg.optim.mini_batch_size,
-                                cfg.data.train_batch_size)
-        group = WorkerGroup(SFTWorker, name="sft", n_workers=cfg.trainer.n_workers, backend=cfg.trainer.backend,
-                            device=device_type(cfg.trainer.device, cfg.trainer.backend),
-                            worker_timeout_s=cfg.trainer.worker_timeout_s,
-                            init_kwargs=dict(config=SFTWorker.Config(
-                                model=cfg.model, optim=cfg.optim, mini_batch_rows=cfg.optim.mini_batch_size,
-                                total_steps=steps, memory=sft_demand(cfg), seed=cfg.trainer.seed)))
-        self.groups = [group]
-        self.workers: Remote[SFTWorker] = remote(group)
-
-    def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
-        return {self.model_role: self.workers}
-
-    def lora_bases(self) -> dict[str, str]:
-        return {self.model_role: self.cfg.model.path} if self.cfg.optim.lora.rank > 0 else {}
-
-    def fit(self) -> dict[str, float]:
-        """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf` (a whole
-        model: with LoRA the adapters merged into the base); returns the last step's metrics."""
-        metrics = super().fit()
-        latest = self.checkpoints.manager.latest()
-        if self.step >= self.total_steps and latest is not None:  # a finished run saved its last step
-            export_hf(latest, self.output_dir / "hf", role=self.model_role, merge=True)
-        return metrics
+        self.start_group(SFTWorker, SFTWorker.Config(model=cfg.model, optim=cfg.optim,
+                                                     mini_batch_rows=cfg.optim.mini_batch_size,
+                                                     total_steps=self.schedule_steps(), memory=sft_demand(cfg),
+                                                     seed=cfg.trainer.seed))
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step (or `optim.passes_per_batch` x mini-batches) on a batch of conversations."""
