@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from hybridflow.engine import invariant
 from hybridflow.engine.invariant.torch_ops import rotary as rotary_reference
 from hybridflow.engine.train.attention import packed_attention
-from hybridflow.engine.train.kernels import STANDARD_RMS_NORMS
+from hybridflow.engine.train.kernels import STANDARD_RMS_NORMS, keep_patched_forwards
 from hybridflow.engine.train.lora import ADAPTER, merge
 from hybridflow.engine.train.model import decoder_layers
 
@@ -171,10 +171,7 @@ def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int) -> None
     problems = invariant.unsupported(model.config)
     if problems:
         raise ValueError(f"exact mode cannot run {type(model).__name__}: {'; '.join(problems)}")
-    if getattr(model, "use_kernels", False):
-        # transformers' hub kernels (on by default where the `kernels` package is installed) kernelize again at
-        # every train() / eval(), which puts the layers' own forwards back over the ones set here
-        model.use_kernels = False
+    keep_patched_forwards(model)
     embed = model.get_input_embeddings()
     embed.exact_dtype = dtype
     embed.forward = types.MethodType(_embedding_forward, embed)

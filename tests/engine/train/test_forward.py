@@ -158,3 +158,17 @@ def test_packed_attention_gives_flash_a_half_precision_dtype_or_none():
     torch.testing.assert_close(cast[0], q.bfloat16())
     half = (q.half(), k.half(), v.half())
     assert all(a is b for a, b in zip(_flash_dtype(*half), half))
+
+
+def test_fused_rms_norms_stay_through_train_and_eval(tiny_qwen2):
+    # transformers' hub kernels (on where the `kernels` package is installed) kernelize again at a mode change,
+    # which put the class forwards back over the fused ones
+    from hybridflow.engine.train.kernels import _fused_rms_norm_forward
+    from hybridflow.engine.train.model import load_model
+
+    model = load_model(tiny_qwen2)
+    norms = [m for m in model.modules() if type(m).__name__ == "Qwen2RMSNorm"]
+    assert norms and not model.use_kernels
+    for mode in (True, False, True):
+        model.train(mode)
+        assert all(vars(m).get("forward").__func__ is _fused_rms_norm_forward for m in norms)
