@@ -94,9 +94,10 @@ def path_problems(cfg: Any) -> list[str]:
 
     try:  # resolves names, imports users' files, binds each function's parameters
         Scorer(RewardSpec.from_config(cfg.reward))
-    except Exception as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
+    except (Exception, SystemExit) as e:  # the reward registry raises ValueError, OSError, AttributeError, ...
         key = "reward.functions" if cfg.reward.functions else "reward.function"
-        problems.append(f"{key}={config_value(cfg, key)!r}: {e}")
+        why = f"importing it raised SystemExit({e.code!r})" if isinstance(e, SystemExit) else str(e)
+        problems.append(f"{key}={config_value(cfg, key)!r}: {why}")
     from hybridflow.agents.host import tool_schemas
 
     for way in ENDPOINT_WAYS:  # user code runs in the runner process only: here its file must exist

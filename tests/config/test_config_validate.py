@@ -131,6 +131,11 @@ def test_reward_function_resolved_before_training(tmp_path):
     validate(_cfg(*base, f"reward.function={reward}:score"))
     with pytest.raises(ConfigError, match="has no function 'scor'; did you mean 'score'"):
         validate(_cfg(*base, f"reward.function={reward}:scor"))
+    exiting = tmp_path / "exiting_reward.py"  # a file that ends the process when imported is a problem, named
+    exiting.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ConfigError, match=r"reward.function='.*exiting_reward.py:score': importing it raised "
+                                          r"SystemExit\(3\)"):
+        validate(_cfg(*base, f"reward.function={exiting}:score"))
 
 
 def test_agent_section_checked_before_training(tmp_path):
