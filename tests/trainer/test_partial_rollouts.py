@@ -66,6 +66,15 @@ def test_stale_groups_are_dropped_and_counted_when_recomputing(stopping_qwen2, d
     assert all(r["rollout/staleness_max"] == 0 and r["rollout/off_policy_token_share"] == 0 for r in rows)
 
 
+def test_validation_between_steps_keeps_the_samples_in_flight(stopping_qwen2, data_dir, tmp_path):
+    # validation generates on the same engine: it suspends the samples in flight, which the next step prefills
+    rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=2", "trainer.val_every=1",
+                 f"data.val_files={data_dir}/test.parquet")
+    assert all("val/reward/mean" in r for r in rows)
+    assert all(r["rollout/carried_over"] > 0 for r in rows)
+    assert rows[1]["rollout/staleness_max"] == 1 and rows[1]["rollout/off_policy_token_share"] > 0
+
+
 def test_each_data_parallel_rank_gives_its_share_of_complete_groups(stopping_qwen2, data_dir, tmp_path):
     rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=1", "trainer.n_workers=2")
     assert [r["step"] for r in rows] == [1] and rows[0]["rollout/carried_over"] > 0
