@@ -64,12 +64,15 @@ class Sample:
 @dataclass(eq=False)
 class Group:
     """A prompt's n samples, with its position in the order prompts arrived (`order`, older first), its token
-    ids and its row's other fields (uid, data_source, ground_truth, ...)."""
+    ids and its row's other fields (uid, data_source, ground_truth, ...). `first_version` is the policy version
+    its prefill sampled at, once it has run: the versions of samples still decoding in the session are not on the
+    host."""
 
     order: int
     prompt: list[int]
     fields: dict[str, Any]
     samples: list[Sample]
+    first_version: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -78,7 +81,8 @@ class Group:
     @property
     def oldest_version(self) -> int | None:
         """The policy version of its oldest token (None before its prefill)."""
-        return min((s.versions[0] for s in self.samples if s.versions), default=None)
+        return min([s.versions[0] for s in self.samples if s.versions]
+                   + ([self.first_version] if self.first_version is not None else []), default=None)
 
 
 class PartialRollouts:
@@ -139,6 +143,10 @@ class PartialRollouts:
                 running.pop(seq).extend(completion)
         stats = {k: session.stats[k] - before[k] for k in STAT_KEYS}
         stats["gen_s"] = time.perf_counter() - tick
+        started = session.started()
+        for g in self.groups:  # prefilled in this call, at `version`: the samples' own versions stay in the engine
+            if g.first_version is None and any(s.seq in started for s in g.samples):
+                g.first_version = version
         complete = [g for g in self.groups if g.complete][:count]
         self.groups = [g for g in self.groups if g not in complete]
         if self.unfinished == "recompute":

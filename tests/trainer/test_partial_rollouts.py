@@ -58,6 +58,13 @@ def test_unfinished_samples_carry_over_and_a_resumed_run_equals_the_uninterrupte
     assert all(0 < r["perf/gen/batch_occupancy"] <= 1 for r in rows if "perf/gen/batch_occupancy" in r)
 
 
+def test_samples_decoding_on_in_their_kv_slots_are_held_to_the_staleness_bound(stopping_qwen2, data_dir, tmp_path):
+    # no checkpoint or validation suspends them: their tokens' versions stay in the engine until they finish
+    rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=4")
+    assert max(r["rollout/staleness_max"] for r in rows) == 1
+    assert sum(r["rollout/dropped"] for r in rows) > 0  # the groups that would have trained 2 versions late
+
+
 def test_stale_groups_are_dropped_and_counted_when_recomputing(stopping_qwen2, data_dir, tmp_path):
     rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=3",
                  "rollout.max_staleness=0", "rollout.partial_unfinished=recompute", "rollout.partial_extra_batches=2",

@@ -149,6 +149,10 @@ class Session:
         self.scheduler.release(taken.slots)
         return out
 
+    def started(self) -> set[int]:
+        """The sequences admitted and decoding: their prefill has sampled their first tokens."""
+        return {seq for seq, _ in self.running.values()}
+
     @property
     def has_work(self) -> bool:
         """Whether `step` would run a forward: rows are decoding, or a waiting request can be admitted
