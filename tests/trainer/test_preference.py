@@ -18,6 +18,7 @@ from hybridflow.config.validate import ConfigError
 from hybridflow.data.preference_data import policy_rows
 from hybridflow.trainer.preference_trainer import DPOTrainer
 from pair_helpers import write_pairs
+from rl_helpers import reward_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,6 +136,19 @@ def test_reward_model_ranks_held_out_pairs_as_the_rl_reward_model_scores_them(tr
     assert float(margin.mean()) == pytest.approx(after["val/rm/margin"], rel=1e-4)
     resolved = load_config([], trained_reward_model / "resolved_config.yaml", schema=RewardModelTrainConfig)
     assert resolved.rm.center_coef == 0.01 and resolved.model.compile is False
+
+
+def test_the_trained_reward_model_serves_an_rl_run(trained_reward_model, tiny_qwen2, data_dir, tmp_path):
+    out = tmp_path / "rl"
+    assert cli_main(["train", f"model.path={tiny_qwen2}", f"data.train_files={data_dir}/train.parquet",
+                     "data.train_batch_size=2", "rollout.n=2", "data.max_response_length=8", "trainer.total_steps=2",
+                     "trainer.val_before_train=false", "trainer.loggers=[jsonl]", "reward.num_workers=0",
+                     f"reward.function={reward_file(tmp_path, '0.0')}", f"trainer.output_dir={out}",
+                     f"reward.reward_model.path={trained_reward_model}/hf"]) == 0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # the function scores 0: every reward is the model's score
+        assert row["reward/mean"] == pytest.approx(row["reward/model/mean"]) and row["reward/model/mean"] != 0
 
 
 def test_config_errors_name_the_keys(tiny_qwen2, pairs, tmp_path):
