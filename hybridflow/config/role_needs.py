@@ -36,11 +36,22 @@ def needs_reference(cfg: Any) -> bool:
 ENDPOINT_WAYS = ("runner", "verifiers", "gym", "openenv")  # agent keys that drive the model through the endpoint
 
 
+def agent_keys(agent: Any) -> list[str]:
+    """The `agent` keys that turn multi-turn episodes on, as set: an environment, tools, or ways in through the
+    OpenAI-compatible endpoint (`agent.runner`, ...)."""
+    if agent is None:
+        return []
+    return [f"agent.{key}" for key in ("environment", "tools", *ENDPOINT_WAYS) if getattr(agent, key, None)]
+
+
 def agent_enabled(agent: Any) -> bool:
-    """Multi-turn episodes are on when the `agent` section names an environment, tools, or a way in through
-    the OpenAI-compatible endpoint."""
-    return agent is not None and bool(agent.environment or agent.tools
-                                      or any(getattr(agent, way, None) for way in ENDPOINT_WAYS))
+    """Multi-turn episodes are on (`agent_keys`)."""
+    return bool(agent_keys(agent))
+
+
+def agent_setting(agent: Any) -> str:
+    """The keys of `agent_keys` that are set, for a message: "agent.runner", "agent.environment and agent.tools"."""
+    return " and ".join(agent_keys(agent))
 
 
 def rollout_workers(cfg: Any) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.config.role_needs import agent_enabled, needs_greedy_baseline, rollout_workers
+from hybridflow.config.role_needs import agent_enabled, agent_setting, needs_greedy_baseline, rollout_workers
 
 
 def divisors(n: int) -> list[int]:
@@ -33,8 +33,8 @@ def moe_problems(cfg: Any) -> list[str]:
         problems.append("rollout.record_routes=true needs the fast engine (rollout.engine=auto or fast); "
                         "transformers.generate (rollout.engine=hf) does not record routes")
     if rollout.record_routes and agent_enabled(cfg.agent):
-        problems.append("rollout.record_routes=true records single-turn generations; multi-turn episodes "
-                        "(agent.environment / agent.tools) are not supported with it")
+        problems.append(f"rollout.record_routes=true records single-turn generations; multi-turn episodes "
+                        f"({agent_setting(cfg.agent)}) are not supported with it")
     return problems
 
 
@@ -85,7 +85,7 @@ def off_policy_problems(cfg: Any) -> list[str]:
              cfg.algorithm.filter_groups.enable),
             ("algorithm.adv_estimator=remax (its greedy baselines are generated beside each step's prompts)",
              needs_greedy_baseline(cfg)),
-            ("agent.environment / agent.tools (multi-turn episodes)", agent_enabled(cfg.agent)),
+            (f"{agent_setting(cfg.agent)} (multi-turn episodes)", agent_enabled(cfg.agent)),
             ("rollout.exact=true (the rollout's log-probs stand for the old ones, which tokens sampled by older "
              "weights are not)", cfg.rollout.exact),
             ("rollout.engine=hf (no sessions to carry samples in)", mode.startswith("rollout.partial")

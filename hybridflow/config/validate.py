@@ -23,8 +23,8 @@ from hybridflow.config.extras import config_value, lora_target_problems, moe_mod
 from hybridflow.config.input_checks import data_file_problems, model_problems, path_problems, run_problems
 from hybridflow.config.rollout_checks import (divisors, join_values, moe_problems, off_policy_problems,
                                               placement_problems)
-from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, distills, needs_critic,
-                                          needs_greedy_baseline, run_groups, uses_task_advantage)
+from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, agent_setting, distills,
+                                          needs_critic, needs_greedy_baseline, run_groups, uses_task_advantage)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 # GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
@@ -250,8 +250,9 @@ def _agent_problems(cfg: Any) -> list[str]:
     if not agent.timeout_s > 0:
         problems.append(f"agent.timeout_s={agent.timeout_s} must be > 0")
     if agent_enabled(agent) and cfg.rollout.engine == "hf":
-        problems.append("agent.environment / agent.tools continue live sequences turn by turn, which the fast engine "
-                        "does and rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast")
+        problems.append(f"{agent_setting(agent)}: multi-turn episodes continue live sequences turn by turn, which the "
+                        f"fast engine does and rollout.engine=hf (transformers.generate) does not; use "
+                        f"rollout.engine=auto or fast")
     ways = [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(agent, way)]
     if len(ways) > 1 or ways and (agent.environment or agent.tools):
         problems.append(f"{', '.join(ways)} drive the model through the endpoint and exclude each other and agent."

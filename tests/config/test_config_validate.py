@@ -143,8 +143,11 @@ def test_agent_section_checked_before_training(tmp_path):
                          "agent.timeout_s=0", "agent.tools=[calculator]", "rollout.engine=hf"))
     for part in ("agent.max_turns=0 must be >= 1", "agent.max_tool_calls=-1 must be >= 0",
                  "agent.max_tokens_per_turn=0 must be >= 1 or null", "agent.timeout_s=0.0 must be > 0",
-                 "rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast"):
+                 "agent.tools: multi-turn episodes continue live sequences turn by turn, which the fast engine does "
+                 "and rollout.engine=hf (transformers.generate) does not; use rollout.engine=auto or fast"):
         assert part in msg
+    assert "agent.runner: multi-turn episodes continue live sequences" in _problems(
+        _cfg("agent.runner=agent.py:play", "reward.function=environment", "rollout.engine=hf"))
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "hi"}\n')
     env = tmp_path / "env.py"

@@ -117,6 +117,8 @@ def test_what_partial_rollouts_and_pipelining_cannot_run_with_is_refused():
     assert ("rollout.partial=true does not run with algorithm.filter_groups.enable=true"
             ) in _problems("rollout.partial=true", "rollout.partial_unfinished=recompute",
                            "algorithm.filter_groups.enable=true")
+    assert "rollout.partial=true does not run with agent.runner (multi-turn episodes)" in _problems(
+        "rollout.partial=true", "rollout.partial_unfinished=recompute", "agent.runner=agent.py:play")
     assert "rollout.pipeline=true does not run with rollout.exact=true" in _problems(
         "rollout.pipeline=true", "rollout.placement=separate", "rollout.exact=true")
     assert "rollout.partial=true does not run with rollout.engine=hf" in _problems(
