@@ -35,7 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from grpo_vs_trl import SHAPES, DeviceMemoryWatch, child_env, git_commit, peak_memory_gb, write_json  # noqa: E402
+from grpo_vs_trl import (SHAPES, DeviceMemoryWatch, child_env, git_commit, peak_memory_gb, trl_versions,  # noqa: E402
+                         write_json)
 
 TRL_REF_MODES = ("precompute", "per-step")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -222,13 +223,7 @@ def main() -> None:
     for name, r in results.items():
         if name != "hybridflow" and "step_s_median" in r and "step_s_median" in ours:
             report[f"speedup_vs_{name}"] = r["step_s_median"] / ours["step_s_median"]
-    try:
-        import transformers
-        import trl
-
-        report["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
-    except ImportError:
-        pass
+    report.update(trl_versions())
     print(f"\n{'framework':<18}{'s/step (median)':>17}{'pairs/s':>10}{'reference s':>13}{'peak GiB':>10}"
           f"{'device GiB':>12}")
     for r in results.values():

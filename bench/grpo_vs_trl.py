@@ -288,6 +288,16 @@ def child(a: argparse.Namespace) -> None:
     Path(a.result).write_text(json.dumps(result))
 
 
+def trl_versions() -> dict:
+    """{"versions": transformers' and TRL's} where both import, else {}: what a comparison with TRL ran against."""
+    try:
+        import transformers
+        import trl
+    except ImportError:
+        return {}
+    return {"versions": {"transformers": transformers.__version__, "trl": trl.__version__}}
+
+
 def git_commit() -> str | None:
     """The checkout's commit, `-dirty` with local changes (None outside git): what a run measured.
     `HYBRIDFLOW_COMMIT` overrides it (the device machine's copy of `.git` is stale: bench/h200.sh sets it)."""
@@ -406,13 +416,7 @@ def main() -> None:
               "results": results}
     if all("step_s_median" in results.get(name, {}) for name in ("hybridflow", "trl")):
         report["speedup_step"] = results["trl"]["step_s_median"] / results["hybridflow"]["step_s_median"]
-    try:
-        import transformers
-        import trl
-
-        report["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
-    except ImportError:
-        pass
+    report.update(trl_versions())
     print(f"\n{'framework':<12}{'s/step (median)':>17}{'first step s':>14}{'gen tok/s':>11}{'peak GiB':>10}"
           f"{'device GiB':>12}{'resp len':>10}")
     for r in results.values():

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_vs_trl import DeviceMemoryWatch, child_env, git_commit, write_json  # noqa: E402
+from grpo_vs_trl import DeviceMemoryWatch, child_env, git_commit, trl_versions, write_json  # noqa: E402
 
 
 def score(texts: list[str], truths: list[str]) -> float:
@@ -365,13 +365,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
               "cpus": os.cpu_count(), "torch": torch.__version__, "model": str(model_dir), "commit": git_commit(),
               "settings": {k: v for k, v in vars(a).items() if k in settings}, "summary": summary, "results": results}
-    try:
-        import transformers
-        import trl
-
-        report["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
-    except ImportError:
-        pass
+    report.update(trl_versions())
     write_report(report, a.out)
 
 
