@@ -250,9 +250,9 @@ def _agent_problems(cfg: Any) -> list[str]:
     if not agent.timeout_s > 0:
         problems.append(f"agent.timeout_s={agent.timeout_s} must be > 0")
     if agent_enabled(agent) and cfg.rollout.engine == "hf":
-        problems.append(f"{agent_setting(agent)}: multi-turn episodes continue live sequences turn by turn, which the "
-                        f"fast engine does and rollout.engine=hf (transformers.generate) does not; use "
-                        f"rollout.engine=auto or fast")
+        problems.append(f"{agent_setting(agent)}: multi-turn episodes "
+                        f"continue live sequences turn by turn, which the fast engine does and rollout.engine=hf "
+                        f"(transformers.generate) does not; use rollout.engine=auto or fast")
     ways = [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(agent, way)]
     if len(ways) > 1 or ways and (agent.environment or agent.tools):
         problems.append(f"{', '.join(ways)} drive the model through the endpoint and exclude each other and agent."
