@@ -178,7 +178,9 @@ def test_a_verifiers_environment_group_trains_two_steps(tool_calling_model, tmp_
     train(load_config(overrides(tool_calling_model, tmp_path / "train.parquet", tmp_path / "out",
                                 f"agent.verifiers={env}", "agent.env_kwargs={examples: 1}", "data.train_batch_size=3",
                                 "data.max_prompt_length=256", "agent.max_tokens_per_turn=40",
-                                "data.max_response_length=128"), "recipes/grpo.yaml"))
+                                "data.max_response_length=128", "rollout.temperature=0.3"), "recipes/grpo.yaml"))
+    # at temperature 1 the model sometimes garbles its call (the fixture's docstring), and which sample does
+    # depends on how the concurrent requests were batched: a loaded machine missed every tool call of a step
     metrics = read_metrics(tmp_path / "out")
     assert len(metrics) == 2 and all(m["agent/dropped"] == 0 for m in metrics)
     assert all(0 <= m["agent/metric/digit_share/mean"] <= 1 for m in metrics)  # the rubric's own metric
