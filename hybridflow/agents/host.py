@@ -38,13 +38,13 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 from hybridflow.agents.calls import UserCodeError
 from hybridflow.agents.host_process import HostSetup
-from hybridflow.utils.child_process import spawn_module
+from hybridflow.utils.child_process import plain, spawn_module
 from hybridflow.utils.stop_signals import held_signals
 
 logger = logging.getLogger(__name__)
@@ -57,14 +57,6 @@ _WATCH_S = 1.0
 class HostDied(Exception):
     """The environment / tool process died or stopped answering; the trajectories it held are lost."""
 
-
-def plain(value: Any) -> Any:
-    """`value` with mappings as dicts and sequences as lists (OmegaConf containers included), for pickling."""
-    if isinstance(value, Mapping):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [plain(v) for v in value]
-    return value
 
 
 def host_setup(agent_cfg: Any) -> HostSetup:

@@ -17,28 +17,13 @@ import subprocess
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
-
-from hybridflow.utils.child_process import spawn_module
+from hybridflow.utils.child_process import plain, spawn_module
 
 STARTUP_TIMEOUT_S = 120.0
 
 
 class RunnerFailed(Exception):
     """A runner raised, returned something else than a reward, or its process died."""
-
-
-def plain(value: Any) -> Any:
-    """Rows as plain Python (numpy arrays and scalars of parquet columns become lists and numbers)."""
-    if isinstance(value, np.ndarray):
-        return [plain(v) for v in value.tolist()]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 class RunnerHost:

@@ -3,6 +3,7 @@ and what they set up first. They die with the process that started them, even on
 what the user code prints is capped per call, so a loop of prints cannot flood the run's logs.
 
     process, conn = spawn_module("hybridflow.agents.host_process")   # in the parent
+    conn.send(plain(row))              # what crosses the pipe: builtins only
     conn = parent_connection()         # in the child: its end of the pipe; it now dies with the parent
     die_with_parent(parent_pid)        # a parent-death signal: SIGKILL when the parent is gone
     cap_prints()                       # once: sys.stdout and sys.stderr obey the budgets below
@@ -23,10 +24,12 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from multiprocessing.connection import Connection
 from typing import Any, TextIO
+
+import numpy as np
 
 PRINT_CAP_CHARS = 4096  # per call of user code, stdout and stderr together
 
@@ -44,6 +47,20 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def plain(value: Any) -> Any:
+    """`value` as builtins for the pipe: mappings (OmegaConf's included) as dicts, sequences and numpy arrays
+    (parquet's list columns) as lists, numpy scalars as numbers."""
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(v) for v in value]
+    return value
 
 
 def spawn_module(module: str) -> tuple[subprocess.Popen, Connection]:
