@@ -2,10 +2,10 @@
 
 `shard_model` calls `fully_shard` on every decoder layer, then on the root (embeddings, final norm, head),
 over a 1-D data-parallel mesh of the current process group. Mixed precision: parameters are gathered in
-the compute dtype, gradients reduced in fp32, and the sharded master weights stay fp32. On one rank
-nothing is sharded, so layers keep their gathered parameters from forward to backward (no second
-gather), and `TrainEngine` keeps them, with fp32 gradients, unsharded across a step's micro-batches; on
-several, they are resharded after forward (ZeRO-3). `full_tensor` gathers one parameter.
+the compute dtype, gradients reduced in fp32, the sharded master weights stay fp32, and forward inputs are
+not cast. On one rank nothing is sharded, so layers keep their gathered parameters from forward to backward
+(no second gather), and `TrainEngine` keeps them, with fp32 gradients, unsharded across a step's
+micro-batches; on several, they are resharded after forward (ZeRO-3). `full_tensor` gathers one parameter.
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ def dp_mesh(device: torch.device) -> DeviceMesh:
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) -> torch.nn.Module:
     """`fully_shard` per decoder layer, then the root; returns the same (now sharded) module."""
-    mp = MixedPrecisionPolicy(param_dtype=precision.param, reduce_dtype=precision.reduce) \
-        if precision.mixed else MixedPrecisionPolicy()
+    # Inputs pass uncast: the layers already receive compute-dtype hidden states, and a layer input kept in
+    # fp32 on purpose (exact mode's rope rows) would be cast in the forward but, on torch 2.11, not in
+    # gradient checkpointing's recomputation, which then refuses the mismatched saved tensors.
+    mp = MixedPrecisionPolicy(param_dtype=precision.param, reduce_dtype=precision.reduce,
+                              cast_forward_inputs=False) if precision.mixed else MixedPrecisionPolicy()
     reshard = mesh.size() > 1
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

@@ -42,3 +42,31 @@ def test_the_exact_attention_refuses_padded_rows(tiny_qwen2):
     batch = rl_batch(rows=2, prompt_width=4, response_width=3)
     with pytest.raises(ValueError, match="exact mode's attention takes packed rows"):
         engine.forward(batch, pack=False)
+
+
+def _sharded_exact_step(rank, path):
+    """One checkpointed training forward and backward of a bf16 exact engine on fp32 master weights (FSDP2 mixed
+    precision); the dtypes of the rope rows every rotary call received, forward and recomputation."""
+    from hybridflow.engine.train import exact
+
+    seen, rotary = [], exact.rotary
+    exact.rotary = lambda x, cos, sin: seen.append(cos.dtype) or rotary(x, cos, sin)
+    engine = TrainEngine(model_cfg(path, dtype="bf16", gradient_checkpointing=True), optim_cfg(), head="lm",
+                         exact_len=32)
+    assert engine.sharded
+    engine.model.train()
+    batch = rl_batch(rows=3, prompt_width=5, response_width=4)
+    out, _ = engine.forward(batch)
+    (out["log_probs"] * batch["response_mask"]).sum().backward()
+    return seen
+
+
+def test_sharded_checkpointed_layers_see_the_rollouts_fp32_rope_rows(tiny_qwen2):
+    """FSDP2 leaves the layers' inputs as they are: the rotary gets the rollout's fp32 rows in the forward and
+    in gradient checkpointing's recomputation alike (a forward-only cast made torch 2.11's recomputation
+    refuse its saved tensors on the H200)."""
+    from train_helpers import run_ranks
+
+    seen = run_ranks(1, _sharded_exact_step, tiny_qwen2)[0]
+    layers = 2
+    assert seen == [torch.float32] * (2 * 2 * layers)  # q and k, per layer, forward and recomputation
