@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -144,13 +145,22 @@ def run_multi(engine, loop, prompts, rows, params, reuse: bool) -> dict:
                 prefill_s=stats["prefill_s"], decode_s=stats["decode_s"])
 
 
-def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, rows, params) -> dict:
+def runner_cpu_s(rollout) -> float:
+    """CPU seconds (user + system) the runner processes have used so far (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    return sum(sum(map(int, Path(f"/proc/{host.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]))
+               for host in rollout.hosts) / ticks
+
+
+def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, rows, params,
+                 runner_processes: int | None) -> dict:
     """Run 4: the episodes through the endpoint (`EndpointRollout` with `bench/endpoint_agent.py:feedback`)."""
     from hybridflow.agents.endpoint_rollout import EndpointRollout
     from hybridflow.config.schema import AgentConfig
 
     cfg = AgentConfig(runner=f"{Path(__file__).resolve().parent / 'endpoint_agent.py'}:feedback",
-                      max_tokens_per_turn=turn_tokens, max_concurrent_requests=4096, timeout_s=600.0)
+                      max_tokens_per_turn=turn_tokens, max_concurrent_requests=4096, timeout_s=600.0,
+                      runner_processes=runner_processes)
     rollout = EndpointRollout(cfg, tokenizer, budget, 4096, cfg.runner, {"turns": turns})
     rollout.run(engine, [[1]] * 2, rows[:2], SamplingParams(n=1, max_tokens=8, seed=1))  # starts the runner process
     sessions = []
@@ -163,13 +173,15 @@ def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, r
     engine.session = recording
     try:
         sync(engine.device)
+        cpu_before = runner_cpu_s(rollout)
         start = time.perf_counter()
         outs = rollout.run(engine, [[1]] * len(rows), rows, params)
         sync(engine.device)
         seconds = time.perf_counter() - start
+        runner_cpu = runner_cpu_s(rollout) - cpu_before
     finally:
         del engine.session
-        rollout.host.kill()
+        rollout.close()
     trajectories = [t for row in outs for t in row]
     turns_done = sum(t.turns for t in trajectories)
     model_tokens = sum(sum(t.response_mask) for t in trajectories)
@@ -187,7 +199,8 @@ def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, r
                 requests=rollout.stats["requests"], peak_concurrent_requests=rollout.stats["peak_concurrent"],
                 prefill_tokens=stats["prefill_tokens"], reused_tokens=stats["reused_tokens"],
                 prefill_forwards=stats["prefill_forwards"], decode_steps=stats["decode_steps"],
-                prefill_s=stats["prefill_s"], decode_s=stats["decode_s"])
+                prefill_s=stats["prefill_s"], decode_s=stats["decode_s"], runner_processes=len(rollout.hosts),
+                runner_cpu_s=runner_cpu, runner_cpu_ms_per_request=1000 * runner_cpu / rollout.stats["requests"])
 
 
 def main() -> None:
@@ -202,6 +215,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
     parser.add_argument("--only-endpoint", action="store_true", help="run 4 alone (the concurrency check)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="KV slots (default: every trajectory)")
+    parser.add_argument("--runner-processes", type=int, default=None,
+                        help="agent.runner_processes of run 4 (default: the schema's, min(4, CPU cores))")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -242,7 +257,8 @@ def main() -> None:
                   model=model_dir, dtype=str(dtype).removeprefix("torch."), prompts=prompts_n, n=n, turns=args.turns,
                   turn_tokens=turn_tokens, budget=budget, mean_prompt_tokens=sum(map(len, prompts)) / len(prompts))
     if args.only_endpoint:
-        result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params)
+        result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params,
+                                          args.runner_processes)
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         print(json.dumps(result, indent=1))
         if args.out:
@@ -254,7 +270,8 @@ def main() -> None:
     print("multi_turn", result["multi_turn"], flush=True)
     result["multi_turn_no_reuse"] = run_multi(engine, loop, prompts, rows, params, reuse=False)
     print("multi_turn_no_reuse", result["multi_turn_no_reuse"], flush=True)
-    result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params)
+    result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params,
+                                      args.runner_processes)
     print("endpoint", result["endpoint"], flush=True)
     reuse, again = result["multi_turn"], result["multi_turn_no_reuse"]
     result["endpoint_vs_loop"] = dict(

@@ -5,8 +5,11 @@ endpoint, with the same interface as `AgentLoop` (`run(engine, prompts, rows, pa
     trajectories = rollout.run(engine, prompt_ids, rows, SamplingParams(n=8, temperature=1.0))  # [prompt][sample]
 
 One phase: a held session on the engine (`EngineDriver`), the endpoint serving it on a free port of
-127.0.0.1 with a new random token, and one runner call per trajectory (each row's n samples are n calls)
-in the runner host's child process (`RunnerHost`), each given its own base URL. The runner's reward
+127.0.0.1 with a new random token, and one runner call per trajectory (each row's n samples are n calls),
+each given its own base URL. The calls are dealt round-robin over `agent.runner_processes` child processes
+(`RunnerHost` each): an OpenAI client spends milliseconds of CPU on every request (its request building and
+its connection pool's bookkeeping, which grows with the open connections), so one process running a
+thousand trajectories would keep the engine waiting. The runner's reward
 becomes the trajectory's environment reward (`reward.function=environment` trains on it). Failures are
 the trajectory's, never the run's: a runner that raises, returns something else than a reward, dies with
 its process, spends more than `agent.timeout_s` between two of its requests (or before the first, or
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import secrets
 import time
 from typing import Any
@@ -43,8 +47,15 @@ class EndpointRollout:
                  kwargs: dict[str, Any]) -> None:
         self.cfg, self.tokenizer, self.budget, self.max_prompt_length = agent_cfg, tokenizer, budget, max_prompt_length
         self.turn_tokens = min(agent_cfg.max_tokens_per_turn or budget, budget)
-        self.host = RunnerHost(runner, kwargs)
+        processes = agent_cfg.runner_processes or min(4, os.cpu_count() or 1)
+        self.hosts = [RunnerHost(runner, kwargs) for _ in range(processes)]
+        self.host_of: dict[str, RunnerHost] = {}  # trajectory key -> the process running it
         self.stats: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Ends the runner processes (the next `run` starts new ones)."""
+        for host in self.hosts:
+            host.kill()
 
     def run(self, engine: Any, prompts: list[list[int]], rows: list[dict[str, Any]],
             params: SamplingParams) -> list[list[Trajectory]]:
@@ -60,31 +71,34 @@ class EndpointRollout:
         server = JSONServer(endpoint.handle)
         port = await server.start()
         lanes = [[endpoint.open(secrets.token_urlsafe(12)) for _ in range(params.n)] for _ in rows]
-        timed_out = False
+        timed_out: set[RunnerHost] = set()
         try:
-            await self.host.attach()
+            await asyncio.gather(*(host.attach() for host in self.hosts))
             jobs = {}
             for row, per_row in zip(rows, lanes):
                 for lane in per_row:
+                    host = self.host_of[lane.key] = self.hosts[len(jobs) % len(self.hosts)]
                     lane.last_activity = time.monotonic()  # the runner's clock starts when it is handed over
-                    jobs[self.host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1",
-                                          endpoint.token)] = lane
+                    jobs[host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1",
+                                     endpoint.token)] = lane
             timed_out = await self._wait(jobs)
         finally:
             for lane in endpoint.lanes.values():
                 lane.ended = True
-            self.host.detach()
-            if timed_out:
-                self.host.kill()
+            for host in self.hosts:
+                host.detach()
+            for host in timed_out:
+                host.kill()
+            self.host_of.clear()
             driver.stop()
             await asyncio.gather(serving, return_exceptions=True)
             await server.close()
         self.stats = dict(endpoint.stats)
         return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
 
-    async def _wait(self, jobs: dict[asyncio.Future, Lane]) -> bool:
-        """Until every runner has returned or failed; whether one outlived its time limit."""
-        limit, timed_out = self.cfg.timeout_s, False
+    async def _wait(self, jobs: dict[asyncio.Future, Lane]) -> set[RunnerHost]:
+        """Until every runner has returned or failed; the processes of those that outlived their time limit."""
+        limit, timed_out = self.cfg.timeout_s, set()
         waiting = set(jobs)
         while waiting:
             done, waiting = await asyncio.wait(waiting, timeout=min(1.0, limit / 4),
@@ -96,9 +110,10 @@ class EndpointRollout:
                 lane = jobs[future]
                 if lane.in_flight == 0 and now - lane.last_activity > limit:
                     self._failed(lane, f"no request and no return within agent.timeout_s={limit:g} s")
-                    self.host.cancel(lane.key)
+                    host = self.host_of[lane.key]
+                    host.cancel(lane.key)
                     waiting.discard(future)
-                    timed_out = True
+                    timed_out.add(host)
         return timed_out
 
     def _returned(self, lane: Lane, future: asyncio.Future) -> None:

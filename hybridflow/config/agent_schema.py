@@ -41,3 +41,6 @@ class AgentConfig:
                                        "module:ClientClass or path/to/file.py:ClientClass (env_kwargs: base_url "
                                        "and the action's text field); null = none")
     max_concurrent_requests: int = opt(1024, "requests the endpoint serves at once (more wait their turn)")
+    runner_processes: Optional[int] = opt(None, "processes the endpoint's agent code runs in, trajectories dealt "
+                                                "round-robin (an OpenAI client spends milliseconds of CPU per "
+                                                "request); null = min(4, CPU cores)")

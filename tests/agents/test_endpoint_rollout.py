@@ -45,6 +45,9 @@ RUNNERS = """
             return 1.0
         if case == "exits":
             os._exit(3)
+        if case == "pid":
+            await ask(client, "Hello", max_tokens=2)
+            return {"reward": 1.0, "metrics": {"pid": os.getpid()}}
 """
 
 
@@ -61,8 +64,8 @@ def rows(*cases):
 def test_runner_failures_cost_only_their_trajectory(setup, env_file):
     tokenizer, engine = setup
     spec = f"{env_file(RUNNERS)}:play"
-    rollout = EndpointRollout(agent_cfg(timeout_s=3, max_tokens_per_turn=8), tokenizer, budget=32,
-                              max_prompt_length=64, runner=spec, kwargs={"bonus": 0.5})
+    rollout = EndpointRollout(agent_cfg(timeout_s=3, max_tokens_per_turn=8, runner_processes=1), tokenizer,
+                              budget=32, max_prompt_length=64, runner=spec, kwargs={"bonus": 0.5})
     cases = ("good", "raises", "hangs", "not a reward", "in flight", "late")
     start = time.monotonic()
     outs = rollout.run(engine, [[1]] * len(cases), rows(*cases), SamplingParams(n=2, temperature=1.0, seed=0))
@@ -83,7 +86,7 @@ def test_runner_failures_cost_only_their_trajectory(setup, env_file):
     assert all(t.late_requests == 1 and t.runner_errors == 0 for t in by_case["late"])
     assert all(t.runner_errors == 1 for case in ("raises", "hangs", "not a reward")
                for t in by_case[case])
-    assert rollout.host.proc is None  # killed after a timeout: a hung runner may not honour a cancel
+    assert rollout.hosts[0].proc is None  # killed after a timeout: a hung runner may not honour a cancel
 
     # the next phase starts a new runner process; one whose runner takes it down fails its trajectories only
     outs = rollout.run(engine, [[1]] * 2, rows("good", "exits"), SamplingParams(n=1, temperature=1.0, seed=1))
@@ -91,6 +94,21 @@ def test_runner_failures_cost_only_their_trajectory(setup, env_file):
     assert outs[1][0].runner_errors == 1
     outs = rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1, temperature=1.0, seed=2))
     assert outs[0][0].dropped is None and outs[0][0].env_reward == 1.5
+
+
+def test_trajectories_are_dealt_over_the_runner_processes_and_a_hang_kills_only_its_own(setup, env_file):
+    """agent.runner_processes=2: consecutive trajectories run in two processes; a runner that outlives
+    agent.timeout_s takes down its own process after the phase, and the other one serves the next phase."""
+    tokenizer, engine = setup
+    rollout = EndpointRollout(agent_cfg(timeout_s=2, max_tokens_per_turn=8, runner_processes=2), tokenizer,
+                              budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})
+    outs = rollout.run(engine, [[1]] * 3, rows("pid", "pid", "hangs"), SamplingParams(n=1, temperature=1.0, seed=0))
+    first, second = (int(out[0].metrics["pid"]) for out in outs[:2])
+    assert first != second
+    assert "agent.timeout_s=2 s" in outs[2][0].dropped
+    assert rollout.hosts[0].proc is None and rollout.hosts[1].proc.pid == second  # the hang was dealt to process 0
+    outs = rollout.run(engine, [[1]] * 2, rows("pid", "pid"), SamplingParams(n=1, temperature=1.0, seed=1))
+    assert int(outs[1][0].metrics["pid"]) == second and int(outs[0][0].metrics["pid"]) not in (first, second)
 
 
 def test_a_runner_that_cannot_load_is_named(setup, env_file):

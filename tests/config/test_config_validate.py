@@ -162,12 +162,13 @@ def test_agent_section_checked_before_training(tmp_path):
 
 def test_the_endpoint_ways_in_are_checked_before_training(tmp_path):
     msg = _problems(_cfg("agent.runner=agent.py:play", "agent.gym=Maze", "agent.tools=[calculator]",
-                         "agent.max_concurrent_requests=0"))
+                         "agent.max_concurrent_requests=0", "agent.runner_processes=0"))
     for part in ("agent.runner, agent.gym drive the model through the endpoint and exclude each other and "
                  "agent.environment / agent.tools: set one of them",
                  "agent.runner returns each trajectory's reward: set reward.function=environment",
                  "agent.gym='Maze' must name what to load: path/to/file.py:Name or package.module:Name (or "
-                 "textarena:<env id>)", "agent.max_concurrent_requests=0 must be >= 1"):
+                 "textarena:<env id>)", "agent.max_concurrent_requests=0 must be >= 1",
+                 "agent.runner_processes=0 must be >= 1 (or null: min(4, CPU cores))"):
         assert part in msg
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "hi"}\n')

@@ -143,7 +143,7 @@ def test_agent_code_trains_through_the_endpoint(tiny_qwen2, tmp_path, monkeypatc
     seen = capture_batches(monkeypatch)
     train(load_config(overrides(tiny_qwen2, data, tmp_path / "out", f"agent.runner={runner}:play",
                                 "agent.env_kwargs={word: More}", "agent.max_concurrent_requests=1",
-                                "trainer.total_steps=1"), "recipes/grpo.yaml"))
+                                "agent.runner_processes=2", "trainer.total_steps=1"), "recipes/grpo.yaml"))
     (metrics,) = read_metrics(tmp_path / "out")
     assert metrics["agent/turns/mean"] == 2 and metrics["agent/segments/mean"] == 1
     assert metrics["agent/runner_errors"] == 0
