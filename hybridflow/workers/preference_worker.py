@@ -152,7 +152,8 @@ class PreferenceWorker(EngineWorker):
     @register(Dispatch.DATA_PARALLEL, pad=True)
     def score_pairs(self, batch: Batch) -> Batch:
         """Batch{chosen, rejected} `[P]`: each side's summed log-prob over its loss mask (a policy) or its score
-        (a reward model), with no update."""
+        (a reward model), with no update, uncompiled: the reference's one pass and validation's few do not
+        repay compiling a no-grad graph."""
         rows = self._rows(batch)
-        values = pair_values(self._infer(rows, row_group=PAIR), rows["response_mask"])
+        values = pair_values(self._infer(rows, row_group=PAIR, eager=True), rows["response_mask"])
         return Batch({"chosen": values[:, 0].contiguous(), "rejected": values[:, 1].contiguous()})

@@ -207,22 +207,26 @@ class TrainEngine:
     @torch.no_grad()
     def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
               max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-              pack: bool = True, row_group: int = 1) -> dict[str, torch.Tensor]:
+              pack: bool = True, row_group: int = 1, eager: bool = False) -> dict[str, torch.Tensor]:
         """Log-probs (+ entropy) or values for every row of `batch`, `[B, R]` float32 on the CPU; dropout
-        (a LoRA adapter's, or the model's own) is off for these passes. `row_group`: as `micro_batch_rows`."""
+        (a LoRA adapter's, or the model's own) is off for these passes. `row_group`: as `micro_batch_rows`.
+        `eager`: compiled layers run uncompiled, for a one-off pass (DPO's reference log-probs), which would
+        spend far longer compiling a no-grad graph than running (docs/preference.md)."""
         rows = batch["input_ids"].shape[0]
         outs: dict[str, torch.Tensor] = {}
         training = self.model.training
         if self.has_dropout:
             self.model.eval()
+        stance = torch.compiler.set_stance("force_eager") if eager and self.compiled else contextlib.nullcontext()
         try:
-            for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens, row_group):
-                out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack)
-                for k, v in out.items():
-                    if k not in outs:
-                        outs[k] = torch.zeros(rows, v.shape[1], dtype=torch.float32)
-                    if g:
-                        outs[k][torch.tensor(g)] = v.cpu()
+            with stance:
+                for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens, row_group):
+                    out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack)
+                    for k, v in out.items():
+                        if k not in outs:
+                            outs[k] = torch.zeros(rows, v.shape[1], dtype=torch.float32)
+                        if g:
+                            outs[k][torch.tensor(g)] = v.cpu()
         finally:
             self.model.train(training)
         return outs

@@ -172,3 +172,18 @@ def test_fused_rms_norms_stay_through_train_and_eval(tiny_qwen2):
     for mode in (True, False, True):
         model.train(mode)
         assert all(vars(m).get("forward").__func__ is _fused_rms_norm_forward for m in norms)
+
+
+def test_an_eager_pass_of_a_compiled_engine_compiles_nothing_and_gives_the_same_log_probs(tiny_qwen2):
+    """`infer(eager=True)` (DPO's one-off reference pass) runs the compiled layers uncompiled."""
+    from torch._dynamo.utils import counters
+
+    batch = rl_batch(rows=3, prompt_width=5, response_width=4)
+    plain = TrainEngine(model_cfg(tiny_qwen2), head="lm").infer(batch)["log_probs"]
+    engine = TrainEngine(model_cfg(tiny_qwen2, compile=True), head="lm")
+    assert engine.compiled
+    torch._dynamo.reset()
+    counters.clear()
+    eager = engine.infer(batch, eager=True)["log_probs"]
+    assert sum(counters["frames"].values()) == 0  # dynamo saw no frame: nothing was traced or compiled
+    torch.testing.assert_close(eager, plain, atol=0, rtol=0)
