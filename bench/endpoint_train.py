@@ -38,10 +38,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: 50 on cuda, 2 on cpu)")
     parser.add_argument("--game", default="GuessTheNumber-v0", help="textarena environment id")
     parser.add_argument("--out", default=None, help="JSON output path (the PNG goes beside it)")
+    parser.add_argument("--run-dir", default=None, help="the run's output directory (default: a temporary one); "
+                                                        "its metrics.jsonl holds every finished step even when "
+                                                        "the run is cut short")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     steps = args.steps or (50 if cuda else 2)
     work = Path(tempfile.mkdtemp())
+    run_dir = Path(args.run_dir) if args.run_dir else work / "run"
     if args.model is None:
         from hybridflow.utils.tiny_model import build_tiny_model
 
@@ -57,14 +61,14 @@ def main() -> None:
                  f"agent.gym=textarena:{args.game}", "agent.max_turns=6", f"agent.max_tokens_per_turn={32 if cuda else 6}",
                  "reward.function=environment", f"trainer.total_steps={steps}", "trainer.val_before_train=false",
                  "actor.mini_batch_size=null", f"actor.lr={1e-6 if cuda else 1e-4}", f"trainer.device={args.device}",
-                 f"trainer.output_dir={work / 'run'}", "trainer.save_every=0"]
+                 f"trainer.output_dir={run_dir}", "trainer.save_every=0"]
     from hybridflow.config.loader import load_config
     from hybridflow.trainer.rl import train
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     train(load_config(overrides, "recipes/grpo.yaml"))
-    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keys = ("reward/mean", "agent/turns/mean", "agent/dropped", "agent/token_mismatch", "agent/cut_by_budget",
             "agent/runner_errors", "timing_s/gen", "timing_s/step")
     result = dict(model=model, game=args.game, steps=steps, prompts_per_step=batch, n=n, overrides=overrides,

@@ -163,8 +163,9 @@ multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" --out "$O
 endpoint_1024() { python3 bench/multiturn.py --device cuda --model "$GGUF" --only-endpoint --prompts 256 --n 4 \
     --turn-tokens 64 --out "$OUT/endpoint_1024_h200.json" 2>&1 | tee "$OUT/endpoint_1024.log"; }
 # GRPO on textarena's GuessTheNumber through the endpoint, ET_STEPS steps (a reward curve, JSON and PNG)
+# (its metrics.jsonl is written to $OUT step by step: a call that runs out of time keeps the finished steps)
 endpoint_train() { python3 bench/endpoint_train.py --device cuda --model "$GGUF" --steps "${ET_STEPS:-50}" \
-    --out "$OUT/endpoint_train_h200.json" 2>&1 | tee "$OUT/endpoint_train.log"; }
+    --run-dir "$OUT/endpoint_train_run" --out "$OUT/endpoint_train_h200.json" 2>&1 | tee "$OUT/endpoint_train.log"; }
 
 setup || exit 1
 for stage in "$@"; do
