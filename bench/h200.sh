@@ -38,6 +38,10 @@ grpo() { python3 bench/grpo_vs_trl.py --device cuda --steps 8 --out "$OUT/grpo_v
 # its reference precomputed (our work per step) and with its default per-step reference model (issue 41)
 dpo() { python3 bench/dpo_vs_trl.py --device cuda --trl-ref precompute,per-step --out "$OUT/dpo_vs_trl_h200.json" \
     2>&1 | tee "$OUT/dpo.log"; }
+# ours in pure bf16 (model.master_dtype=bf16, which needs the 8-bit AdamW's stochastic rounding), the precision the
+# benchmark's TRL trains in (its model loads in bf16: bf16 weights, gradients and AdamW state)
+dpo_bf16() { python3 bench/dpo_vs_trl.py --device cuda --trl-ref precompute --set model.master_dtype=bf16 \
+    --set optim.optimizer=adamw_8bit --out "$OUT/dpo_vs_trl_bf16_h200.json" 2>&1 | tee "$OUT/dpo_bf16.log"; }
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
     | tee "$OUT/rollout.log"; }
 # the decode step's GEMMs alone: cuBLAS, cuBLASLt and Triton tiles at 64-512 rows (issue 19)
