@@ -9,13 +9,16 @@ One phase: a held session on the engine (`EngineDriver`), the endpoint serving i
 each given its own base URL. The calls are dealt round-robin over `agent.runner_processes` child processes
 (`RunnerHost` each): an OpenAI client spends milliseconds of CPU on every request (its request building and
 its connection pool's bookkeeping, which grows with the open connections), so one process running a
-thousand trajectories would keep the engine waiting. The runner's reward
-becomes the trajectory's environment reward (`reward.function=environment` trains on it). Failures are
-the trajectory's, never the run's: a runner that raises, returns something else than a reward, dies with
-its process, spends more than `agent.timeout_s` between two of its requests (or before the first, or
-after the last) or returns while one of its requests is still running is counted (`agent/runner_errors`)
-and its trajectory dropped (`Trajectory.drop`: the trainer leaves it out); a request after the runner
-returned is refused, counted (`agent/late_requests`) and drops it too.
+thousand trajectories would keep the engine waiting.
+
+The runner's reward becomes the trajectory's environment reward (`reward.function=environment` trains on
+it). Failures are the trajectory's, never the run's: a runner that raises, returns something else than a
+reward, dies with its process, spends more than `agent.timeout_s` between two of its requests (or before
+the first, or after the last) or returns while one of its requests is still running is counted
+(`agent/runner_errors`) and its trajectory dropped (`Trajectory.drop`: the trainer leaves it out); a
+request after the runner returned is refused, counted (`agent/late_requests`) and drops it too. A runner
+that outlived its time limit takes its process down after the phase (a blocked one may not honour a
+cancel); the other processes serve on.
 """
 
 from __future__ import annotations
