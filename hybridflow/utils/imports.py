@@ -1,14 +1,22 @@
 """Loading a user's object from a Python file named in the config as `path/to/file.py:Name` (reward
-functions, environment classes, tools), with errors that name the file, the name and what is there."""
+functions, environment classes, tools), with errors that name the file, the name and what is there. A file
+whose module-level code runs longer than `SLOW_IMPORT_S` is named in a warning while it runs, so a start-up
+stuck in user code (a download, a lock, a loop) says where it is stuck."""
 
 from __future__ import annotations
 
 import difflib
 import hashlib
 import importlib.util
+import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SLOW_IMPORT_S = 30.0
 
 
 def load_from_file(spec: str, what: str, kind: str = "function", key: str = "") -> Any:
@@ -31,11 +39,18 @@ def load_from_file(spec: str, what: str, kind: str = "function", key: str = "") 
         raise ImportError(f"cannot import {what} file {path} (is it a .py file?)")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
+    watch = threading.Timer(SLOW_IMPORT_S, logger.warning, ("still importing %s file %s (%s) after %g s: its module-level "
+                                                            "code is running; the run waits for it", what, path,
+                                                            where, SLOW_IMPORT_S))
+    watch.daemon = True
+    watch.start()
     try:
         module_spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[module_name]
         raise
+    finally:
+        watch.cancel()
     if not hasattr(module, name):
         candidates = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                       and getattr(v, "__module__", None) == module_name]

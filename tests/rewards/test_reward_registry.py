@@ -55,6 +55,30 @@ def _write(path, body):
     return path
 
 
+def test_a_reward_file_slow_to_import_is_named_while_it_runs(tmp_path, monkeypatch, caplog):
+    """A start-up held in a reward file's module-level code says which file holds it."""
+    import logging
+
+    from hybridflow.utils import imports
+
+    monkeypatch.setattr(imports, "SLOW_IMPORT_S", 0.05)
+    f = _write(tmp_path / "slow_reward.py", """
+        import time
+        time.sleep(0.5)
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 1.0
+    """)
+    with caplog.at_level(logging.WARNING):
+        get_reward_fn(f"{f}:compute_score")
+    assert (f"still importing reward file {f} (reward.function='{f}:compute_score') after 0.05 s: its module-level "
+            f"code is running" in caplog.text)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        get_reward_fn(f"{_write(tmp_path / 'quick.py', 'def compute_score(solution_str): return 1.0')}:compute_score")
+    assert "still importing" not in caplog.text
+
+
 def test_user_file_function(tmp_path):
     f = _write(tmp_path / "my_reward.py", """
         def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
