@@ -52,7 +52,6 @@ class EndpointRollout:
         self.turn_tokens = min(agent_cfg.max_tokens_per_turn or budget, budget)
         processes = agent_cfg.runner_processes or min(4, os.cpu_count() or 1)
         self.hosts = [RunnerHost(runner, kwargs) for _ in range(processes)]
-        self.host_of: dict[str, RunnerHost] = {}  # trajectory key -> the process running it
         self.stats: dict[str, float] = {}
 
     def close(self) -> None:
@@ -77,13 +76,13 @@ class EndpointRollout:
         timed_out: set[RunnerHost] = set()
         try:
             await asyncio.gather(*(host.attach() for host in self.hosts))
-            jobs = {}
+            jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]] = {}
             for row, per_row in zip(rows, lanes):
                 for lane in per_row:
-                    host = self.host_of[lane.key] = self.hosts[len(jobs) % len(self.hosts)]
+                    host = self.hosts[len(jobs) % len(self.hosts)]
                     lane.last_activity = time.monotonic()  # the runner's clock starts when it is handed over
                     jobs[host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1",
-                                     endpoint.token)] = lane
+                                     endpoint.token)] = lane, host
             timed_out = await self._wait(jobs)
         finally:
             for lane in endpoint.lanes.values():
@@ -92,28 +91,27 @@ class EndpointRollout:
                 host.detach()
             for host in timed_out:
                 host.kill()
-            self.host_of.clear()
             driver.stop()
             await asyncio.gather(serving, return_exceptions=True)
             await server.close()
         self.stats = dict(endpoint.stats)
         return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
 
-    async def _wait(self, jobs: dict[asyncio.Future, Lane]) -> set[RunnerHost]:
-        """Until every runner has returned or failed; the processes of those that outlived their time limit."""
+    async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]]) -> set[RunnerHost]:
+        """Until every runner (future -> its trajectory's lane and process) has returned or failed; the processes
+        of those that outlived their time limit."""
         limit, timed_out = self.cfg.timeout_s, set()
         waiting = set(jobs)
         while waiting:
             done, waiting = await asyncio.wait(waiting, timeout=min(1.0, limit / 4),
                                                return_when=asyncio.FIRST_COMPLETED)
             for future in done:
-                self._returned(jobs[future], future)
+                self._returned(jobs[future][0], future)
             now = time.monotonic()
             for future in list(waiting):
-                lane = jobs[future]
+                lane, host = jobs[future]
                 if lane.in_flight == 0 and now - lane.last_activity > limit:
                     self._failed(lane, f"no request and no return within agent.timeout_s={limit:g} s")
-                    host = self.host_of[lane.key]
                     host.cancel(lane.key)
                     waiting.discard(future)
                     timed_out.add(host)

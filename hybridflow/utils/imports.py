@@ -39,9 +39,8 @@ def load_from_file(spec: str, what: str, kind: str = "function", key: str = "") 
         raise ImportError(f"cannot import {what} file {path} (is it a .py file?)")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    watch = threading.Timer(SLOW_IMPORT_S, logger.warning, ("still importing %s file %s (%s) after %g s: its module-level "
-                                                            "code is running; the run waits for it", what, path,
-                                                            where, SLOW_IMPORT_S))
+    message = "still importing %s file %s (%s) after %g s: its module-level code is running; the run waits for it"
+    watch = threading.Timer(SLOW_IMPORT_S, logger.warning, (message, what, path, where, SLOW_IMPORT_S))
     watch.daemon = True
     watch.start()
     try:
