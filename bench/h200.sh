@@ -78,11 +78,12 @@ moe_gpu_tests() { python3 -m pytest -q -m gpu tests/engine/rollout/test_moe_gpu.
     tests/engine/train/test_moe_train_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe_gpu_tests.log"; }
 # long reasoning (issue 42): GRPO on the real model (needs the GGUF) at LONG_RL_LIMIT-token responses (4096 or
 # 8192), synchronous steps against partial rollouts; one (limit, mode) fits a call at the defaults, so run
-# LONG_RL_MODES=sync and LONG_RL_MODES=partial in two calls, then join them here with
+# LONG_RL_MODES=sync and LONG_RL_MODES=partial in two calls (LONG_RL_SET=rollout.max_staleness=2 LONG_RL_TAG=_s2 for
+# a setting, its tag in the JSON's name), then join them here with
 # `python bench/long_rl.py --merge A.json B.json ... --out bench/results/long_rl_h200.json`
 long_rl() { python3 bench/long_rl.py --device cuda --model "$GGUF" --max-response "${LONG_RL_LIMIT:-4096}" \
     --modes "${LONG_RL_MODES:-sync}" --budget-s "${LONG_RL_BUDGET_S:-300}" --eval-every-s "${LONG_RL_EVERY_S:-60}" \
-    ${LONG_RL_SET:+--set "$LONG_RL_SET"} --out "$OUT/long_rl_${LONG_RL_LIMIT:-4096}_${LONG_RL_MODES:-sync}.json" 2>&1 \
+    ${LONG_RL_SET:+--set "$LONG_RL_SET"} --out "$OUT/long_rl_${LONG_RL_LIMIT:-4096}_${LONG_RL_MODES:-sync}${LONG_RL_TAG:-}.json" 2>&1 \
     | tee "$OUT/long_rl.log"; }
 # GRPO at 4,096-token responses against TRL (issue 42): 16 prompts x 8; GRPO_LONG_ONLY=trl in a call of its own
 grpo_long() { python3 bench/grpo_vs_trl.py --device cuda --prompts 16 --n 8 --max-new-tokens 4096 \
@@ -109,14 +110,14 @@ race_corrections() {
 # exact mode (rollout.exact, docs/exact.md), each stage one device call after model_part1 / model_part2 where it
 # needs the GGUF. exact_tests: the invariance and bitwise engine-vs-trainer GPU tests (the SmolLM2 bf16
 # 64 x 8 x 256 one included); exact_rollout: tokens/s of the exact engine against the default's (target >= 0.7x);
-# exact_grpo: the 0.5B GRPO step, default then exact, with one mini-batch (the default skips its old-log-prob pass
+# (with a torch.profiler account of the exact engine's decode at the 0.5B shape); exact_grpo: the 0.5B GRPO step, default then exact, with one mini-batch (the default skips its old-log-prob pass
 # too) and with four (exact skips the pass the default runs; target <= 1.15x), 4 JSONs; exact_race: our side of
 # the learning race with rollout.exact=true, then the default's, RACE_BUDGET_S (default 150) each: the mismatch
 # of every step (0 in exact mode) and the two accuracy-against-time curves
 # (pytest's cache holds the real model converted from the GGUF: no `-p no:cacheprovider` here)
 exact_tests() { SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu tests/engine/test_invariant_ops.py \
     tests/engine/rollout/test_rollout_exact.py 2>&1 | tee "$OUT/exact_tests.log"; }
-exact_rollout() { python3 bench/rollout.py --device cuda --exact --out "$OUT/rollout_exact_h200.json" 2>&1 \
+exact_rollout() { python3 bench/rollout.py --device cuda --exact --profile --out "$OUT/rollout_exact_h200.json" 2>&1 \
     | tee "$OUT/rollout_exact.log"; }
 exact_grpo() {
     local mb

@@ -327,7 +327,8 @@ def main() -> None:
     parser.add_argument("--long-max", type=int, default=4096, help="most new tokens in the long regime (CUDA)")
     parser.add_argument("--hf-long-tokens", type=int, default=512,
                         help="new tokens `generate` is timed for in the long regime")
-    parser.add_argument("--profile", action="store_true", help="torch.profiler over a decode run, into the JSON")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler over a decode run, into the JSON "
+                                                                   "(of exact mode's engine with --exact)")
     parser.add_argument("--attention-only", action="store_true", help="CUDA: only the decode attention sweep")
     parser.add_argument("--exact", action="store_true", help="only exact mode's engine against the default")
     args = parser.parse_args()
@@ -376,7 +377,7 @@ def main() -> None:
                                                   8 if cpu else 32, 4 if cpu else 8, 16 if cpu else 256)
     if args.profile:
         result["profile"] = profile_decode("cpu-10m" if cpu else "qwen2-0.5b", device, dtype, 16 if cpu else 256,
-                                           32 if cpu else 128, 16 if cpu else 256)
+                                           32 if cpu else 128, 16 if cpu else 256, exact=args.exact)
     print(json.dumps(result, indent=1))
     if args.out:
         write_json(result, args.out)

@@ -94,13 +94,15 @@ def bench_long(shape: str, device, dtype, batch: int, prompt_len: int, max_new: 
     return row
 
 
-def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_tokens: int, top: int = 20) -> dict:
-    """torch.profiler over one generate call (prompt_len, new_tokens, EOS ignored, temperature 1)."""
+def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_tokens: int, top: int = 20,
+                   exact: bool = False) -> dict:
+    """torch.profiler over one generate call (prompt_len, new_tokens, EOS ignored, temperature 1), of the default
+    engine or, with `exact`, of exact mode's (`rollout.exact`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     model = make_model(shape, dtype, device)
-    engine = engine_from(model, device, dtype, max_num_seqs=batch, max_model_len=prompt_len + new_tokens)
+    engine = engine_from(model, device, dtype, max_num_seqs=batch, max_model_len=prompt_len + new_tokens, exact=exact)
     prompts = torch.randint(4, model.config.vocab_size, (batch, prompt_len),
                             generator=torch.Generator().manual_seed(6)).tolist()
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=[], seed=0)
@@ -111,7 +113,7 @@ def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_t
         _, seconds = ours_generate(engine, prompts, params)
     stats = engine.stats
     steps = max(stats["decode_steps"], 1)
-    result = dict(shape=shape, batch=batch, prompt=prompt_len, new_tokens=new_tokens, wall_s=seconds,
+    result = dict(shape=shape, exact=exact, batch=batch, prompt=prompt_len, new_tokens=new_tokens, wall_s=seconds,
                   prefill_s=stats["prefill_s"], decode_steps=stats["decode_steps"],
                   wall_ms_per_decode_step=1e3 * stats["decode_s"] / steps,
                   host_ops=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
