@@ -20,6 +20,7 @@ longest vocabulary entry), so a huge message costs no more than a fitting one: i
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _MARK = "HYBRIDFLOW-TURN-MARK"
 _SLOT = "HYBRIDFLOW-CONTENT-{}-SLOT"
+_SKELETONS = 64  # placeholder renderings kept per renderer
 
 
 class TurnRenderer:
@@ -51,6 +53,7 @@ class TurnRenderer:
                              "be appended to a conversation; use a model whose template keeps them")
         self.tail = self.before[self.before.rindex(_MARK) + len(_MARK):]
         self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
+        self.skeletons: dict[str, str] = {}
         self.warned = False
 
     def _after(self, messages: list[dict[str, str]]) -> str:
@@ -68,10 +71,23 @@ class TurnRenderer:
             return []
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
 
-    def _pieces(self, messages: list[dict[str, str]], after: str) -> list[tuple[str, bool]] | None:
-        """`after` as (text, is_content) pieces, or None when the contents cannot be told from the template."""
+    def _skeleton(self, messages: list[dict[str, str]]) -> str:
+        """`_after` of `messages` with each content replaced by a numbered placeholder, kept for the last
+        `_SKELETONS` kinds of message list (an episode's turns repeat a few: one render per turn fewer)."""
         slots = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
-        skeleton = self._after(slots)
+        key = json.dumps(slots, sort_keys=True)
+        skeleton = self.skeletons.pop(key, None)
+        if skeleton is None:
+            skeleton = self._after(slots)
+            if len(self.skeletons) >= _SKELETONS:
+                del self.skeletons[next(iter(self.skeletons))]
+        self.skeletons[key] = skeleton  # most recently used last
+        return skeleton
+
+    def _pieces(self, messages: list[dict[str, str]], after: str) -> list[tuple[str, bool]] | None:
+        """`after` as (text, is_content) pieces, or None when the contents cannot be told from the template
+        (checked against `after`, the real rendering, every time: a template may treat contents by value)."""
+        skeleton = self._skeleton(messages)
         for transform in (lambda text: text, str.strip):
             pieces, rest = [], skeleton
             for i, message in enumerate(messages):

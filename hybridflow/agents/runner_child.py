@@ -57,12 +57,21 @@ def as_result(value: Any) -> tuple[float, dict[str, float]]:
     return float(reward), {k: float(v) for k, v in metrics.items()}
 
 
+def http_client(openai: Any) -> Any:
+    """One connection pool for every trajectory's client: aiohttp's transport where it is installed (the
+    `agents` extra's `openai[aiohttp]`: ~30 % less CPU per request than httpx's, docs/agents.md), else httpx's."""
+    try:
+        return openai.DefaultAioHttpClient()
+    except RuntimeError:  # openai's stand-in when aiohttp is missing
+        return openai.DefaultAsyncHttpxClient()
+
+
 async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:
     import openai
 
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
-    http = openai.DefaultAsyncHttpxClient()  # one connection pool for every trajectory's client
+    http = http_client(openai)
     tasks: dict[str, asyncio.Task] = {}
 
     def read() -> None:  # a thread: the loop never blocks on the socket

@@ -118,3 +118,20 @@ def test_a_runner_that_cannot_load_is_named(setup, env_file):
     rollout = EndpointRollout(agent_cfg(), tokenizer, budget=32, max_prompt_length=64, runner=spec, kwargs={})
     with pytest.raises(RuntimeError, match="cannot be loaded: ImportError: no such agent library"):
         rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1))
+
+
+def test_runners_talk_over_aiohttp_where_installed_else_httpx():
+    import types
+
+    import openai
+
+    from hybridflow.agents.runner_child import http_client
+
+    assert type(http_client(openai)).__name__ == type(openai.DefaultAioHttpClient()).__name__ != \
+        type(openai.DefaultAsyncHttpxClient()).__name__
+
+    def missing():
+        raise RuntimeError("To use the aiohttp client you must have installed the package with the `aiohttp` extra")
+
+    without = types.SimpleNamespace(DefaultAioHttpClient=missing, DefaultAsyncHttpxClient=openai.DefaultAsyncHttpxClient)
+    assert isinstance(http_client(without), type(openai.DefaultAsyncHttpxClient()))

@@ -110,3 +110,22 @@ def test_a_huge_message_is_cut_before_it_is_tokenized(tokenizer):
     assert len(ids) > 50 and time.perf_counter() - start < 1.0
     small = [{"role": "user", "content": "Try again."}]
     assert renderer.render(small, tokenizer.eos_token_id, limit=50) == renderer.render(small, tokenizer.eos_token_id)
+
+
+def test_the_placeholder_rendering_is_kept_per_message_shape_and_contents_are_still_checked():
+    tok = build_tokenizer()
+    # Qwen3's kind of template: a user message that looks like a tool response is rendered differently
+    tok.chat_template = tok.chat_template.replace(
+        "message['content']", "(message['content'] | upper if message['content'].startswith('<tool') "
+                              "else message['content'])")
+    renderer = TurnRenderer(tok)
+    calls = []
+    render = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **k: calls.append(1) or render(*a, **k)
+    renderer.render([{"role": "user", "content": "Try again."}], tok.eos_token_id)
+    assert len(calls) == 2  # the real rendering and the placeholders'
+    calls.clear()
+    plain = renderer.render([{"role": "user", "content": "Once more."}], tok.eos_token_id)
+    assert len(calls) == 1 and tok.decode(plain).endswith("Once more.<|im_end|>\n<|im_start|>assistant\n")
+    shouting = renderer.render([{"role": "user", "content": "<tool>x</tool>"}], tok.eos_token_id)
+    assert "<TOOL>X</TOOL>" in tok.decode(shouting)  # told apart from the placeholders by the real rendering
