@@ -119,6 +119,9 @@ exact_tests() { SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu tests/engine/te
     tests/engine/rollout/test_rollout_exact.py 2>&1 | tee "$OUT/exact_tests.log"; }
 exact_rollout() { python3 bench/rollout.py --device cuda --exact --profile --out "$OUT/rollout_exact_h200.json" 2>&1 \
     | tee "$OUT/rollout_exact.log"; }
+# the invariant linear at other tilings, SmolLM2 and 0.5B projections at decode and training row counts: time and
+# whether the bits change (bench/invariant_gemm.py, ~5 minutes)
+invariant_gemm() { python3 bench/invariant_gemm.py --out "$OUT/invariant_gemm_h200.json" 2>&1 | tee "$OUT/invariant_gemm.log"; }
 exact_grpo() {
     local mb
     for mb in null 8; do

@@ -24,14 +24,16 @@ TILES = {torch.bfloat16: (64, 128, 64, 4, 3), torch.float16: (64, 128, 64, 4, 3)
 GROUP_M = 8  # tiles of M walked together for L2 reuse of W (the order of programs, not of arithmetic)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] -> [M, N] in x's dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] -> [M, N] in x's dtype. `tile`:
+    another (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `TILES`' (bench/invariant_gemm.py measures them)."""
     rows, depth = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"invariant linear reads rows of contiguous elements: x strides {x.stride()}, weight "
                          f"strides {weight.stride()}")
-    block_m, block_n, block_k, warps, stages = TILES[x.dtype]
+    block_m, block_n, block_k, warps, stages = tile or TILES[x.dtype]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
