@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF dir, .gguf file or a dir holding one (default: tiny)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: 50 on cuda, 2 on cpu)")
     parser.add_argument("--game", default="GuessTheNumber-v0", help="textarena environment id")
+    parser.add_argument("--lr", type=float, default=None, help="actor.lr (default: 1e-6 on cuda, 1e-4 on cpu)")
     parser.add_argument("--out", default=None, help="JSON output path (the PNG goes beside it)")
     parser.add_argument("--run-dir", default=None, help="the run's output directory (default: a temporary one); "
                                                         "its metrics.jsonl holds every finished step even when "
@@ -60,7 +61,7 @@ def main() -> None:
                  f"rollout.n={n}", "data.max_prompt_length=768", f"data.max_response_length={512 if cuda else 48}",
                  f"agent.gym=textarena:{args.game}", "agent.max_turns=6", f"agent.max_tokens_per_turn={32 if cuda else 6}",
                  "reward.function=environment", f"trainer.total_steps={steps}", "trainer.val_before_train=false",
-                 "actor.mini_batch_size=null", f"actor.lr={1e-6 if cuda else 1e-4}", f"trainer.device={args.device}",
+                 "actor.mini_batch_size=null", f"actor.lr={args.lr or (1e-6 if cuda else 1e-4)}", f"trainer.device={args.device}",
                  f"trainer.output_dir={run_dir}", "trainer.save_every=0"]
     from hybridflow.config.loader import load_config
     from hybridflow.trainer.rl import train

@@ -172,9 +172,10 @@ multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" --out "$O
 # 1,024 trajectories at once through the endpoint: the JSON's endpoint.errors must all be 0
 endpoint_1024() { python3 bench/multiturn.py --device cuda --model "$GGUF" --only-endpoint --prompts 256 --n 4 \
     --turn-tokens 64 --out "$OUT/endpoint_1024_h200.json" 2>&1 | tee "$OUT/endpoint_1024.log"; }
-# GRPO on textarena's GuessTheNumber through the endpoint, ET_STEPS steps (a reward curve, JSON and PNG)
+# GRPO on textarena's GuessTheNumber through the endpoint, ET_STEPS steps at actor.lr ET_LR (a reward curve, JSON
+# and PNG)
 # (its metrics.jsonl is written to $OUT step by step: a call that runs out of time keeps the finished steps)
-endpoint_train() { python3 bench/endpoint_train.py --device cuda --model "$GGUF" --steps "${ET_STEPS:-50}" \
+endpoint_train() { python3 bench/endpoint_train.py --device cuda --model "$GGUF" --steps "${ET_STEPS:-50}" ${ET_LR:+--lr "$ET_LR"} \
     --run-dir "$OUT/endpoint_train_run" --out "$OUT/endpoint_train_h200.json" 2>&1 | tee "$OUT/endpoint_train.log"; }
 
 setup || exit 1
