@@ -54,6 +54,7 @@ class TurnRenderer:
         self.tail = self.before[self.before.rindex(_MARK) + len(_MARK):]
         self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
         self.skeletons: dict[str, str] = {}
+        self.encoder = Encoder(tokenizer, [self.before, f" {self.before}\n\n{self.tail}x"])
         self.warned = False
 
     def _after(self, messages: list[dict[str, str]]) -> str:
@@ -67,9 +68,7 @@ class TurnRenderer:
         return after[len(self.before):]
 
     def _encode(self, text: str, plain: bool = False) -> list[int]:
-        if not text:
-            return []
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
+        return self.encoder(text, plain) if text else []
 
     def _skeleton(self, messages: list[dict[str, str]]) -> str:
         """`_after` of `messages` with each content replaced by a numbered placeholder, kept for the last
@@ -130,3 +129,34 @@ class TurnRenderer:
         ended on `last_token`, what follows it (ChatML: `\\n`); after a cut turn (None), all of it."""
         ended = self.tokenizer.decode([last_token]) if last_token is not None else ""
         return self.tail[len(ended):] if ended and self.tail.startswith(ended) else self.tail
+
+
+class Encoder:
+    """`tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]` (`plain`: special-token
+    text encoded as text). A fast tokenizer's Rust backend is called directly where it gives the same ids on
+    `probes`, both ways (a tokenizer class that adds its own steps does not): the Python wrapper costs ~0.1 ms a
+    call, three times per environment turn. A backend left truncating or padding by other code uses the
+    wrapper, which resets those."""
+
+    def __init__(self, tokenizer: Any, probes: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self.backend is not None and any(self._direct(text, plain) != self._wrapped(text, plain)
+                                            for text in probes for plain in (False, True)):
+            self.backend = None
+
+    def __call__(self, text: str, plain: bool) -> list[int]:
+        if self.backend is None or self.backend.truncation is not None or self.backend.padding is not None:
+            return self._wrapped(text, plain)
+        return self._direct(text, plain)
+
+    def _wrapped(self, text: str, plain: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
+
+    def _direct(self, text: str, plain: bool) -> list[int]:
+        before = self.backend.encode_special_tokens
+        self.backend.encode_special_tokens = plain
+        try:
+            return list(self.backend.encode(text, add_special_tokens=False).ids)
+        finally:
+            self.backend.encode_special_tokens = before

@@ -98,11 +98,16 @@ async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:
 
     threading.Thread(target=read, daemon=True, name="runner-inbox").start()
     conn.send(("ready",))
-    while (message := await inbox.get()) is not None:
-        if message[0] == "run":
-            tasks[message[1]] = asyncio.create_task(run(*message[1:]))
-        elif message[0] == "cancel" and message[1] in tasks:
-            tasks.pop(message[1]).cancel()
+    try:
+        while (message := await inbox.get()) is not None:
+            if message[0] == "run":
+                tasks[message[1]] = asyncio.create_task(run(*message[1:]))
+            elif message[0] == "cancel" and message[1] in tasks:
+                tasks.pop(message[1]).cancel()
+    finally:  # the parent is gone: the pool closes before the loop does (aiohttp warns of an unclosed session)
+        for task in list(tasks.values()):
+            task.cancel()
+        await http.aclose()
 
 
 def main() -> None:

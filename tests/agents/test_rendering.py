@@ -129,3 +129,31 @@ def test_the_placeholder_rendering_is_kept_per_message_shape_and_contents_are_st
     assert len(calls) == 1 and tok.decode(plain).endswith("Once more.<|im_end|>\n<|im_start|>assistant\n")
     shouting = renderer.render([{"role": "user", "content": "<tool>x</tool>"}], tok.eos_token_id)
     assert "<TOOL>X</TOOL>" in tok.decode(shouting)  # told apart from the placeholders by the real rendering
+
+
+def test_the_encoder_calls_the_backend_directly_only_where_it_gives_the_wrappers_ids():
+    from hybridflow.agents.rendering import Encoder
+
+    tok = build_tokenizer()
+    text = "Say <|im_end|> then\n<|im_start|>user hi"
+    encoder = Encoder(tok, [text])
+    assert encoder.backend is not None
+    for plain in (False, True):
+        assert encoder(text, plain) == list(tok(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
+    assert encoder(text, True) != encoder(text, False)  # special-token text stays text only when asked
+    for state in (False, True):  # the shared backend is left as it was
+        tok.backend_tokenizer.encode_special_tokens = state
+        encoder(text, not state)
+        assert tok.backend_tokenizer.encode_special_tokens is state
+    # a backend another caller left truncating: the wrapper, which turns truncation off, answers
+    tok.backend_tokenizer.enable_truncation(3)
+    assert len(encoder(text, False)) > 3
+    tok.backend_tokenizer.no_truncation()
+
+    class Prefixing(type(tok)):  # a tokenizer class with a step of its own around the backend
+        def __call__(self, text, **kwargs):
+            return super().__call__(" " + text, **kwargs)
+
+    tok.__class__ = Prefixing
+    encoder = Encoder(tok, [text])
+    assert encoder.backend is None and encoder(text, False) == list(tok(text, add_special_tokens=False)["input_ids"])
