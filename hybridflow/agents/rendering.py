@@ -74,7 +74,7 @@ class TurnRenderer:
         """`_after` of `messages` with each content replaced by a numbered placeholder, kept for the last
         `_SKELETONS` kinds of message list (an episode's turns repeat a few: one render per turn fewer)."""
         slots = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
-        key = json.dumps(slots, sort_keys=True)
+        key = json.dumps(slots, sort_keys=True, default=repr)
         skeleton = self.skeletons.pop(key, None)
         if skeleton is None:
             skeleton = self._after(slots)
