@@ -52,7 +52,7 @@ MODES = {"sync": ["rollout.partial=false"],
 STEP_METRICS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "reward/mean", "response_length/mean",
                 "response_length/clip_ratio", "perf/gen/gpu_busy_share", "perf/gen/batch_occupancy",
                 "rollout/staleness_mean", "rollout/staleness_max", "rollout/off_policy_token_share",
-                "rollout/carried_over", "rollout/dropped")
+                "rollout/carried_over", "rollout/dropped", "perf/gen/generated_tokens")
 
 
 def length_summary(lengths: list[int], limit: int) -> dict:
@@ -113,8 +113,9 @@ def run_child(a: argparse.Namespace) -> dict:
 
 
 def totals(steps: list[dict]) -> dict:
-    """Run-level figures from the steps: response tokens trained per second of step time, the GPU busy share
-    (generation-time weighted), the mean occupancy, staleness mean / max, samples dropped."""
+    """Run-level figures from the steps: response tokens trained per second of step time, the tokens generated
+    per second of generation and the share of them trained, the GPU busy share (generation-time weighted), the
+    mean occupancy, staleness mean / max, samples dropped."""
     def mean(key: str, weight: str | None = None) -> float | None:
         rows = [s for s in steps if key in s]
         if not rows:
@@ -124,7 +125,11 @@ def totals(steps: list[dict]) -> dict:
 
     step_s = sum(s["timing_s/step"] for s in steps)
     tokens = sum(s["response_tokens"] for s in steps)
+    generated = [s for s in steps if "perf/gen/generated_tokens" in s]
+    made = sum(s["perf/gen/generated_tokens"] for s in generated)
     return {"steps_done": len(steps), "response_tokens_per_s": tokens / max(step_s, 1e-9),
+            "generated_tokens_per_s": made / max(sum(s["timing_s/gen"] for s in generated), 1e-9) if made else None,
+            "trained_share_of_generated": sum(s["response_tokens"] for s in generated) / made if made else None,
             "gpu_busy_share": mean("perf/gen/gpu_busy_share", "timing_s/gen"),
             "batch_occupancy": mean("perf/gen/batch_occupancy", "timing_s/gen"),
             "gen_share_of_step": sum(s.get("timing_s/gen", 0.0) for s in steps) / max(step_s, 1e-9),
@@ -138,8 +143,8 @@ def totals(steps: list[dict]) -> dict:
 def report_table(report: dict) -> None:
     """Prints the runs and, per limit, each mode's response tokens/s against sync's."""
     runs = report["runs"]
-    print(f"\n{'limit':>6} {'mode':<18}{'steps':>6}{'resp tok/s':>11}{'GPU busy':>9}{'occup':>7}{'stale':>7}"
-          f"{'dropped':>8}{'len p50/p90/max':>18}{'acc 0->end':>13}")
+    print(f"\n{'limit':>6} {'mode':<18}{'steps':>6}{'resp tok/s':>11}{'gen tok/s':>10}{'trained':>8}{'GPU busy':>9}"
+          f"{'occup':>7}{'stale':>7}{'dropped':>8}{'len p50/p90/max':>18}{'acc 0->end':>13}")
     def fmt(value: float | None, spec: str, width: int) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
@@ -147,6 +152,7 @@ def report_table(report: dict) -> None:
         lens, pts = r["lengths"], r["points"]
         spread = f"{int(lens['p50'])}/{int(lens['p90'])}/{lens['max']}" if lens else "-"
         print(f"{r['limit']:>6} {r['mode']:<18}{r['steps_done']:>6}{r['response_tokens_per_s']:>11.0f}"
+              f"{fmt(r.get('generated_tokens_per_s'), '.0f', 10)}{fmt(r.get('trained_share_of_generated'), '.0%', 8)}"
               f"{fmt(r['gpu_busy_share'], '.1%', 9)}{fmt(r['batch_occupancy'], '.2f', 7)}"
               f"{fmt(r['staleness_mean'], '.2f', 7)}{r['dropped']:>8.0f}{spread:>18}"
               f"{pts[0]['accuracy']:>7.1%}->{pts[-1]['accuracy']:<6.1%}")

@@ -25,7 +25,8 @@ from the checkpoint alike) and, pipelined, the generated rows of the next step (
 loader's position is the trainer's own checkpoint entry.
 
 Metrics: every run gets `generation_metrics`: `perf/gen/batch_occupancy` (running rows over KV slots,
-averaged over decode steps) and, on CUDA, `perf/gen/gpu_busy_share` (the GPU's time on the engine's steps over
+averaged over decode steps), `perf/gen/generated_tokens` (tokens sampled in the step's generation, those of
+samples carried over or later dropped included) and, on CUDA, `perf/gen/gpu_busy_share` (the GPU's time on the engine's steps over
 the generation's wall time, `RolloutEngine.busy`). With partial rollouts or pipelining, `rollout_metrics`:
 `rollout/staleness_mean` and `rollout/staleness_max` (per trained sample: the step's version minus the version of
 its oldest token), `rollout/off_policy_token_share` (trained response tokens sampled by older weights); with
@@ -62,6 +63,7 @@ def generation_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
         return {}
     slot_steps = sum(s["decode_steps"] * s["num_slots"] for s in stats)
     out = {"perf/gen/batch_occupancy": sum(s["row_steps"] for s in stats) / slot_steps} if slot_steps else {}
+    out["perf/gen/generated_tokens"] = float(sum(s["generated_tokens"] for s in stats))
     busy = sum(s["busy_s"] for s in stats)
     if busy > 0:
         out["perf/gen/gpu_busy_share"] = busy / max(sum(s["gen_s"] for s in stats), 1e-9)

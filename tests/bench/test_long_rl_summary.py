@@ -30,3 +30,13 @@ def test_totals_weigh_the_busy_share_by_generation_time():
     assert t["gpu_busy_share"] == pytest.approx((0.9 * 1 + 0.5 * 3) / 4)
     assert t["staleness_mean"] == 0.25 and t["staleness_max"] == 1.0 and t["dropped"] == 2.0
     assert t["batch_occupancy"] is None  # no step reported it
+    assert t["generated_tokens_per_s"] is None and t["trained_share_of_generated"] is None
+
+
+def test_totals_count_what_generation_made_against_what_was_trained():
+    steps = [{"timing_s/step": 2.0, "timing_s/gen": 1.0, "response_tokens": 300, "perf/gen/generated_tokens": 500.0},
+             {"timing_s/step": 4.0, "timing_s/gen": 3.0, "response_tokens": 900, "perf/gen/generated_tokens": 700.0}]
+    t = totals(steps)
+    assert t["generated_tokens_per_s"] == 300.0 and t["trained_share_of_generated"] == 1.0
+    t = totals(steps[:1])
+    assert t["generated_tokens_per_s"] == 500.0 and t["trained_share_of_generated"] == 0.6

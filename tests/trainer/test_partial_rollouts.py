@@ -56,6 +56,10 @@ def test_unfinished_samples_carry_over_and_a_resumed_run_equals_the_uninterrupte
     assert max(r["rollout/off_policy_token_share"] for r in rows) > 0
     assert all(r["rollout/dropped"] >= 0 for r in rows)
     assert all(0 < r["perf/gen/batch_occupancy"] <= 1 for r in rows if "perf/gen/batch_occupancy" in r)
+    # what generation made covers what was trained (2 prompts x 2 samples a step), and more: the tokens of the
+    # samples still in flight after the last step were generated too
+    trained = sum(4 * r["response_length/mean"] for r in rows)
+    assert sum(r["perf/gen/generated_tokens"] for r in rows) > trained > 0
 
 
 def test_samples_decoding_on_in_their_kv_slots_are_held_to_the_staleness_bound(stopping_qwen2, data_dir, tmp_path):
