@@ -59,11 +59,13 @@ def as_result(value: Any) -> tuple[float, dict[str, float]]:
 
 def http_client(openai: Any) -> Any:
     """One connection pool for every trajectory's client: aiohttp's transport where it is installed (the
-    `agents` extra's `openai[aiohttp]`: ~30 % less CPU per request than httpx's, docs/agents.md), else httpx's."""
+    `agents` extra's `openai[aiohttp]`: ~30 % less CPU per request than httpx's, docs/agents.md), else httpx's.
+    Proxy settings in the environment are ignored: the endpoint is always on 127.0.0.1, and a cluster's
+    HTTP(S)_PROXY without a NO_PROXY for it would send every request to the proxy."""
     try:
-        return openai.DefaultAioHttpClient()
+        return openai.DefaultAioHttpClient(trust_env=False)
     except RuntimeError:  # openai's stand-in when aiohttp is missing
-        return openai.DefaultAsyncHttpxClient()
+        return openai.DefaultAsyncHttpxClient(trust_env=False)
 
 
 async def serve(conn: Connection, runner: Any, kwargs: dict[str, Any]) -> None:

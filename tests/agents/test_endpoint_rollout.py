@@ -130,8 +130,21 @@ def test_runners_talk_over_aiohttp_where_installed_else_httpx():
     assert type(http_client(openai)).__name__ == type(openai.DefaultAioHttpClient()).__name__ != \
         type(openai.DefaultAsyncHttpxClient()).__name__
 
-    def missing():
+    def missing(**kwargs):
         raise RuntimeError("To use the aiohttp client you must have installed the package with the `aiohttp` extra")
 
     without = types.SimpleNamespace(DefaultAioHttpClient=missing, DefaultAsyncHttpxClient=openai.DefaultAsyncHttpxClient)
     assert isinstance(http_client(without), type(openai.DefaultAsyncHttpxClient()))
+
+
+def test_a_proxy_in_the_environment_does_not_catch_the_runners_requests(setup, env_file, monkeypatch):
+    # the endpoint is always on 127.0.0.1: a cluster's HTTP(S)_PROXY without a NO_PROXY for it must not matter
+    for key in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(key, "http://127.0.0.1:9")  # the discard port: nothing answers there
+    for key in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    tokenizer, engine = setup
+    rollout = EndpointRollout(agent_cfg(timeout_s=20, max_tokens_per_turn=4, runner_processes=1), tokenizer,
+                              budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})
+    outs = rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1, temperature=1.0, seed=0))
+    assert outs[0][0].dropped is None and outs[0][0].env_reward == 1.0
