@@ -167,7 +167,8 @@ distill() { python3 bench/distill.py --device cuda --model "$GGUF" ${DISTILL_SWE
     ${DISTILL_SET:+--distill-set "$DISTILL_SET"} \
     --out "$OUT/distill_h200.json" 2>&1 \
     | tee "$OUT/distill.log"; }
-multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" --out "$OUT/multiturn_h200.json" 2>&1 \
+multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" ${MT_RUNNERS:+--runner-processes "$MT_RUNNERS"} \
+    --out "$OUT/multiturn_h200.json" 2>&1 \
     | tee "$OUT/multiturn.log"; }
 # The OpenAI-compatible endpoint (issue 38). These stages and `multiturn` (its run 4 is the endpoint path) need
 # the agents' wheels in .whl/: openai, textarena and their dependencies, as cp312 wheels (docs/agents.md).

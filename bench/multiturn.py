@@ -215,8 +215,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
     parser.add_argument("--only-endpoint", action="store_true", help="run 4 alone (the concurrency check)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="KV slots (default: every trajectory)")
-    parser.add_argument("--runner-processes", type=int, default=None,
-                        help="agent.runner_processes of run 4 (default: the schema's, min(4, CPU cores))")
+    parser.add_argument("--runner-processes", default=None,
+                        help="agent.runner_processes of run 4, or several comma-separated (run 4 once each; "
+                             "`endpoint` is the first's, `endpoint_runs` all); default: the schema's, min(4, "
+                             "CPU cores)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -256,9 +258,18 @@ def main() -> None:
     result = dict(device=torch.cuda.get_device_name(device) if cuda else platform.processor(), torch=torch.__version__,
                   model=model_dir, dtype=str(dtype).removeprefix("torch."), prompts=prompts_n, n=n, turns=args.turns,
                   turn_tokens=turn_tokens, budget=budget, mean_prompt_tokens=sum(map(len, prompts)) / len(prompts))
+    counts = [int(c) for c in args.runner_processes.split(",")] if args.runner_processes else [None]
+
+    def endpoint_runs() -> None:
+        runs = [run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params, c) for c in counts]
+        result["endpoint"] = runs[0]
+        if len(runs) > 1:
+            result["endpoint_runs"] = runs
+        for run in runs:
+            print("endpoint", run, flush=True)
+
     if args.only_endpoint:
-        result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params,
-                                          args.runner_processes)
+        endpoint_runs()
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         print(json.dumps(result, indent=1))
         if args.out:
@@ -270,13 +281,15 @@ def main() -> None:
     print("multi_turn", result["multi_turn"], flush=True)
     result["multi_turn_no_reuse"] = run_multi(engine, loop, prompts, rows, params, reuse=False)
     print("multi_turn_no_reuse", result["multi_turn_no_reuse"], flush=True)
-    result["endpoint"] = run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params,
-                                      args.runner_processes)
-    print("endpoint", result["endpoint"], flush=True)
+    endpoint_runs()
     reuse, again = result["multi_turn"], result["multi_turn_no_reuse"]
     result["endpoint_vs_loop"] = dict(
         model_tokens_per_s_ratio=result["endpoint"]["model_tokens_per_s"] / reuse["model_tokens_per_s"],
         turns_per_s_ratio=result["endpoint"]["turns_per_s"] / reuse["turns_per_s"])
+    if "endpoint_runs" in result:
+        result["endpoint_vs_loop"]["model_tokens_per_s_ratio_by_runner_processes"] = {
+            str(run["runner_processes"]): run["model_tokens_per_s"] / reuse["model_tokens_per_s"]
+            for run in result["endpoint_runs"]}
     result["kv_reuse"] = dict(
         prefill_tokens_avoided=reuse["reused_tokens"],
         avoided_fraction_of_no_reuse_prefill=reuse["reused_tokens"] / max(again["prefill_tokens"], 1),
