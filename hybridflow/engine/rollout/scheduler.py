@@ -47,6 +47,18 @@ class Scheduler:
                 self.waiting.append(request)
                 self.waiting_slots += request.n
 
+    def join(self, prompt: list[int], max_tokens: int, seqs: list[int]) -> bool:
+        """Add samples `seqs` to a new prompt still waiting with the same ids and `max_tokens`, so one prefill
+        serves them all, where the merged request still fits the slots; False when none waits. (Not for
+        sessions that `withdraw` requests by sequence: it takes a request whole.)"""
+        for request in reversed(self.waiting):
+            if (request.max_tokens == max_tokens and len(request.prompt) == len(prompt) and request.prompt == prompt
+                    and request.n + len(seqs) <= self.num_slots):
+                request.seqs.extend(seqs)
+                self.waiting_slots += len(seqs)
+                return True
+        return False
+
     @property
     def has_waiting(self) -> bool:
         return bool(self.waiting or self.continuing)

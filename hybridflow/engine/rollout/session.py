@@ -97,10 +97,14 @@ class Session:
 
     def add(self, prompt: list[int], n: int = 1, max_tokens: int | None = None) -> list[int]:
         """Queue a new prompt (token ids, checked by the caller: `check_prompts`) for n samples; returns
-        their sequence ids."""
+        their sequence ids. In a session that holds its sequences, a prompt equal to one still waiting joins
+        it, and one prefill serves both (the endpoint's trajectories of one row each send the same first
+        request)."""
         seqs = list(range(self.next_seq, self.next_seq + n))
         self.next_seq += n
-        self.scheduler.add([Request(seqs, list(prompt), self._max_tokens(max_tokens))])
+        limit = self._max_tokens(max_tokens)
+        if not (self.hold and self.scheduler.join(prompt, limit, seqs)):
+            self.scheduler.add([Request(seqs, list(prompt), limit)])
         return seqs
 
     def extend(self, seq: int, tokens: list[int], max_tokens: int | None = None) -> None:

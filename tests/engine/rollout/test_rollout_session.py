@@ -79,6 +79,27 @@ def test_only_new_tokens_are_prefilled_and_samples_fork_then_diverge(spread_mode
                                    hf_logprobs(path, context, second.token_ids, 0.9), atol=1e-4, rtol=0)
 
 
+def test_a_held_sessions_equal_waiting_prompts_share_one_prefill(spread_model):
+    path = spread_model("llama")
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=8, max_model_len=96)
+    prompt, other = [9, 8, 7, 6, 5, 4, 3], [9, 8, 7, 6, 5, 4, 2]
+    session = engine.session(SamplingParams(temperature=0.9, max_tokens=6, stop_token_ids=[], seed=4), hold=True)
+    seqs = [*session.add(prompt), *session.add(other), *session.add(prompt), *session.add(prompt, max_tokens=3)]
+    got = turns(session, seqs, {seq: [] for seq in seqs}, max_tokens=6)
+    # the second `prompt` joins the first; `other` and the one with a lower max_tokens prefill on their own
+    assert session.stats["prefill_tokens"] == 3 * len(prompt)
+    assert [len(got[seq][0].token_ids) for seq in seqs] == [6, 6, 6, 3]
+    for seq in (seqs[0], seqs[2]):  # each sample of the shared prefill is its own sequence
+        torch.testing.assert_close(torch.tensor(got[seq][0].logprobs),
+                                   hf_logprobs(path, prompt, got[seq][0].token_ids, 0.9), atol=1e-4, rtol=0)
+    # a session that does not hold (partial rollouts withdraw requests by sequence) never joins them
+    session = engine.session(SamplingParams(temperature=0.9, max_tokens=6, stop_token_ids=[], seed=4))
+    session.add(prompt), session.add(prompt)
+    while session.has_work:
+        session.step()
+    assert session.stats["prefill_tokens"] == 2 * len(prompt)
+
+
 def test_continuations_prefill_together_with_new_prompts_while_others_decode(spread_model):
     engine = RolloutEngine.from_pretrained(spread_model("qwen2"), max_num_seqs=4, max_model_len=96)
     session = engine.session(SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[]), hold=True)
