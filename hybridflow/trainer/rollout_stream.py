@@ -36,6 +36,7 @@ partial rollouts, `rollout/carried_over` (samples left in flight for the next st
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Any
 
@@ -48,6 +49,9 @@ from hybridflow.data.loader import BatchLoader
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.trainer.step_math import concat_rounds
 from hybridflow.workers.handles import RolloutHandle
+
+logger = logging.getLogger(__name__)
+DROP_WARN_SHARE = 0.1  # of a step's samples (dropped + trained) dropped for staleness: warn once
 
 
 def policy_version(facts: RunFacts, warmup_steps: int, step: int) -> int:
@@ -100,6 +104,7 @@ class RolloutStream:
         self.ranks = facts.rollout_ranks
         self.share = cfg.data.train_batch_size // self.ranks  # groups each rank gives a step (partial)
         self.pending: Future[tuple[Batch, dict[str, float]]] | tuple[Batch, dict[str, float]] | None = None
+        self.warned_of_drops = False
 
     def next_batch(self, prompts: Batch, step: int) -> tuple[Batch, dict[str, float]]:
         """Step `step`'s rows (`prompts`: the loop's batch for it, or a dynamic-sampling round's) and their
@@ -155,10 +160,26 @@ class RolloutStream:
         """(rows, metrics) from every rank's (rows, generation stats)."""
         batches, stats = zip(*ranks)
         metrics = generation_metrics(list(stats))
+        rows = concat_rounds(list(batches), self.pad_id)
         if self.cfg.rollout.partial:
             metrics.update({"rollout/carried_over": float(sum(s["in_flight"] for s in stats)),
                             "rollout/dropped": float(dropped)})
-        return concat_rounds(list(batches), self.pad_id), metrics
+            self._warn_of_drops(dropped, len(rows))
+        return rows, metrics
+
+    def _warn_of_drops(self, dropped: int, trained: int) -> None:
+        """Once a run: a step that dropped more than `DROP_WARN_SHARE` of its samples for staleness. They are
+        mostly the long ones still decoding (measured: docs/long_reasoning.md), so the run learns from fewer
+        and shorter samples than it generates; the metric alone is easy to miss."""
+        if self.warned_of_drops or dropped <= DROP_WARN_SHARE * (dropped + trained):
+            return
+        self.warned_of_drops = True
+        r = self.cfg.rollout
+        logger.warning("partial rollouts dropped %d samples as too stale against %d trained this step: samples "
+                       "that take longer than rollout.max_staleness=%d steps to finish are thrown away with "
+                       "their work; raise rollout.max_staleness or lower rollout.partial_extra_batches=%d "
+                       "(rollout/dropped counts them every step)", dropped, trained, r.max_staleness,
+                       r.partial_extra_batches)
 
     @staticmethod
     def _resolve(pending: Future[tuple[Batch, dict[str, float]]] | tuple[Batch, dict[str, float]]

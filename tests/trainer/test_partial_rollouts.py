@@ -62,11 +62,17 @@ def test_unfinished_samples_carry_over_and_a_resumed_run_equals_the_uninterrupte
     assert sum(r["perf/gen/generated_tokens"] for r in rows) > trained > 0
 
 
-def test_samples_decoding_on_in_their_kv_slots_are_held_to_the_staleness_bound(stopping_qwen2, data_dir, tmp_path):
+def test_samples_decoding_on_in_their_kv_slots_are_held_to_the_staleness_bound(stopping_qwen2, data_dir, tmp_path,
+                                                                               caplog):
     # no checkpoint or validation suspends them: their tokens' versions stay in the engine until they finish
-    rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=4")
+    with caplog.at_level("WARNING", logger="hybridflow.trainer.rollout_stream"):
+        rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=4")
     assert max(r["rollout/staleness_max"] for r in rows) == 1
     assert sum(r["rollout/dropped"] for r in rows) > 0  # the groups that would have trained 2 versions late
+    # a step that drops more than a tenth of its samples is named once, with the keys to change
+    warnings = [r.getMessage() for r in caplog.records if "too stale" in r.getMessage()]
+    assert len(warnings) == 1 and "rollout.max_staleness=1" in warnings[0]
+    assert any(r["rollout/dropped"] > 0.1 * (r["rollout/dropped"] + 4) for r in rows)
 
 
 def test_stale_groups_are_dropped_and_counted_when_recomputing(stopping_qwen2, data_dir, tmp_path):
