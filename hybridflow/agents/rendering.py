@@ -16,6 +16,10 @@ is tokenized whole (a warning says so, once). Given the token room left (`limit`
 what could still fit before it is rendered or tokenized (no token spans more characters than the
 longest vocabulary entry), so a huge message costs no more than a fitting one: its ids then exceed
 `limit` and the caller ends the episode.
+
+Each environment turn is on the engine's thread, so it is kept cheap: the placeholder rendering is kept per
+message shape, and the pieces are encoded by a fast tokenizer's Rust backend directly wherever that gives the
+wrapper's ids (`Encoder`).
 """
 
 from __future__ import annotations
