@@ -169,8 +169,9 @@ class RolloutStream:
 
     def _warn_of_drops(self, dropped: int, trained: int) -> None:
         """Once a run: a step that dropped more than `DROP_WARN_SHARE` of its samples for staleness. They are
-        mostly the long ones still decoding (measured: docs/long_reasoning.md), so the run learns from fewer
-        and shorter samples than it generates; the metric alone is easy to miss."""
+        the groups still decoding two versions after their prefill (a quarter of the samples on the H200:
+        docs/long_reasoning.md), so the run trains on fewer samples than it generates; the metric alone is easy
+        to miss."""
         if self.warned_of_drops or dropped <= DROP_WARN_SHARE * (dropped + trained):
             return
         self.warned_of_drops = True
