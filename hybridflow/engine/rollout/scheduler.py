@@ -52,7 +52,8 @@ class Scheduler:
         serves them all, where the merged request still fits the slots; False when none waits. (Not for
         sessions that `withdraw` requests by sequence: it takes a request whole.)"""
         for request in reversed(self.waiting):
-            if request.max_tokens == max_tokens and request.prompt == prompt and request.n + len(seqs) <= self.num_slots:
+            fits = request.n + len(seqs) <= self.num_slots
+            if fits and request.max_tokens == max_tokens and request.prompt == prompt:
                 request.seqs.extend(seqs)
                 self.waiting_slots += len(seqs)
                 return True
