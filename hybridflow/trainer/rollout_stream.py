@@ -27,11 +27,11 @@ loader's position is the trainer's own checkpoint entry.
 Metrics: every run gets `generation_metrics`: `perf/gen/batch_occupancy` (running rows over KV slots,
 averaged over decode steps), `perf/gen/generated_tokens` (tokens sampled in the step's generation, those of
 samples carried over or later dropped included) and, on CUDA, `perf/gen/gpu_busy_share` (the GPU's time on the
-engine's steps over the generation's wall time, `RolloutEngine.busy`). With partial rollouts or pipelining, `rollout_metrics`:
-`rollout/staleness_mean` and `rollout/staleness_max` (per trained sample: the step's version minus the version of
-its oldest token), `rollout/off_policy_token_share` (trained response tokens sampled by older weights); with
-partial rollouts, `rollout/carried_over` (samples left in flight for the next steps) and `rollout/dropped`
-(samples dropped for staleness when this step's generation started).
+engine's steps over the generation's wall time, `RolloutEngine.busy`). With partial rollouts or pipelining,
+`rollout_metrics`: `rollout/staleness_mean` and `rollout/staleness_max` (per trained sample: the step's version
+minus the version of its oldest token), `rollout/off_policy_token_share` (trained response tokens sampled by older
+weights); with partial rollouts, `rollout/carried_over` (samples left in flight for the next steps) and
+`rollout/dropped` (samples dropped for staleness when this step's generation started).
 """
 
 from __future__ import annotations
