@@ -8,8 +8,9 @@ against partial rollouts (docs/long_reasoning.md).
 The learning race's setup (bench/learn_vs_trl.py, recipes/gsm8k_smollm2_long.yaml): the same GSM8K-style
 prompts and reward (the last number in the response), 64 prompts x 8 responses, lr 5e-6; only the response limit
 grows (`--max-response`, comma-separated) and the mode changes (`--modes`): `sync` (each step generates its batch
-to the end), `partial` (rollout.partial, unfinished samples continued in their KV slots), `partial_recompute`
-(prefilled again each step); `--set KEY=VALUE` adds overrides to every mode (e.g.
+to the end), `partial` (rollout.partial, unfinished samples continued in their KV slots, groups at the staleness
+bound finished: rollout.partial_stale=finish), `partial_drop` (the same, with such groups dropped instead),
+`partial_recompute` (prefilled again each step); `--set KEY=VALUE` adds overrides to every mode (e.g.
 actor.rollout_correction.mode=decoupled). Each (limit, mode) trains in its own process for `--budget-s` seconds of
 training wall-clock; greedy validation accuracy is measured whenever the clock passes a multiple of
 `--eval-every-s` (the clock paused meanwhile; with partial rollouts the validation suspends the samples in
@@ -18,11 +19,11 @@ flight, which the next step prefills again inside the clock).
 Recorded per run: response tokens trained per second (the real response tokens of the trained rows over the
 steps' wall time), the GPU busy share during generation (`perf/gen/gpu_busy_share`: the GPU's time on the
 engine's steps over the generation's wall time) and the batch occupancy, staleness mean / max, the off-policy
-token share, samples carried over and dropped, the distribution of the trained responses' lengths (quantiles,
-the share at the limit, a histogram by powers of two), greedy accuracy against training time, and the device's
-peak memory. Prints a
-table; writes JSON (`--out`) and a PNG of accuracy against time beside it. One (limit, mode) at the defaults fits
-one 10-minute device call: `--merge` joins the JSONs of several calls.
+token share, samples carried over, dropped and finished at the staleness bound (with the time spent finishing
+them), the distribution of the trained responses' lengths (quantiles, the share at the limit, a histogram by
+powers of two), greedy accuracy against training time, and the device's peak memory. Prints a table; writes
+JSON (`--out`) and a PNG of accuracy against time beside it. One (limit, mode) at the defaults fits one 10-minute
+device call: `--merge` joins the JSONs of several calls.
 """
 
 from __future__ import annotations
@@ -47,12 +48,15 @@ from learn_vs_trl import train_race  # noqa: E402
 MODES = {"sync": ["rollout.partial=false"],
          "partial": ["rollout.partial=true", "rollout.partial_unfinished=continue",
                      "rollout.free_cache_after_generate=false"],
+         "partial_drop": ["rollout.partial=true", "rollout.partial_unfinished=continue",
+                          "rollout.free_cache_after_generate=false", "rollout.partial_stale=drop"],
          "partial_recompute": ["rollout.partial=true", "rollout.partial_unfinished=recompute",
                                "rollout.free_cache_after_generate=true"]}
 STEP_METRICS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "reward/mean", "response_length/mean",
                 "response_length/clip_ratio", "perf/gen/gpu_busy_share", "perf/gen/batch_occupancy",
                 "rollout/staleness_mean", "rollout/staleness_max", "rollout/off_policy_token_share",
-                "rollout/carried_over", "rollout/dropped", "perf/gen/generated_tokens")
+                "rollout/carried_over", "rollout/dropped", "perf/gen/generated_tokens", "rollout/stale_finished",
+                "timing_s/gen_stale_wait")
 
 
 def length_summary(lengths: list[int], limit: int) -> dict:
@@ -137,7 +141,9 @@ def totals(steps: list[dict]) -> dict:
             "staleness_max": max((s["rollout/staleness_max"] for s in steps if "rollout/staleness_max" in s),
                                  default=None),
             "off_policy_token_share": mean("rollout/off_policy_token_share", "response_tokens"),
-            "dropped": sum(s.get("rollout/dropped", 0.0) for s in steps)}
+            "dropped": sum(s.get("rollout/dropped", 0.0) for s in steps),
+            "stale_finished": sum(s.get("rollout/stale_finished", 0.0) for s in steps),
+            "stale_wait_s": sum(s.get("timing_s/gen_stale_wait", 0.0) for s in steps)}
 
 
 def report_table(report: dict) -> None:

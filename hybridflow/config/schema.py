@@ -130,6 +130,11 @@ class RolloutConfig:
     max_staleness: int = opt(1, "with rollout.partial or rollout.pipeline: the most policy versions a trained "
                                 "sample's oldest token may lag the weights it trains; older groups are dropped "
                                 "(and counted: rollout/dropped)")
+    partial_stale: str = opt("finish", "rollout.partial: a group from an earlier step that the next step would drop "
+                                       "as too stale (rollout.max_staleness). finish: this step's generation goes on "
+                                       "until it is complete, and trains it (rollout/stale_finished, "
+                                       "timing_s/gen_stale_wait); drop: the generation ends without it, and the next "
+                                       "step drops it with the work spent on it", ("finish", "drop"))
     pipeline: bool = opt(False, "rollout.placement=separate: the rollout group generates the next step's samples "
                                 "while this step scores and trains them (one step off-policy: needs "
                                 "rollout.max_staleness >= 1)")

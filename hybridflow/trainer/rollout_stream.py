@@ -10,8 +10,9 @@ weights generated, in part or in full:
   they will train at by more than `rollout.max_staleness` (`in_flight`), tops the buffer up with prompt
   batches from the train loader to `1 + rollout.partial_extra_batches` batches in flight (the loop's batch is
   always one of them), then takes `data.train_batch_size` complete groups, oldest first (`generate_groups`);
-  the rest go on in the next step. A step reads as before, with "take the groups that are complete" in place
-  of "generate a batch".
+  the rest go on in the next step. With `rollout.partial_stale=finish` (the default) the generation also
+  finishes the groups the next step would drop (`_next_keeps`), up to a step's share, and trains them first.
+  A step reads as before, with "take the groups that are complete" in place of "generate a batch".
 - **Pipelining** (`rollout.pipeline`, `rollout.placement=separate`). While step k scores and trains its rows,
   the rollout group already generates step k+1's, with the weights before step k's update (one version
   behind: staleness 1); step k's weight sync, queued behind that generation on the rollout ranks, feeds the
@@ -31,7 +32,10 @@ engine's steps over the generation's wall time, `RolloutEngine.busy`). With part
 `rollout_metrics`: `rollout/staleness_mean` and `rollout/staleness_max` (per trained sample: the step's version
 minus the version of its oldest token), `rollout/off_policy_token_share` (trained response tokens sampled by older
 weights); with partial rollouts, `rollout/carried_over` (samples left in flight for the next steps) and
-`rollout/dropped` (samples dropped for staleness when this step's generation started).
+`rollout/dropped` (samples dropped for staleness when this step's generation started) and, with
+`rollout.partial_stale=finish`, `rollout/stale_finished` (samples of groups the generation went on to finish
+because the next step would have dropped them) and `timing_s/gen_stale_wait` (the longest rank's wall time doing
+so).
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ class RolloutStream:
         else:
             served = self.loader.state_dict()
             seed_step = served["epoch"] * len(self.loader) + served["position"] - 1
-        call = (submit(per_rank(self.rollout.generate_groups), prompts, self.sampling, seed_step, version, self.share)
+        call = (submit(per_rank(self.rollout.generate_groups), prompts, self.sampling, seed_step, version, self.share,
+                       self._next_keeps(step) if cfg.rollout.partial_stale == "finish" else None)
                 if cfg.rollout.partial else
                 submit(per_rank(self.rollout.generate_versioned), prompts, self.sampling, seed_step, version))
         out: Future[tuple[Batch, dict[str, float]]] = Future()
@@ -156,6 +161,15 @@ class RolloutStream:
         call.add_done_callback(done)
         return out
 
+    def _next_keeps(self, step: int) -> int:
+        """The oldest policy version the call after this one (which generates the rows of step `step`) keeps in
+        flight: the version its rows train at, less `rollout.max_staleness`. Pipelined, that call generates with
+        the weights after step `step`'s update and trains one version later."""
+        warmup = self.cfg.critic.warmup_steps
+        trains = (policy_version(self.facts, warmup, step) + 1 if self.cfg.rollout.pipeline
+                  else policy_version(self.facts, warmup, step + 1))
+        return trains - self.cfg.rollout.max_staleness
+
     def _collect(self, ranks: list[tuple[Batch, dict[str, float]]], dropped: int) -> tuple[Batch, dict[str, float]]:
         """(rows, metrics) from every rank's (rows, generation stats)."""
         batches, stats = zip(*ranks)
@@ -164,22 +178,28 @@ class RolloutStream:
         if self.cfg.rollout.partial:
             metrics.update({"rollout/carried_over": float(sum(s["in_flight"] for s in stats)),
                             "rollout/dropped": float(dropped)})
+            if self.cfg.rollout.partial_stale == "finish":
+                metrics.update({"rollout/stale_finished": float(sum(s["stale_finished"] for s in stats)),
+                                "timing_s/gen_stale_wait": max(s["stale_wait_s"] for s in stats)})
             self._warn_of_drops(dropped, len(rows))
         return rows, metrics
 
     def _warn_of_drops(self, dropped: int, trained: int) -> None:
         """Once a run: a step that dropped more than `DROP_WARN_SHARE` of its samples for staleness. They are
-        the groups still decoding two versions after their prefill (a quarter of the samples on the H200:
-        docs/long_reasoning.md), so the run trains on fewer samples than it generates; the metric alone is easy
-        to miss."""
+        the groups still decoding two versions after their prefill (a quarter of the samples on the H200 with
+        `rollout.partial_stale=drop`: docs/long_reasoning.md), so the run trains on fewer samples than it
+        generates; the metric alone is easy to miss. With `finish` only the groups beyond a step's share are
+        dropped (more than one extra batch in flight)."""
         if self.warned_of_drops or dropped <= DROP_WARN_SHARE * (dropped + trained):
             return
         self.warned_of_drops = True
         r = self.cfg.rollout
+        remedy = ("set rollout.partial_stale=finish, " if r.partial_stale == "drop" else
+                  "(rollout.partial_stale=finish finishes only as many as a step trains) ")
         logger.warning("partial rollouts dropped %d samples as too stale against %d trained this step: samples "
                        "that take longer than rollout.max_staleness=%d steps to finish are thrown away with "
-                       "their work; raise rollout.max_staleness or lower rollout.partial_extra_batches=%d "
-                       "(rollout/dropped counts them every step)", dropped, trained, r.max_staleness,
+                       "their work; %sraise rollout.max_staleness or lower rollout.partial_extra_batches=%d "
+                       "(rollout/dropped counts them every step)", dropped, trained, r.max_staleness, remedy,
                        r.partial_extra_batches)
 
     @staticmethod

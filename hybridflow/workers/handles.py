@@ -29,9 +29,10 @@ class RolloutHandle(Protocol):
         """A rank's rows with `rollout_versions`, and its generation stats."""
         ...
 
-    def generate_groups(self, prompts: Batch, params: SamplingParams, step: int, version: int,
-                        count: int) -> tuple[Batch, dict[str, float]]:
-        """A rank's share of the prompts joins its in-flight buffer; its `count` complete groups' rows, and stats."""
+    def generate_groups(self, prompts: Batch, params: SamplingParams, step: int, version: int, count: int,
+                        finish_before: int | None = None) -> tuple[Batch, dict[str, float]]:
+        """A rank's share of the prompts joins its in-flight buffer; its `count` complete groups' rows (those
+        older than `finish_before` finished first), and stats."""
         ...
 
     def in_flight(self, oldest_version: int) -> dict[str, int]:

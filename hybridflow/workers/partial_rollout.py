@@ -20,7 +20,10 @@ the settings of the `take` that started it.
 
 `in_flight(oldest_version)` drops the groups whose oldest token is older than the given policy version (they
 would train too far off-policy: `rollout.max_staleness`), samples and all (groups are trained whole), and counts
-them. The samples of a group start together (one prefill), so its oldest token is any of its first tokens.
+them. The samples of a group start together (one prefill), so its oldest token is any of its first tokens. With
+`rollout.partial_stale=finish` a `take` is told the version the next step will keep (`finish_before`), and goes on
+generating until the groups from earlier steps that the next step would drop are complete, and takes them first:
+their work is trained instead of thrown away.
 """
 
 from __future__ import annotations
@@ -101,6 +104,11 @@ class PartialRollouts:
         self.groups: list[Group] = []
         self.session: Session | None = None
         self.next_order = 0
+        # the session's stats when a take last reported them, and what sessions since dropped had counted after
+        # that (a sample's tokens are counted when it finishes or is suspended, also outside a take: a dropped
+        # group, a checkpoint, validation), so each take reports every token generated exactly once
+        self.reported = dict.fromkeys(STAT_KEYS, 0.0)
+        self.unreported = dict.fromkeys(STAT_KEYS, 0.0)
 
     # ------------------------------------------------------------------ a step
     def add(self, prompts: list[list[int]], fields: list[dict[str, Any]], n: int) -> None:
@@ -119,41 +127,62 @@ class PartialRollouts:
         self.groups = [g for g in self.groups if g not in stale]
         return {"groups": len(self.groups), "dropped": sum(len(g.samples) for g in stale)}
 
-    def take(self, count: int, version: int, params: SamplingParams) -> tuple[list[Group], dict[str, float]]:
+    def take(self, count: int, version: int, params: SamplingParams,
+             finish_before: int | None = None) -> tuple[list[Group], dict[str, float]]:
         """Generate with `params` (its seed, when set, reseeds the session), the engine's weights at policy
         `version`, until `count` groups are complete; returns the `count` oldest complete groups (taken out of
         the buffer) and this call's generation stats: the session's `STAT_KEYS` counted over the call, `gen_s`
-        (its wall time), `in_flight` (samples left) and `num_slots` (the engine's KV slots)."""
+        (its wall time), `in_flight` (samples left) and `num_slots` (the engine's KV slots).
+
+        `finish_before` (`rollout.partial_stale=finish`: the oldest version the next step keeps): the generation
+        also goes on until the groups started in earlier calls whose oldest token predates it are complete (the
+        `count` oldest of them; the next step drops any others), and they are taken first. The stats then add
+        `stale_finished` (the samples of those still running once `count` groups were complete: what the drop
+        policy throws away) and `stale_wait_s` (the wall time spent finishing them). Groups started in this call
+        are never waited for: that would be synchronous generation."""
         if len(self.groups) < count:
             raise ValueError(f"the buffer holds {len(self.groups)} groups; a step takes {count}")
+        overdue = [] if finish_before is None else [
+            g for g in self.groups if g.oldest_version is not None and g.oldest_version < finish_before][:count]
         self.engine.weight_version = version
         if self.session is None:
             self.session = self.engine.session(params)
         session = self.session
         if params.seed is not None:
             session.reseed(params.seed)
-        before = {k: session.stats[k] for k in STAT_KEYS}
         running = self._queue(session)
         tick = time.perf_counter()
         while sum(g.complete for g in self.groups) < count:
-            if not session.has_work:
-                raise RuntimeError(f"the session ran out of work with {sum(g.complete for g in self.groups)} of "
-                                   f"{count} groups complete")
-            for seq, completion in session.step():
-                running.pop(seq).extend(completion)
-        stats = {k: session.stats[k] - before[k] for k in STAT_KEYS}
+            self._step(session, running, count)
+        enough_at, waited = time.perf_counter(), [g for g in overdue if not g.complete]
+        while not all(g.complete for g in waited):
+            self._step(session, running, count)
+        stats = {k: session.stats[k] - self.reported[k] + self.unreported[k] for k in STAT_KEYS}
+        self.reported, self.unreported = {k: session.stats[k] for k in STAT_KEYS}, dict.fromkeys(STAT_KEYS, 0.0)
         stats["gen_s"] = time.perf_counter() - tick
+        if finish_before is not None:
+            stats["stale_finished"] = sum(len(g.samples) for g in waited)
+            stats["stale_wait_s"] = time.perf_counter() - enough_at
         started = session.started()
         for g in self.groups:  # prefilled in this call, at `version`: the samples' own versions stay in the engine
             if g.first_version is None and any(s.seq in started for s in g.samples):
                 g.first_version = version
-        complete = [g for g in self.groups if g.complete][:count]
+        first = {id(g) for g in overdue}
+        complete = sorted((g for g in self.groups if g.complete), key=lambda g: (id(g) not in first, g.order))[:count]
         self.groups = [g for g in self.groups if g not in complete]
         if self.unfinished == "recompute":
             self.suspend()
         stats["in_flight"] = sum(len(g.samples) for g in self.groups)
         stats["num_slots"] = self.engine.kv.num_slots
         return complete, stats
+
+    def _step(self, session: Session, running: dict[int, Sample], count: int) -> None:
+        """One engine step of `session`; the samples it finished or stopped take their tokens."""
+        if not session.has_work:
+            raise RuntimeError(f"the session ran out of work with {sum(g.complete for g in self.groups)} of {count} "
+                               f"groups complete")
+        for seq, completion in session.step():
+            running.pop(seq).extend(completion)
 
     def _queue(self, session: Session) -> dict[int, Sample]:
         """Queue every sample that is neither finished nor in `session`, oldest group first: a group not yet
@@ -179,19 +208,23 @@ class PartialRollouts:
         by_seq = {s.seq: s for g in self.groups for s in g.samples if s.seq is not None}
         for seq, completion in self.session.suspend().items():
             by_seq[seq].extend(completion)
+        self.unreported = {k: self.unreported[k] + self.session.stats[k] - self.reported[k] for k in STAT_KEYS}
+        self.reported = dict.fromkeys(STAT_KEYS, 0.0)
         self.session = None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The groups in flight (every sample suspended first), as tensors and plain data."""
         self.suspend()
-        return {"next_order": self.next_order, "groups": [group_state(g) for g in self.groups]}
+        return {"next_order": self.next_order, "groups": [group_state(g) for g in self.groups],
+                "unreported": dict(self.unreported)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`'s groups (all suspended: the next `take` prefills them)."""
         self.suspend()
         self.next_order = int(state["next_order"])
         self.groups = [group_from_state(g) for g in state["groups"]]
+        self.unreported = {k: float(state.get("unreported", {}).get(k, 0.0)) for k in STAT_KEYS}
 
 
 def group_state(group: Group) -> dict[str, Any]:

@@ -55,13 +55,14 @@ class RolloutCalls:
             return rollout.generate(prompts, params, step, self.rank, version), rollout.generation_stats()
 
     @register(Dispatch.DATA_PARALLEL)
-    def generate_groups(self, prompts: Batch, params: SamplingParams, step: int, version: int,
-                        count: int) -> tuple[Batch, dict[str, float]]:
+    def generate_groups(self, prompts: Batch, params: SamplingParams, step: int, version: int, count: int,
+                        finish_before: int | None = None) -> tuple[Batch, dict[str, float]]:
         """`rollout.partial`: this rank's share of a step's new prompts joins its in-flight buffer, then its engine
-        (weights at policy `version`) generates until `count` groups are complete; returns their rows and the
-        step's generation stats (`RolloutReplica.generate_groups`)."""
+        (weights at policy `version`) generates until `count` groups are complete, and those from earlier steps
+        older than `finish_before` too; returns their rows and the step's generation stats
+        (`RolloutReplica.generate_groups`)."""
         with self._generating() as rollout:
-            return rollout.generate_groups(prompts, params, step, self.rank, version, count)
+            return rollout.generate_groups(prompts, params, step, self.rank, version, count, finish_before)
 
     @register(Dispatch.BROADCAST, collect="all")
     def in_flight(self, oldest_version: int) -> dict[str, int]:

@@ -175,17 +175,17 @@ class RolloutReplica:
 
     # ------------------------------------------------------------------ partial rollouts
     def generate_groups(self, prompts: Batch, params: SamplingParams, step: int, rank: int, version: int,
-                        count: int) -> tuple[Batch, dict[str, float]]:
+                        count: int, finish_before: int | None = None) -> tuple[Batch, dict[str, float]]:
         """Partial rollouts: `prompts` join the in-flight buffer as groups of `params.n` samples, then the engine
         (its weights at policy `version`) generates until `count` groups are complete; returns their rows (as
         `generate` lays them out, with `rollout_versions`) and the step's generation stats
-        (`PartialRollouts.take`). The session is reseeded from the seed in `params` mixed with `step` and
-        `rank` (`sampling_seed`)."""
+        (`PartialRollouts.take`, which also finishes the groups older than `finish_before`). The session is
+        reseeded from the seed in `params` mixed with `step` and `rank` (`sampling_seed`)."""
         params = seeded(params, step, rank)
         partial = self._partial()
         partial.add(prompt_token_lists(prompts["prompts"], prompts["attention_mask"]), prompt_rows(prompts), params.n)
         self.wake()
-        groups, self.last_stats = partial.take(count, version, params)
+        groups, self.last_stats = partial.take(count, version, params, finish_before)
         if self.cfg.free_cache_after_generate:
             self.sleep()
         rows, outs = groups_to_prompts(groups, self.pad_id)

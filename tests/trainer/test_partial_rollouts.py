@@ -66,13 +66,26 @@ def test_samples_decoding_on_in_their_kv_slots_are_held_to_the_staleness_bound(s
                                                                                caplog):
     # no checkpoint or validation suspends them: their tokens' versions stay in the engine until they finish
     with caplog.at_level("WARNING", logger="hybridflow.trainer.rollout_stream"):
-        rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=4")
+        rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=4",
+                     "rollout.partial_stale=drop")
     assert max(r["rollout/staleness_max"] for r in rows) == 1
     assert sum(r["rollout/dropped"] for r in rows) > 0  # the groups that would have trained 2 versions late
+    assert not any("rollout/stale_finished" in r for r in rows)
     # a step that drops more than a tenth of its samples is named once, with the keys to change
     warnings = [r.getMessage() for r in caplog.records if "too stale" in r.getMessage()]
     assert len(warnings) == 1 and "rollout.max_staleness=1" in warnings[0]
+    assert "set rollout.partial_stale=finish" in warnings[0]
     assert any(r["rollout/dropped"] > 0.1 * (r["rollout/dropped"] + 4) for r in rows)
+
+
+def test_groups_the_next_step_would_drop_are_finished_and_trained_instead(stopping_qwen2, data_dir, tmp_path):
+    # the same run as above with the default rollout.partial_stale=finish: nothing is thrown away
+    rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=4")
+    assert max(r["rollout/staleness_max"] for r in rows) == 1
+    assert all(r["rollout/dropped"] == 0 for r in rows)
+    assert sum(r["rollout/stale_finished"] for r in rows) > 0  # what the drop run above threw away
+    assert all(r["timing_s/gen_stale_wait"] >= 0 for r in rows)
+    assert all(r["rollout/carried_over"] > 0 for r in rows)
 
 
 def test_stale_groups_are_dropped_and_counted_when_recomputing(stopping_qwen2, data_dir, tmp_path):

@@ -77,6 +77,24 @@ def test_stale_groups_are_dropped_whole_and_their_slots_freed(model):
     assert len(buf.session.scheduler.free_slots) + len(buf.session.batch) == buf.engine.kv.num_slots
 
 
+def test_a_take_told_what_the_next_step_keeps_finishes_the_older_groups_first(model):
+    dropping, finishing = buffer(model), buffer(model)
+    for buf in (dropping, finishing):
+        buf.take(1, version=0, params=seeded(1))
+        buf.add(PROMPTS[4:], [{"uid": "u4"}, {"uid": "u5"}], PARAMS.n)
+    started = [g.order for g in finishing.groups if g.oldest_version == 0]
+    assert len(started) > 1  # prefilled at version 0 and not taken: the step at version 2 would drop them
+    _, plain = dropping.take(1, version=1, params=seeded(2))
+    assert "stale_finished" not in plain
+    taken, stats = finishing.take(1, version=1, params=seeded(2), finish_before=1)
+    assert [g.order for g in taken] == started[:1] and taken[0].complete  # the oldest, waited for and taken first
+    # its samples were still running when the take without the bound returned
+    assert stats["stale_finished"] == 2 * sum(not g.complete for g in dropping.groups if g.order == started[0]) > 0
+    assert stats["stale_wait_s"] > 0
+    # a take finishes at most as many as it takes: the next step drops the others
+    assert finishing.in_flight(oldest_version=1)["dropped"] == 2 * (len(started) - 1)
+
+
 def test_buffers_saved_by_two_ranks_are_dealt_to_three():
     states = [{"next_order": 3, "groups": [{"order": 1}, {"order": 2}]}, {"next_order": 2, "groups": [{"order": 1}]}]
     assert redistribute(states, 2) is states
