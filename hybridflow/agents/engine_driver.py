@@ -2,10 +2,17 @@
 
 Episodes (coroutines) ask for turns — `start` a prompt's n samples, `extend` a sequence after an
 environment turn — and await futures; `serve()` steps the session whenever it has work (a prefill, or the
-few decode steps the engine runs between two host syncs, yielding to the episodes between steps) and
-resolves each future when that sequence's turn ends. A sequence whose episode is waiting on a tool or an
-environment sits in its KV slot outside the running batch; nothing waits for it. When the session has
-nothing to run, `serve` sleeps until an episode submits something.
+few decode steps the engine runs between two host syncs) and resolves each future when that sequence's turn
+ends. A sequence whose episode is waiting on a tool or an environment sits in its KV slot outside the running
+batch; nothing waits for it. When the session has nothing to run, `serve` sleeps until an episode submits
+something.
+
+The episodes' host work runs while the GPU works: `serve` queues a step's kernels (`Session.launch`), waits
+for them in a worker thread (a CUDA event), and meanwhile the event loop runs the episodes and the endpoint's
+request handlers (rendering, tokenizing, parsing), which queue their turns for the next step. Only then does
+it read the finished rows (`Session.collect`), resolve their futures, and launch the next step at once, so the
+episodes those rows wake do their work beside that step. On a CPU the step has run by the time `launch`
+returns, and the loop yields once between steps.
 """
 
 from __future__ import annotations
@@ -56,13 +63,17 @@ class EngineDriver:
         """Step the session until `stop`; an engine error fails every waiting future, then is raised."""
         try:
             while not self.stopped:
-                if not self.session.has_work:
+                launched = self.session.launch()
+                if launched is None:  # nothing to run
                     self.wake.clear()
                     await self.wake.wait()
                     continue
-                for seq, completion in self.session.step():
+                if launched.done is not None:
+                    await asyncio.to_thread(launched.done.synchronize)
+                for seq, completion in self.session.collect(launched):
                     self.pending.pop(seq).set_result(completion)
-                await asyncio.sleep(0)
+                if launched.done is None:
+                    await asyncio.sleep(0)
         except Exception as error:
             for future in self.pending.values():
                 if not future.done():

@@ -40,15 +40,15 @@ def rows_for(count, **extra_info):
 def record_completions(monkeypatch):
     """seq -> the completions the session produced for it, in order."""
     produced: dict[int, list] = {}
-    step = Session.step
+    collect = Session.collect
 
-    def recording(self):
-        done = step(self)
+    def recording(self, launched):
+        done = collect(self, launched)
         for seq, completion in done:
             produced.setdefault(seq, []).append(completion)
         return done
 
-    monkeypatch.setattr(Session, "step", recording)
+    monkeypatch.setattr(Session, "collect", recording)
     return produced
 
 

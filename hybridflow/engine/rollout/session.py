@@ -57,6 +57,17 @@ class _Held:
     last_token: int
 
 
+@dataclass
+class Launched:
+    """A step whose GPU work is queued (`Session.launch`): when it started (wall clock, busy clock), whether it
+    prefilled, and a CUDA event recorded after its last kernel (`done`; None off CUDA, where it has run)."""
+
+    tick: float
+    busy: float
+    prefilled: bool
+    done: torch.cuda.Event | None
+
+
 class Session:
     """See the module docstring. Build it with `RolloutEngine.session(params, hold)`.
 
@@ -163,18 +174,26 @@ class Session:
         (new prompts wait while every slot is running or held)."""
         return len(self.batch) > 0 or self.scheduler.can_admit()
 
-    @torch.inference_mode()
     def step(self) -> list[tuple[int, Completion]]:
         """Admit and prefill what fits (in forwards of up to `max_prefill_tokens`, queued with no host sync
         between them, so the host builds a forward's inputs while the GPU runs the one before), else decode
         `engine.decode_steps_per_sync` tokens for every running row (fewer when a row reaches its length
         limit sooner); returns the (sequence, completion of this turn) of the rows that finished."""
+        launched = self.launch()
+        return [] if launched is None else self.collect(launched)
+
+    @torch.inference_mode()
+    def launch(self) -> Launched | None:
+        """`step`'s first half: queue its GPU work and return without waiting for it (None: nothing to run).
+        Until `collect`, the caller may do host work beside the GPU's (`hybridflow.agents.engine_driver` serves
+        HTTP requests) and `add`, `extend`, `shorten` or `release` sequences, which touch only the queue and
+        the held slots; the next `launch` admits what they queued."""
         if self.version != self.engine.weight_version:
             self.version = self.engine.weight_version
             self.batch.version.fill_(self.version)
         admitted = self.scheduler.admit(len(self.batch))
         if not admitted and not len(self.batch):
-            return []
+            return None
         tick, busy = time.perf_counter(), self.engine.busy.seconds
         prefilled = bool(admitted)
         while admitted:
@@ -186,10 +205,20 @@ class Session:
             self.stats["decode_steps"] += steps
             self.stats["row_steps"] += steps * len(self.batch)
         self.engine.busy.stop()
+        done = None
+        if self.engine.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(tick, busy, prefilled, done)
+
+    @torch.inference_mode()
+    def collect(self, launched: Launched) -> list[tuple[int, Completion]]:
+        """`step`'s second half, after `launch`: read the finished rows back (waiting for the GPU if it is still
+        at work); the (sequence, completion of this turn) of each."""
         finished = self.batch.pop_finished()  # syncs, so the timings are real
-        self.stats["prefill_s" if prefilled else "decode_s"] += time.perf_counter() - tick
+        self.stats["prefill_s" if launched.prefilled else "decode_s"] += time.perf_counter() - launched.tick
         self.engine.busy.settle()
-        self.stats["busy_s"] += self.engine.busy.seconds - busy
+        self.stats["busy_s"] += self.engine.busy.seconds - launched.busy
         if finished is None:
             return []
         done = []

@@ -1,0 +1,76 @@
+"""`EngineDriver` overlaps the episodes' host work with the GPU's: while a step's kernels run (its CUDA event not
+yet done), the event loop runs other coroutines, whose turns join the next step; the finished rows are read only
+after the event. A session double stands for the engine: its step's "GPU" finishes only once the loop has run
+a coroutine, so a driver that blocked the loop while waiting would never get there."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from hybridflow.agents.engine_driver import EngineDriver
+from hybridflow.engine.rollout import Completion
+from hybridflow.engine.rollout.session import Launched
+
+
+class GPUWork:
+    """A CUDA event's stand-in: `synchronize` blocks until the test releases it (from the event loop)."""
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.finished.wait(timeout=10), "the GPU work was never released: the event loop was blocked"
+
+
+class TwoStepSession:
+    """Sequence 0 runs one step; a sequence added meanwhile runs in the next. Records the order of events."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.queued: list[int] = [0]
+        self.running: list[int] = []
+        self.work: GPUWork | None = None
+
+    def add(self, prompt: list[int], n: int, max_tokens: int) -> list[int]:
+        self.log.append("add")
+        self.queued.append(1)
+        return [1]
+
+    def launch(self) -> Launched | None:
+        if not self.queued:
+            return None
+        self.running, self.queued = self.queued, []
+        self.log.append(f"launch {self.running}")
+        self.work = GPUWork()
+        return Launched(0.0, 0.0, False, self.work)
+
+    def collect(self, launched: Launched) -> list[tuple[int, Completion]]:
+        assert launched.done is self.work and self.work.finished.is_set(), "rows read before the GPU was done"
+        self.log.append(f"collect {self.running}")
+        return [(seq, Completion([7], [-0.5], "stop")) for seq in self.running]
+
+
+def test_episodes_run_while_the_gpu_works_and_their_turns_join_the_next_step():
+    session = TwoStepSession()
+
+    async def main() -> list[str]:
+        driver = EngineDriver(session)
+        first = driver._future(0)
+        serving = asyncio.create_task(driver.serve())
+        while session.work is None:  # the first step is launched
+            await asyncio.sleep(0)
+        # the loop runs while the step's kernels do: an episode queues a turn, then the "GPU" finishes
+        (seq, second), = driver.start([1, 2], 1, 4)
+        session.work.finished.set()
+        assert (await first).token_ids == [7]
+        while session.log[-1] != "launch [1]":
+            await asyncio.sleep(0)
+        session.work.finished.set()
+        assert seq == 1 and (await second).finish_reason == "stop"
+        driver.stop()
+        await serving
+        return session.log
+
+    log = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert log == ["launch [0]", "add", "collect [0]", "launch [1]", "collect [1]"]
