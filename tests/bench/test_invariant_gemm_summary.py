@@ -1,5 +1,6 @@
-"""`bench/invariant_gemm.py`'s summary from measured records: which tile parameters never changed a bit, and the
-layers' GEMM time with the current tiling, the fastest bit-equal tiling per (N, K), and cuBLAS."""
+"""`bench/invariant_gemm.py`'s summary from measured records: which tile parameters never changed a bit, the
+tiling per K that `tiles.json` takes, and the layers' GEMM time with the current tiling, the fastest bit-equal
+tiling per (N, K), the per-K one, and cuBLAS."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from invariant_gemm import summarize  # noqa: E402
 REF = (64, 128, 64, 4, 3)
 
 
-def record(proj, m, tiles, cublas):
-    return {"shape": "s", "proj": proj, "M": m, "N": 8, "K": 8, "layers": 10, "cublas_us": cublas,
+def record(proj, m, tiles, cublas, k=8):
+    return {"shape": "s", "proj": proj, "M": m, "N": 8, "K": k, "layers": 10, "cublas_us": cublas,
             "current_us": next(us for t, us, _ in tiles if t == REF),
             "tiles": [{"tile": list(t), "us": us, "bits_equal": eq} for t, us, eq in tiles]
             + [{"tile": [128, 256, 128, 8, 3], "error": "OutOfResources"}]}
@@ -43,3 +44,19 @@ def test_summary_keeps_one_bit_equal_tiling_per_weight_and_names_harmless_parame
     assert decode["cublas_ms"] == pytest.approx(0.05)
     # train: qkv's more warps (95) beats the current (100) and BLOCK_M 16 (120); o keeps the current (50)
     assert train["current_ms"] == pytest.approx(1.5) and train["per_nk_bit_equal_ms"] == pytest.approx(1.45)
+    # per K (both share K 8): the least time over 256 decode steps and 6 training passes, bits or not: BLOCK_K 32
+    assert s["per_k"][8]["tile"] == [64, 128, 32, 4, 3] and s["table"] == {"bfloat16": {"8": [64, 128, 32, 4, 3]}}
+    assert s["per_k"][8]["step_ms"] == pytest.approx(12.32) and s["per_k"][8]["current_step_ms"] == pytest.approx(49.96)
+    assert decode["per_k_ms"] == pytest.approx(0.02) and train["per_k_ms"] == pytest.approx(1.2)
+
+
+def test_a_k_whose_current_tiling_is_fastest_stays_out_of_the_table():
+    faster_decode = (16, 128, 64, 4, 3)
+    results = [record("qkv", 64, [(REF, 10.0, True), (faster_decode, 4.0, True)], 3.0),
+               record("qkv", 4096, [(REF, 100.0, True), (faster_decode, 120.0, True)], 60.0),
+               record("down", 64, [(REF, 10.0, True), (faster_decode, 9.0, True)], 3.0, k=16),
+               record("down", 4096, [(REF, 100.0, True), (faster_decode, 500.0, True)], 60.0, k=16)]
+    s = summarize(results, REF, [64], 4096, decode_steps=10, train_passes=1)
+    # K 8: 10 x 4 + 120 = 160 against 10 x 10 + 100 = 200; K 16: 590 against 200
+    assert s["table"] == {"bfloat16": {"8": [16, 128, 64, 4, 3]}}
+    assert s["per_k"][16]["tile"] == list(REF) and s["per_k"][16]["projections"] == ["s/down"]

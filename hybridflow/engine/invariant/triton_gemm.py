@@ -1,10 +1,10 @@
-"""The invariant linear layer on CUDA: a Triton GEMM with one tiling per dtype and no split-K.
+"""The invariant linear layer on CUDA: a Triton GEMM with one tiling per (dtype, K) and no split-K.
 
 y = x @ W.T (+ b). Each program owns one [BLOCK_M, BLOCK_N] tile of y and walks K from 0 in steps of
 BLOCK_K, accumulating `tl.dot` in fp32, then adds the bias and rounds once. The tile sizes, warps and
-stages depend on the dtype only, never on M, N or K, so the compiled kernel (and with it the tensor-core
-instruction and the order in which an output's K products are summed) is the same for one row or
-thirty thousand, for a fused projection (q|k|v) or its parts: an output element is a function of its
+stages depend on the dtype and K only (`tiles.tile_for`), never on M or N, so the compiled kernel (and with
+it the tensor-core instruction and the order in which an output's K products are summed) is the same for one
+row or thirty thousand, for a fused projection (q|k|v) or its parts: an output element is a function of its
 row of x and its row of W alone. cuBLAS picks its kernel, tile and split-K from the shape, which is what
 makes a decode step's logits differ from the trainer's forward of the same token (Thinking Machines,
 "Defeating nondeterminism in LLM inference", 2025). fp32 inputs multiply in IEEE fp32, not TF32.
@@ -16,24 +16,20 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per input dtype. One setting for every shape: changing it
-# changes the bits (not whether they match between the engines, since both use it), so a tuning pass
-# must measure both the trainer's GEMMs (M in the tens of thousands) and decode's (M = the batch).
-TILES = {torch.bfloat16: (64, 128, 64, 4, 3), torch.float16: (64, 128, 64, 4, 3),
-         torch.float32: (32, 64, 32, 4, 3)}
+from hybridflow.engine.invariant.tiles import Tile, tile_for
+
 GROUP_M = 8  # tiles of M walked together for L2 reuse of W (the order of programs, not of arithmetic)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Tile | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] -> [M, N] in x's dtype. `tile`:
-    another (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `TILES`' (bench/invariant_gemm.py measures them)."""
+    another (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `tile_for`'s (bench/invariant_gemm.py measures them)."""
     rows, depth = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"invariant linear reads rows of contiguous elements: x strides {x.stride()}, weight "
                          f"strides {weight.stride()}")
-    block_m, block_n, block_k, warps, stages = tile or TILES[x.dtype]
+    block_m, block_n, block_k, warps, stages = tile or tile_for(x.dtype, depth)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
