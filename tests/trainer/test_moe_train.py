@@ -31,6 +31,15 @@ def test_lora_grpo_with_router_replay_trains(moe_model, data_dir, tmp_path):
         assert row["rollout_corr/k3_kl"] < 1e-6  # the engine sampled from the trained policy, routes and all
 
 
+def test_expert_lora_with_replay_trains_on_two_fsdp2_ranks(moe_model, data_dir, tmp_path):
+    # each rank holds shards of the stacked experts and their adapters; the weight sync gathers and merges them
+    rows = run(moe_model, data_dir, tmp_path / "run", *MOE, "actor.router_replay=rollout", "trainer.n_workers=2",
+               f"reward.function={reward_file(tmp_path)}")
+    assert len(rows) == 2 and all(row["router/agreement"] == 1.0 and row["actor/grad_norm"] > 0 for row in rows)
+    # step 2 samples from the weights step 1 updated at lr 1e-2: the engine got the merged experts
+    assert rows[1]["rollout_corr/k3_kl"] < 1e-6
+
+
 def test_router_statistics_without_replay(moe_model, data_dir, tmp_path):
     rows = run(moe_model, data_dir, tmp_path / "run", *MOE, f"reward.function={reward_file(tmp_path)}")
     for row in rows:
