@@ -26,14 +26,20 @@ def test_an_exact_config_passes():
     ("rollout.top_p=0.9", "a truncated sample's is not"),
     ("rollout.top_k=50", "use rollout.top_k=-1 rollout.top_p=1.0"),
     ("actor.rollout_correction.mode=token_tis", "actor.rollout_correction.mode=token_tis has nothing to correct"),
-    ("trainer.n_workers=2", "runs on one device (trainer.n_workers=1, rollout.placement=colocate)"),
-    ("rollout.placement=separate", "got trainer.n_workers=1, rollout.placement=separate"),
     ("model.compile=true", "compiled layers fuse the elementwise ops"),
     ("actor.use_packing=false", "needs actor.use_packing=true and model.attn_implementation=sdpa"),
     ("model.attn_implementation=eager", "got True and 'eager'"),
 ])
 def test_refusals_name_the_key_and_why(override, message):
     assert message in _problems(override)
+
+
+def test_several_ranks_pass_but_not_with_lora():
+    for ranks in (["trainer.n_workers=2"], ["rollout.placement=separate"]):
+        validate(load_config(["rollout.exact=true", "rollout.n=2", "actor.mini_batch_size=4", *ranks]), n_workers=1,
+                 check_paths=False)
+    assert ("rollout.exact=true with LoRA (actor.lora.rank=4) trains on one rank: over several (trainer.n_workers=2) "
+            "FSDP2 casts the adapters") in _problems("actor.lora.rank=4", "trainer.n_workers=2")
 
 
 def test_lora_dropout_is_refused():
