@@ -78,13 +78,17 @@ moe_gpu_tests() { python3 -m pytest -q -m gpu tests/engine/rollout/test_moe_gpu.
     tests/engine/train/test_moe_train_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe_gpu_tests.log"; }
 # long reasoning (issue 42): GRPO on the real model (needs the GGUF) at LONG_RL_LIMIT-token responses (4096 or
 # 8192), synchronous steps against partial rollouts; one (limit, mode) fits a call at the defaults, so run
-# LONG_RL_MODES=sync and LONG_RL_MODES=partial in two calls (LONG_RL_SET=rollout.max_staleness=2 LONG_RL_TAG=_s2 for
-# a setting, its tag in the JSON's name), then join them here with
-# `python bench/long_rl.py --merge A.json B.json ... --out bench/results/long_rl_h200.json`
-long_rl() { python3 bench/long_rl.py --device cuda --model "$GGUF" --max-response "${LONG_RL_LIMIT:-4096}" \
-    --modes "${LONG_RL_MODES:-sync}" --budget-s "${LONG_RL_BUDGET_S:-300}" --eval-every-s "${LONG_RL_EVERY_S:-60}" \
-    ${LONG_RL_SET:+--set "$LONG_RL_SET"} --out "$OUT/long_rl_${LONG_RL_LIMIT:-4096}_${LONG_RL_MODES:-sync}${LONG_RL_TAG:-}.json" 2>&1 \
-    | tee "$OUT/long_rl.log"; }
+# LONG_RL_MODES=sync and LONG_RL_MODES=partial in two calls (LONG_RL_SET="rollout.max_staleness=2
+# rollout.partial_extra_batches=2" LONG_RL_TAG=_s2e2 for a setting: space-separated overrides, its tag in the JSON's
+# name), then join them here with `python bench/long_rl.py --merge A.json B.json ... --out bench/results/long_rl_h200.json`
+long_rl() {
+    local sets=() s
+    for s in ${LONG_RL_SET:-}; do sets+=(--set "$s"); done
+    python3 bench/long_rl.py --device cuda --model "$GGUF" --max-response "${LONG_RL_LIMIT:-4096}" \
+        --modes "${LONG_RL_MODES:-sync}" --budget-s "${LONG_RL_BUDGET_S:-300}" --eval-every-s "${LONG_RL_EVERY_S:-60}" \
+        "${sets[@]}" --out "$OUT/long_rl_${LONG_RL_LIMIT:-4096}_${LONG_RL_MODES:-sync}${LONG_RL_TAG:-}.json" 2>&1 \
+        | tee "$OUT/long_rl.log"
+}
 # GRPO at 4,096-token responses against TRL (issue 42): 16 prompts x 8; GRPO_LONG_ONLY=trl in a call of its own
 grpo_long() { python3 bench/grpo_vs_trl.py --device cuda --prompts 16 --n 8 --max-new-tokens 4096 \
     --steps "${GRPO_LONG_STEPS:-4}" --only "${GRPO_LONG_ONLY:-hybridflow}" \

@@ -189,13 +189,14 @@ class RolloutStream:
         the groups still decoding two versions after their prefill (a quarter of the samples on the H200 with
         `rollout.partial_stale=drop`: docs/long_reasoning.md), so the run trains on fewer samples than it
         generates; the metric alone is easy to miss. With `finish` only the groups beyond a step's share are
-        dropped (more than one extra batch in flight)."""
+        dropped (more extra batches in flight than the staleness bound)."""
         if self.warned_of_drops or dropped <= DROP_WARN_SHARE * (dropped + trained):
             return
         self.warned_of_drops = True
         r = self.cfg.rollout
         remedy = ("set rollout.partial_stale=finish, " if r.partial_stale == "drop" else
-                  "(rollout.partial_stale=finish finishes only as many as a step trains) ")
+                  "(rollout.partial_stale=finish finishes only as many as a step trains: keep "
+                  "rollout.partial_extra_batches <= rollout.max_staleness) ")
         logger.warning("partial rollouts dropped %d samples as too stale against %d trained this step: samples "
                        "that take longer than rollout.max_staleness=%d steps to finish are thrown away with "
                        "their work; %sraise rollout.max_staleness or lower rollout.partial_extra_batches=%d "
