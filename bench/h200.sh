@@ -71,9 +71,17 @@ moe_rollout() { python3 bench/moe_rollout.py --device cuda --out "$OUT/moe_rollo
 moe_mismatch() { python3 bench/scale.py --configs moe-small:routes,moe-small:replay,dense-small:default --steps 4 \
     --budget-s 560 --out "$OUT/moe_mismatch_h200.json" 2>&1 | tee "$OUT/moe_mismatch.log"; }
 # LoRA GRPO on the Qwen3-30B-A3B shape (16 x 8, <= 512 new tokens), one configuration per call (MOE_GRPO): its
-# 57 GiB checkpoint is written to TMPDIR first, so run it where the disk holds it (the 2-GPU kind, one GPU used)
-moe_grpo() { CUDA_VISIBLE_DEVICES=${MOE_GPU:-0} python3 bench/scale.py --configs "${MOE_GRPO:-30b-a3b:lora_replay}" \
-    --steps "${MOE_STEPS:-2}" --budget-s 570 --out "$OUT/moe_grpo_h200.json" 2>&1 | tee "$OUT/moe_grpo.log"; }
+# 57 GiB checkpoint is written to TMPDIR first. The 1-GPU machine's 64 GiB disk does not hold it beside the rest,
+# so it goes to RAM (/dev/shm, of 128 GiB) where that has 62 GiB free; else to TMPDIR (the 2-GPU kind's disk
+# holds it; one GPU used)
+moe_grpo() {
+    local tmp="${TMPDIR:-/tmp}" shm
+    shm=$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
+    df -h /dev/shm "$tmp" 2>&1 | tee "$OUT/moe_grpo_disk.log"
+    if [ -n "$shm" ] && [ "$shm" -ge 62 ]; then tmp=/dev/shm; fi
+    TMPDIR="$tmp" CUDA_VISIBLE_DEVICES=${MOE_GPU:-0} python3 bench/scale.py --configs "${MOE_GRPO:-30b-a3b:lora_replay}" \
+        --steps "${MOE_STEPS:-2}" --budget-s 570 --out "$OUT/moe_grpo_h200.json" 2>&1 | tee "$OUT/moe_grpo.log"
+}
 moe_gpu_tests() { python3 -m pytest -q -m gpu tests/engine/rollout/test_moe_gpu.py \
     tests/engine/train/test_moe_train_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/moe_gpu_tests.log"; }
 # long reasoning (issue 42): GRPO on the real model (needs the GGUF) at LONG_RL_LIMIT-token responses (4096 or
