@@ -27,11 +27,6 @@ def exact_problems(cfg: Any, check_paths: bool = True) -> list[str]:
         problems.append(f"rollout.exact=true makes pi_train / pi_rollout exactly 1, so "
                         f"actor.rollout_correction.mode={actor.rollout_correction.mode} has nothing to correct; set "
                         f"actor.rollout_correction.mode=none")
-    if cfg.trainer.n_workers > 1 and actor.lora.rank > 0:
-        problems.append(f"rollout.exact=true with LoRA (actor.lora.rank={actor.lora.rank}) trains on one rank: over "
-                        f"several (trainer.n_workers={cfg.trainer.n_workers}) FSDP2 casts the adapters to the compute "
-                        f"dtype before the forward merges them, which the weight sync's merge does not; set "
-                        f"trainer.n_workers=1 or actor.lora.rank=0")
     if model.compile:
         problems.append("rollout.exact=true with model.compile=true: compiled layers fuse the elementwise ops around "
                         "the invariant kernels and change their rounding; exact mode runs eager layers (model.compile="

@@ -110,7 +110,7 @@ class RolloutConfig:
                              "batch-invariant kernels, so every sampled token's log-prob equals the trainer's bit "
                              "for bit; the old-log-prob pass is skipped (the rollout's are the old log-probs) and "
                              "an update fails if the first forward of the update differs from them at all. Dense "
-                             "Llama/Qwen2/Qwen3/Mistral; LoRA on one trainer rank; eager layers (docs/exact.md)")
+                             "Llama/Qwen2/Qwen3/Mistral; eager layers (docs/exact.md)")
     record_routes: bool = opt(False, "mixture of experts: record the experts every token was routed to in each "
                                      "sparse layer (the batch's rollout_routes), for actor.router_replay and the "
                                      "router/* agreement metrics (docs/moe.md); fast engine, single-turn")

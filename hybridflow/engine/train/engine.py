@@ -371,8 +371,12 @@ class TrainEngine:
     def rollout_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of what a rollout engine built from the model directory needs to sample from
         the trained policy, one at a time (a collective: every rank iterates): every parameter, or with LoRA
-        only the merged weight W + scale · B·A of each adapted module (nothing else ever changes)."""
-        return self.iter_full_params(dtype) if self.adapters is None else self.adapters.merged_weights(dtype)
+        only the merged weight W + scale · B·A of each adapted module (nothing else ever changes), from the
+        adapters as the forward sees them (rounded to the compute dtype where FSDP2's mixed precision does)."""
+        if self.adapters is None:
+            return self.iter_full_params(dtype)
+        fsdp_cast = self.sharded and self.precision.mixed
+        return self.adapters.merged_weights(dtype, self.precision.param if fsdp_cast else None)
 
     def frozen_weights(self) -> dict[str, torch.Tensor]:
         """{HF name: tensor} of the frozen weights a rollout engine on this device may hold instead of copies

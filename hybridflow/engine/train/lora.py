@@ -16,10 +16,11 @@ checkpoints apply unchanged. Both `init` choices start with B = 0: the initial p
 The returned `Adapters` gives what the rest of a run needs from them:
 - `disabled()`: a context in which the model computes with its base weights alone — the reference policy
   of a KL term, with no second copy of the model;
-- `merged_weights(dtype)`: (HF name of the base weight, W + scale · B·A) per adapted module or expert weight
-  (stacked, `...mlp.experts.gate_up_proj`), gathered one at a time: the only weights of the trained policy
-  that differ from the model directory's, what a rollout engine built from that directory is sent (`merge`,
-  which exact mode's forward also uses);
+- `merged_weights(dtype, adapter_dtype)`: (HF name of the base weight, W + scale · B·A) per adapted module or
+  expert weight (stacked, `...mlp.experts.gate_up_proj`), gathered one at a time, from A and B as the forward
+  sees them (`adapter_dtype`: FSDP2's mixed precision rounds them): the only weights of the trained policy that
+  differ from the model directory's, what a rollout engine built from that directory is sent (`merge`, which
+  exact mode's forward also uses);
 - `peft_config`: the `peft.LoraConfig`, which checkpoints keep so `hybridflow export` can write an adapter
   directory or a merged model.
 `frozen_weights(model)` names the frozen weights a colocated rollout engine may hold as they are (those outside
@@ -120,11 +121,18 @@ def _param_name(module_name: str, parameter: str) -> str:
     return ".".join(p for p in module_name.split(".") if p != "base_layer") + "." + parameter
 
 
-def _expert_delta(layer: Any) -> torch.Tensor:
+def _factors(layer: Any, adapter_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (A, B), gathered in full and, with `adapter_dtype`, rounded to it (as FSDP2's mixed precision
+    rounds them for the forward: elementwise, so before or after the gather alike)."""
+    a = full_tensor(layer.lora_A[ADAPTER].weight.detach())
+    b = full_tensor(layer.lora_B[ADAPTER].weight.detach())
+    return (a, b) if adapter_dtype is None else (a.to(adapter_dtype), b.to(adapter_dtype))
+
+
+def _expert_delta(layer: Any, adapter_dtype: torch.dtype | None) -> torch.Tensor:
     """scale · B·A per expert, [E, out, in] in fp32, of a `ParamWrapper` (peft's `get_delta_weight` layout:
     lora_A [r·E, in] read as [E, r, in], lora_B [out, r·E] read as [out, r, E]), from gathered factors."""
-    a = full_tensor(layer.lora_A[ADAPTER].weight.detach()).float()
-    b = full_tensor(layer.lora_B[ADAPTER].weight.detach()).float()
+    a, b = (t.float() for t in _factors(layer, adapter_dtype))
     a = a.reshape(layer.num_experts, -1, a.shape[-1])
     b = b.reshape(b.shape[0], -1, layer.num_experts)
     pattern = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
@@ -183,17 +191,20 @@ class Adapters:
         return [(hf, tuple(weight.shape)) for hf, weight in (self._base(n, layer) for n, layer in self.layers.items())]
 
     @torch.no_grad()
-    def merged_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def merged_weights(self, dtype: torch.dtype | None = None,
+                       adapter_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, W + scale · B·A) per adapted module or expert weight, each gathered in full (a collective
-        under FSDP2: every rank iterates), summed in fp32 and rounded once to `dtype` (None: the base weight's)."""
+        under FSDP2: every rank iterates), summed in fp32 and rounded once to `dtype` (None: the base weight's).
+        `adapter_dtype`: the dtype the trainer's forward sees the adapters in (FSDP2's mixed-precision parameter
+        dtype; None where they stay in their own): A and B are rounded to it first, so the weight sent is the
+        one the forward computes with (bit for bit in exact mode, which merges them the same way)."""
         for name, layer in self.layers.items():
             hf_name, weight = self._base(name, layer)
             base = full_tensor(weight.detach())
             if hasattr(layer, "parameter_name"):
-                yield hf_name, (base.float() + _expert_delta(layer)).to(dtype or base.dtype)
+                yield hf_name, (base.float() + _expert_delta(layer, adapter_dtype)).to(dtype or base.dtype)
                 continue
-            a = full_tensor(layer.lora_A[ADAPTER].weight.detach())
-            b = full_tensor(layer.lora_B[ADAPTER].weight.detach())
+            a, b = _factors(layer, adapter_dtype)
             yield hf_name, merge(base, a, b, layer.scaling[ADAPTER], dtype or base.dtype)
 
 
