@@ -12,6 +12,8 @@ Supported architectures (`MOE_ARCHITECTURES`) and how their routers differ:
   sigmoid(`shared_expert_gate`).
 - Mixtral: every layer sparse, top-k always renormalised, the routing weights kept in fp32 (the expert
   outputs are weighted and summed in fp32, then cast back).
+- OLMoE: Qwen3-MoE's router (`norm_topk_prob`, false in OLMoE-1B-7B), every layer sparse, experts of
+  `intermediate_size`; its attention RMS-normalises the whole q and k projections (not per head).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ def moe_spec(config: Any) -> MoESpec | None:
     if kind == "mixtral":
         return MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True,
                        tuple(layers), config.intermediate_size, weights_in_fp32=True)
+    if kind == "olmoe":
+        return MoESpec(config.num_experts, config.num_experts_per_tok, config.intermediate_size,
+                       bool(config.norm_topk_prob), tuple(layers), config.intermediate_size)
     if kind in ("qwen3_moe", "qwen2_moe"):
         step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
         sparse = tuple(i for i in layers if config.num_experts > 0 and i not in dense and (i + 1) % step == 0)

@@ -29,13 +29,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 
 
 def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:
     """The config keywords of a mixture of experts of `arch` (empty for a dense one), with the routing of
     the real models: Qwen3-30B-A3B renormalises its top-k weights, Qwen1.5-MoE (Qwen2-MoE) does not and
-    has a shared expert 4x an expert's width, Mixtral always renormalises."""
+    has a shared expert 4x an expert's width, Mixtral always renormalises, OLMoE-1B-7B does not."""
+    if arch == "olmoe":
+        return dict(num_experts=experts, num_experts_per_tok=experts_per_token,
+                    intermediate_size=expert_intermediate, norm_topk_prob=False)
     if arch == "mixtral":
         return dict(num_local_experts=experts, num_experts_per_tok=experts_per_token,
                     intermediate_size=expert_intermediate)

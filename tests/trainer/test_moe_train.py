@@ -1,6 +1,6 @@
-"""GRPO on a tiny mixture of experts through `hybridflow train`: LoRA on the attention and on the routed experts,
-routes recorded by the rollout engine and replayed in the trainer's forwards, the router aux loss; and the
-config checks of the MoE keys."""
+"""GRPO on a tiny mixture of experts (Qwen3-MoE; OLMoE) through `hybridflow train`: LoRA on the attention and on
+the routed experts, routes recorded by the rollout engine and replayed in the trainer's forwards, the router aux
+loss; and the config checks of the MoE keys."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ def moe_model(tiny_model_factory):
     return tiny_model_factory("qwen3_moe", experts=8, experts_per_token=2)
 
 
-def test_lora_grpo_with_router_replay_trains(moe_model, data_dir, tmp_path):
-    rows = run(moe_model, data_dir, tmp_path / "run", *MOE, "actor.router_replay=rollout",
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+def test_lora_grpo_with_router_replay_trains(tiny_model_factory, data_dir, tmp_path, arch):
+    model = tiny_model_factory(arch, experts=8, experts_per_token=2)
+    rows = run(model, data_dir, tmp_path / "run", *MOE, "actor.router_replay=rollout",
                "actor.router_aux_loss_coef=0.01", "actor.kl_loss_coef=0.01", f"reward.function={reward_file(tmp_path)}")
     assert len(rows) == 2
     for row in rows:

@@ -1,9 +1,10 @@
 """One fast decoder for the Llama, Qwen2, Qwen3 and Mistral families and the mixtures of experts built on them
-(Qwen3-MoE, Mixtral, Qwen2-MoE), with Hugging Face parameter names.
+(Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
-and k per head, Llama may have `attention_bias` / `mlp_bias`, Mistral is Llama's shape; a mixture of experts
-has its family's attention and a `sparse_moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are
+and k per head, OLMoE over the whole q and k projections, Llama may have `attention_bias` / `mlp_bias`,
+Mistral is Llama's shape; a mixture of experts has its family's attention and a `sparse_moe.SparseMoE` block
+in place of the MLP of its sparse layers. q/k/v are
 fused into `qkv_proj` and gate/up into `gate_up_proj`. Checkpoint loading and the trainer -> rollout
 sync (`load_weights`) share one path that takes HF names (`...self_attn.q_proj.weight`) and copies in
 place: a module's `weight_loader(param, tensor, shard)` serves its parameters (the fused ones place a
@@ -129,9 +130,12 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, exact)
         o_bias = config.model_type not in ("qwen2", "qwen2_moe") and bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(q_size, config.hidden_size, o_bias, exact)
-        if config.model_type in ("qwen3", "qwen3_moe"):
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, exact)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, exact)
+        # q/k norms: Qwen3's per head, OLMoE's over the whole projection; OLMoE may clamp q, k and v after them
+        self.clip = getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None
+        self.qk_norm_width = {"qwen3": self.head_dim, "qwen3_moe": self.head_dim, "olmoe": 0}.get(config.model_type)
+        if self.qk_norm_width is not None:
+            self.q_norm = RMSNorm(self.qk_norm_width or q_size, config.rms_norm_eps, exact)
+            self.k_norm = RMSNorm(self.qk_norm_width or kv_size, config.rms_norm_eps, exact)
         self.splits = [q_size, kv_size, kv_size]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
@@ -144,8 +148,15 @@ class Attention(nn.Module):
         fused = self.store_fused(qkv, positions, meta)
         if hasattr(self, "q_norm"):
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
-            q = self.q_norm(q.reshape(tokens, self.heads, self.head_dim))[0]
-            k = self.k_norm(k.reshape(tokens, self.kv_heads, self.head_dim))[0]
+            if self.qk_norm_width:  # per head
+                q = self.q_norm(q.reshape(tokens, self.heads, self.head_dim))[0]
+                k = self.k_norm(k.reshape(tokens, self.kv_heads, self.head_dim))[0]
+            else:  # over the whole projection
+                q = self.q_norm(q)[0].view(tokens, self.heads, self.head_dim)
+                k = self.k_norm(k)[0].view(tokens, self.kv_heads, self.head_dim)
+            if self.clip is not None:
+                for t in (q, k, v):
+                    t.clamp_(-self.clip, self.clip)
             rotary_(q, positions, *rope)
             rotary_(k, positions, *rope)
         else:  # q and k heads are adjacent in qkv: rotate them together, in place

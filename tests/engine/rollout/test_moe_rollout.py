@@ -1,6 +1,6 @@
-"""The fast engine on mixtures of experts (CPU, tiny random Qwen3-MoE / Mixtral / Qwen2-MoE with spread weights):
-greedy parity with transformers in fp32, the recorded routes, both weight layouts, bf16 log-probs, the experts'
-kernels."""
+"""The fast engine on mixtures of experts (CPU, tiny random Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE with spread
+weights): greedy parity with transformers in fp32 (OLMoE with and without its q/k/v clamp), the recorded routes,
+both weight layouts, bf16 log-probs, the experts' kernels."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hybridflow.engine.rollout.kernels import silu_mul
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 17, [40, 41], [7] * 30]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
-ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
+ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
 
 
 def hf_model(path, dtype=torch.float32):
@@ -47,6 +47,29 @@ def test_greedy_and_routes_match_transformers(spread_model, arch):
         picked = logp[len(prompt) - 1:].gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=1e-4, rtol=0)
         assert out.routes.dtype == torch.int16 and torch.equal(out.routes.long(), experts)
+
+
+def test_olmoe_clamping_q_k_and_v_matches_transformers(spread_model, tmp_path):
+    """OLMoE's `clip_qkv` clamps the normalised q and k and the v projection: at 0.5, well inside the spread
+    model's values, greedy tokens still equal `generate`'s."""
+    import json
+    import shutil
+
+    path = shutil.copytree(spread_model("olmoe"), tmp_path / "clipped")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "clip_qkv": 0.5}))
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=5)
+    model, unclipped = hf_model(path), hf_model(spread_model("olmoe"))
+    outs = engine.generate(PROMPTS, GREEDY)
+    differs = False
+    for prompt, (out,) in zip(PROMPTS, outs):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == expected
+        differs |= expected != unclipped.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens,
+                                                  do_sample=False, eos_token_id=None,
+                                                  pad_token_id=0)[0, len(prompt):].tolist()
+    assert differs  # the clamp changed what the model says
 
 
 def test_stacked_and_per_expert_layouts_load_the_same(spread_model):
