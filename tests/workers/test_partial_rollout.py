@@ -101,3 +101,21 @@ def test_buffers_saved_by_two_ranks_are_dealt_to_three():
     three = redistribute(states, 3)
     assert [[g["order"] for g in s["groups"]] for s in three] == [[1], [1], [2]]
     assert {s["next_order"] for s in three} == {3}
+
+
+@pytest.mark.parametrize("pipeline, critic, step, keeps", [
+    (False, False, 3, 4 - 1),  # the next step trains at version 4 and keeps max_staleness=1 behind it
+    (True, False, 3, 3 + 1 - 1),  # pipelined: the next call generates with version 3's weights, trains at 4
+    (False, True, 1, 0 - 1),  # critic warm-up (2 steps): step 2 still trains at version 0
+    (False, True, 3, 2 - 1),
+])
+def test_what_the_next_step_keeps_follows_the_policy_version(pipeline, critic, step, keeps):
+    """`RolloutStream._next_keeps`, which `rollout.partial_stale=finish` finishes everything older than."""
+    from types import SimpleNamespace
+
+    from hybridflow.trainer.rollout_stream import RolloutStream
+
+    stream = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(pipeline=pipeline, max_staleness=1),
+                                                 critic=SimpleNamespace(warmup_steps=2)),
+                             facts=SimpleNamespace(critic=critic))
+    assert RolloutStream._next_keeps(stream, step) == keeps
