@@ -21,7 +21,9 @@ throughput. MFU: against the dense-bf16 datasheet peak (989 TFLOP/s) with attent
 6 x parameters x tokens/s over the bf16 matmul rate measured in this run (shared/PERF.md's convention).
 `--hf` adds the plain HF loop (padded micro-batches of 8 rows, full logits); `--profile` a profiler
 breakdown of each run's step (with `gpu_busy`, kernel time over wall time); `--trace DIR` a Chrome trace
-of one step of each budgeted run.
+of one step of each budgeted run. `--exact off,on` adds exact mode's update (`rollout.exact`: the engine's
+forward on the batch-invariant ops, eager layers; docs/exact.md) beside each eager run, keyed `.../exact`;
+with `--profile` its breakdown separates the invariant kernels (GEMM, attention, rows) from the rest.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def estimated_peak_gb(config, tokens: int, device: str, checkpointing: bool) -> 
 
 
 def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool, checkpointing: bool,
-                 check_parity: bool = False) -> dict:
+                 check_parity: bool = False, exact: bool = False) -> dict:
     """One configuration: old-log-prob pass, warm-up, timed steps, memory (and packed-vs-padded parity)."""
     from hybridflow.config.schema import ModelConfig, OptimConfig
     from hybridflow.engine.train import TrainEngine
@@ -147,7 +149,8 @@ def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, com
     model_cfg = ModelConfig(path=path, dtype="bf16" if args.device == "cuda" else "fp32",
                             gradient_checkpointing=checkpointing, compile=compiled)
     optim = OptimConfig(lr=1e-6)
-    engine = TrainEngine(model_cfg, optim, head="lm", total_steps=100, pack_on_cpu=True)
+    engine = TrainEngine(model_cfg, optim, head="lm", total_steps=100, pack_on_cpu=True,
+                         exact_len=batch["input_ids"].shape[1] if exact else None)
     seq_lens = batch["attention_mask"].sum(-1).tolist()
     sync(args.device)
     t = time.perf_counter()
@@ -186,7 +189,7 @@ def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, com
     if args.trace and max_tokens is not None:
         trace(step, os.path.join(args.trace, f"{max_tokens}_{'compiled' if compiled else 'eager'}"
                                  f"{'_ckpt' if checkpointing else ''}"))
-    if check_parity:
+    if check_parity and not exact:
         out["parity"] = parity(engine, batch)
     return out  # the engine goes with this frame; the caller empties the allocator cache
 
@@ -207,7 +210,10 @@ def profile(step) -> dict:
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if e.device_type.name == "CUDA" or "cuda" in str(e.device_type).lower():
             by_name[e.key] += t
-    families = {"matmul (gemm)": ("gemm", "cutlass", "sm90", "nvjet", "cublas", "matmul"),
+    families = {"invariant gemm (exact)": ("_linear_kernel",), "invariant attention (exact)": ("_attention_kernel",),
+                "invariant rows (exact)": ("_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel",
+                                           "_log_prob_kernel"),
+                "matmul (gemm)": ("gemm", "cutlass", "sm90", "nvjet", "cublas", "matmul"),
                 "attention (flash)": ("flash", "fmha", "attention"),
                 "optimizer (adam)": ("adam",), "copies / casts": ("copy", "cast", "convert"),
                 "reductions (logsumexp, norms)": ("reduce", "logsumexp", "norm", "softmax"),
@@ -304,22 +310,23 @@ def run_shape(shape: str, root: str, args, ceiling: float | None, results: dict,
                                         "padded_tokens_per_step": int(batch["attention_mask"].numel()), "runs": {}}
     for compiled in args.compile:
         mode = "compiled" if compiled else "eager"
-        for checkpointing in args.checkpointing:
-            for budget in args.budgets:
-                key = f"{'full' if budget is None else budget}/{mode}{'/ckpt' if checkpointing else ''}"
-                try:
-                    entry["runs"][key] = bench_engine(path, params, batch, args, ceiling, budget, compiled,
-                                                      checkpointing, check_parity=not entry["runs"])
-                except torch.OutOfMemoryError as e:
-                    entry["runs"][key] = {"error": "out of memory", "message": str(e).splitlines()[0]}
-                except Exception as e:  # a failed configuration is recorded; the others still run
-                    entry["runs"][key] = {"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}
-                gc.collect()
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-                print(shape, key, json.dumps({k: v for k, v in entry["runs"][key].items() if k != "time_breakdown"}),
-                      flush=True)
-                save()
+        for checkpointing, budget, exact in ((c, b, e) for c in args.checkpointing for b in args.budgets
+                                         for e in args.exact if not (e and compiled)):
+            key = f"{'full' if budget is None else budget}/{mode}{'/ckpt' if checkpointing else ''}" \
+                  f"{'/exact' if exact else ''}"
+            try:
+                entry["runs"][key] = bench_engine(path, params, batch, args, ceiling, budget, compiled,
+                                                  checkpointing, check_parity=not entry["runs"], exact=exact)
+            except torch.OutOfMemoryError as e:
+                entry["runs"][key] = {"error": "out of memory", "message": str(e).splitlines()[0]}
+            except Exception as e:  # a failed configuration is recorded; the others still run
+                entry["runs"][key] = {"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            print(shape, key, json.dumps({k: v for k, v in entry["runs"][key].items() if k != "time_breakdown"}),
+                  flush=True)
+            save()
         full = entry["runs"].get(f"full/{mode}", {})  # one forward without recomputation: the reference
         for key, run in entry["runs"].items():
             if key.split("/")[1] == mode and not key.startswith("full/") and "tokens_per_s" in run \
@@ -342,6 +349,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="full,16384", help="micro-batch token budgets; full = one forward")
     parser.add_argument("--compile", default="on,off", help="compiled decoder layers: on, off or both")
     parser.add_argument("--checkpointing", default="off", help="gradient checkpointing: off, on or both")
+    parser.add_argument("--exact", default="off", help="exact mode's update beside each eager run: off, on or both")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also time the plain HF eager loop")
@@ -354,6 +362,7 @@ def main() -> None:
     args.budgets = [None if b == "full" else int(b) for b in args.budgets.split(",")]
     args.compile = [c == "on" for c in args.compile.split(",")]
     args.checkpointing = [c == "on" for c in args.checkpointing.split(",")]
+    args.exact = [c == "on" for c in args.exact.split(",")]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     cuda = args.device == "cuda"
