@@ -68,6 +68,12 @@ def off_policy_problems(cfg: Any) -> list[str]:
     if rollout.pipeline and rollout.max_staleness < 1:
         problems.append(f"rollout.pipeline=true trains each batch one policy version after the weights that "
                         f"generated it: rollout.max_staleness={rollout.max_staleness} must be >= 1")
+    if rollout.partial and rollout.partial_stale == "finish" and rollout.partial_extra_batches > rollout.max_staleness:
+        problems.append(f"rollout.partial_extra_batches={rollout.partial_extra_batches} keeps more prompt batches in "
+                        f"flight than rollout.max_staleness={rollout.max_staleness} lets a step finish in time: with "
+                        f"rollout.partial_stale=finish a step finishes at most its own share of the groups at the "
+                        f"bound, and the rest would be dropped with their work; set rollout.partial_extra_batches <= "
+                        f"{rollout.max_staleness} (or raise rollout.max_staleness, or rollout.partial_stale=drop)")
     if rollout.partial and rollout.partial_unfinished == "continue" and rollout.free_cache_after_generate:
         problems.append("rollout.partial_unfinished=continue keeps unfinished samples' KV slots from one step to the "
                         "next, which rollout.free_cache_after_generate=true frees after each generation; set "

@@ -121,7 +121,8 @@ class RolloutConfig:
                                "(docs/long_reasoning.md)")
     partial_extra_batches: int = opt(1, "rollout.partial: prompt batches (of data.train_batch_size prompts) kept in "
                                         "flight beyond the one a step trains; the data loader tops them up when "
-                                        "groups are dropped")
+                                        "groups are dropped. At most rollout.max_staleness with "
+                                        "rollout.partial_stale=finish")
     partial_unfinished: str = opt("continue", "rollout.partial: what an unfinished sample does across a step "
                                               "boundary. continue: keeps its KV slot and decodes on under the new "
                                               "weights (needs rollout.free_cache_after_generate=false); recompute: "

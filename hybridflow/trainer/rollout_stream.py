@@ -189,14 +189,14 @@ class RolloutStream:
         the groups still decoding two versions after their prefill (a quarter of the samples on the H200 with
         `rollout.partial_stale=drop`: docs/long_reasoning.md), so the run trains on fewer samples than it
         generates; the metric alone is easy to miss. With `finish` only the groups beyond a step's share are
-        dropped (more extra batches in flight than the staleness bound)."""
+        dropped, which the config check's bound on `rollout.partial_extra_batches` keeps from happening in the
+        model of bench/partial_sim.py."""
         if self.warned_of_drops or dropped <= DROP_WARN_SHARE * (dropped + trained):
             return
         self.warned_of_drops = True
         r = self.cfg.rollout
         remedy = ("set rollout.partial_stale=finish, " if r.partial_stale == "drop" else
-                  "(rollout.partial_stale=finish finishes only as many as a step trains: keep "
-                  "rollout.partial_extra_batches <= rollout.max_staleness) ")
+                  "(rollout.partial_stale=finish finishes only as many as a step trains) ")
         logger.warning("partial rollouts dropped %d samples as too stale against %d trained this step: samples "
                        "that take longer than rollout.max_staleness=%d steps to finish are thrown away with "
                        "their work; %sraise rollout.max_staleness or lower rollout.partial_extra_batches=%d "

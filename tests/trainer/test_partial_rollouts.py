@@ -91,7 +91,7 @@ def test_groups_the_next_step_would_drop_are_finished_and_trained_instead(stoppi
 def test_stale_groups_are_dropped_and_counted_when_recomputing(stopping_qwen2, data_dir, tmp_path):
     rows = train(stopping_qwen2, data_dir, tmp_path / "out", *PARTIAL, "trainer.total_steps=3",
                  "rollout.max_staleness=0", "rollout.partial_unfinished=recompute", "rollout.partial_extra_batches=2",
-                 "actor.rollout_correction.mode=decoupled")
+                 "actor.rollout_correction.mode=decoupled", "rollout.partial_stale=drop")
     assert sum(r["rollout/dropped"] for r in rows) > 0
     assert all(r["rollout/staleness_max"] == 0 and r["rollout/off_policy_token_share"] == 0 for r in rows)
 
@@ -152,3 +152,6 @@ def test_what_partial_rollouts_and_pipelining_cannot_run_with_is_refused():
         "rollout.partial=true", "rollout.partial_unfinished=recompute", "data.train_batch_size=6",
         "trainer.n_workers=4", "actor.mini_batch_size=2")
     assert "rollout.partial_extra_batches=-1 must be >= 0" in _problems("rollout.partial_extra_batches=-1")
+    assert ("rollout.partial_extra_batches=2 keeps more prompt batches in flight than rollout.max_staleness=1 lets a "
+            "step finish in time") in _problems("rollout.partial=true", "rollout.partial_unfinished=recompute",
+                                                "rollout.partial_extra_batches=2")
