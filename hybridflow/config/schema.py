@@ -345,9 +345,15 @@ class TeacherConfig:
                                                       "larger), on the actor's devices; path null = no distillation")
     param_offload: bool = opt(False, "keep the teacher's parameters on the CPU between uses")
     kl_coef: float = opt(1.0, "weight of -(log p_policy - log p_teacher), the negated per-token reverse KL, in each "
-                              "sampled token's advantage")
+                              "sampled token's advantage (0 with teacher.topk > 0: the top-k cross-entropy alone)")
     task_reward: bool = opt(False, "add the task reward's advantages (algorithm.adv_estimator over the scores) to "
                                    "the distillation advantage; false = distillation alone (no critic, any rollout.n)")
+    topk: int = opt(0, "k > 0: the teacher also returns its k likeliest tokens at every response position, and the "
+                       "update adds teacher.topk_coef x the cross-entropy from that top-k distribution (renormalised) "
+                       "to the policy's, a forward KL on the teacher's likeliest tokens (GKD's, over k tokens instead "
+                       "of the vocabulary; teacher/topk_kl); 0 = the sampled tokens' reverse KL alone")
+    topk_coef: float = opt(1.0, "teacher.topk > 0: the weight of the top-k cross-entropy in the actor's loss, "
+                                "aggregated over response tokens like the policy loss (actor.loss_agg)")
 
 
 @dataclass

@@ -43,16 +43,19 @@ class TrainEngineContract(Protocol):
 
     def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
               max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-              pack: bool = True, row_group: int = 1) -> dict[str, torch.Tensor]:
+              pack: bool = True, row_group: int = 1, eager: bool = False, topk: int = 0) -> dict[str, torch.Tensor]:
         """Log-probs (+ entropy) or values for every row, `[B, R]` float32 on the CPU; runs of `row_group`
-        consecutive rows share a micro-batch."""
+        consecutive rows share a micro-batch; `topk` > 0 adds each position's k likeliest tokens (`topk_ids`,
+        `topk_log_probs`, `[B, R, k]`)."""
         ...
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFunction,
                    micro_batch_size: int | None = None, max_tokens: int | None = None, temperature: float = 1.0,
-                   with_entropy: bool = False, pack: bool = True, row_group: int = 1) -> dict[str, float]:
+                   with_entropy: bool = False, pack: bool = True, row_group: int = 1,
+                   soft_targets: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's share of a mini-batch; metrics averaged over all ranks; runs of
-        `row_group` consecutive rows (a preference pair's) share a micro-batch."""
+        `row_group` consecutive rows (a preference pair's) share a micro-batch; `soft_targets`: the outputs hold
+        each response token's cross-entropy against the batch's teacher top-k (`topk_ce`)."""
         ...
 
     def offload(self, params: bool = True, optimizer: bool = True) -> None:

@@ -45,7 +45,8 @@ def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None 
                               rollout=None if facts.separate_rollout else replica_config(cfg, facts),
                               reference_copy=facts.reference_copy, mini_batch_rows=facts.actor_mini_batch_rows,
                               total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len,
-                              router=router, lend_frozen_weights=facts.lend_frozen_weights)
+                              router=router, lend_frozen_weights=facts.lend_frozen_weights,
+                              topk_coef=cfg.teacher.topk_coef if facts.teacher and cfg.teacher.topk else 0.0)
 
 
 def critic_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,
@@ -70,7 +71,7 @@ def teacher_config(cfg: Any, memory: budget.DeviceDemand | None = None) -> Teach
     """The distillation teacher's config: `teacher.model` and its offload, and the actor's sections whose
     micro-batching its forwards use (`memory`: the actor's device's demand, which counts the teacher)."""
     return TeacherWorker.Config(model=cfg.teacher.model, actor_model=cfg.model, actor=cfg.actor,
-                                param_offload=cfg.teacher.param_offload, memory=memory)
+                                param_offload=cfg.teacher.param_offload, memory=memory, topk=cfg.teacher.topk)
 
 
 def train_sampling(cfg: Any) -> SamplingParams:

@@ -73,6 +73,8 @@ class ActorWorker(RolloutCalls, EngineWorker):
             experts, router agreement, the load-balancing loss); None = none.
         lend_frozen_weights: the colocated rollout engine holds the LoRA model's frozen weights (embeddings, head,
             norms, routers, unadapted experts) as they are instead of copies (`TrainEngine.frozen_weights`).
+        topk_coef: the weight of the cross-entropy to the distillation teacher's top-k distribution in the loss
+            (`teacher.topk_coef` when `teacher.topk` > 0: the batch then carries `teacher_topk_*`); 0 = none.
         """
 
         model: ModelConfig
@@ -86,6 +88,7 @@ class ActorWorker(RolloutCalls, EngineWorker):
         exact_len: int | None = None
         router: RouterHooks.Config | None = None
         lend_frozen_weights: bool = False
+        topk_coef: float = 0.0
 
     keys, model_keys = "actor", "model"
     cfg: ActorConfig
@@ -93,6 +96,7 @@ class ActorWorker(RolloutCalls, EngineWorker):
     def __init__(self, config: ActorWorker.Config) -> None:
         model_cfg, actor_cfg = self._plan_device(config.memory, config.model, config.actor)
         self.cfg, self.mini_batch_rows, self.exact = actor_cfg, config.mini_batch_rows, config.exact_len is not None
+        self.topk_coef = config.topk_coef
         # exact mode: the trainer's forward runs the rollout's invariant kernels, for rows as long as it generates
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=config.total_steps,
                                   device=self.device, seed=config.seed, exact_len=config.exact_len,
@@ -161,16 +165,18 @@ class ActorWorker(RolloutCalls, EngineWorker):
         if use_kl and "ref_log_probs" not in batch:
             raise KeyError("actor.kl_loss_coef > 0 needs `ref_log_probs` in the batch (compute_ref_log_probs)")
         use_entropy = self.cfg.entropy_coef != 0
+        if self.topk_coef and "teacher_topk_ids" not in batch:
+            raise KeyError("teacher.topk > 0 needs `teacher_topk_ids` in the batch (compute_teacher_log_probs)")
         fresh = None
         if self.exact:  # the update's forwards on the weights that generated are compared
             start = self.engine.optimizer_steps
             fresh = lambda: self.engine.optimizer_steps == start  # noqa: E731
         mismatch = RolloutMismatch(self.cfg.rollout_correction, self.device, fresh)
         # the weight push that follows an update reads the parameter shards: they stay on the device for it
-        metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy, mismatch), keep_params=True,
-                               passes=self.cfg.ppo_epochs, prefix="actor",
+        metrics = self._update(batch, actor_loss(self.cfg, use_kl, use_entropy, mismatch, self.topk_coef),
+                               keep_params=True, passes=self.cfg.ppo_epochs, prefix="actor",
                                temperature=scoring_temperature(temperature),
-                               with_entropy=use_entropy or "entropy" not in batch)
+                               with_entropy=use_entropy or "entropy" not in batch, soft_targets=self.topk_coef > 0)
         metrics.update(mismatch.metrics())
         mismatch.check(metrics)
         metrics.update(self.engine.router_metrics())

@@ -31,15 +31,20 @@ class ReferenceModel:
 
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """`[B, R]` log-probs of the response tokens of prompt + response rows."""
+        return self.scores(batch, temperature)["log_probs"]
+
+    def scores(self, batch: Batch, temperature: float, topk: int = 0) -> dict[str, torch.Tensor]:
+        """`TrainEngine.infer`'s outputs for prompt + response rows: `log_probs` `[B, R]` and, with `topk`,
+        `topk_ids` / `topk_log_probs` `[B, R, k]`."""
         if self.offload:
             self.engine.onload(params=True, optimizer=False)
         cfg = self.batching_cfg
         out = self.engine.infer(batch.tensors, micro_batch_size=cfg.micro_batch_size,
                                 max_tokens=cfg.max_tokens_per_micro_batch, temperature=temperature,
-                                pack=cfg.use_packing)
+                                pack=cfg.use_packing, topk=topk)
         if self.offload:
             self.engine.offload(params=True, optimizer=False)
-        return out["log_probs"]
+        return out
 
 
 def scoring_temperature(sampling_temperature: float) -> float:

@@ -37,6 +37,7 @@ class TeacherWorker(Worker):
             teacher's forwards use, as the device plan fills them in for the actor.
         param_offload: keep its weights on the CPU between calls (`teacher.param_offload`).
         memory: this device's demand (the actor's group's, which counts the teacher); None = no planning.
+        topk: also return the teacher's k likeliest tokens at each response position (`teacher.topk`; 0: off).
         """
 
         model: FrozenModelConfig
@@ -44,11 +45,12 @@ class TeacherWorker(Worker):
         actor: ActorConfig
         param_offload: bool = False
         memory: budget.DeviceDemand | None = None
+        topk: int = 0
 
     def __init__(self, config: TeacherWorker.Config) -> None:
         self.plan = budget.plan_for_device(config.memory, self.device)
         _, batching = budget.apply_plan(self.plan, "actor", config.actor_model, config.actor)
-        self.model_cfg = config.model
+        self.model_cfg, self.topk = config.model, config.topk
         self.teacher = ReferenceModel(config.model, batching, self.device, config.param_offload)
 
     @register(Dispatch.BROADCAST)
@@ -63,8 +65,11 @@ class TeacherWorker(Worker):
     @register(Dispatch.DATA_PARALLEL)
     def compute_teacher_log_probs(self, batch: Batch, temperature: float) -> Batch:
         """Batch{teacher_log_probs [B, R]}: the teacher's log-probs of the response tokens, for rows sampled at
-        `temperature` (greedy rows scored at 1)."""
+        `temperature` (greedy rows scored at 1); with `topk`, also `teacher_topk_ids` (long) and
+        `teacher_topk_log_probs` `[B, R, k]`, its k likeliest tokens at each response position."""
         with budget.reported_oom("teacher log-prob pass", self.plan, self.teacher.engine.describe(),
                                  TEACHER_MEMORY_KEYS):
-            log_probs = self.teacher.log_probs(batch, scoring_temperature(temperature))
-        return Batch({"teacher_log_probs": log_probs})
+            out = self.teacher.scores(batch, scoring_temperature(temperature), self.topk)
+        return Batch({"teacher_log_probs": out["log_probs"],
+                      **({"teacher_topk_ids": out["topk_ids"], "teacher_topk_log_probs": out["topk_log_probs"]}
+                         if self.topk else {})})

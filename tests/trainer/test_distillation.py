@@ -46,6 +46,18 @@ def test_distillation_alone_lowers_the_kl_to_a_fixed_teacher(sharpened_student, 
     assert resolved.teacher.model.path == str(tiny_qwen2) and resolved.teacher.param_offload
 
 
+def test_top_k_distillation_alone_lowers_both_kls(sharpened_student, tiny_qwen2, data_dir, tmp_path):
+    # teacher.kl_coef=0: no advantage at all, the teacher's top-8 cross-entropy (teacher.topk) is the only loss
+    rows = run(sharpened_student, data_dir, tmp_path,
+               *distill(tiny_qwen2, "teacher.topk=8", "teacher.kl_coef=0", "teacher.topk_coef=1.0", "rollout.n=1",
+                        "data.train_batch_size=8", "actor.lr=1e-3", "trainer.total_steps=4"),
+               recipe="recipes/distill.yaml")
+    topk_kl, kl = [r["teacher/topk_kl"] for r in rows], [r["teacher/kl"] for r in rows]
+    assert topk_kl[0] > 0.1 and topk_kl[-1] < topk_kl[0] / 10  # over the teacher's top 8 and the rest
+    assert kl[-1] < kl[0] / 2  # the sampled tokens' reverse KL follows
+    assert all(r["actor/pg_loss"] == 0 for r in rows)
+
+
 def test_the_advantage_is_the_tasks_plus_the_weighted_reverse_kl(tiny_qwen2, sharpened_student, data_dir, tmp_path,
                                                                  monkeypatch):
     seen = []
@@ -93,6 +105,11 @@ def test_teacher_checks_name_the_keys(tiny_qwen2, data_dir, tmp_path):
     for text in ("teacher.kl_coef=0.0 must be > 0", "algorithm.use_kl_in_reward=true shapes the task reward",
                  f"teacher.model.path={tmp_path}/missing: no such directory"):
         assert text in str(err.value)
+    with pytest.raises(ConfigError, match="teacher.topk=-1 must be >= 0"):
+        validate(load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, f"teacher.model.path={tiny_qwen2}",
+                                            "teacher.topk=-1")))
+    with pytest.raises(ConfigError, match="teacher.topk=8 distils from a teacher's top-k; set teacher.model.path"):
+        validate(load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, "teacher.topk=8")))
     cfg = load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, f"teacher.model.path={tiny_qwen2}",
                                      f"teacher.model.tokenizer_path={other_vocabulary}"))
     with pytest.raises(ConfigError, match=r"teacher.model: the tokenizer at .*bpe \(\d+ tokens\) is not the policy's"):

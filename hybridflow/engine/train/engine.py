@@ -166,14 +166,23 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=self.precision.param)
 
     def forward(self, mb: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = False,
-                pack: bool = True) -> tuple[dict[str, torch.Tensor], int]:
+                pack: bool = True, soft_targets: bool = False, topk: int = 0) -> tuple[dict[str, torch.Tensor], int]:
         """One forward over micro-batch `mb`. Returns ({"log_probs", ["entropy"]} or {"values"}, each
-        float32 `[B, R]` and zero off real response tokens; real tokens in the forward)."""
+        float32 `[B, R]` and zero off real response tokens; real tokens in the forward). `soft_targets`: each
+        response token's target is `mb`'s `teacher_topk_ids` at the probabilities `teacher_topk_log_probs` gives
+        (`[B, R, k]`: a teacher's top-k, the rest of its mass one more outcome), and the cross-entropy from it
+        comes back as `topk_ce` (differentiable); `topk` > 0: also the k likeliest tokens of each position
+        (`topk_ids` long and `topk_log_probs`, `[B, R, k]`)."""
         pack = pack and self.pack_allowed
         width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
         position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
         # indices are built on the host (no device syncs), then moved once
         inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
+        soft = None
+        if soft_targets:
+            ids = inputs.per_token(mb["teacher_topk_ids"].cpu()).long()
+            weights = inputs.per_token(mb["teacher_topk_log_probs"].cpu()).float().exp()
+            soft = (to_device(ids, self.device), to_device(weights, self.device))
         inputs = inputs.to(self.device)
         if self.routing is not None:
             self.routing.prepare(*flat_routes(mb, inputs.packed, self.device))
@@ -183,11 +192,16 @@ class TrainEngine:
         with self._autocast():
             if self.head == "lm":
                 keep, index = inputs.lm_keep()
-                with self.lm_head.request(inputs.targets, index, temperature, with_entropy) as req:
+                with self.lm_head.request(inputs.targets, index, temperature, with_entropy, soft, topk) as req:
                     self.model(**inputs.kwargs, logits_to_keep=keep)
                 out = {"log_probs": inputs.unflatten(req.log_probs)}
                 if with_entropy:
                     out["entropy"] = inputs.unflatten(req.entropy)
+                if req.soft_ce is not None:
+                    out["topk_ce"] = inputs.unflatten(req.soft_ce)
+                if req.topk_ids is not None and req.topk_log_probs is not None:
+                    out["topk_ids"] = inputs.unflatten(req.topk_ids, torch.long)
+                    out["topk_log_probs"] = inputs.unflatten(req.topk_log_probs)
             else:
                 scores = self.model(**inputs.kwargs).logits.flatten(0, 1)[:, 0]
                 out = {"values": inputs.unflatten(scores[inputs.positions])}
@@ -207,9 +221,10 @@ class TrainEngine:
     @torch.no_grad()
     def infer(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None,
               max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-              pack: bool = True, row_group: int = 1, eager: bool = False) -> dict[str, torch.Tensor]:
+              pack: bool = True, row_group: int = 1, eager: bool = False, topk: int = 0) -> dict[str, torch.Tensor]:
         """Log-probs (+ entropy) or values for every row of `batch`, `[B, R]` float32 on the CPU; dropout
-        (a LoRA adapter's, or the model's own) is off for these passes. `row_group`: as `micro_batch_rows`.
+        (a LoRA adapter's, or the model's own) is off for these passes. `row_group`: as `micro_batch_rows`;
+        `topk`: as `forward` (`[B, R, k]`).
         `eager`: compiled layers run uncompiled, for a one-off pass (DPO's reference log-probs), which would
         spend far longer compiling a no-grad graph than running (docs/preference.md)."""
         rows = batch["input_ids"].shape[0]
@@ -221,10 +236,10 @@ class TrainEngine:
         try:
             with stance:
                 for g in self.micro_batch_rows(batch, micro_batch_size, max_tokens, row_group):
-                    out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack)
+                    out, _ = self.forward(take_rows(batch, g), temperature, with_entropy, pack, topk=topk)
                     for k, v in out.items():
                         if k not in outs:
-                            outs[k] = torch.zeros(rows, v.shape[1], dtype=torch.float32)
+                            outs[k] = torch.zeros(rows, *v.shape[1:], dtype=v.dtype)
                         if g:
                             outs[k][torch.tensor(g)] = v.cpu()
         finally:
@@ -238,7 +253,7 @@ class TrainEngine:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None = None,
                    max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-                   pack: bool = True, row_group: int = 1) -> dict[str, float]:
+                   pack: bool = True, row_group: int = 1, soft_targets: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's share of a mini-batch.
 
         `loss_fn(outputs, micro_batch, ctx) -> (loss, metrics)` returns the micro-batch's share of the
@@ -246,6 +261,7 @@ class TrainEngine:
         metrics come back averaged over all ranks' response tokens, with `loss` (the summed mini-batch
         loss), `grad_norm` (before clipping), `lr` and `stepped` (0 if the norm was not finite). Runs of
         `row_group` consecutive rows share a micro-batch (a loss that reads them together: preference pairs).
+        `soft_targets`: as `forward` (the outputs then hold `topk_ce`).
         """
         mask = batch["response_mask"]
         counts = all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
@@ -259,7 +275,7 @@ class TrainEngine:
         for i, rows in enumerate(groups):
             self._accumulate_unsharded(last=i == len(groups) - 1)
             mb = take_rows(batch, rows, empty_rows=row_group)
-            out, _ = self.forward(mb, temperature, with_entropy, pack)
+            out, _ = self.forward(mb, temperature, with_entropy, pack, soft_targets)
             loss, metrics = loss_fn(out, {k: to_device(v, self.device) for k, v in mb.items()}, ctx)
             weight = float(mb["response_mask"].sum())
             aux = self.routing.aux_loss() if self.routing is not None else None

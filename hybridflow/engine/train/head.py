@@ -18,20 +18,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.train.logprobs import token_log_probs
+from hybridflow.engine.train.logprobs import head_log_probs, top_k_log_probs
 
 
 @dataclass
 class HeadRequest:
     """What the next forward's head computes: `targets` long `[K]`; `index` long `[K]` into the kept
-    positions flattened over batch and sequence (None: they are exactly the K wanted, in order)."""
+    positions flattened over batch and sequence (None: they are exactly the K wanted, in order); `soft`:
+    (ids `[K, k]`, weights `[K, k]`) a soft target per position, whose cross-entropy goes to `soft_ce`; `topk`:
+    k > 0 also returns the k likeliest tokens' ids and log-probs per position (`topk_ids`, `topk_log_probs`)."""
 
     targets: torch.Tensor
     index: torch.Tensor | None
     temperature: float
     with_entropy: bool
+    soft: tuple[torch.Tensor, torch.Tensor] | None = None
+    topk: int = 0
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    soft_ce: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_log_probs: torch.Tensor | None = None
 
 
 class LogProbHead(torch.nn.Module):
@@ -49,9 +56,11 @@ class LogProbHead(torch.nn.Module):
 
     @contextlib.contextmanager
     def request(self, targets: torch.Tensor, index: torch.Tensor | None, temperature: float,
-                with_entropy: bool) -> Iterator[HeadRequest]:
-        """Within the block, forwards compute log-probs of `targets` into the yielded request."""
-        req = HeadRequest(targets, index, temperature, with_entropy)
+                with_entropy: bool, soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+                topk: int = 0) -> Iterator[HeadRequest]:
+        """Within the block, forwards compute log-probs of `targets` (and what `soft` and `topk` ask) into the
+        yielded request."""
+        req = HeadRequest(targets, index, temperature, with_entropy, soft, topk)
         self._request = req
         try:
             yield req
@@ -65,9 +74,12 @@ class LogProbHead(torch.nn.Module):
         flat = hidden.flatten(0, -2)
         if req.index is not None:
             flat = flat[req.index]
-        req.log_probs, req.entropy = token_log_probs(flat, self.weight, req.targets, req.temperature,
-                                                     req.with_entropy, self.bias, compiled=self.compiled,
-                                                     exact=self.exact)
+        req.log_probs, req.entropy, req.soft_ce = head_log_probs(flat, self.weight, req.targets, req.temperature,
+                                                                 req.with_entropy, self.bias, compiled=self.compiled,
+                                                                 exact=self.exact, soft=req.soft)
+        if req.topk:
+            req.topk_ids, req.topk_log_probs = top_k_log_probs(flat, self.weight, req.topk, req.temperature,
+                                                               self.bias)
         # the model returns this as its `logits`: the log-probs themselves, so FSDP2's hooks on the
         # root's outputs see a tensor of the head's graph
         return req.log_probs

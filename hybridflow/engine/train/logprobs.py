@@ -1,12 +1,14 @@
 """Per-token log-probs and entropy fused with the output projection: full-vocabulary logits never exist.
 
 `token_log_probs(hidden [N, H], weight [V, H], targets [N], temperature)` returns
-`log softmax(hidden @ weight.T / T)[target]` and, optionally, the entropy of that softmax. Tokens are
-processed `chunk` at a time: a chunk's logits `[chunk, V]` are computed, reduced to three numbers per
-token (log-sum-exp, the target's log-prob, the entropy) and dropped. The backward recomputes each
-chunk's logits from the saved hidden states and turns their gradient into the gradients of `hidden`
-and `weight` (and `bias`) at once, so at most one chunk of logits exists at a time in either pass: the
-head's memory no longer grows with the tokens of a micro-batch (`[70k, 152k]` fp32 logits are 42 GB).
+`log softmax(hidden @ weight.T / T)[target]` and, optionally, the entropy of that softmax; `head_log_probs` also
+the cross-entropy from a distillation teacher's top-k (k ids per token, the rest of its mass one more outcome),
+and `top_k_log_probs` a teacher's top-k ids and log-probs. Tokens are processed `chunk` at a time: a chunk's
+logits `[chunk, V]` are computed, reduced to a few numbers per token (log-sum-exp, the target's log-prob, the
+entropy, the top-k cross-entropy) and dropped. The backward recomputes each chunk's logits from the saved hidden
+states and turns their gradient into the gradients of `hidden` and `weight` (and `bias`) at once, so at most one
+chunk of logits exists at a time in either pass: the head's memory no longer grows with the tokens of a
+micro-batch (`[70k, 152k]` fp32 logits are 42 GB).
 
 The per-chunk arithmetic (`_chunk_stats`, `_chunk_grad`) can run through `torch.compile` (`compiled=True`,
 the engine's choice on CUDA), which fuses its fp32 passes over the chunk into one or two kernels. In exact
@@ -29,6 +31,7 @@ from hybridflow.engine import invariant
 # the head's peak stays under half of one full-vocabulary fp32 logits tensor (2**27 compiled did not:
 # docs/training_engine.md).
 CHUNK_ELEMENTS = 2**26
+REST_FLOOR = 1e-6  # the least probability the student's mass outside a teacher's top-k counts as (its log is finite)
 EAGER_CHUNK_ELEMENTS = 2**24
 
 
@@ -61,9 +64,13 @@ def _exact_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: to
 
 
 def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
-                grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_t: float) -> torch.Tensor:
-    """d loss / d logits `[c, V]` in the logits' dtype: d logp_y / dz = onehot(y) - p and
-    d H / dz = -p (log p + H), with z = logits / T."""
+                grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_t: float,
+                soft_ids: torch.Tensor | None = None, soft_q: torch.Tensor | None = None,
+                grad_soft: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d logits `[c, V]` in the logits' dtype: d logp_y / dz = onehot(y) - p,
+    d H / dz = -p (log p + H) and, for the top-k cross-entropy C of `_soft_cross_entropy` (teacher
+    probabilities q at ids i, their sum Q, the student's S = sum_j p_{i_j}, a = (1 - Q) / (1 - S)),
+    d C / dz = (Q - a S) p - scatter(q) + a scatter(p_i), with z = logits / T."""
     log_p = logits.float() * inv_t - lse[:, None]
     p = log_p.exp()
     if grad_entropy is None:
@@ -71,7 +78,26 @@ def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
     else:
         g = -p * (grad_logp[:, None] + grad_entropy[:, None] * (log_p + entropy[:, None]))
     g = g.scatter_add(-1, targets[:, None], grad_logp[:, None])
+    if grad_soft is not None:
+        p_ids = p.gather(-1, soft_ids)
+        mass, student = soft_q.sum(-1), p_ids.sum(-1)
+        rest = (1 - mass).clamp(min=0) / (1 - student).clamp(min=REST_FLOOR)
+        g = g + p * (grad_soft * (mass - rest * student))[:, None]
+        g = g.scatter_add(-1, soft_ids, grad_soft[:, None] * (rest[:, None] * p_ids - soft_q))
     return (g * inv_t).to(logits.dtype)
+
+
+def _soft_cross_entropy(logits: torch.Tensor, lse: torch.Tensor, soft_ids: torch.Tensor, soft_q: torch.Tensor,
+                        inv_t: float | torch.Tensor) -> torch.Tensor:
+    """The cross-entropy `[c]` fp32 from a teacher's top-k to the student over k + 1 outcomes: each of the k
+    ids, and the rest of the vocabulary as one: -sum_j q_j log p_{i_j} - (1 - sum_j q_j) log(1 - sum_j p_{i_j}),
+    with q the teacher's probabilities at ids i. Its minimum is at p_{i_j} = q_j: the student matches the
+    teacher's probability of each of its likeliest tokens and, in sum, of all the others. From a chunk's logits
+    `[c, V]` and log-sum-exp: only the `[c, k]` logits at the ids are read."""
+    log_p = logits.gather(-1, soft_ids).float() * inv_t - lse[:, None]
+    rest = (1 - soft_q.sum(-1)).clamp(min=0)
+    student_rest = (1 - log_p.exp().sum(-1)).clamp(min=REST_FLOOR)
+    return -(soft_q * log_p).sum(-1) - rest * student_rest.log()
 
 
 @functools.cache
@@ -82,7 +108,7 @@ def _compiled(fn):
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, chunk: int,
-                compiled: bool, exact: bool):
+                compiled: bool, exact: bool, soft_ids, soft_q):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         stats = _compiled(_chunk_stats) if compiled else _chunk_stats
@@ -90,24 +116,27 @@ class _TokenLogProbs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         logp = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else None
+        soft = None if soft_ids is None else torch.empty_like(lse)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             if exact:
-                lse[s:e], logp[s:e], ent = _exact_chunk_stats(invariant.linear(hidden[s:e], weight, bias),
-                                                              targets[s:e], scale, with_entropy)
+                logits = invariant.linear(hidden[s:e], weight, bias)
+                lse[s:e], logp[s:e], ent = _exact_chunk_stats(logits, targets[s:e], scale, with_entropy)
             else:
-                lse[s:e], logp[s:e], ent = stats(F.linear(hidden[s:e], weight, bias), targets[s:e], inv_t,
-                                                 with_entropy)
+                logits = F.linear(hidden[s:e], weight, bias)
+                lse[s:e], logp[s:e], ent = stats(logits, targets[s:e], inv_t, with_entropy)
             if with_entropy:
                 entropy[s:e] = ent
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+            if soft is not None:
+                soft[s:e] = _soft_cross_entropy(logits, lse[s:e], soft_ids[s:e], soft_q[s:e], inv_t)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, soft_ids, soft_q)
         ctx.inv_t, ctx.chunk, ctx.compiled = inv_t, chunk, compiled
-        ctx.set_materialize_grads(False)  # an unused entropy output gets None: the cheaper backward
-        return (logp, entropy) if with_entropy else (logp,)
+        ctx.set_materialize_grads(False)  # an unused output gets None: the cheaper backward
+        return logp, entropy, soft
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy=None):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy=None, grad_soft=None):
+        hidden, weight, bias, targets, lse, entropy, soft_ids, soft_q = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
@@ -121,16 +150,19 @@ class _TokenLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
+            soft = {} if grad_soft is None else dict(soft_ids=soft_ids[s:e], soft_q=soft_q[s:e],
+                                                     grad_soft=grad_soft[s:e])
             g = grad_fn(F.linear(h, weight, bias), targets[s:e], lse[s:e],
                         None if entropy is None else entropy[s:e], grad_logp[s:e],
-                        None if grad_entropy is None else grad_entropy[s:e], ctx.inv_t)
+                        None if grad_entropy is None else grad_entropy[s:e], ctx.inv_t, **soft)
             if need_h:
                 torch.mm(g, weight, out=grad_h[s:e])
             if need_w:
                 grad_w.addmm_(g.t(), h)
             if need_b:
                 grad_b += g.float().sum(0)
-        return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None
+        return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None,
+                None, None)
 
 
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -141,6 +173,18 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     with respect to hidden, weight and bias. `chunk_size`: tokens per chunk (default `default_chunk(V, compiled)`).
     Under autocast the matmuls run in the autocast dtype, as the plain head's would. `exact`: the forward runs
     the invariant ops, in hidden's dtype (see the module docstring)."""
+    logp, entropy, _ = head_log_probs(hidden, weight, targets, temperature, with_entropy, bias, chunk_size, compiled,
+                                      exact)
+    return logp, entropy
+
+
+def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False, bias: torch.Tensor | None = None, chunk_size: int | None = None,
+                   compiled: bool = False, exact: bool = False, soft: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`token_log_probs`, and with `soft` = (ids long `[N, k]`, a teacher's probabilities `[N, k]` of them: its
+    top-k) the cross-entropy from that top-k (and the rest of its mass as one outcome) to the same softmax
+    (`_soft_cross_entropy`), `[N]` fp32 and differentiable too (None without `soft`)."""
     if (hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]
             or weight.shape[1] != hidden.shape[1]):
         raise ValueError(f"hidden must be [N, H], weight [V, H] and targets [N]; got {tuple(hidden.shape)}, "
@@ -153,8 +197,36 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         bias = None if bias is None else bias.to(dtype)
     if exact:
         weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+    if soft is not None and (soft[0].shape != soft[1].shape or soft[0].shape[:1] != targets.shape):
+        raise ValueError(f"soft targets must be ids [N, k] and weights [N, k] for N = {targets.shape[0]}; got "
+                         f"{tuple(soft[0].shape)} and {tuple(soft[1].shape)}")
+    soft_ids, soft_q = (None, None) if soft is None else (soft[0], soft[1].float())
     chunk = chunk_size or default_chunk(weight.shape[0], compiled)
     with torch.autocast(hidden.device.type, enabled=False):
-        out = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature), bool(with_entropy),
-                                   int(chunk), bool(compiled), bool(exact))
-    return (out[0], out[1]) if with_entropy else (out[0], None)
+        logp, entropy, cross = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature),
+                                                    bool(with_entropy), int(chunk), bool(compiled), bool(exact),
+                                                    soft_ids, soft_q)
+    return logp, entropy, cross
+
+
+@torch.no_grad()
+def top_k_log_probs(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0,
+                    bias: torch.Tensor | None = None, chunk_size: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids long `[N, k]`, log-probs fp32 `[N, k]`) of the k likeliest tokens of `softmax(hidden @ weight.T +
+    bias)` at `temperature` at each of the N positions, largest first; chunked like `token_log_probs` (a
+    distillation teacher's distribution, `teacher.topk`)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    n, inv_t = hidden.shape[0], 1.0 / temperature
+    chunk = chunk_size or default_chunk(weight.shape[0], compiled=False)
+    ids = torch.empty(n, k, dtype=torch.long, device=hidden.device)
+    logp = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for s in range(0, n, chunk):
+            z = F.linear(hidden[s:s + chunk], weight, bias).float() * inv_t
+            top, ids[s:s + chunk] = z.topk(k, dim=-1)
+            logp[s:s + chunk] = top - torch.logsumexp(z, dim=-1, keepdim=True)
+    return ids, logp

@@ -65,11 +65,16 @@ class ModelInputs:
         b, pos = self.positions // width, self.positions % width
         return kept, b * kept + pos - (width - kept)
 
-    def unflatten(self, values: torch.Tensor) -> torch.Tensor:
-        """`[K]` per-response-token values -> `[B, R]` float32, zero where no real token is."""
-        out = values.new_zeros(self.rows * self.response_width, dtype=torch.float32)
-        out[self.scatter] = values.float()
-        return out.view(self.rows, self.response_width)
+    def unflatten(self, values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`[K, ...]` per-response-token values -> `[B, R, ...]` in `dtype`, zero where no real token is."""
+        out = values.new_zeros(self.rows * self.response_width, *values.shape[1:], dtype=dtype)
+        out[self.scatter] = values.to(dtype)
+        return out.view(self.rows, self.response_width, *values.shape[1:])
+
+    def per_token(self, values: torch.Tensor) -> torch.Tensor:
+        """`[B, R, ...]` values laid out like the response -> `[K, ...]` at the real response tokens, in the
+        order of `targets` (`unflatten`'s inverse)."""
+        return values.reshape(self.rows * self.response_width, *values.shape[2:])[self.scatter]
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from train_helpers import model_cfg, rl_batch
 
 from hybridflow.engine.train import TrainEngine, token_log_probs
+from hybridflow.engine.train.logprobs import head_log_probs, top_k_log_probs
 from hybridflow.engine.train.head import LogProbHead
 from hybridflow.engine.train.packing import build_inputs
 
@@ -122,6 +123,45 @@ def test_fused_log_probs_and_entropy_match_autograd_on_full_logits(temperature, 
     torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=tol, rtol=tol)
     for g, t in zip(got, exact):
         torch.testing.assert_close(g.double(), t.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_top_k_cross_entropy_and_its_gradient_match_autograd_on_full_logits(entropy_grad, tol=1e-5):
+    """`head_log_probs`'s soft target: a teacher's probabilities q at k ids per token, the rest of its mass one
+    more outcome: -sum q log p_i - (1 - sum q) log(1 - sum p_i), beside the log-probs (and the entropy)."""
+    torch.manual_seed(1)
+    n, hidden_size, vocab, k = 29, 16, 50, 5
+    hidden = torch.randn(n, hidden_size, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size, dtype=torch.float64) / 4).requires_grad_()
+    targets = torch.randint(0, vocab, (n,))
+    ids = torch.stack([torch.randperm(vocab)[:k] for _ in range(n)])
+    q = torch.rand(n, k, dtype=torch.float64) * 0.18  # at most 0.9 of the teacher's mass on its top k
+    w1, w2, w3 = (torch.randn(n, dtype=torch.float64) for _ in range(3))
+    logp, ent, cross = head_log_probs(hidden, weight, targets, 0.8, entropy_grad, chunk_size=8, soft=(ids, q))
+    assert (ent is not None) == entropy_grad
+    (w1 * logp + w2 * cross + (w3 * ent if entropy_grad else 0)).sum().backward()
+    got = [t.grad.clone() for t in (hidden, weight)]
+    exact = [t.detach().requires_grad_() for t in (hidden, weight)]
+    ref_all = ((exact[0] @ exact[1].T) / 0.8).log_softmax(-1)
+    at_ids = ref_all.gather(-1, ids)
+    ref_cross = -(q * at_ids).sum(-1) - (1 - q.sum(-1)) * torch.log1p(-at_ids.exp().sum(-1))
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    (w1 * ref_all.gather(-1, targets[:, None]).squeeze(-1) + w2 * ref_cross
+     + (w3 * ref_ent if entropy_grad else 0)).sum().backward()
+    torch.testing.assert_close(cross.double(), ref_cross.detach(), atol=tol, rtol=tol)
+    for g, t in zip(got, exact):
+        torch.testing.assert_close(g.double(), t.grad, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match=r"soft targets must be ids \[N, k\] and weights \[N, k\] for N = 29"):
+        head_log_probs(hidden, weight, targets, soft=(ids[:3], q[:3]))
+
+
+def test_top_k_log_probs_are_the_full_softmax_s_largest():
+    torch.manual_seed(2)
+    hidden, weight, bias = torch.randn(23, 16), torch.randn(50, 16) / 4, torch.randn(50)
+    ids, logp = top_k_log_probs(hidden, weight, 7, 0.9, bias, chunk_size=6)
+    full = ((hidden @ weight.T + bias) / 0.9).log_softmax(-1).topk(7, -1)
+    assert torch.equal(ids, full.indices) and ids.dtype == torch.long
+    torch.testing.assert_close(logp, full.values, atol=1e-5, rtol=0)
 
 
 def test_head_without_a_request_is_the_plain_linear_head():
