@@ -37,11 +37,10 @@ def actor_loss(cfg: ActorConfig, use_kl: bool, use_entropy: bool, mismatch: Roll
     """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
     (- entropy_coef x entropy) (+ topk_coef x the cross-entropy from a distillation teacher's top-k, the
     forward's `topk_ce`, reported as `teacher/topk_kl`: that minus the teacher's own entropy over the same k + 1
-    outcomes). Needs
-    `advantages`, `response_mask` (and `ref_log_probs`, `teacher_topk_log_probs`); without `old_log_probs`
-    (on-policy: one optimizer step per batch) the current log-probs, detached, stand in. Entropy is reported
-    whenever the forward computed it. With `mismatch`, the advantages are weighted by the rollout correction
-    and the training–inference mismatch is recorded."""
+    outcomes). Needs `advantages`, `response_mask` (and `ref_log_probs`, `teacher_topk_log_probs`); without
+    `old_log_probs` (on-policy: one optimizer step per batch) the current log-probs, detached, stand in. Entropy
+    is reported whenever the forward computed it. With `mismatch`, the advantages are weighted by the rollout
+    correction and the training–inference mismatch is recorded."""
 
     def loss_fn(out: dict, mb: dict, ctx: LossContext):
         mask, logp = mb["response_mask"], out["log_probs"]
