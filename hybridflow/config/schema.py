@@ -349,11 +349,14 @@ class TeacherConfig:
     task_reward: bool = opt(False, "add the task reward's advantages (algorithm.adv_estimator over the scores) to "
                                    "the distillation advantage; false = distillation alone (no critic, any rollout.n)")
     topk: int = opt(0, "k > 0: the teacher also returns its k likeliest tokens at every response position, and the "
-                       "update adds teacher.topk_coef x the cross-entropy from that top-k distribution (renormalised) "
-                       "to the policy's, a forward KL on the teacher's likeliest tokens (GKD's, over k tokens instead "
-                       "of the vocabulary; teacher/topk_kl); 0 = the sampled tokens' reverse KL alone")
-    topk_coef: float = opt(1.0, "teacher.topk > 0: the weight of the top-k cross-entropy in the actor's loss, "
-                                "aggregated over response tokens like the policy loss (actor.loss_agg)")
+                       "update adds teacher.topk_coef x the KL between that top-k (the rest of the teacher's mass one "
+                       "more outcome) and the policy's distribution (teacher/topk_kl; GKD's and TRL's over k + 1 "
+                       "outcomes instead of the vocabulary); 0 = the sampled tokens' reverse KL alone")
+    topk_coef: float = opt(1.0, "teacher.topk > 0: the weight of the top-k KL in the actor's loss, aggregated over "
+                                "response tokens like the policy loss (actor.loss_agg)")
+    topk_divergence: str = opt("reverse", "teacher.topk > 0: reverse = KL(policy || teacher), mode-seeking (TRL's "
+                                          "DistillationTrainer default, beta=1); forward = KL(teacher || policy), "
+                                          "mass-covering (beta=0)", ("reverse", "forward"))
 
 
 @dataclass

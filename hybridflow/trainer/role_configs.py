@@ -46,7 +46,8 @@ def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None 
                               reference_copy=facts.reference_copy, mini_batch_rows=facts.actor_mini_batch_rows,
                               total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len,
                               router=router, lend_frozen_weights=facts.lend_frozen_weights,
-                              topk_coef=cfg.teacher.topk_coef if facts.teacher and cfg.teacher.topk else 0.0)
+                              topk_coef=cfg.teacher.topk_coef if facts.teacher and cfg.teacher.topk else 0.0,
+                              topk_divergence=cfg.teacher.topk_divergence)
 
 
 def critic_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,

@@ -35,9 +35,8 @@ def _agg(cfg: OptimConfig, ctx: LossContext, width: int) -> dict:
 def actor_loss(cfg: ActorConfig, use_kl: bool, use_entropy: bool, mismatch: RolloutMismatch | None = None,
                topk_coef: float = 0.0) -> LossFunction:
     """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
-    (- entropy_coef x entropy) (+ topk_coef x the cross-entropy from a distillation teacher's top-k, the
-    forward's `topk_ce`, reported as `teacher/topk_kl`: that minus the teacher's own entropy over the same k + 1
-    outcomes). Needs `advantages`, `response_mask` (and `ref_log_probs`, `teacher_topk_log_probs`); without
+    (- entropy_coef x entropy) (+ topk_coef x the KL to a distillation teacher's top-k, the forward's `topk_kl`,
+    reported as `teacher/topk_kl`). Needs `advantages`, `response_mask` (and `ref_log_probs`); without
     `old_log_probs` (on-policy: one optimizer step per batch) the current log-probs, detached, stand in. Entropy
     is reported whenever the forward computed it. With `mismatch`, the advantages are weighted by the rollout
     correction and the training–inference mismatch is recorded."""
@@ -64,12 +63,10 @@ def actor_loss(cfg: ActorConfig, use_kl: bool, use_entropy: bool, mismatch: Roll
             if use_entropy:
                 loss = loss - cfg.entropy_coef * entropy
         if topk_coef:
-            cross = aggregate(out["topk_ce"], mask, cfg.loss_agg, ctx.global_tokens, ctx.global_seqs, mask.shape[1])
-            loss = loss + topk_coef * cross
-            teacher = mb["teacher_topk_log_probs"].float()
-            rest = (1 - teacher.exp().sum(-1)).clamp(min=0)
-            kl = out["topk_ce"].detach() + (teacher.exp() * teacher).sum(-1) + rest * rest.clamp(min=1e-30).log()
-            metrics["teacher/topk_kl"] = (kl * mask).sum() / mask.sum().clamp(min=1)
+            kl = out["topk_kl"]
+            loss = loss + topk_coef * aggregate(kl, mask, cfg.loss_agg, ctx.global_tokens, ctx.global_seqs,
+                                                mask.shape[1])
+            metrics["teacher/topk_kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
         return loss, metrics
 
     return loss_fn
@@ -98,11 +95,11 @@ def _mean_over_ranks(values: dict[str, float], engine: TrainEngineContract) -> d
 def run_update(engine: TrainEngineContract, tensors: dict[str, torch.Tensor], cfg: EngineOptimConfig,
                loss_fn: LossFunction, *, passes: int, prefix: str, mini_batch_rows: int | None = None,
                temperature: float = 1.0, with_entropy: bool = False, seed: int = 0, row_group: int = 1,
-               soft_targets: bool = False) -> dict[str, float]:
+               soft_targets: str | None = None) -> dict[str, float]:
     """All optimizer steps of one trainer step: `passes` passes over the rows, each cut into mini-batches of
     `mini_batch_rows` rows over all ranks (None: one mini-batch) and those into `cfg`'s micro-batches (runs of
     `row_group` consecutive rows stay in one mini- and micro-batch); metrics identical on every rank.
-    `soft_targets`: `TrainEngine.train_step`'s (the loss reads the forward's `topk_ce`).
+    `soft_targets`: `TrainEngine.train_step`'s (the loss reads the forward's `topk_kl`).
 
     Returns the loss metrics averaged over steps, `{prefix}/grad_norm` (mean pre-clip norm),
     `{prefix}/lr` (of the last step), `{prefix}/skipped_steps` (non-finite norms so far),

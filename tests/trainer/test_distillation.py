@@ -46,12 +46,13 @@ def test_distillation_alone_lowers_the_kl_to_a_fixed_teacher(sharpened_student, 
     assert resolved.teacher.model.path == str(tiny_qwen2) and resolved.teacher.param_offload
 
 
-def test_top_k_distillation_alone_lowers_both_kls(sharpened_student, tiny_qwen2, data_dir, tmp_path):
-    # teacher.kl_coef=0: no advantage at all, the teacher's top-8 cross-entropy (teacher.topk) is the only loss
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_top_k_distillation_alone_lowers_both_kls(sharpened_student, tiny_qwen2, data_dir, tmp_path, divergence):
+    # teacher.kl_coef=0: no advantage at all, the KL to the teacher's top 8 (teacher.topk) is the only loss
     rows = run(sharpened_student, data_dir, tmp_path,
                *distill(tiny_qwen2, "teacher.topk=8", "teacher.kl_coef=0", "teacher.topk_coef=1.0", "rollout.n=1",
-                        "data.train_batch_size=8", "actor.lr=1e-3", "trainer.total_steps=4"),
-               recipe="recipes/distill.yaml")
+                        f"teacher.topk_divergence={divergence}", "data.train_batch_size=8", "actor.lr=1e-3",
+                        "trainer.total_steps=4"), recipe="recipes/distill.yaml")
     topk_kl, kl = [r["teacher/topk_kl"] for r in rows], [r["teacher/kl"] for r in rows]
     assert topk_kl[0] > 0.1 and topk_kl[-1] < topk_kl[0] / 10  # over the teacher's top 8 and the rest
     assert kl[-1] < kl[0] / 2  # the sampled tokens' reverse KL follows

@@ -166,13 +166,14 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=self.precision.param)
 
     def forward(self, mb: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = False,
-                pack: bool = True, soft_targets: bool = False, topk: int = 0) -> tuple[dict[str, torch.Tensor], int]:
+                pack: bool = True, soft_targets: str | None = None, topk: int = 0
+                ) -> tuple[dict[str, torch.Tensor], int]:
         """One forward over micro-batch `mb`. Returns ({"log_probs", ["entropy"]} or {"values"}, each
-        float32 `[B, R]` and zero off real response tokens; real tokens in the forward). `soft_targets`: each
-        response token's target is `mb`'s `teacher_topk_ids` at the probabilities `teacher_topk_log_probs` gives
-        (`[B, R, k]`: a teacher's top-k, the rest of its mass one more outcome), and the cross-entropy from it
-        comes back as `topk_ce` (differentiable); `topk` > 0: also the k likeliest tokens of each position
-        (`topk_ids` long and `topk_log_probs`, `[B, R, k]`)."""
+        float32 `[B, R]` and zero off real response tokens; real tokens in the forward). `soft_targets`
+        ("reverse" or "forward"): each response token's KL in that direction between the policy and `mb`'s
+        `teacher_topk_ids` at `teacher_topk_log_probs` (`[B, R, k]`: a teacher's top-k, the rest of its mass one
+        more outcome) comes back as `topk_kl` (differentiable); `topk` > 0: also the k likeliest tokens of each
+        position (`topk_ids` long and `topk_log_probs`, `[B, R, k]`)."""
         pack = pack and self.pack_allowed
         width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
         position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
@@ -181,8 +182,8 @@ class TrainEngine:
         soft = None
         if soft_targets:
             ids = inputs.per_token(mb["teacher_topk_ids"].cpu()).long()
-            weights = inputs.per_token(mb["teacher_topk_log_probs"].cpu()).float().exp()
-            soft = (to_device(ids, self.device), to_device(weights, self.device))
+            log_q = inputs.per_token(mb["teacher_topk_log_probs"].cpu()).float()
+            soft = (to_device(ids, self.device), to_device(log_q, self.device))
         inputs = inputs.to(self.device)
         if self.routing is not None:
             self.routing.prepare(*flat_routes(mb, inputs.packed, self.device))
@@ -192,13 +193,14 @@ class TrainEngine:
         with self._autocast():
             if self.head == "lm":
                 keep, index = inputs.lm_keep()
-                with self.lm_head.request(inputs.targets, index, temperature, with_entropy, soft, topk) as req:
+                with self.lm_head.request(inputs.targets, index, temperature, with_entropy, soft,
+                                          soft_targets == "reverse", topk) as req:
                     self.model(**inputs.kwargs, logits_to_keep=keep)
                 out = {"log_probs": inputs.unflatten(req.log_probs)}
                 if with_entropy:
                     out["entropy"] = inputs.unflatten(req.entropy)
-                if req.soft_ce is not None:
-                    out["topk_ce"] = inputs.unflatten(req.soft_ce)
+                if req.soft_kl is not None:
+                    out["topk_kl"] = inputs.unflatten(req.soft_kl)
                 if req.topk_ids is not None and req.topk_log_probs is not None:
                     out["topk_ids"] = inputs.unflatten(req.topk_ids, torch.long)
                     out["topk_log_probs"] = inputs.unflatten(req.topk_log_probs)
@@ -253,7 +255,7 @@ class TrainEngine:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None = None,
                    max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-                   pack: bool = True, row_group: int = 1, soft_targets: bool = False) -> dict[str, float]:
+                   pack: bool = True, row_group: int = 1, soft_targets: str | None = None) -> dict[str, float]:
         """One optimizer step over this rank's share of a mini-batch.
 
         `loss_fn(outputs, micro_batch, ctx) -> (loss, metrics)` returns the micro-batch's share of the
@@ -261,7 +263,7 @@ class TrainEngine:
         metrics come back averaged over all ranks' response tokens, with `loss` (the summed mini-batch
         loss), `grad_norm` (before clipping), `lr` and `stepped` (0 if the norm was not finite). Runs of
         `row_group` consecutive rows share a micro-batch (a loss that reads them together: preference pairs).
-        `soft_targets`: as `forward` (the outputs then hold `topk_ce`).
+        `soft_targets`: as `forward` (the outputs then hold `topk_kl`).
         """
         mask = batch["response_mask"]
         counts = all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],

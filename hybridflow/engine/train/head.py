@@ -25,18 +25,20 @@ from hybridflow.engine.train.logprobs import head_log_probs, top_k_log_probs
 class HeadRequest:
     """What the next forward's head computes: `targets` long `[K]`; `index` long `[K]` into the kept
     positions flattened over batch and sequence (None: they are exactly the K wanted, in order); `soft`:
-    (ids `[K, k]`, weights `[K, k]`) a soft target per position, whose cross-entropy goes to `soft_ce`; `topk`:
-    k > 0 also returns the k likeliest tokens' ids and log-probs per position (`topk_ids`, `topk_log_probs`)."""
+    (ids `[K, k]`, log-probs `[K, k]`) a teacher's top-k per position, whose KL to the policy (reverse with
+    `soft_reverse`, else forward) goes to `soft_kl`; `topk`: k > 0 also returns the k likeliest tokens' ids and
+    log-probs per position (`topk_ids`, `topk_log_probs`)."""
 
     targets: torch.Tensor
     index: torch.Tensor | None
     temperature: float
     with_entropy: bool
     soft: tuple[torch.Tensor, torch.Tensor] | None = None
+    soft_reverse: bool = True
     topk: int = 0
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
-    soft_ce: torch.Tensor | None = None
+    soft_kl: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_log_probs: torch.Tensor | None = None
 
@@ -56,11 +58,11 @@ class LogProbHead(torch.nn.Module):
 
     @contextlib.contextmanager
     def request(self, targets: torch.Tensor, index: torch.Tensor | None, temperature: float,
-                with_entropy: bool, soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+                with_entropy: bool, soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_reverse: bool = True,
                 topk: int = 0) -> Iterator[HeadRequest]:
         """Within the block, forwards compute log-probs of `targets` (and what `soft` and `topk` ask) into the
         yielded request."""
-        req = HeadRequest(targets, index, temperature, with_entropy, soft, topk)
+        req = HeadRequest(targets, index, temperature, with_entropy, soft, soft_reverse, topk)
         self._request = req
         try:
             yield req
@@ -74,9 +76,10 @@ class LogProbHead(torch.nn.Module):
         flat = hidden.flatten(0, -2)
         if req.index is not None:
             flat = flat[req.index]
-        req.log_probs, req.entropy, req.soft_ce = head_log_probs(flat, self.weight, req.targets, req.temperature,
+        req.log_probs, req.entropy, req.soft_kl = head_log_probs(flat, self.weight, req.targets, req.temperature,
                                                                  req.with_entropy, self.bias, compiled=self.compiled,
-                                                                 exact=self.exact, soft=req.soft)
+                                                                 exact=self.exact, soft=req.soft,
+                                                                 soft_reverse=req.soft_reverse)
         if req.topk:
             req.topk_ids, req.topk_log_probs = top_k_log_probs(flat, self.weight, req.topk, req.temperature,
                                                                self.bias)

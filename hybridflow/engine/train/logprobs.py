@@ -65,12 +65,13 @@ def _exact_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: to
 
 def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                 grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_t: float,
-                soft_ids: torch.Tensor | None = None, soft_q: torch.Tensor | None = None,
-                grad_soft: torch.Tensor | None = None) -> torch.Tensor:
+                soft_ids: torch.Tensor | None = None, soft_log_q: torch.Tensor | None = None,
+                grad_soft: torch.Tensor | None = None, soft_reverse: bool = False) -> torch.Tensor:
     """d loss / d logits `[c, V]` in the logits' dtype: d logp_y / dz = onehot(y) - p,
-    d H / dz = -p (log p + H) and, for the top-k cross-entropy C of `_soft_cross_entropy` (teacher
-    probabilities q at ids i, their sum Q, the student's S = sum_j p_{i_j}, a = (1 - Q) / (1 - S)),
-    d C / dz = (Q - a S) p - scatter(q) + a scatter(p_i), with z = logits / T."""
+    d H / dz = -p (log p + H) and, for `_top_k_kl` with the student's s_j = p_{i_j} at the teacher's ids i,
+    S = sum_j s_j, the rests r = 1 - S and q_r = 1 - sum_j q_j: forward, (Q - a S) p - scatter(q) + a scatter(s)
+    with a = q_r / r; reverse, scatter(A - B s) - (sum_j A_j - B S) p with A_j = s_j (log s_j - log q_j) and
+    B = log r - log q_r; z = logits / T."""
     log_p = logits.float() * inv_t - lse[:, None]
     p = log_p.exp()
     if grad_entropy is None:
@@ -79,25 +80,39 @@ def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
         g = -p * (grad_logp[:, None] + grad_entropy[:, None] * (log_p + entropy[:, None]))
     g = g.scatter_add(-1, targets[:, None], grad_logp[:, None])
     if grad_soft is not None:
-        p_ids = p.gather(-1, soft_ids)
-        mass, student = soft_q.sum(-1), p_ids.sum(-1)
-        rest = (1 - mass).clamp(min=0) / (1 - student).clamp(min=REST_FLOOR)
-        g = g + p * (grad_soft * (mass - rest * student))[:, None]
-        g = g.scatter_add(-1, soft_ids, grad_soft[:, None] * (rest[:, None] * p_ids - soft_q))
+        s = p.gather(-1, soft_ids)
+        student, q, log_rests = s.sum(-1), soft_log_q.exp(), _rests(s, soft_log_q)
+        if soft_reverse:
+            a = s * (s.clamp(min=1e-30).log() - soft_log_q)
+            b = log_rests[0] - log_rests[1]
+            at_ids, everywhere = a - b[:, None] * s, b * student - a.sum(-1)
+        else:
+            rest = log_rests[1].exp() / log_rests[0].exp()
+            at_ids, everywhere = rest[:, None] * s - q, q.sum(-1) - rest * student
+        g = g + p * (grad_soft * everywhere)[:, None]
+        g = g.scatter_add(-1, soft_ids, grad_soft[:, None] * at_ids)
     return (g * inv_t).to(logits.dtype)
 
 
-def _soft_cross_entropy(logits: torch.Tensor, lse: torch.Tensor, soft_ids: torch.Tensor, soft_q: torch.Tensor,
-                        inv_t: float | torch.Tensor) -> torch.Tensor:
-    """The cross-entropy `[c]` fp32 from a teacher's top-k to the student over k + 1 outcomes: each of the k
-    ids, and the rest of the vocabulary as one: -sum_j q_j log p_{i_j} - (1 - sum_j q_j) log(1 - sum_j p_{i_j}),
-    with q the teacher's probabilities at ids i. Its minimum is at p_{i_j} = q_j: the student matches the
-    teacher's probability of each of its likeliest tokens and, in sum, of all the others. From a chunk's logits
-    `[c, V]` and log-sum-exp: only the `[c, k]` logits at the ids are read."""
-    log_p = logits.gather(-1, soft_ids).float() * inv_t - lse[:, None]
-    rest = (1 - soft_q.sum(-1)).clamp(min=0)
-    student_rest = (1 - log_p.exp().sum(-1)).clamp(min=REST_FLOOR)
-    return -(soft_q * log_p).sum(-1) - rest * student_rest.log()
+def _rests(s: torch.Tensor, log_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log of the student's mass outside the ids, log of the teacher's), each at least `REST_FLOOR`."""
+    return ((1 - s.sum(-1)).clamp(min=REST_FLOOR).log(), (1 - log_q.exp().sum(-1)).clamp(min=REST_FLOOR).log())
+
+
+def _top_k_kl(logits: torch.Tensor, lse: torch.Tensor, soft_ids: torch.Tensor, soft_log_q: torch.Tensor,
+              inv_t: float | torch.Tensor, reverse: bool) -> torch.Tensor:
+    """The KL `[c]` fp32 between a teacher's top-k and the student over k + 1 outcomes: each of the k ids, and
+    the rest of the vocabulary as one. Forward, KL(teacher || student) = sum_j q_j log(q_j / s_j) + q_r log(q_r /
+    r); reverse, KL(student || teacher) = sum_j s_j log(s_j / q_j) + r log(r / q_r), with q the teacher's
+    probabilities at ids i, s the student's, q_r and r the rests. Both are 0 where s_j = q_j: the student matches
+    the teacher's probability of each of its likeliest tokens and, in sum, of all the others. From a chunk's
+    logits `[c, V]` and log-sum-exp: only the `[c, k]` logits at the ids are read."""
+    log_s = logits.gather(-1, soft_ids).float() * inv_t - lse[:, None]
+    s, q = log_s.exp(), soft_log_q.exp()
+    log_r, log_q_r = _rests(s, soft_log_q)
+    if reverse:
+        return (s * (log_s - soft_log_q)).sum(-1) + log_r.exp() * (log_r - log_q_r)
+    return (q * (soft_log_q - log_s)).sum(-1) + log_q_r.exp() * (log_q_r - log_r)
 
 
 @functools.cache
@@ -108,7 +123,7 @@ def _compiled(fn):
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, chunk: int,
-                compiled: bool, exact: bool, soft_ids, soft_q):
+                compiled: bool, exact: bool, soft_ids, soft_log_q, soft_reverse: bool):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         stats = _compiled(_chunk_stats) if compiled else _chunk_stats
@@ -128,15 +143,15 @@ class _TokenLogProbs(torch.autograd.Function):
             if with_entropy:
                 entropy[s:e] = ent
             if soft is not None:
-                soft[s:e] = _soft_cross_entropy(logits, lse[s:e], soft_ids[s:e], soft_q[s:e], inv_t)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, soft_ids, soft_q)
-        ctx.inv_t, ctx.chunk, ctx.compiled = inv_t, chunk, compiled
+                soft[s:e] = _top_k_kl(logits, lse[s:e], soft_ids[s:e], soft_log_q[s:e], inv_t, soft_reverse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, soft_ids, soft_log_q)
+        ctx.inv_t, ctx.chunk, ctx.compiled, ctx.soft_reverse = inv_t, chunk, compiled, soft_reverse
         ctx.set_materialize_grads(False)  # an unused output gets None: the cheaper backward
         return logp, entropy, soft
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None, grad_soft=None):
-        hidden, weight, bias, targets, lse, entropy, soft_ids, soft_q = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, soft_ids, soft_log_q = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
@@ -150,8 +165,8 @@ class _TokenLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            soft = {} if grad_soft is None else dict(soft_ids=soft_ids[s:e], soft_q=soft_q[s:e],
-                                                     grad_soft=grad_soft[s:e])
+            soft = {} if grad_soft is None else dict(soft_ids=soft_ids[s:e], soft_log_q=soft_log_q[s:e],
+                                                     grad_soft=grad_soft[s:e], soft_reverse=ctx.soft_reverse)
             g = grad_fn(F.linear(h, weight, bias), targets[s:e], lse[s:e],
                         None if entropy is None else entropy[s:e], grad_logp[s:e],
                         None if grad_entropy is None else grad_entropy[s:e], ctx.inv_t, **soft)
@@ -162,7 +177,7 @@ class _TokenLogProbs(torch.autograd.Function):
             if need_b:
                 grad_b += g.float().sum(0)
         return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -180,11 +195,12 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, bias: torch.Tensor | None = None, chunk_size: int | None = None,
-                   compiled: bool = False, exact: bool = False, soft: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`token_log_probs`, and with `soft` = (ids long `[N, k]`, a teacher's probabilities `[N, k]` of them: its
-    top-k) the cross-entropy from that top-k (and the rest of its mass as one outcome) to the same softmax
-    (`_soft_cross_entropy`), `[N]` fp32 and differentiable too (None without `soft`)."""
+                   compiled: bool = False, exact: bool = False, soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   soft_reverse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`token_log_probs`, and with `soft` = (ids long `[N, k]`, a teacher's log-probs `[N, k]` of them: its
+    top-k) the KL between that top-k (the rest of its mass one more outcome) and the same softmax, `_top_k_kl`,
+    reverse (the student's to the teacher's) or forward: `[N]` fp32 and differentiable too (None without
+    `soft`)."""
     if (hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]
             or weight.shape[1] != hidden.shape[1]):
         raise ValueError(f"hidden must be [N, H], weight [V, H] and targets [N]; got {tuple(hidden.shape)}, "
@@ -198,15 +214,15 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if exact:
         weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
     if soft is not None and (soft[0].shape != soft[1].shape or soft[0].shape[:1] != targets.shape):
-        raise ValueError(f"soft targets must be ids [N, k] and weights [N, k] for N = {targets.shape[0]}; got "
+        raise ValueError(f"soft targets must be ids [N, k] and log-probs [N, k] for N = {targets.shape[0]}; got "
                          f"{tuple(soft[0].shape)} and {tuple(soft[1].shape)}")
-    soft_ids, soft_q = (None, None) if soft is None else (soft[0], soft[1].float())
+    soft_ids, soft_log_q = (None, None) if soft is None else (soft[0], soft[1].float())
     chunk = chunk_size or default_chunk(weight.shape[0], compiled)
     with torch.autocast(hidden.device.type, enabled=False):
-        logp, entropy, cross = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature),
-                                                    bool(with_entropy), int(chunk), bool(compiled), bool(exact),
-                                                    soft_ids, soft_q)
-    return logp, entropy, cross
+        logp, entropy, kl = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature), bool(with_entropy),
+                                                 int(chunk), bool(compiled), bool(exact), soft_ids, soft_log_q,
+                                                 bool(soft_reverse))
+    return logp, entropy, kl
 
 
 @torch.no_grad()

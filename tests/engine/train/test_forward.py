@@ -125,10 +125,11 @@ def test_fused_log_probs_and_entropy_match_autograd_on_full_logits(temperature, 
         torch.testing.assert_close(g.double(), t.grad, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("reverse", [True, False])
 @pytest.mark.parametrize("entropy_grad", [True, False])
-def test_top_k_cross_entropy_and_its_gradient_match_autograd_on_full_logits(entropy_grad, tol=1e-5):
-    """`head_log_probs`'s soft target: a teacher's probabilities q at k ids per token, the rest of its mass one
-    more outcome: -sum q log p_i - (1 - sum q) log(1 - sum p_i), beside the log-probs (and the entropy)."""
+def test_top_k_kl_and_its_gradient_match_autograd_on_full_logits(entropy_grad, reverse, tol=1e-5):
+    """`head_log_probs`'s soft target: a teacher's log-probs at k ids per token, the rest of its mass one more
+    outcome; the KL over those k + 1 outcomes, reverse or forward, beside the log-probs (and the entropy)."""
     torch.manual_seed(1)
     n, hidden_size, vocab, k = 29, 16, 50, 5
     hidden = torch.randn(n, hidden_size, dtype=torch.float64, requires_grad=True)
@@ -137,21 +138,23 @@ def test_top_k_cross_entropy_and_its_gradient_match_autograd_on_full_logits(entr
     ids = torch.stack([torch.randperm(vocab)[:k] for _ in range(n)])
     q = torch.rand(n, k, dtype=torch.float64) * 0.18  # at most 0.9 of the teacher's mass on its top k
     w1, w2, w3 = (torch.randn(n, dtype=torch.float64) for _ in range(3))
-    logp, ent, cross = head_log_probs(hidden, weight, targets, 0.8, entropy_grad, chunk_size=8, soft=(ids, q))
+    logp, ent, kl = head_log_probs(hidden, weight, targets, 0.8, entropy_grad, chunk_size=8, soft=(ids, q.log()),
+                                   soft_reverse=reverse)
     assert (ent is not None) == entropy_grad
-    (w1 * logp + w2 * cross + (w3 * ent if entropy_grad else 0)).sum().backward()
+    (w1 * logp + w2 * kl + (w3 * ent if entropy_grad else 0)).sum().backward()
     got = [t.grad.clone() for t in (hidden, weight)]
     exact = [t.detach().requires_grad_() for t in (hidden, weight)]
     ref_all = ((exact[0] @ exact[1].T) / 0.8).log_softmax(-1)
-    at_ids = ref_all.gather(-1, ids)
-    ref_cross = -(q * at_ids).sum(-1) - (1 - q.sum(-1)) * torch.log1p(-at_ids.exp().sum(-1))
+    s = torch.cat([ref_all.gather(-1, ids).exp(), 1 - ref_all.gather(-1, ids).exp().sum(-1, keepdim=True)], -1)
+    t = torch.cat([q, 1 - q.sum(-1, keepdim=True)], -1)
+    ref_kl = (s * (s / t).log()).sum(-1) if reverse else (t * (t / s).log()).sum(-1)
     ref_ent = -(ref_all.exp() * ref_all).sum(-1)
-    (w1 * ref_all.gather(-1, targets[:, None]).squeeze(-1) + w2 * ref_cross
+    (w1 * ref_all.gather(-1, targets[:, None]).squeeze(-1) + w2 * ref_kl
      + (w3 * ref_ent if entropy_grad else 0)).sum().backward()
-    torch.testing.assert_close(cross.double(), ref_cross.detach(), atol=tol, rtol=tol)
-    for g, t in zip(got, exact):
-        torch.testing.assert_close(g.double(), t.grad, atol=tol, rtol=tol)
-    with pytest.raises(ValueError, match=r"soft targets must be ids \[N, k\] and weights \[N, k\] for N = 29"):
+    torch.testing.assert_close(kl.double(), ref_kl.detach(), atol=tol, rtol=tol)
+    for g, truth in zip(got, exact):
+        torch.testing.assert_close(g.double(), truth.grad, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match=r"soft targets must be ids \[N, k\] and log-probs \[N, k\] for N = 29"):
         head_log_probs(hidden, weight, targets, soft=(ids[:3], q[:3]))
 
 
