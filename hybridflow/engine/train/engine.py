@@ -30,6 +30,7 @@ from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
 from hybridflow.engine.train.exact import make_exact
+from hybridflow.engine.train.head import teacher_targets
 from hybridflow.engine.train.lora import apply_lora, frozen_weights
 from hybridflow.engine.train.microbatch import (agree_count, count_micro_batches, group_lengths, group_rows,
                                                 split_rows, take_rows)
@@ -179,11 +180,7 @@ class TrainEngine:
         position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
         # indices are built on the host (no device syncs), then moved once
         inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
-        soft = None
-        if soft_targets:
-            ids = inputs.per_token(mb["teacher_topk_ids"].cpu()).long()
-            log_q = inputs.per_token(mb["teacher_topk_log_probs"].cpu()).float()
-            soft = (to_device(ids, self.device), to_device(log_q, self.device))
+        soft = teacher_targets(inputs, mb, self.device) if soft_targets else None
         inputs = inputs.to(self.device)
         if self.routing is not None:
             self.routing.prepare(*flat_routes(mb, inputs.packed, self.device))
@@ -196,14 +193,7 @@ class TrainEngine:
                 with self.lm_head.request(inputs.targets, index, temperature, with_entropy, soft,
                                           soft_targets == "reverse", topk) as req:
                     self.model(**inputs.kwargs, logits_to_keep=keep)
-                out = {"log_probs": inputs.unflatten(req.log_probs)}
-                if with_entropy:
-                    out["entropy"] = inputs.unflatten(req.entropy)
-                if req.soft_kl is not None:
-                    out["topk_kl"] = inputs.unflatten(req.soft_kl)
-                if req.topk_ids is not None and req.topk_log_probs is not None:
-                    out["topk_ids"] = inputs.unflatten(req.topk_ids, torch.long)
-                    out["topk_log_probs"] = inputs.unflatten(req.topk_log_probs)
+                out = req.outputs(inputs.unflatten)
             else:
                 scores = self.model(**inputs.kwargs).logits.flatten(0, 1)[:, 0]
                 out = {"values": inputs.unflatten(scores[inputs.positions])}

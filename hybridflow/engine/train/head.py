@@ -12,13 +12,14 @@ request (`HeadRequest.log_probs`, `.entropy`). Outside a request the head is a p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.train.logprobs import head_log_probs, top_k_log_probs
+from hybridflow.engine.train.packing import ModelInputs, to_device
 
 
 @dataclass
@@ -41,6 +42,28 @@ class HeadRequest:
     soft_kl: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_log_probs: torch.Tensor | None = None
+
+    def outputs(self, unflatten: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the forward computed, each laid out by `unflatten` (`ModelInputs.unflatten`: `[B, R, ...]`):
+        `log_probs`, and `entropy`, `topk_kl`, `topk_ids` (long) / `topk_log_probs` where asked."""
+        out = {"log_probs": unflatten(self.log_probs)}
+        if self.entropy is not None:
+            out["entropy"] = unflatten(self.entropy)
+        if self.soft_kl is not None:
+            out["topk_kl"] = unflatten(self.soft_kl)
+        if self.topk_ids is not None and self.topk_log_probs is not None:
+            out["topk_ids"] = unflatten(self.topk_ids, torch.long)
+            out["topk_log_probs"] = unflatten(self.topk_log_probs)
+        return out
+
+
+def teacher_targets(inputs: ModelInputs, mb: dict[str, torch.Tensor],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's `soft` from micro-batch `mb`'s `teacher_topk_ids` / `teacher_topk_log_probs` `[B, R, k]`: the
+    rows of its real response tokens, in the order of `inputs.targets`, on `device`."""
+    ids = inputs.per_token(mb["teacher_topk_ids"].cpu()).long()
+    log_q = inputs.per_token(mb["teacher_topk_log_probs"].cpu()).float()
+    return to_device(ids, device), to_device(log_q, device)
 
 
 class LogProbHead(torch.nn.Module):
