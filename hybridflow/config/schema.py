@@ -345,18 +345,18 @@ class TeacherConfig:
                                                       "larger), on the actor's devices; path null = no distillation")
     param_offload: bool = opt(False, "keep the teacher's parameters on the CPU between uses")
     kl_coef: float = opt(1.0, "weight of -(log p_policy - log p_teacher), the negated per-token reverse KL, in each "
-                              "sampled token's advantage (0 with teacher.topk > 0: the top-k cross-entropy alone)")
+                              "sampled token's advantage (0 with teacher.topk > 0: the top-k divergence alone)")
     task_reward: bool = opt(False, "add the task reward's advantages (algorithm.adv_estimator over the scores) to "
                                    "the distillation advantage; false = distillation alone (no critic, any rollout.n)")
     topk: int = opt(0, "k > 0: the teacher also returns its k likeliest tokens at every response position, and the "
-                       "update adds teacher.topk_coef x the KL between that top-k (the rest of the teacher's mass one "
-                       "more outcome) and the policy's distribution (teacher/topk_kl; GKD's and TRL's over k + 1 "
-                       "outcomes instead of the vocabulary); 0 = the sampled tokens' reverse KL alone")
-    topk_coef: float = opt(1.0, "teacher.topk > 0: the weight of the top-k KL in the actor's loss, aggregated over "
-                                "response tokens like the policy loss (actor.loss_agg)")
-    topk_divergence: str = opt("reverse", "teacher.topk > 0: reverse = KL(policy || teacher), mode-seeking (TRL's "
-                                          "DistillationTrainer default, beta=1); forward = KL(teacher || policy), "
-                                          "mass-covering (beta=0)", ("reverse", "forward"))
+                       "update adds teacher.topk_coef x the divergence between that top-k (the rest of the teacher's "
+                       "mass one more outcome) and the policy's distribution (teacher/topk_kl; GKD's and TRL's over "
+                       "k + 1 outcomes instead of the vocabulary); 0 = the sampled tokens' reverse KL alone")
+    topk_coef: float = opt(1.0, "teacher.topk > 0: the weight of the top-k divergence in the actor's loss, aggregated "
+                                "over response tokens like the policy loss (actor.loss_agg)")
+    topk_beta: float = opt(1.0, "teacher.topk > 0: the divergence, as TRL's DistillationTrainer beta: 1 = KL(policy "
+                                "|| teacher), mode-seeking (TRL's default); 0 = KL(teacher || policy), mass-covering; "
+                                "between = the generalized Jensen-Shannon divergence")
 
 
 @dataclass

@@ -233,10 +233,12 @@ def _teacher_problems(cfg: Any) -> list[str]:
         return problems
     if teacher.kl_coef < 0 or (teacher.kl_coef == 0 and not teacher.topk):
         problems.append(f"teacher.kl_coef={teacher.kl_coef} must be > 0 (the weight of the distillation advantage), "
-                        f"or 0 with teacher.topk > 0 (the top-k cross-entropy alone)")
+                        f"or 0 with teacher.topk > 0 (the top-k divergence alone)")
     if teacher.topk < 0 or (teacher.topk > 0 and teacher.topk_coef <= 0):
         problems.append(f"teacher.topk={teacher.topk} must be >= 0 (0: off), and teacher.topk_coef={teacher.topk_coef} "
-                        f"> 0 with it (the weight of the top-k cross-entropy)")
+                        f"> 0 with it (the weight of the top-k divergence)")
+    if not 0 <= teacher.topk_beta <= 1:
+        problems.append(f"teacher.topk_beta={teacher.topk_beta} must be in [0, 1] (1: reverse KL, 0: forward KL)")
     if cfg.algorithm.use_kl_in_reward and not teacher.task_reward:
         problems.append("algorithm.use_kl_in_reward=true shapes the task reward, which distillation alone "
                         "(teacher.task_reward=false) does not use; set teacher.task_reward=true or use "

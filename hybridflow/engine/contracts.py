@@ -52,10 +52,10 @@ class TrainEngineContract(Protocol):
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFunction,
                    micro_batch_size: int | None = None, max_tokens: int | None = None, temperature: float = 1.0,
                    with_entropy: bool = False, pack: bool = True, row_group: int = 1,
-                   soft_targets: str | None = None) -> dict[str, float]:
+                   soft_targets: float | None = None) -> dict[str, float]:
         """One optimizer step over this rank's share of a mini-batch; metrics averaged over all ranks; runs of
-        `row_group` consecutive rows (a preference pair's) share a micro-batch; `soft_targets` ("reverse" or
-        "forward"): the outputs hold each response token's KL to the batch's teacher top-k (`topk_kl`)."""
+        `row_group` consecutive rows (a preference pair's) share a micro-batch; `soft_targets` (a beta): the
+        outputs hold each response token's divergence from the batch's teacher top-k (`topk_kl`)."""
         ...
 
     def offload(self, params: bool = True, optimizer: bool = True) -> None:

@@ -47,7 +47,7 @@ def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None 
                               total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len,
                               router=router, lend_frozen_weights=facts.lend_frozen_weights,
                               topk_coef=cfg.teacher.topk_coef if facts.teacher and cfg.teacher.topk else 0.0,
-                              topk_divergence=cfg.teacher.topk_divergence)
+                              topk_beta=cfg.teacher.topk_beta)
 
 
 def critic_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,

@@ -73,9 +73,9 @@ class ActorWorker(RolloutCalls, EngineWorker):
             experts, router agreement, the load-balancing loss); None = none.
         lend_frozen_weights: the colocated rollout engine holds the LoRA model's frozen weights (embeddings, head,
             norms, routers, unadapted experts) as they are instead of copies (`TrainEngine.frozen_weights`).
-        topk_coef / topk_divergence: the weight of the KL to the distillation teacher's top-k in the loss, and its
-            direction (`teacher.topk_coef`, `teacher.topk_divergence` when `teacher.topk` > 0: the batch then
-            carries `teacher_topk_*`); 0 = none.
+        topk_coef / topk_beta: the weight of the divergence from the distillation teacher's top-k in the loss, and
+            its beta (`teacher.topk_coef`, `teacher.topk_beta` when `teacher.topk` > 0: the batch then carries
+            `teacher_topk_*`); 0 = none.
         """
 
         model: ModelConfig
@@ -90,7 +90,7 @@ class ActorWorker(RolloutCalls, EngineWorker):
         router: RouterHooks.Config | None = None
         lend_frozen_weights: bool = False
         topk_coef: float = 0.0
-        topk_divergence: str = "reverse"
+        topk_beta: float = 1.0
 
     keys, model_keys = "actor", "model"
     cfg: ActorConfig
@@ -98,7 +98,7 @@ class ActorWorker(RolloutCalls, EngineWorker):
     def __init__(self, config: ActorWorker.Config) -> None:
         model_cfg, actor_cfg = self._plan_device(config.memory, config.model, config.actor)
         self.cfg, self.mini_batch_rows, self.exact = actor_cfg, config.mini_batch_rows, config.exact_len is not None
-        self.topk_coef, self.topk_divergence = config.topk_coef, config.topk_divergence
+        self.topk_coef, self.topk_beta = config.topk_coef, config.topk_beta
         # exact mode: the trainer's forward runs the rollout's invariant kernels, for rows as long as it generates
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=config.total_steps,
                                   device=self.device, seed=config.seed, exact_len=config.exact_len,
@@ -179,7 +179,7 @@ class ActorWorker(RolloutCalls, EngineWorker):
                                keep_params=True, passes=self.cfg.ppo_epochs, prefix="actor",
                                temperature=scoring_temperature(temperature),
                                with_entropy=use_entropy or "entropy" not in batch,
-                               soft_targets=self.topk_divergence if self.topk_coef else None)
+                               soft_targets=self.topk_beta if self.topk_coef else None)
         metrics.update(mismatch.metrics())
         mismatch.check(metrics)
         metrics.update(self.engine.router_metrics())

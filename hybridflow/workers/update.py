@@ -35,8 +35,8 @@ def _agg(cfg: OptimConfig, ctx: LossContext, width: int) -> dict:
 def actor_loss(cfg: ActorConfig, use_kl: bool, use_entropy: bool, mismatch: RolloutMismatch | None = None,
                topk_coef: float = 0.0) -> LossFunction:
     """`loss_fn` for `TrainEngine.train_step`: policy loss (+ kl_loss_coef x KL to the reference)
-    (- entropy_coef x entropy) (+ topk_coef x the KL to a distillation teacher's top-k, the forward's `topk_kl`,
-    reported as `teacher/topk_kl`). Needs `advantages`, `response_mask` (and `ref_log_probs`); without
+    (- entropy_coef x entropy) (+ topk_coef x the divergence from a distillation teacher's top-k, the forward's
+    `topk_kl`, reported as `teacher/topk_kl`). Needs `advantages`, `response_mask` (and `ref_log_probs`); without
     `old_log_probs` (on-policy: one optimizer step per batch) the current log-probs, detached, stand in. Entropy
     is reported whenever the forward computed it. With `mismatch`, the advantages are weighted by the rollout
     correction and the training–inference mismatch is recorded."""
@@ -95,7 +95,7 @@ def _mean_over_ranks(values: dict[str, float], engine: TrainEngineContract) -> d
 def run_update(engine: TrainEngineContract, tensors: dict[str, torch.Tensor], cfg: EngineOptimConfig,
                loss_fn: LossFunction, *, passes: int, prefix: str, mini_batch_rows: int | None = None,
                temperature: float = 1.0, with_entropy: bool = False, seed: int = 0, row_group: int = 1,
-               soft_targets: str | None = None) -> dict[str, float]:
+               soft_targets: float | None = None) -> dict[str, float]:
     """All optimizer steps of one trainer step: `passes` passes over the rows, each cut into mini-batches of
     `mini_batch_rows` rows over all ranks (None: one mini-batch) and those into `cfg`'s micro-batches (runs of
     `row_group` consecutive rows stay in one mini- and micro-batch); metrics identical on every rank.

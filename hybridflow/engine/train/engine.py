@@ -167,20 +167,20 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=self.precision.param)
 
     def forward(self, mb: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = False,
-                pack: bool = True, soft_targets: str | None = None, topk: int = 0
+                pack: bool = True, soft_targets: float | None = None, topk: int = 0
                 ) -> tuple[dict[str, torch.Tensor], int]:
         """One forward over micro-batch `mb`. Returns ({"log_probs", ["entropy"]} or {"values"}, each
-        float32 `[B, R]` and zero off real response tokens; real tokens in the forward). `soft_targets`
-        ("reverse" or "forward"): each response token's KL in that direction between the policy and `mb`'s
-        `teacher_topk_ids` at `teacher_topk_log_probs` (`[B, R, k]`: a teacher's top-k, the rest of its mass one
-        more outcome) comes back as `topk_kl` (differentiable); `topk` > 0: also the k likeliest tokens of each
+        float32 `[B, R]` and zero off real response tokens; real tokens in the forward). `soft_targets` (a beta:
+        1 reverse KL, 0 forward KL, between the generalized JSD): each response token's divergence between the
+        policy and `mb`'s `teacher_topk_ids` at `teacher_topk_log_probs` (`[B, R, k]`: a teacher's top-k, the rest
+        of its mass one more outcome) comes back as `topk_kl` (differentiable); `topk` > 0: also the k likeliest tokens of each
         position (`topk_ids` long and `topk_log_probs`, `[B, R, k]`)."""
         pack = pack and self.pack_allowed
         width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
         position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
         # indices are built on the host (no device syncs), then moved once
         inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
-        soft = teacher_targets(inputs, mb, self.device) if soft_targets else None
+        soft = teacher_targets(inputs, mb, self.device) if soft_targets is not None else None
         inputs = inputs.to(self.device)
         if self.routing is not None:
             self.routing.prepare(*flat_routes(mb, inputs.packed, self.device))
@@ -191,7 +191,7 @@ class TrainEngine:
             if self.head == "lm":
                 keep, index = inputs.lm_keep()
                 with self.lm_head.request(inputs.targets, index, temperature, with_entropy, soft,
-                                          soft_targets == "reverse", topk) as req:
+                                          1.0 if soft_targets is None else soft_targets, topk) as req:
                     self.model(**inputs.kwargs, logits_to_keep=keep)
                 out = req.outputs(inputs.unflatten)
             else:
@@ -245,7 +245,7 @@ class TrainEngine:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None = None,
                    max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False,
-                   pack: bool = True, row_group: int = 1, soft_targets: str | None = None) -> dict[str, float]:
+                   pack: bool = True, row_group: int = 1, soft_targets: float | None = None) -> dict[str, float]:
         """One optimizer step over this rank's share of a mini-batch.
 
         `loss_fn(outputs, micro_batch, ctx) -> (loss, metrics)` returns the micro-batch's share of the

@@ -26,16 +26,16 @@ from hybridflow.engine.train.packing import ModelInputs, to_device
 class HeadRequest:
     """What the next forward's head computes: `targets` long `[K]`; `index` long `[K]` into the kept
     positions flattened over batch and sequence (None: they are exactly the K wanted, in order); `soft`:
-    (ids `[K, k]`, log-probs `[K, k]`) a teacher's top-k per position, whose KL to the policy (reverse with
-    `soft_reverse`, else forward) goes to `soft_kl`; `topk`: k > 0 also returns the k likeliest tokens' ids and
-    log-probs per position (`topk_ids`, `topk_log_probs`)."""
+    (ids `[K, k]`, log-probs `[K, k]`) a teacher's top-k per position, whose divergence from the policy at
+    `soft_beta` (1 reverse KL, 0 forward KL, between the generalized JSD) goes to `soft_kl`; `topk`: k > 0 also
+    returns the k likeliest tokens' ids and log-probs per position (`topk_ids`, `topk_log_probs`)."""
 
     targets: torch.Tensor
     index: torch.Tensor | None
     temperature: float
     with_entropy: bool
     soft: tuple[torch.Tensor, torch.Tensor] | None = None
-    soft_reverse: bool = True
+    soft_beta: float = 1.0
     topk: int = 0
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
@@ -81,11 +81,11 @@ class LogProbHead(torch.nn.Module):
 
     @contextlib.contextmanager
     def request(self, targets: torch.Tensor, index: torch.Tensor | None, temperature: float,
-                with_entropy: bool, soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_reverse: bool = True,
+                with_entropy: bool, soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_beta: float = 1.0,
                 topk: int = 0) -> Iterator[HeadRequest]:
         """Within the block, forwards compute log-probs of `targets` (and what `soft` and `topk` ask) into the
         yielded request."""
-        req = HeadRequest(targets, index, temperature, with_entropy, soft, soft_reverse, topk)
+        req = HeadRequest(targets, index, temperature, with_entropy, soft, soft_beta, topk)
         self._request = req
         try:
             yield req
@@ -102,7 +102,7 @@ class LogProbHead(torch.nn.Module):
         req.log_probs, req.entropy, req.soft_kl = head_log_probs(flat, self.weight, req.targets, req.temperature,
                                                                  req.with_entropy, self.bias, compiled=self.compiled,
                                                                  exact=self.exact, soft=req.soft,
-                                                                 soft_reverse=req.soft_reverse)
+                                                                 soft_beta=req.soft_beta)
         if req.topk:
             req.topk_ids, req.topk_log_probs = top_k_log_probs(flat, self.weight, req.topk, req.temperature,
                                                                self.bias)

@@ -2,10 +2,10 @@
 
 `token_log_probs(hidden [N, H], weight [V, H], targets [N], temperature)` returns
 `log softmax(hidden @ weight.T / T)[target]` and, optionally, the entropy of that softmax; `head_log_probs` also
-the cross-entropy from a distillation teacher's top-k (k ids per token, the rest of its mass one more outcome),
+the divergence from a distillation teacher's top-k (k ids per token, the rest of its mass one more outcome),
 and `top_k_log_probs` a teacher's top-k ids and log-probs. Tokens are processed `chunk` at a time: a chunk's
 logits `[chunk, V]` are computed, reduced to a few numbers per token (log-sum-exp, the target's log-prob, the
-entropy, the top-k cross-entropy) and dropped. The backward recomputes each chunk's logits from the saved hidden
+entropy, the top-k divergence) and dropped. The backward recomputes each chunk's logits from the saved hidden
 states and turns their gradient into the gradients of `hidden` and `weight` (and `bias`) at once, so at most one
 chunk of logits exists at a time in either pass: the head's memory no longer grows with the tokens of a
 micro-batch (`[70k, 152k]` fp32 logits are 42 GB).
@@ -19,6 +19,7 @@ with (`hybridflow.engine.invariant`): a token's log-prob is the rollout's, bit f
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from hybridflow.engine import invariant
 # the head's peak stays under half of one full-vocabulary fp32 logits tensor (2**27 compiled did not:
 # docs/training_engine.md).
 CHUNK_ELEMENTS = 2**26
-REST_FLOOR = 1e-6  # the least probability the student's mass outside a teacher's top-k counts as (its log is finite)
+REST_FLOOR = 1e-6  # the least probability the mass outside a teacher's top-k counts as (its log is finite)
 EAGER_CHUNK_ELEMENTS = 2**24
 
 
@@ -66,12 +67,10 @@ def _exact_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: to
 def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                 grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_t: float,
                 soft_ids: torch.Tensor | None = None, soft_log_q: torch.Tensor | None = None,
-                grad_soft: torch.Tensor | None = None, soft_reverse: bool = False) -> torch.Tensor:
+                grad_soft: torch.Tensor | None = None, soft_beta: float = 1.0) -> torch.Tensor:
     """d loss / d logits `[c, V]` in the logits' dtype: d logp_y / dz = onehot(y) - p,
-    d H / dz = -p (log p + H) and, for `_top_k_kl` with the student's s_j = p_{i_j} at the teacher's ids i,
-    S = sum_j s_j, the rests r = 1 - S and q_r = 1 - sum_j q_j: forward, (Q - a S) p - scatter(q) + a scatter(s)
-    with a = q_r / r; reverse, scatter(A - B s) - (sum_j A_j - B S) p with A_j = s_j (log s_j - log q_j) and
-    B = log r - log q_r; z = logits / T."""
+    d H / dz = -p (log p + H) and, for `_top_k_divergence` D over the outcomes o (the ids i_j, then the rest r)
+    with d_o = dD / ds_o: dD / dz = scatter((d_j - d_r) s_j) - p sum_j (d_j - d_r) s_j; z = logits / T."""
     log_p = logits.float() * inv_t - lse[:, None]
     p = log_p.exp()
     if grad_entropy is None:
@@ -80,39 +79,52 @@ def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
         g = -p * (grad_logp[:, None] + grad_entropy[:, None] * (log_p + entropy[:, None]))
     g = g.scatter_add(-1, targets[:, None], grad_logp[:, None])
     if grad_soft is not None:
-        s = p.gather(-1, soft_ids)
-        student, q, log_rests = s.sum(-1), soft_log_q.exp(), _rests(s, soft_log_q)
-        if soft_reverse:
-            a = s * (s.clamp(min=1e-30).log() - soft_log_q)
-            b = log_rests[0] - log_rests[1]
-            at_ids, everywhere = a - b[:, None] * s, b * student - a.sum(-1)
-        else:
-            rest = log_rests[1].exp() / log_rests[0].exp()
-            at_ids, everywhere = rest[:, None] * s - q, q.sum(-1) - rest * student
-        g = g + p * (grad_soft * everywhere)[:, None]
-        g = g.scatter_add(-1, soft_ids, grad_soft[:, None] * at_ids)
+        log_s, log_t = _outcomes(log_p.gather(-1, soft_ids), soft_log_q)
+        d = _divergence_slope(log_s, log_t, soft_beta)
+        w = (d[:, :-1] - d[:, -1:]) * log_s[:, :-1].exp()
+        g = g - p * (grad_soft * w.sum(-1))[:, None]
+        g = g.scatter_add(-1, soft_ids, grad_soft[:, None] * w)
     return (g * inv_t).to(logits.dtype)
 
 
-def _rests(s: torch.Tensor, log_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log of the student's mass outside the ids, log of the teacher's), each at least `REST_FLOOR`."""
-    return ((1 - s.sum(-1)).clamp(min=REST_FLOOR).log(), (1 - log_q.exp().sum(-1)).clamp(min=REST_FLOOR).log())
+def _outcomes(log_s: torch.Tensor, log_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(student, teacher) log-probs `[c, k + 1]` of the k ids and of the rest of the vocabulary, from their log-probs
+    `[c, k]` at the ids; each rest at least `REST_FLOOR` (its log is finite)."""
+    rest_s = (1 - log_s.exp().sum(-1, keepdim=True)).clamp(min=REST_FLOOR).log()
+    rest_t = (1 - log_q.exp().sum(-1, keepdim=True)).clamp(min=REST_FLOOR).log()
+    return torch.cat([log_s, rest_s], -1), torch.cat([log_q, rest_t], -1)
 
 
-def _top_k_kl(logits: torch.Tensor, lse: torch.Tensor, soft_ids: torch.Tensor, soft_log_q: torch.Tensor,
-              inv_t: float | torch.Tensor, reverse: bool) -> torch.Tensor:
-    """The KL `[c]` fp32 between a teacher's top-k and the student over k + 1 outcomes: each of the k ids, and
-    the rest of the vocabulary as one. Forward, KL(teacher || student) = sum_j q_j log(q_j / s_j) + q_r log(q_r /
-    r); reverse, KL(student || teacher) = sum_j s_j log(s_j / q_j) + r log(r / q_r), with q the teacher's
-    probabilities at ids i, s the student's, q_r and r the rests. Both are 0 where s_j = q_j: the student matches
-    the teacher's probability of each of its likeliest tokens and, in sum, of all the others. From a chunk's
-    logits `[c, V]` and log-sum-exp: only the `[c, k]` logits at the ids are read."""
-    log_s = logits.gather(-1, soft_ids).float() * inv_t - lse[:, None]
-    s, q = log_s.exp(), soft_log_q.exp()
-    log_r, log_q_r = _rests(s, soft_log_q)
-    if reverse:
-        return (s * (log_s - soft_log_q)).sum(-1) + log_r.exp() * (log_r - log_q_r)
-    return (q * (soft_log_q - log_s)).sum(-1) + log_q_r.exp() * (log_q_r - log_r)
+def _divergence(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """TRL's generalized Jensen-Shannon divergence `[c]` over outcomes `[c, n]`: beta 1 KL(student || teacher),
+    0 KL(teacher || student), between beta KL(teacher || m) + (1 - beta) KL(student || m) with the mixture
+    m = beta teacher + (1 - beta) student."""
+    if beta == 1:
+        return (log_s.exp() * (log_s - log_t)).sum(-1)
+    if beta == 0:
+        return (log_t.exp() * (log_t - log_s)).sum(-1)
+    log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta))
+    return beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1)
+
+
+def _divergence_slope(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """d `_divergence` / d s_o `[c, n]`, up to a constant per row (which the outcomes' probabilities summing to 1
+    cancel): log s - log t (reverse), -t / s (forward), (1 - beta)(log s - log m) (between)."""
+    if beta == 1:
+        return log_s - log_t
+    if beta == 0:
+        return -(log_t - log_s).exp()
+    return (1 - beta) * (log_s - torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta)))
+
+
+def _top_k_divergence(logits: torch.Tensor, lse: torch.Tensor, soft_ids: torch.Tensor, soft_log_q: torch.Tensor,
+                      inv_t: float | torch.Tensor, beta: float) -> torch.Tensor:
+    """`_divergence` `[c]` fp32 between a teacher's top-k and the student over k + 1 outcomes: each of the k ids
+    and the rest of the vocabulary as one. It is 0 where the student gives each id the teacher's own probability
+    (and so, in sum, the rest too). From a chunk's logits `[c, V]` and log-sum-exp: only the `[c, k]` logits at
+    the ids are read."""
+    log_s, log_t = _outcomes(logits.gather(-1, soft_ids).float() * inv_t - lse[:, None], soft_log_q)
+    return _divergence(log_s, log_t, beta)
 
 
 @functools.cache
@@ -123,7 +135,7 @@ def _compiled(fn):
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, chunk: int,
-                compiled: bool, exact: bool, soft_ids, soft_log_q, soft_reverse: bool):
+                compiled: bool, exact: bool, soft_ids, soft_log_q, soft_beta: float):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         stats = _compiled(_chunk_stats) if compiled else _chunk_stats
@@ -143,9 +155,9 @@ class _TokenLogProbs(torch.autograd.Function):
             if with_entropy:
                 entropy[s:e] = ent
             if soft is not None:
-                soft[s:e] = _top_k_kl(logits, lse[s:e], soft_ids[s:e], soft_log_q[s:e], inv_t, soft_reverse)
+                soft[s:e] = _top_k_divergence(logits, lse[s:e], soft_ids[s:e], soft_log_q[s:e], inv_t, soft_beta)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, soft_ids, soft_log_q)
-        ctx.inv_t, ctx.chunk, ctx.compiled, ctx.soft_reverse = inv_t, chunk, compiled, soft_reverse
+        ctx.inv_t, ctx.chunk, ctx.compiled, ctx.soft_beta = inv_t, chunk, compiled, soft_beta
         ctx.set_materialize_grads(False)  # an unused output gets None: the cheaper backward
         return logp, entropy, soft
 
@@ -166,7 +178,7 @@ class _TokenLogProbs(torch.autograd.Function):
             e = min(n, s + chunk)
             h = hidden[s:e]
             soft = {} if grad_soft is None else dict(soft_ids=soft_ids[s:e], soft_log_q=soft_log_q[s:e],
-                                                     grad_soft=grad_soft[s:e], soft_reverse=ctx.soft_reverse)
+                                                     grad_soft=grad_soft[s:e], soft_beta=ctx.soft_beta)
             g = grad_fn(F.linear(h, weight, bias), targets[s:e], lse[s:e],
                         None if entropy is None else entropy[s:e], grad_logp[s:e],
                         None if grad_entropy is None else grad_entropy[s:e], ctx.inv_t, **soft)
@@ -196,11 +208,11 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, bias: torch.Tensor | None = None, chunk_size: int | None = None,
                    compiled: bool = False, exact: bool = False, soft: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   soft_reverse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   soft_beta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`token_log_probs`, and with `soft` = (ids long `[N, k]`, a teacher's log-probs `[N, k]` of them: its
-    top-k) the KL between that top-k (the rest of its mass one more outcome) and the same softmax, `_top_k_kl`,
-    reverse (the student's to the teacher's) or forward: `[N]` fp32 and differentiable too (None without
-    `soft`)."""
+    top-k) the divergence between that top-k (the rest of its mass one more outcome) and the same softmax,
+    `_top_k_divergence` at `soft_beta` (1: reverse KL, 0: forward KL, between: the generalized JSD): `[N]` fp32
+    and differentiable too (None without `soft`)."""
     if (hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]
             or weight.shape[1] != hidden.shape[1]):
         raise ValueError(f"hidden must be [N, H], weight [V, H] and targets [N]; got {tuple(hidden.shape)}, "
@@ -221,7 +233,7 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     with torch.autocast(hidden.device.type, enabled=False):
         logp, entropy, kl = _TokenLogProbs.apply(hidden, weight, bias, targets, float(temperature), bool(with_entropy),
                                                  int(chunk), bool(compiled), bool(exact), soft_ids, soft_log_q,
-                                                 bool(soft_reverse))
+                                                 float(soft_beta))
     return logp, entropy, kl
 
 

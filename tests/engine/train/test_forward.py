@@ -125,11 +125,12 @@ def test_fused_log_probs_and_entropy_match_autograd_on_full_logits(temperature, 
         torch.testing.assert_close(g.double(), t.grad, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("reverse", [True, False])
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.3])
 @pytest.mark.parametrize("entropy_grad", [True, False])
-def test_top_k_kl_and_its_gradient_match_autograd_on_full_logits(entropy_grad, reverse, tol=1e-5):
+def test_top_k_divergence_and_its_gradient_match_autograd_on_full_logits(entropy_grad, beta, tol=1e-5):
     """`head_log_probs`'s soft target: a teacher's log-probs at k ids per token, the rest of its mass one more
-    outcome; the KL over those k + 1 outcomes, reverse or forward, beside the log-probs (and the entropy)."""
+    outcome; TRL's generalized JSD over those k + 1 outcomes (beta 1 reverse KL, 0 forward KL), beside the
+    log-probs (and the entropy)."""
     torch.manual_seed(1)
     n, hidden_size, vocab, k = 29, 16, 50, 5
     hidden = torch.randn(n, hidden_size, dtype=torch.float64, requires_grad=True)
@@ -139,7 +140,7 @@ def test_top_k_kl_and_its_gradient_match_autograd_on_full_logits(entropy_grad, r
     q = torch.rand(n, k, dtype=torch.float64) * 0.18  # at most 0.9 of the teacher's mass on its top k
     w1, w2, w3 = (torch.randn(n, dtype=torch.float64) for _ in range(3))
     logp, ent, kl = head_log_probs(hidden, weight, targets, 0.8, entropy_grad, chunk_size=8, soft=(ids, q.log()),
-                                   soft_reverse=reverse)
+                                   soft_beta=beta)
     assert (ent is not None) == entropy_grad
     (w1 * logp + w2 * kl + (w3 * ent if entropy_grad else 0)).sum().backward()
     got = [t.grad.clone() for t in (hidden, weight)]
@@ -147,7 +148,10 @@ def test_top_k_kl_and_its_gradient_match_autograd_on_full_logits(entropy_grad, r
     ref_all = ((exact[0] @ exact[1].T) / 0.8).log_softmax(-1)
     s = torch.cat([ref_all.gather(-1, ids).exp(), 1 - ref_all.gather(-1, ids).exp().sum(-1, keepdim=True)], -1)
     t = torch.cat([q, 1 - q.sum(-1, keepdim=True)], -1)
-    ref_kl = (s * (s / t).log()).sum(-1) if reverse else (t * (t / s).log()).sum(-1)
+    m = beta * t + (1 - beta) * s
+    ref_kl = beta * (t * (t / m).log()).sum(-1) + (1 - beta) * (s * (s / m).log()).sum(-1)
+    if beta in (0.0, 1.0):  # TRL's ends: the KLs themselves
+        ref_kl = (s * (s / t).log()).sum(-1) if beta else (t * (t / s).log()).sum(-1)
     ref_ent = -(ref_all.exp() * ref_all).sum(-1)
     (w1 * ref_all.gather(-1, targets[:, None]).squeeze(-1) + w2 * ref_kl
      + (w3 * ref_ent if entropy_grad else 0)).sum().backward()
