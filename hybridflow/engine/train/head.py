@@ -99,13 +99,16 @@ class LogProbHead(torch.nn.Module):
         flat = hidden.flatten(0, -2)
         if req.index is not None:
             flat = flat[req.index]
-        req.log_probs, req.entropy, req.soft_kl = head_log_probs(flat, self.weight, req.targets, req.temperature,
-                                                                 req.with_entropy, self.bias, compiled=self.compiled,
-                                                                 exact=self.exact, soft=req.soft,
-                                                                 soft_beta=req.soft_beta)
-        if req.topk:
-            req.topk_ids, req.topk_log_probs = top_k_log_probs(flat, self.weight, req.topk, req.temperature,
-                                                               self.bias)
+        if req.topk:  # a teacher's scores: the targets' log-probs and the top k from one pass over the logits
+            if req.with_entropy or req.soft is not None or self.exact:
+                raise ValueError("a top-k request computes log-probs alone: no entropy, soft target or exact mode")
+            req.log_probs, req.topk_ids, req.topk_log_probs = top_k_log_probs(flat, self.weight, req.targets,
+                                                                              req.topk, req.temperature, self.bias)
+        else:
+            req.log_probs, req.entropy, req.soft_kl = head_log_probs(flat, self.weight, req.targets,
+                                                                     req.temperature, req.with_entropy, self.bias,
+                                                                     compiled=self.compiled, exact=self.exact,
+                                                                     soft=req.soft, soft_beta=req.soft_beta)
         # the model returns this as its `logits`: the log-probs themselves, so FSDP2's hooks on the
         # root's outputs see a tensor of the head's graph
         return req.log_probs

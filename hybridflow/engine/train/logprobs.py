@@ -238,23 +238,26 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 
 @torch.no_grad()
-def top_k_log_probs(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0,
-                    bias: torch.Tensor | None = None, chunk_size: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids long `[N, k]`, log-probs fp32 `[N, k]`) of the k likeliest tokens of `softmax(hidden @ weight.T +
-    bias)` at `temperature` at each of the N positions, largest first; chunked like `token_log_probs` (a
-    distillation teacher's distribution, `teacher.topk`)."""
+def top_k_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, k: int,
+                    temperature: float = 1.0, bias: torch.Tensor | None = None, chunk_size: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probs fp32 `[N]` of `targets`, ids long `[N, k]` and log-probs fp32 `[N, k]` of the k likeliest
+    tokens, largest first) of `softmax(hidden @ weight.T + bias)` at `temperature` at each of the N positions,
+    from one pass over each chunk's logits, without gradients: a distillation teacher's scores (`teacher.topk`)."""
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     n, inv_t = hidden.shape[0], 1.0 / temperature
     chunk = chunk_size or default_chunk(weight.shape[0], compiled=False)
+    logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(n, k, dtype=torch.long, device=hidden.device)
-    logp = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
+    top_logp = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         for s in range(0, n, chunk):
             z = F.linear(hidden[s:s + chunk], weight, bias).float() * inv_t
+            lse = torch.logsumexp(z, dim=-1, keepdim=True)
+            logp[s:s + chunk] = (z.gather(-1, targets[s:s + chunk, None]) - lse)[:, 0]
             top, ids[s:s + chunk] = z.topk(k, dim=-1)
-            logp[s:s + chunk] = top - torch.logsumexp(z, dim=-1, keepdim=True)
-    return ids, logp
+            top_logp[s:s + chunk] = top - lse
+    return logp, ids, top_logp

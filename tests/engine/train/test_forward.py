@@ -162,13 +162,16 @@ def test_top_k_divergence_and_its_gradient_match_autograd_on_full_logits(entropy
         head_log_probs(hidden, weight, targets, soft=(ids[:3], q[:3]))
 
 
-def test_top_k_log_probs_are_the_full_softmax_s_largest():
+def test_top_k_log_probs_are_the_full_softmax_s_largest_beside_the_targets_log_probs():
     torch.manual_seed(2)
     hidden, weight, bias = torch.randn(23, 16), torch.randn(50, 16) / 4, torch.randn(50)
-    ids, logp = top_k_log_probs(hidden, weight, 7, 0.9, bias, chunk_size=6)
-    full = ((hidden @ weight.T + bias) / 0.9).log_softmax(-1).topk(7, -1)
+    targets = torch.randint(0, 50, (23,))
+    target_logp, ids, logp = top_k_log_probs(hidden, weight, targets, 7, 0.9, bias, chunk_size=6)
+    all_logp = ((hidden @ weight.T + bias) / 0.9).log_softmax(-1)
+    full = all_logp.topk(7, -1)
     assert torch.equal(ids, full.indices) and ids.dtype == torch.long
     torch.testing.assert_close(logp, full.values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(target_logp, all_logp.gather(-1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
 
 
 def test_head_without_a_request_is_the_plain_linear_head():
