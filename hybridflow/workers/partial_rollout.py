@@ -81,6 +81,11 @@ class Group:
     def complete(self) -> bool:
         return all(s.finish is not None for s in self.samples)
 
+    def predates(self, version: int) -> bool:
+        """Whether its oldest token is older than policy `version` (False before its prefill)."""
+        oldest = self.oldest_version
+        return oldest is not None and oldest < version
+
     @property
     def oldest_version(self) -> int | None:
         """The policy version of its oldest token (None before its prefill)."""
@@ -120,7 +125,7 @@ class PartialRollouts:
     def in_flight(self, oldest_version: int) -> dict[str, int]:
         """Drop the groups whose oldest token predates `oldest_version`; {"groups": groups left in flight,
         "dropped": samples dropped now}."""
-        stale = [g for g in self.groups if g.oldest_version is not None and g.oldest_version < oldest_version]
+        stale = [g for g in self.groups if g.predates(oldest_version)]
         live = [s.seq for g in stale for s in g.samples if s.seq is not None]
         if live and self.session is not None:
             self.session.suspend(live)
@@ -142,8 +147,7 @@ class PartialRollouts:
         are never waited for: that would be synchronous generation."""
         if len(self.groups) < count:
             raise ValueError(f"the buffer holds {len(self.groups)} groups; a step takes {count}")
-        overdue = [] if finish_before is None else [
-            g for g in self.groups if g.oldest_version is not None and g.oldest_version < finish_before][:count]
+        overdue = [] if finish_before is None else [g for g in self.groups if g.predates(finish_before)][:count]
         self.engine.weight_version = version
         if self.session is None:
             self.session = self.engine.session(params)

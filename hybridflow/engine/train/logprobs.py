@@ -103,7 +103,7 @@ def _divergence(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.
         return (log_s.exp() * (log_s - log_t)).sum(-1)
     if beta == 0:
         return (log_t.exp() * (log_t - log_s)).sum(-1)
-    log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta))
+    log_m = _log_mixture(log_s, log_t, beta)
     return beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1)
 
 
@@ -114,7 +114,12 @@ def _divergence_slope(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> 
         return log_s - log_t
     if beta == 0:
         return -(log_t - log_s).exp()
-    return (1 - beta) * (log_s - torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta)))
+    return (1 - beta) * (log_s - _log_mixture(log_s, log_t, beta))
+
+
+def _log_mixture(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """log(beta t + (1 - beta) s), for 0 < beta < 1."""
+    return torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta))
 
 
 def _top_k_divergence(logits: torch.Tensor, lse: torch.Tensor, soft_ids: torch.Tensor, soft_log_q: torch.Tensor,
@@ -125,6 +130,16 @@ def _top_k_divergence(logits: torch.Tensor, lse: torch.Tensor, soft_ids: torch.T
     the ids are read."""
     log_s, log_t = _outcomes(logits.gather(-1, soft_ids).float() * inv_t - lse[:, None], soft_log_q)
     return _divergence(log_s, log_t, beta)
+
+
+def _autocast_operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Under autocast, the operands in the autocast dtype (the head's matmuls run in it, as a plain head's would,
+    with autocast itself off inside the chunk loops); else as they are."""
+    if not torch.is_autocast_enabled(hidden.device.type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(hidden.device.type)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 @functools.cache
@@ -219,10 +234,7 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                          f"{tuple(weight.shape)} and {tuple(targets.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    hidden, weight, bias = _autocast_operands(hidden, weight, bias)
     if exact:
         weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
     if soft is not None and (soft[0].shape != soft[1].shape or soft[0].shape[:1] != targets.shape):
@@ -244,10 +256,7 @@ def top_k_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """(log-probs fp32 `[N]` of `targets`, ids long `[N, k]` and log-probs fp32 `[N, k]` of the k likeliest
     tokens, largest first) of `softmax(hidden @ weight.T + bias)` at `temperature` at each of the N positions,
     from one pass over each chunk's logits, without gradients: a distillation teacher's scores (`teacher.topk`)."""
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    hidden, weight, bias = _autocast_operands(hidden, weight, bias)
     n, inv_t = hidden.shape[0], 1.0 / temperature
     chunk = chunk_size or default_chunk(weight.shape[0], compiled=False)
     logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
