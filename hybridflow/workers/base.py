@@ -23,7 +23,7 @@ from hybridflow.config.schema import EngineOptimConfig, ModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
 from hybridflow.engine.contracts import TrainEngineContract
-from hybridflow.engine.train.engine import LossFn
+from hybridflow.engine.train.loss_context import LossFn
 from hybridflow.engine.train.optim import apply_config
 from hybridflow.workers.update import run_update
 

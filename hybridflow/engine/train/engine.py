@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
 from hybridflow.engine.train.exact import make_exact
 from hybridflow.engine.train.head import teacher_targets
+from hybridflow.engine.train.loss_context import LossContext, LossFn
 from hybridflow.engine.train.lora import apply_lora, frozen_weights
 from hybridflow.engine.train.microbatch import (agree_count, count_micro_batches, group_lengths, group_rows,
                                                 split_rows, take_rows)
@@ -40,27 +40,6 @@ from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
 from hybridflow.engine.train.router_replay import RouterHooks, flat_routes, require_spec
-
-
-@dataclass
-class LossContext:
-    """Counts over the whole mini-batch on all data-parallel ranks, for loss aggregation: a micro-batch's
-    loss is its share of the mini-batch loss (normalised by these), so shares sum to the whole."""
-
-    global_tokens: float
-    global_seqs: float
-    dp_size: int
-
-    def share_to_value(self, mask: torch.Tensor) -> torch.Tensor:
-        """The factor turning a micro-batch's share of a token-weighted mean back into the micro-batch's
-        own value (`mask`: its response mask), so the engine's token-weighted average of reported
-        metrics gives the mini-batch's value. A tensor on the mask's device: no micro-batch waits for
-        the GPU to count its tokens."""
-        return self.global_tokens / mask.sum().clamp(min=1.0)
-
-
-LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossContext],
-                  tuple[torch.Tensor, dict[str, float]]]
 
 
 def _default_device() -> torch.device:
