@@ -181,12 +181,12 @@ multiturn_train() {
 # on-policy distillation (issue 41): the race's GRPO run (150 s) trains the teacher, saved, then 60 s of distilling
 # it into the untrained SmolLM2; needs the GGUF (model_part1, model_part2). DISTILL_SWEEP=actor.lr=5e-6,2e-5,5e-5
 # distills once per value from the one teacher (~90 s each); DISTILL_SET="teacher.model.compile=false teacher.topk=64"
-# (space-separated overrides) applies to every distillation run
+# (space-separated overrides) applies to every distillation run; DISTILL_BUDGET_S (default 60) is each one's training time
 distill() {
     local sets=() s
     for s in ${DISTILL_SET:-}; do sets+=(--distill-set "$s"); done
     python3 bench/distill.py --device cuda --model "$GGUF" ${DISTILL_SWEEP:+--distill-sweep "$DISTILL_SWEEP"} \
-        "${sets[@]}" --out "$OUT/distill_h200.json" 2>&1 | tee "$OUT/distill.log"
+        ${DISTILL_BUDGET_S:+--distill-budget-s "$DISTILL_BUDGET_S"} "${sets[@]}" --out "$OUT/distill_h200.json" 2>&1 | tee "$OUT/distill.log"
 }
 multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" ${MT_RUNNERS:+--runner-processes "$MT_RUNNERS"} \
     --out "$OUT/multiturn_h200.json" 2>&1 \
