@@ -50,7 +50,7 @@ class EndpointRollout:
                  kwargs: dict[str, Any]) -> None:
         self.cfg, self.tokenizer, self.budget, self.max_prompt_length = agent_cfg, tokenizer, budget, max_prompt_length
         self.turn_tokens = min(agent_cfg.max_tokens_per_turn or budget, budget)
-        processes = agent_cfg.runner_processes or min(4, os.cpu_count() or 1)
+        processes = agent_cfg.runner_processes or min(16, os.cpu_count() or 1)
         self.hosts = [RunnerHost(runner, kwargs) for _ in range(processes)]
         self.stats: dict[str, float] = {}
 

@@ -43,4 +43,4 @@ class AgentConfig:
     max_concurrent_requests: int = opt(1024, "requests the endpoint serves at once (more wait their turn)")
     runner_processes: Optional[int] = opt(None, "processes the endpoint's agent code runs in, trajectories dealt "
                                                 "round-robin (an OpenAI client spends milliseconds of CPU per "
-                                                "request); null = min(4, CPU cores)")
+                                                "request); null = min(16, CPU cores)")

@@ -276,7 +276,7 @@ def _agent_problems(cfg: Any) -> list[str]:
     if agent.max_concurrent_requests < 1:
         problems.append(f"agent.max_concurrent_requests={agent.max_concurrent_requests} must be >= 1")
     if agent.runner_processes is not None and agent.runner_processes < 1:
-        problems.append(f"agent.runner_processes={agent.runner_processes} must be >= 1 (or null: min(4, CPU cores))")
+        problems.append(f"agent.runner_processes={agent.runner_processes} must be >= 1 (or null: min(16, CPU cores))")
     return problems
 
 

@@ -168,7 +168,7 @@ def test_the_endpoint_ways_in_are_checked_before_training(tmp_path):
                  "agent.runner returns each trajectory's reward: set reward.function=environment",
                  "agent.gym='Maze' must name what to load: path/to/file.py:Name or package.module:Name (or "
                  "textarena:<env id>)", "agent.max_concurrent_requests=0 must be >= 1",
-                 "agent.runner_processes=0 must be >= 1 (or null: min(4, CPU cores))"):
+                 "agent.runner_processes=0 must be >= 1 (or null: min(16, CPU cores))"):
         assert part in msg
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "hi"}\n')
