@@ -75,9 +75,10 @@ class ReprefillDriver(EngineDriver):
         return pairs
 
     def extend(self, seq, tokens, max_tokens):
-        self.session.release(self.current[seq])
         self.context[seq] += tokens
-        (self.current[seq],) = self.session.add(self.context[seq], 1, max_tokens)
+        with self.lock:
+            self.session.release(self.current[seq])
+            (self.current[seq],) = self.session.add(self.context[seq], 1, max_tokens)
         return self._track(seq, self._future(self.current[seq]))
 
     def release(self, seq):

@@ -7,19 +7,26 @@ ends. A sequence whose episode is waiting on a tool or an environment sits in it
 batch; nothing waits for it. When the session has nothing to run, `serve` sleeps until an episode submits
 something.
 
-The episodes' host work runs while the GPU works: `serve` queues a step's kernels (`Session.launch`), waits
-for them in a worker thread (a CUDA event), and meanwhile the event loop runs the episodes and the endpoint's
-request handlers (rendering, tokenizing, parsing), which queue their turns for the next step. Only then does
-it read the finished rows (`Session.collect`), resolve their futures, and launch the next step at once, so the
-episodes those rows wake do their work beside that step. On a CPU the step has run by the time `launch`
-returns, and the loop yields once between steps.
+The episodes' host work runs while the GPU works: `serve` queues a step's kernels (`Session.launch`), and a
+worker thread waits for them (a CUDA event), reads the finished rows (`Session.collect`) and launches the next
+step at once, before handing the rows back to the event loop. Meanwhile the event loop runs the episodes and
+the endpoint's request handlers (rendering, tokenizing, parsing), which queue their turns for the next launch.
+The GPU therefore never waits for the event loop: a step's end is not queued behind the handlers that ran
+during it (on the H100 that wait was most of the endpoint's idle engine time against the in-process loop).
+The session is touched from both threads, so every call into it holds `lock`. On a CPU the step has run by
+the time `launch` returns; the event loop collects it and yields once between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
-from hybridflow.engine.rollout.session import Session
+import torch
+
+from hybridflow.engine.rollout.types import Completion
+from hybridflow.engine.rollout.session import Launched, Session
 
 
 class EngineDriver:
@@ -27,6 +34,7 @@ class EngineDriver:
 
     def __init__(self, session: Session) -> None:
         self.session = session
+        self.lock = threading.Lock()  # the session's: the event loop and the worker thread both call into it
         self.pending: dict[int, asyncio.Future] = {}
         self.wake = asyncio.Event()
         self.stopped = False
@@ -38,42 +46,75 @@ class EngineDriver:
 
     def start(self, prompt: list[int], n: int, max_tokens: int) -> list[tuple[int, asyncio.Future]]:
         """Queue a prompt's n samples; their sequence ids and first turns' futures."""
-        return [(seq, self._future(seq)) for seq in self.session.add(prompt, n, max_tokens)]
+        with self.lock:
+            seqs = self.session.add(prompt, n, max_tokens)
+        return [(seq, self._future(seq)) for seq in seqs]
 
     def extend(self, seq: int, tokens: list[int], max_tokens: int) -> asyncio.Future:
         """Append `tokens` to sequence `seq` and generate its next turn (a future of its `Completion`)."""
-        self.session.extend(seq, tokens, max_tokens)
+        with self.lock:
+            self.session.extend(seq, tokens, max_tokens)
         return self._future(seq)
 
     def shorten(self, seq: int, drop: int, last_token: int) -> None:
         """Sequence `seq` (between turns) forgets the last `drop` tokens of its turn (`Session.shorten`)."""
-        self.session.shorten(seq, drop, last_token)
+        with self.lock:
+            self.session.shorten(seq, drop, last_token)
 
     def release(self, seq: int) -> None:
         """The episode of `seq` is over: free its slot if it holds one (which may let a waiting prompt in)."""
-        if seq in self.session.held:
+        with self.lock:
+            if seq not in self.session.held:
+                return
             self.session.release(seq)
-            self.wake.set()
+        self.wake.set()
 
     def stop(self) -> None:
         self.stopped = True
         self.wake.set()
 
+    def _resolve(self, finished: list[tuple[int, Completion]]) -> None:
+        for seq, completion in finished:
+            self.pending.pop(seq).set_result(completion)
+
+    def _turn_over(self, launched: Launched, device: int | None) -> tuple[list[tuple[int, Completion]],
+                                                                          Launched | None]:
+        """In the worker thread: wait for `launched`, read its rows and launch the next step (None: nothing
+        queued yet; the event loop looks again once it has run)."""
+        assert launched.done is not None
+        launched.done.synchronize()
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext(), self.lock:
+            return self.session.collect(launched), self.session.launch()
+
     async def serve(self) -> None:
-        """Step the session until `stop`; an engine error fails every waiting future, then is raised."""
+        """Step the session until `stop`; an engine error fails every waiting future, then is raised. A step
+        in flight at `stop` is collected first."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        launched: Launched | None = None
         try:
             while not self.stopped:
-                launched = self.session.launch()
-                if launched is None:  # nothing to run
-                    self.wake.clear()
-                    await self.wake.wait()
+                if launched is None:
+                    with self.lock:
+                        launched = self.session.launch()
+                    if launched is None:  # nothing to run
+                        self.wake.clear()
+                        await self.wake.wait()
+                        continue
+                if launched.done is None:  # a CPU step: it has run
+                    with self.lock:
+                        finished = self.session.collect(launched)
+                    launched = None
+                    self._resolve(finished)
+                    await asyncio.sleep(0)
                     continue
+                finished, launched = await asyncio.to_thread(self._turn_over, launched, device)
+                self._resolve(finished)
+            if launched is not None:
                 if launched.done is not None:
                     await asyncio.to_thread(launched.done.synchronize)
-                for seq, completion in self.session.collect(launched):
-                    self.pending.pop(seq).set_result(completion)
-                if launched.done is None:
-                    await asyncio.sleep(0)
+                with self.lock:
+                    finished = self.session.collect(launched)
+                self._resolve(finished)
         except Exception as error:
             for future in self.pending.values():
                 if not future.done():

@@ -1,12 +1,14 @@
 """`EngineDriver` overlaps the episodes' host work with the GPU's: while a step's kernels run (its CUDA event not
 yet done), the event loop runs other coroutines, whose turns join the next step; the finished rows are read only
-after the event. A session double stands for the engine: its step's "GPU" finishes only once the loop has run
-a coroutine, so a driver that blocked the loop while waiting would never get there."""
+after the event, and the next step is launched then without waiting for the event loop. A session double stands
+for the engine: its step's "GPU" finishes only once the loop has run a coroutine, so a driver that blocked the
+loop while waiting would never get there."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.engine.rollout import Completion
@@ -74,3 +76,32 @@ def test_episodes_run_while_the_gpu_works_and_their_turns_join_the_next_step():
 
     log = asyncio.run(asyncio.wait_for(main(), timeout=20))
     assert log == ["launch [0]", "add", "collect [0]", "launch [1]", "collect [1]"]
+
+
+def test_the_next_step_launches_while_the_event_loop_is_busy():
+    """A request handler holding the event loop (rendering a long conversation) when a step ends does not keep
+    the GPU waiting: the worker thread that saw the step end reads its rows and launches the queued turn."""
+    session = TwoStepSession()
+
+    async def main() -> list[str]:
+        driver = EngineDriver(session)
+        first = driver._future(0)
+        serving = asyncio.create_task(driver.serve())
+        while session.work is None:
+            await asyncio.sleep(0)
+        (_, second), = driver.start([1, 2], 1, 4)
+        session.log.append("handler starts")
+        session.work.finished.set()
+        deadline = time.monotonic() + 10
+        while session.log[-1] != "launch [1]" and time.monotonic() < deadline:
+            time.sleep(0.001)  # the handler's work: the event loop runs nothing else meanwhile
+        session.log.append("handler ends")
+        assert (await first).token_ids == [7]
+        session.work.finished.set()
+        await second
+        driver.stop()
+        await serving
+        return session.log
+
+    log = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert log == ["launch [0]", "add", "handler starts", "collect [0]", "launch [1]", "handler ends", "collect [1]"]
