@@ -105,3 +105,58 @@ def test_the_next_step_launches_while_the_event_loop_is_busy():
 
     log = asyncio.run(asyncio.wait_for(main(), timeout=20))
     assert log == ["launch [0]", "add", "handler starts", "collect [0]", "launch [1]", "handler ends", "collect [1]"]
+
+
+def test_a_real_session_serves_concurrent_episodes_from_the_worker_thread(tiny_qwen2, monkeypatch):
+    """The GPU path on a CPU engine: each step's `Launched` carries a finished event, so the worker thread collects
+    it and launches the next step while the episodes extend, shorten and release their sequences from the event
+    loop. Every turn completes, within its token cap, with finite log-probs."""
+    from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+    from hybridflow.engine.rollout.session import Session
+
+    class Finished:
+        def synchronize(self) -> None:
+            pass
+
+    launch = Session.launch
+
+    def launch_as_on_a_gpu(self: Session) -> Launched | None:
+        got = launch(self)
+        return None if got is None else Launched(got.tick, got.busy, got.prefilled, Finished())
+
+    monkeypatch.setattr(Session, "launch", launch_as_on_a_gpu)
+    engine = RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=4, max_model_len=96)
+    threads: set[str] = set()
+
+    async def episode(driver: EngineDriver, seq: int, first: asyncio.Future) -> list[int]:
+        completion = await first
+        lengths = [len(completion.token_ids)]
+        for turn in range(2):
+            if turn == 1 and len(completion.token_ids) > 1:
+                driver.shorten(seq, 1, completion.token_ids[-2])
+            completion = await driver.extend(seq, [5, 6, 7], 6)
+            assert all(lp <= 0 for lp in completion.logprobs)
+            lengths.append(len(completion.token_ids))
+        driver.release(seq)
+        return lengths
+
+    async def main() -> list[list[int]]:
+        driver = EngineDriver(engine.session(SamplingParams(temperature=1.0, max_tokens=6, seed=0), hold=True))
+        turn_over = driver._turn_over
+
+        def in_thread(*args):
+            threads.add(threading.current_thread().name)
+            return turn_over(*args)
+
+        driver._turn_over = in_thread
+        serving = asyncio.create_task(driver.serve())
+        episodes = [episode(driver, seq, first) for prompt in ([3, 4, 5], [8, 9], [10, 11, 12, 13])
+                    for seq, first in driver.start(prompt, 2, 6)]
+        lengths = await asyncio.gather(*episodes)
+        driver.stop()
+        await serving
+        return lengths
+
+    lengths = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    assert len(lengths) == 6 and all(len(turns) == 3 and all(1 <= n <= 6 for n in turns) for turns in lengths)
+    assert threads and threading.main_thread().name not in threads
