@@ -132,8 +132,8 @@ exact_tests() { SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu tests/engine/te
 exact_rollout() { python3 bench/rollout.py --device cuda --exact --profile --out "$OUT/rollout_exact_h200.json" 2>&1 \
     | tee "$OUT/rollout_exact.log"; }
 # the invariant linear at other tilings, SmolLM2 and 0.5B projections at decode and training row counts: time and
-# whether the bits change (bench/invariant_gemm.py, ~5 minutes)
-# and the per-K table it recommends ($OUT/tiles.json: copy it to hybridflow/engine/invariant/tiles.json, then run
+# whether the bits change (bench/invariant_gemm.py, ~6 minutes)
+# and the per-K and per-shape table it recommends ($OUT/tiles.json: copy it to hybridflow/engine/invariant/tiles.json, then run
 # exact_tests, exact_rollout and exact_grpo with it)
 invariant_gemm() { python3 bench/invariant_gemm.py --out "$OUT/invariant_gemm_h200.json" --write-table "$OUT/tiles.json" \
     2>&1 | tee "$OUT/invariant_gemm.log"; }

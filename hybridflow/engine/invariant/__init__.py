@@ -1,7 +1,7 @@
 """Batch-invariant kernels: the arithmetic both engines run in exact mode (`rollout.exact`).
 
-Every op computes an output row from its own inputs alone, in one fixed order, with one kernel
-configuration for every batch size: GEMMs with a fixed tiling and no split-K, RMSNorm and log-softmax with
+Every op computes an output row from its own inputs alone, in one fixed order, whatever the batch size:
+GEMMs with no split-K and tilings measured not to change a bit (`tiles`), RMSNorm and log-softmax with
 a fixed reduction order, attention that sums each query's keys from position 0 in fixed blocks whether it
 runs as a prefill, a cached decode step or the trainer's packed forward, and one rotary table. The rollout
 engine (`hybridflow.engine.rollout.model`) and the training engine (`hybridflow.engine.train.exact`) both

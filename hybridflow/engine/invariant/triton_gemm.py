@@ -1,13 +1,14 @@
-"""The invariant linear layer on CUDA: a Triton GEMM with one tiling per (dtype, K) and no split-K.
+"""The invariant linear layer on CUDA: a Triton GEMM with no split-K, its tiling from a measured table.
 
 y = x @ W.T (+ b). Each program owns one [BLOCK_M, BLOCK_N] tile of y and walks K from 0 in steps of
 BLOCK_K, accumulating `tl.dot` in fp32, then adds the bias and rounds once. The tile sizes, warps and
-stages depend on the dtype and K only (`tiles.tile_for`), never on M or N, so the compiled kernel (and with
-it the tensor-core instruction and the order in which an output's K products are summed) is the same for one
-row or thirty thousand, for a fused projection (q|k|v) or its parts: an output element is a function of its
-row of x and its row of W alone. cuBLAS picks its kernel, tile and split-K from the shape, which is what
-makes a decode step's logits differ from the trainer's forward of the same token (Thinking Machines,
-"Defeating nondeterminism in LLM inference", 2025). fp32 inputs multiply in IEEE fp32, not TF32.
+stages come from `tiles.tile_for` by dtype, M, N and K. A tiling decides which program computes an output
+element, not the order in which its K products are summed (the tensor cores' k16 steps from k = 0), so an
+output element is a function of its row of x and its row of W alone, for one row or thirty thousand, for a
+fused projection (q|k|v) or its parts; the table holds only tilings measured bit-equal to its per-K one
+(`tiles.py` says how). cuBLAS picks its kernel, tile and split-K from the shape, which is what makes a
+decode step's logits differ from the trainer's forward of the same token (Thinking Machines, "Defeating
+nondeterminism in LLM inference", 2025). fp32 inputs multiply in IEEE fp32, not TF32.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, til
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"invariant linear reads rows of contiguous elements: x strides {x.stride()}, weight "
                          f"strides {weight.stride()}")
-    block_m, block_n, block_k, warps, stages = tile or tile_for(x.dtype, depth)
+    block_m, block_n, block_k, warps, stages = tile or tile_for(x.dtype, rows, n, depth)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
