@@ -11,6 +11,7 @@ from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.agents.endpoint import Endpoint
 from hybridflow.agents.http_server import JSONServer
 from hybridflow.engine.rollout import Completion, SamplingParams
+from hybridflow.engine.rollout.session import Launched, Session
 
 TOKEN = "test-token"
 
@@ -33,6 +34,25 @@ async def serving(tokenizer, driver, params: SamplingParams, budget: int = 64, m
 
 def engine_driver(engine, params: SamplingParams) -> EngineDriver:
     return EngineDriver(engine.session(params, hold=True))
+
+
+class _Finished:
+    """A CUDA event's stand-in whose work is done."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def launch_as_on_a_gpu(monkeypatch) -> None:
+    """Every `Session.launch` returns its step with an event, as on CUDA, so `EngineDriver` takes its GPU path: a
+    worker thread collects each step and launches the next while the event loop serves requests."""
+    launch = Session.launch
+
+    def launched_with_an_event(self: Session) -> Launched | None:
+        got = launch(self)
+        return None if got is None else Launched(got.tick, got.busy, got.prefilled, _Finished())
+
+    monkeypatch.setattr(Session, "launch", launched_with_an_event)
 
 
 def client(port: int, key: str, api_key: str = TOKEN):

@@ -111,20 +111,10 @@ def test_a_real_session_serves_concurrent_episodes_from_the_worker_thread(tiny_q
     """The GPU path on a CPU engine: each step's `Launched` carries a finished event, so the worker thread collects
     it and launches the next step while the episodes extend, shorten and release their sequences from the event
     loop. Every turn completes, within its token cap, with finite log-probs."""
+    from endpoint_helpers import launch_as_on_a_gpu
     from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-    from hybridflow.engine.rollout.session import Session
 
-    class Finished:
-        def synchronize(self) -> None:
-            pass
-
-    launch = Session.launch
-
-    def launch_as_on_a_gpu(self: Session) -> Launched | None:
-        got = launch(self)
-        return None if got is None else Launched(got.tick, got.busy, got.prefilled, Finished())
-
-    monkeypatch.setattr(Session, "launch", launch_as_on_a_gpu)
+    launch_as_on_a_gpu(monkeypatch)
     engine = RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=4, max_model_len=96)
     threads: set[str] = set()
 
