@@ -97,6 +97,8 @@ class Endpoint:
                     finally:
                         lane.in_flight -= 1
                         lane.last_activity = time.monotonic()
+                        if lane.ended:  # its runner returned meanwhile (`Lane.end`)
+                            lane.end(self.driver.release)
             finally:
                 self.active -= 1
 

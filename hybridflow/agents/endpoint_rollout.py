@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hybridflow.agents.engine_driver import EngineDriver
@@ -83,7 +84,7 @@ class EndpointRollout:
                     lane.last_activity = time.monotonic()  # the runner's clock starts when it is handed over
                     jobs[host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1",
                                      endpoint.token)] = lane, host
-            timed_out = await self._wait(jobs)
+            timed_out = await self._wait(jobs, driver.release)
         finally:
             for lane in endpoint.lanes.values():
                 lane.ended = True
@@ -97,40 +98,42 @@ class EndpointRollout:
         self.stats = dict(endpoint.stats)
         return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
 
-    async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]]) -> set[RunnerHost]:
+    async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]],
+                    release: Callable[[int], None]) -> set[RunnerHost]:
         """Until every runner (future -> its trajectory's lane and process) has returned or failed; the processes
-        of those that outlived their time limit."""
+        of those that outlived their time limit. A lane whose runner ends frees its KV slots (`Lane.end` with
+        `release`), so trajectories beyond the engine's slots get theirs."""
         limit, timed_out = self.cfg.timeout_s, set()
         waiting = set(jobs)
         while waiting:
             done, waiting = await asyncio.wait(waiting, timeout=min(1.0, limit / 4),
                                                return_when=asyncio.FIRST_COMPLETED)
             for future in done:
-                self._returned(jobs[future][0], future)
+                self._returned(jobs[future][0], future, release)
             now = time.monotonic()
             for future in list(waiting):
                 lane, host = jobs[future]
                 if lane.in_flight == 0 and now - lane.last_activity > limit:
-                    self._failed(lane, f"no request and no return within agent.timeout_s={limit:g} s")
+                    self._failed(lane, f"no request and no return within agent.timeout_s={limit:g} s", release)
                     host.cancel(lane.key)
                     waiting.discard(future)
                     timed_out.add(host)
         return timed_out
 
-    def _returned(self, lane: Lane, future: asyncio.Future) -> None:
+    def _returned(self, lane: Lane, future: asyncio.Future, release: Callable[[int], None]) -> None:
         if future.cancelled():
-            return self._failed(lane, "cancelled")
+            return self._failed(lane, "cancelled", release)
         error = future.exception()
         if error is not None:
-            return self._failed(lane, str(error) if isinstance(error, RunnerFailed) else repr(error))
-        lane.ended = True
+            return self._failed(lane, str(error) if isinstance(error, RunnerFailed) else repr(error), release)
+        lane.end(release)
         if lane.in_flight:
-            return self._failed(lane, "it returned while one of its requests was still running")
+            return self._failed(lane, "it returned while one of its requests was still running", release)
         lane.trajectory.env_reward, lane.trajectory.metrics = future.result()
 
     @staticmethod
-    def _failed(lane: Lane, why: str) -> None:
-        lane.ended = True
+    def _failed(lane: Lane, why: str, release: Callable[[int], None]) -> None:
+        lane.end(release)
         lane.trajectory.runner_errors += 1
         lane.trajectory.drop(f"the runner failed: {why}")
         logger.warning("agent runner of trajectory %s failed: %s", lane.key, why)

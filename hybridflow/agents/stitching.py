@@ -154,6 +154,14 @@ class Lane:
         self.release(release)
         self.trajectory.start_segment(prompt)
 
+    def end(self, release: Any) -> None:
+        """Its runner returned or failed: no later request is served, so the held choices' KV slots go back now
+        (`release(seq)`) for the trajectories still waiting for one, unless a request is still running (the
+        endpoint frees them when it ends). The trajectory keeps the ids and log-probs it recorded."""
+        self.ended = True
+        if not self.in_flight:
+            self.release(release)
+
     def release(self, release: Any) -> None:
         """Free every held choice's sequence (`release(seq)`)."""
         if self.pending is not None:

@@ -96,6 +96,21 @@ def test_runner_failures_cost_only_their_trajectory(setup, env_file):
     assert outs[0][0].dropped is None and outs[0][0].env_reward == 1.5
 
 
+def test_more_trajectories_than_kv_slots_finish(setup, env_file):
+    """Sixteen trajectories on the engine's eight KV slots: a trajectory holds its slot between requests, and
+    gives it back when its runner returns, so the ones still waiting for a slot get one (before, they waited
+    for it until the phase's end, which never came)."""
+    tokenizer, engine = setup
+    rollout = EndpointRollout(agent_cfg(timeout_s=5, max_tokens_per_turn=4, runner_processes=1), tokenizer,
+                              budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})
+    assert engine.kv.num_slots == 8
+    start = time.monotonic()
+    outs = rollout.run(engine, [[1]] * 8, rows(*["good"] * 8), SamplingParams(n=2, temperature=1.0, seed=0))
+    assert time.monotonic() - start < 60
+    assert all(t.dropped is None and t.env_reward == 1.0 and t.turns == 1 for row in outs for t in row)
+    rollout.close()
+
+
 def test_trajectories_are_dealt_over_the_runner_processes_and_a_hang_kills_only_its_own(setup, env_file):
     """agent.runner_processes=2: consecutive trajectories run in two processes; a runner that outlives
     agent.timeout_s takes down its own process after the phase, and the other one serves the next phase."""
