@@ -188,7 +188,9 @@ distill() {
     python3 bench/distill.py --device cuda --model "$GGUF" ${DISTILL_SWEEP:+--distill-sweep "$DISTILL_SWEEP"} \
         ${DISTILL_BUDGET_S:+--distill-budget-s "$DISTILL_BUDGET_S"} "${sets[@]}" --out "$OUT/distill_h200.json" 2>&1 | tee "$OUT/distill.log"
 }
+# MT_RUNNERS=8,16: the endpoint once per runner-process count; MT_SWITCH=0.005,0.0005: once per thread switch interval
 multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" ${MT_RUNNERS:+--runner-processes "$MT_RUNNERS"} \
+    ${MT_SWITCH:+--switch-interval "$MT_SWITCH"} \
     --out "$OUT/multiturn_h200.json" 2>&1 \
     | tee "$OUT/multiturn.log"; }
 # The OpenAI-compatible endpoint (issue 38). These stages and `multiturn` (its run 4 is the endpoint path) need

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -228,6 +229,10 @@ def main() -> None:
                         help="agent.runner_processes of run 4, or several comma-separated (run 4 once each; "
                              "`endpoint` is the first's, `endpoint_runs` all); default: the schema's, min(16, "
                              "CPU cores)")
+    parser.add_argument("--switch-interval", default=None,
+                        help="Python's thread switch interval (s) during run 4, or several comma-separated (run 4 "
+                             "once each per runner-process count): how long the engine's worker thread may wait "
+                             "for the interpreter while the event loop serves requests; default: Python's, 0.005")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each kind, the median's reported (default: 3 on cuda, 1 on cpu)")
     parser.add_argument("--out", default=None, help="JSON output path")
@@ -272,9 +277,20 @@ def main() -> None:
                   turn_tokens=turn_tokens, budget=budget, mean_prompt_tokens=sum(map(len, prompts)) / len(prompts))
     counts = [int(c) for c in args.runner_processes.split(",")] if args.runner_processes else [None]
 
+    intervals = [float(i) for i in args.switch_interval.split(",")] if args.switch_interval else [None]
+
+    def endpoint_run(count: int | None, interval: float | None) -> dict:
+        default = sys.getswitchinterval()
+        sys.setswitchinterval(interval or default)
+        try:
+            run = repeated(lambda: run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params, count),
+                           repeats)
+        finally:
+            sys.setswitchinterval(default)
+        return {**run, "switch_interval": interval or default}
+
     def endpoint_runs() -> None:
-        runs = [repeated(lambda c=c: run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params, c),
-                         repeats) for c in counts]
+        runs = [endpoint_run(c, i) for c in counts for i in intervals]
         result["endpoint"] = runs[0]
         if len(runs) > 1:
             result["endpoint_runs"] = runs
@@ -301,9 +317,9 @@ def main() -> None:
         model_tokens_per_s_ratio=result["endpoint"]["model_tokens_per_s"] / reuse["model_tokens_per_s"],
         turns_per_s_ratio=result["endpoint"]["turns_per_s"] / reuse["turns_per_s"])
     if "endpoint_runs" in result:
-        result["endpoint_vs_loop"]["model_tokens_per_s_ratio_by_runner_processes"] = {
-            str(run["runner_processes"]): run["model_tokens_per_s"] / reuse["model_tokens_per_s"]
-            for run in result["endpoint_runs"]}
+        result["endpoint_vs_loop"]["model_tokens_per_s_ratio_by_run"] = {
+            f"{run['runner_processes']} processes, switch {run['switch_interval']:g} s":
+                run["model_tokens_per_s"] / reuse["model_tokens_per_s"] for run in result["endpoint_runs"]}
     result["kv_reuse"] = dict(
         prefill_tokens_avoided=reuse["reused_tokens"],
         avoided_fraction_of_no_reuse_prefill=reuse["reused_tokens"] / max(again["prefill_tokens"], 1),
