@@ -25,8 +25,8 @@ import threading
 
 import torch
 
-from hybridflow.engine.rollout.types import Completion
 from hybridflow.engine.rollout.session import Launched, Session
+from hybridflow.engine.rollout.types import Completion
 
 
 class EngineDriver:
@@ -89,7 +89,9 @@ class EngineDriver:
     async def serve(self) -> None:
         """Step the session until `stop`; an engine error fails every waiting future, then is raised. A step
         in flight at `stop` is collected first."""
-        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        # the worker thread launches on the engine's device (a thread starts on device 0); a CPU run never
+        # initialises CUDA
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         launched: Launched | None = None
         try:
             while not self.stopped:
