@@ -57,8 +57,8 @@ def run_problems(cfg: Any) -> list[str]:
 
 
 def teacher_problems(cfg: Any) -> list[str]:
-    """A distillation teacher's directories must exist and its tokenizer must be the policy's: it scores the
-    policy's token ids, so both need one vocabulary."""
+    """A distillation teacher's directories must exist, its tokenizer must be the policy's (it scores the
+    policy's token ids, so both need one vocabulary), and `teacher.topk` must not exceed its logits."""
     if not distills(cfg):
         return []
     problems = directory_problems(cfg, ("teacher.model.path", "teacher.model.tokenizer_path"))
@@ -66,16 +66,23 @@ def teacher_problems(cfg: Any) -> list[str]:
     teacher = cfg.teacher.model.tokenizer_path or cfg.teacher.model.path
     if problems or student is None or not all(Path(p).expanduser().is_dir() for p in (student, teacher)):
         return problems
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    if cfg.teacher.topk:
+        path = cfg.teacher.model.path
+        logits = AutoConfig.from_pretrained(path, trust_remote_code=cfg.teacher.model.trust_remote_code).vocab_size
+        if cfg.teacher.topk > logits:
+            problems.append(f"teacher.topk={cfg.teacher.topk} is more than the teacher's {logits} logits (vocab_size "
+                            f"in {path}/config.json): set teacher.topk to at most {logits}")
     ours = AutoTokenizer.from_pretrained(student, trust_remote_code=cfg.model.trust_remote_code).get_vocab()
     theirs = AutoTokenizer.from_pretrained(teacher, trust_remote_code=cfg.teacher.model.trust_remote_code).get_vocab()
     if ours == theirs:
-        return []
+        return problems
     differ = sorted(set(ours.items()) ^ set(theirs.items()))
-    return [f"teacher.model: the tokenizer at {teacher} ({len(theirs)} tokens) is not the policy's at {student} "
-            f"({len(ours)} tokens; {len(differ)} token-id pairs differ, e.g. {differ[0]}): the teacher scores the "
-            f"policy's token ids, so both need one vocabulary"]
+    return problems + [
+        f"teacher.model: the tokenizer at {teacher} ({len(theirs)} tokens) is not the policy's at {student} "
+        f"({len(ours)} tokens; {len(differ)} token-id pairs differ, e.g. {differ[0]}): the teacher scores the "
+        f"policy's token ids, so both need one vocabulary"]
 
 
 def path_problems(cfg: Any) -> list[str]:

@@ -112,6 +112,10 @@ def test_teacher_checks_name_the_keys(tiny_qwen2, data_dir, tmp_path):
     with pytest.raises(ConfigError, match="teacher.topk=-1 must be >= 0"):
         validate(load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, f"teacher.model.path={tiny_qwen2}",
                                             "teacher.topk=-1")))
+    with pytest.raises(ConfigError, match=r"teacher.topk=100000 is more than the teacher's \d+ logits \(vocab_size in "
+                                          r".*config.json\): set teacher.topk to at most \d+"):
+        validate(load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, f"teacher.model.path={tiny_qwen2}",
+                                            "teacher.topk=100000")))
     with pytest.raises(ConfigError, match="teacher.topk=8 distils from a teacher's top-k; set teacher.model.path"):
         validate(load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, "teacher.topk=8")))
     cfg = load_config(base_overrides(tiny_qwen2, data_dir, tmp_path, f"teacher.model.path={tiny_qwen2}",
