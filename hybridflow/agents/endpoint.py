@@ -86,21 +86,22 @@ class Endpoint:
         except ValueError as e:
             raise APIError(400, f"the body is not JSON: {e}") from None
         request = parse_request(payload, route == "/chat/completions", self.params.temperature, self.params.top_p)
-        async with self.slots:
-            self.active += 1
-            self.stats["peak_concurrent"] = max(self.stats["peak_concurrent"], self.active)
-            try:
-                async with lane.lock:
-                    lane.in_flight += 1
-                    try:
+        # in flight from here: a request waiting for the concurrency cap is its runner waiting on us, not idle
+        lane.in_flight += 1
+        try:
+            async with self.slots:
+                self.active += 1
+                self.stats["peak_concurrent"] = max(self.stats["peak_concurrent"], self.active)
+                try:
+                    async with lane.lock:
                         return await self._turn(lane, request)
-                    finally:
-                        lane.in_flight -= 1
-                        lane.last_activity = time.monotonic()
-                        if lane.ended:  # its runner returned meanwhile (`Lane.end`)
-                            lane.end(self.driver.release)
-            finally:
-                self.active -= 1
+                finally:
+                    self.active -= 1
+        finally:
+            lane.in_flight -= 1
+            lane.last_activity = time.monotonic()
+            if lane.ended:  # its runner returned meanwhile (`Lane.end`)
+                lane.end(self.driver.release)
 
     async def _turn(self, lane: Lane, request: Request) -> dict[str, Any]:
         """Plan the request on the lane, run it on the engine, record and answer it."""

@@ -10,7 +10,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from endpoint_helpers import client, engine_driver, launch_as_on_a_gpu, serving
+from endpoint_helpers import ScriptedDriver, client, engine_driver, launch_as_on_a_gpu, serving
 from hybridflow.agents.toolset import ToolSet
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 
@@ -201,3 +201,46 @@ def test_concurrent_conversations_with_the_engine_stepped_from_a_worker_thread(t
     inside = set(tokenizer.all_special_ids) - set(engine.default_stop_ids)
     assert all(t.token_mismatch == 0 for t in trajectories
                if not inside & {i for i, m in zip(t.token_ids, t.response_mask) if m})
+
+
+class GatedDriver(ScriptedDriver):
+    """Scripted answers that arrive only once the test opens `gate`."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.gate = asyncio.Event()
+        self.waiting: list[asyncio.Future] = []
+
+    def _answer(self, seq: int) -> asyncio.Future:
+        answer, future = super()._answer(seq).result(), asyncio.get_running_loop().create_future()
+
+        async def later() -> None:
+            await self.gate.wait()
+            future.set_result(answer)
+
+        self.waiting.append(asyncio.ensure_future(later()))
+        return future
+
+
+def test_a_request_waiting_for_the_concurrency_cap_counts_as_in_flight(tiny):
+    """agent.max_concurrent_requests=1: the second trajectory's request waits for the first's. Its runner is
+    waiting on the endpoint, not idle, so the lane counts it in flight (agent.timeout_s does not run for it)."""
+    tokenizer, _ = tiny
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+
+    async def main() -> None:
+        driver = GatedDriver(tokenizer, ["One.", "Two."], tokenizer.eos_token_id)
+        async with serving(tokenizer, driver, params, max_concurrent=1) as (endpoint, port):
+            lanes = [endpoint.open(key) for key in ("a", "b")]
+            asks = [asyncio.ensure_future(client(port, key).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "Count."}])) for key in ("a", "b")]
+            for _ in range(500):
+                if sum(lane.in_flight for lane in lanes) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert [lane.in_flight for lane in lanes] == [1, 1] and len(driver.calls) == 1  # one waits for the cap
+            driver.gate.set()
+            await asyncio.gather(*asks)
+            assert [lane.in_flight for lane in lanes] == [0, 0] and len(driver.calls) == 2
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
