@@ -75,7 +75,9 @@ class EngineDriver:
 
     def _resolve(self, finished: list[tuple[int, Completion]]) -> None:
         for seq, completion in finished:
-            self.pending.pop(seq).set_result(completion)
+            future = self.pending.pop(seq)
+            if not future.cancelled():  # its request's handler was cancelled (the server closing): nobody waits
+                future.set_result(completion)
 
     def _turn_over(self, launched: Launched, device: int | None) -> tuple[list[tuple[int, Completion]],
                                                                           Launched | None]:

@@ -150,3 +150,28 @@ def test_a_real_session_serves_concurrent_episodes_from_the_worker_thread(tiny_q
     lengths = asyncio.run(asyncio.wait_for(main(), timeout=120))
     assert len(lengths) == 6 and all(len(turns) == 3 and all(1 <= n <= 6 for n in turns) for turns in lengths)
     assert threads and threading.main_thread().name not in threads
+
+
+def test_a_cancelled_turn_is_dropped_and_the_others_go_on():
+    """A request handler cancelled while its turn runs (its future cancelled) does not stop the driver."""
+    session = TwoStepSession()
+
+    async def main() -> list[str]:
+        driver = EngineDriver(session)
+        first = driver._future(0)
+        serving = asyncio.create_task(driver.serve())
+        while session.work is None:
+            await asyncio.sleep(0)
+        (_, second), = driver.start([1, 2], 1, 4)
+        first.cancel()
+        session.work.finished.set()
+        while session.log[-1] != "launch [1]":
+            await asyncio.sleep(0)
+        session.work.finished.set()
+        assert (await second).token_ids == [7]
+        driver.stop()
+        await serving
+        return session.log
+
+    log = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert log[-1] == "collect [1]"
