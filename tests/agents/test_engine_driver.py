@@ -53,23 +53,30 @@ class TwoStepSession:
         return [(seq, Completion([7], [-0.5], "stop")) for seq in self.running]
 
 
+async def first_step_running(session: TwoStepSession):
+    """The driver serving `session` with sequence 0's step launched, and sequence 1 queued beside it: (driver, its
+    serve task, sequence 0's future, sequence 1's)."""
+    driver = EngineDriver(session)
+    first = driver._future(0)
+    serving = asyncio.create_task(driver.serve())
+    while session.work is None:  # the first step is launched
+        await asyncio.sleep(0)
+    (_, second), = driver.start([1, 2], 1, 4)
+    return driver, serving, first, second
+
+
 def test_episodes_run_while_the_gpu_works_and_their_turns_join_the_next_step():
     session = TwoStepSession()
 
     async def main() -> list[str]:
-        driver = EngineDriver(session)
-        first = driver._future(0)
-        serving = asyncio.create_task(driver.serve())
-        while session.work is None:  # the first step is launched
-            await asyncio.sleep(0)
         # the loop runs while the step's kernels do: an episode queues a turn, then the "GPU" finishes
-        (seq, second), = driver.start([1, 2], 1, 4)
+        driver, serving, first, second = await first_step_running(session)
         session.work.finished.set()
         assert (await first).token_ids == [7]
         while session.log[-1] != "launch [1]":
             await asyncio.sleep(0)
         session.work.finished.set()
-        assert seq == 1 and (await second).finish_reason == "stop"
+        assert (await second).finish_reason == "stop"
         driver.stop()
         await serving
         return session.log
@@ -84,12 +91,7 @@ def test_the_next_step_launches_while_the_event_loop_is_busy():
     session = TwoStepSession()
 
     async def main() -> list[str]:
-        driver = EngineDriver(session)
-        first = driver._future(0)
-        serving = asyncio.create_task(driver.serve())
-        while session.work is None:
-            await asyncio.sleep(0)
-        (_, second), = driver.start([1, 2], 1, 4)
+        driver, serving, first, second = await first_step_running(session)
         session.log.append("handler starts")
         session.work.finished.set()
         deadline = time.monotonic() + 10
@@ -157,12 +159,7 @@ def test_a_cancelled_turn_is_dropped_and_the_others_go_on():
     session = TwoStepSession()
 
     async def main() -> list[str]:
-        driver = EngineDriver(session)
-        first = driver._future(0)
-        serving = asyncio.create_task(driver.serve())
-        while session.work is None:
-            await asyncio.sleep(0)
-        (_, second), = driver.start([1, 2], 1, 4)
+        driver, serving, first, second = await first_step_running(session)
         first.cancel()
         session.work.finished.set()
         while session.log[-1] != "launch [1]":
