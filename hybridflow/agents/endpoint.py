@@ -17,6 +17,7 @@ trajectory whose runner has returned is refused, counted and drops that trajecto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -89,7 +90,9 @@ class Endpoint:
         # in flight from here: a request waiting for the concurrency cap is its runner waiting on us, not idle
         lane.in_flight += 1
         try:
-            async with self.slots:
+            # a trajectory holding a KV slot is served past the cap: capped, it could wait for requests that
+            # wait for its slot (new trajectories holding the cap's places), forever
+            async with self.slots if not lane.holds() else contextlib.nullcontext():
                 self.active += 1
                 self.stats["peak_concurrent"] = max(self.stats["peak_concurrent"], self.active)
                 try:

@@ -154,6 +154,10 @@ class Lane:
         self.release(release)
         self.trajectory.start_segment(prompt)
 
+    def holds(self) -> bool:
+        """Whether a choice of its last request still holds its sequence (a KV slot) in the engine."""
+        return self.pending is not None and any(seq is not None for seq in self.pending.seqs)
+
     def end(self, release: Any) -> None:
         """Its runner returned or failed: no later request is served, so the held choices' KV slots go back now
         (`release(seq)`) for the trajectories still waiting for one, unless a request is still running (the

@@ -40,7 +40,8 @@ class AgentConfig:
     openenv: Optional[str] = opt(None, "an OpenEnv environment played through the endpoint, by its HTTP client: "
                                        "module:ClientClass or path/to/file.py:ClientClass (env_kwargs: base_url "
                                        "and the action's text field); null = none")
-    max_concurrent_requests: int = opt(1024, "requests the endpoint serves at once (more wait their turn)")
+    max_concurrent_requests: int = opt(1024, "requests the endpoint serves at once (more wait their turn); a "
+                                             "trajectory holding a KV slot is served past it")
     runner_processes: Optional[int] = opt(None, "processes the endpoint's agent code runs in, trajectories dealt "
                                                 "round-robin (an OpenAI client spends milliseconds of CPU per "
                                                 "request); null = min(16, CPU cores)")

@@ -244,3 +244,38 @@ def test_a_request_waiting_for_the_concurrency_cap_counts_as_in_flight(tiny):
             assert [lane.in_flight for lane in lanes] == [0, 0] and len(driver.calls) == 2
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+def test_the_concurrency_cap_does_not_hold_back_trajectories_that_hold_kv_slots(tiny_qwen2):
+    """Two KV slots and agent.max_concurrent_requests=2. Trajectories a and b hold the slots between their turns;
+    c and d's first requests take the cap's two places and wait for a slot. a and b's second requests continue
+    what the engine holds, so they are served past the cap; then a and b end, and c and d get the slots (capped,
+    a and b's requests would wait for c and d, and c and d for a and b's slots: forever)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    engine = RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=2, max_model_len=128)
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=4)
+    question = [{"role": "user", "content": "Hi"}]
+
+    async def main() -> list[int]:
+        driver = engine_driver(engine, params)
+        async with serving(tokenizer, driver, params, budget=64, max_concurrent=2) as (endpoint, port):
+            lanes = {key: endpoint.open(key) for key in "abcd"}
+            firsts = {key: await client(port, key).chat.completions.create(model="policy", messages=question)
+                      for key in "ab"}
+            waiting = [asyncio.ensure_future(client(port, key).chat.completions.create(model="policy",
+                                                                                       messages=question))
+                       for key in "cd"]
+            while endpoint.active < 2:
+                await asyncio.sleep(0.01)
+
+            async def second_turn(key: str) -> None:
+                follow = [*question, firsts[key].choices[0].message.model_dump(exclude_none=True),
+                          {"role": "user", "content": "And?"}]
+                await client(port, key).chat.completions.create(model="policy", messages=follow)
+                lanes[key].end(driver.release)  # its runner returns
+
+            await asyncio.gather(*(second_turn(key) for key in "ab"))
+            await asyncio.gather(*waiting)
+            return [lanes[key].finish(endpoint.renderers, driver.release).turns for key in "abcd"]
+
+    assert asyncio.run(asyncio.wait_for(main(), timeout=60)) == [2, 2, 1, 1]
