@@ -93,8 +93,10 @@ class EndpointRollout:
             for host in timed_out:
                 host.kill()
             driver.stop()
-            await asyncio.gather(serving, return_exceptions=True)
+            engine_error = (await asyncio.gather(serving, return_exceptions=True))[0]
             await server.close()
+        if isinstance(engine_error, Exception):  # the requests it failed were answered 500 and their runners
+            raise engine_error  # counted as failed: the phase fails on the engine's own error instead
         self.stats = dict(endpoint.stats)
         return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
 

@@ -38,11 +38,14 @@ class EngineDriver:
         self.pending: dict[int, asyncio.Future] = {}
         self.wake = asyncio.Event()
         self.stopped = False
+        self.error: Exception | None = None  # what ended `serve`: later turns fail with it instead of waiting
 
     def _future(self, seq: int) -> asyncio.Future:
-        self.pending[seq] = asyncio.get_running_loop().create_future()
+        self.pending[seq] = future = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            future.set_exception(self.error)
         self.wake.set()
-        return self.pending[seq]
+        return future
 
     def start(self, prompt: list[int], n: int, max_tokens: int) -> list[tuple[int, asyncio.Future]]:
         """Queue a prompt's n samples; their sequence ids and first turns' futures."""
@@ -120,6 +123,7 @@ class EngineDriver:
                     finished = self.session.collect(launched)
                 self._resolve(finished)
         except Exception as error:
+            self.error = error
             for future in self.pending.values():
                 if not future.done():
                     future.set_exception(error)

@@ -111,6 +111,26 @@ def test_more_trajectories_than_kv_slots_finish(setup, env_file):
     rollout.close()
 
 
+def test_an_engine_error_fails_the_phase_with_its_own_message(setup, env_file, monkeypatch):
+    """The engine failing mid-phase (out of memory, say) fails the rollout with that error, rather than answering
+    every waiting request 500 and dropping the trajectories as runner failures."""
+    from hybridflow.engine.rollout.session import Session
+
+    def out_of_memory(self, launched):
+        raise RuntimeError("CUDA out of memory (a test's)")
+
+    tokenizer, engine = setup
+    rollout = EndpointRollout(agent_cfg(timeout_s=5, max_tokens_per_turn=4, runner_processes=1), tokenizer,
+                              budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})
+    monkeypatch.setattr(Session, "collect", out_of_memory)
+    with pytest.raises(RuntimeError, match=r"CUDA out of memory \(a test's\)"):
+        rollout.run(engine, [[1]] * 2, rows("good", "good"), SamplingParams(n=1, temperature=1.0, seed=0))
+    monkeypatch.undo()
+    outs = rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1, temperature=1.0, seed=1))
+    assert outs[0][0].dropped is None  # the next phase runs
+    rollout.close()
+
+
 def test_trajectories_are_dealt_over_the_runner_processes_and_a_hang_kills_only_its_own(setup, env_file):
     """agent.runner_processes=2: consecutive trajectories run in two processes; a runner that outlives
     agent.timeout_s takes down its own process after the phase, and the other one serves the next phase."""
