@@ -82,6 +82,12 @@ class EngineDriver:
             if not future.cancelled():  # its request's handler was cancelled (the server closing): nobody waits
                 future.set_result(completion)
 
+    def _collect(self, launched: Launched) -> None:
+        """On the event loop: read `launched`'s rows and resolve their turns."""
+        with self.lock:
+            finished = self.session.collect(launched)
+        self._resolve(finished)
+
     def _turn_over(self, launched: Launched, device: int | None) -> tuple[list[tuple[int, Completion]],
                                                                           Launched | None]:
         """In the worker thread: wait for `launched`, read its rows and launch the next step (None: nothing
@@ -108,20 +114,16 @@ class EngineDriver:
                         await self.wake.wait()
                         continue
                 if launched.done is None:  # a CPU step: it has run
-                    with self.lock:
-                        finished = self.session.collect(launched)
+                    self._collect(launched)
                     launched = None
-                    self._resolve(finished)
                     await asyncio.sleep(0)
                     continue
                 finished, launched = await asyncio.to_thread(self._turn_over, launched, device)
                 self._resolve(finished)
-            if launched is not None:
-                if launched.done is not None:
-                    await asyncio.to_thread(launched.done.synchronize)
-                with self.lock:
-                    finished = self.session.collect(launched)
-                self._resolve(finished)
+            if launched is not None:  # launched by the worker thread, so a GPU step
+                assert launched.done is not None
+                await asyncio.to_thread(launched.done.synchronize)
+                self._collect(launched)
         except Exception as error:
             self.error = error
             for future in self.pending.values():
