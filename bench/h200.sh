@@ -137,9 +137,10 @@ exact_rollout() { python3 bench/rollout.py --device cuda --exact --profile --out
 # exact_tests, exact_rollout and exact_grpo with it)
 invariant_gemm() { python3 bench/invariant_gemm.py --out "$OUT/invariant_gemm_h200.json" --write-table "$OUT/tiles.json" \
     2>&1 | tee "$OUT/invariant_gemm.log"; }
-# where exact mode's update time goes (issue 39): the 0.5B update in 16k-token micro-batches, compiled, eager and
+# where exact mode's update time goes (issue 39): the 0.5B update in 16k-token checkpointed micro-batches (as the
+# device plan runs 0.5B), compiled, eager and
 # exact (eager on the invariant ops), each with a profiler breakdown by kernel family (~2-3 minutes)
-exact_update() { python3 bench/train.py --shapes 0.5b --budgets 16384 --compile on,off --exact off,on --profile \
+exact_update() { python3 bench/train.py --shapes 0.5b --budgets 16384 --compile on,off --exact off,on --checkpointing on --profile \
     --out "$OUT/train_exact_h200.json" 2>&1 | tee "$OUT/exact_update.log"; }
 exact_grpo() {
     local mb

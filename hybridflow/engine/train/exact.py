@@ -19,13 +19,18 @@ Forwards must be packed (`[1, T]` rows with `cu_seq_lens_q`); the engine packs e
 
 Only the forward has to be invariant. A linear layer's backward is the usual pair of matmuls; each other op
 recomputes the standard PyTorch expression of its maths (flash varlen attention on CUDA) in the backward and
-differentiates that, so gradients are the default engine's up to rounding.
+differentiates that, so gradients are the default engine's up to rounding. For the same reason gradient
+checkpointing's recomputation runs the standard ops too (cuBLAS, flash attention; `recompute_contexts`): it
+only refills the tensors the backward reads, which need no particular bits, and each op saves the same
+tensors either way, so the checkpoint's metadata check holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,7 +41,28 @@ from hybridflow.engine.invariant.torch_ops import rotary as rotary_reference
 from hybridflow.engine.train.attention import packed_attention
 from hybridflow.engine.train.kernels import STANDARD_RMS_NORMS, keep_patched_forwards
 from hybridflow.engine.train.lora import ADAPTER, merge
-from hybridflow.engine.train.model import decoder_layers
+from hybridflow.engine.train.model import checkpointing, decoder_layers, enable_checkpointing
+
+_recomputation = threading.local()  # autograd runs a recomputation on its own thread (CUDA's device thread)
+
+
+def _standard() -> bool:
+    """Whether this thread is inside gradient checkpointing's recomputation (`recompute_contexts`)."""
+    return getattr(_recomputation, "active", False)
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    _recomputation.active = True
+    try:
+        yield
+    finally:
+        _recomputation.active = False
+
+
+def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`torch.utils.checkpoint`'s `context_fn`: the forward as patched, its recomputation on the standard ops."""
+    return contextlib.nullcontext(), _recomputing()
 
 
 class _Linear(torch.autograd.Function):
@@ -44,7 +70,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return invariant.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if _standard() else invariant.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -57,13 +83,14 @@ class _Linear(torch.autograd.Function):
 
 
 class _Recomputed(torch.autograd.Function):
-    """`op(*inputs)` forward; the backward differentiates `reference(*inputs)`, recomputed."""
+    """`op(*inputs)` forward (`reference(*inputs)` in a checkpoint's recomputation); the backward
+    differentiates `reference(*inputs)`, recomputed."""
 
     @staticmethod
     def forward(ctx, op: Callable, reference: Callable, *inputs):
         ctx.reference = reference
         ctx.save_for_backward(*inputs)
-        return op(*inputs)
+        return (reference if _standard() else op)(*inputs)
 
     @staticmethod
     def backward(ctx, grad):
@@ -189,3 +216,5 @@ def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int) -> None
         layer.self_attn.forward = types.MethodType(_attention_forward, layer.self_attn)
         layer.mlp.forward = types.MethodType(_mlp_forward, layer.mlp)
     model.get_output_embeddings().exact = True
+    if checkpointing(model):
+        enable_checkpointing(model, context_fn=recompute_contexts)

@@ -16,6 +16,7 @@ the one place a model is built; parallelism and compilation are applied to its r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,11 +101,25 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                              f"is not supported for training")
         install_log_prob_head(model)
     if gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     return model
+
+
+def checkpointing(model: torch.nn.Module) -> bool:
+    """Whether the model's decoder layers recompute their activations in the backward."""
+    if hasattr(type(model), "is_activation_checkpointing"):  # transformers >= 5.2x
+        return bool(model.is_activation_checkpointing)
+    return bool(model.is_gradient_checkpointing)
+
+
+def enable_checkpointing(model: torch.nn.Module, **kwargs: Any) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant `torch.utils.checkpoint`;
+    `kwargs` go to it, e.g. `context_fn`); again on a model that has it replaces its settings."""
+    options = {"use_reentrant": False, **kwargs}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,6 +1,7 @@
 """The training engine's exact forward (`train/exact.py`) is the default forward's maths: log-probs, entropy and
 gradients (full model and LoRA adapters) agree with the default engine's to rounding; only the bits of the
-forward are the rollout's. The exact forward refuses rows that are not packed."""
+forward are the rollout's. Gradient checkpointing's recomputation runs the standard ops. The exact forward
+refuses rows that are not packed."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from hybridflow.engine.train import TrainEngine
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=[], init="gaussian")
 
 
-def _forward_and_grads(path, lora, exact_len):
-    engine = TrainEngine(model_cfg(path), optim_cfg(lora=lora), head="lm", pack_on_cpu=True, exact_len=exact_len,
-                         seed=3)
+def _forward_and_grads(path, lora, exact_len, checkpointing=False, between=lambda: None):
+    engine = TrainEngine(model_cfg(path, gradient_checkpointing=checkpointing), optim_cfg(lora=lora), head="lm",
+                         pack_on_cpu=True, exact_len=exact_len, seed=3)
+    engine.model.train()
     batch = rl_batch(rows=5, prompt_width=7, response_width=6, seed=1)
     out, _ = engine.forward(batch, temperature=0.8, with_entropy=True)
     mask = batch["response_mask"]
+    between()
     ((out["log_probs"] * mask).sum() + 0.1 * (out["entropy"] * mask).sum()).backward()
     grads = {n: p.grad for n, p in engine.model.named_parameters() if p.grad is not None}
     return out, grads
@@ -33,6 +36,28 @@ def test_exact_forward_and_gradients_are_the_default_engines(tiny_model_factory,
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(exact[key], default[key], atol=1e-5, rtol=1e-5)
     assert exact_grads.keys() == default_grads.keys() and len(exact_grads) > 0
+    for name, grad in default_grads.items():
+        torch.testing.assert_close(exact_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_checkpoint_recomputation_runs_the_standard_ops(tiny_qwen2, monkeypatch):
+    """The forward of a checkpointed exact engine runs the invariant ops and gives the uncheckpointed one's bits;
+    its backward's recomputation calls none of them, and the gradients stay the default engine's to rounding."""
+    from hybridflow.engine import invariant
+
+    calls: list[str] = []
+    for name in ("linear", "rms_norm", "rotary", "silu_mul", "attention"):
+        real = getattr(invariant, name)
+        monkeypatch.setattr(invariant, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    plain, _ = _forward_and_grads(tiny_qwen2, None, 32)
+    forward_calls: list[str] = []
+    (exact, exact_grads) = _forward_and_grads(tiny_qwen2, None, 32, checkpointing=True,
+                                              between=lambda: forward_calls.extend(calls) or calls.clear())
+    assert set(forward_calls) == {"linear", "rms_norm", "rotary", "silu_mul", "attention"}
+    assert calls == []  # the backward, recomputation included, ran no invariant op
+    assert torch.equal(exact["log_probs"], plain["log_probs"])
+    _, default_grads = _forward_and_grads(tiny_qwen2, None, None)
+    assert exact_grads.keys() == default_grads.keys()
     for name, grad in default_grads.items():
         torch.testing.assert_close(exact_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
