@@ -91,6 +91,25 @@ def test_rotary_in_place_equals_out_of_place_and_the_table_is_length_invariant(d
                           atol=0.05 if dtype != torch.float32 else 1e-5)
 
 
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+def test_rotary_store_is_the_rotary_and_two_cache_copies(device, dtype, tiny_qwen2):
+    """The rollout's fused q|k|v heads: q and k rotated in place as `rotary` rotates them, the rotated k and the v
+    heads written to their cache rows, nothing else of the stores touched."""
+    from transformers import AutoConfig
+
+    cos, sin = invariant.rope_table(AutoConfig.from_pretrained(tiny_qwen2), 64, device)
+    heads, kv_heads, positions = 4, 2, torch.tensor([0, 9, 33, 63, 17], device=device)
+    x = _randn(5, heads + 2 * kv_heads, 16, device=device, dtype=dtype)
+    index = torch.tensor([3, 7, 0, 19, 11], device=device)
+    k_store, v_store = (_randn(20, kv_heads, 16, device=device, dtype=dtype, seed=s) for s in (1, 2))
+    want, want_k, want_v = x.clone(), k_store.clone(), v_store.clone()
+    qk = want[:, :heads + kv_heads]
+    invariant.rotary(qk, cos[positions], sin[positions], out=qk)
+    want_k[index], want_v[index] = want[:, heads:heads + kv_heads], want[:, heads + kv_heads:]
+    invariant.rotary_store(x, cos[positions], sin[positions], k_store, v_store, index, heads)
+    assert torch.equal(x, want) and torch.equal(k_store, want_k) and torch.equal(v_store, want_v)
+
 def _attend(q, k, v, q_counts, k_starts, lengths):
     device = q.device
     starts = torch.tensor([0, *q_counts], device=device).cumsum(0).to(torch.int32)

@@ -11,8 +11,8 @@ twins elsewhere (`torch_ops`). `scope` says which models they cover.
 """
 
 from hybridflow.engine.invariant.ops import (attention, attention_table, inverse_temperature, linear, rms_norm,
-                                             rope_table, rotary, silu_mul, token_log_probs)
+                                             rope_table, rotary, rotary_store, silu_mul, token_log_probs)
 from hybridflow.engine.invariant.scope import ARCHITECTURES, unsupported
 
 __all__ = ["ARCHITECTURES", "attention", "attention_table", "inverse_temperature", "linear", "rms_norm",
-           "rope_table", "rotary", "silu_mul", "token_log_probs", "unsupported"]
+           "rope_table", "rotary", "rotary_store", "silu_mul", "token_log_probs", "unsupported"]

@@ -70,6 +70,23 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     return rotated if out is None else out.copy_(rotated)
 
 
+def rotary_store(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                 write_index: torch.Tensor, heads: int) -> None:
+    """x [T, heads + 2 Hkv, D]: each token's q, k and v heads side by side (a fused projection). Rotates the q
+    and k heads in place as `rotary` does and writes each token's k (rotated) and v heads to row
+    write_index[t] ([T] int64) of the key and value stores [N, Hkv, D]: on CUDA in one kernel."""
+    kv_heads = (x.shape[1] - heads) // 2
+    if _triton(x):
+        from hybridflow.engine.invariant.triton_rows import rotary_store as kernel
+
+        kernel(x, cos, sin, k_store, v_store, write_index, heads)
+        return
+    qk = x[:, :heads + kv_heads]
+    qk.copy_(torch_ops.rotary(qk, cos, sin))
+    k_store.index_copy_(0, write_index, x[:, heads:heads + kv_heads])
+    v_store.index_copy_(0, write_index, x[:, heads + kv_heads:])
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, the activation rounded to the dtype before the product: [M, I] each -> [M, I]."""
     if _triton(gate):

@@ -36,7 +36,27 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
         raise ValueError(f"invariant rotary needs a power-of-two head dim and contiguous heads: x {tuple(x.shape)} "
                          f"strides {x.stride()}, out strides {out.stride()}")
     if tokens:
-        _rotary_kernel[(tokens, heads)](x, out, cos, sin, x.stride(0), out.stride(0), cos.stride(0), HALF=dim // 2)
+        _rotary_kernel[(tokens, heads)](x, out, cos, sin, x.stride(0), out.stride(0), cos.stride(0), heads, x, x, x, 0,
+                                        HALF=dim // 2, Q_HEADS=0, KV_HEADS=0, STORE=False)
+
+
+def rotary_store(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                 write_index: torch.Tensor, heads: int) -> None:
+    """`rotary` of the q and k heads of x [T, heads + 2 Hkv, D] (q, k and v heads side by side, heads
+    contiguous) in place, with each token's rotated k heads and its v heads also written to row
+    write_index[t] of k_store / v_store [N, Hkv, D] (contiguous): one launch for what rotary and two cache
+    copies do, with the same arithmetic."""
+    tokens, all_heads, dim = x.shape
+    kv_heads = (all_heads - heads) // 2
+    if (x.stride()[1:] != (dim, 1) or dim & (dim - 1) or k_store.shape[1:] != (kv_heads, dim)
+            or not k_store.is_contiguous() or v_store.stride() != k_store.stride()):
+        raise ValueError(f"invariant rotary_store needs a power-of-two head dim, contiguous heads and stores of "
+                         f"[N, {kv_heads}, {dim}]: x {tuple(x.shape)} strides {x.stride()}, k_store "
+                         f"{tuple(k_store.shape)} strides {k_store.stride()}, v_store strides {v_store.stride()}")
+    if tokens:
+        _rotary_kernel[(tokens, all_heads)](x, x, cos, sin, x.stride(0), x.stride(0), cos.stride(0), heads + kv_heads,
+                                            k_store, v_store, write_index, k_store.stride(0), HALF=dim // 2,
+                                            Q_HEADS=heads, KV_HEADS=kv_heads, STORE=True)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -77,20 +97,32 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexp
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_x, stride_out, stride_c, HALF: tl.constexpr):
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_x, stride_out, stride_c, rotated_heads, k_ptr, v_ptr,
+                   index_ptr, stride_store, HALF: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                   STORE: tl.constexpr):
+    # heads [0, rotated_heads) rotate; with STORE, heads Q_HEADS.. are k heads (rotated, then stored) and heads
+    # past rotated_heads v heads (stored as they are)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, 2 * HALF)
     dt = out_ptr.dtype.element_ty
     row = x_ptr + token * stride_x + head * 2 * HALF
-    x = tl.load(row + d).to(tl.float32)
-    partner = tl.load(row + (d + HALF) % (2 * HALF)).to(tl.float32)
-    c = tl.load(cos_ptr + token * stride_c + d).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + token * stride_c + d).to(dt).to(tl.float32)
-    turned = tl.where(d < HALF, -partner, partner)
-    rotated = ((x * c).to(dt).to(tl.float32) + (turned * s).to(dt).to(tl.float32)).to(dt)
-    tl.debug_barrier()  # in place: every thread has read its partner column before any column is written
-    tl.store(out_ptr + token * stride_out + head * 2 * HALF + d, rotated)
+    if head < rotated_heads:
+        x = tl.load(row + d).to(tl.float32)
+        partner = tl.load(row + (d + HALF) % (2 * HALF)).to(tl.float32)
+        c = tl.load(cos_ptr + token * stride_c + d).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + token * stride_c + d).to(dt).to(tl.float32)
+        turned = tl.where(d < HALF, -partner, partner)
+        rotated = ((x * c).to(dt).to(tl.float32) + (turned * s).to(dt).to(tl.float32)).to(dt)
+        tl.debug_barrier()  # in place: every thread has read its partner column before any column is written
+        tl.store(out_ptr + token * stride_out + head * 2 * HALF + d, rotated)
+        if STORE:
+            if head >= Q_HEADS:
+                at = tl.load(index_ptr + token) * stride_store + (head - Q_HEADS) * 2 * HALF
+                tl.store(k_ptr + at + d, rotated)
+    elif STORE:
+        at = tl.load(index_ptr + token) * stride_store + (head - Q_HEADS - KV_HEADS) * 2 * HALF
+        tl.store(v_ptr + at + d, tl.load(row + d))
 
 
 @triton.jit
