@@ -189,17 +189,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv.layer(self.layer_index)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-            invariant.rotary(q, *rope, out=q)
-            invariant.rotary(k, *rope, out=k)
-            write_kv(k_cache, v_cache, k, v, meta)
         elif meta.write_rows is None:  # q, k and v heads are adjacent in qkv: one launch rotates and stores them
-            heads = qkv.view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
-            invariant.rotary_store(heads, *rope, k_cache.view(-1, *k_cache.shape[2:]),
+            invariant.rotary_store(qkv.view(tokens, -1, self.head_dim), *rope, k_cache.view(-1, *k_cache.shape[2:]),
                                    v_cache.view(-1, *v_cache.shape[2:]), meta.write_index, self.heads)
-        else:
-            qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
-            invariant.rotary(qk, *rope, out=qk)
-            write_kv(k_cache, v_cache, k, v, meta)
+            return exact_attention(q, k_cache, v_cache, meta, self.scale)
+        invariant.rotary(q, *rope, out=q)
+        invariant.rotary(k, *rope, out=k)
+        write_kv(k_cache, v_cache, k, v, meta)
         return exact_attention(q, k_cache, v_cache, meta, self.scale)
 
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
