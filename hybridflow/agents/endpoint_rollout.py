@@ -19,6 +19,10 @@ the first, or after the last) or returns while one of its requests is still runn
 request after the runner returned is refused, counted (`agent/late_requests`) and drops it too. A runner
 that outlived its time limit takes its process down after the phase (a blocked one may not honour a
 cancel); the other processes serve on.
+
+A phase whose engine runs no step for `agent.timeout_s` while requests wait on it logs a warning with what the
+session holds, once per stall, and counts it (`stats["engine_stalls"]`): a trajectory in a tool holds its KV
+slot at most that long, so a longer wait is a hang to report, not a slow phase.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class EndpointRollout:
         processes = agent_cfg.runner_processes or min(16, os.cpu_count() or 1)
         self.hosts = [RunnerHost(runner, kwargs) for _ in range(processes)]
         self.stats: dict[str, float] = {}
+        self.stalls = 0
 
     def close(self) -> None:
         """Ends the runner processes (the next `run` starts new ones)."""
@@ -84,7 +89,7 @@ class EndpointRollout:
                     lane.last_activity = time.monotonic()  # the runner's clock starts when it is handed over
                     jobs[host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1",
                                      endpoint.token)] = lane, host
-            timed_out = await self._wait(jobs, driver.release)
+            timed_out = await self._wait(jobs, driver)
         finally:
             for lane in endpoint.lanes.values():
                 lane.ended = True
@@ -97,22 +102,28 @@ class EndpointRollout:
             await server.close()
         if isinstance(engine_error, Exception):  # the requests it failed were answered 500 and their runners
             raise engine_error  # counted as failed: the phase fails on the engine's own error instead
-        self.stats = dict(endpoint.stats)
+        self.stats = dict(endpoint.stats, engine_stalls=self.stalls)
         return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
 
     async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]],
-                    release: Callable[[int], None]) -> set[RunnerHost]:
+                    driver: EngineDriver) -> set[RunnerHost]:
         """Until every runner (future -> its trajectory's lane and process) has returned or failed; the processes
         of those that outlived their time limit. A lane whose runner ends frees its KV slots (`Lane.end` with
-        `release`), so trajectories beyond the engine's slots get theirs."""
-        limit, timed_out = self.cfg.timeout_s, set()
-        waiting = set(jobs)
+        the driver's `release`), so trajectories beyond the engine's slots get theirs. Watches for a stall."""
+        limit, timed_out, release = self.cfg.timeout_s, set(), driver.release
+        waiting, self.stalls, reported = set(jobs), 0, None
         while waiting:
             done, waiting = await asyncio.wait(waiting, timeout=min(1.0, limit / 4),
                                                return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 self._returned(jobs[future][0], future, release)
             now = time.monotonic()
+            requests = sum(jobs[future][0].in_flight for future in waiting)
+            if requests and now - driver.last_step > limit and reported != driver.last_step:
+                reported, self.stalls = driver.last_step, self.stalls + 1
+                logger.warning("the endpoint's engine has run no step for %.0f s (agent.timeout_s=%g) while %d "
+                               "requests wait on it: %s. A hang: please report it with this line",
+                               now - driver.last_step, limit, requests, driver.describe())
             for future in list(waiting):
                 lane, host = jobs[future]
                 if lane.in_flight == 0 and now - lane.last_activity > limit:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import torch
 
@@ -39,6 +40,7 @@ class EngineDriver:
         self.wake = asyncio.Event()
         self.stopped = False
         self.error: Exception | None = None  # what ended `serve`: later turns fail with it instead of waiting
+        self.last_step = time.monotonic()  # when a step's rows were last read (the stall watch's clock)
 
     def _future(self, seq: int) -> asyncio.Future:
         self.pending[seq] = future = asyncio.get_running_loop().create_future()
@@ -76,7 +78,15 @@ class EngineDriver:
         self.stopped = True
         self.wake.set()
 
+    def describe(self) -> str:
+        """What the session holds, for a message about a stall."""
+        with self.lock:
+            session = self.session
+            return (f"{len(self.pending)} turns waiting, {len(session.running)} sequences in the running batch, "
+                    f"{len(session.held)} of {session.engine.kv.num_slots} KV slots held between turns")
+
     def _resolve(self, finished: list[tuple[int, Completion]]) -> None:
+        self.last_step = time.monotonic()
         for seq, completion in finished:
             future = self.pending.pop(seq)
             if not future.cancelled():  # its request's handler was cancelled (the server closing): nobody waits

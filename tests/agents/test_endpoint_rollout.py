@@ -4,6 +4,7 @@ sends one after it returned, or takes its process down, costs only its trajector
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -128,6 +129,35 @@ def test_an_engine_error_fails_the_phase_with_its_own_message(setup, env_file, m
     monkeypatch.undo()
     outs = rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1, temperature=1.0, seed=1))
     assert outs[0][0].dropped is None  # the next phase runs
+    rollout.close()
+
+
+def test_an_engine_that_stops_stepping_is_reported_once(setup, env_file, monkeypatch, caplog):
+    """Requests waiting on an engine that runs no step for agent.timeout_s: a warning says what the session holds
+    and the stall is counted, once; when the engine steps again the phase finishes."""
+    from hybridflow.agents.engine_driver import EngineDriver
+    from hybridflow.engine.rollout.session import Session
+
+    launch, describe, stalled = Session.launch, EngineDriver.describe, [True]
+
+    def reported(self):  # the stall ends once the watch has seen it
+        stalled[0] = False
+        self.wake.set()
+        return describe(self)
+
+    monkeypatch.setattr(Session, "launch", lambda self: None if stalled[0] else launch(self))
+    monkeypatch.setattr(EngineDriver, "describe", reported)
+    tokenizer, engine = setup
+    rollout = EndpointRollout(agent_cfg(timeout_s=1, max_tokens_per_turn=4, runner_processes=1), tokenizer,
+                              budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})
+    with caplog.at_level(logging.WARNING, logger="hybridflow.agents.endpoint_rollout"):
+        outs = rollout.run(engine, [[1]] * 2, rows("good", "good"), SamplingParams(n=1, temperature=1.0, seed=0))
+    assert all(t.dropped is None and t.env_reward == 1.0 for row in outs for t in row)
+    assert rollout.stats["engine_stalls"] == 1
+    warnings = [r.getMessage() for r in caplog.records if "has run no step" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "(agent.timeout_s=1) while" in warnings[0] and "turns waiting" in warnings[0]
+    assert "of 8 KV slots held between turns" in warnings[0]
     rollout.close()
 
 
