@@ -72,6 +72,17 @@ def test_row_ops_do_not_depend_on_the_batch(device, dtype):
 
 
 @pytest.mark.parametrize("device, dtype", DEVICES)
+@pytest.mark.parametrize("n", [64, 576, 896])
+def test_the_fused_residual_add_and_norm_are_the_add_and_the_norm(device, dtype, n):
+    """The rollout's `add_rms_norm` gives the bits of the trainer's add and `rms_norm` apart (SmolLM2's and the
+    0.5B shape's hidden sizes among the widths), so the engine fuses them (`add_rms_norm_holds`)."""
+    x, delta = _randn(37, n, device=device, dtype=dtype, seed=1), _randn(37, n, device=device, dtype=dtype, seed=2)
+    weight = _randn(n, device=device, dtype=dtype, seed=3)
+    normed, total = invariant.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta) and torch.equal(normed, invariant.rms_norm(x + delta, weight, 1e-5))
+    assert invariant.add_rms_norm_holds(dtype, n, torch.device(device))
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
 def test_rotary_in_place_equals_out_of_place_and_the_table_is_length_invariant(device, dtype, tiny_qwen2):
     from transformers import AutoConfig
 

@@ -57,6 +57,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + delta), x + delta), x and delta [M, n] in one dtype: the bits of the add and `rms_norm` apart
+    (on CUDA in one kernel, where `add_rms_norm_holds` says its bits are those)."""
+    if _triton(x):
+        from hybridflow.engine.invariant.triton_rows import add_rms_norm as kernel
+
+        out, total = kernel(x if x.stride(1) == 1 else x.contiguous(), delta if delta.stride(1) == 1
+                            else delta.contiguous(), weight.to(x.dtype).contiguous(), eps)
+        return out.view(x.shape), total.view(x.shape)
+    total = x + delta
+    return rms_norm(total, weight, eps), total
+
+
+def add_rms_norm_holds(dtype: torch.dtype, n: int, device: torch.device) -> bool:
+    """Whether `add_rms_norm` on `device` gives, for rows of width n in `dtype`, the bits of the add and then
+    `rms_norm` (which the trainer runs: Hugging Face's residual add, then its norm). Checked on 64 random rows:
+    the fused kernel sums the squares in the same order only if Triton lays both kernels out alike."""
+    generator = torch.Generator().manual_seed(0)
+    x, delta, weight = (torch.randn(rows, n, generator=generator).to(device, dtype) for rows in (64, 64, 1))
+    fused, total = add_rms_norm(x, delta, weight[0], 1e-6)
+    return torch.equal(total, x + delta) and torch.equal(fused, rms_norm(x + delta, weight[0], 1e-6))
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate-half RoPE of x [T, heads, D] by each token's fp32 rows cos/sin [T, D] (`rope_table` rows
     gathered by position); into `out` (x itself rotates in place), else a new tensor."""

@@ -23,9 +23,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, n = x.shape
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), n, eps, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=4 if n <= 2048 else 8)
+        _rms_norm_kernel[(rows,)](x, x, x, weight, out, x.stride(0), 0, n, eps, BLOCK=triton.next_power_of_2(n),
+                                  ADD=False, num_warps=4 if n <= 2048 else 8)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor,
+                                                                                                    torch.Tensor]:
+    """(rms_norm(x + delta), x + delta) for rows x, delta [M, n] (contiguous within a row): the sum rounded to
+    the dtype as torch's add rounds it, then `rms_norm`'s code on it, in one launch."""
+    rows, n = x.shape
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(out)
+    if rows:
+        _rms_norm_kernel[(rows,)](x, delta, total, weight, out, x.stride(0), delta.stride(0), n, eps,
+                                  BLOCK=triton.next_power_of_2(n), ADD=True, num_warps=4 if n <= 2048 else 8)
+    return out, total
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
@@ -84,12 +97,17 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor,
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_d, n, eps, BLOCK: tl.constexpr,
+                     ADD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     dt = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD:  # the residual add first, rounded as torch rounds it; the norm below is the same code either way
+        x = (x.to(tl.float32) + tl.load(delta_ptr + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(sum_ptr + row * n + cols, x, mask=mask)
+    x = x.to(tl.float32)
     scale = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
     y = (x * scale).to(dt).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)

@@ -4,12 +4,11 @@
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
 and k per head, OLMoE over the whole q and k projections, Llama may have `attention_bias` / `mlp_bias`,
 Mistral is Llama's shape; a mixture of experts has its family's attention and a `sparse_moe.SparseMoE` block
-in place of the MLP of its sparse layers. q/k/v are
-fused into `qkv_proj` and gate/up into `gate_up_proj`. Checkpoint loading and the trainer -> rollout
-sync (`load_weights`) share one path that takes HF names (`...self_attn.q_proj.weight`) and copies in
-place: a module's `weight_loader(param, tensor, shard)` serves its parameters (the fused ones place a
-shard at its offset), others take `default_weight_loader`. Weights are only ever `copy_`-ed into,
-never replaced, so captured CUDA graphs stay valid across updates.
+in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj`.
+Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes HF names
+(`...self_attn.q_proj.weight`) and copies in place: a module's `weight_loader(param, tensor, shard)` serves
+its parameters (the fused ones place a shard at its offset), others take `default_weight_loader`. Weights
+are only ever `copy_`-ed into, never replaced, so captured CUDA graphs stay valid across updates.
 
 Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
 other rope_scaling types), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
@@ -17,10 +16,10 @@ kernels of `kernels` on CUDA; the residual add is fused into the following norm.
 packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for the
 rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
 
-With the "exact" backend (`rollout.exact`) every op is the training engine's: the GEMMs, norms, rotary,
-activation and attention of `hybridflow.engine.invariant`, the residual add apart from the norm as in
-Hugging Face's layer, the rotary table of `invariant.rope_table`, and every forward (prefill, continuation
-or decode) writes its K/V to the cache first and attends over the cache (docs/exact.md).
+With the "exact" backend (`rollout.exact`) every op is the training engine's: the GEMMs, residual adds,
+norms, rotary, activation and attention of `hybridflow.engine.invariant`, the rotary table of
+`invariant.rope_table`, and every forward (prefill, continuation or decode) writes its K/V to the cache
+first and attends over the cache (docs/exact.md).
 """
 
 from __future__ import annotations
@@ -101,19 +100,19 @@ class FusedLinear(Linear):
 
 class RMSNorm(nn.Module):
     """HF's RMSNorm (normalise in fp32, cast back, then scale), optionally fused with the residual add
-    (exact: the add apart, then the invariant norm)."""
+    (exact: the invariant add and norm, in one kernel where `build` found its bits the same as apart)."""
 
     def __init__(self, dim: int, eps: float, exact: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps, self.exact = eps, exact
+        self.eps, self.exact, self.fused_add = eps, exact, False
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta); delta None normalises h."""
-        if self.exact:
-            h = h if delta is None else h + delta
-            return invariant.rms_norm(h, self.weight, self.eps), h
-        return add_rms_norm(h, delta, self.weight, self.eps)
+        if not self.exact or (delta is not None and self.fused_add):
+            return (invariant.add_rms_norm if self.exact else add_rms_norm)(h, delta, self.weight, self.eps)
+        h = h if delta is None else h + delta
+        return invariant.rms_norm(h, self.weight, self.eps), h
 
 
 class Attention(nn.Module):
@@ -312,6 +311,9 @@ class CausalLM(nn.Module):
             model.get_submodule(owner_name)._parameters[leaf] = nn.Parameter(data, requires_grad=False)
         model.tie()  # new parameters: the head points at the embedding again
         model.set_rotary(max_len)
+        fused_add = model.exact and invariant.add_rms_norm_holds(dtype, config.hidden_size, device)
+        for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
+            norm.fused_add = fused_add
         return model
 
     def set_rotary(self, max_len: int) -> None:
