@@ -127,8 +127,9 @@ race_corrections() {
 # the learning race with rollout.exact=true, then the default's, RACE_BUDGET_S (default 150) each: the mismatch
 # of every step (0 in exact mode) and the two accuracy-against-time curves
 # (pytest's cache holds the real model converted from the GGUF: no `-p no:cacheprovider` here)
-exact_tests() { SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu tests/engine/test_invariant_ops.py \
-    tests/engine/rollout/test_rollout_exact.py 2>&1 | tee "$OUT/exact_tests.log"; }
+# (EXACT_K="not smollm2" runs those that need no GGUF, EXACT_K=smollm2 the real model's, in the next call)
+exact_tests() { SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu ${EXACT_K:+-k "$EXACT_K"} tests/engine/test_invariant_ops.py \
+    tests/engine/rollout/test_rollout_exact.py 2>&1 | tee "$OUT/exact_tests${EXACT_K:+_${EXACT_K// /_}}.log"; }
 exact_rollout() { python3 bench/rollout.py --device cuda --exact --profile --out "$OUT/rollout_exact_h200.json" 2>&1 \
     | tee "$OUT/rollout_exact.log"; }
 # the invariant linear at other tilings, SmolLM2 and 0.5B projections at decode and training row counts: time and
