@@ -40,7 +40,7 @@ from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.agents.endpoint import Endpoint
 from hybridflow.agents.http_server import JSONServer
 from hybridflow.agents.runner_host import RunnerFailed, RunnerHost
-from hybridflow.agents.stitching import Lane
+from hybridflow.agents.stitching import Lane, Renderers
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engine.rollout import SamplingParams
 
@@ -89,7 +89,7 @@ class EndpointRollout:
                     lane.last_activity = time.monotonic()  # the runner's clock starts when it is handed over
                     jobs[host.submit(lane.key, row, f"http://127.0.0.1:{port}/t/{lane.key}/v1",
                                      endpoint.token)] = lane, host
-            timed_out = await self._wait(jobs, driver)
+            timed_out = await self._wait(jobs, driver, endpoint.renderers)
         finally:
             for lane in endpoint.lanes.values():
                 lane.ended = True
@@ -105,18 +105,22 @@ class EndpointRollout:
         self.stats = dict(endpoint.stats, engine_stalls=self.stalls)
         return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
 
-    async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]],
-                    driver: EngineDriver) -> set[RunnerHost]:
+    async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]], driver: EngineDriver,
+                    renderers: Renderers) -> set[RunnerHost]:
         """Until every runner (future -> its trajectory's lane and process) has returned or failed; the processes
         of those that outlived their time limit. A lane whose runner ends frees its KV slots (`Lane.end` with
-        the driver's `release`), so trajectories beyond the engine's slots get theirs. Watches for a stall."""
+        the driver's `release`), so trajectories beyond the engine's slots get theirs, and one whose runner
+        returned is finished at once (`Lane.finish`: its token check runs while the engine serves the others,
+        not after the phase with the engine idle). Watches for a stall."""
         limit, timed_out, release = self.cfg.timeout_s, set(), driver.release
         waiting, self.stalls, reported = set(jobs), 0, None
         while waiting:
             done, waiting = await asyncio.wait(waiting, timeout=min(1.0, limit / 4),
                                                return_when=asyncio.FIRST_COMPLETED)
             for future in done:
-                self._returned(jobs[future][0], future, release)
+                lane = jobs[future][0]
+                if self._returned(lane, future, release) and lane.pending is not None:  # else at the end: a
+                    lane.finish(renderers, release)  # request it sent as it returned may still come, to be refused
             now = time.monotonic()
             requests = sum(jobs[future][0].in_flight for future in waiting)
             if requests and now - driver.last_step > limit and reported != driver.last_step:
@@ -133,7 +137,8 @@ class EndpointRollout:
                     timed_out.add(host)
         return timed_out
 
-    def _returned(self, lane: Lane, future: asyncio.Future, release: Callable[[int], None]) -> None:
+    def _returned(self, lane: Lane, future: asyncio.Future, release: Callable[[int], None]) -> bool:
+        """Whether the runner returned a reward with none of its requests running (else it failed)."""
         if future.cancelled():
             return self._failed(lane, "cancelled", release)
         error = future.exception()
@@ -143,10 +148,12 @@ class EndpointRollout:
         if lane.in_flight:
             return self._failed(lane, "it returned while one of its requests was still running", release)
         lane.trajectory.env_reward, lane.trajectory.metrics = future.result()
+        return True
 
     @staticmethod
-    def _failed(lane: Lane, why: str, release: Callable[[int], None]) -> None:
+    def _failed(lane: Lane, why: str, release: Callable[[int], None]) -> bool:
         lane.end(release)
         lane.trajectory.runner_errors += 1
         lane.trajectory.drop(f"the runner failed: {why}")
         logger.warning("agent runner of trajectory %s failed: %s", lane.key, why)
+        return False

@@ -94,6 +94,7 @@ class Lane:
         self.in_flight = 0
         self.last_activity = time.monotonic()
         self.ended = False
+        self.finished: Trajectory | None = None  # `finish`'s result, once made
 
     # ------------------------------------------------------------------ planning a request
     def plan(self, request: Request, renderers: Renderers) -> Plan:
@@ -180,7 +181,13 @@ class Lane:
 
     # ------------------------------------------------------------------ the end
     def finish(self, renderers: Renderers, release: Any) -> Trajectory:
-        """The trajectory as trained: the last request's first choice committed, the token-exact check run."""
+        """The trajectory as trained: the last request's first choice committed, the token-exact check run; once
+        (a later call returns the same trajectory)."""
+        if self.finished is None:
+            self.finished = self._finish(renderers, release)
+        return self.finished
+
+    def _finish(self, renderers: Renderers, release: Any) -> Trajectory:
         trajectory, last = self.trajectory, self.pending
         if last is None:
             trajectory.drop("the runner made no request")

@@ -46,6 +46,10 @@ RUNNERS = """
             return 1.0
         if case == "exits":
             os._exit(3)
+        if case == "slow":
+            await ask(client, "Hello", max_tokens=2)
+            await asyncio.sleep(1.5)
+            return 1.0
         if case == "pid":
             await ask(client, "Hello", max_tokens=2)
             return {"reward": 1.0, "metrics": {"pid": os.getpid()}}
@@ -129,6 +133,23 @@ def test_an_engine_error_fails_the_phase_with_its_own_message(setup, env_file, m
     monkeypatch.undo()
     outs = rollout.run(engine, [[1]], rows("good"), SamplingParams(n=1, temperature=1.0, seed=1))
     assert outs[0][0].dropped is None  # the next phase runs
+    rollout.close()
+
+
+def test_a_trajectory_is_checked_when_its_runner_returns(setup, env_file, monkeypatch):
+    """The token-exact check of a trajectory whose runner returned runs then, while the engine serves the others,
+    not after the phase (when the engine is idle)."""
+    from hybridflow.agents import stitching
+
+    checked, check = [], stitching.first_mismatch
+    monkeypatch.setattr(stitching, "first_mismatch", lambda *a, **k: checked.append(time.monotonic()) or check(*a, **k))
+    tokenizer, engine = setup
+    rollout = EndpointRollout(agent_cfg(timeout_s=5, max_tokens_per_turn=4, runner_processes=1), tokenizer,
+                              budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})
+    outs = rollout.run(engine, [[1]] * 2, rows("good", "slow"), SamplingParams(n=1, temperature=1.0, seed=0))
+    ended = time.monotonic()
+    assert all(t.dropped is None for row in outs for t in row)
+    assert len(checked) == 2 and checked[0] < ended - 1.0  # the quick one's, while the slow runner slept
     rollout.close()
 
 
