@@ -102,7 +102,6 @@ def test_rotary_in_place_equals_out_of_place_and_the_table_is_length_invariant(d
                           atol=0.05 if dtype != torch.float32 else 1e-5)
 
 
-
 @pytest.mark.parametrize("device, dtype", DEVICES)
 def test_rotary_store_is_the_rotary_and_two_cache_copies(device, dtype, tiny_qwen2):
     """The rollout's fused q|k|v heads: q and k rotated in place as `rotary` rotates them, the rotated k and the v
