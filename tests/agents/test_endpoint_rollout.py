@@ -142,7 +142,8 @@ def test_a_trajectory_is_checked_when_its_runner_returns(setup, env_file, monkey
     from hybridflow.agents import stitching
 
     checked, check = [], stitching.first_mismatch
-    monkeypatch.setattr(stitching, "first_mismatch", lambda *a, **k: checked.append(time.monotonic()) or check(*a, **k))
+    monkeypatch.setattr(stitching, "first_mismatch",
+                        lambda *a, **k: checked.append(time.monotonic()) or check(*a, **k))
     tokenizer, engine = setup
     rollout = EndpointRollout(agent_cfg(timeout_s=5, max_tokens_per_turn=4, runner_processes=1), tokenizer,
                               budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})

@@ -10,9 +10,10 @@ call these, so a sampled token's log-prob equals, bit for bit, the trainer's for
 twins elsewhere (`torch_ops`). `scope` says which models they cover.
 """
 
-from hybridflow.engine.invariant.ops import (add_rms_norm, add_rms_norm_holds, attention, attention_table, inverse_temperature, linear, rms_norm,
-                                             rope_table, rotary, rotary_store, silu_mul, token_log_probs)
+from hybridflow.engine.invariant.ops import (add_rms_norm, add_rms_norm_holds, attention, attention_table,
+                                             inverse_temperature, linear, rms_norm, rope_table, rotary, rotary_store,
+                                             silu_mul, token_log_probs)
 from hybridflow.engine.invariant.scope import ARCHITECTURES, unsupported
 
-__all__ = ["ARCHITECTURES", "add_rms_norm", "add_rms_norm_holds", "attention", "attention_table", "inverse_temperature", "linear", "rms_norm",
-           "rope_table", "rotary", "rotary_store", "silu_mul", "token_log_probs", "unsupported"]
+__all__ = ["ARCHITECTURES", "add_rms_norm", "add_rms_norm_holds", "attention", "attention_table", "inverse_temperature",
+           "linear", "rms_norm", "rope_table", "rotary", "rotary_store", "silu_mul", "token_log_probs", "unsupported"]

@@ -48,7 +48,8 @@ def test_checkpoint_recomputation_runs_the_standard_ops(tiny_qwen2, monkeypatch)
     calls: list[str] = []
     for name in ("linear", "rms_norm", "rotary", "silu_mul", "attention"):
         real = getattr(invariant, name)
-        monkeypatch.setattr(invariant, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(invariant, name,
+                            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     plain, _ = _forward_and_grads(tiny_qwen2, None, 32)
     forward_calls: list[str] = []
     (exact, exact_grads) = _forward_and_grads(tiny_qwen2, None, 32, checkpointing=True,
