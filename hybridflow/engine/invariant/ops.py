@@ -106,7 +106,7 @@ def rotary_store(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_store:
         kernel(x, cos, sin, k_store, v_store, write_index, heads)
         return
     qk = x[:, :heads + kv_heads]
-    qk.copy_(torch_ops.rotary(qk, cos, sin))
+    rotary(qk, cos, sin, out=qk)
     k_store.index_copy_(0, write_index, x[:, heads:heads + kv_heads])
     v_store.index_copy_(0, write_index, x[:, heads + kv_heads:])
 
