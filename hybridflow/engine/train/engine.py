@@ -28,7 +28,7 @@ from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
-from hybridflow.engine.train.exact import make_exact
+from hybridflow.engine.train.exact import make_exact, recompute_contexts
 from hybridflow.engine.train.head import teacher_targets
 from hybridflow.engine.train.loss_context import LossContext, LossFn
 from hybridflow.engine.train.lora import apply_lora, frozen_weights
@@ -105,7 +105,8 @@ class TrainEngine:
             # with LoRA the frozen weights are loaded, and stay, in the compute dtype; only adapters get a master copy
             model = load_model(model_cfg.path, head, self.precision.param if lora else self.precision.master,
                                model_cfg.attn_implementation, model_cfg.trust_remote_code,
-                               self.trainable and trained is not None and bool(trained.gradient_checkpointing))
+                               self.trainable and trained is not None and bool(trained.gradient_checkpointing),
+                               recompute_contexts if self.exact else None)
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
         if self.exact:
             make_exact(model, self.precision.param, exact_len)

@@ -20,9 +20,9 @@ Forwards must be packed (`[1, T]` rows with `cu_seq_lens_q`); the engine packs e
 Only the forward has to be invariant. A linear layer's backward is the usual pair of matmuls; each other op
 recomputes the standard PyTorch expression of its maths (flash varlen attention on CUDA) in the backward and
 differentiates that, so gradients are the default engine's up to rounding. For the same reason gradient
-checkpointing's recomputation runs the standard ops too (cuBLAS, flash attention; `recompute_contexts`): it
-only refills the tensors the backward reads, which need no particular bits, and each op saves the same
-tensors either way, so the checkpoint's metadata check holds.
+checkpointing's recomputation runs the standard ops too (cuBLAS, flash attention; `recompute_contexts`, which
+the engine hands `load_model`): it only refills the tensors the backward reads, which need no particular bits,
+and each op saves the same tensors either way, so the checkpoint's metadata check holds.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from hybridflow.engine.invariant.torch_ops import rotary as rotary_reference
 from hybridflow.engine.train.attention import packed_attention
 from hybridflow.engine.train.kernels import STANDARD_RMS_NORMS, keep_patched_forwards
 from hybridflow.engine.train.lora import ADAPTER, merge
-from hybridflow.engine.train.model import checkpointing, decoder_layers, enable_checkpointing
+from hybridflow.engine.train.model import decoder_layers
 
 _recomputation = threading.local()  # autograd runs a recomputation on its own thread (CUDA's device thread)
 
@@ -216,5 +216,3 @@ def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int) -> None
         layer.self_attn.forward = types.MethodType(_attention_forward, layer.self_attn)
         layer.mlp.forward = types.MethodType(_mlp_forward, layer.mlp)
     model.get_output_embeddings().exact = True
-    if checkpointing(model):
-        enable_checkpointing(model, context_fn=recompute_contexts)

@@ -15,6 +15,7 @@ the one place a model is built; parallelism and compilation are applied to its r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,9 +66,12 @@ def resolve_precision(dtype: str, device: torch.device, trainable: bool = True,
 
 def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", trust_remote_code: bool = False,
-               gradient_checkpointing: bool = False) -> torch.nn.Module:
+               gradient_checkpointing: bool = False,
+               recompute_contexts: Callable[[], tuple[Any, Any]] | None = None) -> torch.nn.Module:
     """The model at `path` on CPU in `dtype`: a causal LM (`head="lm"`), a critic (`head="value"`, outputs
-    `[*, 1]` logits per position) or a reward model (`head="score"`: the critic's outputs, no bias)."""
+    `[*, 1]` logits per position) or a reward model (`head="score"`: the critic's outputs, no bias).
+    With `gradient_checkpointing` each decoder layer recomputes its activations in the backward (non-reentrant
+    `torch.utils.checkpoint`), under `recompute_contexts` (its `context_fn`) where given."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from hybridflow.engine.train import attention
@@ -101,25 +105,14 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                              f"is not supported for training")
         install_log_prob_head(model)
     if gradient_checkpointing:
-        enable_checkpointing(model)
+        options: dict[str, Any] = {"use_reentrant": False}
+        if recompute_contexts is not None:
+            options["context_fn"] = recompute_contexts
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     return model
-
-
-def checkpointing(model: torch.nn.Module) -> bool:
-    """Whether the model's decoder layers recompute their activations in the backward."""
-    if hasattr(type(model), "is_activation_checkpointing"):  # transformers >= 5.2x
-        return bool(model.is_activation_checkpointing)
-    return bool(model.is_gradient_checkpointing)
-
-
-def enable_checkpointing(model: torch.nn.Module, **kwargs: Any) -> None:
-    """Recompute each decoder layer's activations in the backward (non-reentrant `torch.utils.checkpoint`;
-    `kwargs` go to it, e.g. `context_fn`); again on a model that has it replaces its settings."""
-    options = {"use_reentrant": False, **kwargs}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
