@@ -123,7 +123,8 @@ race_corrections() {
 # needs the GGUF. exact_tests: the invariance and bitwise engine-vs-trainer GPU tests (the SmolLM2 bf16
 # 64 x 8 x 256 one included); exact_rollout: tokens/s of the exact engine against the default's (target >= 0.7x);
 # (with a torch.profiler account of the exact engine's decode at the 0.5B shape); exact_grpo: the 0.5B GRPO step, default then exact, with one mini-batch (the default skips its old-log-prob pass
-# too) and with four (exact skips the pass the default runs; target <= 1.15x), 4 JSONs (EXACT_MB=8: the four alone); exact_race: our side of
+# too) and with four (exact skips the pass the default runs; target <= 1.15x), 4 JSONs (EXACT_MB=8: the four alone;
+# EXACT_PROFILE=1: the exact runs' last step under the profiler, its op table in their JSON); exact_race: our side of
 # the learning race with rollout.exact=true, then the default's, RACE_BUDGET_S (default 150) each: the mismatch
 # of every step (0 in exact mode) and the two accuracy-against-time curves
 # (pytest's cache holds the real model converted from the GGUF: no `-p no:cacheprovider` here)
@@ -150,6 +151,7 @@ exact_grpo() {
             --set actor.mini_batch_size=$mb --out "$OUT/grpo_default_mb$mb.json" 2>&1 | tail -3
         python3 bench/grpo_vs_trl.py --device cuda --steps "${EXACT_STEPS:-8}" --only hybridflow \
             --set actor.mini_batch_size=$mb --set rollout.exact=true --against "$OUT/grpo_default_mb$mb.json" \
+            ${EXACT_PROFILE:+--profile} \
             --out "$OUT/grpo_exact_mb$mb.json" 2>&1 | tail -4
     done 2>&1 | tee "$OUT/exact_grpo.log"
 }

@@ -66,7 +66,8 @@ class TrainEngine:
         seed: seeds what the model directory does not hold (LoRA adapters, a value head), so it starts the same
             in every run and on every rank (`trainer.seed`).
         exact_len: exact mode (`rollout.exact`, an `lm` head): the forward runs the rollout engine's
-            batch-invariant ops (`exact.make_exact`), packed on every device and not compiled, for rows of at
+            batch-invariant ops (`exact.make_exact`), packed on every device, its layers not compiled (where
+            `model.compile` resolves on, only the backward formulas and the head's entropy are), for rows of at
             most this many tokens; None = the default forward.
         router: a mixture of experts' router hooks (`router_replay.RouterHooks`: the actor's `rollout.record_routes`,
             `actor.router_replay` and `actor.router_aux_loss_coef`): from the first forward on, a micro-batch's
@@ -109,7 +110,8 @@ class TrainEngine:
                                recompute_contexts if self.exact else None)
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
         if self.exact:
-            make_exact(model, self.precision.param, exact_len)
+            make_exact(model, self.precision.param, exact_len,
+                       "inductor" if resolve_compile(model_cfg.compile, self.device) else None)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
         # update: docs/benchmarks.md), and with LoRA keep a gathered compute-dtype copy of every layer from
         # forward to backward (the frozen model twice). So one rank keeps a plain module in full precision and

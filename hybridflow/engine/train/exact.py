@@ -17,9 +17,10 @@ checkpoints and export are unchanged.
 - The log-prob head computes its logits and log-softmax with the invariant ops (`head.LogProbHead.exact`).
 Forwards must be packed (`[1, T]` rows with `cu_seq_lens_q`); the engine packs every forward in exact mode.
 
-Only the forward has to be invariant. A linear layer's backward is the usual pair of matmuls; each other op
-recomputes the standard PyTorch expression of its maths (flash varlen attention on CUDA) in the backward and
-differentiates that, so gradients are the default engine's up to rounding. For the same reason gradient
+Only the forward has to be invariant. A linear layer's backward is the usual pair of matmuls; RMSNorm, SwiGLU
+and the rotation have closed-form backward formulas (compiled where the engine compiles: `make_exact`'s
+`compile_backend`); attention recomputes the standard expression (flash varlen attention on CUDA) in the
+backward and differentiates that. So gradients are the default engine's up to rounding. For the same reason gradient
 checkpointing's recomputation runs the standard ops too (cuBLAS, flash attention; `recompute_contexts`, which
 the engine hands `load_model`): it only refills the tensors the backward reads, which need no particular bits,
 and each op saves the same tensors either way, so the checkpoint's metadata check holds.
@@ -83,22 +84,70 @@ class _Linear(torch.autograd.Function):
 
 
 class _Recomputed(torch.autograd.Function):
-    """`op(*inputs)` forward (`reference(*inputs)` in a checkpoint's recomputation); the backward
+    """`op(*inputs)` forward (`reference(*inputs)` in a checkpoint's recomputation); the backward is
+    `gradient(*inputs, grad)` (a gradient per input, None where none is wanted) where given, else it
     differentiates `reference(*inputs)`, recomputed."""
 
     @staticmethod
-    def forward(ctx, op: Callable, reference: Callable, *inputs):
-        ctx.reference = reference
+    def forward(ctx, op: Callable, reference: Callable, gradient: Callable | None, *inputs):
+        ctx.reference, ctx.gradient = reference, gradient
         ctx.save_for_backward(*inputs)
         return (reference if _standard() else op)(*inputs)
 
     @staticmethod
     def backward(ctx, grad):
-        inputs = [t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        wants = ctx.needs_input_grad[3:]
+        if ctx.gradient is not None:
+            grads = ctx.gradient(*ctx.saved_tensors, grad)
+            return (None, None, None, *(g if want else None for g, want in zip(grads, wants)))
+        inputs = [t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, wants)]
         wanted = [t for t in inputs if t.requires_grad]
         with torch.enable_grad():
-            grads = iter(torch.autograd.grad(ctx.reference(*inputs), wanted, grad) if wanted else ())
-        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+            found = iter(torch.autograd.grad(ctx.reference(*inputs), wanted, grad) if wanted else ())
+        return (None, None, None, *(next(found) if t.requires_grad else None for t in inputs))
+
+
+def _rms_norm_grad(h: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """d/dh, d/dw of `rms_norm`'s reference, w * (h * r) with r = rsqrt(mean(h^2) + eps), in fp32:
+    dh = r * (g w - n * mean(g w n)) for n = h * r."""
+    h32, g32 = h.float(), grad.float()
+    r = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    n = h32 * r
+    gw = g32 * w.float()
+    dh = r * (gw - n * (gw * n).mean(-1, keepdim=True))
+    dw = (g32 * n.to(h.dtype).float()).flatten(0, -2).sum(0)
+    return dh.to(h.dtype), dw.to(w.dtype)
+
+
+def _silu_mul_grad(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d/dgate, d/dup of silu(gate) * up: silu'(g) = s (1 + g (1 - s)) for s = sigmoid(g), in fp32."""
+    g, go = gate.float(), grad.float()
+    s = torch.sigmoid(g)
+    d_up = go * (g * s).to(gate.dtype).float()
+    d_gate = go * up.float() * s * (1.0 + g * (1.0 - s))
+    return d_gate.to(gate.dtype), d_up.to(up.dtype)
+
+
+def _rotary_grad(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, None, None]:
+    """d/dx of the rotation, which is the rotation back: `rope_table`'s rows repeat one half in the other, so
+    the transpose of rotate-half times sin is rotate-half times -sin (the tables are buffers: no gradient)."""
+    return invariant.rotary(grad, cos, -sin), None, None
+
+
+class Gradients:
+    """The backward formulas of the elementwise invariant ops, run through `torch.compile(backend=...)` (one
+    fused kernel each on CUDA) or eagerly (backend None); no log-prob's bits depend on them."""
+
+    def __init__(self, backend: str | None) -> None:
+        def build(fn: Callable) -> Callable:
+            return fn if backend is None else torch.compile(fn, backend=backend, dynamic=True)
+
+        self.rms_norm, self.silu_mul = build(_rms_norm_grad), build(_silu_mul_grad)
+
+
+EAGER = Gradients(None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,23 +155,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _Linear.apply(x, weight, bias)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, grads: Gradients = EAGER) -> torch.Tensor:
     """Differentiable `invariant.rms_norm`; the weight rounded to x's dtype first."""
     def reference(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h32 = h.float()
         return w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
-    return _Recomputed.apply(lambda h, w: invariant.rms_norm(h, w, eps), reference, x, weight.to(x.dtype))
+    return _Recomputed.apply(lambda h, w: invariant.rms_norm(h, w, eps), reference,
+                             lambda h, w, g: grads.rms_norm(h, w, g, eps), x, weight.to(x.dtype))
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Differentiable `invariant.rotary` (a new tensor)."""
-    return _Recomputed.apply(invariant.rotary, rotary_reference, x, cos, sin)
+    return _Recomputed.apply(invariant.rotary, rotary_reference, _rotary_grad, x, cos, sin)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, grads: Gradients = EAGER) -> torch.Tensor:
     """Differentiable `invariant.silu_mul`."""
-    return _Recomputed.apply(invariant.silu_mul, lambda g, u: F.silu(g) * u, gate, up)
+    return _Recomputed.apply(invariant.silu_mul, lambda g, u: F.silu(g) * u, grads.silu_mul, gate, up)
 
 
 class _PackedRows:
@@ -169,18 +219,19 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
     starts, lengths, table = self.exact_rows.of(cu, tokens, q.shape[1], k.shape[1])
     out = _Recomputed.apply(lambda a, b, c: invariant.attention(a, b, c, cu, starts, lengths, self.scaling, table),
                             lambda a, b, c: packed_attention(a, b, c, cu, kwargs["max_length_q"], self.scaling),
-                            q, k, v)
+                            None, q, k, v)
     return _project(self.o_proj, out.reshape(tokens, -1)).unsqueeze(0), None
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    out = _project(self.down_proj, silu_mul(_project(self.gate_proj, flat), _project(self.up_proj, flat)))
+    out = _project(self.down_proj, silu_mul(_project(self.gate_proj, flat), _project(self.up_proj, flat),
+                                            self.exact_grads))
     return out.view(*x.shape[:-1], -1)
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, self.weight, self.variance_epsilon)
+    return rms_norm(x, self.weight, self.variance_epsilon, self.exact_grads)
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any):
@@ -191,10 +242,12 @@ def _embedding_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(input_ids, self.weight, self.padding_idx).to(self.exact_dtype)
 
 
-def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int) -> None:
+def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int, compile_backend: str | None = None) -> None:
     """Patch a causal LM (with its log-prob head installed) in place as the module docstring says; `dtype` is
-    the compute dtype, `max_len` the longest row (prompt + response) its forwards will see. Refuses a model
-    outside `invariant.scope`, naming why."""
+    the compute dtype, `max_len` the longest row (prompt + response) its forwards will see. `compile_backend`
+    (None: eager) compiles the arithmetic no log-prob's bits depend on: the elementwise ops' backward formulas
+    and, with "inductor", the head's entropy and backward. Refuses a model outside `invariant.scope`, naming
+    why."""
     problems = invariant.unsupported(model.config)
     if problems:
         raise ValueError(f"exact mode cannot run {type(model).__name__}: {'; '.join(problems)}")
@@ -207,12 +260,16 @@ def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int) -> None
     rope.register_buffer("exact_cos", cos, persistent=False)
     rope.register_buffer("exact_sin", sin, persistent=False)
     rope.forward = types.MethodType(_rotary_forward, rope)
+    grads = EAGER if compile_backend is None else Gradients(compile_backend)
     for module in model.modules():
         if type(module).__name__ in STANDARD_RMS_NORMS and hasattr(module, "variance_epsilon"):
+            module.exact_grads = grads
             module.forward = types.MethodType(_norm_forward, module)
     rows = _PackedRows()
     for layer in decoder_layers(model):
         layer.self_attn.exact_rows = rows
         layer.self_attn.forward = types.MethodType(_attention_forward, layer.self_attn)
+        layer.mlp.exact_grads = grads
         layer.mlp.forward = types.MethodType(_mlp_forward, layer.mlp)
-    model.get_output_embeddings().exact = True
+    head = model.get_output_embeddings()
+    head.exact, head.compiled = True, compile_backend == "inductor"

@@ -13,7 +13,8 @@ micro-batch (`[70k, 152k]` fp32 logits are 42 GB).
 The per-chunk arithmetic (`_chunk_stats`, `_chunk_grad`) can run through `torch.compile` (`compiled=True`,
 the engine's choice on CUDA), which fuses its fp32 passes over the chunk into one or two kernels. In exact
 mode (`exact=True`) the forward's logits and log-softmax are the invariant ops the rollout engine samples
-with (`hybridflow.engine.invariant`): a token's log-prob is the rollout's, bit for bit (docs/exact.md).
+with (`hybridflow.engine.invariant`): a token's log-prob is the rollout's, bit for bit (docs/exact.md). No
+log-prob's bits depend on the entropy (`_entropy`) or the backward, so `compiled` fuses those in exact mode too.
 """
 
 from __future__ import annotations
@@ -52,16 +53,11 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, with
     return lse, logp, entropy
 
 
-def _exact_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`_chunk_stats` with the log-sum-exp and the target's log-prob from `invariant.token_log_probs`; the
-    entropy (no log-prob depends on it) as usual from them."""
-    logp, lse = invariant.token_log_probs(logits, targets, inv_temp)
-    entropy = None
-    if with_entropy:
-        z = logits.float() * inv_temp
-        entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
-    return lse, logp, entropy
+def _entropy(logits: torch.Tensor, lse: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
+    """The entropy `[c]` fp32 of logits `[c, V]` at inverse temperature `inv_temp` from their log-sum-exp: exact
+    mode's, beside the invariant log-probs (no log-prob depends on it, so it may be compiled)."""
+    z = logits.float() * inv_temp
+    return lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
 
 
 def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
@@ -154,6 +150,7 @@ class _TokenLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         stats = _compiled(_chunk_stats) if compiled else _chunk_stats
+        entropy_of = _compiled(_entropy) if compiled else _entropy
         scale = invariant.inverse_temperature(temperature, hidden.device) if exact else None
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         logp = torch.empty_like(lse)
@@ -163,7 +160,8 @@ class _TokenLogProbs(torch.autograd.Function):
             e = min(n, s + chunk)
             if exact:
                 logits = invariant.linear(hidden[s:e], weight, bias)
-                lse[s:e], logp[s:e], ent = _exact_chunk_stats(logits, targets[s:e], scale, with_entropy)
+                logp[s:e], lse[s:e] = invariant.token_log_probs(logits, targets[s:e], scale)
+                ent = entropy_of(logits, lse[s:e], scale) if with_entropy else None
             else:
                 logits = F.linear(hidden[s:e], weight, bias)
                 lse[s:e], logp[s:e], ent = stats(logits, targets[s:e], inv_t, with_entropy)

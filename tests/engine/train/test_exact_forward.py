@@ -1,16 +1,20 @@
 """The training engine's exact forward (`train/exact.py`) is the default forward's maths: log-probs, entropy and
 gradients (full model and LoRA adapters) agree with the default engine's to rounding; only the bits of the
 forward are the rollout's. Gradient checkpointing's recomputation runs the standard ops. The exact forward
-refuses rows that are not packed."""
+refuses rows that are not packed. The closed-form backward formulas of its elementwise ops, eager and compiled,
+give autograd's gradients of the standard expressions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch
+from transformers import LlamaConfig
 
 from hybridflow.config.schema import LoraConfig
-from hybridflow.engine.train import TrainEngine
+from hybridflow.engine import invariant
+from hybridflow.engine.train import TrainEngine, exact
+from hybridflow.engine.train.exact import Gradients
 
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=[], init="gaussian")
 
@@ -42,7 +46,7 @@ def test_exact_forward_and_gradients_are_the_default_engines(tiny_model_factory,
 
 def test_checkpoint_recomputation_runs_the_standard_ops(tiny_qwen2, monkeypatch):
     """The forward of a checkpointed exact engine runs the invariant ops and gives the uncheckpointed one's bits;
-    its backward's recomputation calls none of them, and the gradients stay the default engine's to rounding."""
+    its backward's recomputation calls none of them (the backward rotates back with `invariant.rotary`), and the gradients stay the default engine's to rounding."""
     from hybridflow.engine import invariant
 
     calls: list[str] = []
@@ -51,11 +55,13 @@ def test_checkpoint_recomputation_runs_the_standard_ops(tiny_qwen2, monkeypatch)
         monkeypatch.setattr(invariant, name,
                             lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     plain, _ = _forward_and_grads(tiny_qwen2, None, 32)
+    calls.clear()
     forward_calls: list[str] = []
     (exact, exact_grads) = _forward_and_grads(tiny_qwen2, None, 32, checkpointing=True,
                                               between=lambda: forward_calls.extend(calls) or calls.clear())
     assert set(forward_calls) == {"linear", "rms_norm", "rotary", "silu_mul", "attention"}
-    assert calls == []  # the backward, recomputation included, ran no invariant op
+    # the backward, recomputation included, ran no invariant op but the rotation back: one per forward rotation
+    assert calls == ["rotary"] * forward_calls.count("rotary")
     assert torch.equal(exact["log_probs"], plain["log_probs"])
     _, default_grads = _forward_and_grads(tiny_qwen2, None, None)
     assert exact_grads.keys() == default_grads.keys()
@@ -96,3 +102,34 @@ def test_sharded_checkpointed_layers_see_the_rollouts_fp32_rope_rows(tiny_qwen2)
     seen = run_ranks(1, _sharded_exact_step, tiny_qwen2)[0]
     layers = 2
     assert seen == [torch.float32] * (2 * 2 * layers)  # q and k, per layer, forward and recomputation
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_backward_formulas_are_autograds_gradients_of_the_standard_ops(backend, dtype):
+    """RMSNorm over hidden rows and over q heads, SwiGLU and the rotation: each formula's gradients are autograd's
+    of the standard expression, to rounding; so is the forward's value."""
+    grads = exact.EAGER if backend is None else Gradients(backend)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 16, generator=gen).to(dtype)
+    gate, up = (torch.randn(7, 24, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(16, generator=gen)).to(dtype)
+    cos, sin = invariant.rope_table(LlamaConfig(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), 7)
+    cases = {
+        "rms_norm": (lambda a, w: exact.rms_norm(a, w, 1e-6, grads),
+                     lambda a, w: w * (a.float() * torch.rsqrt(a.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+                                       ).to(a.dtype), (x, weight)),
+        "silu_mul": (lambda g, u: exact.silu_mul(g, u, grads), lambda g, u: torch.nn.functional.silu(g) * u,
+                     (gate, up)),
+        "rotary": (lambda a: exact.rotary(a, cos, sin), lambda a: a * cos.to(a.dtype)[:, None] + torch.cat(
+            (-a[..., 8:], a[..., :8]), dim=-1) * sin.to(a.dtype)[:, None], (x,)),
+    }
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name, (op, standard, inputs) in cases.items():
+        grad = torch.randn(op(*inputs).shape, generator=gen).to(dtype)
+        got, want = ([t.detach().clone().requires_grad_() for t in inputs] for _ in range(2))
+        torch.testing.assert_close(op(*got), standard(*want), **tol, msg=name)
+        op(*got).backward(grad)
+        standard(*want).backward(grad)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.grad, w.grad, **tol, msg=name)
