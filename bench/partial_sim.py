@@ -9,11 +9,17 @@ step (drop the stale groups, top the buffer up, take the complete groups, update
 samples have lengths drawn from a measured run's length histogram (`--run`, `bench/long_rl.py`'s JSON: the share
 at the limit, the rest uniform within each power-of-two bin), its KV slots admit groups first come first served,
 and its clock advances by a cost model: a prefill forward `--prefill-ms`, a decode step `--decode-ms` plus
-`--row-us` per running row (8 decode steps between two looks for finished rows, as the engine does), an update
-`--update-s` plus `--update-us-per-token` per trained token, and `--other-s` per step. The defaults are fitted
-to the H200 runs at b9d6530 (SmolLM2-135M, 4,096 tokens, 64 prompts x 8, 512 slots); `--check` prints the
-simulated synchronous and partial (`rollout.partial_stale=drop`, max_staleness 1) runs beside that run's
-measured partial figures, to see how far the model is off before reading anything into it.
+`--row-us` per running row plus `--context-ns` per token of context each running row reads from the KV cache
+(its prompt, `--prompt-tokens`, and what it has generated), with 8 decode steps between two looks for finished
+rows as the engine does; an update `--update-s` plus `--update-us-per-token` per trained token, and `--other-s`
+per step. The decode terms are fitted to the synchronous H100 run at 0f5c68f (SmolLM2-135M, 4,096 tokens, 64
+prompts x 8, 512 slots), the update terms to the H200 runs at b9d6530, which the H100 run matches. The context
+term is what a long decode is made of: 12.5 ns per context token is the 23 KB of keys and values SmolLM2 keeps
+per token read at 1.8 TB/s. Without it (the first version of this model: 1.75 ms + 4 us per row, fitted
+to the H200 runs) the model predicted 1.68x sync for `finish` at max_staleness 4 with 3 extra batches, which
+measured 1.03x: filling the slots adds rows whose decoding costs as much per token as the tail's. `--check`
+prints the simulated synchronous and partial runs beside a measured partial run's figures, to see how far the
+model is off before reading anything into it.
 
 It reports, per setting, response tokens trained per second of simulated time, occupancy, staleness, samples
 dropped and finished at the bound, and writes JSON. Each setting runs `--budget-s` of simulated time.
@@ -43,8 +49,10 @@ class Cost:
     """Seconds of each kind of work (see the module docstring)."""
 
     prefill_ms: float = 15.0
-    decode_ms: float = 1.75
-    row_us: float = 4.0
+    decode_ms: float = 0.4
+    row_us: float = 0.5
+    context_ns: float = 12.5
+    prompt_tokens: float = 100.0
     update_s: float = 0.4
     update_us_per_token: float = 8.0
     other_s: float = 0.3
@@ -148,7 +156,11 @@ class SimSession:
             self.stats["busy_s"] += engine.cost.prefill_ms / 1e3
         else:
             steps = min(STEPS_PER_LOOK, min(r.limit - r.generated for r in self.running.values()))
-            seconds = steps * (engine.cost.decode_ms / 1e3 + len(self.running) * engine.cost.row_us / 1e6)
+            cost = engine.cost
+            # each running row reads its whole context (prompt and tokens so far) from the KV cache every step
+            context = sum(cost.prompt_tokens + r.generated for r in self.running.values()) + \
+                len(self.running) * (steps - 1) / 2
+            seconds = steps * (cost.decode_ms / 1e3 + len(self.running) * cost.row_us / 1e6 + context * cost.context_ns / 1e9)
             engine.clock += seconds
             self.stats["busy_s"] += seconds
             self.stats["decode_steps"] += steps

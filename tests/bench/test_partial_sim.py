@@ -37,3 +37,17 @@ def test_sync_partial_drop_and_finish():
     assert drop["dropped"] > 0 and finish["dropped"] == 0 and finish["stale_finished"] > 0
     for r in (drop, finish):
         assert r["steps"] > 3 and 0 < r["staleness_mean"] <= 1
+
+
+def test_rows_that_read_their_context_leave_partial_rollouts_little_to_gain():
+    """Where a decode step costs the same for any number of rows, filling the slots pays; where each row's
+    cost is its context read from the KV cache (a long decode of a small model), it hardly does."""
+    def gain(cost):
+        sync = simulate({"mode": "sync"}, RUN, cost, budget_s=20.0, prompts=4, n=4, slots=16, seed=0)
+        partial = simulate({"mode": "partial", "stale": "finish", "max_staleness": 2, "extra_batches": 2}, RUN, cost,
+                           budget_s=20.0, prompts=4, n=4, slots=16, seed=0)
+        return partial["response_tokens_per_s"] / sync["response_tokens_per_s"]
+
+    per_step = gain(Cost(decode_ms=1.75, row_us=0.0, context_ns=0.0, update_s=0.05, update_us_per_token=8.0))
+    per_context = gain(Cost(decode_ms=0.0, row_us=0.0, context_ns=2000.0, update_s=0.05, update_us_per_token=8.0))
+    assert per_step > 1.2 and per_context < 1.1, (per_step, per_context)
