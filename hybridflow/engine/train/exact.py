@@ -10,10 +10,11 @@ checkpoints and export are unchanged.
 - Every RMSNorm runs `invariant.rms_norm`; the residual adds stay Hugging Face's (one rounded add each, as
   the rollout's).
 - The rotary embedding returns each position's fp32 row of `invariant.rope_table`, the rollout's table.
-- Each attention block projects with `invariant.linear` (a LoRA layer multiplies by its merged weight
-  W + s·B·A, `lora.merge`, the weight a sync sends), normalises q and k (Qwen3), rotates them, attends with
-  `invariant.attention` over the packed rows and projects out.
-- Each MLP runs `invariant.linear` and `invariant.silu_mul`.
+- Each attention block projects q, k and v with one `invariant.linear` over their stacked weights, as the
+  rollout's fused projection does (a LoRA layer multiplies by its merged weight W + s·B·A, `lora.merge`, the
+  weight a sync sends), normalises q and k (Qwen3), rotates them, attends with `invariant.attention` over the
+  packed rows and projects out.
+- Each MLP runs gate and up as one `invariant.linear`, then `invariant.silu_mul` and the down projection.
 - The log-prob head computes its logits and log-softmax with the invariant ops (`head.LogProbHead.exact`).
 Forwards must be packed (`[1, T]` rows with `cu_seq_lens_q`); the engine packs every forward in exact mode.
 
@@ -190,15 +191,28 @@ class _PackedRows:
         return self.layout
 
 
-def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A linear layer (or a peft LoRA layer, with its merged weight unless its adapters are disabled) on x,
-    by `linear` in x's dtype."""
+def _weight(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer's weight and bias in `dtype` (a peft LoRA layer's merged weight unless its adapters are
+    disabled)."""
     base = getattr(module, "base_layer", module)
     weight, bias = base.weight, base.bias
     if base is not module and not module._disable_adapters:
         weight = merge(weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight, module.scaling[ADAPTER],
-                       x.dtype)
-    return linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+                       dtype)
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _project(modules: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Linear layers on x by `linear` in x's dtype, one output each. Layers that read the same x (q/k/v,
+    gate/up) run as one GEMM over their stacked weights, as the rollout engine's fused projections do: an
+    output column's bits do not depend on the others (`invariant.linear`), and one launch and one backward
+    pair cost the host less than three. The outputs are views of that GEMM's columns."""
+    weights = [_weight(m, x.dtype) for m in modules]
+    if len(weights) == 1 or len({b is None for _, b in weights}) > 1:
+        return [linear(x, w, b) for w, b in weights]
+    biases = [b for _, b in weights if b is not None]
+    out = linear(x, torch.cat([w for w, _ in weights]), torch.cat(biases) if biases else None)
+    return list(out.split([w.shape[0] for w, _ in weights], dim=-1))
 
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple | None = None,
@@ -209,9 +223,8 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
                          f"{tuple(hidden_states.shape[:-1])} rows without them: keep actor.use_packing=true")
     x = hidden_states[0]
     tokens, dim = x.shape[0], self.head_dim
-    q = _project(self.q_proj, x).view(tokens, -1, dim)
-    k = _project(self.k_proj, x).view(tokens, -1, dim)
-    v = _project(self.v_proj, x).view(tokens, -1, dim)
+    q, k, v = (t.view(tokens, -1, dim) for t in _project((self.q_proj, self.k_proj, self.v_proj), x))
+    v = v.contiguous()  # not a view that keeps q and k's columns alive for the backward
     if hasattr(self, "q_norm"):
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = (t[0] for t in position_embeddings)
@@ -220,13 +233,13 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
     out = _Recomputed.apply(lambda a, b, c: invariant.attention(a, b, c, cu, starts, lengths, self.scaling, table),
                             lambda a, b, c: packed_attention(a, b, c, cu, kwargs["max_length_q"], self.scaling),
                             None, q, k, v)
-    return _project(self.o_proj, out.reshape(tokens, -1)).unsqueeze(0), None
+    return _project((self.o_proj,), out.reshape(tokens, -1))[0].unsqueeze(0), None
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    out = _project(self.down_proj, silu_mul(_project(self.gate_proj, flat), _project(self.up_proj, flat),
-                                            self.exact_grads))
+    gate, up = _project((self.gate_proj, self.up_proj), flat)
+    out = _project((self.down_proj,), silu_mul(gate, up, self.exact_grads))[0]
     return out.view(*x.shape[:-1], -1)
 
 
