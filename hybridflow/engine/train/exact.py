@@ -134,7 +134,7 @@ def _rotary_grad(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad: to
                  ) -> tuple[torch.Tensor, None, None]:
     """d/dx of the rotation, which is the rotation back: `rope_table`'s rows repeat one half in the other, so
     the transpose of rotate-half times sin is rotate-half times -sin (the tables are buffers: no gradient)."""
-    return invariant.rotary(grad, cos, -sin), None, None
+    return invariant.rotary(grad.contiguous(), cos, -sin), None, None  # the kernel reads contiguous heads
 
 
 class Gradients:
