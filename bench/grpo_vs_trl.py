@@ -300,7 +300,8 @@ def trl_versions() -> dict:
 
 def git_commit() -> str | None:
     """The checkout's commit, `-dirty` with local changes (None outside git): what a run measured.
-    `HYBRIDFLOW_COMMIT` overrides it (the device machine's copy of `.git` is stale: bench/h200.sh sets it)."""
+    `HYBRIDFLOW_COMMIT` overrides it (the device machine's copy of `.git` is the session's first: pass the commit
+    being measured, `HYBRIDFLOW_COMMIT=<sha> bash bench/h200.sh ...`)."""
     if os.environ.get("HYBRIDFLOW_COMMIT"):
         return os.environ["HYBRIDFLOW_COMMIT"]
     try:
