@@ -160,7 +160,8 @@ class SimSession:
             # each running row reads its whole context (prompt and tokens so far) from the KV cache every step
             context = sum(cost.prompt_tokens + r.generated for r in self.running.values()) + \
                 len(self.running) * (steps - 1) / 2
-            seconds = steps * (cost.decode_ms / 1e3 + len(self.running) * cost.row_us / 1e6 + context * cost.context_ns / 1e9)
+            seconds = steps * (cost.decode_ms / 1e3 + len(self.running) * cost.row_us / 1e6
+                               + context * cost.context_ns / 1e9)
             engine.clock += seconds
             self.stats["busy_s"] += seconds
             self.stats["decode_steps"] += steps

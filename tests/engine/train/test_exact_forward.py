@@ -46,7 +46,8 @@ def test_exact_forward_and_gradients_are_the_default_engines(tiny_model_factory,
 
 def test_checkpoint_recomputation_runs_the_standard_ops(tiny_qwen2, monkeypatch):
     """The forward of a checkpointed exact engine runs the invariant ops and gives the uncheckpointed one's bits;
-    its backward's recomputation calls none of them (the backward rotates back with `invariant.rotary`), and the gradients stay the default engine's to rounding."""
+    its backward's recomputation calls none of them (the backward rotates back with `invariant.rotary`), and the
+    gradients stay the default engine's to rounding."""
     from hybridflow.engine import invariant
 
     calls: list[str] = []
