@@ -101,6 +101,7 @@ class TrainEngine:
         self.world_size = dist.get_world_size() if self.distributed else 1
         lora_cfg = optim_cfg.lora if optim_cfg is not None else None
         lora = lora_cfg is not None and lora_cfg.rank > 0
+        compile_on = resolve_compile(model_cfg.compile, self.device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             # with LoRA the frozen weights are loaded, and stay, in the compute dtype; only adapters get a master copy
@@ -110,8 +111,7 @@ class TrainEngine:
                                recompute_contexts if self.exact else None)
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
         if self.exact:
-            make_exact(model, self.precision.param, exact_len,
-                       "inductor" if resolve_compile(model_cfg.compile, self.device) else None)
+            make_exact(model, self.precision.param, exact_len, "inductor" if compile_on else None)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
         # update: docs/benchmarks.md), and with LoRA keep a gathered compute-dtype copy of every layer from
         # forward to backward (the frozen model twice). So one rank keeps a plain module in full precision and
@@ -123,7 +123,7 @@ class TrainEngine:
             model = model.to(self.device)
         self.model = model
         # compiled layers fuse the elementwise ops around the invariant ones and change their rounding
-        self.compiled = not self.exact and resolve_compile(model_cfg.compile, self.device)
+        self.compiled = not self.exact and compile_on
         if self.compiled:
             compile_model(model)
         self.lm_head = model.get_output_embeddings() if head == "lm" else None

@@ -202,13 +202,18 @@ def _weight(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _project(modules: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
-    """Linear layers on x by `linear` in x's dtype, one output each. Layers that read the same x (q/k/v,
-    gate/up) run as one GEMM over their stacked weights, as the rollout engine's fused projections do: an
-    output column's bits do not depend on the others (`invariant.linear`), and one launch and one backward
-    pair cost the host less than three. The outputs are views of that GEMM's columns."""
+def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer on x by `linear` in x's dtype."""
+    return linear(x, *_weight(module, x.dtype))
+
+
+def _project_fused(modules: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """`_project` of layers that read the same x (q/k/v, gate/up), one output each, as one GEMM over their stacked
+    weights, as the rollout engine's fused projections do: an output column's bits do not depend on the others
+    (`invariant.linear`), and one launch and one backward pair cost the host less than three. The outputs are
+    views of that GEMM's columns (apart where some layers have a bias and others not)."""
     weights = [_weight(m, x.dtype) for m in modules]
-    if len(weights) == 1 or len({b is None for _, b in weights}) > 1:
+    if len({b is None for _, b in weights}) > 1:
         return [linear(x, w, b) for w, b in weights]
     biases = [b for _, b in weights if b is not None]
     out = linear(x, torch.cat([w for w, _ in weights]), torch.cat(biases) if biases else None)
@@ -223,7 +228,7 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
                          f"{tuple(hidden_states.shape[:-1])} rows without them: keep actor.use_packing=true")
     x = hidden_states[0]
     tokens, dim = x.shape[0], self.head_dim
-    q, k, v = (t.view(tokens, -1, dim) for t in _project((self.q_proj, self.k_proj, self.v_proj), x))
+    q, k, v = (t.view(tokens, -1, dim) for t in _project_fused((self.q_proj, self.k_proj, self.v_proj), x))
     v = v.contiguous()  # not a view that keeps q and k's columns alive for the backward
     if hasattr(self, "q_norm"):
         q, k = self.q_norm(q), self.k_norm(k)
@@ -233,13 +238,13 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
     out = _Recomputed.apply(lambda a, b, c: invariant.attention(a, b, c, cu, starts, lengths, self.scaling, table),
                             lambda a, b, c: packed_attention(a, b, c, cu, kwargs["max_length_q"], self.scaling),
                             None, q, k, v)
-    return _project((self.o_proj,), out.reshape(tokens, -1))[0].unsqueeze(0), None
+    return _project(self.o_proj, out.reshape(tokens, -1)).unsqueeze(0), None
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    gate, up = _project((self.gate_proj, self.up_proj), flat)
-    out = _project((self.down_proj,), silu_mul(gate, up, self.exact_grads))[0]
+    gate, up = _project_fused((self.gate_proj, self.up_proj), flat)
+    out = _project(self.down_proj, silu_mul(gate, up, self.exact_grads))
     return out.view(*x.shape[:-1], -1)
 
 
