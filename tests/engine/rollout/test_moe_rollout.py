@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-from hybridflow.engine.rollout.grouped_gemm import expert_mlp
+from hybridflow.engine.rollout import grouped_gemm
+from hybridflow.engine.rollout.grouped_gemm import expert_mlp, resolve_kernel
 from hybridflow.engine.rollout.kernels import silu_mul
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 17, [40, 41], [7] * 30]
@@ -165,3 +166,19 @@ def test_expert_kernels_agree():
     for kernel in ("grouped_mm", "gather"):
         torch.testing.assert_close(expert_mlp(x, weights, ids, gate_up, down, silu_mul, kernel), expected,
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_auto_kernel_is_the_measured_fastest_where_it_runs(monkeypatch):
+    """auto: Triton on a bf16 CUDA device (measured faster, docs/moe.md), grouped_mm where Triton is missing or on
+    the CPU, gather for fp32 on CUDA; an explicit Triton request off CUDA is refused."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(grouped_gemm, "triton", object())
+    assert resolve_kernel("auto", cuda, torch.bfloat16) == "triton"
+    assert resolve_kernel("auto", cuda, torch.float32) == "gather"
+    assert resolve_kernel("auto", torch.device("cpu"), torch.bfloat16) == "grouped_mm"
+    assert resolve_kernel("grouped_mm", cuda, torch.bfloat16) == "grouped_mm"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_kernel("triton", torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(grouped_gemm, "triton", None)
+    assert resolve_kernel("auto", cuda, torch.bfloat16) == "grouped_mm"
