@@ -15,7 +15,7 @@ as its raw bytes (a slice never drags its parent's storage along) and rebuilds t
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,7 +106,7 @@ class Batch:
     def __init__(
         self,
         tensors: dict[str, torch.Tensor] | None = None,
-        non_tensors: dict[str, Sequence] | None = None,
+        non_tensors: Mapping[str, Sequence] | None = None,
         meta: dict | None = None,
     ) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -117,10 +117,10 @@ class Batch:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"tensor '{key}' must be a torch.Tensor, got {type(value).__name__}")
             self[key] = value
-        for key, value in (non_tensors or {}).items():
-            if isinstance(value, torch.Tensor):
+        for key, column in (non_tensors or {}).items():
+            if isinstance(column, torch.Tensor):
                 raise TypeError(f"non-tensor '{key}' is a torch.Tensor; pass it in `tensors`")
-            self[key] = value
+            self[key] = column
 
     @classmethod
     def _from_parts(
@@ -159,8 +159,10 @@ class Batch:
             )
         self.tensors.pop(key, None)
         self.non_tensors.pop(key, None)
-        target = self.tensors if isinstance(stored, torch.Tensor) else self.non_tensors
-        target[key] = stored
+        if isinstance(stored, torch.Tensor):
+            self.tensors[key] = stored
+        else:
+            self.non_tensors[key] = stored
         self._len = len(stored)
 
     def __getitem__(self, index: str | RowIndex) -> Any:

@@ -225,7 +225,8 @@ def _rloo_entry(data: Rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register_adv_estimator("reinforce_plus_plus")
 def _reinforce_pp_entry(data: Rows, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    return reinforce_plus_plus(*require(data, "reinforce_plus_plus", "token_rewards", "response_mask"), gamma)
+    rewards, mask = require(data, "reinforce_plus_plus", "token_rewards", "response_mask")
+    return reinforce_plus_plus(rewards, mask, gamma)
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")

@@ -64,10 +64,9 @@ def mean_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind
 
 def kl_loss(
     logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str = "low_var_kl", agg: str = "token-mean",
-    **agg_counts: Count | None,
+    global_token_count: Count | None = None, global_seq_count: Count | None = None, response_len: int | None = None,
 ) -> torch.Tensor:
-    """KL as a loss term (GRPO's `kl_loss`, arXiv:2402.03300): `aggregate(kl_estimate(...), mask, agg)`.
-
-    `agg_counts` are `aggregate`'s `global_token_count` / `global_seq_count` / `response_len`.
-    """
-    return aggregate(kl_estimate(logp, ref_logp, kind), mask, agg, **agg_counts)
+    """KL as a loss term (GRPO's `kl_loss`, arXiv:2402.03300): `aggregate(kl_estimate(...), mask, agg)` with
+    `aggregate`'s counts."""
+    return aggregate(kl_estimate(logp, ref_logp, kind), mask, agg, global_token_count, global_seq_count,
+                     response_len)

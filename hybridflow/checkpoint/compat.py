@@ -91,7 +91,8 @@ def check_compatible(saved_config: Any, new_config: Any,
     from hybridflow.config import config_diff  # here, so worker processes need no config stack
 
     must_match, may_differ, allow = tuple(must_match), tuple(may_differ), tuple(allow)
-    fatal, changed = [], []
+    fatal: list[str] = []
+    changed: list[str] = []
     for key, (before, after) in sorted(config_diff(saved_config, new_config).items()):
         line = f"{key}: {before!r} (checkpoint) vs {after!r} (now)"
         if _matches(key, may_differ) or _matches(key, allow):

@@ -199,6 +199,7 @@ def _full_model(role: str, state: dict[str, torch.Tensor], config, dtype: torch.
 def _base_path(role_dir: Path, model_path_or_config, merge: bool) -> str | None:
     """Where a LoRA checkpoint's base model lives: the given model path, else the one its run started from
     (`hf/source.json`); a merge refuses one that is not there."""
+    path: str | None
     if isinstance(model_path_or_config, (str, Path)):
         path = str(model_path_or_config)
     else:
@@ -237,6 +238,7 @@ def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_pat
 
     lora = LoraConfig.from_pretrained(str(role_dir))
     if merge:
+        assert base_path is not None  # _base_path refuses a merge without one
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype or "auto")
     else:
         with torch.device("meta"):

@@ -21,6 +21,7 @@ checkpoint never looks complete; the previous checkpoint is pruned only after th
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import re
@@ -93,7 +94,7 @@ def _marked_in(root: Path) -> list[Path]:
 
 def newest_verified(candidates: list[Path], checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the newest of `candidates` that passes `verify`, or None; [(damaged newer one, what failed)])."""
-    damaged = []
+    damaged: list[tuple[Path, str]] = []
     for path in reversed(candidates):
         try:
             verify(path, checksums)
@@ -297,7 +298,7 @@ class CheckpointManager:
     # ---- reading ------------------------------------------------------------------------------
     def clean_stale(self) -> list[Path]:
         """Delete temp and trash dirs whose writing process (on this host) is gone; return them."""
-        removed = []
+        removed: list[Path] = []
         if not self.root.is_dir():
             return removed
         host = socket.gethostname()
@@ -313,7 +314,7 @@ class CheckpointManager:
         """Complete checkpoints (every file of the manifest there, with its size), oldest first."""
         return [p for p in _marked_in(self.root) if is_complete(p)]
 
-    def existing(self) -> list[Path]:
+    def existing(self) -> builtins.list[Path]:
         """Every checkpoint with a manifest, complete or damaged, oldest first."""
         return _marked_in(self.root)
 
@@ -335,7 +336,9 @@ class CheckpointManager:
         - a path: that checkpoint, refused naming the damaged file; or the newest verified one inside a
           run's output dir or its `checkpoints/` dir.
         """
-        word = str(resume).strip().lower() if resume is not None else "never"
+        if resume is None:
+            return None
+        word = str(resume).strip().lower()
         if word in ("", "never", "none", "false"):
             return None
         if word == "auto":

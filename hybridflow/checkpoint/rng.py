@@ -18,6 +18,7 @@ import torch
 def capture_rng_state() -> dict[str, Any]:
     """This process's RNG states: {"python", "numpy", "torch", and "cuda" (list, one per device)}."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # the legacy form is always the tuple
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

@@ -74,6 +74,9 @@ class RowDataset:
     """What every dataset here serves: its checked rows (`self._rows`, dicts) by position, each with its
     `index`, and the pad id of its `self.tokenizer`."""
 
+    _rows: list[dict[str, Any]]
+    tokenizer: Any
+
     def __len__(self) -> int:
         return len(self._rows)
 

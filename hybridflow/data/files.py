@@ -70,7 +70,7 @@ def _read_parquet(path: str) -> list[Record]:
 
 
 def _read_jsonl(path: str) -> list[Record]:
-    records = []
+    records: list[Record] = []
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -77,8 +77,10 @@ def parse_pair(record: Record, prompt_key: str, chosen_key: str, rejected_key: s
 
 
 def _as_messages(prompt: Side, completion: Side) -> tuple[list[dict], list[dict]]:
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and isinstance(completion, str):
         return [{"role": "user", "content": prompt}], [{"role": "assistant", "content": completion}]
+    if isinstance(prompt, str) or isinstance(completion, str):
+        raise TypeError("a preference pair's sides are all strings or all message lists (parse_pair checks it)")
     return ([{"role": m["role"], "content": m["content"]} for m in prompt],
             [{"role": m["role"], "content": m["content"]} for m in completion])
 

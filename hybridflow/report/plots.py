@@ -78,7 +78,7 @@ def _keys_of(spec: PlotSpec, available: set[str]) -> list[str]:
 def _new_axes(title: str, ylabel: str):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
@@ -87,7 +87,9 @@ def _new_axes(title: str, ylabel: str):
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.get_major_formatter().set_useOffset(False)
+    formatter = ax.yaxis.get_major_formatter()
+    if isinstance(formatter, ScalarFormatter):  # matplotlib's default: no "+1e3" offset above the axis
+        formatter.set_useOffset(False)
     ax.grid(True, alpha=0.3)
     return fig, ax
 

@@ -75,7 +75,9 @@ def bind(fn: Callable, where: str, names: Iterable[str], kwargs: Mapping[str, An
     known = [*names, *(kwargs or {})]
     params = list(sig.parameters.values())
     var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
-    positional, keywords, unbound = [], [], []
+    positional: list[str] = []
+    keywords: list[str] = []
+    unbound: list[str] = []
     for p in params:
         if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             continue

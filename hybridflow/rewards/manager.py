@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.rewards.failures import FailureStreak, RewardFunctionFailed
 from hybridflow.rewards.scoring_pool import Outcome, ScoringPool, score_job
 from hybridflow.rewards.registry import check_requirements, route_data_source
-from hybridflow.rewards.scorer import RewardSpec, Row, Scorer, batch_arguments
+from hybridflow.rewards.scorer import Job, RewardSpec, Row, Scorer, batch_arguments
 
 if TYPE_CHECKING:
     import torch
@@ -149,15 +149,16 @@ class RewardManager:
         """
         rows = rows_from(batch_like)
         self.check_data_sources([r[0] for r in rows])
-        jobs = [("row", r) for r in rows] if self.scorer.has_row_functions else []
+        jobs: list[Job] = [("row", r) for r in rows] if self.scorer.has_row_functions else []
         if self.scorer.batched:
             arguments = batch_arguments(rows, None if isinstance(batch_like, Sequence) else batch_like)
             jobs += [("batch", i, arguments) for i in self.scorer.batched]
-        if self._executor is None:
+        pool = self._pool
+        if self._executor is None or pool is None:
             future: Future = Future()
             future.set_result(self._result(rows, [score_job(self.scorer, j) for j in jobs], counted))
             return future
-        return self._executor.submit(lambda: self._result(rows, self._pool.run(jobs), counted))
+        return self._executor.submit(lambda: self._result(rows, pool.run(jobs), counted))
 
     def score(self, batch_like: Any, counted: bool = True) -> RewardResult:
         """Scores and waits: ``submit(batch_like, counted).result()``."""

@@ -87,7 +87,8 @@ def _parts(spec: RewardSpec) -> list[Part]:
         raise ValueError(f"reward kwargs {sorted(kwargs)} cannot be used with reward.function=auto; name the "
                          f"function instead")
     loaded = [(auto_reward, "'auto'") if s == "auto" else load_function(s) for s in spec.functions]
-    parts, taken = [], set()
+    parts: list[Part] = []
+    taken: set[str] = set()
     for s, (fn, where), weight in zip(spec.functions, loaded, spec.weights):
         batched = is_batched(fn)
         names = BATCH_ARGUMENTS + ROW_ARGUMENTS if batched else ROW_ARGUMENTS
@@ -164,7 +165,7 @@ class Scorer:
             got = f"{len(scores)} values" if isinstance(scores, (list, tuple)) else f"a {type(scores).__name__}"
             raise TypeError(f"batched reward function {part.name!r} must return a list of {rows} numbers (one per "
                             f"completion, None to skip one); it returned {got}")
-        out = []
+        out: list[float | None] = []
         for value in scores:
             if value is None:
                 out.append(None)

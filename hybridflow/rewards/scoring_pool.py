@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from hybridflow.rewards.scorer import Job, RewardSpec
 from hybridflow.utils.child_process import cap_prints, die_with_parent, print_budget
@@ -104,7 +104,7 @@ def _score_in_worker(fn: Any, job: Job) -> Outcome:
         return ("error", f"{type(e).__name__}: {e}")
 
 
-def _fork_score(fn: Any, row: Job) -> tuple[int, Any]:
+def _fork_score(fn: Any, row: Job) -> tuple[int, BinaryIO]:
     """Forks a child that scores `row` and writes its pickled outcome to a pipe; returns (pid, pipe reader)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -122,7 +122,8 @@ def _fork_score(fn: Any, row: Job) -> tuple[int, Any]:
 def _score_isolated(fn: Any, chunk: list[tuple[int, Job]], timeout_s: float, conn: Connection) -> None:
     """Scores each row in a forked child of this worker, up to `_MAX_FORKS` at once; a child still running
     `timeout_s` after it started is killed and its row reported as a timeout."""
-    queue, running = deque(chunk), {}  # reader -> (row index, child pid, start time)
+    queue = deque(chunk)
+    running: dict[BinaryIO, tuple[int, int, float]] = {}  # reader -> (row index, child pid, start time)
     while queue or running:
         while queue and len(running) < _MAX_FORKS:
             index, row = queue.popleft()
@@ -130,7 +131,9 @@ def _score_isolated(fn: Any, chunk: list[tuple[int, Job]], timeout_s: float, con
             running[reader] = (index, pid, time.monotonic())
         first_deadline = min(start for _, _, start in running.values()) + timeout_s
         results = []
-        for reader in wait(list(running), timeout=max(0.0, first_deadline - time.monotonic())):
+        readers: list[Any] = list(running)  # wait takes any object with a fileno and returns those ready
+        for ready in wait(readers, timeout=max(0.0, first_deadline - time.monotonic())):
+            reader = cast(BinaryIO, ready)
             index, pid, _ = running.pop(reader)
             data = reader.read()
             reader.close()
@@ -236,16 +239,18 @@ class ScoringPool:
                 queue.extendleft(reversed(indices))
                 continue
             worker.inflight.update(indices)
-            worker.deadline = time.monotonic() + self.timeout_s + _ISOLATED_GRACE_S if self.isolated else None
+            timeout_s = self.timeout_s  # set whenever isolated
+            worker.deadline = (time.monotonic() + timeout_s + _ISOLATED_GRACE_S
+                               if self.isolated and timeout_s is not None else None)
 
     def _collect(self, outcomes: list, queue: deque) -> None:
-        wait_s = 1.0
-        if self.timeout_s:
+        wait_s, timeout_s = 1.0, self.timeout_s
+        if timeout_s:
             for worker in self._workers:
                 if worker.ready and worker.inflight:
                     running = worker.running()
                     # Between rows the slot is idle for microseconds: look again soon.
-                    left = running[1] + self.timeout_s - time.monotonic() if running else _FLUSH_S
+                    left = running[1] + timeout_s - time.monotonic() if running else _FLUSH_S
                     wait_s = min(wait_s, max(0.0, left))
         ready = wait([w.conn for w in self._workers], timeout=wait_s)
         for i, worker in enumerate(self._workers):
@@ -253,9 +258,9 @@ class ScoringPool:
                 self._drain(i, outcomes, queue)
         now = time.monotonic()
         for i, worker in enumerate(self._workers):
-            running = worker.running() if self.timeout_s and worker.ready and worker.inflight else None
-            if running and now - running[1] > self.timeout_s:
-                self._fail(i, running[0], outcomes, queue, ("timeout", f"no result within {self.timeout_s:g} s"))
+            running = worker.running() if timeout_s and worker.ready and worker.inflight else None
+            if running and timeout_s and now - running[1] > timeout_s:
+                self._fail(i, running[0], outcomes, queue, ("timeout", f"no result within {timeout_s:g} s"))
             elif worker.deadline is not None and worker.inflight and now > worker.deadline:
                 logger.warning("reward worker stuck on %d isolated rows; restarting it", len(worker.inflight))
                 for index in worker.inflight:

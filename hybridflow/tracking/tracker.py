@@ -46,7 +46,10 @@ def config_dict(config: Any) -> dict:
     if type(config).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(config, resolve=True)
+        container = OmegaConf.to_container(config, resolve=True)
+        if not isinstance(container, dict):
+            raise TypeError(f"a run's config is a mapping, not a {type(container).__name__}")
+        return container
     if isinstance(config, Mapping):
         return dict(config)
     raise TypeError(f"config must be a dataclass, an OmegaConf config or a mapping, got {type(config).__name__}")

@@ -44,5 +44,5 @@ def install() -> None:
         if any(getattr(f, "name", None) == _FILTER_NAME for f in logger.filters):
             continue
         f = logging.Filter(_FILTER_NAME)
-        f.filter = check
+        f.filter = check  # type: ignore[method-assign]  # a Filter named for install's check above
         logger.addFilter(f)

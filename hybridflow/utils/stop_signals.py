@@ -78,7 +78,7 @@ class _Handler:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
         self.signals = signals
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, signal._HANDLER] = {}
         self._last: tuple[int, float] | None = None  # (signal number, when handled)
 
     def _is_copy(self, signum: int) -> bool:

@@ -31,7 +31,7 @@ import torch
 from hybridflow.config.schema import EngineOptimConfig, ModelConfig
 from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
                                                MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
-                                               DeviceDemand, TrainedRole)
+                                               DeviceDemand, RolloutRole, TrainedRole)
 
 
 def device_memory(device: torch.device) -> tuple[int, int] | None:
@@ -139,7 +139,7 @@ def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = 
                 ) -> tuple[int, float, dict[str, float], float]:
     """(KV cache bytes, peak, breakdown, bytes it is short by) while the rollout engine generates; `room`: the
     most a cache that stays through training may take beside the updates."""
-    ro, w = demand.rollout, demand.world_size
+    ro, w = _rollout(demand), demand.world_size
     breakdown = {"trained models": sum(r.idle_bytes(w) for r in demand.trained),
                  "frozen models": sum(f.idle_bytes(w) for f in demand.frozen),
                  "rollout weights": ro.weight_bytes, "generation workspace": ro.workspace_bytes()}
@@ -154,12 +154,19 @@ def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = 
     return kv, used + kv, breakdown, max(0.0, 2 * per_seq - kv)
 
 
+def _rollout(demand: DeviceDemand) -> RolloutRole:
+    """The demand's rollout engine, which the generation phase's plans need."""
+    if demand.rollout is None:
+        raise ValueError("the device plan's generation phase needs a rollout engine in the demand")
+    return demand.rollout
+
+
 def _kept_reserve(demand: DeviceDemand, cap: int) -> int:
     """The share of a KV cache kept through training that the updates plan around: what its slots need, at most
     half of what each update leaves beside its weights, gradients, state and workspace, and never so much that
     the update's smallest micro-batch (one sequence, recomputed unless checkpointing is set off) would not fit.
     The updates' micro-batches and the cache compete for the rest; the cache also gets what they leave unused."""
-    ro = demand.rollout
+    ro = _rollout(demand)
     reserve = float((ro.max_num_seqs + 1) * ro.max_model_len * ro.kv_bytes_per_token())
     for role in demand.trained:
         alone = _role_plan(demand, role, cap, 0)[0]
@@ -176,7 +183,7 @@ def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, flo
     problems, worst = [], 0.0
     ro = demand.rollout
     kept = ro is not None and ro.cache_stays
-    planned = kept and ro.kv_cache_fraction is None and bool(demand.trained)  # kept, sized here
+    planned = ro is not None and kept and ro.kv_cache_fraction is None and bool(demand.trained)  # kept, sized here
     reserve = _kept_reserve(demand, cap) if planned else (
         _generation(demand, cap, free)[0] if kept else 0)  # a fraction's fixed size
     for role in demand.trained:

@@ -140,8 +140,10 @@ def inverse_temperature(temperature: float, device: torch.device) -> torch.Tenso
 def attention_table(q_starts: torch.Tensor, queries: int, heads: int, kv_heads: int) -> torch.Tensor | None:
     """The work table `attention` takes for queries packed by q_starts [S + 1] int32 (`queries` of them):
     built once per forward and shared by its layers; None where the PyTorch twin runs."""
-    if not _triton(q_starts):
-        return None
+    return _triton_table(q_starts, queries, heads, kv_heads) if _triton(q_starts) else None
+
+
+def _triton_table(q_starts: torch.Tensor, queries: int, heads: int, kv_heads: int) -> torch.Tensor:
     from hybridflow.engine.invariant import triton_attention
 
     return triton_attention.tiles(q_starts, queries, triton_attention.per_tile(heads, kv_heads))
@@ -161,7 +163,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_starts: torch
         from hybridflow.engine.invariant import triton_attention
 
         if table is None:
-            table = attention_table(q_starts, q.shape[0], q.shape[1], k.shape[1])
+            table = _triton_table(q_starts, q.shape[0], q.shape[1], k.shape[1])
         return triton_attention.attention(q, k, v, q_starts, k_starts, lengths, scale, table)
     return torch_ops.attention(q, k, v, q_starts.tolist(), k_starts.tolist(), lengths.tolist(), scale)
 
