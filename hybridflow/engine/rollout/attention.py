@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from hybridflow.engine import invariant
 from hybridflow.engine.rollout import decode_attention
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -70,6 +73,14 @@ class AttnMeta:
         return self.context_lens is not None
 
 
+def _needed(value: _T | None, field: str) -> _T:
+    """AttnMeta's `field`, which the attention being run cannot do without."""
+    if value is None:
+        raise ValueError(f"AttnMeta.{field} is None but this attention needs it: a new-prompt prefill's meta sets "
+                         f"cu_seqlens and seqlens, one over the cache sets slots, context_lens and cu_seqlens_q")
+    return value
+
+
 def pick_backend(device: torch.device, dtype: torch.dtype, exact: bool = False) -> str:
     """'exact' when asked; else 'flash' on CUDA in half precision, else 'sdpa'."""
     if exact:
@@ -95,7 +106,7 @@ def _padding(meta: AttnMeta, tokens: int, device: torch.device):
     if meta.padding is None:
         steps = torch.arange(meta.max_seqlen, device=device)
         valid = steps[None, :] < torch.tensor(meta.seqlens, device=device)[:, None]
-        index = (meta.cu_seqlens[:-1, None].long() + steps[None, :]).clamp(max=tokens - 1)
+        index = (_needed(meta.cu_seqlens, "cu_seqlens")[:-1, None].long() + steps[None, :]).clamp(max=tokens - 1)
         causal = steps[:, None] >= steps[None, :]
         meta.padding = (index, valid, (causal[None] & valid[:, None, :])[:, None])
     return meta.padding
@@ -108,7 +119,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
         return torch.ops.aten._flash_attention_forward(
             q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, 0.0, True, False,
             scale=scale)[0]
-    if len(meta.seqlens) * meta.max_seqlen ** 2 <= _PADDED_LIMIT:
+    if len(_needed(meta.seqlens, "seqlens")) * meta.max_seqlen ** 2 <= _PADDED_LIMIT:
         index, valid, mask = _padding(meta, q.shape[0], q.device)
         out = F.scaled_dot_product_attention(q[index].transpose(1, 2), k[index].transpose(1, 2),
                                              v[index].transpose(1, 2), attn_mask=mask, scale=scale,
@@ -128,7 +139,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Each row's queries (packed by `cu_seqlens_q`; one per row in decode) over its slot's first
     context_lens positions, causally: the last query of a row sees the whole context. q [T, H, D] -> [T, H, D]."""
     if decodes_in_triton(meta, backend, q.shape[-1]):
-        return decode_attention.decode_attention(q, k_cache, v_cache, meta.slots, meta.context_lens, scale,
+        return decode_attention.decode_attention(q, k_cache, v_cache, _needed(meta.slots, "slots"),
+                                                 _needed(meta.context_lens, "context_lens"), scale,
                                                  _splits(q.shape[0], k_cache, meta))
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(
@@ -148,12 +160,13 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """The exact backend: each row's queries (packed by `cu_seqlens_q`) over its slot's first context_lens
     positions, where their own K/V were just written, by `invariant.attention`. q [T, H, D] -> [T, H, D]."""
     max_len, kv_heads, dim = k_cache.shape[1:]
+    q_starts = _needed(meta.cu_seqlens_q, "cu_seqlens_q")
     if meta.padding is None:
-        meta.padding = (meta.slots * max_len, invariant.attention_table(meta.cu_seqlens_q, q.shape[0], q.shape[1],
-                                                                        kv_heads))
+        meta.padding = (_needed(meta.slots, "slots") * max_len,
+                        invariant.attention_table(q_starts, q.shape[0], q.shape[1], kv_heads))
     starts, table = meta.padding
     return invariant.attention(q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim),
-                               meta.cu_seqlens_q, starts, meta.context_lens, scale, table)
+                               q_starts, starts, _needed(meta.context_lens, "context_lens"), scale, table)
 
 
 def decodes_in_triton(meta: AttnMeta, backend: str, head_dim: int) -> bool:
@@ -168,8 +181,9 @@ def rotary_decode_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     """A decode step (one token per row) from the fused projection output qkv [B, (H + 2 Hkv) * D] as
     projected: rotary, the cache write and the attention in one kernel (`decode_attention`'s
     `rotary_decode_attention`; CUDA, a power-of-two head dim) -> [B, H, D]."""
-    return decode_attention.rotary_decode_attention(qkv, *rope, k_cache, v_cache, meta.slots, meta.context_lens,
-                                                    scale, _splits(qkv.shape[0], k_cache, meta), heads)
+    return decode_attention.rotary_decode_attention(qkv, *rope, k_cache, v_cache, _needed(meta.slots, "slots"),
+                                                    _needed(meta.context_lens, "context_lens"), scale,
+                                                    _splits(qkv.shape[0], k_cache, meta), heads)
 
 
 def _splits(rows: int, k_cache: torch.Tensor, meta: AttnMeta) -> int:
@@ -186,21 +200,23 @@ def _cache_layout(meta: AttnMeta):
     no gather), the gather index [B, Q] from packed queries to padded ones and their valid entries [B, Q]
     (both None in decode, one query per row), and the causal length mask [B, 1, Q, max_seqlen]."""
     if meta.padding is None:
-        rows = meta.slots
-        if not rows.is_cuda:
-            first, last = int(rows[0]), int(rows[-1])
-            if last - first + 1 == rows.shape[0]:
+        slots = _needed(meta.slots, "slots")
+        rows: torch.Tensor | slice = slots
+        if not slots.is_cuda:
+            first, last = int(slots[0]), int(slots[-1])
+            if last - first + 1 == slots.shape[0]:
                 rows = slice(first, last + 1)
-        keys = torch.arange(meta.max_seqlen, device=meta.slots.device)
-        context = meta.context_lens.long()
+        keys = torch.arange(meta.max_seqlen, device=slots.device)
+        context = _needed(meta.context_lens, "context_lens").long()
         if meta.max_seqlen_q == 1:
             query_index = valid = None
             mask = (keys[None, :] < context[:, None])[:, None, None]
         else:
-            steps = torch.arange(meta.max_seqlen_q, device=meta.slots.device)
-            starts, counts = meta.cu_seqlens_q[:-1].long(), meta.cu_seqlens_q.diff().long()
+            steps = torch.arange(meta.max_seqlen_q, device=slots.device)
+            q_starts = _needed(meta.cu_seqlens_q, "cu_seqlens_q")
+            starts, counts = q_starts[:-1].long(), q_starts.diff().long()
             valid = steps[None, :] < counts[:, None]
-            query_index = (starts[:, None] + steps[None, :]).clamp(max=int(meta.cu_seqlens_q[-1]) - 1)
+            query_index = (starts[:, None] + steps[None, :]).clamp(max=int(q_starts[-1]) - 1)
             position = (context - counts)[:, None] + steps[None, :]  # each query's position in its row
             mask = ((keys[None, None, :] <= position[:, :, None]) & (keys[None, None, :] < context[:, None, None]))
             mask = mask[:, None]

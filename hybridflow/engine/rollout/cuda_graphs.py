@@ -19,14 +19,18 @@ them again on `wake`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from hybridflow.engine.rollout.attention import AttnMeta
 from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.model import CausalLM
 from hybridflow.engine.rollout.sampler import fused, sample
 from hybridflow.engine.rollout.sequence import RunningBatch
 from hybridflow.engine.rollout.types import SamplingParams
+
+_Out = TypeVar("_Out")
 
 
 def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -69,7 +73,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Decode captured per bucket over the batch's buffers (one memory pool for all graphs)."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, batch: RunningBatch) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, batch: RunningBatch) -> None:
         self.sizes, self.exact = bucket_sizes(batch.capacity), model.exact
         batch.clear()  # every row padding: the warm-up runs touch only the scratch slot and scratch row
         self.forwards: dict[int, torch.cuda.CUDAGraph] = {}
@@ -104,7 +108,7 @@ class DecodeGraphs:
             sample_and_record(batch, size, self.logits[size], params, generator, self.exact)
 
 
-def _capture(pool, fn: Callable[[], torch.Tensor | None]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+def _capture(pool, fn: Callable[[], _Out]) -> tuple[torch.cuda.CUDAGraph, _Out]:
     fn()  # warm-up: kernels chosen (and Triton compiled) and workspaces made outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

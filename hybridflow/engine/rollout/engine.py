@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,7 +32,7 @@ from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
 from hybridflow.engine.rollout.busy_clock import BusyClock
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
-from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, weight_target
+from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, DecoderLayer, weight_target
 from hybridflow.engine.rollout.sparse_moe import RouteRecord
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
@@ -110,7 +110,7 @@ class RolloutEngine:
         self.max_prefill_tokens, self.decode_steps_per_sync = max_prefill_tokens, decode_steps_per_sync
         self.backend = pick_backend(device, dtype, model.exact)
         self.use_graphs = cuda_graphs and device.type == "cuda"
-        attn = model.model.layers[0].self_attn
+        attn = cast(DecoderLayer, model.model.layers[0]).self_attn  # nn.ModuleList's items are typed nn.Module
         self.kv = KVCache(self.config.num_hidden_layers, attn.kv_heads, attn.head_dim, max_model_len,
                           max_num_seqs, resolve_budget(kv_cache_memory, device), dtype, device)
         # one session decodes at a time (sessions share the slots): the engine owns the running rows'
@@ -350,7 +350,7 @@ class RolloutEngine:
         host allocator caches the blocks, so each sleep reuses them) as asynchronous copies with one wait
         at the end; back, the copies from page-locked memory are asynchronous too. Copies through pageable
         memory were most of an offloaded 14B run's generation phase (docs/benchmarks.md)."""
-        tensors = [p for name, p in self.model.named_parameters() if name not in self.model.shared]
+        tensors: list[torch.Tensor] = [p for name, p in self.model.named_parameters() if name not in self.model.shared]
         tensors += list(self.model.buffers())
         if device.type == "cpu" and self.device.type == "cuda":
             for tensor in tensors:

@@ -26,7 +26,8 @@ class HFRolloutEngine:
                  max_num_seqs: int, max_model_len: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        self.model = model.to(device).eval()  # type: ignore[arg-type]  # typeshed's functools.wraps binds no self
         self.config, self.device, self.default_stop_ids = self.model.config, device, stop_ids
         positions = getattr(self.config, "max_position_embeddings", None) or getattr(self.config,
                                                                                      "n_positions", None)

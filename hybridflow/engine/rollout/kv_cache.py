@@ -106,6 +106,7 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (k, v), each [slots + 1, max_len, kv_heads, head_dim]."""
-        if self.k is None:
+        k, v = self.k, self.v
+        if k is None or v is None:
             raise RuntimeError("the KV cache is freed (the engine is asleep); call engine.wake() first")
-        return self.k[i], self.v[i]
+        return k[i], v[i]

@@ -46,7 +46,10 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
 
-def weight_target(name: str) -> tuple[str, object]:
+Shard = str | tuple[str, int] | None  # a parameter's piece: a FusedLinear shard's name, or experts' (part, expert)
+
+
+def weight_target(name: str) -> tuple[str, Shard]:
     """The fast model's (parameter name, shard) for a Hugging Face weight name: `model.` prefixed when missing,
     q/k/v and gate/up into their fused parameters, experts stacked (`sparse_moe.expert_target`)."""
     if not name.startswith(("model.", "lm_head.")):
@@ -60,7 +63,7 @@ def weight_target(name: str) -> tuple[str, object]:
     return name, None
 
 
-def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
+def default_weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard: Shard = None) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"shape {tuple(tensor.shape)} does not match the parameter's {tuple(param.shape)}")
     param.data.copy_(tensor)
@@ -109,8 +112,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta); delta None normalises h."""
-        if not self.exact or (delta is not None and self.fused_add):
-            return (invariant.add_rms_norm if self.exact else add_rms_norm)(h, delta, self.weight, self.eps)
+        if not self.exact:
+            return add_rms_norm(h, delta, self.weight, self.eps)
+        if delta is not None and self.fused_add:
+            return invariant.add_rms_norm(h, delta, self.weight, self.eps)
         h = h if delta is None else h + delta
         return invariant.rms_norm(h, self.weight, self.eps), h
 
@@ -168,6 +173,7 @@ class Attention(nn.Module):
             out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale)
         else:
             if fused:  # rotates q and k in place too
+                assert positions is not None  # store_fused holds only with positions
                 rotary_store_(qkv, positions, *rope, k_cache, v_cache, meta.write_index, self.heads, self.kv_heads)
             else:
                 write_kv(k_cache, v_cache, k, v, meta)
@@ -273,6 +279,9 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """The fast decoder; `CausalLM.build(config, max_len, device, dtype)` makes one with empty weights."""
 
+    cos: torch.Tensor  # the rotary tables, buffers registered by `set_rotary`
+    sin: torch.Tensor
+
     def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
         super().__init__()
         if config.model_type not in FAST_ARCHITECTURES:
@@ -336,31 +345,32 @@ class CausalLM(nn.Module):
         """input_ids/positions [T] -> logits [R, V] for rows `logits_index` (all T when None)."""
         h, delta = self.model.embed_tokens(input_ids), None
         rope = (self.cos, self.sin)
+        layer_positions: torch.Tensor | None = positions  # None: rope is already gathered per token
         if self.exact:  # each token's fp32 rows, as the training engine gathers them
-            rope, positions = (self.cos[positions], self.sin[positions]), None
+            rope, layer_positions = (self.cos[positions], self.sin[positions]), None
         elif not use_triton(h):  # the torch rotary gathers once per forward, not per layer
-            rope, positions = (self.cos[positions].to(h.dtype), self.sin[positions].to(h.dtype)), None
+            rope, layer_positions = (self.cos[positions].to(h.dtype), self.sin[positions].to(h.dtype)), None
         for layer in self.model.layers:
-            h, delta = layer(h, delta, positions, rope, meta, kv)
+            h, delta = layer(h, delta, layer_positions, rope, meta, kv)
         if logits_index is not None:
-            h, delta = h[logits_index], delta[logits_index]
+            h, delta = h[logits_index], None if delta is None else delta[logits_index]
         return self.lm_head(self.model.norm(h, delta)[0])
 
     def moe_blocks(self) -> list[SparseMoE]:
         """The sparse layers' MoE blocks, in layer order (empty for a dense model)."""
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
 
-    def expected_weights(self) -> set[tuple[str, object]]:
+    def expected_weights(self) -> set[tuple[str, Shard]]:
         """(parameter, shard) pairs a full checkpoint must provide (a tied lm_head is not needed)."""
-        expected = set()
+        expected: set[tuple[str, Shard]] = set()
         for name, _ in self.named_parameters():
             owner_name, leaf = name.rsplit(".", 1)
-            owner = self.get_submodule(owner_name)
-            shards = owner.shard_ids(leaf) if hasattr(owner, "shard_ids") else [None]
+            shard_ids = getattr(self.get_submodule(owner_name), "shard_ids", None)
+            shards = shard_ids(leaf) if shard_ids is not None else [None]
             expected.update((name, shard) for shard in shards)
         return expected
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, object]]:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, Shard]]:
         """Copy HF-named tensors into the parameters in place; returns the (parameter, shard) per tensor.
 
         Names may carry HF's `model.` prefix or not (`layers.0...` as in the inner model's state dict);
@@ -392,12 +402,12 @@ class CausalLM(nn.Module):
             loaded.append((target, shard))
         return loaded
 
-    def covered(self, loaded: list[tuple[str, object]]) -> set[tuple[str, object]]:
+    def covered(self, loaded: list[tuple[str, Shard]]) -> set[tuple[str, Shard]]:
         """The `expected_weights` pieces that `load_weights`' (parameter, shard) results filled (a stacked
         experts tensor fills every expert's pieces)."""
-        out = set()
+        out: set[tuple[str, Shard]] = set()
         for name, shard in loaded:
             owner_name, leaf = name.rsplit(".", 1)
-            owner = self.get_submodule(owner_name)
-            out.update((name, s) for s in (owner.covers(leaf, shard) if hasattr(owner, "covers") else [shard]))
+            covers = getattr(self.get_submodule(owner_name), "covers", None)
+            out.update((name, s) for s in (covers(leaf, shard) if covers is not None else [shard]))
         return out

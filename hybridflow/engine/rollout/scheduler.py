@@ -70,7 +70,8 @@ class Scheduler:
     def admit(self, running: int) -> list[Request]:
         """Pop the continuations (once enough wait), then the waiting requests that fit now (giving each
         its n slots); `running`: rows being decoded (both kinds wait for company while any are)."""
-        admitted, tokens = [], 0
+        admitted: list[Request] = []
+        tokens = 0
         gathered = len(self.continuing) >= max(1, running // 8) or not running
         while gathered and self.continuing:
             if admitted and tokens + len(self.continuing[0].prompt) > self.max_prefill_tokens:
@@ -94,7 +95,8 @@ class Scheduler:
     def withdraw(self, seqs: set[int] | None) -> list[Request]:
         """Take the waiting new prompts of sequences `seqs` (None: all) out of the queue, whole: a request's
         samples share one prefill, so withdrawing some of them alone is refused."""
-        taken, kept = [], deque()
+        taken: list[Request] = []
+        kept: deque[Request] = deque()
         for request in self.waiting:
             chosen = request.seqs if seqs is None else [s for s in request.seqs if s in seqs]
             if not chosen:

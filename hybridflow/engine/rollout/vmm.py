@@ -49,6 +49,14 @@ def _driver() -> ctypes.CDLL | None:
         return None
 
 
+def _require_driver() -> ctypes.CDLL:
+    driver = _driver()
+    if driver is None:
+        raise RuntimeError("CUDA virtual memory management needs the driver library libcuda.so.1, which did not "
+                           "load; check StableBuffer.supported(device) before making a StableBuffer")
+    return driver
+
+
 def _check(result: int, call: str) -> None:
     if result != 0:
         raise RuntimeError(f"CUDA driver call {call} failed with CUresult {result}")
@@ -58,32 +66,36 @@ class StableBuffer:
     """`nbytes` of device memory at a fixed address; `tensor` views it (uint8) while it is mapped."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
+        self._lib = _require_driver()
         torch.cuda.init()  # the runtime makes the device's primary context current for the driver calls
         self.device = device
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._prop = _AllocationProp(type=_PINNED, location=_Location(type=_ON_DEVICE, id=index))
         granularity = ctypes.c_size_t()
-        _check(_driver().cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(self._prop), 0),
+        _check(self._lib.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(self._prop), 0),
                "cuMemGetAllocationGranularity")
         self.nbytes = -(-nbytes // granularity.value) * granularity.value
         self._access = _AccessDesc(location=_Location(type=_ON_DEVICE, id=index), flags=_READ_WRITE)
         self.address = ctypes.c_uint64()
         with torch.cuda.device(index):
-            _check(_driver().cuMemAddressReserve(ctypes.byref(self.address), ctypes.c_size_t(self.nbytes),
+            _check(self._lib.cuMemAddressReserve(ctypes.byref(self.address), ctypes.c_size_t(self.nbytes),
                                                  ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)),
                    "cuMemAddressReserve")
         self._handle: ctypes.c_uint64 | None = None
-        self.tensor: torch.Tensor | None = None
         self.map()
+        self.tensor = torch.as_tensor(_ArrayView(self.address.value, self.nbytes), device=self.device)
 
     @staticmethod
     def supported(device: torch.device) -> bool:
-        if device.type != "cuda" or not torch.cuda.is_available() or _driver() is None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        driver = _driver()
+        if driver is None:
             return False
         torch.cuda.init()
         index = device.index if device.index is not None else torch.cuda.current_device()
         value = ctypes.c_int()
-        if _driver().cuDeviceGetAttribute(ctypes.byref(value), _VMM_ATTRIBUTE, index) != 0:
+        if driver.cuDeviceGetAttribute(ctypes.byref(value), _VMM_ATTRIBUTE, index) != 0:
             return False
         return value.value == 1
 
@@ -96,35 +108,33 @@ class StableBuffer:
         if self.mapped:
             return
         handle = ctypes.c_uint64()
-        _check(_driver().cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.nbytes), ctypes.byref(self._prop),
+        _check(self._lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.nbytes), ctypes.byref(self._prop),
                                      ctypes.c_uint64(0)), "cuMemCreate")
         try:
-            _check(_driver().cuMemMap(self.address, ctypes.c_size_t(self.nbytes), ctypes.c_size_t(0), handle,
+            _check(self._lib.cuMemMap(self.address, ctypes.c_size_t(self.nbytes), ctypes.c_size_t(0), handle,
                                       ctypes.c_uint64(0)), "cuMemMap")
-            _check(_driver().cuMemSetAccess(self.address, ctypes.c_size_t(self.nbytes), ctypes.byref(self._access),
+            _check(self._lib.cuMemSetAccess(self.address, ctypes.c_size_t(self.nbytes), ctypes.byref(self._access),
                                             ctypes.c_size_t(1)), "cuMemSetAccess")
         except RuntimeError:
-            _driver().cuMemRelease(handle)
+            self._lib.cuMemRelease(handle)
             raise
         self._handle = handle
-        if self.tensor is None:
-            self.tensor = torch.as_tensor(_ArrayView(self.address.value, self.nbytes), device=self.device)
 
     def unmap(self) -> None:
         """Give the physical memory back to the driver; the addresses stay reserved for `map()`."""
         if not self.mapped:
             return
         torch.cuda.synchronize(self.device)  # no kernel may still be reading the cache
-        _check(_driver().cuMemUnmap(self.address, ctypes.c_size_t(self.nbytes)), "cuMemUnmap")
-        _check(_driver().cuMemRelease(self._handle), "cuMemRelease")
+        _check(self._lib.cuMemUnmap(self.address, ctypes.c_size_t(self.nbytes)), "cuMemUnmap")
+        _check(self._lib.cuMemRelease(self._handle), "cuMemRelease")
         self._handle = None
 
     def __del__(self) -> None:
-        if getattr(self, "address", None) is None or _driver() is None:
+        if getattr(self, "address", None) is None:
             return
         try:
             self.unmap()
-            _driver().cuMemAddressFree(self.address, ctypes.c_size_t(self.nbytes))
+            self._lib.cuMemAddressFree(self.address, ctypes.c_size_t(self.nbytes))
         except Exception:  # interpreter shutdown: the driver or torch may already be gone
             pass
 

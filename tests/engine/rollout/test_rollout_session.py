@@ -167,6 +167,22 @@ def test_cache_attention_equals_causal_attention_over_the_whole_sequence(queries
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
+def test_attention_names_the_metadata_field_it_lacks():
+    """Metadata of a new-prompt prefill cannot drive attention over the cache, nor the reverse: the error
+    names the missing field."""
+    q, k_cache = torch.zeros(3, 4, 8), torch.zeros(2, 16, 2, 8)
+    none_written = torch.zeros(0, dtype=torch.long)
+    prefill = AttnMeta(write_index=none_written, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32), seqlens=[3],
+                       max_seqlen=3)
+    with pytest.raises(ValueError, match="AttnMeta.slots is None"):
+        cache_attention(q, k_cache, k_cache, prefill, 1.0, "sdpa")
+    over_cache = AttnMeta(write_index=none_written, cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32),
+                          max_seqlen_q=3, max_seqlen=3, context_lens=torch.tensor([3], dtype=torch.int32),
+                          slots=torch.tensor([0]))
+    with pytest.raises(ValueError, match="AttnMeta.seqlens is None"):
+        prefill_attention(q, k_cache[0, :3], k_cache[0, :3], over_cache, 1.0, "sdpa")
+
+
 def test_one_step_prefills_all_that_fits_in_forwards_of_the_token_budget(spread_model):
     """Prompts beyond one forward's `max_prefill_tokens` are prefilled in the same step, in several forwards
     queued back to back (no decode step between them), and generate what each prompt alone generates."""
