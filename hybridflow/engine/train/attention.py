@@ -15,24 +15,28 @@ causal SDPA call per row.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 VARLEN_ATTENTION = "hybridflow_varlen"
 
+_varlen_attn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
 except ImportError:  # torch without the varlen module: the mask path serves
-    _varlen_attn, _VARLEN_PARAMS = None, set()
+    _varlen_attn = None
+_VARLEN_PARAMS = set() if _varlen_attn is None else set(inspect.signature(_varlen_attn).parameters)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
 
 
-def _flash_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+def _flash_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q/k/v in a dtype flash takes (fp16/bf16), or None when there is none. Under autocast q and k arrive
     in fp32 although the projections ran in half precision: the models' rotary tables are fp32 and
     promote them. They take autocast's dtype, which is what the projections already rounded to."""
@@ -42,13 +46,15 @@ def _flash_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         if dtype in half:
-            return tuple(t.to(dtype) for t in (q, k, v))
+            return q.to(dtype), k.to(dtype), v.to(dtype)
     return None
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
                   scale: float | None) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> `[T, Hq, D]` through the flash varlen kernel."""
+    if _varlen_attn is None:
+        raise RuntimeError("flash varlen attention needs torch.nn.attention.varlen, which this torch lacks")
     kwargs: dict = {"scale": scale}
     if "is_causal" in _VARLEN_PARAMS:
         kwargs["is_causal"] = True
@@ -60,7 +66,8 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
-    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    out = _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    return cast(torch.Tensor, out)  # without return_aux, the output alone
 
 
 def _looped_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
@@ -108,7 +115,8 @@ def _mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
         return None
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    kwargs["attention_mask"] = attention_mask
+    return sdpa_mask(*args, **kwargs)
 
 
 def register() -> None:

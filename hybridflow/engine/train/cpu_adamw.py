@@ -71,8 +71,11 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
     def _staging(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._stages is None:
             pin = device.type == "cuda"
-            self._stages = [tuple(torch.empty(self.stage_elements, dtype=torch.float32, pin_memory=pin)
-                                  for _ in range(2)) for _ in range(2)]
+
+            def buffer() -> torch.Tensor:
+                return torch.empty(self.stage_elements, dtype=torch.float32, pin_memory=pin)
+
+            self._stages = [(buffer(), buffer()) for _ in range(2)]
         return self._stages
 
     @torch.no_grad()

@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import EngineOptimConfig, FrozenModelConfig, ModelConfig
@@ -29,7 +30,7 @@ from hybridflow.engine.train.attention import VARLEN_ATTENTION
 from hybridflow.engine.train.collectives import all_reduce
 from hybridflow.engine.train.compile import compile_model, resolve_compile
 from hybridflow.engine.train.exact import make_exact, recompute_contexts
-from hybridflow.engine.train.head import teacher_targets
+from hybridflow.engine.train.head import LogProbHead, teacher_targets
 from hybridflow.engine.train.loss_context import LossContext, LossFn
 from hybridflow.engine.train.lora import apply_lora, frozen_weights
 from hybridflow.engine.train.microbatch import (agree_count, count_micro_batches, group_lengths, group_rows,
@@ -100,8 +101,12 @@ class TrainEngine:
         self.distributed = dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         lora_cfg = optim_cfg.lora if optim_cfg is not None else None
-        lora = lora_cfg is not None and lora_cfg.rank > 0
+        lora_cfg = lora_cfg if lora_cfg is not None and lora_cfg.rank > 0 else None  # rank 0: no adapters
+        lora = lora_cfg is not None
         compile_on = resolve_compile(model_cfg.compile, self.device)
+        if model_cfg.path is None:
+            raise ValueError("TrainEngine loads its model from model_cfg.path (a Hugging Face model directory or hub "
+                             "id); got path=None")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             # with LoRA the frozen weights are loaded, and stay, in the compute dtype; only adapters get a master copy
@@ -109,24 +114,24 @@ class TrainEngine:
                                model_cfg.attn_implementation, model_cfg.trust_remote_code,
                                self.trainable and trained is not None and bool(trained.gradient_checkpointing),
                                recompute_contexts if self.exact else None)
-            self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora else None
-        if self.exact:
+            self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora_cfg is not None else None
+        if exact_len is not None:
             make_exact(model, self.precision.param, exact_len, "inductor" if compile_on else None)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
         # update: docs/benchmarks.md), and with LoRA keep a gathered compute-dtype copy of every layer from
         # forward to backward (the frozen model twice). So one rank keeps a plain module in full precision and
         # with LoRA, whose mixed precision is then autocast's.
         self.sharded = self.distributed and (self.world_size > 1 or (self.precision.mixed and not lora))
+        # in place (a module's `to` returns it); the cast: transformers' functools.wraps hides that `to` is a method
+        cast(torch.nn.Module, model).to(self.device)
         if self.sharded:
-            model = shard_model(model.to(self.device), dp_mesh(self.device), self.precision)
-        else:
-            model = model.to(self.device)
-        self.model = model
+            model = shard_model(model, dp_mesh(self.device), self.precision)
+        self.model: torch.nn.Module = model
         # compiled layers fuse the elementwise ops around the invariant ones and change their rounding
         self.compiled = not self.exact and compile_on
         if self.compiled:
             compile_model(model)
-        self.lm_head = model.get_output_embeddings() if head == "lm" else None
+        self.lm_head: LogProbHead | None = model.get_output_embeddings() if head == "lm" else None
         self.config = model.config
         self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
         self.skipped_steps = 0
@@ -170,7 +175,7 @@ class TrainEngine:
             raise ValueError(f"use_packing needs model attn_implementation='sdpa' (packed rows run varlen "
                              f"attention); this model uses {self.config._attn_implementation!r}")
         with self._autocast():
-            if self.head == "lm":
+            if self.lm_head is not None:  # head="lm"
                 keep, index = inputs.lm_keep()
                 with self.lm_head.request(inputs.targets, index, temperature, with_entropy, soft,
                                           1.0 if soft_targets is None else soft_targets, topk) as req:
@@ -237,6 +242,7 @@ class TrainEngine:
         `row_group` consecutive rows share a micro-batch (a loss that reads them together: preference pairs).
         `soft_targets`: as `forward` (the outputs then hold `topk_kl`).
         """
+        optimizer, _ = self._optimizers()
         mask = batch["response_mask"]
         counts = all_reduce(torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())],
                                          dtype=torch.float64), self.device)
@@ -252,16 +258,16 @@ class TrainEngine:
             out, _ = self.forward(mb, temperature, with_entropy, pack, soft_targets)
             loss, metrics = loss_fn(out, {k: to_device(v, self.device) for k, v in mb.items()}, ctx)
             weight = float(mb["response_mask"].sum())
-            aux = self.routing.aux_loss() if self.routing is not None else None
-            if aux is not None:  # the micro-batch's share of the token-weighted mean over the mini-batch
+            if self.routing is not None and (aux := self.routing.aux_loss()) is not None:
+                # the micro-batch's share of the token-weighted mean over the mini-batch
                 loss = loss + self.routing.config.aux_loss_coef * aux * (weight / max(ctx.global_tokens, 1.0))
                 metrics = {**metrics, "router/aux_loss": aux.detach()}
             (loss * self.world_size).backward()
             local_tokens += weight
             total_loss += loss.detach()
             for k, v in metrics.items():
-                v = torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
-                sums[k] = sums.get(k, 0.0) + v * weight
+                value = torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
+                sums[k] = sums.get(k, 0.0) + value * weight
         keys = sorted(sums)
         local = torch.stack([sums[k] for k in keys] + [torch.tensor(local_tokens, dtype=torch.float64,
                                                                     device=self.device), total_loss])
@@ -269,7 +275,7 @@ class TrainEngine:
         tokens = max(float(reduced[-2]), 1.0)
         result = {k: float(reduced[i]) / tokens for i, k in enumerate(keys)}
         result["loss"] = float(reduced[-1])
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = float(optimizer.param_groups[0]["lr"])
         norm, stepped = self.clip_and_step()
         result.update(grad_norm=norm, lr=lr, stepped=float(stepped))
         return result
@@ -281,26 +287,34 @@ class TrainEngine:
         GPU time (docs/benchmarks.md). Several ranks reshard and reduce every micro-batch: unsharded fp32
         gradients would cost them ZeRO-3's saving."""
         if self.sharded and self.world_size == 1:
-            self.model.set_requires_gradient_sync(last)
-            self.model.set_reshard_after_backward(last)
+            model = cast(FSDPModule, self.model)  # shard_model's fully_shard made the root an FSDPModule
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+
+    def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        """The optimizer and its lr schedule; a frozen engine (built without an optimizer section) has none."""
+        if self.optimizer is None or self.scheduler is None:
+            raise RuntimeError("this engine's model is frozen (built without an optimizer section): it cannot train")
+        return self.optimizer, self.scheduler
 
     def clip_and_step(self) -> tuple[float, bool]:
         """Global gradient norm over all shards (before clipping); clip once to `grad_clip` and step the
         optimizer, or, if the norm is not finite, drop the gradients and count a skipped step."""
+        optimizer, scheduler = self._optimizers()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params], norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         finite = bool(torch.isfinite(norm))
         if finite:
             if self.grad_clip:
                 torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
-            self.optimizer.step()
+            optimizer.step()
             self.optimizer_steps += 1
         else:
             self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
         return float(norm), finite
 
     # ------------------------------------------------------------------ mixture of experts

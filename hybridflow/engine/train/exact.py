@@ -33,7 +33,7 @@ import contextlib
 import threading
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,9 @@ from hybridflow.engine.train.attention import packed_attention
 from hybridflow.engine.train.kernels import STANDARD_RMS_NORMS, keep_patched_forwards
 from hybridflow.engine.train.lora import ADAPTER, merge
 from hybridflow.engine.train.model import decoder_layers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _recomputation = threading.local()  # autograd runs a recomputation on its own thread (CUDA's device thread)
 
@@ -191,9 +194,9 @@ class _PackedRows:
         return self.layout
 
 
-def _weight(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _weight(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear layer's weight and bias in `dtype` (a peft LoRA layer's merged weight unless its adapters are
-    disabled)."""
+    disabled; its parts are attributes peft sets at run time)."""
     base = getattr(module, "base_layer", module)
     weight, bias = base.weight, base.bias
     if base is not module and not module._disable_adapters:
@@ -226,6 +229,9 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
     if cu is None or hidden_states.shape[0] != 1:
         raise ValueError("exact mode's attention takes packed rows ([1, T] with cu_seq_lens_q); got "
                          f"{tuple(hidden_states.shape[:-1])} rows without them: keep actor.use_packing=true")
+    if position_embeddings is None:
+        raise ValueError(f"exact mode's attention rotates q and k by the (cos, sin) its decoder layer passes as "
+                         f"position_embeddings; {type(self).__name__} got none")
     x = hidden_states[0]
     tokens, dim = x.shape[0], self.head_dim
     q, k, v = (t.view(tokens, -1, dim) for t in _project_fused((self.q_proj, self.k_proj, self.v_proj), x))
@@ -260,7 +266,14 @@ def _embedding_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(input_ids, self.weight, self.padding_idx).to(self.exact_dtype)
 
 
-def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int, compile_backend: str | None = None) -> None:
+def _patch(module: torch.nn.Module, forward: Callable[..., Any], **attributes: Any) -> None:
+    """Point `module`'s forward at `forward` (bound to it), after setting the `attributes` that forward reads."""
+    for name, value in attributes.items():
+        setattr(module, name, value)  # torch's stubs take only tensors and modules as module attributes
+    module.forward = types.MethodType(forward, module)
+
+
+def make_exact(model: PreTrainedModel, dtype: torch.dtype, max_len: int, compile_backend: str | None = None) -> None:
     """Patch a causal LM (with its log-prob head installed) in place as the module docstring says; `dtype` is
     the compute dtype, `max_len` the longest row (prompt + response) its forwards will see. `compile_backend`
     (None: eager) compiles the arithmetic no log-prob's bits depend on: the elementwise ops' backward formulas
@@ -271,23 +284,19 @@ def make_exact(model: torch.nn.Module, dtype: torch.dtype, max_len: int, compile
         raise ValueError(f"exact mode cannot run {type(model).__name__}: {'; '.join(problems)}")
     keep_patched_forwards(model)
     embed = model.get_input_embeddings()
-    embed.exact_dtype = dtype
-    embed.forward = types.MethodType(_embedding_forward, embed)
+    _patch(embed, _embedding_forward, exact_dtype=dtype)
     rope = model.get_decoder().rotary_emb
-    cos, sin = invariant.rope_table(model.config, max_len, embed.weight.device)
+    cos, sin = invariant.rope_table(model.config, max_len, cast(torch.Tensor, embed.weight).device)
     rope.register_buffer("exact_cos", cos, persistent=False)
     rope.register_buffer("exact_sin", sin, persistent=False)
-    rope.forward = types.MethodType(_rotary_forward, rope)
+    _patch(rope, _rotary_forward)
     grads = EAGER if compile_backend is None else Gradients(compile_backend)
     for module in model.modules():
         if type(module).__name__ in STANDARD_RMS_NORMS and hasattr(module, "variance_epsilon"):
-            module.exact_grads = grads
-            module.forward = types.MethodType(_norm_forward, module)
+            _patch(module, _norm_forward, exact_grads=grads)
     rows = _PackedRows()
     for layer in decoder_layers(model):
-        layer.self_attn.exact_rows = rows
-        layer.self_attn.forward = types.MethodType(_attention_forward, layer.self_attn)
-        layer.mlp.exact_grads = grads
-        layer.mlp.forward = types.MethodType(_mlp_forward, layer.mlp)
+        _patch(layer.get_submodule("self_attn"), _attention_forward, exact_rows=rows)
+        _patch(layer.get_submodule("mlp"), _mlp_forward, exact_grads=grads)
     head = model.get_output_embeddings()
     head.exact, head.compiled = True, compile_backend == "inductor"

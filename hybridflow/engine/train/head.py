@@ -14,12 +14,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.train.logprobs import head_log_probs, top_k_log_probs
 from hybridflow.engine.train.packing import ModelInputs, to_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -72,7 +76,7 @@ class LogProbHead(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Module, compiled: bool = False) -> None:
         super().__init__()
-        self.weight = linear.weight
+        self.weight = cast(torch.nn.Parameter, linear.weight)
         self.bias = getattr(linear, "bias", None)
         self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
         self.compiled = compiled
@@ -114,7 +118,7 @@ class LogProbHead(torch.nn.Module):
         return req.log_probs
 
 
-def install_log_prob_head(model: torch.nn.Module, compiled: bool = False) -> LogProbHead:
+def install_log_prob_head(model: PreTrainedModel, compiled: bool = False) -> LogProbHead:
     """Replace `model`'s output embedding by a `LogProbHead` over the same weight; returns the head."""
     linear = model.get_output_embeddings()
     if linear is None or not hasattr(linear, "weight"):

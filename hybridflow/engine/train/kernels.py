@@ -14,9 +14,13 @@ exact mode (`hybridflow.engine.train.exact`).
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 STANDARD_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
 
@@ -25,14 +29,14 @@ def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
 
 
-def keep_patched_forwards(model: torch.nn.Module) -> None:
+def keep_patched_forwards(model: PreTrainedModel) -> None:
     """Turn off transformers' hub kernels on `model` (see the module docstring), so forwards patched on its
     modules stay through `train()` / `eval()`."""
     if getattr(model, "use_kernels", False):
         model.use_kernels = False
 
 
-def fuse_rms_norms(model: torch.nn.Module) -> int:
+def fuse_rms_norms(model: PreTrainedModel) -> int:
     """Patch the RMSNorm modules of `model` in place (for good: `keep_patched_forwards`); returns how many were
     patched."""
     keep_patched_forwards(model)

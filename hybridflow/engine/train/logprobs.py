@@ -62,19 +62,21 @@ def _entropy(logits: torch.Tensor, lse: torch.Tensor, inv_temp: torch.Tensor) ->
 
 def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                 grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_t: float,
-                soft_ids: torch.Tensor | None = None, soft_log_q: torch.Tensor | None = None,
-                grad_soft: torch.Tensor | None = None, soft_beta: float = 1.0) -> torch.Tensor:
+                soft: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                soft_beta: float = 1.0) -> torch.Tensor:
     """d loss / d logits `[c, V]` in the logits' dtype: d logp_y / dz = onehot(y) - p,
     d H / dz = -p (log p + H) and, for `_top_k_divergence` D over the outcomes o (the ids i_j, then the rest r)
-    with d_o = dD / ds_o: dD / dz = scatter((d_j - d_r) s_j) - p sum_j (d_j - d_r) s_j; z = logits / T."""
+    with d_o = dD / ds_o: dD / dz = scatter((d_j - d_r) s_j) - p sum_j (d_j - d_r) s_j; z = logits / T.
+    `soft`: (ids, teacher log-probs, d loss / dD) of a top-k divergence."""
     log_p = logits.float() * inv_t - lse[:, None]
     p = log_p.exp()
-    if grad_entropy is None:
+    if grad_entropy is None or entropy is None:  # no entropy output, no gradient of it
         g = p * -grad_logp[:, None]
     else:
         g = -p * (grad_logp[:, None] + grad_entropy[:, None] * (log_p + entropy[:, None]))
     g = g.scatter_add(-1, targets[:, None], grad_logp[:, None])
-    if grad_soft is not None:
+    if soft is not None:
+        soft_ids, soft_log_q, grad_soft = soft
         log_s, log_t = _outcomes(log_p.gather(-1, soft_ids), soft_log_q)
         d = _divergence_slope(log_s, log_t, soft_beta)
         w = (d[:, :-1] - d[:, -1:]) * log_s[:, :-1].exp()
@@ -158,14 +160,14 @@ class _TokenLogProbs(torch.autograd.Function):
         soft = None if soft_ids is None else torch.empty_like(lse)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            if exact:
+            if scale is not None:  # exact
                 logits = invariant.linear(hidden[s:e], weight, bias)
                 logp[s:e], lse[s:e] = invariant.token_log_probs(logits, targets[s:e], scale)
                 ent = entropy_of(logits, lse[s:e], scale) if with_entropy else None
             else:
                 logits = F.linear(hidden[s:e], weight, bias)
                 lse[s:e], logp[s:e], ent = stats(logits, targets[s:e], inv_t, with_entropy)
-            if with_entropy:
+            if entropy is not None and ent is not None:  # with_entropy
                 entropy[s:e] = ent
             if soft is not None:
                 soft[s:e] = _top_k_divergence(logits, lse[s:e], soft_ids[s:e], soft_log_q[s:e], inv_t, soft_beta)
@@ -190,11 +192,10 @@ class _TokenLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            soft = {} if grad_soft is None else dict(soft_ids=soft_ids[s:e], soft_log_q=soft_log_q[s:e],
-                                                     grad_soft=grad_soft[s:e], soft_beta=ctx.soft_beta)
+            soft = None if grad_soft is None else (soft_ids[s:e], soft_log_q[s:e], grad_soft[s:e])
             g = grad_fn(F.linear(h, weight, bias), targets[s:e], lse[s:e],
                         None if entropy is None else entropy[s:e], grad_logp[s:e],
-                        None if grad_entropy is None else grad_entropy[s:e], ctx.inv_t, **soft)
+                        None if grad_entropy is None else grad_entropy[s:e], ctx.inv_t, soft, ctx.soft_beta)
             if need_h:
                 torch.mm(g, weight, out=grad_h[s:e])
             if need_w:

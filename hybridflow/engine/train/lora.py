@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.train.model import decoder_layers
 from hybridflow.engine.train.parallel import full_tensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ADAPTER = "default"  # peft's adapter name; a run trains one adapter
 INITS = {"default": True, "gaussian": "gaussian"}  # our `init` choice -> peft's `init_lora_weights`
@@ -139,7 +142,7 @@ def _expert_delta(layer: Any, adapter_dtype: torch.dtype | None) -> torch.Tensor
     return torch.einsum(pattern, b, a) * layer.scaling[ADAPTER]
 
 
-def _head_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+def _head_params(model: PreTrainedModel) -> list[torch.nn.Parameter]:
     """A value model's score head: the parameters outside its backbone (`base_model_prefix`)."""
     prefix = model.base_model_prefix + "."
     return [p for n, p in model.named_parameters() if not n.startswith(prefix)]
@@ -152,7 +155,8 @@ class Adapters:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self.peft_config = peft_config
-        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+        # peft's LoRA layers: what this engine reads of them (scaling, lora_A, ...) peft sets at run time
+        self.layers: dict[str, Any] = {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
         for name, layer in self.layers.items():
             if not hasattr(layer, "_disable_adapters") or not hasattr(layer, "base_layer"):
                 raise RuntimeError(f"peft's LoRA layer {name} ({type(layer).__name__}) lacks the `_disable_adapters` "
@@ -216,7 +220,7 @@ def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dt
         return torch.addmm(base.float(), b.float(), a.float(), alpha=scale).to(dtype)
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig, head: str, master_dtype: torch.dtype) -> Adapters:
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, head: str, master_dtype: torch.dtype) -> Adapters:
     """Injects adapters into `model` in place (see the module docstring); returns its `Adapters`."""
     if cfg.init not in INITS:
         raise ValueError(f"lora.init={cfg.init!r} is not valid; valid: {', '.join(INITS)}")
@@ -279,7 +283,7 @@ def trainable_params(config: Any, cfg: LoraConfig, head: str = "lm", trust_remot
     return adapters + (sum(p.numel() for p in _head_params(model)) if head == "value" else 0)
 
 
-def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -> torch.nn.Module:
+def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -> PreTrainedModel:
     """The model of Hugging Face `config` on the meta device (no memory): a causal LM, or a value model."""
     import copy
 

@@ -27,4 +27,4 @@ class LossContext:
 
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossContext],
-                  tuple[torch.Tensor, dict[str, float]]]
+                  tuple[torch.Tensor, dict[str, float | torch.Tensor]]]

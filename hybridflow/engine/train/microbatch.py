@@ -89,7 +89,7 @@ def group_lengths(lengths: list[int], row_group: int) -> list[int]:
     return [sum(lengths[i:i + row_group]) for i in range(0, len(lengths), row_group)]
 
 
-def group_rows(units: Sequence[Sequence[int]] | torch.Tensor, row_group: int) -> list[list[int]]:
+def group_rows(units: Sequence[Sequence[int] | torch.Tensor] | torch.Tensor, row_group: int) -> list[list[int]]:
     """Unit indices -> the row indices of those units (`row_group` consecutive rows each), per part."""
     return [[int(u) * row_group + k for u in part for k in range(row_group)] for part in units]
 

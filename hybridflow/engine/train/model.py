@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # transformers is imported where a model is built, not with this module
+    from transformers import PreTrainedModel
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
@@ -67,7 +70,7 @@ def resolve_precision(dtype: str, device: torch.device, trainable: bool = True,
 def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                gradient_checkpointing: bool = False,
-               recompute_contexts: Callable[[], tuple[Any, Any]] | None = None) -> torch.nn.Module:
+               recompute_contexts: Callable[[], tuple[Any, Any]] | None = None) -> PreTrainedModel:
     """The model at `path` on CPU in `dtype`: a causal LM (`head="lm"`), a critic (`head="value"`, outputs
     `[*, 1]` logits per position) or a reward model (`head="score"`: the critic's outputs, no bias).
     With `gradient_checkpointing` each decoder layer recomputes its activations in the backward (non-reentrant
@@ -83,7 +86,8 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     attention.register()
     if attn_implementation == "sdpa":  # SDPA for padded rows, varlen flash attention for packed ones
         attn_implementation = attention.VARLEN_ATTENTION
-    kwargs = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation,
+                                  trust_remote_code=trust_remote_code)
     if head == "lm":
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     else:

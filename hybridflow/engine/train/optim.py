@@ -14,6 +14,7 @@ Optimizers (`OPTIMIZERS`), by the device memory their state takes per parameter:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ def build_optimizer(params, cfg: EngineOptimConfig, device: torch.device) -> tor
     if name != "adamw_8bit" and any(p.dtype == torch.bfloat16 for p in params):
         raise ValueError(f"optimizer {name!r} would round every update of bf16 master weights to bf16 (most "
                          f"vanish); use optimizer=adamw_8bit (stochastic rounding) or master_dtype=fp32")
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
     if name == "adamw_8bit":

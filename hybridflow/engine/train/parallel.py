@@ -10,6 +10,8 @@ micro-batches; on several, they are resharded after forward (ZeRO-3). `full_tens
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -18,13 +20,15 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.train.model import Precision, decoder_layers
 
+M = TypeVar("M", bound=torch.nn.Module)
+
 
 def dp_mesh(device: torch.device) -> DeviceMesh:
     """A 1-D mesh over all ranks of the default process group."""
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision) -> torch.nn.Module:
+def shard_model(model: M, mesh: DeviceMesh, precision: Precision) -> M:
     """`fully_shard` per decoder layer, then the root; returns the same (now sharded) module."""
     # Inputs pass uncast: the layers already receive compute-dtype hidden states, and a layer input kept in
     # fp32 on purpose (exact mode's rope rows) would be cast in the forward but, on torch 2.11, not in

@@ -80,7 +80,7 @@ class RouterHooks:
     def __init__(self, model: torch.nn.Module, spec: MoESpec, config: RouterHooks.Config) -> None:
         layers = decoder_layers(model)
         self.spec, self.config = spec, config
-        self.handles = [layers[i].mlp.gate.register_forward_hook(functools.partial(self._hook, plane))
+        self.handles = [layers[i].get_submodule("mlp.gate").register_forward_hook(functools.partial(self._hook, plane))
                         for plane, i in enumerate(spec.sparse_layers)]
         self.routes: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from train_helpers import model_cfg, optim_cfg, rl_batch, run_ranks
 
+from hybridflow.config.schema import FrozenModelConfig
 from hybridflow.engine.train import TrainEngine
 
 BETA1 = 0.9
@@ -177,3 +178,17 @@ def test_one_rank_accumulates_micro_batches_unsharded(one_rank):
     assert reduced_early == [False, False, False, False]
     for name, m in whole.items():
         torch.testing.assert_close(micro[name], m, atol=2e-3, rtol=2e-2)
+
+
+def test_a_frozen_engine_refuses_to_train(tiny_qwen2):
+    """A frozen engine (no optimizer section) names why it cannot step, before any forward."""
+    engine = TrainEngine(model_cfg(tiny_qwen2), None, head="lm")
+    with pytest.raises(RuntimeError, match="frozen"):
+        engine.train_step(_batch(), pg_loss, micro_batch_size=ROWS)
+    with pytest.raises(RuntimeError, match="frozen"):
+        engine.clip_and_step()
+
+
+def test_a_model_config_without_a_path_is_refused():
+    with pytest.raises(ValueError, match="model_cfg.path"):
+        TrainEngine(FrozenModelConfig(), None, head="lm")
