@@ -39,10 +39,11 @@ class RunnerHost:
 
     async def attach(self) -> None:
         """Start the child if it is not running, and listen to it on the running loop."""
-        self.loop = asyncio.get_running_loop()
-        if self.proc is None or self.proc.poll() is not None:
-            self._spawn()
-        self.loop.add_reader(self.conn.fileno(), self._readable)
+        loop = self.loop = asyncio.get_running_loop()
+        conn = self.conn  # set while the child runs
+        if self.proc is None or self.proc.poll() is not None or conn is None:
+            conn = self._spawn(loop)
+        loop.add_reader(conn.fileno(), self._readable)
         if self.ready is not None:
             try:
                 await asyncio.wait_for(self.ready, STARTUP_TIMEOUT_S)
@@ -62,20 +63,27 @@ class RunnerHost:
         self.jobs.clear()
 
     def submit(self, job: str, row: dict[str, Any], base_url: str, api_key: str) -> asyncio.Future:
-        """Run the runner for one trajectory; a future of (reward, metrics)."""
-        self.jobs[job] = self.loop.create_future()
-        try:
-            self.conn.send(("run", job, plain(row), base_url, api_key))
-        except OSError:
-            self._died()
-        return self.jobs[job]
+        """Run the runner for one trajectory; a future of (reward, metrics), failed at once when the child is
+        gone (it died since `attach`)."""
+        if self.loop is None:
+            raise RuntimeError("RunnerHost.submit() before attach(): there is no event loop to answer on")
+        future = self.jobs[job] = self.loop.create_future()
+        self._send(("run", job, plain(row), base_url, api_key))
+        return future
 
     def cancel(self, job: str) -> None:
         self.jobs.pop(job, None)
-        try:
-            self.conn.send(("cancel", job))
-        except OSError:
-            self._died()
+        self._send(("cancel", job))
+
+    def _send(self, message: tuple) -> None:
+        """To the child; when it is gone (or the pipe breaks now) every waiting job fails (`_died`)."""
+        if self.conn is not None:
+            try:
+                self.conn.send(message)
+                return
+            except OSError:
+                pass
+        self._died()
 
     def kill(self) -> None:
         """End the child and everything it started."""
@@ -87,10 +95,12 @@ class RunnerHost:
             self.proc.wait()
         self._died()
 
-    def _spawn(self) -> None:
-        self.proc, self.conn = spawn_module("hybridflow.agents.runner_child")
-        self.ready = self.loop.create_future()
-        self.conn.send(("init", self.spec, self.kwargs))
+    def _spawn(self, loop: asyncio.AbstractEventLoop) -> Connection:
+        self.proc, conn = spawn_module("hybridflow.agents.runner_child")
+        self.conn = conn
+        self.ready = loop.create_future()
+        conn.send(("init", self.spec, self.kwargs))
+        return conn
 
     def _readable(self) -> None:
         try:

@@ -4,6 +4,7 @@ sends one after it returned, or takes its process down, costs only its trajector
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -12,6 +13,7 @@ from transformers import AutoTokenizer
 
 from agent_helpers import agent_cfg
 from hybridflow.agents.endpoint_rollout import EndpointRollout
+from hybridflow.agents.runner_host import RunnerFailed, RunnerHost
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 
 RUNNERS = """
@@ -196,6 +198,30 @@ def test_trajectories_are_dealt_over_the_runner_processes_and_a_hang_kills_only_
     assert rollout.hosts[0].proc is None and rollout.hosts[1].proc.pid == second  # the hang was dealt to process 0
     outs = rollout.run(engine, [[1]] * 2, rows("pid", "pid"), SamplingParams(n=1, temperature=1.0, seed=1))
     assert int(outs[1][0].metrics["pid"]) == second and int(outs[0][0].metrics["pid"]) not in (first, second)
+
+
+
+def test_jobs_given_to_a_runner_process_that_died_fail_instead_of_raising(env_file):
+    """A child that died before its loop noticed: the job sent to it and every later one (and a cancel) fail their
+    trajectory's future with `RunnerFailed`; none raises out of the phase."""
+    host = RunnerHost(f"{env_file(RUNNERS)}:play", {})
+
+    async def after_death():
+        await host.attach()
+        host.proc.kill()
+        host.proc.wait()
+        futures = [host.submit(job, {"extra_info": {"case": "good"}}, "http://127.0.0.1:9/v1", "key")
+                   for job in ("a", "b")]
+        host.cancel("a")
+        return await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 30)
+
+    try:
+        errors = asyncio.run(after_death())
+    finally:
+        host.kill()
+    assert [type(e) for e in errors] == [RunnerFailed, RunnerFailed]
+    assert all("the agent runner process ended" in str(e) for e in errors)
+    assert host.proc is None and host.conn is None and not host.jobs
 
 
 def test_a_runner_that_cannot_load_is_named(setup, env_file):
