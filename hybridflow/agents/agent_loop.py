@@ -177,11 +177,12 @@ class AgentLoop:
             trajectory.tool_errors += len(results)
             logger.warning("tool calls failed: %s", died[0])
             return []
-        trajectory.tool_errors += sum(r.error for r in results)
-        trajectory.env_reward += sum(r.reward for r in results)
-        results += [ToolResult(f"Error: this episode's limit of {self.cfg.max_tool_calls} tool calls is reached",
+        answers: list[ToolResult] = [r for r in results if not isinstance(r, BaseException)]  # all of them
+        trajectory.tool_errors += sum(r.error for r in answers)
+        trajectory.env_reward += sum(r.reward for r in answers)
+        answers += [ToolResult(f"Error: this episode's limit of {self.cfg.max_tool_calls} tool calls is reached",
                                error=True) for _ in calls[left:]]
-        return [{"role": "tool", "content": r.text} for r in results]
+        return [{"role": "tool", "content": r.text} for r in answers]
 
 
 def _failure(error: Exception) -> str:

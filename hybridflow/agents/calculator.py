@@ -8,6 +8,7 @@ import ast
 import math
 import operator
 import re
+from collections.abc import Callable
 from typing import Any
 
 from hybridflow.agents.tools import Tool, ToolContext, ToolResult
@@ -15,9 +16,10 @@ from hybridflow.agents.tools import Tool, ToolContext, ToolResult
 MAX_LENGTH, MAX_MAGNITUDE = 500, 10**1000
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
-_FUNCTIONS = {"sqrt": math.sqrt, "abs": abs, "round": round, "floor": math.floor, "ceil": math.ceil,
-              "log": math.log, "exp": math.exp, "min": min, "max": max}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_FUNCTIONS: dict[str, Callable[..., Any]] = {"sqrt": math.sqrt, "abs": abs, "round": round, "floor": math.floor,
+                                             "ceil": math.ceil, "log": math.log, "exp": math.exp, "min": min,
+                                             "max": max}
 _CONSTANTS = {"pi": math.pi, "e": math.e}
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 

@@ -38,7 +38,8 @@ async def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout_s: float
                     result = await asyncio.get_running_loop().run_in_executor(threads, call)
                 return await result if inspect.isawaitable(result) else result
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # the time limit's cancellation
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # the time limit's cancellation
                     raise
                 raise UserCodeError("CancelledError: raised by the call itself") from None
             except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: one call's failure

@@ -111,7 +111,7 @@ class Endpoint:
         plan = lane.plan(request, self.renderers)
         cap = min(request.max_tokens or self.params.max_tokens, self.params.max_tokens)
         if plan.seq is not None:
-            held = lane.pending.choices[plan.choice]
+            held = lane.answers().choices[plan.choice]
             room = self.budget - len(lane.trajectory.token_ids) - len(held.ids) - len(plan.appended)
             if room < 1:
                 lane.trajectory.cut()
@@ -123,7 +123,7 @@ class Endpoint:
             lane.start_segment(plan.prompt, self.driver.release)
             pairs = self.driver.start(plan.prompt, request.n, min(cap, self.budget))
             seqs, futures = [seq for seq, _ in pairs], [future for _, future in pairs]
-        prompt_tokens = len(lane.trajectory.prompt_ids) + len(lane.trajectory.token_ids)
+        prompt_tokens = len(lane.segment_prompt()) + len(lane.trajectory.token_ids)
         completions = await asyncio.gather(*futures)
         answers = [self._choice(seq, completion, request) for seq, completion in zip(seqs, completions)]
         lane.answered(request, [a for a, _ in answers], seqs, [stopped for _, stopped in answers])
@@ -143,6 +143,7 @@ class Endpoint:
     def _choice(self, seq: int, completion: Completion, request: Request) -> tuple[Choice, bool]:
         """The answer of one sequence, and whether its last id is a stop token. A stop string cuts the turn
         after the token that completes it (the sequence forgets the rest); tool calls are parsed."""
+        finish: str  # the engine's, or "tool_calls"
         ids, logprobs, finish = completion.token_ids, completion.logprobs, completion.finish_reason
         stopped, text = finish == "stop", None
         cut = cut_at_stop(self.tokenizer, ids, request.stop) if request.stop else None

@@ -27,6 +27,7 @@ too, with their own method names (`hybridflow.agents.verl_interaction`).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +51,10 @@ class Environment:
     def __init__(self, row: dict[str, Any], **kwargs: Any) -> None:
         self.row, self.kwargs = row, kwargs
 
-    def step(self, text: str, turn: int) -> EnvStep | str | None:
+    def step(self, text: str, turn: int) -> EnvStep | str | None | Awaitable[EnvStep | str | None]:
         raise NotImplementedError(f"{type(self).__name__} does not implement step(text, turn)")
 
-    def close(self) -> None:
+    def close(self) -> None | Awaitable[None]:
         """Called once when the trajectory ends."""
 
 

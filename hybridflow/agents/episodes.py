@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from hybridflow.agents.endpoint_rollout import EndpointRollout
 from hybridflow.agents.agent_loop import AgentLoop
@@ -23,7 +23,11 @@ def _kwargs(value: Any) -> dict[str, Any]:
         from omegaconf import OmegaConf
 
         if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
+            container = OmegaConf.to_container(value, resolve=True)
+            if not isinstance(container, dict):
+                raise TypeError(f"agent.env_kwargs must be a mapping of keyword arguments, got a "
+                                f"{type(container).__name__}")
+            return cast(dict[str, Any], container)  # keyword arguments: the config's keys are strings
     except ImportError:
         pass
     return dict(value or {})

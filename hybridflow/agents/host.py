@@ -162,6 +162,9 @@ class UserCodeHost:
 
     async def call(self, op: str, tid: int, payload: Any = None) -> Any:
         """Sends one request about trajectory `tid` and waits for its answer (see the module docstring)."""
+        loop = self.loop
+        if loop is None:
+            raise RuntimeError("UserCodeHost.call() outside `async with host.attached()`: it answers on that loop")
         if tid in self.lost:
             raise HostDied(self.lost.pop(tid) if op == "close" else self.lost[tid])
         if self.conn is None:
@@ -169,10 +172,10 @@ class UserCodeHost:
         if op == "open":
             self.held.add(tid)
         rid = next(self._ids)
-        future = self.loop.create_future()
+        future = loop.create_future()
         self.pending[rid] = (future, time.monotonic() + self.setup.timeout_s + HOST_GRACE_S)
         if not self.outbox:
-            self.loop.call_soon(self._flush)
+            loop.call_soon(self._flush)
         self.outbox.append((rid, op, tid, payload))
         status, value = await future
         if op == "close":
@@ -190,7 +193,7 @@ class UserCodeHost:
             try:
                 self.conn.send(batch)
             except OSError:
-                self._died(f"the environment / tool process ended ({_exit_text(self.process.wait())})")
+                self._died(self._ended())
 
     def _readable(self) -> None:
         try:
@@ -200,7 +203,12 @@ class UserCodeHost:
                     if future is not None and not future.done():
                         future.set_result(result)
         except (EOFError, OSError):
-            self._died(f"the environment / tool process ended ({_exit_text(self.process.wait())})")
+            self._died(self._ended())
+
+    def _ended(self) -> str:
+        """Why the process is gone, once it has exited (its pipe closed or broke)."""
+        code = self.process.wait() if self.process is not None else None
+        return f"the environment / tool process ended ({_exit_text(code)})"
 
     async def _watch(self) -> None:
         while True:

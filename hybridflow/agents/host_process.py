@@ -174,6 +174,7 @@ def main() -> None:
         setup = conn.recv()
     except (EOFError, OSError):  # the parent stopped before handing over the setup: nothing to do
         os._exit(0)
+    reply: tuple[str, Any]
     try:
         state = HostState(setup)
         reply = ("ready", state.schemas)

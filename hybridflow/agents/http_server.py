@@ -76,6 +76,7 @@ class JSONServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None  # asyncio runs a connection's callback coroutine as a task of its own
         self.connections.add(task)
         try:
             while True:

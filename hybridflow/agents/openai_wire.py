@@ -136,8 +136,8 @@ def _check_sampling(body: dict[str, Any], temperature: float, top_p: float) -> N
                                                                                              abs_tol=1e-6)):
             raise _bad(key, f"this rollout phase samples with {key}={value:g} (rollout.{key}, or rollout.val_"
                             f"{key} when validating): leave it out or pass {value:g}", "unsupported_value")
-    fixed = {"stream": False, "seed": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
-             "echo": False, "suffix": None, "best_of": 1}
+    fixed: dict[str, Any] = {"stream": False, "seed": None, "presence_penalty": 0, "frequency_penalty": 0,
+                             "logit_bias": {}, "echo": False, "suffix": None, "best_of": 1}
     for key, default in fixed.items():
         if body.get(key) not in (None, default):
             raise _bad(key, f"is not supported by this endpoint (leave it out or pass {default!r})",
@@ -224,6 +224,8 @@ def response_body(tokenizer: Any, chat: bool, choices: list[Choice], prompt_toke
     for i, c in enumerate(choices):
         entry: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason, "token_ids": c.ids}
         if chat:
+            if c.message is None:
+                raise ValueError(f"choice {i} of a chat completion has no message")
             message = {"role": "assistant", "content": c.message["content"] or None}
             if c.message.get("tool_calls"):
                 message["tool_calls"] = [

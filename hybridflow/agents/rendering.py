@@ -144,23 +144,26 @@ class Encoder:
 
     def __init__(self, tokenizer: Any, probes: list[str]) -> None:
         self.tokenizer = tokenizer
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        if self.backend is not None and any(self._direct(text, plain) != self._wrapped(text, plain)
-                                            for text in probes for plain in (False, True)):
-            self.backend = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and any(self._direct(backend, text, plain) != self._wrapped(text, plain)
+                                       for text in probes for plain in (False, True)):
+            backend = None
+        self.backend = backend
 
     def __call__(self, text: str, plain: bool) -> list[int]:
-        if self.backend is None or self.backend.truncation is not None or self.backend.padding is not None:
+        backend = self.backend
+        if backend is None or backend.truncation is not None or backend.padding is not None:
             return self._wrapped(text, plain)
-        return self._direct(text, plain)
+        return self._direct(backend, text, plain)
 
     def _wrapped(self, text: str, plain: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
 
-    def _direct(self, text: str, plain: bool) -> list[int]:
-        before = self.backend.encode_special_tokens
-        self.backend.encode_special_tokens = plain
+    @staticmethod
+    def _direct(backend: Any, text: str, plain: bool) -> list[int]:
+        before = backend.encode_special_tokens
+        backend.encode_special_tokens = plain
         try:
-            return list(self.backend.encode(text, add_special_tokens=False).ids)
+            return list(backend.encode(text, add_special_tokens=False).ids)
         finally:
-            self.backend.encode_special_tokens = before
+            backend.encode_special_tokens = before

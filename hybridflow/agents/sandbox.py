@@ -23,7 +23,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hybridflow.agents.tools import Tool, ToolContext, ToolResult
 
@@ -63,6 +63,7 @@ def _environment(scratch: str) -> dict[str, str]:
 
 async def _read_capped(stream: asyncio.StreamReader, limit: int, deadline: float) -> tuple[bytes, bool, bool]:
     """(output, truncated, timed_out): what `stream` yields until EOF, `limit` bytes, or `deadline`."""
+    chunks: list[bytes]
     loop, chunks, size = asyncio.get_running_loop(), [], 0
     while True:
         left = deadline - loop.time()
@@ -97,14 +98,15 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
         sys.executable, "-I", CHILD, scratch, json.dumps(child_limits), stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=scratch, env=_environment(scratch),
         start_new_session=True)
+    stdin, stdout = cast(asyncio.StreamWriter, proc.stdin), cast(asyncio.StreamReader, proc.stdout)  # both PIPEs
     try:
         try:
-            proc.stdin.write(code.encode("utf-8", "replace"))
-            await proc.stdin.drain()
-            proc.stdin.close()
+            stdin.write(code.encode("utf-8", "replace"))
+            await stdin.drain()
+            stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died at start: its output says why
-        raw, truncated, timed_out = await _read_capped(proc.stdout, limits.max_output_bytes + 4096, deadline)
+        raw, truncated, timed_out = await _read_capped(stdout, limits.max_output_bytes + 4096, deadline)
         if not (truncated or timed_out):
             try:
                 await asyncio.wait_for(proc.wait(), max(deadline - loop.time(), 0.0))
@@ -119,7 +121,7 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
         # asyncio reports the exit only once the output pipe is closed, and a read stopped at the cap has
         # paused the pipe: read it to its end (bounded: the child was killed and could start nothing).
         try:
-            await asyncio.wait_for(_discard(proc.stdout), 5.0)
+            await asyncio.wait_for(_discard(stdout), 5.0)
             await asyncio.wait_for(proc.wait(), 5.0)
         except asyncio.TimeoutError:
             pass

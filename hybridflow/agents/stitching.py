@@ -80,7 +80,7 @@ class Plan:
     seq: int | None = None
     choice: int = 0
     appended: list[int] = field(default_factory=list)
-    prompt: list[int] | None = None
+    prompt: list[int] = field(default_factory=list)  # empty for a continuation
 
 
 class Lane:
@@ -99,7 +99,8 @@ class Lane:
     # ------------------------------------------------------------------ planning a request
     def plan(self, request: Request, renderers: Renderers) -> Plan:
         """Continue a held choice when the request extends it, else a new segment's prompt ids."""
-        chat = request.messages is not None
+        messages = request.messages
+        chat = messages is not None
         last = self.pending
         if last is not None and last.chat == chat and request.n == 1:
             for c, choice in enumerate(last.choices):
@@ -109,17 +110,24 @@ class Lane:
                             else self._text_continuation(request, last, c, renderers))
                 if appended:
                     return Plan(seq=last.seqs[c], choice=c, appended=appended)
-        if chat:
-            prompt = renderers.ids(renderers.render(request.messages, request.tools, generation_prompt=True))
+        if messages is not None:
+            prompt = renderers.ids(renderers.render(messages, request.tools, generation_prompt=True))
+        elif isinstance(request.prompt, list):
+            prompt = list(request.prompt)
+        elif isinstance(request.prompt, str):
+            prompt = renderers.ids(request.prompt, True)
         else:
-            prompt = list(request.prompt) if isinstance(request.prompt, list) else renderers.ids(request.prompt, True)
+            raise ValueError(f"trajectory {self.key}: a request with neither messages nor a prompt")
         return Plan(prompt=prompt)
 
     @staticmethod
     def _chat_continuation(request: Request, last: Pending, c: int, renderers: Renderers) -> list[int] | None:
-        messages, before = request.messages, len(last.messages)
-        if (request.tools != last.tools or len(messages) <= before + 1 or messages[:before] != last.messages
-                or not same_message(messages[before], last.choices[c].message)):
+        messages, sent, returned = request.messages, last.messages, last.choices[c].message
+        if messages is None or sent is None or returned is None:  # not a chat request or not a chat answer
+            return None
+        before = len(sent)
+        if (request.tools != last.tools or len(messages) <= before + 1 or messages[:before] != sent
+                or not same_message(messages[before], returned)):
             return None
         try:
             return renderers.turn(request.tools).render(messages[before + 1:],
@@ -129,24 +137,32 @@ class Lane:
 
     @staticmethod
     def _text_continuation(request: Request, last: Pending, c: int, renderers: Renderers) -> list[int] | None:
-        if last.stopped[c] or type(request.prompt) is not type(last.prompt):
+        prompt, before, choice = request.prompt, last.prompt, last.choices[c]
+        if last.stopped[c]:
             return None
-        choice = last.choices[c]
-        if isinstance(request.prompt, list):
-            done = [*last.prompt, *choice.ids]
-            return request.prompt[len(done):] if request.prompt[:len(done)] == done else None
-        done = last.prompt + choice.text
-        rest = request.prompt[len(done):] if request.prompt.startswith(done) else ""
-        return renderers.ids(rest) if rest else None
+        if isinstance(prompt, list) and isinstance(before, list):
+            done = [*before, *choice.ids]
+            return prompt[len(done):] if prompt[:len(done)] == done else None
+        if isinstance(prompt, str) and isinstance(before, str):
+            text = before + choice.text
+            rest = prompt[len(text):] if prompt.startswith(text) else ""
+            return renderers.ids(rest) if rest else None
+        return None  # a prompt of another kind (ids after text, or the reverse)
 
     # ------------------------------------------------------------------ recording
+    def answers(self) -> Pending:
+        """The last request's answers, which a continuation's plan extends."""
+        if self.pending is None:
+            raise ValueError(f"trajectory {self.key} has no answered request to continue")
+        return self.pending
+
     def continue_with(self, plan: Plan, release: Any) -> None:
         """Commit the continued choice and the appended ids; release the other held choices."""
-        last = self.pending
+        last = self.answers()
         choice = last.choices[plan.choice]
         self.trajectory.add_model_turn(choice.completion())
         self.trajectory.add_env_turn(plan.appended)
-        self.trajectory.kv_reused_tokens += len(self.trajectory.prompt_ids) + len(self.trajectory.token_ids) \
+        self.trajectory.kv_reused_tokens += len(self.segment_prompt()) + len(self.trajectory.token_ids) \
             - len(plan.appended) - 1
         last.seqs[plan.choice] = None
         self.release(release)
@@ -154,6 +170,12 @@ class Lane:
     def start_segment(self, prompt: list[int], release: Any) -> None:
         self.release(release)
         self.trajectory.start_segment(prompt)
+
+    def segment_prompt(self) -> list[int]:
+        """The current segment's prompt ids (an endpoint trajectory has them once its first request started)."""
+        if self.trajectory.prompt_ids is None:
+            raise ValueError(f"trajectory {self.key} has started no segment")
+        return self.trajectory.prompt_ids
 
     def holds(self) -> bool:
         """Whether a choice of its last request still holds its sequence (a KV slot) in the engine."""
@@ -195,16 +217,17 @@ class Lane:
         self.release(release)
         first = last.choices[0]
         trajectory.add_model_turn(first.completion())
-        if not last.chat:
+        if last.messages is None or first.message is None:  # a completion: no conversation to check against
             return trajectory
         trajectory.messages = [*last.messages, first.message]
         expected = renderers.render(trajectory.messages, last.tools, generation_prompt=False)
         closing = renderers.turn(last.tools).closing(first.ids[-1] if last.stopped[0] else None)
-        position = first_mismatch(renderers.tokenizer, trajectory.prompt_ids, trajectory.token_ids,
+        prompt_ids = self.segment_prompt()
+        position = first_mismatch(renderers.tokenizer, prompt_ids, trajectory.token_ids,
                                   trajectory.response_mask, expected, closing)
         if position is not None:
             trajectory.token_mismatch = 1
-            ids = trajectory.prompt_ids + trajectory.token_ids
+            ids = prompt_ids + trajectory.token_ids
             logger.warning("trajectory %s: its ids differ from the chat template's rendering of its final "
                            "conversation at token %d of %d (%r...)", self.key, position, len(ids),
                            renderers.tokenizer.decode(ids[position:position + 12], skip_special_tokens=False))

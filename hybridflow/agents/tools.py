@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,7 @@ class Tool:
     description: str = ""
     parameters: dict[str, Any] = {"type": "object", "properties": {}}
 
-    def call(self, arguments: dict[str, Any], context: ToolContext) -> str | ToolResult:
+    def call(self, arguments: dict[str, Any], context: ToolContext) -> str | ToolResult | Awaitable[str | ToolResult]:
         raise NotImplementedError(f"tool {self.name!r} ({type(self).__name__}) does not implement call()")
 
     def schema(self) -> dict[str, Any]:

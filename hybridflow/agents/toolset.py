@@ -98,16 +98,20 @@ class ToolSet:
         per_tool = (row.get("extra_info") or {}).get("tools_kwargs") or {}
         return {name: ToolContext(dict(row), dict(per_tool.get(name) or {}), scratch) for name in self.tools}
 
-    async def run(self, call: ToolCall, context: ToolContext, timeout_s: float,
+    async def run(self, call: ToolCall, context: ToolContext | None, timeout_s: float,
                   threads: ThreadPoolExecutor | None = None) -> ToolResult:
         """The result of one parsed call; a malformed call, an unknown tool, bad arguments, an exception
-        or a timeout give an error result (its text tells the model what went wrong)."""
+        or a timeout give an error result (its text tells the model what went wrong). context: the called
+        tool's (`contexts`); None where the call names no tool of the set, which is answered without one."""
         if call.error is not None:
             return ToolResult(call.error, error=True)
-        tool = self.tools.get(call.name)
-        if tool is None:
-            return ToolResult(f"Error: there is no tool {call.name!r}; the tools are {', '.join(self.tools)}",
+        name = call.name
+        tool = self.tools.get(name) if name is not None else None
+        if name is None or tool is None:
+            return ToolResult(f"Error: there is no tool {name!r}; the tools are {', '.join(self.tools)}",
                               error=True)
+        if context is None:
+            raise ValueError(f"ToolSet.run: no ToolContext given for the call of tool {name!r}")
         arguments = coerce_arguments(call.arguments, tool.parameters)
         problem = check_arguments(arguments, tool.parameters)
         if problem is not None:
@@ -119,7 +123,7 @@ class ToolSet:
             return ToolResult(f"Error: {call.name} failed: {e}", error=True)
         except TimeoutError as e:
             return ToolResult(f"Error: {call.name} failed: TimeoutError: {e}", error=True)
-        return plain_result(result, call.name)
+        return plain_result(result, name)
 
     async def finish(self, contexts: dict[str, ToolContext], timeout_s: float,
                      threads: ThreadPoolExecutor | None = None) -> float:
@@ -127,9 +131,10 @@ class ToolSet:
         sum of the rewards they return. A failing or hung one is logged and adds nothing."""
         total = 0.0
         for name, tool in self.tools.items():
-            if callable(getattr(tool, "finish", None)):
+            finish = getattr(tool, "finish", None)  # optional: not part of the `Tool` protocol
+            if callable(finish):
                 try:
-                    total += float(await call_with_timeout(tool.finish, contexts[name], timeout_s=timeout_s,
+                    total += float(await call_with_timeout(finish, contexts[name], timeout_s=timeout_s,
                                                            threads=threads) or 0.0)
                 except Exception as e:  # noqa: BLE001 - the trajectory is over; its reward stays as it was
                     logger.warning("tool %s finish failed: %s: %s", name, type(e).__name__, e)

@@ -38,7 +38,7 @@ class Trajectory:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str = "stop"
     turns: int = 0
     tool_calls: int = 0

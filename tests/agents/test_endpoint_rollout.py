@@ -224,6 +224,19 @@ def test_jobs_given_to_a_runner_process_that_died_fail_instead_of_raising(env_fi
     assert host.proc is None and host.conn is None and not host.jobs
 
 
+def test_runner_kwargs_from_a_config_that_is_not_a_mapping_are_refused():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from hybridflow.agents.episodes import runner_of
+
+    cfg = SimpleNamespace(env_kwargs=OmegaConf.create({"level": 2}), runner="agent.py:play")
+    assert runner_of(cfg) == ("agent.py:play", {"level": 2})
+    cfg.env_kwargs = OmegaConf.create([{"level": 2}])
+    with pytest.raises(TypeError, match="agent.env_kwargs must be a mapping of keyword arguments, got a list"):
+        runner_of(cfg)
+
 def test_a_runner_that_cannot_load_is_named(setup, env_file):
     tokenizer, engine = setup
     path = env_file("raise ImportError('no such agent library')")

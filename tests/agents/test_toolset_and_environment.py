@@ -79,6 +79,16 @@ def test_failing_calls_answer_the_model(env_file):
         assert result.error and result.text == text
 
 
+
+def test_a_call_naming_no_tool_is_answered_without_a_context(env_file):
+    """The host process has a context per tool only: a call of another name is answered with the tool list; a
+    call of a tool without its context is the caller's error."""
+    tools = ToolSet([f"{env_file(USER_TOOLS)}:Lookup"])
+    answer = asyncio.run(tools.run(ToolCall("search", {}), None, 2.0))
+    assert answer.error and answer.text == "Error: there is no tool 'search'; the tools are lookup"
+    with pytest.raises(ValueError, match="no ToolContext given for the call of tool 'lookup'"):
+        asyncio.run(tools.run(ToolCall("lookup", {"word": "cat"}), None, 2.0))
+
 def test_bad_entries_are_refused_with_their_index(env_file):
     path = env_file(USER_TOOLS)
     cases = [(["calculater"], r"agent.tools\[0\]: 'calculater' is neither a built-in tool \(calculator, python\)"),
