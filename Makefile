@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-# the type-check ratchet: the packages listed under [tool.mypy] in pyproject.toml must pass
+# the type check: mypy over the whole hybridflow package ([tool.mypy] in pyproject.toml) must pass
 typecheck: $(STAMP)
 	$(PY) -m mypy
 

@@ -200,7 +200,6 @@ def test_trajectories_are_dealt_over_the_runner_processes_and_a_hang_kills_only_
     assert int(outs[1][0].metrics["pid"]) == second and int(outs[0][0].metrics["pid"]) not in (first, second)
 
 
-
 def test_jobs_given_to_a_runner_process_that_died_fail_instead_of_raising(env_file):
     """A child that died before its loop noticed: the job sent to it and every later one (and a cancel) fail their
     trajectory's future with `RunnerFailed`; none raises out of the phase."""
