@@ -65,7 +65,8 @@ moe_kernels() { python3 bench/moe_kernels.py --device cuda --out "$OUT/moe_kerne
     | tee "$OUT/moe_kernels.log"; }
 # rollout tok/s at batch 256: the Qwen3-30B-A3B shape (per experts' kernel, routes recorded or not) against the dense
 # model of its active parameters and transformers.generate; MOE_ROLLOUT_BATCH=1024 for a larger batch, where more
-# tokens share each expert's read (MOE_ROLLOUT_ARGS="--skip-hf --moe-kernels triton" keeps it to one call)
+# tokens share each expert's read (MOE_ROLLOUT_ARGS="--skip-hf --moe-kernels triton" keeps it to one call;
+# --profile adds where the MoE decode step's time goes, kernel by kernel)
 moe_rollout() { python3 bench/moe_rollout.py --device cuda --batch "${MOE_ROLLOUT_BATCH:-256}" ${MOE_ROLLOUT_ARGS:-} \
     --out "$OUT/moe_rollout${MOE_ROLLOUT_BATCH:+_b$MOE_ROLLOUT_BATCH}_h200.json" 2>&1 | tee "$OUT/moe_rollout.log"; }
 # training-inference mismatch and router agreement, a small Qwen3-MoE with replay off and on beside its dense twin

@@ -3,6 +3,7 @@ its active parameters and against `transformers.generate`, in one run.
 
     python bench/moe_rollout.py --device cuda --out bench/results/moe_rollout_h200.json
     python bench/moe_rollout.py --device cpu      # toy shapes (a 2-layer Qwen3-MoE and its dense twin), fp32
+    python bench/moe_rollout.py --device cuda --profile   # + where the MoE decode step's time goes, by kernel
 
 Random weights (N(0, 0.02), norms 1: a near-uniform router, so a decode step of 256 rows touches almost every
 expert) at the real shapes and vocabulary, built on the device tensor by tensor (no checkpoint on disk, no
@@ -32,6 +33,7 @@ from hybridflow.utils.model_shapes import moe_shape_config
 from hybridflow.utils.moe_spec import moe_spec
 from hybridflow.utils.tiny_model import tiny_config
 from rollout import copy_bandwidth
+from rollout_long import profile_generate
 from rollout_util import hf_generate, sync
 
 
@@ -74,13 +76,18 @@ def step_bytes(config, rows: int, context: float, dtype: torch.dtype) -> float:
     return (params + kv) * dtype.itemsize
 
 
+def build(config, device, dtype, prompts, new_tokens: int, **engine_kw) -> RolloutEngine:
+    """Our engine over random weights, sized for `prompts` with `new_tokens` each."""
+    return RolloutEngine.from_config(config, random_weights(config, device, dtype), device, dtype, stop_token_ids=[],
+                                     max_num_seqs=len(prompts), max_model_len=len(prompts[0]) + new_tokens,
+                                     **engine_kw)
+
+
 def run_ours(name: str, config, device, dtype, prompts, new_tokens: int, bandwidth, **engine_kw) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    engine = RolloutEngine.from_config(config, random_weights(config, device, dtype), device, dtype,
-                                       stop_token_ids=[], max_num_seqs=len(prompts),
-                                       max_model_len=len(prompts[0]) + new_tokens, **engine_kw)
+    engine = build(config, device, dtype, prompts, new_tokens, **engine_kw)
     build_s = time.perf_counter() - start
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=[], seed=0)
     engine.generate(prompts[:8], SamplingParams(temperature=1.0, max_tokens=4, stop_token_ids=[]))  # warm-up
@@ -136,6 +143,8 @@ def main() -> None:
     p.add_argument("--hf-new-tokens", type=int, default=64)
     p.add_argument("--moe-kernels", default=None, help="comma-separated (default grouped_mm,triton on a GPU)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="then torch.profiler over one more MoE run (the first "
+                   "kernel, routes recorded): where a decode step's time goes, kernel by kernel, into the JSON")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     device = torch.device(a.device)
@@ -169,6 +178,10 @@ def main() -> None:
     report = dict(commit=git_commit(), device=torch.cuda.get_device_name() if gpu else platform.processor(),
                   torch=torch.__version__, dtype=str(dtype), batch=batch, prompt=prompt, new_tokens=new,
                   copy_bandwidth_gb_s=None if bandwidth is None else bandwidth / 1e9, results=rows)
+    if a.profile:
+        engine = build(moe, device, dtype, prompts, new, moe_kernel=kernels[0], record_routes=True)
+        report["profile"] = dict(moe_kernel=kernels[0], **profile_generate(engine, prompts, new))
+        del engine
     print(f"\n{'model':<7}{'engine':<23}{'kernel':<12}{'routes':<8}{'tok/s':>10}{'step ms':>9}{'floor ms':>9}"
           f"{'vs dense':>9}")
     for r in rows:

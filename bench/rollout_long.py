@@ -98,22 +98,31 @@ def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_t
                    exact: bool = False) -> dict:
     """torch.profiler over one generate call (prompt_len, new_tokens, EOS ignored, temperature 1), of the default
     engine or, with `exact`, of exact mode's (`rollout.exact`)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     model = make_model(shape, dtype, device)
     engine = engine_from(model, device, dtype, max_num_seqs=batch, max_model_len=prompt_len + new_tokens, exact=exact)
     prompts = torch.randint(4, model.config.vocab_size, (batch, prompt_len),
                             generator=torch.Generator().manual_seed(6)).tolist()
+    result = dict(shape=shape, exact=exact, **profile_generate(engine, prompts, new_tokens, top))
+    del engine, model
+    return result
+
+
+def profile_generate(engine, prompts: list[list[int]], new_tokens: int, top: int = 20) -> dict:
+    """torch.profiler over one `engine.generate` of `prompts` (new_tokens each, EOS ignored, temperature 1) after a
+    short warm-up: the wall time, the host ops' table and, on CUDA, the device's busy time and its top kernels per
+    decode step. Prints a summary."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=[], seed=0)
     engine.generate(prompts[:4], SamplingParams(max_tokens=8, stop_token_ids=[]))  # warm-up
-    cuda = device.type == "cuda"
+    cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         _, seconds = ours_generate(engine, prompts, params)
     stats = engine.stats
     steps = max(stats["decode_steps"], 1)
-    result = dict(shape=shape, exact=exact, batch=batch, prompt=prompt_len, new_tokens=new_tokens, wall_s=seconds,
+    result = dict(batch=len(prompts), prompt=len(prompts[0]), new_tokens=new_tokens, wall_s=seconds,
                   prefill_s=stats["prefill_s"], decode_steps=stats["decode_steps"],
                   wall_ms_per_decode_step=1e3 * stats["decode_s"] / steps,
                   host_ops=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
@@ -134,7 +143,6 @@ def profile_decode(shape: str, device, dtype, batch: int, prompt_len: int, new_t
     for kernel in result.get("top_kernels", []):
         print(f"  {kernel['ms_per_decode_step']:8.4f} ms/step {kernel['share']:6.1%} {kernel['calls']:7d}x "
               f"{kernel['name'][:90]}", flush=True)
-    del engine, model
     return result
 
 
