@@ -1,0 +1,128 @@
+"""The rollout engine's own Triton kernels (the decode step's norm, rotary and SwiGLU, the decode attention, the
+MoE experts' grouped GEMM) run by Triton's interpreter on CPU tensors: run only by `test_kernels_interpreted.py`,
+in a process with TRITON_INTERPRET=1. Each must compute what the engine's PyTorch path (or a plain softmax
+attention) computes, to rounding: this checks their indexing, masks and launch arguments in every `make test`,
+where the GPU tests (`tests/engine/rollout/test_rollout_gpu.py`, `test_moe_gpu.py`) run only on a device."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.rollout import decode_attention, kernels
+from hybridflow.engine.rollout.grouped_gemm import expert_mlp
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _rope_tables(max_len: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, dim] as the engine builds them: each angle twice (the two halves rotate together)."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), 1.0 / 100.0 ** (torch.arange(dim // 2) / dim))
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotated(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    kernels.rotary_(out, positions, cos, sin)  # CPU tensors: the torch path
+    return out
+
+
+def _softmax_attention(q, k_cache, v_cache, slots, context_lens, scale):
+    """Each row's heads over its slot's first context_lens positions; KV heads shared by HEADS / KV_HEADS."""
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for row, (slot, length) in enumerate(zip(slots.tolist(), context_lens.tolist())):
+        k = k_cache[slot, :length].repeat_interleave(group, dim=1)
+        v = v_cache[slot, :length].repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[row], k) * scale, dim=-1)
+        out[row] = torch.einsum("hl,lhd->hd", weights, v)
+    return out
+
+
+def test_row_kernels_compute_the_torch_path(monkeypatch):
+    h, delta, weight = _randn(6, 96, seed=1), _randn(6, 96, seed=2), _randn(96, seed=3)  # 96: a masked block
+    gate_up = _randn(5, 2 * 1500, seed=4)  # past one block of 1,024 columns
+    x, positions = _randn(5, 3, 32, seed=5), torch.tensor([0, 4, 9, 2, 7])
+    cos, sin = _rope_tables(12, 32)
+    want = (kernels.add_rms_norm(h, delta, weight, 1e-6), kernels.add_rms_norm(h, None, weight, 1e-6),
+            kernels.silu_mul(gate_up), _rotated(x, positions, cos, sin))
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    for got, expected in zip(kernels.add_rms_norm(h, delta, weight, 1e-6), want[0]):
+        _close(got, expected)
+    _close(kernels.add_rms_norm(h, None, weight, 1e-6)[0], want[1][0])
+    _close(kernels.silu_mul(gate_up), want[2])
+    _close(_rotated(x, positions, cos, sin), want[3])
+
+
+def _heads(qkv: torch.Tensor) -> torch.Tensor:
+    """The fused projection's rows [T, (H + 2 Hkv) * D] as [T, H + 2 Hkv, D]."""
+    return qkv.view(qkv.shape[0], -1, DIM)
+
+
+def _cache(slots: int, max_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (slots + 1, max_len, KV_HEADS, DIM)
+    return _randn(*shape, seed=seed), _randn(*shape, seed=seed + 1)
+
+
+def test_decode_attention_whole_and_split_equals_a_softmax_over_the_slot():
+    k_cache, v_cache = _cache(5, 40, seed=1)
+    slots, context_lens = torch.tensor([2, 0, 4]), torch.tensor([1, 17, 40], dtype=torch.int32)
+    q = _randn(3, HEADS, DIM, seed=3)
+    want = _softmax_attention(q, k_cache, v_cache, slots, context_lens, 0.3)
+    for splits in (1, 3):  # one piece of each row's context, then flash-decoding's pieces merged by their lse
+        _close(decode_attention.decode_attention(q, k_cache, v_cache, slots, context_lens, 0.3, splits, block=16),
+               want)
+
+
+def test_rotary_store_then_the_fused_decode_step():
+    """Prefill's rotary_store_ rotates q and k in place and writes k and v at their flat positions; the fused
+    decode kernel rotates in registers, writes the new k and v at context_lens - 1, and attends over them."""
+    max_len, width = 24, (HEADS + 2 * KV_HEADS) * DIM
+    cos, sin = _rope_tables(max_len, DIM)
+    qkv, positions = _randn(4, width, seed=1), torch.tensor([0, 5, 23, 9])
+    write_index = torch.tensor([0 * max_len + 0, 3 * max_len + 5, 1 * max_len + 23, 2 * max_len + 9])
+    k_cache, v_cache = torch.zeros(4, max_len, KV_HEADS, DIM), torch.zeros(4, max_len, KV_HEADS, DIM)
+    rotated = _rotated(_heads(qkv)[:, :HEADS + KV_HEADS], positions, cos, sin)
+    stored = qkv.clone()
+    decode_attention.rotary_store_(stored, positions, cos, sin, k_cache, v_cache, write_index, HEADS, KV_HEADS)
+    _close(_heads(stored)[:, :HEADS + KV_HEADS], rotated)
+    _close(_heads(stored)[:, HEADS + KV_HEADS:], _heads(qkv)[:, HEADS + KV_HEADS:])
+    _close(k_cache.view(-1, KV_HEADS, DIM)[write_index], rotated[:, HEADS:])
+    _close(v_cache.view(-1, KV_HEADS, DIM)[write_index], _heads(qkv)[:, HEADS + KV_HEADS:])
+
+    k_cache, v_cache = _cache(3, max_len, seed=2)
+    slots, context_lens = torch.tensor([1, 3, 0]), torch.tensor([1, 20, 24], dtype=torch.int32)
+    step = _randn(3, width, seed=3)
+    new = _rotated(_heads(step)[:, :HEADS + KV_HEADS], context_lens.long() - 1, cos, sin)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want[slots, context_lens.long() - 1] = new[:, HEADS:]
+    v_want[slots, context_lens.long() - 1] = _heads(step)[:, HEADS + KV_HEADS:]
+    want = _softmax_attention(new[:, :HEADS], k_want, v_want, slots, context_lens, 0.25)
+    for splits in (1, 2):
+        k_got, v_got = k_cache.clone(), v_cache.clone()
+        out = decode_attention.rotary_decode_attention(step, cos, sin, k_got, v_got, slots, context_lens, 0.25,
+                                                       splits, HEADS)
+        _close(out, want)
+        _close(k_got, k_want)
+        _close(v_got, v_want)
+
+
+def test_moe_grouped_gemm_equals_the_gather_path():
+    """The experts' Triton kernel (`moe_kernel=auto` on CUDA) at a decode row, ragged token counts and tiles whose
+    blocks hold several or no pairs of an expert."""
+    hidden, inter = 32, 24
+    for tokens, experts, k, tiles in ((1, 8, 3, None), (5, 4, 2, dict(block_m=16, block_n=16, block_k=16)),
+                                      (37, 8, 2, dict(block_m=16, block_n=32, block_k=16))):
+        x, weights = _randn(tokens, hidden, seed=tokens), torch.rand(tokens, k)
+        gate_up, down = _randn(experts, 2 * inter, hidden, seed=1) / 4, _randn(experts, hidden, inter, seed=2) / 4
+        ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+        want = expert_mlp(x, weights, ids, gate_up, down, kernels.silu_mul, "gather")
+        _close(expert_mlp(x, weights, ids, gate_up, down, kernels.silu_mul, "triton", tiles), want)
