@@ -12,7 +12,7 @@ with entropy plus one optimizer step (forward + backward with an entropy term) o
 `--after` steps run, or steps until `--max-s` seconds have passed. Prints and writes (`--out`, default
 bench/results/compile_first_step_<device>.json) each step's seconds, where the compilation went
 (`compile_s`: dynamo's timed phases summed over the graphs), dynamo's graph counts and recompiles, and on a
-GPU the allocator's peak and the device's (`grpo_vs_trl.DeviceMemoryWatch`). On a GPU the engine runs in a
+GPU the allocator's peak and the device's (`bench_util.DeviceMemoryWatch`). On a GPU the engine runs in a
 one-rank process group (FSDP2 mixed precision), as in a training run. `--model smollm2` is SmolLM2-135M's
 shape (30 layers) with random weights.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
+from bench_util import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
 
 
 def run_mode(args: argparse.Namespace) -> dict:

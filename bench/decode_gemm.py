@@ -157,7 +157,7 @@ def main() -> None:
     if a.device == "cpu":
         check_cpu()
         return
-    from grpo_vs_trl import git_commit, write_json
+    from bench_util import git_commit, write_json
 
     rows = [int(r) for r in a.rows.split(",")]
     results = [r for s in a.shapes.split(",") for r in measure(s, rows, a.hbm_tbs, a.tflops, TILES)]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
+from bench_util import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
 from learn_vs_trl import add_race_arguments, plot, race_hybridflow, time_to  # noqa: E402
 
 TARGET_SHARE = 0.9  # of the teacher's accuracy

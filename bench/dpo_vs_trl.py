@@ -35,8 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from grpo_vs_trl import (SHAPES, DeviceMemoryWatch, child_env, git_commit, peak_memory_gb, trl_versions,  # noqa: E402
-                         write_json)
+from bench_util import DeviceMemoryWatch, child_env, git_commit, peak_memory_gb, trl_versions, write_json  # noqa: E402
+from grpo_vs_trl import SHAPES  # noqa: E402
 
 TRL_REF_MODES = ("precompute", "per-step")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -212,7 +212,7 @@ def main() -> None:
                         "(hybridflow/engine/invariant/tiles.py)")
     p.add_argument("--out", default=None, help="the results JSON (with --summarize: only where given)")
     a = p.parse_args()
-    from grpo_vs_trl import git_commit, write_json
+    from bench_util import git_commit, write_json
 
     decode_rows = [int(r) for r in a.decode_rows.split(",")]
     if a.summarize:

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_vs_trl import DeviceMemoryWatch, child_env, git_commit, trl_versions, write_json  # noqa: E402
+from bench_util import DeviceMemoryWatch, child_env, git_commit, trl_versions, write_json  # noqa: E402
 
 
 def score(texts: list[str], truths: list[str]) -> float:

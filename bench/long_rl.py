@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_vs_trl import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
+from bench_util import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
 from learn_vs_trl import train_race  # noqa: E402
 
 MODES = {"sync": ["rollout.partial=false"],

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from grpo_vs_trl import git_commit, write_json
+from bench_util import git_commit, write_json
 from hybridflow.engine.rollout.grouped_gemm import TILES, expert_mlp
 from hybridflow.engine.rollout.kernels import silu_mul
 from rollout import copy_bandwidth

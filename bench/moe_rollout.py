@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from grpo_vs_trl import git_commit, write_json
+from bench_util import git_commit, write_json
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.utils.model_shapes import moe_shape_config
 from hybridflow.utils.moe_spec import moe_spec

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import torch
-from grpo_vs_trl import write_json
+from bench_util import write_json
 
 from hybridflow.agents import Environment, EnvStep
 from hybridflow.agents import agent_loop

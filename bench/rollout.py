@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from grpo_vs_trl import git_commit, write_json
+from bench_util import git_commit, write_json
 from hybridflow.engine.rollout import SamplingParams
 from rollout_exact import bench_exact
 from rollout_long import bench_long, profile_decode, shared_prefill

@@ -44,7 +44,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from grpo_vs_trl import DeviceMemoryWatch, git_commit, make_inputs, run_hybridflow  # noqa: E402
+from bench_util import DeviceMemoryWatch, git_commit  # noqa: E402
+from grpo_vs_trl import make_inputs, run_hybridflow  # noqa: E402
 
 from hybridflow.utils.model_shapes import MOE_SHAPES, QWEN_SHAPES, tiny_model_kwargs  # noqa: E402
 

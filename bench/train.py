@@ -41,7 +41,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from grpo_vs_trl import git_commit
+from bench_util import git_commit
 from hybridflow.utils.model_shapes import QWEN_SHAPES, SMOLLM2_135M
 
 SHAPES = {
