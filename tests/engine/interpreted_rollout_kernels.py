@@ -7,7 +7,9 @@ where the GPU tests (`tests/engine/rollout/test_rollout_gpu.py`, `test_moe_gpu.p
 from __future__ import annotations
 
 import torch
+from transformers import LlamaConfig
 
+from hybridflow.engine import invariant
 from hybridflow.engine.rollout import decode_attention, kernels
 from hybridflow.engine.rollout.grouped_gemm import expert_mlp
 
@@ -23,10 +25,8 @@ def _close(got, want):
 
 
 def _rope_tables(max_len: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_len, dim] as the engine builds them: each angle twice (the two halves rotate together)."""
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), 1.0 / 100.0 ** (torch.arange(dim // 2) / dim))
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos(), angles.sin()
+    """cos/sin [max_len, dim] fp32 of a Llama rotary embedding with heads of `dim` (`invariant.rope_table`)."""
+    return invariant.rope_table(LlamaConfig(hidden_size=2 * dim, num_attention_heads=2), max_len)
 
 
 def _rotated(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
