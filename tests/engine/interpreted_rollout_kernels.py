@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from hybridflow.engine import invariant
 from hybridflow.engine.rollout import decode_attention, kernels
-from hybridflow.engine.rollout.grouped_gemm import expert_mlp
+from hybridflow.engine.rollout.grouped_gemm import LAYOUT_CHUNK, block_layout, expert_mlp
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -126,3 +126,28 @@ def test_moe_grouped_gemm_equals_the_gather_path():
         ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
         want = expert_mlp(x, weights, ids, gate_up, down, kernels.silu_mul, "gather")
         _close(expert_mlp(x, weights, ids, gate_up, down, kernels.silu_mul, "triton", tiles), want)
+
+
+def _sorted_layout(ids: list[int], experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """The layout `block_layout` promises, written out: each expert's pairs in their order, its run starting at
+    a multiple of block_m, empty slots holding P; a block's expert, -1 past the last run."""
+    size = -(-(len(ids) + experts * (block_m - 1)) // block_m) * block_m
+    slots, owners = [], []
+    for e in range(experts):
+        run = [p for p, chosen in enumerate(ids) if chosen == e]
+        padded = -(-len(run) // block_m) * block_m
+        slots += run + [len(ids)] * (padded - len(run))
+        owners += [e] * (padded // block_m)
+    return slots + [len(ids)] * (size - len(slots)), owners + [-1] * (size // block_m - len(owners))
+
+
+def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
+    """One decode row, pairs over several of the kernels' chunks, an expert count that is no power of two, experts
+    left without pairs, and experts holding more than one block."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([3, 0, 7]), 8, 16), (torch.randint(0, 6, (3 * LAYOUT_CHUNK + 5,), generator=gen), 6, 16),
+             (torch.randint(0, 40, (2 * LAYOUT_CHUNK,), generator=gen) % 9, 40, 32)]
+    for ids, experts, block_m in cases:
+        slot_pair, block_expert = block_layout(ids, experts, block_m)
+        want_slots, want_owners = _sorted_layout(ids.tolist(), experts, block_m)
+        assert slot_pair.tolist() == want_slots and block_expert.tolist() == want_owners
