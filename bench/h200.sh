@@ -109,9 +109,12 @@ long_rl() {
 grpo_long() { python3 bench/grpo_vs_trl.py --device cuda --prompts 16 --n 8 --max-new-tokens 4096 \
     --steps "${GRPO_LONG_STEPS:-4}" --only "${GRPO_LONG_ONLY:-hybridflow}" \
     --out "$OUT/grpo_vs_trl_4096_${GRPO_LONG_ONLY:-hybridflow}.json" 2>&1 | tee "$OUT/grpo_long.log"; }
-# the 1.5B shape at 16,384-token responses (issue 42): step time and device peak with the defaults
+# the 1.5B shape at 16,384-token responses (issue 42): step time and device peak with the defaults. Random weights
+# decode every response to the limit: 16 prompts x 8 is ~2.1M tokens a step, more than a call holds with its first
+# step; SCALE_LONG_PROMPTS=2 keeps the same plan (KV cache and micro-batches are sized by length, not by rows)
 scale_long() { python3 bench/scale.py --configs 1.5b:default --max-new-tokens 16384 --steps "${SCALE_LONG_STEPS:-3}" \
-    --budget-s 540 --out "$OUT/scale_long_h200.json" 2>&1 | tee "$OUT/scale_long.log"; }
+    --prompts "${SCALE_LONG_PROMPTS:-16}" --budget-s "${SCALE_LONG_BUDGET_S:-540}" --out "$OUT/scale_long_h200.json" 2>&1 \
+    | tee "$OUT/scale_long.log"; }
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
