@@ -168,10 +168,8 @@ if triton is not None:
             acc = tl.dot(a, w, acc)
         result = acc.to(a_ptr.dtype.element_ty)
         if SCALED:
-            # loaded in the tile's own shape: a [BLOCK_M] load moved into the accumulator's layout took the
-            # kernel from 181 registers to 255 and a spill (ptxas for sm_90, Triton 3.9)
-            weight = tl.load(scale_ptr + pair[:, None] + 0 * cols[None, :], mask=valid[:, None], other=0.0)
-            result = result.to(tl.float32) * weight.to(tl.float32)
+            weight = tl.load(scale_ptr + pair, mask=valid, other=0.0)
+            result = result.to(tl.float32) * weight.to(tl.float32)[:, None]
         out = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :]
         tl.store(out, result.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < n))
 
