@@ -62,6 +62,19 @@ def test_row_kernels_compute_the_torch_path(monkeypatch):
     _close(_rotated(x, positions, cos, sin), want[3])
 
 
+def test_head_norms_in_place_inside_the_fused_projection(monkeypatch):
+    """Qwen3's per-head q/k norms on the q and k heads of a fused projection row: normed in place as the torch
+    reference norms a copy; the v heads and the other heads' columns are left as they were."""
+    qkv = _randn(5, (HEADS + 2 * KV_HEADS) * DIM, seed=1)
+    weight = _randn(DIM, seed=2)
+    heads = qkv.view(5, -1, DIM)
+    want = qkv.clone()
+    want.view(5, -1, DIM)[:, :HEADS] = kernels._rms_norm_torch(heads[:, :HEADS], weight, 1e-6)
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    kernels.head_rms_norm_(heads[:, :HEADS], weight, 1e-6)
+    _close(qkv, want)
+
+
 def _heads(qkv: torch.Tensor) -> torch.Tensor:
     """The fused projection's rows [T, (H + 2 Hkv) * D] as [T, H + 2 Hkv, D]."""
     return qkv.view(qkv.shape[0], -1, DIM)
@@ -151,3 +164,29 @@ def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
         slot_pair, block_expert = block_layout(ids, experts, block_m)
         want_slots, want_owners = _sorted_layout(ids.tolist(), experts, block_m)
         assert slot_pair.tolist() == want_slots and block_expert.tolist() == want_owners
+
+
+def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkeypatch, tiny_model_factory):
+    """Whole generations of a tiny Qwen2 and Qwen3 (spread weights) through every Triton path the engine takes on
+    a GPU: the norms (Qwen3's per-head q/k norms in place in the fused projection), rotary with the cache write
+    in prefill, the fused rotary-and-decode attention, SwiGLU and the sampler; greedy tokens and their
+    log-probs against the same engine on its torch paths."""
+    from hybridflow.engine.rollout import RolloutEngine, SamplingParams, attention, model, sampler
+    from tests.engine.rollout.conftest import spread_weights
+
+    prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                stop_token_ids=[])
+    for arch in ("qwen2", "qwen3"):
+        path = spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
+        want = RolloutEngine.from_pretrained(path, max_num_seqs=4).generate(prompts, params)
+        with monkeypatch.context() as patch:
+            for module in (kernels, model, sampler):
+                patch.setattr(module, "use_triton", lambda t: True)
+            for module in (attention, model):  # the decode kernels, which a GPU's flash backend selects
+                patch.setattr(module, "decodes_in_triton", lambda meta, backend, head_dim: meta.reads_cache
+                              and meta.max_seqlen_q == 1 and decode_attention.supported(head_dim))
+            patch.setattr(attention, "_multiprocessors", lambda device: 4)
+            got = RolloutEngine.from_pretrained(path, max_num_seqs=4).generate(prompts, params)
+        for (a,), (b,) in zip(got, want):
+            assert a.token_ids == b.token_ids, arch
+            _close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))

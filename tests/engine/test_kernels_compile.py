@@ -94,6 +94,7 @@ def _rollout_launches() -> None:
         kernels.rotary_(_meta(rows, heads, dim), positions, cos, sin)
         cache = _meta(slots + 1, max_len, kv_heads, dim)
         qkv = _meta(rows, (heads + 2 * kv_heads) * dim)
+        kernels.head_rms_norm_(qkv.view(rows, -1, dim)[:, :heads], _meta(dim), 1e-6)
         decode_attention.rotary_store_(qkv, positions, cos, sin, cache, cache, positions, heads, kv_heads)
         slot_ids, lens = _meta(rows, dtype=torch.long), _meta(rows, dtype=torch.int32)
         for splits in (1, 8):  # a full batch in one piece each, a few rows over long contexts in pieces

@@ -6,6 +6,7 @@ reference's rounding (every bf16 op of the reference is an fp32 compute followed
 the fast path stays close to `transformers`; on CPU (or without Triton) the torch reference runs.
 
 - `add_rms_norm(h, delta, weight, eps)` -> (norm(h + delta) * weight, h + delta)   rows [T, N]
+- `head_rms_norm_(x, weight, eps)`: the same norm of each head of x [T, heads, D], in place
 - `rotary_(x, positions, cos, sin)`: HF rotate-half RoPE in place on x [T, heads, D]
 - `silu_mul(gate_up)` -> silu(gate) * up                                          [T, 2I] -> [T, I]
 - `sample_plain(logits, inv_temp, seed, greedy)` -> (token, log-prob) per row: one pass over the logits
@@ -46,9 +47,22 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     total = out if delta is None else torch.empty_like(out)
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(rows,)](h, h if delta is None else delta, weight, out, total, h.stride(0),
-                                  0 if delta is None else delta.stride(0), n, eps,
+                                  0 if delta is None else delta.stride(0), n, eps, n, 0,
                                   HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if n <= 2048 else 8)
     return out, (h if delta is None else total)
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """HF RMSNorm of each head of x [T, heads, D] (weight [D]) in place: Qwen3's q/k norms, applied inside
+    the fused projection's output, so q and k stay where the fused rotary, cache-write and decode kernels
+    read them. One launch where the torch reference is eight kernels."""
+    if not use_triton(x) or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        x.copy_(_rms_norm_torch(x, weight, eps))
+        return
+    tokens, heads, dim = x.shape
+    _add_rms_norm_kernel[(tokens, heads)](x, x, weight, x, x, x.stride(0), 0, dim, eps, x.stride(0), dim,
+                                          HAS_DELTA=False, BLOCK=triton.next_power_of_2(dim),
+                                          num_warps=4 if dim <= 2048 else 8)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -123,12 +137,14 @@ def sample_splits(vocab: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, stride_h, stride_d, n, eps,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, stride_h, stride_d, n, eps, stride_out,
+                             stride_head, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One row (program 0), or one head of it (program 1, heads stride_head apart in h and out)."""
         row = tl.program_id(0)
+        head = tl.program_id(1) * stride_head
         cols = tl.arange(0, BLOCK)
         mask = cols < n
-        h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+        h = tl.load(h_ptr + row * stride_h + head + cols, mask=mask, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(sum_ptr.dtype.element_ty)
@@ -137,7 +153,7 @@ if triton is not None:
         var = tl.sum(x * x, axis=0) / n
         y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * stride_out + head + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def rope(base, d, cos_ptr, sin_ptr, pos, stride_c, mask, HALF: tl.constexpr):

@@ -34,7 +34,7 @@ from hybridflow.engine import invariant
 from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, decodes_in_triton, exact_attention,
                                                  prefill_attention, rotary_decode_attention, write_kv)
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
-from hybridflow.engine.rollout.kernels import add_rms_norm, rotary_, silu_mul, use_triton
+from hybridflow.engine.rollout.kernels import add_rms_norm, head_rms_norm_, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
@@ -150,22 +150,21 @@ class Attention(nn.Module):
         if self.backend == "exact":
             return self.o_proj(self.exact_attention(qkv, v, rope, meta, kv).reshape(tokens, -1))
         fused = self.store_fused(qkv, positions, meta)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm_width == 0:  # OLMoE: norms over the whole projection, then maybe a clamp
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
-            if self.qk_norm_width:  # per head
-                q = self.q_norm(q.reshape(tokens, self.heads, self.head_dim))[0]
-                k = self.k_norm(k.reshape(tokens, self.kv_heads, self.head_dim))[0]
-            else:  # over the whole projection
-                q = self.q_norm(q)[0].view(tokens, self.heads, self.head_dim)
-                k = self.k_norm(k)[0].view(tokens, self.kv_heads, self.head_dim)
+            q = self.q_norm(q)[0].view(tokens, self.heads, self.head_dim)
+            k = self.k_norm(k)[0].view(tokens, self.kv_heads, self.head_dim)
             if self.clip is not None:
                 for t in (q, k, v):
                     t.clamp_(-self.clip, self.clip)
             rotary_(q, positions, *rope)
             rotary_(k, positions, *rope)
-        else:  # q and k heads are adjacent in qkv: rotate them together, in place
+        else:  # q and k heads are adjacent in qkv: normed per head (Qwen3) and rotated there, in place
             qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
             q, k = qk[:, :self.heads], qk[:, self.heads:]
+            if self.qk_norm_width:
+                head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
+                head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
             if not fused:
                 rotary_(qk, positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
@@ -204,10 +203,10 @@ class Attention(nn.Module):
         return exact_attention(q, k_cache, v_cache, meta, self.scale)
 
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
-        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, q and k
-        rotated as projected (no per-head norms), each token written once, a power-of-two head dimension);
-        else rotary and `write_kv` run apart."""
-        return (not hasattr(self, "q_norm") and positions is not None and meta.write_rows is None
+        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, q and k in
+        qkv when rotated (no norms, or per-head norms applied there; not OLMoE's), each token written once, a
+        power-of-two head dimension); else rotary and `write_kv` run apart."""
+        return (self.qk_norm_width != 0 and positions is not None and meta.write_rows is None
                 and use_triton(qkv) and supported(self.head_dim))
 
 

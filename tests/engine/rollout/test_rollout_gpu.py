@@ -13,9 +13,10 @@ from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: per-head q/k norms in place, then the fused kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_decode_equals_eager(spread_model, dtype):
-    path = spread_model("qwen2")
+def test_cuda_graph_decode_equals_eager(spread_model, dtype, arch):
+    path = spread_model(arch)
     params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
     prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14]]  # a bucket's size: the same GEMM shapes
     graphs = RolloutEngine.from_pretrained(path, device="cuda", dtype=dtype, max_num_seqs=8).generate(prompts, params)
@@ -77,6 +78,12 @@ def test_fused_kernels_match_torch_references():
     gate_up = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    qkv = torch.randn(5, 8 * 128, device="cuda", dtype=torch.bfloat16)  # 4 q, 2 k and 2 v heads of 128
+    heads, head_weight = qkv.clone().view(5, 8, 128), torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    kernels.head_rms_norm_(heads[:, :6], head_weight, 1e-6)
+    torch.testing.assert_close(heads[:, :6], kernels._rms_norm_torch(qkv.view(5, 8, 128)[:, :6], head_weight, 1e-6),
+                               atol=2e-2, rtol=2e-2)
+    assert torch.equal(heads[:, 6:], qkv.view(5, 8, 128)[:, 6:])
 
 
 def test_sleep_gives_memory_back_and_wake_keeps_the_graphs(spread_model):
