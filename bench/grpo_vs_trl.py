@@ -213,6 +213,10 @@ def run_trl(a: argparse.Namespace) -> dict:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
             print(f"trl step {state.global_step}: {times[-1]:.3f}s", flush=True)
+            # what a run stopped by --child-budget-s keeps: the steps done so far
+            Path(a.result + ".partial").write_text(json.dumps(
+                {"step_s": times, "gen_s": gen_s[:len(times)], "response_length_mean": [],
+                 "peak_memory_gb": peak_memory_gb(a.device)}))
 
     rows = a.prompts * a.n
     cfg = GRPOConfig(
@@ -278,6 +282,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("hybridflow", "trl"), default=None)
+    p.add_argument("--child-budget-s", type=float, default=None,
+                   help="stop each framework's run after this many seconds and report the steps it finished "
+                        "(TRL's steps, which it records one by one; e.g. TRL at 4,096-token responses, whose "
+                        "steps take minutes)")
     p.add_argument("--profile", action="store_true",
                    help="run hybridflow's last step under the torch profiler; its op table goes to the JSON")
     p.add_argument("--trace", default=None, metavar="PATH.json.gz",
@@ -315,14 +323,25 @@ def main() -> None:
         cmd += [f"--trace={Path(a.trace).resolve()}"] if a.trace else []
         cmd += [f"--set={kv}" for kv in a.set]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, env=child_env(name),
-                              stderr=subprocess.PIPE, text=True)
-        sys.stderr.write(proc.stderr[-20000:])
-        if proc.returncode or not res.exists():  # recorded (e.g. out of memory at the real vocabulary)
-            results[name] = {"framework": name, "error": f"exit code {proc.returncode}",
-                             "stderr_tail": proc.stderr[-4000:]}
+        stopped = False
+        try:
+            proc = subprocess.run(cmd, env=child_env(name), stderr=subprocess.PIPE, text=True,
+                                  timeout=a.child_budget_s)
+            returncode, stderr = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            stopped, returncode = True, None
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            partial = Path(str(res) + ".partial")
+            if partial.exists():
+                res.write_text(partial.read_text())
+        sys.stderr.write(stderr[-20000:])
+        if returncode or not res.exists():  # recorded (e.g. out of memory at the real vocabulary)
+            results[name] = {"framework": name, "error": f"stopped after {a.child_budget_s} s before a step ended"
+                             if stopped else f"exit code {returncode}", "stderr_tail": stderr[-4000:]}
         else:
             results[name] = summarize(name, json.loads(res.read_text()), a.warmup)
+            if stopped:
+                results[name]["stopped_after_s"] = a.child_budget_s
         results[name]["wall_s"] = time.perf_counter() - start
         results[name]["cuda_alloc_conf"] = child_env(name)["PYTORCH_CUDA_ALLOC_CONF"]
     import torch

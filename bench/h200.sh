@@ -105,9 +105,10 @@ long_rl() {
         "${sets[@]}" --out "$OUT/long_rl_${LONG_RL_LIMIT:-4096}_${LONG_RL_MODES:-sync}${LONG_RL_TAG:-}.json" 2>&1 \
         | tee "$OUT/long_rl.log"
 }
-# GRPO at 4,096-token responses against TRL (issue 42): 16 prompts x 8; GRPO_LONG_ONLY=trl in a call of its own
+# GRPO at 4,096-token responses against TRL (issue 42): 16 prompts x 8; GRPO_LONG_ONLY=trl in a call of its own.
+# TRL's steps take minutes: its run stops after GRPO_LONG_BUDGET_S (default 540) and reports the steps it finished
 grpo_long() { python3 bench/grpo_vs_trl.py --device cuda --prompts 16 --n 8 --max-new-tokens 4096 \
-    --steps "${GRPO_LONG_STEPS:-4}" --only "${GRPO_LONG_ONLY:-hybridflow}" \
+    --steps "${GRPO_LONG_STEPS:-4}" --only "${GRPO_LONG_ONLY:-hybridflow}" --child-budget-s "${GRPO_LONG_BUDGET_S:-540}" \
     --out "$OUT/grpo_vs_trl_4096_${GRPO_LONG_ONLY:-hybridflow}.json" 2>&1 | tee "$OUT/grpo_long.log"; }
 # the 1.5B shape at 16,384-token responses (issue 42): step time and device peak with the defaults. Random weights
 # decode every response to the limit: 16 prompts x 8 is ~2.1M tokens a step, more than a call holds with its first
