@@ -155,10 +155,10 @@ def _sorted_layout(ids: list[int], experts: int, block_m: int) -> tuple[list[int
 
 
 def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
-    """One decode row, pairs over several of the kernels' chunks, an expert count that is no power of two, experts
-    left without pairs, and experts holding more than one block."""
+    """One decode row, no pairs, pairs over several of the kernels' chunks, an expert count that is no power of
+    two, experts left without pairs, and experts holding more than one block."""
     gen = torch.Generator().manual_seed(0)
-    cases = [(torch.tensor([3, 0, 7]), 8, 16), (torch.randint(0, 6, (3 * LAYOUT_CHUNK + 5,), generator=gen), 6, 16),
+    cases = [(torch.tensor([3, 0, 7]), 8, 16), (torch.tensor([], dtype=torch.long), 4, 16), (torch.randint(0, 6, (3 * LAYOUT_CHUNK + 5,), generator=gen), 6, 16),
              (torch.randint(0, 40, (2 * LAYOUT_CHUNK,), generator=gen) % 9, 40, 32)]
     for ids, experts, block_m in cases:
         slot_pair, block_expert = block_layout(ids, experts, block_m)

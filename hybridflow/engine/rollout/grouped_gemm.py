@@ -103,7 +103,7 @@ def block_layout(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     program counts its chunk's pairs per expert, a cumsum over the chunks gives each chunk's offset within an
     expert's run, and each program places its pairs at run start + chunk offset + rank within its chunk."""
     pairs, device = flat_ids.shape[0], flat_ids.device
-    chunks = triton.cdiv(pairs, LAYOUT_CHUNK)
+    chunks = max(1, triton.cdiv(pairs, LAYOUT_CHUNK))  # no pairs: one program writes the empty layout
     experts = triton.next_power_of_2(num_experts)
     size = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
     blocks = size // block_m
