@@ -3,7 +3,7 @@ its active parameters and against `transformers.generate`, in one run.
 
     python bench/moe_rollout.py --device cuda --out bench/results/moe_rollout_h200.json
     python bench/moe_rollout.py --device cpu      # toy shapes (a 2-layer Qwen3-MoE and its dense twin), fp32
-    python bench/moe_rollout.py --device cuda --profile   # + where the MoE decode step's time goes, by kernel
+    python bench/moe_rollout.py --device cuda --profile   # + where the MoE and dense decode steps' time goes
 
 Random weights (N(0, 0.02), norms 1: a near-uniform router, so a decode step of 256 rows touches almost every
 expert) at the real shapes and vocabulary, built on the device tensor by tensor (no checkpoint on disk, no
@@ -144,7 +144,8 @@ def main() -> None:
     p.add_argument("--moe-kernels", default=None, help="comma-separated (default grouped_mm,triton on a GPU)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="then torch.profiler over one more MoE run (the first "
-                   "kernel, routes recorded): where a decode step's time goes, kernel by kernel, into the JSON")
+                   "kernel, routes recorded) and one more dense run: where each decode step's time goes, kernel "
+                   "by kernel, into the JSON (the shared part, attention and head, measured on both)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     device = torch.device(a.device)
@@ -181,6 +182,9 @@ def main() -> None:
     if a.profile:
         engine = build(moe, device, dtype, prompts, new, moe_kernel=kernels[0], record_routes=True)
         report["profile"] = dict(moe_kernel=kernels[0], **profile_generate(engine, prompts, new))
+        del engine
+        engine = build(dense, device, dtype, prompts, new)
+        report["profile_dense"] = profile_generate(engine, prompts, new)
         del engine
     print(f"\n{'model':<7}{'engine':<23}{'kernel':<12}{'routes':<8}{'tok/s':>10}{'step ms':>9}{'floor ms':>9}"
           f"{'vs dense':>9}")
