@@ -27,7 +27,7 @@ setup() {
 gpu_tests() {
     local real=(-k "not smollm2")
     [ -f "$GGUF" ] && real=()
-    SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu "${real[@]}" ${GPU_TESTS:-tests} -p no:cacheprovider 2>&1 \
+    SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu "${real[@]}" ${GPU_TESTS:-tests} -p no:cacheprovider --durations=20 2>&1 \
         | tee "$OUT/gpu_tests.log"
 }
 # compiled layers only (eager was measured at 1ba0230); the device plan's defaults are 16k plain micro-batches
