@@ -331,9 +331,7 @@ def main() -> None:
         except subprocess.TimeoutExpired as e:
             stopped, returncode = True, None
             stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-            partial = Path(str(res) + ".partial")
-            if partial.exists():
-                res.write_text(partial.read_text())
+            res = Path(str(res) + ".partial")  # the steps it finished, if any
         sys.stderr.write(stderr[-20000:])
         if returncode or not res.exists():  # recorded (e.g. out of memory at the real vocabulary)
             results[name] = {"framework": name, "error": f"stopped after {a.child_budget_s} s before a step ended"
