@@ -331,15 +331,15 @@ def main() -> None:
         except subprocess.TimeoutExpired as e:
             stopped, returncode = True, None
             stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-            res = Path(str(res) + ".partial")  # the steps it finished, if any
         sys.stderr.write(stderr[-20000:])
-        if returncode or not res.exists():  # recorded (e.g. out of memory at the real vocabulary)
-            results[name] = {"framework": name, "error": f"stopped after {a.child_budget_s} s before a step ended"
-                             if stopped else f"exit code {returncode}", "stderr_tail": stderr[-4000:]}
-        else:
-            results[name] = summarize(name, json.loads(res.read_text()), a.warmup)
-            if stopped:
-                results[name]["stopped_after_s"] = a.child_budget_s
+        if stopped or returncode:  # the steps it finished, if any, beside why it ended (e.g. out of memory)
+            res = Path(str(res) + ".partial")
+        results[name] = summarize(name, json.loads(res.read_text()), a.warmup) if res.exists() else {"framework": name}
+        if stopped:
+            results[name]["stopped_after_s"] = a.child_budget_s
+        if returncode or "step_s_median" not in results[name]:
+            results[name].update(error=f"stopped after {a.child_budget_s} s" if stopped else f"exit code {returncode}",
+                                 stderr_tail=stderr[-4000:])
         results[name]["wall_s"] = time.perf_counter() - start
         results[name]["cuda_alloc_conf"] = child_env(name)["PYTORCH_CUDA_ALLOC_CONF"]
     import torch
@@ -357,7 +357,9 @@ def main() -> None:
           f"{'device GiB':>12}{'resp len':>10}")
     for r in results.values():
         if "error" in r:
-            print(f"{r['framework']:<12} failed: {r['error']} (stderr tail in the JSON)")
+            print(f"{r['framework']:<12} failed: {r['error']} (stderr tail in the JSON)"
+                  + (f", after {len(r['step_s_all'])} finished steps:" if "step_s_all" in r else ""))
+        if "step_s_median" not in r:
             continue
         print(f"{r['framework']:<12}{r['step_s_median']:>17.3f}{r['first_step_s']:>14.2f}"
               f"{r.get('gen_tokens_per_s_median') or 0:>11,.0f}{r['peak_memory_gb']:>10.2f}"
