@@ -50,6 +50,11 @@ dpo_bf16() { python3 bench/dpo_vs_trl.py --device cuda --trl-ref precompute --se
     --set optim.optimizer=adamw_8bit --out "$OUT/dpo_vs_trl_bf16_h200.json" 2>&1 | tee "$OUT/dpo_bf16.log"; }
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
     | tee "$OUT/rollout.log"; }
+# the decode attention kernel alone: tiles, warps and splits at the engine's shapes, and over SmolLM2's long slots with
+# spread contexts (issue 42: at 8,192 tokens a partial rollout's full buffer generated at a third of the rate of a
+# synchronous step's fewer rows)
+decode_attention() { python3 bench/rollout.py --device cuda --attention-only --out "$OUT/decode_attention_h200.json" \
+    2>&1 | tee "$OUT/decode_attention.log"; }
 # the decode step's GEMMs alone: cuBLAS, cuBLASLt and Triton tiles at 64-512 rows (issue 19)
 decode_gemm() { python3 bench/decode_gemm.py --device cuda --out "$OUT/decode_gemm_h200.json" 2>&1 | tee "$OUT/decode_gemm.log"; }
 rollout_long() { python3 bench/rollout.py --device cuda --long --long-max "${LONG_MAX:-4096}" \

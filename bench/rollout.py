@@ -82,7 +82,10 @@ def decode_attention_sweep(device: torch.device) -> dict:
     """Decode attention over the slot cache: flash's varlen kernel (the path before the Triton kernel)
     against `decode_attention` at several splits, tiles and warp counts; device microseconds per layer,
     and the settings the engine picks; at the 0.5B (7 query heads per KV head, D 64) and 1.5B (6, D 128)
-    shapes, rows of the mean short (256) and long (2,560) contexts. As in a decode step, each call reads
+    shapes, rows of the mean short (256) and long (2,560) contexts, and at SmolLM2's (3 KV heads of 3 queries,
+    D 64) over 8,448-position slots with contexts spread evenly up to the slot (a partial rollout's full buffer
+    of long samples at every stage: a program's time is its row's length, and one row of 8,192 positions outlasts
+    the rest). As in a decode step, each call reads
     another layer's cache: the graph runs one call per layer over enough layers' caches (>= 1 GiB, 2 at
     least) that none is still in L2 when its turn comes again (a single layer's cache, read 20 times,
     stayed partly in the 50 MB L2 and made short contexts look faster)."""
@@ -107,33 +110,40 @@ def decode_attention_sweep(device: torch.device) -> dict:
         return start.elapsed_time(end) * 1e3 / (10 * calls)
 
     out = {}
-    for rows, group, dim, context, max_len in ((256, 7, 64, 256, 384), (64, 7, 64, 256, 384),
-                                               (256, 6, 128, 256, 384), (256, 7, 64, 2560, 4608)):
-        layer_bytes = 2 * (rows + 1) * max_len * 2 * dim * 2
+    for rows, kv_heads, group, dim, context, max_len in (
+            (256, 2, 7, 64, 256, 384), (64, 2, 7, 64, 256, 384), (256, 2, 6, 128, 256, 384),
+            (256, 2, 7, 64, 2560, 4608), (320, 3, 3, 64, "spread", 8448)):
+        layer_bytes = 2 * (rows + 1) * max_len * kv_heads * dim * 2
         layers = max(2, -(-2**30 // layer_bytes))
-        caches = [torch.randn(2, rows + 1, max_len, 2, dim, device=device, dtype=torch.bfloat16)
+        caches = [torch.randn(2, rows + 1, max_len, kv_heads, dim, device=device, dtype=torch.bfloat16)
                   for _ in range(layers)]
-        q = torch.randn(rows, 2 * group, dim, device=device, dtype=torch.bfloat16)
+        q = torch.randn(rows, kv_heads * group, dim, device=device, dtype=torch.bfloat16)
         slots = torch.arange(rows, device=device)
-        lens = torch.full((rows,), context, device=device, dtype=torch.int32)
+        if context == "spread":  # the rows' contexts evenly spaced over 1 .. max_len, in a shuffled order
+            lens = torch.linspace(1, max_len, rows)[torch.randperm(rows, generator=torch.Generator().manual_seed(0))]
+            lens = lens.to(device=device, dtype=torch.int32)
+        else:
+            lens = torch.full((rows,), context, device=device, dtype=torch.int32)
         starts = slots * max_len
         cu_k = torch.cat([starts, starts[-1:] + max_len]).int()
         cu_q = torch.arange(rows + 1, device=device, dtype=torch.int32)
         flash = timed(lambda i: torch.ops.aten._flash_attention_forward(
-            q, caches[i][0].view(-1, 2, dim), caches[i][1].view(-1, 2, dim), cu_q, cu_k, 1, max_len, 0.0, False,
-            False, scale=dim ** -0.5, seqused_k=lens), layers)
+            q, caches[i][0].view(-1, kv_heads, dim), caches[i][1].view(-1, kv_heads, dim), cu_q, cu_k, 1, max_len,
+            0.0, False, False, scale=dim ** -0.5, seqused_k=lens), layers)
+        splits = (1, 2, 4) if context != "spread" else (1, 2, 4, 8, 16)
         triton_us = {f"splits{s}_block{b}_warps{w}": timed(
             lambda i, s=s, b=b, w=w: da.decode_attention(q, caches[i][0], caches[i][1], slots, lens,
                                                          dim ** -0.5, s, b, w), layers)
-            for s in (1, 2, 4) for b in (32, 64, 128) for w in (2, 4)}
+            for s in splits for b in (32, 64, 128) for w in (2, 4)}
         best = min(triton_us, key=triton_us.get)
-        picked = da.decode_splits(rows, 2, max_len, attention._multiprocessors(device))
+        picked = da.decode_splits(rows, kv_heads, max_len, attention._multiprocessors(device))
         # timed on its own: the engine's pick may be a split the sweep leaves out
         default = timed(lambda i: da.decode_attention(q, caches[i][0], caches[i][1], slots, lens, dim ** -0.5,
                                                       picked), layers)
         key = f"rows{rows}_group{group}_d{dim}_ctx{context}"
         out[key] = dict(flash_us=flash, triton_us=triton_us, best=best, picked_splits=picked, default_us=default,
-                        layers=layers, floor_us=2 * rows * context * 2 * dim * 2 / 4.8e12 * 1e6)
+                        layers=layers, kv_bytes=2 * int(lens.sum()) * kv_heads * dim * 2,
+                        floor_us=2 * int(lens.sum()) * kv_heads * dim * 2 / 4.8e12 * 1e6)  # at an H200's 4.8 TB/s
         print("decode attention", key, f"flash {flash:.1f} us, best {best} {triton_us[best]:.1f} us, "
               f"default (splits {picked}) {default:.1f} us, floor {out[key]['floor_us']:.1f} us", flush=True)
         del caches
