@@ -115,18 +115,24 @@ def test_mixtral_hub_names_load(spread_model):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_bf16_log_probs_within_tolerance(spread_model, arch):
     """bf16 on the CPU: the engine's greedy log-probs against a bf16 transformers forward of the same tokens
-    (the routing weights' dtype differs by architecture: bf16 for Qwen, fp32 for Mixtral)."""
+    (the routing weights' dtype differs by architecture: bf16 for Qwen, fp32 for Mixtral). The tolerance is a
+    quarter of bf16's own error here (transformers' bf16 forward against its fp32 one), and no less than 5e-3 in
+    the mean: CPUs with bf16 matrix units (AMX) round differently and put even dense models' bf16 gap near 1e-2.
+    Casting the routing weights to the other dtype doubles the gap (1.4e-2 / 1.6e-2 where this is 0.9e-2 /
+    0.4e-2 on such a CPU) and fails it."""
     path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, dtype=torch.bfloat16, max_num_seqs=5)
-    model = hf_model(path, torch.bfloat16)
-    diffs = []
+    model, truth = hf_model(path, torch.bfloat16), hf_model(path)
+    diffs, bf16_error = [], []
     for prompt, (out,) in zip(PROMPTS, engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
                                                                                 stop_token_ids=[]))):
-        logp, _ = hf_forward(model, prompt + out.token_ids[:-1])
-        picked = logp[len(prompt) - 1:].gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        tokens = torch.tensor(out.token_ids)[:, None]
+        picked, exact = (hf_forward(m, prompt + out.token_ids[:-1])[0][len(prompt) - 1:].gather(-1, tokens)[:, 0]
+                         for m in (model, truth))
         diffs.append((torch.tensor(out.logprobs) - picked).abs())
-    diffs = torch.cat(diffs)
-    assert diffs.mean() < 5e-3 and diffs.max() < 5e-2
+        bf16_error.append((picked - exact).abs())
+    diffs, bf16_error = torch.cat(diffs), torch.cat(bf16_error)
+    assert diffs.mean() < max(5e-3, bf16_error.mean() / 4) and diffs.max() < max(5e-2, bf16_error.max() / 4)
 
 
 def test_routes_of_n_samples_and_decode_windows(spread_model):
