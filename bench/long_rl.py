@@ -18,7 +18,10 @@ flight, which the next step prefills again inside the clock).
 
 Recorded per run: response tokens trained per second (the real response tokens of the trained rows over the
 steps' wall time), the GPU busy share during generation (`perf/gen/gpu_busy_share`: the GPU's time on the
-engine's steps over the generation's wall time) and the batch occupancy, staleness mean / max, the off-policy
+engine's steps over the generation's wall time), the batch occupancy, the context a decoded token attended over
+on average and the keys and values the decode steps read per second (`perf/gen/mean_context`,
+`perf/gen/kv_read_tb_s`: against the card's memory bandwidth, how near the decode is to its floor), staleness mean /
+max, the off-policy
 token share, samples carried over, dropped and finished at the staleness bound (with the time spent finishing
 them), the distribution of the trained responses' lengths (quantiles, the share at the limit, a histogram by
 powers of two), greedy accuracy against training time, and the device's peak memory. Prints a table; writes
@@ -56,7 +59,7 @@ STEP_METRICS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "rewar
                 "response_length/clip_ratio", "perf/gen/gpu_busy_share", "perf/gen/batch_occupancy",
                 "rollout/staleness_mean", "rollout/staleness_max", "rollout/off_policy_token_share",
                 "rollout/carried_over", "rollout/dropped", "perf/gen/generated_tokens", "rollout/stale_finished",
-                "timing_s/gen_stale_wait")
+                "timing_s/gen_stale_wait", "perf/gen/mean_context", "perf/gen/kv_read_tb_s")
 
 
 def length_summary(lengths: list[int], limit: int) -> dict:
@@ -118,8 +121,9 @@ def run_child(a: argparse.Namespace) -> dict:
 
 def totals(steps: list[dict]) -> dict:
     """Run-level figures from the steps: response tokens trained per second of step time, the tokens generated
-    per second of generation and the share of them trained, the GPU busy share (generation-time weighted), the
-    mean occupancy, staleness mean / max, samples dropped."""
+    per second of generation and the share of them trained, the GPU busy share, occupancy and KV read rate
+    (generation-time weighted), the mean context (weighted by tokens generated), staleness mean / max, samples
+    dropped."""
     def mean(key: str, weight: str | None = None) -> float | None:
         rows = [s for s in steps if key in s]
         if not rows:
@@ -136,6 +140,8 @@ def totals(steps: list[dict]) -> dict:
             "trained_share_of_generated": sum(s["response_tokens"] for s in generated) / made if made else None,
             "gpu_busy_share": mean("perf/gen/gpu_busy_share", "timing_s/gen"),
             "batch_occupancy": mean("perf/gen/batch_occupancy", "timing_s/gen"),
+            "mean_context": mean("perf/gen/mean_context", "perf/gen/generated_tokens"),
+            "kv_read_tb_s": mean("perf/gen/kv_read_tb_s", "timing_s/gen"),
             "gen_share_of_step": sum(s.get("timing_s/gen", 0.0) for s in steps) / max(step_s, 1e-9),
             "staleness_mean": mean("rollout/staleness_mean"),
             "staleness_max": max((s["rollout/staleness_max"] for s in steps if "rollout/staleness_max" in s),
@@ -150,7 +156,8 @@ def report_table(report: dict) -> None:
     """Prints the runs and, per limit, each mode's response tokens/s against sync's."""
     runs = report["runs"]
     print(f"\n{'limit':>6} {'mode':<18}{'steps':>6}{'resp tok/s':>11}{'gen tok/s':>10}{'trained':>8}{'GPU busy':>9}"
-          f"{'occup':>7}{'stale':>7}{'dropped':>8}{'len p50/p90/max':>18}{'acc 0->end':>13}")
+          f"{'occup':>7}{'context':>8}{'KV TB/s':>8}{'stale':>7}{'dropped':>8}{'len p50/p90/max':>18}"
+          f"{'acc 0->end':>13}")
     def fmt(value: float | None, spec: str, width: int) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
@@ -160,6 +167,7 @@ def report_table(report: dict) -> None:
         print(f"{r['limit']:>6} {r['mode']:<18}{r['steps_done']:>6}{r['response_tokens_per_s']:>11.0f}"
               f"{fmt(r.get('generated_tokens_per_s'), '.0f', 10)}{fmt(r.get('trained_share_of_generated'), '.0%', 8)}"
               f"{fmt(r['gpu_busy_share'], '.1%', 9)}{fmt(r['batch_occupancy'], '.2f', 7)}"
+              f"{fmt(r.get('mean_context'), '.0f', 8)}{fmt(r.get('kv_read_tb_s'), '.2f', 8)}"
               f"{fmt(r['staleness_mean'], '.2f', 7)}{r['dropped']:>8.0f}{spread:>18}"
               f"{pts[0]['accuracy']:>7.1%}->{pts[-1]['accuracy']:<6.1%}")
     for limit in sorted({r["limit"] for r in runs}):

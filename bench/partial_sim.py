@@ -105,7 +105,7 @@ class SimEngine:
     """The slots, clock and weight version `PartialRollouts` reads; `session` makes a `SimSession`."""
 
     def __init__(self, slots: int, draw, cost: Cost) -> None:
-        self.kv = SimpleNamespace(num_slots=slots)
+        self.kv = SimpleNamespace(num_slots=slots, token_bytes=23040)  # SmolLM2's keys and values per position
         self.weight_version, self.clock, self.draw, self.cost = 0, 0.0, draw, cost
         self.next_seq = 0
 
@@ -121,7 +121,7 @@ class SimSession:
         self.engine, self.params = engine, params
         self.waiting: list[list[Row]] = []
         self.running: dict[int, Row] = {}
-        self.stats = dict(busy_s=0.0, row_steps=0, decode_steps=0, generated_tokens=0)
+        self.stats = dict(busy_s=0.0, row_steps=0, context_steps=0.0, decode_steps=0, generated_tokens=0)
 
     def reseed(self, seed: int) -> None:
         pass
@@ -166,6 +166,7 @@ class SimSession:
             self.stats["busy_s"] += seconds
             self.stats["decode_steps"] += steps
             self.stats["row_steps"] += steps * len(self.running)
+            self.stats["context_steps"] += steps * context
             for row in self.running.values():
                 row.sample(min(steps, row.target - row.generated), version)
         done = [r for r in self.running.values() if r.generated >= r.target]

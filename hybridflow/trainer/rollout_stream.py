@@ -27,8 +27,11 @@ loader's position is the trainer's own checkpoint entry.
 
 Metrics: every run gets `generation_metrics`: `perf/gen/batch_occupancy` (running rows over KV slots,
 averaged over decode steps), `perf/gen/generated_tokens` (tokens sampled in the step's generation, those of
-samples carried over or later dropped included) and, on CUDA, `perf/gen/gpu_busy_share` (the GPU's time on the
-engine's steps over the generation's wall time, `RolloutEngine.busy`). With partial rollouts or pipelining,
+samples carried over or later dropped included), `perf/gen/mean_context` (the cached positions a decoded token
+attended over, on average), `perf/gen/kv_read_tb_s` (the keys and values those decode steps read, over the
+generation's wall time: a rank's rate, to hold against its memory bandwidth) and, on CUDA,
+`perf/gen/gpu_busy_share` (the GPU's time on the engine's steps over the generation's wall time,
+`RolloutEngine.busy`). With partial rollouts or pipelining,
 `rollout_metrics`: `rollout/staleness_mean` and `rollout/staleness_max` (per trained sample: the step's version
 minus the version of its oldest token), `rollout/off_policy_token_share` (trained response tokens sampled by older
 weights); with partial rollouts, `rollout/carried_over` (samples left in flight for the next steps) and
@@ -70,11 +73,15 @@ def generation_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
     if not stats:
         return {}
     slot_steps = sum(s["decode_steps"] * s["num_slots"] for s in stats)
-    out = {"perf/gen/batch_occupancy": sum(s["row_steps"] for s in stats) / slot_steps} if slot_steps else {}
+    row_steps, gen_s = sum(s["row_steps"] for s in stats), max(sum(s["gen_s"] for s in stats), 1e-9)
+    out = {"perf/gen/batch_occupancy": row_steps / slot_steps} if slot_steps else {}
     out["perf/gen/generated_tokens"] = float(sum(s["generated_tokens"] for s in stats))
+    if row_steps:
+        out["perf/gen/mean_context"] = sum(s["context_steps"] for s in stats) / row_steps
+        out["perf/gen/kv_read_tb_s"] = sum(s["context_steps"] * s["kv_token_bytes"] for s in stats) / gen_s / 1e12
     busy = sum(s["busy_s"] for s in stats)
     if busy > 0:
-        out["perf/gen/gpu_busy_share"] = busy / max(sum(s["gen_s"] for s in stats), 1e-9)
+        out["perf/gen/gpu_busy_share"] = busy / gen_s
     return out
 
 

@@ -41,7 +41,7 @@ from hybridflow.engine.rollout.session import Session
 from hybridflow.engine.rollout.types import FinishReason
 
 UNFINISHED_MODES = ("continue", "recompute")
-STAT_KEYS = ("busy_s", "row_steps", "decode_steps", "generated_tokens")  # session stats a step reports
+STAT_KEYS = ("busy_s", "row_steps", "context_steps", "decode_steps", "generated_tokens")  # session stats a step reports
 
 
 @dataclass
@@ -137,7 +137,7 @@ class PartialRollouts:
         """Generate with `params` (its seed, when set, reseeds the session), the engine's weights at policy
         `version`, until `count` groups are complete; returns the `count` oldest complete groups (taken out of
         the buffer) and this call's generation stats: the session's `STAT_KEYS` counted over the call, `gen_s`
-        (its wall time), `in_flight` (samples left) and `num_slots` (the engine's KV slots).
+        (its wall time), `in_flight` (samples left), `num_slots` (the engine's KV slots) and `kv_token_bytes`.
 
         `finish_before` (`rollout.partial_stale=finish`: the oldest version the next step keeps): the generation
         also goes on until the groups started in earlier calls whose oldest token predates it are complete (the
@@ -177,7 +177,7 @@ class PartialRollouts:
         if self.unfinished == "recompute":
             self.suspend()
         stats["in_flight"] = sum(len(g.samples) for g in self.groups)
-        stats["num_slots"] = self.engine.kv.num_slots
+        stats["num_slots"], stats["kv_token_bytes"] = self.engine.kv.num_slots, self.engine.kv.token_bytes
         return complete, stats
 
     def _step(self, session: Session, running: dict[int, Sample], count: int) -> None:

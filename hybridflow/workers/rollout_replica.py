@@ -24,7 +24,8 @@ from hybridflow.workers.partial_rollout import PartialRollouts, groups_to_prompt
 
 # what a generation reports besides its wall time (`gen_s`): GPU busy seconds (CUDA), running rows summed over
 # decode steps, decode steps, KV slots; `hybridflow.trainer.rollout_stream.generation_metrics` reads them
-GENERATION_STATS = ("busy_s", "row_steps", "decode_steps", "num_slots", "generated_tokens")
+GENERATION_STATS = ("busy_s", "row_steps", "context_steps", "decode_steps", "num_slots", "kv_token_bytes",
+                    "generated_tokens")
 # the KV cache's share of free GPU memory when neither `rollout.kv_cache_fraction` nor a device plan sizes it
 UNPLANNED_KV_FRACTION = 0.4
 

@@ -56,6 +56,9 @@ def test_unfinished_samples_carry_over_and_a_resumed_run_equals_the_uninterrupte
     assert max(r["rollout/off_policy_token_share"] for r in rows) > 0
     assert all(r["rollout/dropped"] >= 0 for r in rows)
     assert all(0 < r["perf/gen/batch_occupancy"] <= 1 for r in rows if "perf/gen/batch_occupancy" in r)
+    # a decoded token attends over at least its prompt (here 8 tokens or more); the rate is the bytes over wall time
+    reads = [(r["perf/gen/mean_context"], r["perf/gen/kv_read_tb_s"]) for r in rows if "perf/gen/mean_context" in r]
+    assert reads and all(context > 8 and rate > 0 for context, rate in reads)
     # what generation made covers what was trained (2 prompts x 2 samples a step), and more: the tokens of the
     # samples still in flight after the last step were generated too
     trained = sum(4 * r["response_length/mean"] for r in rows)

@@ -131,7 +131,8 @@ class RolloutEngine:
         # its owner sets it when it loads new weights (a trainer: its update count)
         self.weight_version = 0
         self.busy = BusyClock(device)  # the GPU's time on the steps (sessions' busy_s)
-        self.stats: dict[str, float] = {"kv_cache_gb": self.kv.bytes / 2**30, "num_slots": self.kv.num_slots}
+        self.stats: dict[str, float] = {"kv_cache_gb": self.kv.bytes / 2**30, "num_slots": self.kv.num_slots,
+                                        "kv_token_bytes": self.kv.token_bytes}
         self._capture()
 
     @classmethod
@@ -241,7 +242,7 @@ class RolloutEngine:
         self.stats.update(generate_s=elapsed, prefill_s=stats["prefill_s"], decode_s=elapsed - stats["prefill_s"],
                           generated_tokens=stats["generated_tokens"], decode_steps=stats["decode_steps"],
                           prefill_forwards=stats["prefill_forwards"], prefill_tokens=stats["prefill_tokens"],
-                          row_steps=stats["row_steps"], busy_s=stats["busy_s"],
+                          row_steps=stats["row_steps"], context_steps=stats["context_steps"], busy_s=stats["busy_s"],
                           tokens_per_s=stats["generated_tokens"] / max(elapsed, 1e-9))
         return [[done[seq] for seq in row] for row in seqs]
 

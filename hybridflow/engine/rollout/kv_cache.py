@@ -49,7 +49,8 @@ def free_memory(device: torch.device) -> int:
 class KVCache:
     """Slot-layout K/V storage for all layers.
 
-    num_slots: sequences that can run at once (plus one scratch slot); max_len: positions per slot.
+    num_slots: sequences that can run at once (plus one scratch slot); max_len: positions per slot;
+    token_bytes: one cached position's keys and values over all layers (what attention reads per context token).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, max_num_seqs: int,
@@ -64,6 +65,7 @@ class KVCache:
                              f"of max_model_len={max_len} takes {per_slot / 2**20:.2f} MiB; raise "
                              f"kv_cache_memory or lower max_model_len")
         self.num_slots = min(max_num_seqs, fit)
+        self.token_bytes = per_slot // max_len
         self.bytes = per_slot * (self.num_slots + 1)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None

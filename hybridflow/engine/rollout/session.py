@@ -74,7 +74,9 @@ class Session:
     stats: prefill_forwards, prefill_tokens (tokens run through prefill), reused_tokens (cached tokens
     continuations attended over instead of prefilling again), decode_steps, generated_tokens, prefill_s,
     decode_s, row_steps (running rows summed over decode steps: / (decode_steps x slots) is how full the
-    batch ran), busy_s (on CUDA: the GPU's time on the steps' work, `RolloutEngine.busy`; 0 elsewhere).
+    batch ran), context_steps (the cached positions the decode steps attended over, summed over rows and steps;
+    a row that finished inside a run of decode steps counts until it is collected, as its attention still runs),
+    busy_s (on CUDA: the GPU's time on the steps' work, `RolloutEngine.busy`; 0 elsewhere).
     """
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, hold: bool = False) -> None:
@@ -90,7 +92,7 @@ class Session:
         self.next_seq = 0
         self.stats: dict[str, float] = dict(prefill_forwards=0, prefill_tokens=0, reused_tokens=0, decode_steps=0,
                                             generated_tokens=0, prefill_s=0.0, decode_s=0.0, row_steps=0,
-                                            busy_s=0.0)
+                                            context_steps=0, busy_s=0.0)
 
     def reseed(self, seed: int) -> None:
         """Restart the session's random streams from `seed`: the host generator (prefill sampling, the torch
@@ -200,10 +202,13 @@ class Session:
             self._prefill(sorted(admitted, key=lambda r: r.slots[0]))
             admitted = self.scheduler.admit(len(self.batch))
         if not prefilled:
-            steps = min(self.engine.decode_steps_per_sync, self.batch.steps_left())
+            steps, rows = min(self.engine.decode_steps_per_sync, self.batch.steps_left()), len(self.batch)
+            # a row at position p attends over p + 1 positions, one more each step
+            context = steps * (sum(self.batch.host_positions) + rows) + rows * steps * (steps - 1) // 2
+            self.stats["context_steps"] += context
             self.engine.decode(self.batch, self.params, self.generator, steps)
             self.stats["decode_steps"] += steps
-            self.stats["row_steps"] += steps * len(self.batch)
+            self.stats["row_steps"] += steps * rows
         self.engine.busy.stop()
         done = None
         if self.engine.device.type == "cuda":

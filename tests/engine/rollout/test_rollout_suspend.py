@@ -77,3 +77,18 @@ def test_reseed_makes_what_follows_depend_on_the_seed_alone(engine):
     (b,) = fresh.add([8, 9, 10, 11], n=2)[:1]
     assert fresh.run()[b].token_ids == reseeded.token_ids
     assert fresh.stats["row_steps"] == 2 * 9  # two rows through 9 decode steps
+
+
+def test_context_steps_count_the_positions_each_decode_step_attends_over(engine):
+    """Runs of 8 decode steps between looks: a row whose prompt has L tokens decodes its 11 tokens after the first
+    (sampled by the prefill) at contexts L + 1 .. L + 11."""
+    session = engine.session(GREEDY)
+    session.add([5, 6, 7, 8])
+    session.add([9, 10, 11])
+    session.run()
+    assert session.stats["decode_steps"] == 11
+    assert session.stats["context_steps"] == sum(11 * length + 66 for length in (4, 3))
+    config = engine.config
+    kv_heads = config.num_key_value_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert engine.kv.token_bytes == 2 * config.num_hidden_layers * kv_heads * head_dim * 4  # fp32 keys and values
