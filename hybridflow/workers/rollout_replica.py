@@ -22,8 +22,9 @@ from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.workers.partial_rollout import PartialRollouts, groups_to_prompts
 
-# what a generation reports besides its wall time (`gen_s`): GPU busy seconds (CUDA), running rows summed over
-# decode steps, decode steps, KV slots; `hybridflow.trainer.rollout_stream.generation_metrics` reads them
+# what a generation reports besides its wall time (`gen_s`): GPU busy seconds (CUDA), running rows and the positions
+# they attended over summed over decode steps, decode steps, KV slots and the bytes of one cached position;
+# `hybridflow.trainer.rollout_stream.generation_metrics` reads them
 GENERATION_STATS = ("busy_s", "row_steps", "context_steps", "decode_steps", "num_slots", "kv_token_bytes",
                     "generated_tokens")
 # the KV cache's share of free GPU memory when neither `rollout.kv_cache_fraction` nor a device plan sizes it
