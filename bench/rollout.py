@@ -141,10 +141,10 @@ def decode_attention_sweep(device: torch.device) -> dict:
         default = timed(lambda i: da.decode_attention(q, caches[i][0], caches[i][1], slots, lens, dim ** -0.5,
                                                       picked), layers)
         key = f"rows{rows}_group{group}_d{dim}_ctx{context}"
+        kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2  # keys and values of every row's context
         out[key] = dict(flash_us=flash, triton_us=triton_us, best=best, picked_splits=picked, default_us=default,
-                        layers=layers, kv_bytes=2 * int(lens.sum()) * kv_heads * dim * 2,
-                        floor_us=2 * int(lens.sum()) * kv_heads * dim * 2 / 4.8e12 * 1e6)  # at an H200's 4.8 TB/s
-        rate = out[key]["kv_bytes"] / 1e6  # TB/s at a time in microseconds
+                        layers=layers, kv_bytes=kv_bytes, floor_us=kv_bytes / 4.8e12 * 1e6)  # at an H200's 4.8 TB/s
+        rate = kv_bytes / 1e6  # TB/s at a time in microseconds
         print("decode attention", key, f"flash {flash:.1f} us, best {best} {triton_us[best]:.1f} us "
               f"({rate / triton_us[best]:.2f} TB/s), default (splits {picked}) {default:.1f} us ({rate / default:.2f} "
               f"TB/s), floor {out[key]['floor_us']:.1f} us", flush=True)

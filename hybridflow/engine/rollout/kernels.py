@@ -45,10 +45,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     rows, n = h.shape
     out = torch.empty(rows, n, dtype=h.dtype, device=h.device)
     total = out if delta is None else torch.empty_like(out)
-    block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(rows,)](h, h if delta is None else delta, weight, out, total, h.stride(0),
                                   0 if delta is None else delta.stride(0), n, eps, n, 0,
-                                  HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if n <= 2048 else 8)
+                                  HAS_DELTA=delta is not None, **_norm_tile(n))
     return out, (h if delta is None else total)
 
 
@@ -61,8 +60,12 @@ def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         return
     tokens, heads, dim = x.shape
     _add_rms_norm_kernel[(tokens, heads)](x, x, weight, x, x, x.stride(0), 0, dim, eps, x.stride(0), dim,
-                                          HAS_DELTA=False, BLOCK=triton.next_power_of_2(dim),
-                                          num_warps=4 if dim <= 2048 else 8)
+                                          HAS_DELTA=False, **_norm_tile(dim))
+
+
+def _norm_tile(n: int) -> dict[str, int]:
+    """The norm kernel's block and warps for rows (or heads) of n elements: one block holds a row."""
+    return dict(BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
