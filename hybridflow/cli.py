@@ -52,6 +52,22 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _view(args: argparse.Namespace) -> int:
+    from hybridflow.report import ReportError
+    from hybridflow.report.live import serve
+
+    try:
+        serve(args.run_dir, args.host, args.port)
+    except ReportError as e:
+        print(f"hybridflow view: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"hybridflow view needs aiohttp and plotly ({e}): pip install -c constraints.txt -e '.[view]'",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
 def _sft(args: argparse.Namespace) -> int:
     from hybridflow.config.loader import load_config
     from hybridflow.config.sft_schema import SFTConfig
@@ -122,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a run's trainer.output_dir (holding metrics.jsonl)")
     p.add_argument("--out", help="the HTML file to write (default <run_dir>/report.html)")
     p.set_defaults(fn=_report)
+
+    p = sub.add_parser("view", help="a live page of a run: curves, samples token by token, trajectories",
+                       description="Serves a page on 127.0.0.1 that follows the run's files as it trains "
+                                   "(docs/tracking.md#the-live-run-page).")
+    p.add_argument("run_dir", help="a run's trainer.output_dir")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.set_defaults(fn=_view)
 
     for name, fn, text, docs, recipe in (
             ("sft", _sft, "supervised fine-tuning on chat data (loss on assistant tokens)", "sft.md", "sft.yaml"),

@@ -382,6 +382,8 @@ class TrainerConfig:
     project_name: str = opt("hybridflow", "project name for TensorBoard / W&B")
     experiment_name: Optional[str] = opt(None, "run name; null = the output_dir's last component")
     log_samples: int = opt(4, "sample completions logged per validation")
+    log_rollouts: int = opt(4, "training rows per step written token by token (log-probs, advantages, turns, "
+                               "staleness) to rollouts.jsonl for `hybridflow view`; 0 = none")
     max_bad_steps: int = opt(3, "non-finite steps in a row before the run stops")
     worker_timeout_s: float = opt(30.0, "a worker process silent (no heartbeat) this long while the controller "
                                         "waits on it is reported as unresponsive and the run stops; 0 = wait forever")

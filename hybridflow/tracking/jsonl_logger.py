@@ -1,4 +1,5 @@
-"""The jsonl logger: ``<output_dir>/metrics.jsonl`` (one object per step) and ``samples.jsonl``.
+"""The jsonl logger: ``<output_dir>/metrics.jsonl`` (one object per step), ``samples.jsonl`` and
+``rollouts.jsonl`` (token-level records of training rows: `hybridflow.tracking.rollout_records`).
 
 Each line is appended with one unbuffered write, so a crash loses nothing already logged, old lines are
 never rewritten, and a resumed run appends after them (readers keep the last line for a step that appears
@@ -104,6 +105,7 @@ class JsonlLogger:
         self.path = self.dir / "metrics.jsonl"
         self._metrics = _LineFile(self.path)
         self._samples: _LineFile | None = None
+        self._rollouts: _LineFile | None = None
 
     @staticmethod
     def _line(record: dict) -> str:
@@ -117,7 +119,13 @@ class JsonlLogger:
             self._samples = _LineFile(self.dir / "samples.jsonl")
         self._samples.append("".join(self._line({"step": step, **sample}) for sample in samples))
 
+    def log_rollouts(self, records: list[dict], step: int) -> None:
+        if self._rollouts is None:
+            self._rollouts = _LineFile(self.dir / "rollouts.jsonl")
+        self._rollouts.append("".join(self._line({"step": step, **record}) for record in records))
+
     def close(self) -> None:
         self._metrics.close()
-        if self._samples is not None:
-            self._samples.close()
+        for extra in (self._samples, self._rollouts):
+            if extra is not None:
+                extra.close()

@@ -107,6 +107,13 @@ class Tracker:
             for backend in self.backends.values():
                 backend.log_samples(rows, int(step))
 
+    def log_rollouts(self, records: list[dict], step: int) -> None:
+        """Appends a step's token-level records (`rollout_records`) to ``rollouts.jsonl``; only the jsonl
+        logger keeps them (they are for `hybridflow view`, not for dashboards)."""
+        jsonl = self.backends.get("jsonl")
+        if records and jsonl is not None:
+            jsonl.log_rollouts(records, int(step))
+
     def close(self) -> None:
         """Flushes and closes every logger (safe to call twice)."""
         backends, self.backends = self.backends, {}

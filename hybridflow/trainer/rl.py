@@ -39,12 +39,13 @@ from hybridflow.rewards.failures import EnvironmentFailed, FailureStreak
 from hybridflow.rewards.manager import RewardManager, RewardResult
 from hybridflow.tracking.metrics import (compute_agent_metrics, compute_data_metrics, compute_throughput,
                                          compute_timing_metrics, compute_validation_metrics, timer)
+from hybridflow.tracking.rollout_records import rollout_records
 from hybridflow.trainer import step_math
 from hybridflow.trainer.base import Trainer
 from hybridflow.trainer.checkpointing import checkpoint_bytes_needed
 from hybridflow.trainer.role_configs import train_sampling
 from hybridflow.trainer.role_groups import Roles, build_roles
-from hybridflow.trainer.rollout_stream import RolloutStream
+from hybridflow.trainer.rollout_stream import RolloutStream, policy_version
 from hybridflow.workers.handles import TrainedRoleHandle
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,10 @@ class RLTrainer(Trainer):
         metrics.update(compute_agent_metrics(batch))
         metrics.update(compute_timing_metrics(timings, batch))
         metrics.update(compute_throughput(batch, timings["step"], self.n_devices))
+        if cfg.trainer.log_rollouts and self.tracker is not None:  # token by token, for `hybridflow view`
+            version = policy_version(facts, cfg.critic.warmup_steps, self.step)
+            self.tracker.log_rollouts(rollout_records(batch, self.tokenizer, cfg.trainer.log_rollouts, version),
+                                      self.step + 1)
         self.bad_steps.update(self.step + 1, **{k: v for k, v in metrics.items()
                                                 if k in ("actor/grad_norm", "actor/pg_loss", "critic/vf_loss")})
         return metrics

@@ -97,6 +97,16 @@ def test_environment_drives_three_turn_trajectories(tiny_qwen2, tmp_path, monkey
         assert batch["score"][r] == pytest.approx(info["env_reward"])
         assert [m["role"] for m in info["messages"]] == ["assistant", "user", "assistant", "user", "assistant"]
     assert "Round 1: try again." in batch["response_text"][0]  # rewards see the whole trajectory
+    # trainer.log_rollouts (default 4): the step's rows token by token, turn by turn, for `hybridflow view`
+    records = [json.loads(line) for line in (tmp_path / "out" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and {r["step"] for r in records} == {1}
+    for r, record in enumerate(records):
+        n = int(real[r].sum())
+        assert record["trained"] == batch["response_mask"][r][real[r]].tolist() and len(record["tokens"]) == n
+        assert all(isinstance(t, str) for t in record["tokens"])
+        assert record["advantage"] == pytest.approx(batch["advantages"][r][real[r]].tolist(), abs=1e-5)
+        assert record["logprob"] == pytest.approx(batch["rollout_log_probs"][r][real[r]].tolist(), abs=1e-5)
+        assert record["score"] == pytest.approx(batch["score"][r]) and record["staleness"] == [0] * n
 
 
 def test_tool_calls_through_training(tool_calling_model, tmp_path, monkeypatch):
