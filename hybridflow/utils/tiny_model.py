@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "olmo2", "phi3")
 
 
 def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:

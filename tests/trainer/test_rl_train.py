@@ -11,7 +11,7 @@ from hybridflow.cli import main as cli_main
 from hybridflow.config.loader import load_config
 from hybridflow.data.files import DataError
 from hybridflow.trainer.rl import train
-from rl_helpers import run
+from rl_helpers import reward_file, run
 
 REQUIRED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "timing_s/gen",
             "timing_s/step", "perf/throughput")
@@ -30,6 +30,21 @@ def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path)
     assert "val/reward/mean" in steps[-1]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "phi3"])
+def test_an_architecture_without_a_fast_path_trains_through_the_fallback(arch, tiny_model_factory, data_dir,
+                                                                         tmp_path):
+    """OLMo 2 and Phi-3 have no fast rollout path: generation runs through transformers.generate (which says so,
+    with its rate: tests/engine/rollout/test_rollout_parts.py) and the step trains as on the fast path."""
+    import yaml
+
+    rows = run(tiny_model_factory(arch), data_dir, tmp_path, "trainer.val_before_train=false",
+               "trainer.total_steps=1", "trainer.val_every=0", f"reward.function={reward_file(tmp_path)}")
+    assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["actor/pg_loss"])
+    assert rows[0]["actor/grad_norm"] > 0 and rows[0]["response_length/mean"] > 0
+    resolved = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())
+    assert resolved["rollout"]["engine"] == "hf"
 
 
 def test_ppo_with_critic_trains_both(tiny_qwen2, data_dir, tmp_path):

@@ -184,7 +184,9 @@ class RolloutEngine:
             if record_routes:
                 raise ValueError(f"record_routes needs the fast engine, which has no path for model_type "
                                  f"{config.model_type!r} with engine={engine!r}; fast: {FAST_ARCHITECTURES}")
-            return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096)
+            why = (f"model_type {config.model_type!r} has no fast path (fast: {', '.join(FAST_ARCHITECTURES)})"
+                   if not fast else "rollout.engine=hf")
+            return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096, why)
         shared = shared_weights or {}
         tensors = checkpoint_tensors(path, keep=lambda name: weight_target(name)[0] not in shared)
         return cls.from_config(config, tensors, device, dtype, stop_ids, max_num_seqs, max_model_len,

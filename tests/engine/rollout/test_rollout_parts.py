@@ -118,11 +118,21 @@ def tiny_gpt2(tmp_path_factory):
     return path
 
 
-def test_unsupported_architecture_uses_the_hf_fallback(tiny_gpt2):
+def test_unsupported_architecture_uses_the_hf_fallback(tiny_gpt2, caplog):
     from transformers import AutoModelForCausalLM
 
-    engine = RolloutEngine.from_pretrained(tiny_gpt2, max_num_seqs=4)
+    with caplog.at_level("WARNING", logger="hybridflow.engine.rollout.hf_fallback"):
+        engine = RolloutEngine.from_pretrained(tiny_gpt2, max_num_seqs=4)
     assert isinstance(engine, HFRolloutEngine) and engine.default_stop_ids == [3]
+    # said once when built, with why, and once after the first generation, with the rate it reached
+    (built,) = [r.getMessage() for r in caplog.records]
+    assert "model_type 'gpt2' has no fast path (fast: llama, qwen2" in built and "transformers.generate" in built
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hybridflow.engine.rollout.hf_fallback"):
+        engine.generate([[5, 6]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[]))
+        engine.generate([[5, 6]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[]))
+    (rate,) = [r.getMessage() for r in caplog.records]
+    assert rate.startswith("rollout through transformers.generate: 4 tokens in ") and "tok/s on cpu" in rate
     with pytest.raises(ValueError, match="engine='fast' has no path for model_type 'gpt2'"):
         RolloutEngine.from_pretrained(tiny_gpt2, engine="fast")
     prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
