@@ -15,8 +15,8 @@ row; so does a config's only entry for rows naming none), then: ``start_interact
 prompt's messages, the model's turns as ``assistant``, the interaction's as ``user``), whose
 ``(should_terminate, response, score, data)`` becomes an `EnvStep` (score as its reward, the response as the
 next user message unless it terminates; another shape, or a response that is not a str when it goes on, is
-an environment error naming the class, never the text "None" sent to the model); ``finalize_interaction`` when the trajectory ends. The
-interaction_kwargs are `agent.env_kwargs` updated by the row's.
+an environment error naming the class, never the text "None" sent to the model); ``finalize_interaction``
+when the trajectory ends. The interaction_kwargs are `agent.env_kwargs` updated by the row's.
 """
 
 from __future__ import annotations

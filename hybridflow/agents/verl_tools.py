@@ -14,9 +14,10 @@ pydantic `OpenAIFunctionToolSchema` when verl is installed, else an object with 
 string for an ``execute`` that annotates its parameters ``str``) and the row's ``execute_kwargs``; of what it
 returns, verl's ``(response, reward, metrics)`` or a response alone (reward 0), the response (a string,
 ``{"text": ...}`` or an object with ``.text``, as verl's ``ToolResponse``) is the tool message and the reward
-adds to the environment reward; any other shape is a tool error naming the class. When the trajectory ends, ``calc_reward`` (its value adds to the environment reward too)
-and ``release`` run with their ``*_kwargs``. Only ``type: native`` tools load; MCP tools are refused naming
-the entry, and so is an entry without its ``tool_schema``.
+adds to the environment reward; any other shape is a tool error naming the class. When the trajectory ends,
+``calc_reward`` (its value adds to the environment reward too) and ``release`` run with their ``*_kwargs``.
+Only ``type: native`` tools load; MCP tools are refused naming the entry, and so is an entry without its
+``tool_schema``.
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ How a side is tokenized depends on what trains on it (`encode`):
 
 A pair whose longer side is over `max_length` tokens is refused (`truncation=error`, naming its file and
 row) or dropped (`filter`). Pairs whose chosen and rejected sides are identical carry no preference (the
-losses see a margin of 0 on them): they are counted and named in one warning, louder when every pair is one. Batches keep one row per pair, so data-parallel dispatch never splits a pair
-(`collate_policy_pairs`, `collate_scored_pairs`); in the worker, `policy_rows` / `scored_rows` lay them out as
-the training engine's rows (docs/architecture.md), two per pair, chosen at 2i and rejected at 2i + 1:
+losses see a margin of 0 on them): they are counted and named in one warning, louder when every pair is one.
+Batches keep one row per pair, so data-parallel dispatch never splits a pair (`collate_policy_pairs`,
+`collate_scored_pairs`); in the worker, `policy_rows` / `scored_rows` lay them out as the training engine's rows
+(docs/architecture.md), two per pair, chosen at 2i and rejected at 2i + 1:
 
     collate_policy_pairs (P pairs)                    policy_rows (2P rows, R = max(Rc, Rr))
     prompts, prompt_attention          [P, Lp] left-padded    input_ids, attention_mask, position_ids [2P, Lp+R]
