@@ -13,7 +13,10 @@ each in a task of its own on one asyncio loop, and sends back batches of `(reque
 - `step`, payload (text, turn): the environment's `EnvStep`;
 - `tool`, payload a `ToolCall`: its `ToolResult` (a failing tool gives an error result, not an error status);
 - `close`, no payload: the tools' end-of-trajectory rewards (`ToolSet.finish`), after which the
-  environment's `close()` has run (a failure is logged here) and the scratch directory is gone.
+  environment's `close()` has run (a failure is logged here) and the scratch directory is gone. After a
+  `step` of the trajectory timed out, its `close()` is started but not waited on: a sync step still holds its
+  thread (and maybe what close needs), so waiting would cost another `timeout_s` and a warning that blames
+  close for the step; the host is killed at the end of the rollout anyway, as one with a timed-out call.
 
 status is `ok`, `error` (the message) or `timeout` (the call is past `timeout_s`; a sync call may still be
 running in its thread, which is why the parent kills a host that timed out at the end of the rollout).
@@ -66,6 +69,7 @@ class _Episode:
     scratch: Scratch
     contexts: dict[str, ToolContext]
     env: Any = None
+    step_timed_out: bool = False
 
 
 class HostState:
@@ -86,6 +90,7 @@ class HostState:
             raise ValueError(f"agent.tools: {_describe(e)}") from None
         self.threads = ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="hybridflow-env")
         self.episodes: dict[int, _Episode] = {}
+        self.unawaited: set[asyncio.Future] = set()  # closes started after a timed-out step (a reference each)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await call_with_timeout(fn, *args, timeout_s=self.setup.timeout_s, threads=self.threads)
@@ -107,12 +112,24 @@ class HostState:
             episode.env = await self._call(functools.partial(self.env_class, dict(row), **kwargs))
 
     async def _step(self, tid: int, payload: tuple[str, int]) -> Any:
-        env = self.episodes[tid].env
-        return as_env_step(await self._call(env.step, *payload), f"{self.setup.environment} step()")
+        episode = self.episodes[tid]
+        try:
+            answer = await self._call(episode.env.step, *payload)
+        except TimeoutError:
+            episode.step_timed_out = True
+            raise
+        return as_env_step(answer, f"{self.setup.environment} step()")
 
     async def _tool(self, tid: int, call: Any) -> Any:
         context = self.episodes[tid].contexts.get(call.name)
         return await self.tools.run(call, context, self.setup.timeout_s, self.threads)
+
+    def _forget(self, closing: asyncio.Future) -> None:
+        """A close started after its step timed out has ended: its outcome is read (whatever it raised, or its own
+        timeout, stems from the hung step already reported) and the reference dropped."""
+        self.unawaited.discard(closing)
+        if not closing.cancelled():
+            closing.exception()
 
     async def _close(self, tid: int, payload: None) -> float:
         episode = self.episodes.pop(tid, None)
@@ -120,9 +137,14 @@ class HostState:
             return 0.0
         try:
             reward = await self.tools.finish(episode.contexts, self.setup.timeout_s, self.threads)
-            if callable(getattr(episode.env, "close", None)):
+            close = getattr(episode.env, "close", None)
+            if callable(close) and episode.step_timed_out:  # started, not waited on: the module docstring
+                closing = asyncio.ensure_future(self._call(close))
+                self.unawaited.add(closing)
+                closing.add_done_callback(self._forget)
+            elif callable(close):
                 try:
-                    await self._call(episode.env.close)
+                    await self._call(close)
                 except (UserCodeError, TimeoutError) as e:  # the episode is over; a failing close only warns
                     logger.warning("environment %s close() failed: %s", self.setup.environment, e)
             return reward

@@ -3,9 +3,11 @@
 processes, and a scratch directory it cannot leave; its stdout and stderr captured up to a cap.
 
     result = await run_python("print(2 ** 10)", scratch_dir, SandboxLimits(timeout_s=5))
-    result.output, result.exit_code, result.timed_out, result.truncated, result.layers
+    result.output, result.exit_code, result.timed_out, result.truncated, result.scratch_over, result.layers
 
-A run past `timeout_s`, or one that writes more than `max_output_bytes`, is killed; it cannot have
+A run past `timeout_s`, or one that writes more than `max_output_bytes`, is killed; so is one that fills its
+scratch directory past `scratch_mb` or `scratch_files` (checked every `SCRATCH_CHECK_S` while it runs, from this
+process, out of the code's reach, and once after it ends), whose files are then removed; it cannot have
 started another process (a seccomp filter refuses it, root or not), and it dies with the process that
 started it. `layers` names the isolation in force: the resource limits, the seccomp filter and the audit
 hook always (the code does not run without them), and `netns` and `landlock-vN` where the kernel grants
@@ -16,9 +18,11 @@ naive hostile code but is no security boundary against code that sets out to esc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -30,18 +34,24 @@ from hybridflow.agents.tools import Tool, ToolContext, ToolResult
 CHILD = str(Path(__file__).with_name("sandbox_child.py"))
 
 
+SCRATCH_CHECK_S = 0.05  # a burst of writes overshoots the scratch limits by at most this long's worth
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
-    """timeout_s: wall clock; memory_mb: address space; file_mb: the largest file it may write;
-    max_output_bytes: stdout + stderr kept (more kills the run)."""
+    """timeout_s: wall clock; memory_mb: address space; file_mb: the largest file it may write; scratch_mb and
+    scratch_files: the most bytes (of its files together) and entries (files, directories, links) its scratch
+    directory may hold; max_output_bytes: stdout + stderr kept (more kills the run)."""
 
     timeout_s: float = 10.0
     memory_mb: int = 512
     file_mb: int = 16
     max_output_bytes: int = 16384
+    scratch_mb: int = 64
+    scratch_files: int = 1000
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "memory_mb", "file_mb", "max_output_bytes"):
+        for name in ("timeout_s", "memory_mb", "file_mb", "max_output_bytes", "scratch_mb", "scratch_files"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"python tool {name}={getattr(self, name)!r} is invalid; it must be > 0")
 
@@ -52,6 +62,7 @@ class SandboxResult:
     exit_code: int | None
     timed_out: bool = False
     truncated: bool = False
+    scratch_over: str | None = None  # what went over the scratch limits (the run was killed, its files removed)
     layers: list[str] = field(default_factory=list)
 
 
@@ -82,6 +93,59 @@ async def _read_capped(stream: asyncio.StreamReader, limit: int, deadline: float
         size += len(chunk)
 
 
+def scratch_over(scratch: str, limits: SandboxLimits) -> str | None:
+    """What of `scratch` is over `limits`' scratch_files / scratch_mb (entries counted without following links,
+    the apparent size of its files summed), or None."""
+    entries, size, folders = 0, 0, [scratch]
+    while folders:
+        try:
+            listing = list(os.scandir(folders.pop()))
+        except OSError:  # removed meanwhile, or no longer readable: nothing of it to count
+            continue
+        for entry in listing:
+            entries += 1
+            if entries > limits.scratch_files:
+                return f"more than {limits.scratch_files} files (the python tool's scratch_files)"
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    size += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+    if size > limits.scratch_mb * 2**20:
+        return f"{size / 2**20:.1f} MiB of files, over scratch_mb={limits.scratch_mb}"
+    return None
+
+
+async def _watch_scratch(scratch: str, limits: SandboxLimits, pid: int) -> str:
+    """Checks `scratch` every `SCRATCH_CHECK_S` (in a thread: a large folder takes milliseconds); when it is over
+    the limits, kills the run's process group and returns what went over."""
+    while True:
+        await asyncio.sleep(SCRATCH_CHECK_S)
+        over = await asyncio.to_thread(scratch_over, scratch, limits)
+        if over is not None:
+            _kill(pid)
+            return over
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _empty(scratch: str) -> None:
+    """Removes what `scratch` holds (the directory stays: the episode's next call runs in it)."""
+    for entry in os.scandir(scratch):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
 async def _discard(stream: asyncio.StreamReader) -> None:
     while await stream.read(65536):
         pass
@@ -99,6 +163,7 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=scratch, env=_environment(scratch),
         start_new_session=True)
     stdin, stdout = cast(asyncio.StreamWriter, proc.stdin), cast(asyncio.StreamReader, proc.stdout)  # both PIPEs
+    watch = asyncio.create_task(_watch_scratch(scratch, limits, proc.pid))
     try:
         try:
             stdin.write(code.encode("utf-8", "replace"))
@@ -113,11 +178,9 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
             except asyncio.TimeoutError:  # closed its output but kept running
                 timed_out = True
     finally:
+        watch.cancel()
         if proc.returncode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(proc.pid)
         # asyncio reports the exit only once the output pipe is closed, and a read stopped at the cap has
         # paused the pipe: read it to its end (bounded: the child was killed and could start nothing).
         try:
@@ -125,6 +188,10 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
             await asyncio.wait_for(proc.wait(), 5.0)
         except asyncio.TimeoutError:
             pass
+    over = watch.result() if watch.done() and not watch.cancelled() else \
+        await asyncio.to_thread(scratch_over, scratch, limits)
+    if over is not None:
+        await asyncio.to_thread(_empty, scratch)
     header, _, rest = raw.partition(b"\n")
     try:
         layers = list(json.loads(header)["layers"])
@@ -132,12 +199,12 @@ async def run_python(code: str, scratch: str | Path, limits: SandboxLimits = San
         layers, rest = [], raw
     truncated = truncated or len(rest) > limits.max_output_bytes
     output = rest[:limits.max_output_bytes].decode("utf-8", "replace")
-    return SandboxResult(output, None if timed_out else proc.returncode, timed_out, truncated, layers)
+    return SandboxResult(output, None if timed_out or over else proc.returncode, timed_out, truncated, over, layers)
 
 
 class PythonTool(Tool):
     """The built-in `python` tool; kwargs (the config entry's): timeout_s, memory_mb, file_mb,
-    max_output_bytes (see `SandboxLimits`)."""
+    max_output_bytes, scratch_mb, scratch_files (see `SandboxLimits`)."""
 
     name = "python"
     description = ("Run Python 3 code and return what it prints (stdout and stderr). Every call starts a fresh "
@@ -147,8 +214,8 @@ class PythonTool(Tool):
         "type": "string", "description": "Python source; print the results you need"}}, "required": ["code"]}
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, file_mb: int = 16,
-                 max_output_bytes: int = 4096) -> None:
-        self.limits = SandboxLimits(timeout_s, memory_mb, file_mb, max_output_bytes)
+                 max_output_bytes: int = 4096, scratch_mb: int = 64, scratch_files: int = 1000) -> None:
+        self.limits = SandboxLimits(timeout_s, memory_mb, file_mb, max_output_bytes, scratch_mb, scratch_files)
 
     async def call(self, arguments: dict[str, Any], context: ToolContext) -> ToolResult:
         result = await run_python(arguments["code"], context.scratch_dir, self.limits)
@@ -157,4 +224,6 @@ class PythonTool(Tool):
             text += f"\n[output cut at {self.limits.max_output_bytes} bytes]"
         if result.timed_out:
             text += f"\n[stopped: still running after {self.limits.timeout_s:g} s]"
+        if result.scratch_over:
+            text += f"\n[stopped: the scratch directory held {result.scratch_over}; its files were removed]"
         return ToolResult(text, error=result.timed_out or result.exit_code != 0)

@@ -14,8 +14,9 @@ row; so does a config's only entry for rows naming none), then: ``start_interact
 ``generate_response(instance_id, messages, **interaction_kwargs)`` with the conversation so far (the
 prompt's messages, the model's turns as ``assistant``, the interaction's as ``user``), whose
 ``(should_terminate, response, score, data)`` becomes an `EnvStep` (score as its reward, the response as the
-next user message unless it terminates); ``finalize_interaction`` when the trajectory ends. The
-interaction_kwargs are `agent.env_kwargs` updated by the row's.
+next user message unless it terminates; another shape, or a response that is not a str when it goes on, is
+an environment error naming the class, never the text "None" sent to the model); ``finalize_interaction``
+when the trajectory ends. The interaction_kwargs are `agent.env_kwargs` updated by the row's.
 """
 
 from __future__ import annotations
@@ -72,11 +73,19 @@ class VerlInteraction(Environment):
         if self.instance_id is None:
             self.instance_id = await _call(self.interaction.start_interaction, None, **self.kwargs)
         self.messages.append({"role": "assistant", "content": text})
-        done, response, score, *_ = await _call(self.interaction.generate_response, self.instance_id,
-                                                list(self.messages), **self.kwargs)
+        returned = await _call(self.interaction.generate_response, self.instance_id, list(self.messages),
+                               **self.kwargs)
+        owner = f"{type(self.interaction).__name__}.generate_response"
+        if not isinstance(returned, tuple) or len(returned) < 3:
+            raise TypeError(f"{owner} returned {returned!r:.80}: expected verl's (should_terminate, response, score, "
+                            f"data)")
+        done, response, score, *_ = returned
+        if not done and not isinstance(response, str):
+            raise TypeError(f"{owner} returned the response {response!r:.80} with should_terminate=False: the next "
+                            f"user message must be a str")
         if not done:
             self.messages.append({"role": "user", "content": response})
-        return EnvStep(None if done else str(response), role="user", reward=float(score or 0.0), done=bool(done))
+        return EnvStep(None if done else response, role="user", reward=float(score or 0.0), done=bool(done))
 
     async def close(self) -> None:
         finalize = getattr(self.interaction, "finalize_interaction", None)

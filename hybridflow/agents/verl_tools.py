@@ -11,11 +11,13 @@ Each entry is built once per process as ``cls(config=config, tool_schema=schema)
 pydantic `OpenAIFunctionToolSchema` when verl is installed, else an object with the same attribute access and
 ``model_dump()``). In a trajectory, the first call ``create``s an instance (with the row's
 ``extra_info.tools_kwargs[name].create_kwargs``), every call ``execute``s with the parsed arguments (a JSON
-string for an ``execute`` that annotates its parameters ``str``) and the row's ``execute_kwargs``; the response
-(a string, ``{"text": ...}`` or an object with ``.text``) is the tool message and its reward adds to the
-environment reward. When the trajectory ends, ``calc_reward`` (its value adds to the environment reward too)
-and ``release`` run with their ``*_kwargs``. Only ``type: native`` tools load; MCP tools are refused naming
-the entry.
+string for an ``execute`` that annotates its parameters ``str``) and the row's ``execute_kwargs``; of what it
+returns, verl's ``(response, reward, metrics)`` or a response alone (reward 0), the response (a string,
+``{"text": ...}`` or an object with ``.text``, as verl's ``ToolResponse``) is the tool message and the reward
+adds to the environment reward; any other shape is a tool error naming the class. When the trajectory ends,
+``calc_reward`` (its value adds to the environment reward too) and ``release`` run with their ``*_kwargs``.
+Only ``type: native`` tools load; MCP tools are refused naming the entry, and so is an entry without its
+``tool_schema``.
 """
 
 from __future__ import annotations
@@ -95,16 +97,30 @@ async def _result(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _text(response: Any) -> str:
+def _text(response: Any) -> str | None:
+    """The text of a tool response: a str, ``{"text": ...}`` or an object with a str ``.text``; else None."""
     if isinstance(response, str):
         return response
     if isinstance(response, Mapping) and "text" in response:
         return str(response["text"])
     text = getattr(response, "text", None)
-    if isinstance(text, str):
-        return text
-    raise TypeError(f"the tool's response is a {type(response).__name__}; expected a str, {{'text': ...}} or an "
-                    f"object with .text")
+    return text if isinstance(text, str) else None
+
+
+def execute_result(value: Any, owner: str) -> tuple[str, float]:
+    """(text, reward) of what `owner`'s ``execute`` returned: verl's ``(response, reward, metrics)``, or a response
+    alone (a plain str is one whole response, never a sequence to unpack) with reward 0. Raises `TypeError`
+    naming `owner` for any other shape (the tool set counts it as a tool error)."""
+    response, reward = (value[0], value[1] if len(value) > 1 else 0.0) if isinstance(value, tuple) and value \
+        else (value, 0.0)
+    text = _text(response)
+    if text is None:
+        raise TypeError(f"{owner}.execute returned {value!r:.80}: expected verl's (response, reward, metrics), or "
+                        f"a response alone; a response is a str, {{'text': ...}} or an object with .text")
+    try:
+        return text, float(reward or 0.0)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}.execute returned the reward {reward!r:.40}: expected a number") from None
 
 
 class VerlTool(Tool):
@@ -125,9 +141,10 @@ class VerlTool(Tool):
             created = await _result(self.verl_tool.create(None, **(kwargs.get("create_kwargs") or {})))
             context.state["verl_instance"] = created[0] if isinstance(created, tuple) else created
         parameters = json.dumps(arguments) if self.json_arguments else arguments
-        response, reward, *_ = await _result(self.verl_tool.execute(context.state["verl_instance"], parameters,
-                                                                    **(kwargs.get("execute_kwargs") or {})))
-        return ToolResult(_text(response), reward=float(reward or 0.0))
+        returned = await _result(self.verl_tool.execute(context.state["verl_instance"], parameters,
+                                                         **(kwargs.get("execute_kwargs") or {})))
+        text, reward = execute_result(returned, type(self.verl_tool).__name__)
+        return ToolResult(text, reward=reward)
 
     async def finish(self, context: ToolContext) -> float:
         """verl's end of a trajectory: ``calc_reward`` (returned) then ``release``, for an instance it made."""
@@ -155,8 +172,11 @@ def load_tool_config(path: str, where: str) -> list[VerlTool]:
             raise TypeError(f"{at}: {entry['class_name']} has no execute(instance_id, parameters) method; a verl "
                             f"BaseTool subclass was expected")
         schema = entry.get("tool_schema")
-        tool = cls(config=dict(entry.get("config") or {}), tool_schema=_schema(schema) if schema else None)
-        if schema is None:
-            schema = tool.get_openai_tool_schema().model_dump()
+        function = schema.get("function") if isinstance(schema, Mapping) else None
+        if not isinstance(schema, Mapping) or not isinstance(function, Mapping) or not function.get("name"):
+            raise ValueError(f"{at}: {entry['class_name']} has no tool_schema with a function name (got "
+                             f"{schema!r:.80}); verl's tool config gives every tool its OpenAI function schema: "
+                             f"tool_schema: {{type: function, function: {{name, description, parameters}}}}")
+        tool = cls(config=dict(entry.get("config") or {}), tool_schema=_schema(schema))
         tools.append(VerlTool(tool, schema))
     return tools

@@ -14,7 +14,7 @@ and resumed with `manager.resolve(cfg.trainer.resume)` (every file checked again
 `load_worker_state(ckpt / "actor", ...)` and `load_controller_state(ckpt, ...)`.
 """
 
-from hybridflow.checkpoint.bad_steps import BadStepCounter, TrainingDiverged
+from hybridflow.checkpoint.bad_steps import BadStepCounter, TrainingDiverged, non_finite_parameter
 from hybridflow.checkpoint.compat import IncompatibleCheckpoint, check_compatible, check_model_config
 from hybridflow.checkpoint.export import export_hf, main_export, save_hf_assets
 from hybridflow.checkpoint.lock import RunLock
@@ -42,6 +42,6 @@ __all__ = [
     "capture_rng_state",
     "check_compatible", "check_model_config", "check_writable", "estimate_checkpoint_bytes", "export_hf",
     "find_checkpoint", "is_complete", "load_controller_state", "load_model_state", "load_worker_state",
-    "main_export", "read_config", "read_full_model_state", "read_meta", "restore_rng_state",
+    "main_export", "non_finite_parameter", "read_config", "read_full_model_state", "read_meta", "restore_rng_state",
     "save_controller_state", "save_hf_assets", "save_model_state", "save_worker_state", "verify",
 ]

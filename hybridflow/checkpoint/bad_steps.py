@@ -1,4 +1,5 @@
-"""Non-finite steps: skip a step whose loss or gradient norm is NaN/inf, stop after K in a row.
+"""Non-finite steps and weights: skip a step whose loss or gradient norm is NaN/inf, stop after K in a row; find
+a model's first non-finite parameter (`non_finite_parameter`), so that no checkpoint is written with it.
 
     guard = BadStepCounter(max_in_row=5)
     if guard.update(step, loss=loss, grad_norm=grad_norm):   # False → skip optimizer.step()
@@ -15,6 +16,7 @@ import math
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class TrainingDiverged(RuntimeError):
@@ -68,3 +70,18 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         return f"tensor with {int((~torch.isfinite(value)).sum())} non-finite of {value.numel()}"
     return str(float(value))
+
+
+def non_finite_parameter(model: torch.nn.Module) -> str | None:
+    """`name (k of n values are NaN or inf)` of the first floating-point parameter of `model` holding a non-finite
+    value, looking at this process's shards alone (an FSDP2 DTensor's local part); None when all are finite.
+    One device sync for the whole model, then one for the parameter it names."""
+    params = [(name, p.to_local() if isinstance(p, DTensor) else p.detach())
+              for name, p in model.named_parameters() if p.is_floating_point()]
+    if not params:
+        return None
+    finite = torch.stack([torch.isfinite(local).all() for _, local in params]).tolist()
+    for (name, local), ok in zip(params, finite):
+        if not ok:
+            return f"{name} ({int((~torch.isfinite(local)).sum())} of {local.numel()} values are NaN or inf)"
+    return None

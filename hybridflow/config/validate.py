@@ -15,7 +15,8 @@ optimizer step takes `mini_batch_size` prompts (`mini_batch_size x n` rows), spl
 
 from __future__ import annotations
 
-from dataclasses import fields
+import math
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from hybridflow.config.exact_checks import exact_problems
@@ -280,6 +281,23 @@ def _agent_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def _non_finite(cfg: Any, prefix: str = "") -> list[str]:
+    """`key=value` of every float of a config that is NaN or infinite, by one rule for every key of every config
+    kind: a float field, or a float in a list field (`actor.betas`, `reward.weights`); a mapping's values are
+    the user's own keyword arguments and are not looked at. No key gives infinity a meaning ("no limit" is
+    `null` or 0 where a key has one), so none is exempt."""
+    out = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            out += _non_finite(value, f"{prefix}{f.name}.")
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                out.append(f"{prefix}{f.name}={value!r} must be a finite number (NaN and infinity are refused)")
+                break
+    return out
+
+
 def _changed(section: Any, default: Any, prefix: str) -> list[str]:
     """`prefix.key=value` for every key of a config section that differs from its default (nested too)."""
     out = []
@@ -326,6 +344,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     `data.train_files` may then be unset), e.g. to check a recipe on its own.
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
+    _raise_if_any(_non_finite(cfg))  # first: the range checks below compare, and NaN passes every comparison
     problems = (_range_problems(cfg) + _algorithm_problems(cfg) + placement_problems(cfg)
                 + off_policy_problems(cfg) + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg)
                 + package_problems(cfg) + moe_problems(cfg))
@@ -345,6 +364,7 @@ def validate_sft(cfg: Any, rows_per_example: int = 1, more: list[str] | None = N
     sequences sharing a micro-batch; `more`: that program's own problems), before any model loads: the RL
     checks that apply to it (bounds, model and data paths, resume, device, the mini-batch relation) and its own."""
     data, optim, run = cfg.data, cfg.optim, cfg.trainer
+    _raise_if_any(_non_finite(cfg))  # first, as in `validate`
     problems = _bound_problems(cfg, {1: ["data.train_batch_size", "trainer.n_workers", "optim.passes_per_batch",
                                          "trainer.total_epochs"]},
                                {"optim.lr": (0.0, float("inf"), False, False),

@@ -16,9 +16,11 @@ How a side is tokenized depends on what trains on it (`encode`):
   run (`hybridflow.data.chat.render_scored_text`), read at its last token.
 
 A pair whose longer side is over `max_length` tokens is refused (`truncation=error`, naming its file and
-row) or dropped (`filter`). Batches keep one row per pair, so data-parallel dispatch never splits a pair
-(`collate_policy_pairs`, `collate_scored_pairs`); in the worker, `policy_rows` / `scored_rows` lay them out as
-the training engine's rows (docs/architecture.md), two per pair, chosen at 2i and rejected at 2i + 1:
+row) or dropped (`filter`). Pairs whose chosen and rejected sides are identical carry no preference (the
+losses see a margin of 0 on them): they are counted and named in one warning, louder when every pair is one.
+Batches keep one row per pair, so data-parallel dispatch never splits a pair (`collate_policy_pairs`,
+`collate_scored_pairs`); in the worker, `policy_rows` / `scored_rows` lay them out as the training engine's rows
+(docs/architecture.md), two per pair, chosen at 2i and rejected at 2i + 1:
 
     collate_policy_pairs (P pairs)                    policy_rows (2P rows, R = max(Rc, Rr))
     prompts, prompt_attention          [P, Lp] left-padded    input_ids, attention_mask, position_ids [2P, Lp+R]
@@ -33,6 +35,7 @@ the training engine's rows (docs/architecture.md), two per pair, chosen at 2i an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,7 @@ from hybridflow.data.files import DataError, Record, as_path_list, read_records
 from hybridflow.data.loader import left_pad
 
 Side = str | list[dict]
+logger = logging.getLogger(__name__)
 
 
 def parse_pair(record: Record, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[Side, Side, Side]:
@@ -159,8 +163,11 @@ class PreferenceDataset(RowDataset):
         self.num_filtered = 0
         self._rows: list[dict[str, list[int]]] = []
         records = read_records(self.files)
+        identical: list[Record] = []
         for record in records:
             prompt, chosen, rejected = parse_pair(record, prompt_key, chosen_key, rejected_key)
+            if chosen == rejected:
+                identical.append(record)
             try:
                 item = encode(prompt, chosen, rejected)
             except ValueError as e:
@@ -173,6 +180,14 @@ class PreferenceDataset(RowDataset):
                 continue
             self._rows.append(item)
         self.num_rows = len(records)
+        self.num_identical = len(identical)
+        if identical:
+            logger.warning("%s: %s pairs have the chosen side identical to the rejected one (first: %s): they carry "
+                           "no preference%s", ", ".join(self.files),
+                           f"all {self.num_rows}" if len(identical) == self.num_rows
+                           else f"{len(identical)} of {self.num_rows}", identical[0].where,
+                           "; the run cannot learn from this data: check the chosen / rejected columns "
+                           f"('{chosen_key}', '{rejected_key}')" if len(identical) == self.num_rows else "")
         if not self._rows:
             raise DataError(f"{', '.join(self.files)}: no preference pairs left ({self.num_rows} read, "
                             f"{self.num_filtered} over max_length)")

@@ -26,6 +26,7 @@ from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
 from hybridflow.checkpoint.manager import disk_full, human_bytes
 from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
 from hybridflow.config.role_needs import needs_critic
+from hybridflow.controller import per_rank
 
 
 def checkpoint_bytes(models: list[tuple[str, str, Any]], trust_remote_code: bool = False) -> int:
@@ -106,6 +107,7 @@ class RunCheckpoints:
         check and a failed write (its temp dir removed, the message naming the disk's free space) are
         `CheckpointManager.begin`'s and `save_failed`'s."""
         t = self.trainer
+        self._refuse_non_finite(t.step)
         tmp = self.manager.begin(t.step, min_free_bytes=self.estimate_bytes)
         try:
             for name, role in t.checkpointed_roles().items():
@@ -121,6 +123,21 @@ class RunCheckpoints:
                 raise CheckpointError(save_failed(self.manager, t.step, exc, free)) from exc
             raise
         return self.manager.commit(t.step, tmp)
+
+    def _refuse_non_finite(self, step: int) -> None:
+        """Refuses (`CheckpointError`, before anything is written) to save weights holding NaN or inf, naming the
+        step, the role, the rank and the parameter: such a checkpoint would only resume the ruin, and keep-last-k
+        would prune the good ones in its favour."""
+        for name, role in self.trainer.checkpointed_roles().items():
+            bad = [(rank, what) for rank, what in enumerate(per_rank(role.non_finite_weights)()) if what]
+            if bad:
+                rank, what = bad[0]
+                latest = self.manager.latest()
+                kept = (f"the previous checkpoint {latest} is kept intact: resume from it (trainer.resume=auto) with "
+                        f"a lower learning rate or a smaller grad_clip" if latest is not None else
+                        "no checkpoint was saved before it")
+                raise CheckpointError(f"cannot save step {step}: the {name} weights are not finite: {what} on rank "
+                                      f"{rank}; no checkpoint is written with them and the run stops; {kept}")
 
     def restore(self) -> None:
         """Loads the checkpoint found at construction into the started workers and the controller."""

@@ -144,6 +144,14 @@ class EngineWorker(Worker):
         if adapters is not None and self.rank == 0:
             adapters.peft_config.save_pretrained(role_dir)
 
+    @register(Dispatch.BROADCAST, collect="all")
+    def non_finite_weights(self) -> str | None:
+        """This rank's first parameter shard holding NaN or inf (`non_finite_parameter`), or None: asked before
+        every checkpoint, which is never written with such weights (`RunCheckpoints.save`)."""
+        from hybridflow.checkpoint import non_finite_parameter
+
+        return non_finite_parameter(self.engine.model)
+
     @register(Dispatch.BROADCAST)
     def load_checkpoint(self, role_dir: str) -> None:
         """Inverse of `save_checkpoint`, on any number of ranks (a checkpoint without a skipped-step or update

@@ -61,6 +61,11 @@ class TrainedRoleHandle(Protocol):
         """The inverse of `save_checkpoint`, on any number of ranks."""
         ...
 
+    # one result per rank (called through `hybridflow.controller.per_rank`)
+    def non_finite_weights(self) -> str | None:
+        """A rank's first parameter holding NaN or inf (name and count), or None."""
+        ...
+
     def effective_values(self) -> Effective:
         """The values its workers run with where the config left them open, and their device plan."""
         ...

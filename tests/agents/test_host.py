@@ -102,6 +102,40 @@ def test_a_hung_sync_step_leaves_nothing_behind(engine, tiny_qwen2, env_file):
     loop.close()
 
 
+HUNG = """
+    import threading, time
+    from hybridflow.agents import EnvStep
+
+    LOCK = threading.Lock()  # a sync environment's close() needs what its hung step() holds
+
+    class Hung:
+        def __init__(self, row):
+            pass
+
+        def step(self, text, turn):
+            with LOCK:
+                time.sleep(600)
+
+        def close(self):
+            with LOCK:
+                pass
+"""
+
+
+def test_after_a_hung_step_close_is_not_waited_on(engine, tiny_qwen2, env_file, capfd):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    loop = AgentLoop(agent_cfg(environment=f"{env_file(HUNG)}:Hung", max_turns=3, max_tokens_per_turn=4,
+                               timeout_s=3.0), tokenizer, budget=120)
+    start = time.perf_counter()
+    outs = loop.run(engine, prompts_for(tokenizer, ["q"] * 4), rows_for(4), SamplingParams(seed=0))
+    seconds = time.perf_counter() - start
+    loop.close()
+    assert [(row[0].turns, row[0].env_errors) for row in outs] == [(1, 1)] * 4
+    err = capfd.readouterr().err
+    assert "close() failed" not in err  # no second, misleading warning per trajectory
+    assert seconds < 2 * 3.0 - 0.5  # the steps' time limit, not the closes' after it as well
+
+
 def test_a_host_whose_loop_blocks_is_killed(engine, tiny_qwen2, env_file, monkeypatch):
     monkeypatch.setattr(host, "HOST_GRACE_S", 1.0)
     loop, outcomes, seconds = run_faults(engine, tiny_qwen2, env_file, "AsyncFaulty", ["block", None],

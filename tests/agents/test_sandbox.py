@@ -11,7 +11,9 @@ import time
 import pytest
 
 from hybridflow.agents.sandbox import PythonTool, SandboxLimits, run_python
+from hybridflow.agents.parsing import ToolCall
 from hybridflow.agents.tools import Scratch, ToolContext
+from hybridflow.agents.toolset import ToolSet
 
 LIMITS = SandboxLimits(timeout_s=2.0, memory_mb=256, file_mb=1, max_output_bytes=2000)
 
@@ -98,6 +100,29 @@ def test_memory_and_file_bombs_fail_inside_the_sandbox(tmp_path):
     assert run("print('still fine')", tmp_path).output == "still fine\n"
 
 
+@pytest.mark.parametrize("code,over", [
+    ("import itertools\nfor i in itertools.count(): open(f'f{i}', 'w').close()", "more than 40 files"),
+    ("import itertools\nfor i in itertools.count(): open(f'f{i}', 'wb').write(b'0' * (2 ** 20 - 1))", "MiB of files"),
+    ("for i in range(3): open(f'f{i}', 'wb').write(b'0' * (2 ** 20 - 1))", "MiB of files"),  # over as it ends
+])
+def test_the_scratch_directory_is_bounded_in_files_and_bytes(code, over):
+    tool = ToolSet([{"name": "python", "kwargs": {"timeout_s": 5, "file_mb": 1, "scratch_mb": 2,
+                                                  "scratch_files": 40}}])
+    scratch = Scratch()
+    context = tool.contexts({}, scratch)["python"]
+    try:
+        start = time.perf_counter()
+        result = asyncio.run(tool.run(ToolCall("python", {"code": code}), context, 10.0))
+        assert time.perf_counter() - start < 4  # killed when over, long before the time limit
+        assert result.error and "[stopped: the scratch directory held " in result.text and over in result.text
+        assert result.text.endswith("; its files were removed]") and os.listdir(scratch.path) == []
+        again = asyncio.run(tool.run(ToolCall("python", {"code": "open('a', 'w').write('kept'); print('ok')"}),
+                                     context, 10.0))
+        assert again.text == "ok\n" and not again.error and os.listdir(scratch.path) == ["a"]
+    finally:
+        scratch.cleanup()
+
+
 def test_python_tool_reports_errors_and_limits(tmp_path):
     tool = PythonTool(timeout_s=1.0)
     scratch = Scratch()
@@ -118,6 +143,8 @@ def test_python_tool_reports_errors_and_limits(tmp_path):
     assert not os.path.exists(path)
     with pytest.raises(ValueError, match="timeout_s=0 is invalid"):
         PythonTool(timeout_s=0)
+    with pytest.raises(ValueError, match="scratch_files=0 is invalid"):
+        PythonTool(scratch_files=0)
 
 
 def sandbox_processes(scratch) -> list[int]:

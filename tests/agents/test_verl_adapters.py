@@ -54,6 +54,34 @@ def test_an_older_verl_tool_gets_its_arguments_as_a_json_string(tmp_path, monkey
     assert result.text == "15" and not result.error
 
 
+@pytest.mark.parametrize("tool_class,text,error", [
+    ("StringTool", "15", False),  # a plain string is the whole response, not unpacked character by character
+    ("NumberTool", "Error: calculator failed: TypeError: NumberTool.execute returned 42: expected verl's (response, "
+                   "reward, metrics), or a response alone", True)])
+def test_a_verl_tool_returning_a_response_alone_or_another_shape(tmp_path, monkeypatch, tool_class, text, error):
+    monkeypatch.setenv("VERL_CALLS", str(tmp_path / "calls.jsonl"))
+    tools = ToolSet([str(write_verl_files(tmp_path, tool_class=f"verl_like.{tool_class}")["tools"])])
+    contexts = tools.contexts({"extra_info": {}}, Scratch())
+    result = asyncio.run(tools.run(ToolCall("calculator", {"expression": "3*5"}), contexts["calculator"], 5.0))
+    assert result.text.startswith(text) and (result.reward, result.error) == (0.0, error)
+
+
+def test_a_verl_tool_entry_without_its_schema_is_refused_naming_the_entry(tmp_path):
+    files = write_verl_files(tmp_path, schema=None)
+    with pytest.raises(ValueError) as e:
+        ToolSet([str(files["tools"])])
+    assert f"({files['tools']}, tools[0]): verl_like.MultiplyTool has no tool_schema with a function name" \
+           in str(e.value)
+
+
+def test_an_interaction_answering_none_is_an_environment_error_naming_the_class(verl_files):
+    env_class = load_environment(f"{verl_files['module']}:SilentInteraction")
+    env = env_class(verl_row(1, "7"), **environment_kwargs(env_class, {}, verl_row(1, "7")))
+    with pytest.raises(TypeError, match=r"SilentInteraction.generate_response returned the response None with "
+                                        r"should_terminate=False: the next user message must be a str"):
+        asyncio.run(env.step("It is 7.", 0))
+
+
 def test_a_verl_tool_named_as_a_class_is_refused_with_the_yaml_to_write(verl_files):
     with pytest.raises(TypeError, match=r"is a verl BaseTool: list it in a verl tool config YAML"):
         ToolSet([f"{verl_files['module']}:MultiplyTool"])

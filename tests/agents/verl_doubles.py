@@ -62,6 +62,33 @@ class JsonStringTool(MultiplyTool):
         return await super().execute(instance_id, json.loads(parameters), **kwargs)
 
 
+class StringTool(MultiplyTool):
+    """Returns its response alone, a plain string (not verl's tuple)."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return (await super().execute(instance_id, parameters, **kwargs))[0]["text"]
+
+
+class NumberTool(MultiplyTool):
+    """Returns neither verl's tuple nor a response."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return 42
+
+
+class SilentInteraction:
+    """Goes on (should_terminate=False) with the response None."""
+
+    def __init__(self, config):
+        self.config = config
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return "one"
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return False, None, 0.0, {}
+
+
 class EchoInteraction:
     """Shaped like a verl BaseInteraction subclass (verl's gsm8k interaction's flow)."""
 
@@ -98,12 +125,14 @@ SCHEMA = {"type": "function", "function": {"name": "calculator", "description": 
                                                "required": ["expression"]}}}
 
 
-def write_verl_files(folder: Path, tool_class: str = "verl_like.MultiplyTool") -> dict[str, Path]:
-    """`verl_like.py` (the classes), `tool_config.yaml` and `interaction_config.yaml` in verl's shapes."""
+def write_verl_files(folder: Path, tool_class: str = "verl_like.MultiplyTool", schema: dict | None = SCHEMA
+                     ) -> dict[str, Path]:
+    """`verl_like.py` (the classes), `tool_config.yaml` and `interaction_config.yaml` in verl's shapes (`schema`
+    None: the tool entry has no tool_schema)."""
     (folder / "verl_like.py").write_text(textwrap.dedent(TOOLS_MODULE))
     tools = folder / "tool_config.yaml"
-    tools.write_text(json.dumps({"tools": [{"class_name": tool_class, "config": {"type": "native", "step_reward": 0.25},
-                                            "tool_schema": SCHEMA}]}))
+    entry = {"class_name": tool_class, "config": {"type": "native", "step_reward": 0.25}}
+    tools.write_text(json.dumps({"tools": [entry if schema is None else {**entry, "tool_schema": schema}]}))
     interactions = folder / "interaction_config.yaml"
     interactions.write_text(json.dumps({"interaction": [{"name": "echo", "class_name": "verl_like.EchoInteraction",
                                                          "config": {"retry": "Not yet."}}]}))

@@ -94,6 +94,21 @@ def test_max_length_refuses_or_drops_long_pairs(write_jsonl, tokenizer):
     assert len(kept) == 1 and kept.num_filtered == 1
 
 
+def test_identical_pairs_are_counted_in_one_warning_naming_the_file(write_jsonl, tokenizer, caplog):
+    same = {**CONVERSATIONAL, "rejected": CONVERSATIONAL["chosen"]}
+    with caplog.at_level("WARNING", logger="hybridflow.data.preference_data"):
+        some = policy_dataset(write_jsonl([PLAIN, same, same], "some.jsonl"), tokenizer)
+        every = policy_dataset(write_jsonl([same, same], "every.jsonl"), tokenizer)
+        policy_dataset(write_jsonl([PLAIN], "none.jsonl"), tokenizer)
+    assert (some.num_identical, every.num_identical) == (2, 2)
+    first, second = [r.getMessage() for r in caplog.records]
+    assert "some.jsonl: 2 of 3 pairs have the chosen side identical to the rejected one (first: " in first \
+        and "some.jsonl, row 1 (line 2)): they carry no preference" in first and "cannot learn" not in first
+    assert "every.jsonl: all 2 pairs have the chosen side identical to the rejected one" in second \
+        and "the run cannot learn from this data: check the chosen / rejected columns ('chosen', 'rejected')" \
+        in second
+
+
 @pytest.mark.parametrize("row,message", [
     ({"prompt": "hi", "chosen": "a"}, r"row 0 \(line 1\): missing column 'rejected' \(columns: prompt, chosen\)"),
     ({"prompt": PROMPT, "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
