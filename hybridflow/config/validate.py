@@ -148,7 +148,8 @@ def _precision_problems(cfg: Any, sections: tuple[tuple[str, str], ...]) -> list
         master, optimizer = config_value(cfg, f"{model}.master_dtype"), config_value(cfg, f"{role}.optimizer")
         if master == "bf16" and optimizer != "adamw_8bit":
             problems.append(f"{model}.master_dtype=bf16 needs {role}.optimizer=adamw_8bit (its stochastic rounding "
-                            f"keeps updates below bf16's resolution); got {role}.optimizer={optimizer}")
+                            f"keeps updates below bf16's resolution; unset, it follows); got "
+                            f"{role}.optimizer={optimizer}")
         if master == "bf16" and config_value(cfg, f"{model}.dtype") == "fp32":
             problems.append(f"{model}.master_dtype=bf16 is below {model}.dtype=fp32; use {model}.dtype=bf16 or auto")
     return problems
@@ -215,7 +216,7 @@ def _algorithm_problems(cfg: Any) -> list[str]:
                         f"{max_len})")
     if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward:
         problems.append("algorithm.kl_ctrl.type=adaptive controls the in-reward KL: "
-                        "set algorithm.use_kl_in_reward=true")
+                        "set algorithm.use_kl_in_reward=true (unset, it follows)")
     if not needs_critic(cfg) and cfg.critic.warmup_steps > 0:
         problems.append(f"critic.warmup_steps={cfg.critic.warmup_steps} needs a critic "
                         f"(algorithm.adv_estimator=gae), got adv_estimator={est}")
@@ -265,9 +266,9 @@ def _agent_problems(cfg: Any) -> list[str]:
     if len(ways) > 1 or ways and (agent.environment or agent.tools):
         problems.append(f"{', '.join(ways)} drive the model through the endpoint and exclude each other and agent."
                         f"environment / agent.tools: set one of them")
-    if ways and cfg.reward.function == "auto":
+    if ways and cfg.reward.function == "auto" and not cfg.reward.functions:
         problems.append(f"{ways[0]} returns each trajectory's reward: set reward.function=environment to train on "
-                        f"it (or a function of yours that reads extra_info['env_reward'])")
+                        f"it (or a function of yours that reads extra_info['env_reward']; unset, it follows)")
     for way in ways:
         spec = getattr(agent, way.removeprefix("agent."))
         if way != "agent.verifiers" and ":" not in spec:
