@@ -27,11 +27,13 @@ __all__ = ["FOLLOWS", "Follows", "follow_defaults", "followed_comment", "followe
 @dataclass(frozen=True)
 class Follows:
     """`key` takes `value` when `because(cfg)` gives a reason (the keys that ask for it; None = nothing asks) and
-    it was left unset, or set to `auto` (a value that asks for this choice: `reward.function=auto`)."""
+    it was left unset, or set to `auto` (a value that asks for this choice: `reward.function=auto`); `when`
+    says in which case, for the configuration reference."""
 
     key: str
     value: Any
     because: Callable[[Any], str | None]
+    when: str
     auto: Any = None
 
 
@@ -99,14 +101,19 @@ def _bf16_master(model: str) -> Callable[[Any], str | None]:
 # Each a key whose other values the checks refuse once its feature is on, so following changes no config that ran
 # before. In order: a rule may read a key an earlier one set (rollout.placement before what reads it).
 FOLLOWS: tuple[Follows, ...] = (
-    Follows("rollout.free_cache_after_generate", False, _partial_continues),
-    Follows("reward.function", "environment", _endpoint_reward, auto="auto"),
-    Follows("rollout.record_routes", True, _replays_rollout_routes),
-    Follows("algorithm.use_kl_in_reward", True, _adaptive_kl),
-    Follows("rollout.placement", "separate", _separate_rollout),
-    Follows("actor.optimizer", "adamw_8bit", _bf16_master("model")),
-    Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model")),
-    Follows("optim.optimizer", "adamw_8bit", _bf16_master("model")),
+    Follows("rollout.free_cache_after_generate", False, _partial_continues,
+            "`rollout.partial=true` (with the default `rollout.partial_unfinished=continue`)"),
+    Follows("reward.function", "environment", _endpoint_reward,
+            "`agent.runner`, `agent.verifiers`, `agent.gym` or `agent.openenv` is set and `reward.functions` is "
+            "empty", auto="auto"),
+    Follows("rollout.record_routes", True, _replays_rollout_routes, "`actor.router_replay=rollout`"),
+    Follows("algorithm.use_kl_in_reward", True, _adaptive_kl, "`algorithm.kl_ctrl.type=adaptive`"),
+    Follows("rollout.placement", "separate", _separate_rollout,
+            "`rollout.pipeline=true`, or `rollout.n_workers` is set"),
+    Follows("actor.optimizer", "adamw_8bit", _bf16_master("model"), "`model.master_dtype=bf16`"),
+    Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model"), "`critic.model.master_dtype=bf16`"),
+    Follows("optim.optimizer", "adamw_8bit", _bf16_master("model"),
+            "`model.master_dtype=bf16` (`hybridflow sft`, `dpo`, `rm`)"),
 )
 
 
