@@ -19,7 +19,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.ray_schema import PoolConfig, RayConfig
 from hybridflow.config.role_needs import ENDPOINT_WAYS
+from hybridflow.config.validate import changed_keys
 
 __all__ = ["FOLLOWS", "Follows", "follow_defaults", "followed_comment", "followed_lines"]
 
@@ -85,6 +87,15 @@ def _separate_rollout(cfg: Any) -> str | None:
         return "rollout.pipeline=true generates the next step's samples on the rollout's own devices"
     if cfg.rollout.n_workers is not None:
         return f"rollout.n_workers={cfg.rollout.n_workers} sizes the separate rollout group"
+    if changed := changed_keys(cfg.ray.rollout, PoolConfig(), "ray.rollout"):
+        return f"{', '.join(changed)} place the separate rollout group"
+    return None
+
+
+def _ray_cluster(cfg: Any) -> str | None:
+    ray = getattr(cfg, "ray", None)  # the SFT and preference programs have no `ray` section
+    if ray is not None and (changed := changed_keys(ray, RayConfig(), "ray")):
+        return f"{', '.join(changed)} place worker groups on a Ray cluster"
     return None
 
 
@@ -109,7 +120,8 @@ FOLLOWS: tuple[Follows, ...] = (
     Follows("rollout.record_routes", True, _replays_rollout_routes, "`actor.router_replay=rollout`"),
     Follows("algorithm.use_kl_in_reward", True, _adaptive_kl, "`algorithm.kl_ctrl.type=adaptive`"),
     Follows("rollout.placement", "separate", _separate_rollout,
-            "`rollout.pipeline=true`, or `rollout.n_workers` is set"),
+            "`rollout.pipeline=true`, `rollout.n_workers` is set, or a `ray.rollout.*` key differs from its default"),
+    Follows("trainer.backend", "ray", _ray_cluster, "a `ray.*` key differs from its default"),
     Follows("actor.optimizer", "adamw_8bit", _bf16_master("model"), "`model.master_dtype=bf16`"),
     Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model"), "`critic.model.master_dtype=bf16`"),
     Follows("optim.optimizer", "adamw_8bit", _bf16_master("model"),

@@ -281,13 +281,13 @@ def _agent_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def _changed(section: Any, default: Any, prefix: str) -> list[str]:
+def changed_keys(section: Any, default: Any, prefix: str) -> list[str]:
     """`prefix.key=value` for every key of a config section that differs from its default (nested too)."""
     out = []
     for f in fields(section):
         value, base = getattr(section, f.name), getattr(default, f.name)
         if hasattr(value, "__dataclass_fields__"):
-            out += _changed(value, base, f"{prefix}.{f.name}")
+            out += changed_keys(value, base, f"{prefix}.{f.name}")
         elif value != base:
             out.append(f"{prefix}.{f.name}={value}")
     return out
@@ -297,9 +297,9 @@ def _ray_problems(cfg: Any) -> list[str]:
     """`ray.*` needs the Ray backend, `ray.rollout` a separate rollout group, and each group's processes
     must split evenly over its `nnodes`."""
     if cfg.trainer.backend != "ray":
-        changed = _changed(cfg.ray, RayConfig(), "ray")
+        changed = changed_keys(cfg.ray, RayConfig(), "ray")
         return [f"{', '.join(changed)} place worker groups on a Ray cluster, but trainer.backend="
-                f"{cfg.trainer.backend} runs them on this machine; set trainer.backend=ray"] if changed else []
+                f"{cfg.trainer.backend} runs them on this machine; set trainer.backend=ray (unset, it follows)"] if changed else []
     problems = []
     address = cfg.ray.address
     if address is not None and address.startswith("ray://"):
@@ -307,9 +307,9 @@ def _ray_problems(cfg: Any) -> list[str]:
                         f"workers reach the controller directly); run the controller on a node of the cluster "
                         f"with ray.address=auto or ray.address=HEAD_IP:6379")
     pools = run_groups(cfg)
-    if "rollout" not in pools and (changed := _changed(cfg.ray.rollout, PoolConfig(), "ray.rollout")):
+    if "rollout" not in pools and (changed := changed_keys(cfg.ray.rollout, PoolConfig(), "ray.rollout")):
         problems.append(f"{', '.join(changed)} place the separate rollout group, which this run does not start; "
-                        f"set rollout.placement=separate or leave ray.rollout at its defaults")
+                        f"set rollout.placement=separate (unset, it follows) or leave ray.rollout at its defaults")
     for name in ("actor", "rollout"):
         nnodes, size_key = getattr(cfg.ray, name).nnodes, GROUP_KEYS[name][1]
         if name in pools and (nnodes < 1 or pools[name] % nnodes):

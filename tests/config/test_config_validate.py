@@ -195,16 +195,16 @@ def test_registered_estimators_are_valid_choices():
 
 def test_ray_keys_need_the_ray_backend_and_a_group_to_place():
     assert ("ray.address=auto, ray.actor.nnodes=2 place worker groups on a Ray cluster, but trainer.backend=local "
-            "runs them on this machine; set trainer.backend=ray") in _problems(_cfg("ray.address=auto",
-                                                                                   "ray.actor.nnodes=2"))
+            "runs them on this machine; set trainer.backend=ray (unset, it follows)") in _problems(
+        _cfg("ray.address=auto", "ray.actor.nnodes=2", "trainer.backend=local"))
     ray = ("trainer.backend=ray", "trainer.n_workers=4")
     validate(_cfg(*ray, "ray.actor.nnodes=2", "ray.actor.strategy=pack", "ray.actor.node_resource=gpu_a"),
              check_paths=False)
     assert ("ray.actor.nnodes=3 must divide the actor group's 4 processes (trainer.n_workers) into equal shares "
             "per node; valid: 1, 2, 4") in _problems(_cfg(*ray, "ray.actor.nnodes=3"))
     assert ("ray.rollout.nnodes=2 place the separate rollout group, which this run does not start; set "
-            "rollout.placement=separate or leave ray.rollout at its defaults") in _problems(
-        _cfg(*ray, "ray.rollout.nnodes=2"))
+            "rollout.placement=separate (unset, it follows) or leave ray.rollout at its defaults") in _problems(
+        _cfg(*ray, "ray.rollout.nnodes=2", "rollout.placement=colocate"))
     assert "ray.rollout.nnodes=3 must divide the rollout group's 2 processes (rollout.n_workers)" in _problems(
         _cfg(*ray, "rollout.placement=separate", "rollout.n_workers=2", "ray.rollout.nnodes=3"))
     assert "ray.address=ray://head:10001 is a Ray Client address" in _problems(

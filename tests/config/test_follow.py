@@ -25,6 +25,8 @@ CASES = [
     ("rollout.pipeline=true", "rollout.placement", "separate", "on the rollout's own devices"),
     ("rollout.n_workers=2", "rollout.placement", "separate", "rollout.n_workers=2 sizes the separate rollout group"),
     ("model.master_dtype=bf16", "actor.optimizer", "adamw_8bit", "stochastic rounding"),
+    ("ray.address=auto", "trainer.backend", "ray", "ray.address=auto place worker groups on a Ray cluster"),
+    ("ray.rollout.strategy=pack", "rollout.placement", "separate", "ray.rollout.strategy=pack place the separate"),
 ]
 # the same keys set to a value the feature cannot run with: kept, and refused with both keys named
 CONTRARY = [
@@ -35,6 +37,8 @@ CONTRARY = [
     ("rollout.pipeline=true", "rollout.placement=colocate", "set rollout.placement=separate"),
     ("rollout.n_workers=2", "rollout.placement=colocate", "set rollout.placement=separate"),
     ("model.master_dtype=bf16", "actor.optimizer=adamw", "model.master_dtype=bf16 needs actor.optimizer=adamw_8bit"),
+    ("ray.address=auto", "trainer.backend=local", "set trainer.backend=ray"),
+    ("ray.rollout.strategy=pack", "rollout.placement=colocate", "set rollout.placement=separate"),
 ]
 
 
