@@ -9,8 +9,8 @@ naming both keys, before any model loads.
 `followed_lines(cfg)` says which keys of a config hold the value another key asks for, and why (whether they
 followed or were set so: the config alone does not tell): `hybridflow config` prints them, and a run writes them
 at the top of its `resolved_config.yaml` (`followed_comment`: YAML comments, so the file loads again with
-`--config`). A config built in Python (`RLConfig(...)`) has no unset keys: what it does not
-pass is its default, so nothing follows there.
+`--config`). A config built in Python (`RLConfig(...)`) has no unset keys: what it does not pass is its
+default, so nothing follows there.
 """
 
 from __future__ import annotations
