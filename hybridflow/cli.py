@@ -35,9 +35,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    from hybridflow.config.follow import followed_comment
     from hybridflow.config.loader import load_config, to_yaml
 
-    print(to_yaml(load_config(args.overrides, args.config)), end="")
+    cfg = load_config(args.overrides, args.config)
+    print(followed_comment(cfg) + to_yaml(cfg), end="")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The configuration reference (`docs/config.md`), rendered from the schema's field metadata.
+"""The configuration reference (`docs/config.md`), rendered from the schema's field metadata and the keys that
+follow others (`hybridflow.config.follow.FOLLOWS`).
 
 `python scripts/gen_config_docs.py` writes it; a test compares the file with `render_reference()` so
 the reference can never drift from the defaults and help lines in `hybridflow/config/schema.py`.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hybridflow.config.follow import FOLLOWS
 from hybridflow.config.loader import schema_fields, type_name
 from hybridflow.config.options import field_default
 from hybridflow.config.schema import RLConfig
@@ -28,6 +30,28 @@ choices names the valid ones, and the batch-size relations are checked before an
 - `micro_batch_size` divides those rows per rank (`mini_batch_size` x `rollout.n` / `n_workers`);
 - the same for `critic.*` when `algorithm.adv_estimator=gae`; grpo, rloo and
   reinforce_plus_plus_baseline need `rollout.n` >= 2; remax needs `rollout.temperature` > 0.
+
+## Replacing a mapping, or forgetting a key
+
+A mapping given on the command line merges into the one the recipe set (`agent.env_kwargs={start: 2}` over a
+recipe's `{decay: 0.5}` gives `{decay: 0.5, start: 2}`); lists are replaced whole. Hydra's `~key` forgets what
+the YAML files and the earlier overrides set for a key (or a whole section), which is then its default again;
+a `key=value` after it sets it anew:
+
+    hybridflow train --config recipes/multiturn_retry.yaml ... '~agent.env_kwargs' 'agent.env_kwargs={start: 2}'
+    hybridflow config --config recipes/multiturn_retry.yaml '~agent.env_kwargs'   # env_kwargs: {}
+
+## Keys that follow others
+
+Turning a feature on needs that key alone where the feature needs one value of another key: left unset by the
+YAML files and the overrides, that key follows (`hybridflow.config.follow`). A key that was set keeps its value,
+and a value the feature cannot run with is refused before any model loads, naming both keys. `hybridflow
+config` prints what followed, and a run writes it at the top of its `resolved_config.yaml`, as YAML comments
+(the file loads again with `--config`). A config built in Python has no unset keys: nothing follows there.
+
+| key | follows to | when |
+|---|---|---|
+{follows}
 
 This file is generated from `hybridflow/config/schema.py` by `python scripts/gen_config_docs.py`;
 do not edit it by hand.
@@ -49,7 +73,10 @@ def _format_default(value: Any) -> str:
 def render_reference(schema: type = RLConfig) -> str:
     """Markdown: the intro, then one table per section (key, type, default, meaning)."""
     known = schema_fields(schema)
-    lines = [INTRO]
+    follows = "\n".join(f"| `{rule.key}` | {_format_default(rule.value)} | {rule.when}"
+                         + (f" (also when set to `{rule.auto}`)" if rule.auto is not None else "") + " |"
+                         for rule in FOLLOWS)
+    lines = [INTRO.replace("{follows}", follows)]
     sections = [k for k, info in known.items() if info.kind == "section"]
     for section in sections:
         info = known[section]

@@ -6,10 +6,14 @@
 
 Every key is checked against the schema before it is merged, in the YAML file as on the command line:
 the unknown keys are reported all at once, each with a did-you-mean (for one of verl's keys, ours) and
-where it came from; Hydra's `+key=value` is `key=value`; a value of the wrong type names
+where it came from; Hydra's `+key=value` is `key=value`, and its `~key` forgets what the files and earlier
+overrides set for a key (so `~agent.env_kwargs 'agent.env_kwargs={a: 1}'` replaces a recipe's mapping, which
+`agent.env_kwargs={a: 1}` alone merges into; lists are always replaced); a value of the wrong type names
 the key, the value and the expected type; a value outside a field's choices names the valid ones. A
-list field given one value (`data.train_files=a.parquet`) becomes a one-element list. Also here:
-`to_yaml(cfg)` and `config_diff(a, b)` (used by resume to name what changed).
+list field given one value (`data.train_files=a.parquet`) becomes a one-element list. A key neither the
+files nor the overrides set follows a key that needs one value of it (`hybridflow.config.follow`:
+`rollout.partial=true` alone keeps the KV cache). Also here: `to_yaml(cfg)` and `config_diff(a, b)` (used by
+resume to name what changed).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hybridflow.config.follow import follow_defaults
+from hybridflow.config.overrides import nest, parse_override, split_config_arg
 from hybridflow.config.schema import RLConfig
 from hybridflow.config.validate import ConfigError, validate
 from hybridflow.config.verl_keys import verl_hint
@@ -276,47 +282,21 @@ def _yaml_layers(path: str | Path, chain: tuple[Path, ...] = ()) -> list[tuple[s
     return layers + [(f"config file {path}", data)]
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
-    """`"rollout.n=8"` -> `("rollout.n", 8)`; values use OmegaConf's grammar (lists, null, quotes). Hydra's
-    `+key=value` / `++key=value` (verl's way to add a key) mean `key=value`: every key exists here."""
-    key, sep, raw = item.partition("=")
-    key = key.strip().lstrip("+")
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rollout.n=8)")
-    try:
-        value = cast(dict, OmegaConf.to_container(OmegaConf.from_dotlist([f"_v={raw}"])))["_v"]
-    except Exception as e:
-        raise ConfigError(f"override {item!r}: cannot parse the value {raw!r}: {e}") from None
-    return key, value
-
-
-def _nest(key: str, value: Any) -> dict:
-    """`("a.b.c", 1)` -> `{"a": {"b": {"c": 1}}}`."""
-    for part in reversed(key.split(".")):
-        value = {part: value}
-    return value
-
-
-def split_config_arg(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """Separates `--config FILE` / `--config=FILE` from the `key=value` overrides in argv."""
-    config_file, rest = None, []
-    items = list(argv)
-    i = 0
-    while i < len(items):
-        item = items[i]
-        if item == "--config" or item.startswith("--config="):
-            if config_file is not None:
-                raise ConfigError("--config given more than once")
-            if item == "--config":
-                if i + 1 >= len(items):
-                    raise ConfigError("--config needs a file name")
-                config_file, i = items[i + 1], i + 1
-            else:
-                config_file = item.split("=", 1)[1]
-        else:
-            rest.append(item)
-        i += 1
-    return config_file, rest
+def _drop(tree: dict, item: str, known: dict[str, FieldInfo], problems: list[str]) -> None:
+    """`~key` (Hydra's deletion): forgets what the YAML files and earlier overrides set for `key` (a section
+    too), which is then its default again, so a following `key=value` replaces a mapping instead of merging."""
+    key = item[1:]
+    if "=" in key or not key:
+        problems.append(f"override {item!r}: ~ takes a key alone (~agent.env_kwargs), then key=value sets it anew")
+    elif key not in known:
+        problems.append(f"override {item!r}: {_unknown_key(key, known)}")
+    else:
+        *parents, leaf = key.split(".")
+        node: Any = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
 
 
 def _check_choices(obj: Any, known: dict[str, FieldInfo], sources: dict[str, str]) -> None:
@@ -354,9 +334,12 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     for source, layer in _yaml_layers(config_file) if config_file is not None else []:
         _deep_update(tree, _check_tree(layer, known, source, problems), sources, source)
     for item in overrides:
-        key, value = _parse_override(item)
+        if item.startswith("~"):
+            _drop(tree, item, known, problems)
+            continue
+        key, value = parse_override(item)
         source = f"override {item!r}"
-        _deep_update(tree, _check_tree(_nest(key, value), known, source, problems), sources, source)
+        _deep_update(tree, _check_tree(nest(key, value), known, source, problems), sources, source)
     if problems:  # every unknown key at once
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems in the configuration:\n  - " + "\n  - ".join(problems))
@@ -366,6 +349,7 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     except OmegaConfBaseException as e:  # e.g. an interpolation `${...}` that does not resolve
         raise ConfigError(f"cannot build the config: {e}") from None
     _check_choices(obj, known, sources)
+    follow_defaults(obj, {key for name, value in tree.items() for key in _leaves(value, name)})
     return obj
 
 

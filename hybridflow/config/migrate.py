@@ -73,7 +73,7 @@ def read_verl(path: str | Path) -> dict[str, Any]:
     """verl's settings in `path` (a ``.yaml`` config or a shell script) as ``{dotted key: value}``."""
     from omegaconf import OmegaConf
 
-    from hybridflow.config.loader import _parse_override
+    from hybridflow.config.overrides import parse_override
 
     path = Path(path)
     if not path.is_file():
@@ -86,7 +86,7 @@ def read_verl(path: str | Path) -> dict[str, Any]:
     if not raw:
         raise ConfigError(f"{path}: no verl key=value arguments found (expected a command running "
                           f"verl.trainer.main_ppo with dotted overrides)")
-    return {key: _parse_override(f"{key}={value}")[1] for key, value in raw.items()}
+    return {key: parse_override(f"{key}={value}")[1] for key, value in raw.items()}
 
 
 def translate(settings: Mapping[str, Any]) -> tuple[dict[str, tuple[Any, str]], list[tuple[str, Any, str]]]:

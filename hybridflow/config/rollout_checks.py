@@ -26,7 +26,7 @@ def moe_problems(cfg: Any) -> list[str]:
     problems, actor, rollout = [], cfg.actor, cfg.rollout
     if actor.router_replay == "rollout" and not rollout.record_routes:
         problems.append("actor.router_replay=rollout replays the experts the rollout engine recorded: set "
-                        "rollout.record_routes=true")
+                        "rollout.record_routes=true (unset, it follows)")
     if actor.router_aux_loss_coef < 0:
         problems.append(f"actor.router_aux_loss_coef={actor.router_aux_loss_coef} must be >= 0 (0 = off)")
     if rollout.record_routes and rollout.engine == "hf":
@@ -45,7 +45,7 @@ def placement_problems(cfg: Any) -> list[str]:
         if rollout.n_workers is not None:
             return [f"rollout.n_workers={rollout.n_workers} sizes the separate rollout group, but "
                     f"rollout.placement={rollout.placement} runs the engine in the actor's trainer.n_workers "
-                    f"processes; set rollout.placement=separate or rollout.n_workers=null"]
+                    f"processes; set rollout.placement=separate (unset, it follows) or rollout.n_workers=null"]
         return []
     if rollout.n_workers is not None and rollout.n_workers < 1:
         return [f"rollout.n_workers={rollout.n_workers} must be >= 1 or null (= trainer.n_workers)"]
@@ -64,7 +64,8 @@ def off_policy_problems(cfg: Any) -> list[str]:
              if on]
     if rollout.pipeline and rollout.placement != "separate":
         problems.append(f"rollout.pipeline=true overlaps the next step's generation with this step's update, on the "
-                        f"rollout's own devices; set rollout.placement=separate (got {rollout.placement})")
+                        f"rollout's own devices; set rollout.placement=separate (unset, it follows; got "
+                        f"{rollout.placement})")
     if rollout.pipeline and rollout.max_staleness < 1:
         problems.append(f"rollout.pipeline=true trains each batch one policy version after the weights that "
                         f"generated it: rollout.max_staleness={rollout.max_staleness} must be >= 1")
@@ -77,8 +78,8 @@ def off_policy_problems(cfg: Any) -> list[str]:
     if rollout.partial and rollout.partial_unfinished == "continue" and rollout.free_cache_after_generate:
         problems.append("rollout.partial_unfinished=continue keeps unfinished samples' KV slots from one step to the "
                         "next, which rollout.free_cache_after_generate=true frees after each generation; set "
-                        "rollout.free_cache_after_generate=false (the cache then stays through training) or "
-                        "rollout.partial_unfinished=recompute")
+                        "rollout.free_cache_after_generate=false (the cache then stays through training; unset, it "
+                        "follows) or rollout.partial_unfinished=recompute")
     ranks = rollout_workers(cfg) if rollout.placement == "separate" else cfg.trainer.n_workers
     prompts = cfg.data.train_batch_size
     if rollout.partial and prompts >= 1 and ranks >= 1 and prompts % ranks:

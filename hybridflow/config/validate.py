@@ -149,7 +149,8 @@ def _precision_problems(cfg: Any, sections: tuple[tuple[str, str], ...]) -> list
         master, optimizer = config_value(cfg, f"{model}.master_dtype"), config_value(cfg, f"{role}.optimizer")
         if master == "bf16" and optimizer != "adamw_8bit":
             problems.append(f"{model}.master_dtype=bf16 needs {role}.optimizer=adamw_8bit (its stochastic rounding "
-                            f"keeps updates below bf16's resolution); got {role}.optimizer={optimizer}")
+                            f"keeps updates below bf16's resolution; unset, it follows); got "
+                            f"{role}.optimizer={optimizer}")
         if master == "bf16" and config_value(cfg, f"{model}.dtype") == "fp32":
             problems.append(f"{model}.master_dtype=bf16 is below {model}.dtype=fp32; use {model}.dtype=bf16 or auto")
     return problems
@@ -216,7 +217,7 @@ def _algorithm_problems(cfg: Any) -> list[str]:
                         f"{max_len})")
     if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward:
         problems.append("algorithm.kl_ctrl.type=adaptive controls the in-reward KL: "
-                        "set algorithm.use_kl_in_reward=true")
+                        "set algorithm.use_kl_in_reward=true (unset, it follows)")
     if not needs_critic(cfg) and cfg.critic.warmup_steps > 0:
         problems.append(f"critic.warmup_steps={cfg.critic.warmup_steps} needs a critic "
                         f"(algorithm.adv_estimator=gae), got adv_estimator={est}")
@@ -266,9 +267,9 @@ def _agent_problems(cfg: Any) -> list[str]:
     if len(ways) > 1 or ways and (agent.environment or agent.tools):
         problems.append(f"{', '.join(ways)} drive the model through the endpoint and exclude each other and agent."
                         f"environment / agent.tools: set one of them")
-    if ways and cfg.reward.function == "auto":
+    if ways and cfg.reward.function == "auto" and not cfg.reward.functions:
         problems.append(f"{ways[0]} returns each trajectory's reward: set reward.function=environment to train on "
-                        f"it (or a function of yours that reads extra_info['env_reward'])")
+                        f"it (or a function of yours that reads extra_info['env_reward']; unset, it follows)")
     for way in ways:
         spec = getattr(agent, way.removeprefix("agent."))
         if way != "agent.verifiers" and ":" not in spec:
@@ -298,13 +299,13 @@ def _non_finite(cfg: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _changed(section: Any, default: Any, prefix: str) -> list[str]:
+def changed_keys(section: Any, default: Any, prefix: str) -> list[str]:
     """`prefix.key=value` for every key of a config section that differs from its default (nested too)."""
     out = []
     for f in fields(section):
         value, base = getattr(section, f.name), getattr(default, f.name)
         if hasattr(value, "__dataclass_fields__"):
-            out += _changed(value, base, f"{prefix}.{f.name}")
+            out += changed_keys(value, base, f"{prefix}.{f.name}")
         elif value != base:
             out.append(f"{prefix}.{f.name}={value}")
     return out
@@ -314,9 +315,10 @@ def _ray_problems(cfg: Any) -> list[str]:
     """`ray.*` needs the Ray backend, `ray.rollout` a separate rollout group, and each group's processes
     must split evenly over its `nnodes`."""
     if cfg.trainer.backend != "ray":
-        changed = _changed(cfg.ray, RayConfig(), "ray")
+        changed = changed_keys(cfg.ray, RayConfig(), "ray")
         return [f"{', '.join(changed)} place worker groups on a Ray cluster, but trainer.backend="
-                f"{cfg.trainer.backend} runs them on this machine; set trainer.backend=ray"] if changed else []
+                f"{cfg.trainer.backend} runs them on this machine; set trainer.backend=ray (unset, it follows)"
+                ] if changed else []
     problems = []
     address = cfg.ray.address
     if address is not None and address.startswith("ray://"):
@@ -324,9 +326,9 @@ def _ray_problems(cfg: Any) -> list[str]:
                         f"workers reach the controller directly); run the controller on a node of the cluster "
                         f"with ray.address=auto or ray.address=HEAD_IP:6379")
     pools = run_groups(cfg)
-    if "rollout" not in pools and (changed := _changed(cfg.ray.rollout, PoolConfig(), "ray.rollout")):
+    if "rollout" not in pools and (changed := changed_keys(cfg.ray.rollout, PoolConfig(), "ray.rollout")):
         problems.append(f"{', '.join(changed)} place the separate rollout group, which this run does not start; "
-                        f"set rollout.placement=separate or leave ray.rollout at its defaults")
+                        f"set rollout.placement=separate (unset, it follows) or leave ray.rollout at its defaults")
     for name in ("actor", "rollout"):
         nnodes, size_key = getattr(cfg.ray, name).nnodes, GROUP_KEYS[name][1]
         if name in pools and (nnodes < 1 or pools[name] % nnodes):

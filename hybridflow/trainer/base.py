@@ -26,6 +26,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import BadStepCounter, RunLock, check_writable
+from hybridflow.config.follow import followed_comment
 from hybridflow.config.loader import to_yaml
 from hybridflow.controller import WorkerGroup
 from hybridflow.controller.cluster import connect
@@ -132,8 +133,8 @@ class Trainer(ABC):
     # ------------------------------------------------------------------ the run
     def write_resolved_config(self) -> Any:
         """The config with what the workers filled in (`effective_handles`), written to `resolved_config.yaml`
-        in the output directory under a header naming each device plan, which is also printed once (roles
-        sharing a device share a plan); returns it."""
+        in the output directory under a header naming the keys that follow others (`hybridflow.config.follow`)
+        and each device plan, which is also printed once (roles sharing a device share a plan); returns it."""
         resolved = copy.deepcopy(self.cfg)
         plans: dict[str, list[str]] = {}
         for name, handle in self.effective_handles().items():
@@ -146,7 +147,8 @@ class Trainer(ABC):
                 setattr(node, leaf, value)
             if effective.plan is not None:
                 plans.setdefault(effective.plan, []).append(name)
-        header = ""
+        header = followed_comment(resolved)
+        print(header, end="", flush=True)
         for plan, names in plans.items():
             print(f"device plan of {', '.join(names)}: {plan}", flush=True)
             header += f"# device plan of {', '.join(names)}: {plan}\n"

@@ -64,7 +64,8 @@ def test_estimator_needs():
         _cfg("algorithm.adv_estimator=remax", "rollout.temperature=0"))
     assert "every advantage is 0; use rollout.temperature > 0" in _problems(_cfg("rollout.temperature=0"))
     assert "rollout.val_n=4 with rollout.val_temperature=0" in _problems(_cfg("rollout.val_n=4"))
-    assert "set algorithm.use_kl_in_reward=true" in _problems(_cfg("algorithm.kl_ctrl.type=adaptive"))
+    assert "set algorithm.use_kl_in_reward=true" in _problems(_cfg("algorithm.kl_ctrl.type=adaptive",
+                                                                   "algorithm.use_kl_in_reward=false"))
     assert "overlong_buffer.len=600 must be in [1, data.max_response_length=512)" in _problems(
         _cfg("algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=600"))
     assert "critic.warmup_steps=2 needs a critic" in _problems(_cfg("critic.warmup_steps=2"))
@@ -165,11 +166,13 @@ def test_the_endpoint_ways_in_are_checked_before_training(tmp_path):
                          "agent.max_concurrent_requests=0", "agent.runner_processes=0"))
     for part in ("agent.runner, agent.gym drive the model through the endpoint and exclude each other and "
                  "agent.environment / agent.tools: set one of them",
-                 "agent.runner returns each trajectory's reward: set reward.function=environment",
                  "agent.gym='Maze' must name what to load: path/to/file.py:Name or package.module:Name (or "
                  "textarena:<env id>)", "agent.max_concurrent_requests=0 must be >= 1",
                  "agent.runner_processes=0 must be >= 1 (or null: min(16, CPU cores))"):
         assert part in msg
+    python_built = _cfg("agent.runner=agent.py:play")
+    python_built.reward.function = "auto"  # as in a config built in Python, where nothing follows
+    assert "agent.runner returns each trajectory's reward: set reward.function=environment" in _problems(python_built)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "hi"}\n')
     base = ["model.path=some-org/some-model", f"data.train_files={data}", "reward.function=environment"]
@@ -192,16 +195,16 @@ def test_registered_estimators_are_valid_choices():
 
 def test_ray_keys_need_the_ray_backend_and_a_group_to_place():
     assert ("ray.address=auto, ray.actor.nnodes=2 place worker groups on a Ray cluster, but trainer.backend=local "
-            "runs them on this machine; set trainer.backend=ray") in _problems(_cfg("ray.address=auto",
-                                                                                   "ray.actor.nnodes=2"))
+            "runs them on this machine; set trainer.backend=ray (unset, it follows)") in _problems(
+        _cfg("ray.address=auto", "ray.actor.nnodes=2", "trainer.backend=local"))
     ray = ("trainer.backend=ray", "trainer.n_workers=4")
     validate(_cfg(*ray, "ray.actor.nnodes=2", "ray.actor.strategy=pack", "ray.actor.node_resource=gpu_a"),
              check_paths=False)
     assert ("ray.actor.nnodes=3 must divide the actor group's 4 processes (trainer.n_workers) into equal shares "
             "per node; valid: 1, 2, 4") in _problems(_cfg(*ray, "ray.actor.nnodes=3"))
     assert ("ray.rollout.nnodes=2 place the separate rollout group, which this run does not start; set "
-            "rollout.placement=separate or leave ray.rollout at its defaults") in _problems(
-        _cfg(*ray, "ray.rollout.nnodes=2"))
+            "rollout.placement=separate (unset, it follows) or leave ray.rollout at its defaults") in _problems(
+        _cfg(*ray, "ray.rollout.nnodes=2", "rollout.placement=colocate"))
     assert "ray.rollout.nnodes=3 must divide the rollout group's 2 processes (rollout.n_workers)" in _problems(
         _cfg(*ray, "rollout.placement=separate", "rollout.n_workers=2", "ray.rollout.nnodes=3"))
     assert "ray.address=ray://head:10001 is a Ray Client address" in _problems(

@@ -129,7 +129,7 @@ def overrides(model, data, out, *extra):
     return [f"model.path={model}", f"data.train_files={data}", "data.train_batch_size=2", "rollout.n=2",
             "data.max_prompt_length=192", "data.max_response_length=64", "agent.max_tokens_per_turn=6",
             "actor.lr=1e-4", "actor.mini_batch_size=null", "trainer.total_steps=2", "trainer.val_before_train=false",
-            "reward.num_workers=1", "reward.function=environment", f"trainer.output_dir={out}", *extra]
+            "reward.num_workers=1", f"trainer.output_dir={out}", *extra]  # reward.function follows: environment
 
 
 def write(path, source):

@@ -55,7 +55,8 @@ def test_moe_keys_are_checked(moe_model, tiny_qwen2, data_dir, tmp_path):
             validate(load_config(base_overrides(model, data_dir, tmp_path, *extra), "recipes/grpo.yaml"))
         return str(err.value)
 
-    assert "set rollout.record_routes=true" in problems(moe_model, "actor.router_replay=rollout")
+    assert "set rollout.record_routes=true" in problems(moe_model, "actor.router_replay=rollout",
+                                                        "rollout.record_routes=false")
     assert "needs the fast engine" in problems(moe_model, "rollout.record_routes=true", "rollout.engine=hf")
     assert "need a mixture of experts" in problems(tiny_qwen2, "rollout.record_routes=true")
     assert "actor.lora.target_parameters: 'experts.gate': no parameter has that name" in problems(

@@ -54,7 +54,7 @@ def option_cases() -> list[tuple[str, tuple[str, ...], str | None]]:
         loss_kind = KL_KINDS[(i + 1) % len(KL_KINDS)]
         cases[("algorithm.use_kl_in_reward=true", f"algorithm.kl_penalty={kind}", "actor.kl_loss_coef=0.1",
                f"actor.kl_loss_type={loss_kind}")] = f"kl_in_reward={kind},kl_loss={loss_kind}"
-    cases[("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")] = "adaptive_kl"
+    cases[("algorithm.kl_ctrl.type=adaptive",)] = "adaptive_kl"  # algorithm.use_kl_in_reward follows: true
     cases[("algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=4")] = "overlong_buffer"
     cases[("algorithm.filter_groups.enable=true",)] = "filter_groups"
     cases[("algorithm.adv_estimator=remax", "algorithm.filter_groups.enable=true")] = "remax+filter_groups"

@@ -15,8 +15,8 @@ from test_rl_resume_and_backends import comparable
 
 SMALL = ("data.train_batch_size=2", "rollout.n=2", "data.max_prompt_length=256", "data.max_response_length=32",
          "trainer.val_before_train=false", "trainer.val_every=0", "trainer.loggers=[jsonl]", "reward.num_workers=0")
-PARTIAL = ("rollout.partial=true", "rollout.free_cache_after_generate=false")
-PIPELINE = ("rollout.placement=separate", "rollout.pipeline=true")
+PARTIAL = ("rollout.partial=true",)  # rollout.free_cache_after_generate follows: false (hybridflow.config.follow)
+PIPELINE = ("rollout.pipeline=true",)  # rollout.placement follows: separate
 
 
 def train(model, data_dir, out, *overrides):
@@ -48,6 +48,9 @@ def in_flight_at(checkpoint) -> list[dict]:
 def test_unfinished_samples_carry_over_and_a_resumed_run_equals_the_uninterrupted_one(stopping_qwen2, data_dir,
                                                                                         tmp_path):
     rows = resumed_equals_straight(stopping_qwen2, data_dir, tmp_path, *PARTIAL)
+    resolved = (tmp_path / "straight/resolved_config.yaml").read_text()
+    assert ("#   rollout.free_cache_after_generate=false: rollout.partial=true with rollout.partial_unfinished=continue "
+            "keeps unfinished samples' KV slots") in resolved and "free_cache_after_generate: false" in resolved
     samples = in_flight_at(tmp_path / "resumed/checkpoints/step_00000002")
     assert any(s["finish"] == "" and len(s["tokens"]) for s in samples)  # a sample stopped mid-response
     assert all(len(s["versions"]) == len(s["tokens"]) == len(s["logprobs"]) for s in samples)
@@ -136,8 +139,10 @@ def _problems(*overrides) -> str:
 
 def test_what_partial_rollouts_and_pipelining_cannot_run_with_is_refused():
     assert ("rollout.partial_unfinished=continue keeps unfinished samples' KV slots from one step to the next, which "
-            "rollout.free_cache_after_generate=true frees") in _problems("rollout.partial=true")
-    assert "rollout.pipeline=true overlaps" in _problems("rollout.pipeline=true")
+            "rollout.free_cache_after_generate=true frees") in _problems("rollout.partial=true",
+                                                                         "rollout.free_cache_after_generate=true")
+    assert "set rollout.placement=separate (unset, it follows; got colocate)" in _problems(
+        "rollout.pipeline=true", "rollout.placement=colocate")
     assert "rollout.max_staleness=0 must be >= 1" in _problems("rollout.pipeline=true", "rollout.placement=separate",
                                                                "rollout.max_staleness=0")
     assert ("rollout.partial=true does not run with algorithm.filter_groups.enable=true"

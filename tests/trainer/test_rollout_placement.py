@@ -34,8 +34,8 @@ def _problems(*overrides) -> str:
 
 def test_bad_rollout_placements_are_refused():
     assert ("rollout.n_workers=2 sizes the separate rollout group, but rollout.placement=colocate runs the "
-            "engine in the actor's trainer.n_workers processes; set rollout.placement=separate or "
-            "rollout.n_workers=null") in _problems("rollout.n_workers=2")
+            "engine in the actor's trainer.n_workers processes; set rollout.placement=separate (unset, it follows) or "
+            "rollout.n_workers=null") in _problems("rollout.n_workers=2", "rollout.placement=colocate")
     assert ("data.train_batch_size=6 prompts must split evenly over the 4 rollout ranks (rollout.n_workers=4, "
             "null = trainer.n_workers); valid rollout.n_workers: 1, 2, 3, 6"
             ) in _problems("rollout.placement=separate", "rollout.n_workers=4")
