@@ -71,12 +71,18 @@ def _format_default(value: Any) -> str:
 
 
 def render_reference(schema: type = RLConfig) -> str:
-    """Markdown: the intro, then one table per section (key, type, default, meaning)."""
-    known = schema_fields(schema)
+    """Markdown: the intro (with the keys that follow others), then `render_sections(schema)`."""
     follows = "\n".join(f"| `{rule.key}` | {_format_default(rule.value)} | {rule.when}"
                          + (f" (also when set to `{rule.auto}`)" if rule.auto is not None else "") + " |"
                          for rule in FOLLOWS)
-    lines = [INTRO.replace("{follows}", follows)]
+    return INTRO.replace("{follows}", follows) + "\n" + render_sections(schema)
+
+
+def render_sections(schema: type = RLConfig) -> str:
+    """Markdown: one table per section of `schema` (key, type, default, meaning); the SFT and preference pages
+    hold their programs' tables."""
+    known = schema_fields(schema)
+    lines: list[str] = []
     sections = [k for k, info in known.items() if info.kind == "section"]
     for section in sections:
         info = known[section]

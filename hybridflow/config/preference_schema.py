@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hybridflow.config.options import opt, registered
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig, TrainerConfig
+from hybridflow.config.schema import EngineOptimConfig, ModelConfig, RunConfig
 
 PREFERENCE_TRUNCATION_MODES = ("error", "filter")
 
@@ -84,7 +84,7 @@ class RewardModelLossConfig:
 
 
 @dataclass
-class PreferenceTrainerConfig(TrainerConfig):
+class PreferenceTrainerConfig(RunConfig):
     """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
 
     output_dir: str = opt("outputs/dpo", "where metrics, checkpoints and the final model (hf/) go")

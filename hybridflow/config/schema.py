@@ -360,8 +360,8 @@ class TeacherConfig:
 
 
 @dataclass
-class TrainerConfig:
-    """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
+class RunConfig:
+    """The run: length, seed, outputs, backend, validation, checkpoints and logging (every program's)."""
 
     total_steps: Optional[int] = opt(None, "training steps; null = total_epochs over the training data")
     total_epochs: int = opt(1, "epochs over the training data when total_steps is null")
@@ -382,8 +382,6 @@ class TrainerConfig:
     project_name: str = opt("hybridflow", "project name for TensorBoard / W&B")
     experiment_name: Optional[str] = opt(None, "run name; null = the output_dir's last component")
     log_samples: int = opt(4, "sample completions logged per validation")
-    log_rollouts: int = opt(4, "training rows per step written token by token (log-probs, advantages, turns, "
-                               "staleness) to rollouts.jsonl for `hybridflow view`; 0 = none")
     max_bad_steps: int = opt(3, "non-finite steps in a row before the run stops")
     worker_timeout_s: float = opt(30.0, "a worker process silent (no heartbeat) this long while the controller "
                                         "waits on it is reported as unresponsive and the run stops; 0 = wait forever")
@@ -394,6 +392,14 @@ class TrainerConfig:
                                      "critic gets its own processes (where the rollout runs is "
                                      "rollout.placement)",
                          ("colocate", "split"))
+
+
+@dataclass
+class TrainerConfig(RunConfig):
+    """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
+
+    log_rollouts: int = opt(4, "training rows per step written token by token (log-probs, advantages, turns, "
+                               "staleness) to rollouts.jsonl for `hybridflow view`; 0 = none")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The typed configuration of `hybridflow sft`: chat data, optimisation and the run.
 
 `SFTConfig(model, data, optim, trainer)` is the root the loader takes through `schema=SFTConfig`; the model
-and run sections are the RL ones (`ModelConfig`, `TrainerConfig`), with SFT defaults where they differ.
+and run sections are the RL ones (`ModelConfig`, `RunConfig`), with SFT defaults where they differ.
 Cross-key checks are `hybridflow.config.validate.validate_sft`.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hybridflow.config.options import opt
-from hybridflow.config.schema import ModelConfig, OptimConfig, TrainerConfig
+from hybridflow.config.schema import ModelConfig, OptimConfig, RunConfig
 
 SFT_TRUNCATION_MODES = ("error", "filter", "right")
 
@@ -49,7 +49,7 @@ class SFTOptimConfig(OptimConfig):
 
 
 @dataclass
-class SFTTrainerConfig(TrainerConfig):
+class SFTTrainerConfig(RunConfig):
     """The run: length, seed, outputs, backend, validation, checkpoints and logging."""
 
     output_dir: str = opt("outputs/sft", "where metrics, checkpoints and the final model (hf/) go")
