@@ -104,10 +104,8 @@ def parse_sides(record: Record, prompt_key: str, side_keys: Sequence[str], impli
 def parse_pair(record: Record, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[Side, Side, Side]:
     """(prompt, chosen, rejected) of a row, with an explicit prompt or an implicit one (a row without
     `prompt_key`: `shared_prompt`); a `DataError` names the column and the key that maps it."""
-    for key, option in ((chosen_key, "data.chosen_key"), (rejected_key, "data.rejected_key")):
-        if key not in record.data:
-            raise DataError(f"{record.where}: missing column '{key}' (set {option} to the column holding it; "
-                            f"columns: {', '.join(record.data) or 'none'})")
+    record.require(chosen_key, "data.chosen_key")
+    record.require(rejected_key, "data.rejected_key")
     prompt, chosen, rejected = parse_sides(record, prompt_key, (chosen_key, rejected_key),
                                            implicit=prompt_key not in record.data)
     return prompt, chosen, rejected

@@ -65,10 +65,8 @@ def encode_row(record: Record, tokenizer: Any, messages_key: str, prompt_key: st
             raise record.error(messages_key, "at least one assistant message to learn from", show_value=False)
         return encode_conversation([{"role": m["role"], "content": m["content"]} for m in messages], tokenizer)
     if prompt_key in data or response_key in data:
-        for key, option in ((prompt_key, "data.prompt_key"), (response_key, "data.response_key")):
-            if key not in data:
-                raise DataError(f"{record.where}: missing column '{key}' (set {option} to the column holding it; "
-                                f"columns: {', '.join(data)})")
+        record.require(prompt_key, "data.prompt_key")
+        record.require(response_key, "data.response_key")
         _has_template(tokenizer, record)
         prompt, completion = parse_sides(record, prompt_key, (response_key,))
         try:
