@@ -61,6 +61,9 @@ def test_the_implicit_prompt_is_the_shared_start_as_trl_extracts_it():
     with pytest.raises(DataError, match=r"row 0 \(line 1\), column 'prompt \(the start 'chosen' and 'rejected' "
                                         r"share, as the row has no 'prompt' column\)': expected a non-empty prompt"):
         parse_pair(nothing_shared, "prompt", "chosen", "rejected")
+    same = Record({"chosen": "Blue.", "rejected": "Blue."}, "pairs.jsonl", 0, 1)  # no completion left to prefer
+    with pytest.raises(DataError, match=r"column 'chosen': expected a non-empty string"):
+        parse_pair(same, "prompt", "chosen", "rejected")
     no_rejected = Record({"prompt": "Q", "chosen": "A", "worse": "B"}, "pairs.jsonl", 0, 1)
     with pytest.raises(DataError, match=r"missing column 'rejected' \(set data.rejected_key to the column holding "
                                         r"it; columns: prompt, chosen, worse\)"):
