@@ -26,7 +26,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.rewards.binding import ROW_ARGUMENTS, bind, is_batched
+from hybridflow.rewards.binding import ROW_ARGUMENTS, bind, is_async, is_batched
 from hybridflow.utils.imports import load_from_file, load_from_module
 
 RewardFn = Callable[[str, str, Any, Any], "float | dict"]
@@ -160,6 +160,9 @@ def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
     if is_batched(fn):
         raise TypeError(f"reward function {where} is batched (TRL-style: it takes `completions`) and scores a "
                         f"whole batch at once; RewardManager and the trainer call it that way, not per row")
+    if is_async(fn):
+        raise TypeError(f"reward function {where} is `async def`: RewardManager and the trainer await it; called "
+                        f"here it would return a coroutine, not a score")
     binding = bind(fn, where, ROW_ARGUMENTS, kwargs)
     extra = dict(kwargs or {})
 

@@ -113,6 +113,14 @@ def test_an_async_function_past_the_timeout_fails_its_rows_and_one_that_raises_o
     assert result.scores == [0.0, 1.0 + 1.0]
 
 
+def test_get_reward_fn_refuses_an_async_function_it_cannot_await(package):
+    from hybridflow.rewards import get_reward_fn
+
+    with pytest.raises(TypeError, match=r"reward function hf_test_trl.shapes:raises_on_x is `async def`: "
+                                        r"RewardManager and the trainer await it"):
+        get_reward_fn(f"{package}.shapes:raises_on_x")
+
+
 def test_a_function_taking_only_completion_ids_is_batched_and_gets_them(tmp_path):
     shapes = tmp_path / "shapes.py"  # by file this time
     shapes.write_text(textwrap.dedent(SHAPES))
