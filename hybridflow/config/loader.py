@@ -5,8 +5,8 @@
     validate(cfg)                         # batch-size relations, before any model loads
 
 Every key is checked against the schema before it is merged, in the YAML file as on the command line:
-the unknown keys are reported all at once, each with a did-you-mean (for one of verl's keys, ours) and
-where it came from; Hydra's `+key=value` is `key=value`, and its `~key` forgets what the files and earlier
+the unknown keys are reported all at once, each with a did-you-mean (for one of verl's or TRL's names, ours)
+and where it came from; Hydra's `+key=value` is `key=value`, and its `~key` forgets what the files and earlier
 overrides set for a key (so `~agent.env_kwargs 'agent.env_kwargs={a: 1}'` replaces a recipe's mapping, which
 `agent.env_kwargs={a: 1}` alone merges into; lists are always replaced); a value of the wrong type names
 the key, the value and the expected type; a value outside a field's choices names the valid ones. A
@@ -34,6 +34,7 @@ from hybridflow.config.follow import follow_defaults
 from hybridflow.config.overrides import nest, parse_override, split_config_arg
 from hybridflow.config.schema import RLConfig
 from hybridflow.config.validate import ConfigError, validate
+from hybridflow.config.trl_keys import trl_hint
 from hybridflow.config.verl_keys import verl_hint
 
 __all__ = ["ConfigError", "load_config", "validate", "to_yaml", "config_diff", "schema_fields",
@@ -115,9 +116,9 @@ def schema_fields(schema: type) -> dict[str, FieldInfo]:
 
 
 def _unknown_key(key: str, known: dict[str, FieldInfo]) -> str:
-    """`unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?`; for one of verl's keys, ours
-    (`hybridflow.config.verl_keys`)."""
-    hint = verl_hint(key)
+    """`unknown key 'rollout.temprature'; did you mean 'rollout.temperature'?`; for one of verl's or TRL's
+    names, ours (`hybridflow.config.verl_keys`, `hybridflow.config.trl_keys`)."""
+    hint = verl_hint(key) or trl_hint(key, known)
     if hint is not None:
         return f"unknown key '{key}': {hint}"
     names = list(known)

@@ -317,9 +317,11 @@ class RewardModelConfig:
 class RewardConfig:
     """How responses are scored."""
 
-    function: str = opt("auto", "auto (by data_source), a built-in name, or path/to/file.py:function_name: called "
-                                "by keyword with verl's argument names, or once per batch when it takes "
-                                "`completions` (TRL's batched form; docs/rewards.md)")
+    function: str = opt("auto", "auto (by data_source), a built-in name, path/to/file.py:function_name or an import "
+                                "path (package.module.function, e.g. trl.rewards.accuracy_reward): called by keyword "
+                                "with verl's argument names, or once per batch when it takes `completions` or "
+                                "`completion_ids` (TRL's batched form); `async def` ones are awaited "
+                                "(docs/rewards.md)")
     functions: list[str] = opt([], "several reward functions (specs as for `function`), summed with `weights` "
                                    "(TRL's reward_funcs); [] = `function` alone")
     weights: list[float] = opt([], "one weight per entry of `functions` (TRL's reward_weights); [] = 1 each")

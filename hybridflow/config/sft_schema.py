@@ -18,13 +18,16 @@ SFT_TRUNCATION_MODES = ("error", "filter", "right")
 
 @dataclass
 class SFTDataConfig:
-    """Chat conversations to learn from."""
+    """Rows to learn from, in TRL's SFT formats (conversations, prompt/completion, plain text; docs/sft.md)."""
 
     train_files: list[str] = opt([], "training conversation files: one path or a list (parquet or jsonl)")
     val_files: list[str] = opt([], "validation conversation files (val/loss); [] = no validation")
     messages_key: str = opt("messages", "column holding a conversation (a list of {role, content})")
-    prompt_key: str = opt("prompt", "without messages_key: column of the user turn")
-    response_key: str = opt("response", "without messages_key: column of the assistant turn")
+    prompt_key: str = opt("prompt", "without messages_key: column of the prompt (a string, or messages)")
+    response_key: str = opt("completion", "without messages_key: column of the completion learnt (a string, or "
+                                          "messages continuing the prompt's: TRL's prompt/completion)")
+    text_key: str = opt("text", "without messages_key or prompt_key: column of plain text learnt whole (TRL's "
+                                "language-modeling format)")
     max_length: Optional[int] = opt(1024, "longest conversation in tokens; null = no limit")
     truncation: str = opt("error", "conversations over max_length: refuse, drop, or keep the first tokens",
                           SFT_TRUNCATION_MODES)

@@ -31,7 +31,7 @@ CARRIED = ("data_source", "ability", "extra_info")  # columns a row carries as f
 
 
 def _check_prompt(record: Record, prompt_key: str) -> str | list[dict]:
-    prompt = record.require(prompt_key)
+    prompt = record.require(prompt_key, "data.prompt_key")
     if isinstance(prompt, str):
         if not prompt.strip():
             raise record.error(prompt_key, "a non-empty prompt", prompt)

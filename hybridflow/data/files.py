@@ -43,11 +43,13 @@ class Record:
             got = f", got {type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
         return DataError(f"{self.where}, column '{column}': expected {expected}{got}")
 
-    def require(self, column: str) -> Any:
-        """The value of `column`, or a `DataError` naming the columns this row has."""
+    def require(self, column: str, key: str = "") -> Any:
+        """The value of `column`, or a `DataError` naming the columns this row has and the config `key` that
+        names the column (``data.prompt_key``), if any."""
         if column not in self.data:
             have = ", ".join(self.data) or "none"
-            raise DataError(f"{self.where}: missing column '{column}' (columns: {have})")
+            mapped = f"set {key} to the column holding it; " if key else ""
+            raise DataError(f"{self.where}: missing column '{column}' ({mapped}columns: {have})")
         return self.data[column]
 
 

@@ -5,6 +5,8 @@ A row holds a prompt and two completions of it, the preferred one and the other,
 - conversational: the prompt a list of chat messages, each completion a list of messages that continue it
   (usually one assistant message);
 - plain: three strings.
+A row without the prompt column has an implicit prompt, as TRL reads it: the start the two sides share
+(`shared_prompt`).
 
 How a side is tokenized depends on what trains on it (`encode`):
 - a policy (`hybridflow dpo`, `encode_policy_pair`): the prompt as the policy sees it in an RL run: with
@@ -53,19 +55,39 @@ Side = str | list[dict]
 logger = logging.getLogger(__name__)
 
 
-def parse_pair(record: Record, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[Side, Side, Side]:
-    """(prompt, chosen, rejected) of a row, all strings or all message lists; a `DataError` names the column."""
-    prompt = record.require(prompt_key)
+def shared_prompt(chosen: Side, rejected: Side) -> tuple[Side, Side, Side]:
+    """(prompt, chosen, rejected) of a pair whose prompt is implicit, TRL's way (`trl.extract_prompt`): the
+    prompt is the longest shared start of the two sides (whole messages of message lists; characters of
+    strings, where a space just before the first difference stays with the completions)."""
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    if isinstance(chosen, str) and k and chosen[k - 1] == " ":
+        k -= 1
+    return chosen[:k], chosen[k:], rejected[k:]
+
+
+def parse_sides(record: Record, prompt_key: str, side_keys: Sequence[str], implicit: bool = False) -> list[Side]:
+    """[prompt, *sides] of a row, all strings or all message lists (TRL's standard and conversational
+    formats); a `DataError` names the column. `implicit`: the row has no prompt column and the sides start
+    with the prompt they share (`shared_prompt`; two sides)."""
+    prompt: Any  # a row's values, checked below
+    sides: list[Any]
+    if implicit:
+        prompt, *sides = shared_prompt(record.require(side_keys[0]), record.require(side_keys[1]))
+        where = f"{prompt_key} (the start '{side_keys[0]}' and '{side_keys[1]}' share, as the row has no " \
+                f"'{prompt_key}' column)"
+    else:
+        prompt, sides = record.require(prompt_key), [record.require(k) for k in side_keys]
+        where = prompt_key
     conversational = not isinstance(prompt, str)
     if conversational:
         problem = check_messages(prompt)
         if problem is not None:
-            raise record.error(prompt_key, f"a non-empty string or {problem}", prompt)
+            raise record.error(where, f"a non-empty string or {problem}", prompt)
     elif not prompt.strip():
-        raise record.error(prompt_key, "a non-empty prompt", prompt)
-    sides = []
-    for key in (chosen_key, rejected_key):
-        value = record.require(key)
+        raise record.error(where, "a non-empty prompt", prompt)
+    for key, value in zip(side_keys, sides):
         if conversational:
             problem = check_messages(value)
             if problem is not None:
@@ -76,8 +98,17 @@ def parse_pair(record: Record, prompt_key: str, chosen_key: str, rejected_key: s
         elif not isinstance(value, str) or not value.strip():
             raise record.error(key, f"a non-empty string (the prompt '{prompt_key}' is a string: TRL's plain "
                                     f"format)", value)
-        sides.append(value)
-    return prompt, sides[0], sides[1]
+    return [prompt, *sides]
+
+
+def parse_pair(record: Record, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[Side, Side, Side]:
+    """(prompt, chosen, rejected) of a row, with an explicit prompt or an implicit one (a row without
+    `prompt_key`: `shared_prompt`); a `DataError` names the column and the key that maps it."""
+    record.require(chosen_key, "data.chosen_key")
+    record.require(rejected_key, "data.rejected_key")
+    prompt, chosen, rejected = parse_sides(record, prompt_key, (chosen_key, rejected_key),
+                                           implicit=prompt_key not in record.data)
+    return prompt, chosen, rejected
 
 
 def _as_messages(prompt: Side, completion: Side) -> tuple[list[dict], list[dict]]:

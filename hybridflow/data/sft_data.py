@@ -1,9 +1,15 @@
-"""`SFTDataset` (chat conversations with a loss mask on assistant tokens) and the packing collator.
+"""`SFTDataset` (rows in TRL's SFT formats, with a loss mask on the tokens learnt) and the packing collator.
 
-A row holds a conversation under `messages_key` (a list of `{role, content}`), or a prompt and a
-response under `prompt_key` / `response_key` (becoming a user and an assistant message). Each row is
-rendered with the tokenizer's chat template; `loss_mask[t] = 1` exactly on the assistant turns' tokens
-(content and end-of-turn), i.e. the tokens trained as targets (token t is predicted from t-1).
+A row is in one of TRL's formats, found by its columns, in this order:
+- a conversation under `messages_key` (a list of `{role, content}`), rendered with the chat template, the
+  loss on every assistant turn (content and end-of-turn);
+- a prompt and a completion under `prompt_key` / `response_key` (default `prompt` / `completion`), both
+  strings (a user and an assistant message) or both message lists (TRL's conversational prompt/completion:
+  the completion continues the prompt's messages), rendered with the chat template, the loss on the
+  completion's assistant tokens only (TRL's completion-only loss; the prompt's turns are context);
+- plain text under `text_key` (TRL's language-modeling format), tokenized as it is (the tokenizer's BOS
+  included) and followed by the eos token, the loss on every token.
+`loss_mask[t] = 1` on the tokens trained as targets (token t is predicted from t-1).
 
 `PackingCollator(max_tokens)` concatenates rows into packs of at most `max_tokens` tokens (first-fit
 decreasing), each row keeping its own position ids, so no compute is spent on padding:
@@ -36,53 +42,75 @@ from hybridflow.config.sft_schema import SFT_TRUNCATION_MODES
 from hybridflow.data.chat import check_messages, encode_conversation, has_chat_template
 from hybridflow.data.dataset import RowDataset
 from hybridflow.data.files import DataError, Record, as_path_list, read_records
+from hybridflow.data.preference_data import encode_policy_side, parse_sides
 
-def _conversation(record: Record, messages_key: str, prompt_key: str, response_key: str) -> list[dict]:
-    if messages_key in record.data:
-        messages = record.data[messages_key]
+def _has_template(tokenizer: Any, record: Record) -> None:
+    if not has_chat_template(tokenizer):
+        raise DataError(f"{record.where}: a conversation or prompt/completion row needs a tokenizer with a chat "
+                        f"template, and this one has none (a 'text' row trains on plain text)")
+
+
+def encode_row(record: Record, tokenizer: Any, messages_key: str, prompt_key: str, response_key: str,
+               text_key: str) -> tuple[list[int], list[int]]:
+    """`(input_ids, loss_mask)` of a row in any of the formats of the module docstring; a `DataError` names the
+    row, the column, and the key that maps a column it lacks."""
+    data = record.data
+    if messages_key in data:
+        _has_template(tokenizer, record)
+        messages = data[messages_key]
         problem = check_messages(messages)
         if problem is not None:
             raise record.error(messages_key, problem, messages)
         if not any(m["role"] == "assistant" for m in messages):
             raise record.error(messages_key, "at least one assistant message to learn from", show_value=False)
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-    if prompt_key in record.data or response_key in record.data:
-        turns = []
-        for key, role in ((prompt_key, "user"), (response_key, "assistant")):
-            value = record.require(key)
-            if not isinstance(value, str) or not value.strip():
-                raise record.error(key, "a non-empty string", value)
-            turns.append({"role": role, "content": value})
-        return turns
-    have = ", ".join(record.data) or "none"
-    raise DataError(f"{record.where}: missing column '{messages_key}' (or '{prompt_key}' + '{response_key}'); "
-                    f"columns: {have}")
+        return encode_conversation([{"role": m["role"], "content": m["content"]} for m in messages], tokenizer)
+    if prompt_key in data or response_key in data:
+        record.require(prompt_key, "data.prompt_key")
+        record.require(response_key, "data.response_key")
+        _has_template(tokenizer, record)
+        prompt, completion = parse_sides(record, prompt_key, (response_key,))
+        try:
+            prompt_ids, ids, mask = encode_policy_side(prompt, completion, tokenizer, apply_chat_template=True)
+        except ValueError as e:
+            raise DataError(f"{record.where}: {e}") from None
+        return prompt_ids + ids, [0] * len(prompt_ids) + mask
+    if text_key in data:
+        text = data[text_key]
+        if not isinstance(text, str) or not text.strip():
+            raise record.error(text_key, "a non-empty string", text)
+        if tokenizer.eos_token_id is None:
+            raise DataError(f"{record.where}: a '{text_key}' row ends with the eos token, and the tokenizer has none")
+        ids = list(tokenizer(text)["input_ids"]) + [tokenizer.eos_token_id]
+        return ids, [1] * len(ids)
+    raise DataError(f"{record.where}: no column to learn from: a conversation under '{messages_key}' "
+                    f"(data.messages_key), a prompt and a completion under '{prompt_key}' and '{response_key}' "
+                    f"(data.prompt_key, data.response_key) or text under '{text_key}' (data.text_key); set the key "
+                    f"that names yours. Columns: {', '.join(data) or 'none'}")
 
 
 class SFTDataset(RowDataset):
-    """Tokenized conversations; `ds[i]` is `{"input_ids": list[int], "loss_mask": list[int], "index": i}`.
+    """Tokenized rows; `ds[i]` is `{"input_ids": list[int], "loss_mask": list[int], "index": i}`.
 
     Args:
         files: one path or a list (.parquet or .jsonl).
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        max_length: longest conversation in tokens; `None` = no limit.
+        tokenizer: a Hugging Face tokenizer (with a chat template for conversation and prompt/completion rows).
+        messages_key, prompt_key, response_key, text_key: the columns of each format (module docstring).
+        max_length: longest row in tokens; `None` = no limit.
         truncation: `error` | `filter` | `right` (keep the first max_length tokens).
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, messages_key: str = "messages",
-                 prompt_key: str = "prompt", response_key: str = "response", max_length: int | None = None,
-                 truncation: str = "error") -> None:
+                 prompt_key: str = "prompt", response_key: str = "completion", max_length: int | None = None,
+                 truncation: str = "error", text_key: str = "text") -> None:
         if truncation not in SFT_TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; valid: {', '.join(SFT_TRUNCATION_MODES)}")
-        if not has_chat_template(tokenizer):
-            raise ValueError("SFTDataset needs a tokenizer with a chat template")
         self.files = as_path_list(files)
         self.tokenizer = tokenizer
         self.num_filtered = self.num_truncated = 0
         self._rows: list[dict[str, list[int]]] = []
         records = read_records(self.files)
         for record in records:
-            ids, mask = encode_conversation(_conversation(record, messages_key, prompt_key, response_key), tokenizer)
+            ids, mask = encode_row(record, tokenizer, messages_key, prompt_key, response_key, text_key)
             if max_length is not None and len(ids) > max_length:
                 if truncation == "error":
                     raise DataError(f"{record.where}: {len(ids)} tokens, over max_length={max_length}; set "

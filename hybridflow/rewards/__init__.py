@@ -3,8 +3,10 @@ manager that scores a step's rows.
 
 - `get_reward_fn(spec)`: ``auto``, a built-in (``gsm8k``, ``math``, ``reasoning_gym``, ``exact_match``,
   ``environment``),
-  a name added with `register_reward`, or ``path/to/file.py:function_name``.
-- `Scorer` / `RewardSpec`: one or several functions with weights, bound by keyword (`binding`).
+  a name added with `register_reward`, ``path/to/file.py:function_name`` or an import path
+  (``package.module.function``).
+- `Scorer` / `RewardSpec`: one or several functions with weights, bound by keyword (`binding`), plain or
+  ``async def`` (awaited together).
 - `RewardManager`: scores rows in a process pool, asynchronously, with a per-row timeout and a
   fallback score; `scores_to_token_scores` puts the scores on the last response token.
 - `ModelReward` (in `hybridflow.rewards.model_reward`): a sequence-classification reward model.

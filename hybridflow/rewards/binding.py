@@ -5,10 +5,15 @@ Two shapes of function are recognised from their signature:
 - **per row** (verl's): ``fn(data_source, solution_str, ground_truth, extra_info, **reward.kwargs)``
   returning a float or a dict with ``score``. It is called by keyword with those of verl's names it
   declares, so ``compute_score(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0)``
-  (verl's own ``reward_score`` modules) gets the response and the ground truth and keeps its defaults.
-- **batched** (TRL's): a function with a parameter named ``completions``, e.g.
-  ``fn(prompts, completions, completion_ids, **kwargs) -> list[float | None]``, called once per batch
-  with lists: the prompts, the completions, their token ids and every dataset column.
+  (verl's own ``reward_score`` modules) gets the response and the ground truth and keeps its defaults. A
+  required first parameter of another name (``model_output``, ``predict_str``: verl's math_verify, geo3k,
+  prime_math) is the response, passed by position.
+- **batched** (TRL's): a function with a parameter named ``completions``, ``completion_ids`` or ``prompts``,
+  e.g. ``fn(prompts, completions, completion_ids, **kwargs) -> list[float | None]``, called once per batch
+  with lists: the prompts, the completions, their token ids and every dataset column, plus TRL's
+  ``log_extra(column, values)`` and ``log_metric(name, value)``.
+
+Either shape may be ``async def`` (`is_async`): the scorer awaits it (`hybridflow.rewards.scorer`).
 
 A function taking ``**kwargs`` gets every name there is. A required parameter that no name fills is
 refused when the function is bound (when the run starts), naming the parameter and the names there are;
@@ -23,22 +28,31 @@ from dataclasses import dataclass
 from typing import Any
 
 ROW_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
-BATCH_ARGUMENTS = ("prompts", "completions", "completion_ids")
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")  # any of them makes a function TRL's batched shape
+BATCH_ARGUMENTS = (*TRL_ARGUMENTS, "log_extra", "log_metric")
 
 
 def is_batched(fn: Callable) -> bool:
-    """A TRL-style batched function: it has a parameter named ``completions``."""
+    """A TRL-style batched function: it has a parameter named ``prompts``, ``completions`` or
+    ``completion_ids``."""
     try:
-        return "completions" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins without a signature are per-row functions
         return False
+    return any(name in params for name in TRL_ARGUMENTS)
+
+
+def is_async(fn: Callable) -> bool:
+    """An ``async def`` function (or a callable object whose ``__call__`` is one, or a partial of either)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 @dataclass(frozen=True)
 class Binding:
-    """Which names a function gets: `positional` (its positional-only parameters, in order), `keywords` (by
-    name) and whether it takes ``**kwargs`` (then it gets every name given); `unbound` are its required
-    parameters that no known name fills (a batched function's dataset columns, checked later)."""
+    """Which names a function gets: `positional` (the names whose values it takes by position, in order: its
+    positional-only parameters, or ``solution_str`` for a per-row function's first parameter of another name),
+    `keywords` (by name) and whether it takes ``**kwargs`` (then it gets every name given); `unbound` are its
+    required parameters that no known name fills (a batched function's dataset columns, checked later)."""
 
     fn: Callable
     positional: tuple[str, ...]
@@ -55,9 +69,10 @@ class Binding:
             kwargs = {k: values[k] for k in self.keywords if k in values}
         return self.fn(*args, **kwargs)
 
-    def reads(self, name: str) -> bool:
-        """Whether the function gets the argument `name`."""
-        return self.var_keyword or name in self.positional or name in self.keywords
+    def names(self, name: str) -> bool:
+        """Whether the function declares the argument `name` (a ``**kwargs`` function gets every name, but
+        needs none of them)."""
+        return name in self.positional or name in self.keywords
 
 
 def bind(fn: Callable, where: str, names: Iterable[str], kwargs: Mapping[str, Any] | None = None,
@@ -65,8 +80,10 @@ def bind(fn: Callable, where: str, names: Iterable[str], kwargs: Mapping[str, An
     """The `Binding` of `fn` to `names` (what hybridflow passes) plus the `kwargs` keys (`reward.kwargs`).
 
     `open_names`: names not known yet may fill required parameters (a batched function's dataset
-    columns); they are listed in `Binding.unbound`. Raises TypeError naming `where`, the parameter and
-    the names there are when a required parameter cannot be filled or a `kwargs` key is not taken.
+    columns); they are listed in `Binding.unbound`. Without it (a per-row function), a required first
+    parameter that no name fills gets ``solution_str`` by position. Raises TypeError naming `where`, the
+    parameter and the names there are when a required parameter cannot be filled or a `kwargs` key is not
+    taken.
     """
     try:
         sig = inspect.signature(fn)
@@ -78,18 +95,22 @@ def bind(fn: Callable, where: str, names: Iterable[str], kwargs: Mapping[str, An
     positional: list[str] = []
     keywords: list[str] = []
     unbound: list[str] = []
-    for p in params:
+    for i, p in enumerate(params):
         if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             continue
-        if p.name in known:
+        if (i == 0 and not open_names and p.name not in known and p.default is p.empty
+                and p.kind is not p.KEYWORD_ONLY and "solution_str" in known):
+            positional.append("solution_str")  # verl's scorers that call the response model_output, predict_str
+        elif p.name in known:
             (positional if p.kind is p.POSITIONAL_ONLY else keywords).append(p.name)
         elif p.default is p.empty:
             if open_names and p.kind is not p.POSITIONAL_ONLY:
                 unbound.append(p.name)
                 continue
+            first = "" if open_names else " (and the response by position to a first parameter of another name)"
             raise TypeError(f"reward function {where} (signature {sig}): its parameter {p.name!r} has no value to "
-                            f"take; hybridflow passes {', '.join(known)} by keyword. Rename the parameter or give "
-                            f"it a default")
+                            f"take; hybridflow passes {', '.join(known)} by keyword{first}. Rename the parameter or "
+                            f"give it a default")
     declared = {p.name for p in params}
     extra = [k for k in kwargs or {} if k not in declared]
     if extra and not var_keyword:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.rewards.failures import FailureStreak, RewardFunctionFailed
 from hybridflow.rewards.scoring_pool import Outcome, ScoringPool, score_job
 from hybridflow.rewards.registry import check_requirements, route_data_source
-from hybridflow.rewards.scorer import Job, RewardSpec, Row, Scorer, batch_arguments
+from hybridflow.rewards.scorer import PartScores, RewardSpec, Row, Scorer, batch_arguments
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,8 @@ class RewardResult:
         extras: ``{name: [value or None per row]}`` from dict results' non-``score`` entries.
         errors: per row, None or the error / timeout message.
         metrics: ``reward/mean``, ``reward/errors``, ``reward/error_share``, ``reward/timeouts``,
-            ``reward/<name>/mean``.
+            ``reward/<name>/mean`` (extras, and each function's score when there are several),
+            ``reward/<name>`` (the mean of what TRL-style functions passed to ``log_metric(name, value)``).
     """
 
     scores: list[float]
@@ -103,8 +104,8 @@ class RewardManager:
             callable (must be picklable by reference, i.e. module-level, when ``num_workers > 0``); or a
             list of them, summed with `weights`.
         num_workers: scoring processes; 0 scores inline in the caller's thread.
-        timeout_s: limit in seconds of one row (of one batch for a batched function) in pool mode; None
-            or 0 for no limit.
+        timeout_s: limit in seconds of one row (of one batch for a batched function, and for the async
+            functions together: they are awaited concurrently) in pool mode; None or 0 for no limit.
         fallback_score: the score of a row whose function raised or timed out.
         fn_kwargs: keyword arguments for the functions (e.g. ``{"method": "flexible"}``).
         max_failed_batches: raise `RewardFunctionFailed` after this many counted batches in a row where every
@@ -149,10 +150,8 @@ class RewardManager:
         """
         rows = rows_from(batch_like)
         self.check_data_sources([r[0] for r in rows])
-        jobs: list[Job] = [("row", r) for r in rows] if self.scorer.has_row_functions else []
-        if self.scorer.batched:
-            arguments = batch_arguments(rows, None if isinstance(batch_like, Sequence) else batch_like)
-            jobs += [("batch", i, arguments) for i in self.scorer.batched]
+        jobs = self.scorer.jobs(rows, lambda: batch_arguments(
+            rows, None if isinstance(batch_like, Sequence) else batch_like))
         pool = self._pool
         if self._executor is None or pool is None:
             future: Future = Future()
@@ -167,16 +166,19 @@ class RewardManager:
     def _result(self, rows: list[Row], outcomes: list[Outcome], counted: bool) -> RewardResult:
         n = len(rows)
         per_row = outcomes[:n] if self.scorer.has_row_functions else [None] * n
-        batched = outcomes[len(outcomes) - len(self.scorer.batched):] if self.scorer.batched else []
+        whole = outcomes[n if self.scorer.has_row_functions else 0:]  # the batch and async jobs
+        parts: dict[int, PartScores] = {}
+        for outcome in whole:
+            if outcome[0] == "ok":
+                parts.update(outcome[1])
         scores: list[float] = []
         errors: list[str | None] = []
         extras: dict[str, list] = {}
         for i, row_outcome in enumerate(per_row):
-            failed = next((o for o in (row_outcome, *batched) if o is not None and o[0] != "ok"), None)
+            failed = next((o for o in (row_outcome, *whole) if o is not None and o[0] != "ok"), None)
             if failed is None:
                 try:
-                    score, row_extras = self.scorer.combine(row_outcome[1] if row_outcome else None,
-                                                            [o[1][i] for o in batched])
+                    score, row_extras = self.scorer.combine(row_outcome[1] if row_outcome else None, parts, i)
                 except ValueError as e:
                     failed = ("error", str(e))
             if failed is not None:
@@ -205,6 +207,11 @@ class RewardManager:
             numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, str)]
             if numbers:
                 metrics[f"reward/{name}/mean"] = sum(numbers) / len(numbers)
+        logged: dict[str, list[float]] = {}  # TRL's log_metric values, each function's
+        for result in parts.values():
+            for name, values in result.metrics.items():
+                logged.setdefault(name, []).extend(values)
+        metrics.update({f"reward/{name}": sum(values) / len(values) for name, values in logged.items() if values})
         return RewardResult(scores, extras, errors, metrics)
 
     @staticmethod

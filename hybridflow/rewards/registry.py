@@ -12,7 +12,9 @@ too):
 - a registered name (``gsm8k``, ``math``, ``reasoning_gym``, ``exact_match``, or one added with
   `register_reward`);
 - ``auto``: the built-in is picked per row from ``data_source`` (see `AUTO_ROUTES`);
-- ``path/to/file.py:function_name``: a user function loaded from a Python file.
+- ``path/to/file.py:function_name``: a user function loaded from a Python file;
+- an import path, ``package.module.function`` or ``package.module:function`` (``trl.rewards.accuracy_reward``,
+  ``verl.utils.reward_score.gsm8k.compute_score``): a function of an installed package.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.rewards.binding import ROW_ARGUMENTS, bind, is_batched
-from hybridflow.utils.imports import load_from_file
+from hybridflow.rewards.binding import ROW_ARGUMENTS, bind, is_async, is_batched
+from hybridflow.utils.imports import load_from_file, load_from_module
 
 RewardFn = Callable[[str, str, Any, Any], "float | dict"]
 
@@ -109,26 +111,30 @@ def auto_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
 
 
 def load_function(spec: str | Callable) -> tuple[Callable, str]:
-    """``(function, how to name it in errors)`` for a spec: a callable, a registered name or
-    ``path/to/file.py:function_name`` (path relative to the working directory, or absolute). ``auto`` and
-    unknown names are `get_reward_fn`'s to handle."""
+    """``(function, how to name it in errors)`` for a spec: a callable, a registered name,
+    ``path/to/file.py:function_name`` (path relative to the working directory, or absolute) or an import path
+    (``package.module:function`` or ``package.module.function``, e.g. ``trl.rewards.accuracy_reward``).
+    ``auto`` and unknown names are `get_reward_fn`'s to handle."""
     if callable(spec):
         return spec, getattr(spec, "__name__", repr(spec))
     if not isinstance(spec, str) or not spec:
-        raise TypeError(f"reward.function must be a name or 'file.py:function', got {spec!r}")
-    if ":" in spec or spec.endswith(".py"):
-        fn = load_from_file(spec, "reward", "function", "reward.function")
-        if not callable(fn):
-            path_str, _, fn_name = spec.rpartition(":")
-            raise TypeError(f"{fn_name!r} in reward file {path_str} is a {type(fn).__name__}, not a function")
-        return fn, spec
+        raise TypeError(f"reward.function must be a name, 'file.py:function' or 'package.module.function', "
+                        f"got {spec!r}")
     if spec in REWARD_FUNCTIONS:
         check_requirements(spec)
         return REWARD_FUNCTIONS[spec], repr(spec)
+    by_file = spec.endswith(".py") or ".py:" in spec or "/" in spec.partition(":")[0]
+    if by_file or ":" in spec or "." in spec:
+        fn = (load_from_file(spec, "reward", "function", "reward.function") if by_file
+              else load_from_module(spec, "reward function", "reward.function"))
+        if not callable(fn):
+            raise TypeError(f"reward.function={spec!r} is a {type(fn).__name__}, not a function")
+        return fn, spec
     hint = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
     raise ValueError(
         f"unknown reward function {spec!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        + f"; valid: auto, {', '.join(sorted(REWARD_FUNCTIONS))}, or 'path/to/file.py:function_name'"
+        + f"; valid: auto, {', '.join(sorted(REWARD_FUNCTIONS))}, 'path/to/file.py:function_name' or an import "
+          f"path 'package.module.function'"
     )
 
 
@@ -154,6 +160,9 @@ def get_reward_fn(spec: str | Callable, kwargs: dict | None = None) -> RewardFn:
     if is_batched(fn):
         raise TypeError(f"reward function {where} is batched (TRL-style: it takes `completions`) and scores a "
                         f"whole batch at once; RewardManager and the trainer call it that way, not per row")
+    if is_async(fn):
+        raise TypeError(f"reward function {where} is `async def`: RewardManager and the trainer await it; called "
+                        f"here it would return a coroutine, not a score")
     binding = bind(fn, where, ROW_ARGUMENTS, kwargs)
     extra = dict(kwargs or {})
 

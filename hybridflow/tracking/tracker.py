@@ -4,7 +4,9 @@
         tracker.log({"reward/mean": 0.5, "actor/pg_loss": -0.01}, step=1)
         tracker.log_samples([{"prompt": p, "response": r, "reward": 1.0, "data_source": "gsm8k"}], step=1)
 
-Values may be Python numbers, 0-d tensors or numpy scalars (turned into Python numbers) or strings.
+Values may be Python numbers, 0-d tensors or numpy scalars (turned into Python numbers) or strings. With
+`aliases` (the trainers pass it), each metric verl or TRL knows by another name is logged under that name
+too (`hybridflow.tracking.aliases`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from hybridflow.tracking.aliases import with_aliases
 from hybridflow.tracking.console_logger import ConsoleLogger
 from hybridflow.tracking.jsonl_logger import JsonlLogger
 from hybridflow.tracking.tensorboard_logger import TensorBoardLogger
@@ -76,12 +79,16 @@ class Tracker:
         config: the run config (a dataclass, OmegaConf config or mapping), recorded by TensorBoard and W&B.
         total_steps: shown by the console line as ``step i/total``.
         stream: the console logger's stream (default stdout).
+        aliases: log verl's and TRL's names beside ours, with these fields for the alias templates (``val_n``;
+            `hybridflow.tracking.aliases`); None = ours only.
     """
 
     def __init__(self, loggers: Iterable[str] | str = ("console", "jsonl"), output_dir: str | Path = "outputs/run",
                  project: str = "hybridflow", experiment: str | None = None, config: Any = None,
-                 total_steps: int | None = None, stream: TextIO | None = None) -> None:
+                 total_steps: int | None = None, stream: TextIO | None = None,
+                 aliases: Mapping[str, Any] | None = None) -> None:
         self.names = _check_names(loggers)
+        self.aliases = None if aliases is None else dict(aliases)
         self.output_dir = Path(output_dir)
         options = dict(output_dir=self.output_dir, project=project, experiment=experiment or self.output_dir.name,
                        config=config_dict(config), total_steps=total_steps, stream=stream)
@@ -94,8 +101,10 @@ class Tracker:
             raise
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Logs one step's metrics to every logger."""
+        """Logs one step's metrics (with their aliases when the tracker has them) to every logger."""
         plain = {str(k): _plain(v) for k, v in metrics.items()}
+        if self.aliases is not None:
+            plain = with_aliases(plain, self.aliases)
         for backend in self.backends.values():
             backend.log(plain, int(step))
 

@@ -89,8 +89,10 @@ class Trainer(ABC):
             self.start_workers()
             self.resolved_cfg = self.write_resolved_config()
             self.checkpoints.restore()
+            rollout = getattr(cfg, "rollout", None)  # RL runs validate on val_n responses per prompt
             self.tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
-                                   cfg.trainer.experiment_name, cfg, self.total_steps)
+                                   cfg.trainer.experiment_name, cfg, self.total_steps,
+                                   aliases={"val_n": rollout.val_n} if rollout is not None else {})
         except BaseException:
             self.close()
             raise

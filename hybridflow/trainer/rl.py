@@ -288,7 +288,7 @@ class RLTrainer(Trainer):
 def check_reward_inputs(rewards: RewardManager, dataset: Any) -> None:
     """Before any model loads, what the reward functions need from a dataset (an `RLDataset`): a built-in for
     each data source with ``auto`` (an error names the first row with it), a column for each parameter of a
-    batched function, and a warning when a function reads `ground_truth` that no row has."""
+    batched function, and a warning when a function names `ground_truth` but no row has one."""
     for source, where in dataset.sources.items():
         try:
             rewards.check_data_sources([source])
@@ -303,7 +303,7 @@ def check_reward_inputs(rewards: RewardManager, dataset: Any) -> None:
         raise ConfigError(f"reward function parameters {missing} name no column of {', '.join(dataset.files)} "
                           f"(columns: {', '.join(sorted(columns))}); a batched function gets prompts, completions, "
                           f"completion_ids and the dataset's columns")
-    if rewards.scorer.reads("ground_truth") and all(row["ground_truth"] is None for row in rows):
+    if rewards.scorer.names("ground_truth") and all(row["ground_truth"] is None for row in rows):
         held = sorted({k for row in rows for k in (row["columns"].get("reward_model") or {})})
         logger.warning("%s: no row has a ground truth (reward_model.ground_truth or a ground_truth column)%s, but "
                        "reward function %s reads ground_truth: it gets None on every row", ", ".join(dataset.files),

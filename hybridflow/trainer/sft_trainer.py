@@ -57,7 +57,7 @@ class SFTTrainer(SingleModelTrainer[SFTWorker]):
     def dataset(self, files: list[str]) -> SFTDataset:
         d = self.cfg.data
         return SFTDataset(files, self.tokenizer, d.messages_key, d.prompt_key, d.response_key, d.max_length,
-                          d.truncation)
+                          d.truncation, d.text_key)
 
     def start_workers(self) -> None:
         cfg = self.cfg

@@ -1,12 +1,14 @@
-"""Loading a user's object from a Python file named in the config as `path/to/file.py:Name` (reward
+"""Loading a user's object named in the config: from a Python file, `path/to/file.py:Name` (reward
 functions, environment classes, tools), with errors that name the file, the name and what is there. A file
 whose module-level code runs longer than `SLOW_IMPORT_S` is named in a warning while it runs, so a start-up
-stuck in user code (a download, a lock, a loop) says where it is stuck."""
+stuck in user code (a download, a lock, a loop) says where it is stuck. Or, with `load_from_module`, from an
+installed package by import path (`package.module:Name` or `package.module.Name`)."""
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib
 import importlib.util
 import logging
 import sys
@@ -57,4 +59,31 @@ def load_from_file(spec: str, what: str, kind: str = "function", key: str = "") 
         raise AttributeError(f"{what} file {path_str} has no {kind} {name!r}"
                              + (f"; did you mean {hint[0]!r}?" if hint else "")
                              + f" Defined there: {candidates}")
+    return getattr(module, name)
+
+
+def load_from_module(spec: str, what: str, key: str = "") -> Any:
+    """The object named by an import path: ``package.module:name`` or ``package.module.name`` (e.g.
+    ``trl.rewards.accuracy_reward``, ``verl.utils.reward_score.gsm8k.compute_score``).
+
+    what: what the object is for, in errors ("reward function"); key: the config key that named it. Raises
+    ImportError naming the module that cannot be imported, or AttributeError naming what the module has.
+    """
+    module_name, sep, name = spec.partition(":")
+    if not sep:
+        module_name, _, name = spec.rpartition(".")
+    where = f"{key}={spec!r}" if key else repr(spec)
+    if not module_name or not name or "." in name:
+        raise ValueError(f"{what} {where} must be an import path ('package.module:name' or "
+                         f"'package.module.name') or a file ('path/to/file.py:name')")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"{what} {where}: cannot import module {module_name!r} ({e}); install the package that "
+                          f"provides it, or name a file as 'path/to/file.py:name'") from None
+    if not hasattr(module, name):
+        public = [n for n in dir(module) if not n.startswith("_")]
+        hint = difflib.get_close_matches(name, public, n=1)
+        raise AttributeError(f"{what} {where}: module {module_name!r} has no {name!r}"
+                             + (f"; did you mean {hint[0]!r}?" if hint else ""))
     return getattr(module, name)

@@ -110,7 +110,8 @@ def test_identical_pairs_are_counted_in_one_warning_naming_the_file(write_jsonl,
 
 
 @pytest.mark.parametrize("row,message", [
-    ({"prompt": "hi", "chosen": "a"}, r"row 0 \(line 1\): missing column 'rejected' \(columns: prompt, chosen\)"),
+    ({"prompt": "hi", "chosen": "a"}, r"row 0 \(line 1\): missing column 'rejected' \(set data.rejected_key to the "
+                                      r"column holding it; columns: prompt, chosen\)"),
     ({"prompt": PROMPT, "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
      r"row 0 \(line 1\), column 'chosen': expected a non-empty list of messages continuing the prompt"),
     ({"prompt": "hi", "chosen": "a", "rejected": ""}, r"column 'rejected': expected a non-empty string"),

@@ -49,7 +49,8 @@ def test_several_files_in_order_and_custom_prompt_key(tmp_path, write_jsonl, tok
 
 
 MALFORMED = [
-    ({"text": "hi"}, r"row 1 \(line 2\): missing column 'prompt' \(columns: text\)"),
+    ({"text": "hi"}, r"row 1 \(line 2\): missing column 'prompt' \(set data.prompt_key to the column holding it; "
+                     r"columns: text\)"),
     ({"prompt": 5}, r"row 1 \(line 2\), column 'prompt': expected a non-empty string or .*got int 5"),
     ({"prompt": "   "}, r"row 1 \(line 2\), column 'prompt': expected a non-empty prompt"),
     ({"prompt": []}, r"column 'prompt': expected a non-empty string or a non-empty list of messages"),

@@ -39,7 +39,7 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(write_jsonl, tokenizer):
 
 
 def test_prompt_response_columns(write_jsonl, tokenizer):
-    ds = SFTDataset(write_jsonl([{"prompt": "Q", "response": "A"}]), tokenizer)
+    ds = SFTDataset(write_jsonl([{"prompt": "Q", "response": "A"}]), tokenizer, response_key="response")
     ids, mask = ds[0]["input_ids"], ds[0]["loss_mask"]
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == f"A{tokenizer.eos_token}"
 
@@ -48,13 +48,16 @@ def test_sft_errors_and_truncation(write_jsonl, tokenizer):
     no_assistant = write_jsonl([{"messages": [{"role": "user", "content": "hi"}]}], "a.jsonl")
     with pytest.raises(DataError, match=r"row 0 \(line 1\), column 'messages': expected at least one assistant"):
         SFTDataset(no_assistant, tokenizer)
-    no_columns = write_jsonl([{"text": "hi"}], "b.jsonl")
-    with pytest.raises(DataError, match=r"missing column 'messages' \(or 'prompt' \+ 'response'\)"):
+    no_columns = write_jsonl([{"body": "hi"}], "b.jsonl")
+    with pytest.raises(DataError, match=r"row 0 \(line 1\): no column to learn from: a conversation under 'messages' "
+                                        r"\(data.messages_key\), a prompt and a completion under 'prompt' and "
+                                        r"'completion' \(data.prompt_key, data.response_key\) or text under 'text' "
+                                        r"\(data.text_key\); set the key that names yours. Columns: body"):
         SFTDataset(no_columns, tokenizer)
-    empty_response = write_jsonl([{"prompt": "Q", "response": ""}], "c.jsonl")
-    with pytest.raises(DataError, match=r"column 'response': expected a non-empty string"):
+    empty_response = write_jsonl([{"prompt": "Q", "completion": ""}], "c.jsonl")
+    with pytest.raises(DataError, match=r"column 'completion': expected a non-empty string"):
         SFTDataset(empty_response, tokenizer)
-    rows = write_jsonl([{"prompt": "Q", "response": "A"}, {"prompt": "Q" * 40, "response": "A"}], "d.jsonl")
+    rows = write_jsonl([{"prompt": "Q", "completion": "A"}, {"prompt": "Q" * 40, "completion": "A"}], "d.jsonl")
     with pytest.raises(DataError, match=r"row 1 \(line 2\): \d+ tokens, over max_length=30"):
         SFTDataset(rows, tokenizer, max_length=30)
     kept = SFTDataset(rows, tokenizer, max_length=30, truncation="filter")
@@ -96,7 +99,7 @@ def test_packing_collator_keeps_rows_positions_and_masks():
 
 
 def test_sft_through_the_loader(write_jsonl, tokenizer):
-    ds = SFTDataset(write_jsonl([{"prompt": f"Q{i}", "response": "A" * i} for i in range(1, 7)]), tokenizer)
+    ds = SFTDataset(write_jsonl([{"prompt": f"Q{i}", "completion": "A" * i} for i in range(1, 7)]), tokenizer)
     loader = BatchLoader(ds, batch_size=3, seed=0, collate=PackingCollator(64, ds.pad_token_id))
     batches = list(loader)
     assert len(batches) == 2

@@ -107,11 +107,12 @@ def test_a_parameter_no_name_fills_is_refused_naming_it(tmp_path):
         def positional(a, b, c, d):
             return 2.0
     """)
-    with pytest.raises(TypeError, match=r"two_args \(signature \(solution, truth\)\): its parameter 'solution' has no "
+    # the first parameter is the response, by position (verl's model_output / predict_str); the second has none
+    with pytest.raises(TypeError, match=r"two_args \(signature \(solution, truth\)\): its parameter 'truth' has no "
                                         r"value to take; hybridflow passes data_source, solution_str, ground_truth, "
-                                        r"extra_info by keyword"):
+                                        r"extra_info by keyword \(and the response by position to a first parameter"):
         get_reward_fn(f"{f}:two_args")
-    with pytest.raises(TypeError, match=r"its parameter 'a' has no value"):  # never filled by position
+    with pytest.raises(TypeError, match=r"its parameter 'b' has no value"):  # only the first is filled by position
         get_reward_fn(f"{f}:positional")
 
 

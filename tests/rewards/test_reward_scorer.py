@@ -58,7 +58,7 @@ def test_a_batched_function_gets_the_batch_once_with_chat_completions_and_the_co
     assert seen["prompts"][0] == [{"role": "user", "content": "q0"}]
     assert seen["completions"][1] == [{"role": "assistant", "content": " 7 "}]
     assert seen["ids"] == [[5, 6], [7], [8, 9, 10]]
-    assert seen["kwargs"] == ["data_source", "extra_info", "ground_truth", "level"]
+    assert seen["kwargs"] == ["data_source", "extra_info", "ground_truth", "level", "log_extra", "log_metric"]
 
 
 def test_several_functions_are_summed_with_their_weights_and_logged_each(rewards_file):
@@ -87,7 +87,7 @@ def test_parameters_and_kwargs_are_checked_when_the_functions_are_bound(rewards_
     scorer = Scorer(RewardSpec.of(f"{rewards_file}:solution_match"))
     assert scorer.missing_columns(["prompt", "answer"]) == ["solution_match: solution"]
     assert scorer.missing_columns(["solution"]) == []
-    assert Scorer(RewardSpec.of(f"{rewards_file}:per_row")).reads("ground_truth")
+    assert Scorer(RewardSpec.of(f"{rewards_file}:per_row")).names("ground_truth")
     with pytest.raises(TypeError, match=r"reward kwargs \['nobody'\] fit none of reward.functions"):
         Scorer(RewardSpec.of([f"{rewards_file}:per_row", "exact_match"], kwargs={"nobody": 1}))
     both = Scorer(RewardSpec.of([f"{rewards_file}:per_row", "exact_match"], kwargs={"bonus": 1.0, "marker": "A:"}))

@@ -159,3 +159,23 @@ def test_config_dict_from_dataclass_omegaconf_and_mapping():
     assert config_dict(expected) == expected and config_dict(None) == {}
     with pytest.raises(TypeError, match="config must be a dataclass"):
         config_dict(42)
+
+
+def test_verl_and_trl_names_are_logged_beside_ours(tmp_path):
+    """One alias table (hybridflow.tracking.aliases): verl's critic/score/..., critic/rewards/mean,
+    critic/advantages/... and val-core/<source>/reward/mean@<val_n>; TRL's DPO rewards/...; never replacing a
+    metric the step has, and an alias whose context field is missing (val_n outside RL) left out."""
+    from hybridflow.tracking.aliases import with_aliases
+
+    ours = {"reward/mean": 0.5, "reward/with_kl/mean": 0.4, "advantages/max": 2.0, "response_length/mean": 9.0,
+            "val/openai/gsm8k/reward/mean": 0.25, "val/reward/mean": 0.25, "dpo/accuracy": 1.0,
+            "dpo/rewards/chosen": 0.3}
+    assert with_aliases(ours, {"val_n": 4}) == {
+        **ours, "critic/score/mean": 0.5, "critic/rewards/mean": 0.4, "critic/advantages/max": 2.0,
+        "val-core/openai/gsm8k/reward/mean@4": 0.25, "rewards/accuracies": 1.0, "rewards/chosen": 0.3}
+    assert "val-core/openai/gsm8k/reward/mean@4" not in with_aliases(ours)
+    assert with_aliases({"reward/mean": 0.5, "critic/score/mean": 0.7})["critic/score/mean"] == 0.7
+    with Tracker(["jsonl"], output_dir=tmp_path, aliases={"val_n": 1}) as tracker:
+        tracker.log({"val/toy/reward/mean": 1.0}, step=1)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {
+        "step": 1, "val/toy/reward/mean": 1.0, "val-core/toy/reward/mean@1": 1.0}

@@ -98,7 +98,8 @@ def test_a_dataset_without_ground_truth_warns_when_the_reward_reads_it(tiny_qwen
 
 @pytest.mark.parametrize("row, expected", [
     ({"question": "q", "data_source": "openai/gsm8k"},
-     "train.jsonl, row 1 (line 2): missing column 'prompt' (columns: question, data_source)"),
+     "train.jsonl, row 1 (line 2): missing column 'prompt' (set data.prompt_key to the column holding it; columns: "
+     "question, data_source)"),
     ({"prompt": [{"role": "user", "content": "q"}], "data_source": None},
      "train.jsonl, row 1 (line 2) (data_source is null or missing), column 'data_source': reward.function=auto has "
      "no reward for data_source 'unknown'"),

@@ -1,8 +1,9 @@
-"""`hybridflow train` with TRL's reward functions (issue 36, item 8): a batched function
+"""`hybridflow train` with TRL's reward functions (issue 36, item 8; issue 55): a batched function
 ``(prompts, completions, completion_ids, **kwargs) -> list[float]`` beside a verl-style one, weighted as
 TRL's ``reward_funcs`` / ``reward_weights``, trains 2 steps on a TRL-shaped dataset (chat prompts and a
-``solution`` column); a parameter no column fills is refused before any model loads. The functions are
-doubles written here from TRL's and verl's public signatures."""
+``solution`` column); an ``async def`` judge logging a metric and a function of ``completion_ids`` alone
+train a step; a parameter no column fills is refused before any model loads. The functions are doubles
+written here from TRL's and verl's public signatures."""
 
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ FUNCTIONS = """
 
     def digits(data_source, solution_str, ground_truth, extra_info=None):
         return sum(ch.isdigit() for ch in solution_str) / max(len(solution_str), 1)
+
+    async def judge(prompts, completions, solution, log_metric, **kwargs):
+        import asyncio
+        await asyncio.sleep(0)  # an LLM judge's request
+        log_metric("judge/agreement", 0.75)
+        return [float(c[0]["content"].strip() == s) + len(c[0]["content"]) % 3 / 3 for c, s in zip(completions, solution)]
+
+    def short(completion_ids, **kwargs):
+        return [-0.01 * len(ids) for ids in completion_ids]
 """
 
 
@@ -65,7 +75,28 @@ def test_trl_batched_and_verl_functions_with_weights_train_two_steps(tiny_qwen2,
     logged = [json.loads(line) for line in calls.read_text().splitlines()]
     assert len(logged) == 2  # once per batch, not per row
     assert all(c["rows"] == 4 and c["chat"] and c["prompt_is_chat"] and c["ids"] for c in logged)
-    assert logged[0]["columns"] == ["ability", "data_source", "extra_info", "ground_truth"]
+    assert logged[0]["columns"] == ["ability", "data_source", "extra_info", "ground_truth", "log_extra", "log_metric"]
+
+
+def test_an_async_judge_and_a_completion_ids_function_train_and_verls_names_are_logged(tiny_qwen2, tmp_path, caplog):
+    """TRL data has no ground truth and these functions need none: no warning. The judge's log_metric and
+    verl's names of our metrics (critic/score/mean, val-core/<source>/reward/mean@1) reach metrics.jsonl."""
+    funcs = tmp_path / "trl_rewards.py"
+    funcs.write_text(textwrap.dedent(FUNCTIONS))
+    data = trl_rows(tmp_path / "train.jsonl", count=4)
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING"):
+        assert cli.main(train_cmd(tiny_qwen2, data, out, f"reward.functions=[{funcs}:judge,{funcs}:short]",
+                                  "trainer.total_steps=1", f"data.val_files={data}", "trainer.val_every=1")) == 0
+    assert "no row has a ground truth" not in caplog.text
+    (metrics,) = read_metrics(out)
+    assert metrics["reward/errors"] == 0 and metrics["reward/judge/agreement"] == 0.75
+    assert metrics["reward/mean"] == pytest.approx(metrics["reward/judge/mean"] + metrics["reward/short/mean"])
+    assert metrics["reward/short/mean"] == pytest.approx(-0.01 * metrics["response_length/mean"])
+    assert metrics["critic/score/mean"] == metrics["reward/mean"]
+    assert metrics["critic/rewards/mean"] == metrics["reward/with_kl/mean"]
+    (source,) = {k.split("/")[1] for k in metrics if k.startswith("val/") and k.endswith("/reward/mean")} - {"reward"}
+    assert metrics[f"val-core/{source}/reward/mean@1"] == metrics[f"val/{source}/reward/mean"]
 
 
 def test_a_batched_parameter_no_column_fills_is_refused_before_models_load(tiny_qwen2, tmp_path, monkeypatch, capsys):
