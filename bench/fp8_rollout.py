@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_util import git_commit, write_json
-from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-from hybridflow.engine.rollout import fp8
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams, fp8
 from hybridflow.utils.model_shapes import QWEN_SHAPES
 from moe_rollout import random_weights
 from rollout import copy_bandwidth
@@ -77,8 +76,6 @@ def step_floor_bytes(config, quantized: bool, rows: int, context: float) -> floa
 
 def run_engine(config, device, dtype, quantization: str, prompts, new_tokens: int, bandwidth: float | None,
                profile: bool) -> dict:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     engine = RolloutEngine.from_config(config, random_weights(config, device, dtype), device, dtype, stop_token_ids=[],
                                        max_num_seqs=len(prompts), max_model_len=len(prompts[0]) + new_tokens,
@@ -97,6 +94,8 @@ def run_engine(config, device, dtype, quantization: str, prompts, new_tokens: in
         del tensors
     row["timing_s/update_weights"] = min(syncs)
     engine.generate(prompts[:8], SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=[]))  # warm-up
+    if device.type == "cuda":  # the generation's peak: the engine's weights, KV cache and activations, not the sync's
+        torch.cuda.reset_peak_memory_stats(device)
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=[], seed=0)
     outs, seconds = ours_generate(engine, prompts, params)
     stats = engine.stats

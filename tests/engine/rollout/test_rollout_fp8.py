@@ -87,7 +87,7 @@ def test_fp8_samples_score_close_to_full_precision(tiny_qwen2):
     assert gap.mean() < 0.02 and gap.max() < 0.1, (gap.mean(), gap.max())
 
 
-def test_the_engine_refuses_fp8_where_it_cannot_run(spread_model, tiny_model_factory):
+def test_the_engine_refuses_fp8_where_it_cannot_run(spread_model):
     path = spread_model("qwen2")
     with pytest.raises(ValueError, match="exact mode runs the trainer's bf16 arithmetic bit for bit"):
         RolloutEngine.from_pretrained(path, quantization="fp8", exact=True)
