@@ -12,8 +12,9 @@ tensor: the FP8 engine requantizes them), a warm-up, one timed `generate` (token
 the mean decode step and its floor (the bytes a step reads: the layers' weights at 1 byte in FP8, 2 in bf16, the
 embeddings and head at 2, the mean KV context, over the device-copy bandwidth measured in the run), the engine's
 weight bytes and the device's peak memory. Then each projection of a decode step (M = 256, and a prefill's 4,096
-rows) timed alone: `F.linear` in bf16 against `fp8.fp8_linear` (per-token quantize + `torch._scaled_mm`), and the
-quantize kernel alone. Every case is guarded: a failure is recorded in the JSON with its error, and the rest run.
+rows) timed alone: `F.linear` in bf16 against `fp8.fp8_linear` (per-token quantize + `torch._scaled_mm`), the
+quantize kernel alone and the `_scaled_mm` alone (with and without `use_fast_accum`). Every case is guarded: a
+failure is recorded in the JSON with its error, and the rest run.
 """
 
 from __future__ import annotations
@@ -139,7 +140,13 @@ def run_gemms(config, device, dtype, rows: int) -> dict:
         bf16_ms = timed_ms(lambda: F.linear(x, weight), device)
         fp8_ms = timed_ms(lambda: fp8.fp8_linear(x, wq, ws, None), device)
         quant_ms = timed_ms(lambda: fp8.quantize_rows(x, xq, xs), device)
-        out[name] = dict(n=n, k=k, bf16_ms=bf16_ms, fp8_ms=fp8_ms, quantize_ms=quant_ms, speedup=bf16_ms / fp8_ms)
+        # the GEMM alone, and with Hopper's fast accumulation (fewer promotions to fp32: faster, less exact), which
+        # the engine does not use
+        gemm = {fast: timed_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1),
+                                                        out_dtype=dtype, use_fast_accum=fast), device)
+                for fast in (False, True)}
+        out[name] = dict(n=n, k=k, bf16_ms=bf16_ms, fp8_ms=fp8_ms, quantize_ms=quant_ms, scaled_mm_ms=gemm[False],
+                         scaled_mm_fast_accum_ms=gemm[True], speedup=bf16_ms / fp8_ms)
     return out
 
 
@@ -159,9 +166,11 @@ def main() -> None:
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     shapes = (a.shapes or ("1.5b,7b" if gpu else "toy")).split(",")
-    batch, prompt, new = a.batch or (256 if gpu else 8), a.prompt or (128 if gpu else 16), a.new_tokens or (256 if gpu else 16)
+    batch, prompt = a.batch or (256 if gpu else 8), a.prompt or (128 if gpu else 16)
+    new = a.new_tokens or (256 if gpu else 16)
     bandwidth = copy_bandwidth(device) if gpu else None
-    report: dict[str, Any] = dict(commit=git_commit(), device=torch.cuda.get_device_name() if gpu else platform.processor(),
+    report: dict[str, Any] = dict(commit=git_commit(),
+                                  device=torch.cuda.get_device_name() if gpu else platform.processor(),
                                   capability=list(torch.cuda.get_device_capability()) if gpu else None,
                                   torch=torch.__version__, dtype=str(dtype), batch=batch, prompt=prompt, new_tokens=new,
                                   copy_bandwidth_gb_s=None if bandwidth is None else bandwidth / 1e9, shapes={})

@@ -30,7 +30,8 @@ def test_refusals_name_the_keys_and_why(override, message):
 
 def test_models_outside_the_fp8_path_are_refused_from_their_config(tiny_qwen2, tmp_path):
     config = json.loads((tiny_qwen2 / "config.json").read_text())
-    for name, change in (("moe", {"model_type": "qwen3_moe", "architectures": []}), ("odd", {"intermediate_size": 100})):
+    changes = {"moe": {"model_type": "qwen3_moe", "architectures": []}, "odd": {"intermediate_size": 100}}
+    for name, change in changes.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
     assert "model_type 'qwen3_moe' is a mixture of experts: its experts' grouped GEMMs have no FP8 path" in \

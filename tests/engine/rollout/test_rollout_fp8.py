@@ -63,7 +63,8 @@ def test_a_weight_load_requantizes_in_place(spread_model):
         assert torch.equal(got.float(), want.float()), name
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=7, stop_token_ids=[])
     for a, b in zip(engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)):
-        assert [c.token_ids for c in a] == [c.token_ids for c in b] and [c.logprobs for c in a] == [c.logprobs for c in b]
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        assert [c.logprobs for c in a] == [c.logprobs for c in b]
 
 
 def test_fp8_samples_score_close_to_full_precision(tiny_qwen2):
