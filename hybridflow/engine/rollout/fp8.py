@@ -50,7 +50,11 @@ def model_problems(config: Any) -> list[str]:
     if moe_spec(config) is not None:
         out.append(f"model_type {config.model_type!r} is a mixture of experts: its experts' grouped GEMMs have no "
                    f"FP8 path (dense Llama / Qwen2 / Qwen3 / Mistral only)")
-    sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size}
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+             "num_attention_heads x head_dim": config.num_attention_heads * head_dim,
+             "num_key_value_heads x head_dim": kv_heads * head_dim}
     odd = {key: value for key, value in sizes.items() if value % 16}
     if odd:
         out.append(f"{odd}: FP8 GEMMs take dimensions that are multiples of 16")
