@@ -115,8 +115,8 @@ class RolloutConfig:
                                     "one scale per output row, requantized at each weight sync) and runs their "
                                     "GEMMs in FP8: about half the weight bytes a decode step reads. CUDA sm_89+ "
                                     "(Ada, Hopper), fast engine, dense models, not with rollout.exact; its log-probs "
-                                    "differ more from the trainer's: pair it with actor.rollout_correction "
-                                    "(docs/rollout.md#fp8-rollout)", ("none", "fp8"))
+                                    "differ more from the trainer's: actor.rollout_correction.mode follows to "
+                                    "token_tis when unset (docs/rollout.md#fp8-rollout)", ("none", "fp8"))
     record_routes: bool = opt(False, "mixture of experts: record the experts every token was routed to in each "
                                      "sparse layer (the batch's rollout_routes), for actor.router_replay and the "
                                      "router/* agreement metrics (docs/moe.md); fast engine, single-turn")

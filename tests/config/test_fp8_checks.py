@@ -1,6 +1,6 @@
 """`rollout.quantization=fp8` is refused up front where it cannot run (the CPU, the transformers fallback, exact mode,
 a mixture of experts, shapes the FP8 GEMMs do not take), each problem naming the keys (`hybridflow train` on the
-CPU: `tests/trainer/test_fp8_start.py`)."""
+CPU: `tests/trainer/test_fp8_start.py`); left unset, `actor.rollout_correction.mode` follows to `token_tis`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from hybridflow.cli import main as cli_main
 from hybridflow.config import ConfigError, load_config, validate
 
 
@@ -38,3 +39,14 @@ def test_models_outside_the_fp8_path_are_refused_from_their_config(tiny_qwen2, t
         _problems(f"model.path={tmp_path / 'moe'}", check_paths=True)
     assert "{'intermediate_size': 100}: FP8 GEMMs take dimensions that are multiples of 16" in \
         _problems(f"model.path={tmp_path / 'odd'}", check_paths=True)
+
+
+def test_the_correction_follows_to_token_tis_unless_set(capsys):
+    assert cli_main(["config", "rollout.quantization=fp8"]) == 0
+    assert "#   actor.rollout_correction.mode=token_tis: rollout.quantization=fp8 samples with FP8 weights" in \
+        capsys.readouterr().out
+    assert load_config(["rollout.quantization=fp8"]).actor.rollout_correction.mode == "token_tis"
+    for mode in ("none", "token_mis"):  # a mode the user set is kept
+        cfg = load_config(["rollout.quantization=fp8", f"actor.rollout_correction.mode={mode}"])
+        assert cfg.actor.rollout_correction.mode == mode
+    assert load_config([]).actor.rollout_correction.mode == "none"
