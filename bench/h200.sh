@@ -57,6 +57,27 @@ decode_attention() { python3 bench/rollout.py --device cuda --attention-only --o
     2>&1 | tee "$OUT/decode_attention.log"; }
 # the decode step's GEMMs alone: cuBLAS, cuBLASLt and Triton tiles at 64-512 rows (issue 19)
 decode_gemm() { python3 bench/decode_gemm.py --device cuda --out "$OUT/decode_gemm_h200.json" 2>&1 | tee "$OUT/decode_gemm.log"; }
+# FP8 rollout (issue 54; docs/rollout.md#fp8-rollout): rollout.quantization=fp8 against bf16 at batch 256, the 1.5B and
+# 7B shapes (targets 1.5x and 1.6x tok/s), weight sync, peak memory, each projection's GEMM alone (~3 minutes);
+# FP8_PROFILE=1 adds where the FP8 decode step's time goes. fp8_tests: its GPU tests
+fp8_rollout() { python3 bench/fp8_rollout.py --device cuda ${FP8_PROFILE:+--profile} --out "$OUT/fp8_rollout_h200.json" \
+    2>&1 | tee "$OUT/fp8_rollout.log"; }
+fp8_tests() { python3 -m pytest -q -m gpu tests/engine/rollout/test_rollout_fp8_gpu.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/fp8_tests.log"; }
+# our side of the learning race with the FP8 rollout and the correction the docs recommend (token_tis), then the
+# default bf16 run's (no correction), RACE_BUDGET_S (default 150) each (needs the GGUF: model_part1, model_part2): the
+# mismatch of every step and both accuracy-against-time curves
+fp8_race() {
+    local mode
+    for mode in fp8 none; do
+        python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --only hybridflow \
+            --budget-s "${RACE_BUDGET_S:-150}" --eval-every-s "${RACE_EVERY_S:-15}" \
+            --set rollout.quantization=$mode \
+            --set actor.rollout_correction.mode=$([ $mode = fp8 ] && echo token_tis || echo none) \
+            --out "$OUT/race_fp8_$mode.json" 2>&1 | tail -6 | tee -a "$OUT/fp8_race.log"
+        rm -f "$OUT/race_fp8_$mode.png"
+    done
+}
 rollout_long() { python3 bench/rollout.py --device cuda --long --long-max "${LONG_MAX:-4096}" \
     --out "$OUT/rollout_long_h200.json" 2>&1 | tee "$OUT/rollout_long.log"; }
 scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:default,7b:8bit,14b:bf16_8bit}" \

@@ -99,6 +99,13 @@ def _ray_cluster(cfg: Any) -> str | None:
     return None
 
 
+def _fp8_rollout(cfg: Any) -> str | None:
+    if cfg.rollout.quantization == "fp8":
+        return ("rollout.quantization=fp8 samples with FP8 weights, whose per-token log-prob noise truncated "
+                "importance weights correct (docs/rollout.md#fp8-rollout)")
+    return None
+
+
 def _bf16_master(model: str) -> Callable[[Any], str | None]:
     def because(cfg: Any) -> str | None:
         if _value(cfg, f"{model}.master_dtype") == "bf16":
@@ -109,7 +116,8 @@ def _bf16_master(model: str) -> Callable[[Any], str | None]:
     return because
 
 
-# Each a key whose other values the checks refuse once its feature is on, so following changes no config that ran
+# Each a key whose other values the checks refuse once its feature is on, or whose feature came with its rule
+# (rollout.quantization=fp8: the other correction modes stay valid), so following changes no config that ran
 # before. In order: a rule may read a key an earlier one set (rollout.placement before what reads it).
 FOLLOWS: tuple[Follows, ...] = (
     Follows("rollout.free_cache_after_generate", False, _partial_continues,
@@ -122,6 +130,7 @@ FOLLOWS: tuple[Follows, ...] = (
     Follows("rollout.placement", "separate", _separate_rollout,
             "`rollout.pipeline=true`, `rollout.n_workers` is set, or a `ray.rollout.*` key differs from its default"),
     Follows("trainer.backend", "ray", _ray_cluster, "a `ray.*` key differs from its default"),
+    Follows("actor.rollout_correction.mode", "token_tis", _fp8_rollout, "`rollout.quantization=fp8`"),
     Follows("actor.optimizer", "adamw_8bit", _bf16_master("model"), "`model.master_dtype=bf16`"),
     Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model"), "`critic.model.master_dtype=bf16`"),
     Follows("optim.optimizer", "adamw_8bit", _bf16_master("model"),

@@ -111,6 +111,12 @@ class RolloutConfig:
                              "for bit; the old-log-prob pass is skipped (the rollout's are the old log-probs) and "
                              "an update fails if the first forward of the update differs from them at all. Dense "
                              "Llama/Qwen2/Qwen3/Mistral; eager layers (docs/exact.md)")
+    quantization: str = opt("none", "fp8: the rollout engine keeps the decoder layers' linear weights in FP8 (e4m3, "
+                                    "one scale per output row, requantized at each weight sync) and runs their "
+                                    "GEMMs in FP8: about half the weight bytes a decode step reads. CUDA sm_89+ "
+                                    "(Ada, Hopper), fast engine, dense models, not with rollout.exact; its log-probs "
+                                    "differ more from the trainer's: actor.rollout_correction.mode follows to "
+                                    "token_tis when unset (docs/rollout.md#fp8-rollout)", ("none", "fp8"))
     record_routes: bool = opt(False, "mixture of experts: record the experts every token was routed to in each "
                                      "sparse layer (the batch's rollout_routes), for actor.router_replay and the "
                                      "router/* agreement metrics (docs/moe.md); fast engine, single-turn")

@@ -20,6 +20,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 from hybridflow.config.exact_checks import exact_problems
+from hybridflow.config.fp8_checks import fp8_problems
 from hybridflow.config.extras import config_value, lora_target_problems, moe_model_problems, package_problems
 from hybridflow.config.input_checks import data_file_problems, model_problems, path_problems, run_problems
 from hybridflow.config.rollout_checks import (divisors, join_values, moe_problems, off_policy_problems,
@@ -352,7 +353,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
                 + package_problems(cfg) + moe_problems(cfg))
     if check_paths:
         problems += path_problems(cfg) + moe_model_problems(cfg)
-    problems += exact_problems(cfg, check_paths)
+    problems += exact_problems(cfg, check_paths) + fp8_problems(cfg, check_paths)
     if n_workers >= 1:
         roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]
         for role in roles:

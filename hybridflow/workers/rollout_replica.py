@@ -35,9 +35,8 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
                   max_model_len: int, kv_cache_bytes: int | None = None, rows_in_flight: int | None = None,
                   shared_weights: dict[str, torch.Tensor] | None = None) -> RolloutEngineContract:
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
-    kernels when `rollout_cfg.exact`), holding `shared_weights` (a colocated LoRA trainer's frozen ones) instead
-    of copies (the fast engine). The KV cache
-    on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
+    kernels when `rollout_cfg.exact`, FP8 weights with `rollout_cfg.quantization`), holding `shared_weights` (a
+    colocated LoRA trainer's frozen ones) instead of copies (the fast engine). The KV cache on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
     plan's), else `UNPLANNED_KV_FRACTION`. On a CPU, where nothing plans the memory and the cache is
     zero-filled RAM, it holds at most `rows_in_flight` sequences (the rows generated at once; more queue)."""
     kv: float | int | None = None
@@ -50,7 +49,7 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact,
-        record_routes=rollout_cfg.record_routes, shared_weights=shared_weights)
+        record_routes=rollout_cfg.record_routes, shared_weights=shared_weights, quantization=rollout_cfg.quantization)
 
 
 def cpu_max_num_seqs(max_num_seqs: int, rows_in_flight: int | None) -> int:

@@ -21,11 +21,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from hybridflow.engine.invariant import triton_attention, triton_gemm, triton_rows  # noqa: E402
-from hybridflow.engine.rollout import decode_attention, grouped_gemm, kernels  # noqa: E402
+from hybridflow.engine.rollout import decode_attention, fp8, grouped_gemm, kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-MODULES = (kernels, decode_attention, grouped_gemm, triton_rows, triton_gemm, triton_attention)
+MODULES = (kernels, decode_attention, fp8, grouped_gemm, triton_rows, triton_gemm, triton_attention)
 BF16 = torch.bfloat16
 
 
@@ -89,6 +89,10 @@ def _rollout_launches() -> None:
         kernels.add_rms_norm(h, h, _meta(hidden), 1e-6)
         kernels.add_rms_norm(h, None, _meta(hidden), 1e-6)
         kernels.silu_mul(_meta(rows, 2 * inter))
+        for width in (hidden, inter):  # FP8 rollout: a decode step's activations, a weight sync's rows
+            for count in (rows, 2 * inter):
+                fp8.quantize_rows(_meta(count, width), _meta(count, width, dtype=fp8.FP8),
+                                  _meta(count, dtype=torch.float32))
         cos, sin = _meta(max_len, dim, dtype=torch.float32), _meta(max_len, dim, dtype=torch.float32)
         positions = _meta(rows, dtype=torch.long)
         kernels.rotary_(_meta(rows, heads, dim), positions, cos, sin)

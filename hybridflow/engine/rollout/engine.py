@@ -93,6 +93,23 @@ def indexed_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def _fp8_wanted(quantization: str, config, device: torch.device, dtype: torch.dtype, exact: bool) -> bool:
+    """Whether `quantization` asks for FP8 weights; ValueError naming why they cannot run here, before any weight
+    is allocated."""
+    if quantization not in ("none", "fp8"):
+        raise ValueError(f"quantization={quantization!r} is invalid; valid: 'none', 'fp8'")
+    if quantization == "none":
+        return False
+    from hybridflow.engine.rollout import fp8
+
+    problems = fp8.model_problems(config) + fp8.device_problems(device, dtype)
+    if exact:
+        problems.append("exact mode runs the trainer's bf16 arithmetic bit for bit, which FP8 weights cannot")
+    if problems:
+        raise ValueError(f"quantization='fp8' cannot run here: {'; '.join(problems)}")
+    return True
+
+
 class RolloutEngine:
     """The fast engine (Llama / Qwen2 / Qwen3 / Mistral, Qwen3-MoE / Mixtral / Qwen2-MoE). Build it with
     `from_pretrained`."""
@@ -141,8 +158,8 @@ class RolloutEngine:
                         max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                         cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384,
                         decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
-                        moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None
-                        ) -> RolloutEngine | HFRolloutEngine:
+                        moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None,
+                        quantization: str = "none") -> RolloutEngine | HFRolloutEngine:
         """Load a Hugging Face model directory.
 
         engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or
@@ -162,6 +179,8 @@ class RolloutEngine:
         moe_kernel: the experts' grouped GEMMs: auto, grouped_mm, triton or gather (`grouped_gemm.py`).
         shared_weights: a colocated trainer's frozen weights by HF name, held by the fast engine as they are
             (no copy, not read from `path`; see `from_config`).
+        quantization: "none", or "fp8": the decoder layers' projections run on FP8 weights with per-row scales,
+            requantized at each `load_weights` (`fp8.py`; fast engine, dense models, CUDA sm_89+ in bf16).
         """
         from transformers import AutoConfig
 
@@ -178,6 +197,9 @@ class RolloutEngine:
             raise ValueError(f"exact mode needs the fast engine (model_type {config.model_type!r}, engine={engine!r}): "
                              f"transformers.generate runs other kernels than the trainer's; fast: "
                              f"{FAST_ARCHITECTURES}")
+        if quantization != "none" and (engine == "hf" or not fast):
+            raise ValueError(f"quantization={quantization!r} needs the fast engine, which has no path for model_type "
+                             f"{config.model_type!r} with engine={engine!r}; fast: {FAST_ARCHITECTURES}")
         if engine == "hf" or not fast:
             from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
@@ -191,7 +213,7 @@ class RolloutEngine:
         tensors = checkpoint_tensors(path, keep=lambda name: weight_target(name)[0] not in shared)
         return cls.from_config(config, tensors, device, dtype, stop_ids, max_num_seqs, max_model_len,
                                kv_cache_memory, cuda_graphs, max_prefill_tokens, decode_steps_per_sync, exact,
-                               record_routes, moe_kernel, shared)
+                               record_routes, moe_kernel, shared, quantization)
 
     @classmethod
     def from_config(cls, config, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -200,15 +222,17 @@ class RolloutEngine:
                     max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
                     cuda_graphs: bool = True, max_prefill_tokens: int = 16384,
                     decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
-                    moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None) -> RolloutEngine:
+                    moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None,
+                    quantization: str = "none") -> RolloutEngine:
         """A fast engine from a HF config and (HF name, tensor) weights, e.g. a trainer's state dict, with
         no checkpoint on disk. stop_token_ids: the default stop ids (None: the config's eos id); exact: see
         `from_pretrained`. shared_weights: weights the engine holds as they are instead of copies (a LoRA
         trainer's frozen embeddings, head, norms, routers and experts on the same device:
         `TrainEngine.frozen_weights`), each one whose name, shape, dtype and device match a parameter of its own
         (fused q/k/v and gate/up never do); they are never loaded into nor moved by `sleep`, and
-        `named_tensors` need not hold them."""
+        `named_tensors` need not hold them. quantization: see `from_pretrained`."""
         device = indexed_device(device)
+        fp8 = _fp8_wanted(quantization, config, device, dtype, exact)
         max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
         uses_window = (config.model_type in ("llama", "mistral", "mixtral")
@@ -219,7 +243,7 @@ class RolloutEngine:
         if stop_token_ids is None:
             stop_token_ids = eos_ids(config) or []
         model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact), moe_kernel,
-                               shared_weights)
+                               shared_weights, fp8)
         loaded = model.load_weights((name, t) for name, t in named_tensors
                                     if weight_target(name)[0] not in model.shared)
         missing = model.expected_weights() - model.covered(loaded + [(name, None) for name in model.shared])

@@ -300,14 +300,19 @@ class CausalLM(nn.Module):
 
     @classmethod
     def build(cls, config, max_len: int, device: torch.device, dtype: torch.dtype, backend: str,
-              moe_kernel: str = "auto", shared: dict[str, torch.Tensor] | None = None) -> CausalLM:
+              moe_kernel: str = "auto", shared: dict[str, torch.Tensor] | None = None,
+              fp8: bool = False) -> CausalLM:
         """moe_kernel: the experts' grouped GEMMs (`grouped_gemm.KERNELS`; auto: `resolve_kernel`). shared:
         weights by parameter name held by someone else (a colocated trainer's frozen ones): a parameter of the
-        same name, shape, dtype and device becomes that very tensor instead of memory of its own (`shared`)."""
+        same name, shape, dtype and device becomes that very tensor instead of memory of its own (`shared`).
+        fp8: the decoder layers' projections keep FP8 weights (`fp8.quantize_layers`)."""
+        from hybridflow.engine.rollout import fp8 as fp8_weights
         from hybridflow.engine.rollout.grouped_gemm import resolve_kernel
 
         with torch.device("meta"):
             model = cls(config, backend, resolve_kernel(moe_kernel, device, dtype)).to(dtype)
+        if fp8:
+            fp8_weights.quantize_layers(model)
         for name, param in list(model.named_parameters()):
             owner_name, leaf = name.rsplit(".", 1)
             given = (shared or {}).get(name)
@@ -315,7 +320,7 @@ class CausalLM(nn.Module):
                 data = given.detach()
                 model.shared.add(name)
             else:
-                data = torch.empty(param.shape, dtype=dtype, device=device)
+                data = torch.empty(param.shape, dtype=param.dtype, device=device)  # dtype, or FP8 weights' own
             model.get_submodule(owner_name)._parameters[leaf] = nn.Parameter(data, requires_grad=False)
         model.tie()  # new parameters: the head points at the embedding again
         model.set_rotary(max_len)
