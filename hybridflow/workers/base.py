@@ -65,8 +65,9 @@ class EngineWorker(Worker):
     @register(Dispatch.BROADCAST)
     def effective_values(self) -> Effective:
         """The values this role runs with where its config left them to the device plan or the device: its
-        micro-batch token budget, gradient checkpointing, compilation and compute dtype (rank 0's)."""
+        micro-batch token budget, gradient checkpointing, optimizer, compilation and compute dtype (rank 0's)."""
         values = {f"{self.keys}.max_tokens_per_micro_batch": self.cfg.max_tokens_per_micro_batch,
+                  f"{self.keys}.optimizer": self.cfg.optimizer,
                   f"{self.model_keys}.gradient_checkpointing": self.model_cfg.gradient_checkpointing,
                   f"{self.model_keys}.compile": self.engine.compiled,
                   f"{self.model_keys}.dtype": DTYPE_NAMES.get(str(self.engine.precision.param),

@@ -36,6 +36,7 @@ from hybridflow.engine.train.lora import apply_lora, frozen_weights
 from hybridflow.engine.train.microbatch import (agree_count, count_micro_batches, group_lengths, group_rows,
                                                 split_rows, take_rows)
 from hybridflow.engine.train.model import load_model, resolve_precision
+from hybridflow.engine.train.quantized_base import quantize_base
 from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
@@ -53,7 +54,8 @@ class TrainEngine:
     """A Hugging Face model under FSDP2 (when torch.distributed is initialised with more than one rank,
     or, without LoRA, the compute dtype differs from the master weights) on this rank's device, its decoder
     layers compiled where `model.compile` says so (`compile.py`), with LoRA adapters where the trained
-    role's `lora.rank` > 0 (`lora.py`: only they train; `adapters` is None without).
+    role's `lora.rank` > 0 (`lora.py`: only they train; `adapters` is None without), their frozen base weights in
+    4 bits with `model.quantization=nf4` (`quantized_base.py`).
 
     Args:
         model_cfg: the model's section (`path`, `dtype`, `compile`, `attn_implementation`, `trust_remote_code`;
@@ -115,6 +117,12 @@ class TrainEngine:
                                self.trainable and trained is not None and bool(trained.gradient_checkpointing),
                                recompute_contexts if self.exact else None)
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora_cfg is not None else None
+        if trained is not None and trained.quantization == "nf4":
+            if self.adapters is None:
+                raise ValueError("model.quantization=nf4 stores a LoRA model's frozen base in 4 bits; it needs "
+                                 "lora.rank > 0")
+            quantize_base({n: layer for n, layer in self.adapters.layers.items()
+                           if not hasattr(layer, "parameter_name")}, self.device)
         if exact_len is not None:
             make_exact(model, self.precision.param, exact_len, "inductor" if compile_on else None)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
