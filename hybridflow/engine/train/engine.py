@@ -117,12 +117,13 @@ class TrainEngine:
                                self.trainable and trained is not None and bool(trained.gradient_checkpointing),
                                recompute_contexts if self.exact else None)
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora_cfg is not None else None
+        self.quantized_params = 0  # base weights stored in 4 bits (`model.quantization=nf4`)
         if trained is not None and trained.quantization == "nf4":
             if self.adapters is None:
                 raise ValueError("model.quantization=nf4 stores a LoRA model's frozen base in 4 bits; it needs "
                                  "lora.rank > 0")
-            quantize_base({n: layer for n, layer in self.adapters.layers.items()
-                           if not hasattr(layer, "parameter_name")}, self.device)
+            self.quantized_params = quantize_base({n: layer for n, layer in self.adapters.layers.items()
+                                                   if not hasattr(layer, "parameter_name")}, self.device)
         if exact_len is not None:
             make_exact(model, self.precision.param, exact_len, "inductor" if compile_on else None)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
@@ -337,12 +338,14 @@ class TrainEngine:
 
     def describe(self) -> str:
         """The model's size, for messages: "1.54B parameters (Qwen2ForCausalLM, bfloat16 over float32 weights)",
-        with LoRA "..., LoRA rank 32: 18.5M trained"."""
+        with LoRA "..., LoRA rank 32: 18.5M trained", with a 4-bit base "..., 1.31B base weights in NF4"."""
         params = sum(p.numel() for p in self.model.parameters())
         param, master = (str(d).removeprefix("torch.") for d in (self.precision.param, self.precision.master))
         name = type(self.model).__name__.removeprefix("FSDP")
         lora = "" if self.adapters is None else \
             f", LoRA rank {self.adapters.rank}: {count(self.trained_params())} trained"
+        if self.quantized_params:
+            lora += f", {count(self.quantized_params)} base weights in NF4"
         return f"{count(params)} parameters ({name}, {param} over {master} weights{lora})"
 
     def perf_metrics(self, seq_lens: list[int], seconds: float, passes: int = 1) -> dict[str, float]:
