@@ -32,6 +32,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -272,7 +273,7 @@ def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_pat
         with torch.no_grad():
             for name, layer in inner.named_modules():
                 if isinstance(layer, LoraLayer):
-                    weight = layer.get_base_layer().weight
+                    weight = cast(torch.Tensor, layer.get_base_layer().weight)
                     weight.copy_(dense(to_nf4(weight.detach(), f"{name}.weight")))
     return model.merge_and_unload() if merge else model
 

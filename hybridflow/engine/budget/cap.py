@@ -19,7 +19,12 @@ CAP_KEY = "trainer.device_memory_gib"
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _setting(cap: int) -> str:
+    """`trainer.device_memory_gib=<its value>` from the cap's bytes."""
+    return f"{CAP_KEY}={cap / GIB:.4g}"
 
 
 def budget_bytes(demand: DeviceDemand, free: int, total: int) -> int:
@@ -31,7 +36,7 @@ def budget_bytes(demand: DeviceDemand, free: int, total: int) -> int:
 def budget_source(demand: DeviceDemand, total: int) -> str:
     """The keys that set the budget, for the plan's refusals."""
     if demand.memory_cap is not None:
-        return f"{CAP_KEY}={demand.memory_cap / GIB:g} of the card's {_gib(total)}"
+        return f"{_setting(demand.memory_cap)} of the card's {_gib(total)}"
     return f"trainer.gpu_memory_utilization={demand.utilization} of {_gib(total)}"
 
 
@@ -54,7 +59,7 @@ def weights_problem(demand: DeviceDemand) -> str | None:
     floor, what = weights_floor(demand)
     if floor <= demand.memory_cap:
         return None
-    return (f"{CAP_KEY}={demand.memory_cap / GIB:g} is below the weights' own size: {what} hold {_gib(floor)} per "
+    return (f"{_setting(demand.memory_cap)} is below the weights' own size: {what} hold {_gib(floor)} per "
             f"device; raise {CAP_KEY}, or shrink them: model.master_dtype=bf16 with actor.optimizer=adamw_8bit, "
             f"actor.lora.rank > 0 (with model.quantization=nf4: 4-bit frozen weights), more devices "
             f"(trainer.n_workers), or a smaller model")
@@ -67,7 +72,7 @@ def hold_allocator(demand: DeviceDemand, device: torch.device, total: int) -> st
     if demand.memory_cap is None:
         return None
     if demand.memory_cap > total:
-        return (f"{CAP_KEY}={demand.memory_cap / GIB:g} is above this card's {_gib(total)} ({device}); use at most "
+        return (f"{_setting(demand.memory_cap)} is above this card's {_gib(total)} ({device}); use at most "
                 f"{total / GIB:.1f}, or null for the whole card")
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(demand.memory_cap / total, device)

@@ -123,7 +123,8 @@ class TrainEngine:
                 raise ValueError("model.quantization=nf4 stores a LoRA model's frozen base in 4 bits; it needs "
                                  "lora.rank > 0")
             self.quantized_params = quantize_base({n: layer for n, layer in self.adapters.layers.items()
-                                                   if not hasattr(layer, "parameter_name")}, self.device)
+                                                   if not hasattr(layer, "parameter_name")}, self.device,
+                                                  self.world_size)
         if exact_len is not None:
             make_exact(model, self.precision.param, exact_len, "inductor" if compile_on else None)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's

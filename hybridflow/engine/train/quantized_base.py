@@ -31,15 +31,28 @@ def _torchao_nf4() -> tuple[Any, type]:
     return to_nf4, NF4Tensor
 
 
-def to_nf4(weight: torch.Tensor, name: str) -> torch.Tensor:
-    """`weight` as an `NF4Tensor` (its dtype stays the weight's: what `dense` returns). Refuses a weight whose size
-    is not a whole number of 64-value blocks, naming it."""
-    if weight.numel() % BLOCK:
-        raise ValueError(f"model.quantization=nf4: {name} has {weight.numel():,} values, not a multiple of the "
-                         f"{BLOCK}-value NF4 block; leave that module out of lora.target_modules or use "
-                         f"model.quantization=none")
+def _scaler_block(blocks: int, shards: int) -> int | None:
+    """The most scales (at most `SCALER_BLOCK`) per second-level factor that divides a weight's `blocks` into a
+    number of factors FSDP2 can cut into `shards` equal parts (torchao's NF4 sharding cuts every inner tensor
+    evenly), or None if none does."""
+    for size in range(math.gcd(blocks, SCALER_BLOCK), 0, -1):
+        if blocks % size == 0 and (blocks // size) % shards == 0:
+            return size
+    return None
+
+
+def to_nf4(weight: torch.Tensor, name: str, shards: int = 1) -> torch.Tensor:
+    """`weight` as an `NF4Tensor` (its dtype stays the weight's: what `dense` returns), cut evenly into `shards`
+    FSDP2 shards where there are several. Refuses, naming it, a weight whose size is not a whole number of
+    64-value blocks or whose blocks and rows cannot be shared evenly by `shards` ranks."""
+    blocks = weight.numel() // BLOCK
+    scaler = _scaler_block(blocks, shards) if weight.numel() % BLOCK == 0 else None
+    if scaler is None or weight.shape[0] % shards:
+        raise ValueError(f"model.quantization=nf4: {name} of shape {tuple(weight.shape)} cannot be stored in "
+                         f"{BLOCK}-value NF4 blocks shared evenly by {shards} rank(s) (trainer.n_workers); leave that "
+                         f"module out of lora.target_modules, change trainer.n_workers, or use model.quantization=none")
     quantize, _ = _torchao_nf4()
-    return quantize(weight, BLOCK, math.gcd(weight.numel() // BLOCK, SCALER_BLOCK))
+    return quantize(weight, BLOCK, scaler)
 
 
 def is_nf4(t: torch.Tensor) -> bool:
@@ -57,14 +70,16 @@ def dense(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_base(layers: dict[str, Any], device: torch.device) -> int:
+def quantize_base(layers: dict[str, Any], device: torch.device, shards: int = 1) -> int:
     """Replaces the frozen `base_layer.weight` of each of peft's adapted linear `layers` (by name) with its 4-bit
-    copy, made on `device`; returns how many weights it stores in 4 bits."""
+    copy, made on `device` (for FSDP2 over `shards` ranks: `to_nf4`); returns how many weights it stores in 4
+    bits."""
     stored = 0
     for name, layer in layers.items():
         base = layer.base_layer
         weight = base.weight
-        base.weight = torch.nn.Parameter(to_nf4(weight.detach().to(device), f"{name}.weight"), requires_grad=False)
+        quantized = to_nf4(weight.detach().to(device), f"{name}.weight", shards)
+        base.weight = torch.nn.Parameter(quantized, requires_grad=False)
         stored += weight.numel()
         del weight
     return stored
