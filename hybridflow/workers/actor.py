@@ -46,7 +46,8 @@ from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, WeightChann
 
 
 ROLLOUT_MEMORY_KEYS = ("rollout.kv_cache_fraction or trainer.gpu_memory_utilization (a smaller KV cache), "
-                       "rollout.max_num_seqs, actor.param_offload=true, actor.optimizer_offload=true")
+                       "rollout.max_num_seqs, actor.param_offload=true, actor.optimizer_offload=true, "
+                       "trainer.device_memory_gib (higher: more memory)")
 
 
 class ActorWorker(RolloutCalls, EngineWorker):

@@ -123,3 +123,18 @@ def test_a_cap_above_the_card_is_refused_and_a_cap_within_it_holds_the_allocator
     assert held == [(0.25, card)]
     assert cap_module.hold_allocator(replace(demand("1.5b", 20), memory_cap=None), card, 80 * GIB) is None
     assert len(held) == 1  # uncapped: the allocator is left alone
+
+
+def test_running_out_of_the_cap_comes_out_explained_with_the_keys():
+    """The allocator held to the cap raises CUDA's out-of-memory error past it; the workers' `reported_oom` names the
+    capped plan and the keys, the cap among them."""
+    from hybridflow.engine.budget import DeviceOutOfMemory, memory_keys, reported_oom
+
+    p = plan(demand("1.5b", 16, lora=True), *H100)
+    with pytest.raises(DeviceOutOfMemory) as err:
+        with reported_oom("actor update", p, "1.54B parameters", memory_keys("actor", "model")):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.19 GiB of which 60.1 GiB is free. Of the allocated memory 15.6 GiB")
+    msg = str(err.value)
+    assert "ran out of device memory" in msg and "device budget 16.0 GiB of 80.0 GiB" in msg
+    assert "trainer.device_memory_gib (higher: more memory)" in msg and "Tried to allocate 2.00 GiB" in msg
