@@ -38,18 +38,17 @@ from hybridflow.utils.model_shapes import QWEN_SHAPES, tiny_model_kwargs  # noqa
 LORA = ["actor.lora.rank=32", "actor.lora.alpha=64"]
 NF4 = ["model.quantization=nf4", *LORA]
 # (shape, keys, cap GiB or None, the ceiling GiB or None, the uncapped setting its step is compared with).
-# Where the plan needs a key that the planner does not choose by itself (offloads, bf16 master weights), the setting
-# sets it: the keys its refusal names (docs/small_gpus.md).
+# The plan chooses checkpointing, micro-batches, the KV cache, the optimizer and the optimizer / rollout-weight
+# offloads; a setting sets only what the plan does not choose, as its refusal names it (docs/small_gpus.md): bf16
+# master weights, the actor's parameter offload, fewer rollout slots.
 SETTINGS: dict[str, tuple[str, list[str], float | None, float | None, str | None]] = {
     "1.5b_lora_uncapped": ("1.5b", LORA, None, None, None),
     "1.5b_full_uncapped": ("1.5b", [], None, None, None),
-    "1.5b_nf4_lora_6gib": ("1.5b", [*NF4, "rollout.offload_weights=true", "rollout.max_num_seqs=128"], 6, 6,
-                           "1.5b_lora_uncapped"),
+    "1.5b_nf4_lora_6gib": ("1.5b", [*NF4, "rollout.max_num_seqs=128"], 6, 6, "1.5b_lora_uncapped"),
     "1.5b_nf4_lora_8gib": ("1.5b", NF4, 8, None, "1.5b_lora_uncapped"),
-    "1.5b_full_16gib": ("1.5b", ["model.master_dtype=bf16", "rollout.offload_weights=true", "actor.param_offload=true",
-                                 "actor.optimizer_offload=true"], 16, 16, "1.5b_full_uncapped"),
-    "7b_lora_24gib": ("7b", [*LORA, "rollout.offload_weights=true", "actor.param_offload=true"], 24, 24, None),
-    "7b_nf4_lora_16gib": ("7b", [*NF4, "rollout.offload_weights=true", "rollout.max_num_seqs=128"], 16, 16, None),
+    "1.5b_full_16gib": ("1.5b", ["model.master_dtype=bf16"], 16, 16, "1.5b_full_uncapped"),
+    "7b_lora_24gib": ("7b", [*LORA, "actor.param_offload=true"], 24, 24, None),
+    "7b_nf4_lora_16gib": ("7b", [*NF4, "rollout.max_num_seqs=128"], 16, 16, None),
     "7b_nf4_lora_24gib": ("7b", NF4, 24, None, None),
 }
 

@@ -98,8 +98,10 @@ class RolloutConfig:
                                                    "(after the trained model loads) given to the KV cache; null = "
                                                    "what the device budget leaves within "
                                                    "trainer.gpu_memory_utilization")
-    offload_weights: bool = opt(False, "move the rollout engine's weights to the CPU outside generation (frees "
-                                       "a compute-dtype copy of the model for training; re-captures CUDA graphs)")
+    offload_weights: Optional[bool] = opt(None, "move the rollout engine's weights to the CPU outside generation "
+                                                "(frees a compute-dtype copy of the model for training; re-captures "
+                                                "CUDA graphs); null = the device plan decides: on only where the run "
+                                                "would not fit without it (off on a CPU)")
     cuda_graphs: bool = opt(True, "capture decode steps in CUDA graphs")
     free_cache_after_generate: bool = opt(True, "free the KV cache after each generation, so training gets its "
                                                 "memory (on a GPU; a CPU cache stays allocated); false keeps "
@@ -191,7 +193,9 @@ class EngineOptimConfig:
                                   "padded: docs/benchmarks.md#measurements-behind-choices-in-the-code)")
     shuffle: bool = opt(True, "shuffle rows between mini-batches")
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")
-    optimizer_offload: bool = opt(False, "keep optimizer state on the CPU between uses")
+    optimizer_offload: Optional[bool] = opt(None, "keep optimizer state on the CPU between uses; null = the device "
+                                                  "plan decides: on only where the run would not fit without it "
+                                                  "(off on a CPU)")
     lora: LoraConfig = opt(LoraConfig, "train low-rank adapters instead of every weight")
 
     def __post_init__(self) -> None:

@@ -24,15 +24,16 @@ H100 = (80 * GIB, 80 * GIB)  # (free, total)
 
 
 def demand(name: str, cap: float, lora: bool = False, nf4: bool = False, master_bytes: int = 4,
-           rollout_offload: bool = False, **actor) -> DeviceDemand:
-    """GRPO 16 x 8 of <= 512 + 512 tokens on one card (the actor, its colocated rollout engine), `optimizer=auto`,
-    under a `cap`-GiB `trainer.device_memory_gib`, as `trainer.memory.device_demands` builds it."""
+           rollout_offload: bool | None = None, **actor) -> DeviceDemand:
+    """GRPO 16 x 8 of <= 512 + 512 tokens on one card (the actor, its colocated rollout engine) under a `cap`-GiB
+    `trainer.device_memory_gib`, as `trainer.memory.device_demands` builds it; the optimizer, its offload and the
+    rollout's weight offload left to the plan unless given."""
     config = AutoConfig.for_model("qwen2", **QWEN_SHAPES[name])
     shape, adapters = ModelShape.from_config(config), LoraConfig(rank=32)
     quantized, largest = quantized_params(config, adapters) if nf4 else (0, 0)
     role = TrainedRole("actor", "model", shape, compute_bytes=2, master_bytes=master_bytes,
                        lora_params=trainable_params(config, adapters) if lora else None, quantized_params=quantized,
-                       largest_quantized=largest, **{"optimizer": "auto", **actor})
+                       largest_quantized=largest, **{"optimizer": "auto", "optimizer_offload": None, **actor})
     shared = shareable_params(config, adapters) if lora and not actor.get("param_offload") else 0
     rollout = RolloutRole(shape, 2, max_num_seqs=256, max_model_len=1024, offload_weights=rollout_offload,
                           shared_params=shared)
@@ -52,8 +53,9 @@ def test_7b_bf16_lora_under_24_gib_recomputes_with_a_smaller_budget_once_the_cop
     with pytest.raises(DoesNotFit) as err:  # the trainer's bf16 base and the rollout's own copy: 27 GiB
         plan(demand("7b", 24, lora=True), *H100)
     assert "trainer.device_memory_gib=24 of the card's 80.0 GiB" in str(err.value)
-    assert "actor.param_offload=true" in str(err.value) and "rollout.offload_weights=true" in str(err.value)
-    p = plan(demand("7b", 24, lora=True, rollout_offload=True, param_offload=True), *H100)
+    assert "it fits with actor.param_offload=true" in str(err.value)  # the rollout's offload is the plan's own
+    p = plan(demand("7b", 24, lora=True, param_offload=True), *H100)
+    assert p.rollout_offload
     actor = p.roles["actor"]
     assert actor.gradient_checkpointing and actor.max_tokens == 13490 and actor.optimizer == "adamw"
     assert actor.peak_bytes <= 24 * GIB and p.generation_peak_bytes <= 24 * GIB
@@ -81,19 +83,24 @@ def test_1_5b_lora_plans_at_8_16_and_24_gib():
     assert "generation: the KV cache gets 0 MiB" in str(err.value) and "trainer.n_workers" in str(err.value)
 
 
-def test_1_5b_full_chooses_8_bit_adamw_where_adamw_would_not_fit():
+def test_1_5b_full_chooses_8_bit_adamw_then_an_offload_where_adamw_would_not_fit():
     assert plan(demand("1.5b", 36), *H100).roles["actor"].optimizer == "adamw"
     for cap in (26, 32):
-        assert plan(demand("1.5b", cap), *H100).roles["actor"].optimizer == "adamw_8bit"
-    at16 = plan(demand("1.5b", 16, master_bytes=2, rollout_offload=True), *H100).roles["actor"]
+        p = plan(demand("1.5b", cap), *H100)
+        assert p.roles["actor"].optimizer == "adamw_8bit" and not p.rollout_offload
+    at24 = plan(demand("1.5b", 24), *H100)
+    assert at24.roles["actor"].optimizer == "adamw_8bit" and not at24.roles["actor"].optimizer_offload
+    assert at24.rollout_offload and at24.roles["actor"].gradient_checkpointing
+    at16 = plan(demand("1.5b", 16, master_bytes=2), *H100).roles["actor"]
     assert at16.optimizer == "adamw_8bit" and at16.gradient_checkpointing and at16.max_tokens == 11886
     with pytest.raises(DoesNotFit) as err:
-        plan(demand("1.5b", 24), *H100)
+        plan(demand("1.5b", 22), *H100)
     assert "it fits with actor.optimizer=adamw_cpu_offload (or: model.master_dtype=bf16 actor.optimizer=" \
            "adamw_8bit)" in str(err.value)
-    explicit = demand("1.5b", 32, optimizer="adamw")  # a key the user set is not the plan's to change
-    with pytest.raises(DoesNotFit):
-        plan(explicit, *H100)
+    explicit = plan(demand("1.5b", 32, optimizer="adamw"), *H100)  # a key the user set is not the plan's to change
+    assert explicit.roles["actor"].optimizer == "adamw" and explicit.rollout_offload
+    with pytest.raises(DoesNotFit, match="it fits with actor.optimizer=adamw_8bit"):
+        plan(demand("1.5b", 26, optimizer="adamw"), *H100)
 
 
 @pytest.mark.parametrize("cap", [6, 8])
@@ -138,3 +145,15 @@ def test_running_out_of_the_cap_comes_out_explained_with_the_keys():
     msg = str(err.value)
     assert "ran out of device memory" in msg and "device budget 16.0 GiB of 80.0 GiB" in msg
     assert "trainer.device_memory_gib (higher: more memory)" in msg and "Tried to allocate 2.00 GiB" in msg
+
+
+def test_the_plan_offloads_only_where_the_run_needs_it():
+    roomy = plan(demand("1.5b", 16, lora=True), *H100)
+    assert not roomy.rollout_offload and not roomy.roles["actor"].optimizer_offload
+    full = plan(demand("1.5b", 16, master_bytes=2), *H100)  # bf16 master weights: 8-bit AdamW, then offloads
+    assert full.rollout_offload and full.roles["actor"].optimizer == "adamw_8bit"
+    assert "rollout weights offloaded while training" in full.describe()
+    lora = plan(demand("7b", 24, lora=True, param_offload=True), *H100)
+    assert lora.rollout_offload and lora.roles["actor"].gradient_checkpointing
+    with pytest.raises(DoesNotFit, match="rollout.offload_weights=true"):  # a key the user set stays set
+        plan(demand("7b", 24, lora=True, param_offload=True, rollout_offload=False), *H100)

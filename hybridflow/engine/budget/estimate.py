@@ -163,7 +163,8 @@ class ModelShape:
 @dataclass(frozen=True)
 class TrainedRole:
     """A role this device trains. `keys`: its config section (``actor``); `model_keys`: its model's
-    (``model`` or ``critic.model``). None for `gradient_checkpointing` / `max_tokens` = decide here;
+    (``model`` or ``critic.model``). None for `gradient_checkpointing` / `max_tokens` / `optimizer_offload`, and
+    ``auto`` for `optimizer`, = decide here;
     `lora_params`: the parameters a LoRA role trains (None: every parameter)."""
 
     keys: str
@@ -173,7 +174,7 @@ class TrainedRole:
     master_bytes: int
     optimizer: str = "adamw"
     param_offload: bool = False
-    optimizer_offload: bool = False
+    optimizer_offload: bool | None = False  # None: decide here
     gradient_checkpointing: bool | None = None
     max_tokens: int | None = None
     micro_batch_rows: int | None = None
@@ -249,7 +250,7 @@ class RolloutRole:
     max_num_seqs: int
     max_model_len: int
     max_prefill_tokens: int = 16384
-    offload_weights: bool = False
+    offload_weights: bool | None = False  # None: decide here
     cache_stays: bool = False
     kv_cache_fraction: float | None = None
     shared_params: int = 0  # a colocated LoRA trainer's frozen weights the engine holds instead of copies

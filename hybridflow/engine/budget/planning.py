@@ -6,8 +6,10 @@ and CUDA out-of-memory errors explained with the plan and the keys to change (`r
 
 The memory a run may use is `cap = min(utilization x total, free at start)` (vLLM's
 `gpu_memory_utilization`), or under `trainer.device_memory_gib` that many bytes (`cap.py`: the allocator is held
-to them too). Keys left to the plan (`TrainedRole.optimizer="auto"`, checkpointing and the token budget at None)
-are chosen here: AdamW where it fits, else 8-bit AdamW (torchao) where that makes the run fit.
+to them too). Keys left to the plan (checkpointing and the token budget at None, below; `optimizer="auto"`,
+`optimizer_offload` and the rollout's `offload_weights` at None) are chosen here, the cheapest combination that
+fits (`choices.py`): AdamW and nothing offloaded, else 8-bit AdamW (torchao), the rollout engine's weights on
+the CPU while training, the optimizer state on the CPU between uses, in that order of cost.
 A trained role gets `TARGET_TOKENS`-token micro-batches where they fit (bounded memory; compiled layers make them
 as fast as one forward), fewer where memory is short, and gradient checkpointing when not even
 `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without it, or when the model has fewer
@@ -24,15 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
 
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig
+from hybridflow.config.schema import EngineOptimConfig, ModelConfig, RolloutConfig
 from hybridflow.engine.budget.cap import CAP_KEY, budget_bytes, budget_source, hold_allocator, weights_problem
+from hybridflow.engine.budget.choices import default_optimizer, silent_choices
 from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
                                                MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
                                                DeviceDemand, RolloutRole, TrainedRole)
@@ -54,6 +56,7 @@ class RolePlan:
     peak_bytes: float
     breakdown: dict[str, float]
     optimizer: str = "adamw"
+    optimizer_offload: bool = False
 
 
 @dataclass
@@ -65,6 +68,7 @@ class DevicePlan:
     total_bytes: int
     roles: dict[str, RolePlan] = field(default_factory=dict)
     kv_cache_bytes: int | None = None
+    rollout_offload: bool = False  # the rollout engine's weights on the CPU while training
     generation_peak_bytes: float = 0.0
     generation_breakdown: dict[str, float] = field(default_factory=dict)
 
@@ -72,10 +76,12 @@ class DevicePlan:
         lines = [f"device budget {_gib(self.cap_bytes)} of {_gib(self.total_bytes)}"]
         for keys, r in self.roles.items():
             lines.append(f"{keys} update: {r.max_tokens:,}-token micro-batches, gradient checkpointing "
-                         f"{'on' if r.gradient_checkpointing else 'off'}, {r.optimizer}, estimated peak "
+                         f"{'on' if r.gradient_checkpointing else 'off'}, {r.optimizer}"
+                         f"{', state offloaded between uses' if r.optimizer_offload else ''}, estimated peak "
                          f"{_gib(r.peak_bytes)} ({_items(r.breakdown)})")
         if self.kv_cache_bytes is not None:
-            lines.append(f"generation: KV cache {_gib(self.kv_cache_bytes)}, estimated peak "
+            offload = ", rollout weights offloaded while training" if self.rollout_offload else ""
+            lines.append(f"generation: KV cache {_gib(self.kv_cache_bytes)}{offload}, estimated peak "
                          f"{_gib(self.generation_peak_bytes)} ({_items(self.generation_breakdown)})")
         return "; ".join(lines)
 
@@ -137,7 +143,8 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int, kept_kv: int) 
                f"{' with gradient checkpointing' if ckpt else ''}, {_gib(free)} is left beside "
                f"{_items(breakdown)}")
     breakdown["activations"] = role.activation_peak(tokens, ckpt)
-    return RolePlan(tokens, ckpt, sum(breakdown.values()), breakdown, role.optimizer), short, why if short else ""
+    return (RolePlan(tokens, ckpt, sum(breakdown.values()), breakdown, role.optimizer, bool(role.optimizer_offload)),
+            short, why if short else "")
 
 
 def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = None
@@ -187,6 +194,7 @@ def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, flo
     out = DevicePlan(cap_bytes=cap, total_bytes=total)
     problems, worst = [], 0.0
     ro = demand.rollout
+    out.rollout_offload = ro is not None and bool(ro.offload_weights)
     kept = ro is not None and ro.cache_stays
     planned = ro is not None and kept and ro.kv_cache_fraction is None and bool(demand.trained)  # kept, sized here
     reserve = _kept_reserve(demand, cap) if planned else (
@@ -268,37 +276,15 @@ def _remedies(demand: DeviceDemand) -> list[tuple[str, DeviceDemand]]:
     return out
 
 
-def default_optimizer(master_bytes: int) -> str:
-    """What `optimizer=auto` runs where memory does not decide: AdamW, or with bf16 master weights the 8-bit AdamW
-    whose stochastic rounding keeps updates below bf16's resolution."""
-    return "adamw_8bit" if master_bytes == 2 else "adamw"
-
-
-def _silent_choices(demand: DeviceDemand) -> list[DeviceDemand]:
-    """The demand with the optimizers it left to the plan (`auto`) chosen, the least memory-saving first: AdamW,
-    then 8-bit AdamW (a quarter of the state; where torchao is installed)."""
-    def chosen(low: bool) -> DeviceDemand:
-        return replace(demand, trained=tuple(
-            r if r.optimizer != "auto" else replace(r, optimizer="adamw_8bit" if low else default_optimizer(
-                r.master_bytes)) for r in demand.trained))
-
-    out = [chosen(False)]
-    lowerable = any(r.optimizer == "auto" and r.master_bytes == 4 for r in demand.trained)
-    if lowerable and importlib.util.find_spec("torchao") is not None:
-        out.append(chosen(True))
-    return out
-
-
 def plan(demand: DeviceDemand, free: int, total: int) -> DevicePlan:
     """The plan for a device with `free` of `total` bytes, the keys left to it chosen, or `DoesNotFit` naming what
     would fit."""
-    choices = _silent_choices(demand)
+    choices = silent_choices(demand)
     for choice in choices:
         out, _, problems = _check(choice, free, total)
         if not problems:
             return out
-    demand = choices[0]
-    out, _, problems = _check(demand, free, total)
+    demand = choices[-1]  # every choice made: the refusal names what is still short, and the keys beyond them
     remedies = [(label, _check(changed, free, total)[1]) for label, changed in _remedies(demand)]
     single = [label for label, short in remedies[:-1] if short == 0]
     (combined, short), = remedies[-1:]
@@ -353,8 +339,9 @@ def apply_plan(plan_: DevicePlan | None, keys: str, model_cfg: ModelConfig, role
                ) -> tuple[ModelConfig, Section]:
     """Copies of a trained role's model and role sections with what was left to the plan filled in:
     `gradient_checkpointing` (None -> the plan's, or off without a plan), `optimizer` (auto -> the plan's, or
-    `default_optimizer` without one) and `max_tokens_per_micro_batch` (None with no `micro_batch_size` -> the
-    plan's token budget; without a plan the whole mini-batch)."""
+    `default_optimizer` without one), `optimizer_offload` (None -> the plan's, or off) and
+    `max_tokens_per_micro_batch` (None with no `micro_batch_size` -> the plan's token budget; without a plan the
+    whole mini-batch)."""
     role = plan_.roles.get(keys) if plan_ is not None else None
     model_cfg, role_cfg = copy.copy(model_cfg), copy.copy(role_cfg)
     if model_cfg.gradient_checkpointing is None:
@@ -362,9 +349,20 @@ def apply_plan(plan_: DevicePlan | None, keys: str, model_cfg: ModelConfig, role
     if role_cfg.optimizer == "auto":
         role_cfg.optimizer = role.optimizer if role is not None else default_optimizer(
             2 if model_cfg.master_dtype == "bf16" else 4)
+    if role_cfg.optimizer_offload is None:
+        role_cfg.optimizer_offload = role.optimizer_offload if role is not None else False
     if role is not None and role_cfg.max_tokens_per_micro_batch is None and role_cfg.micro_batch_size is None:
         role_cfg.max_tokens_per_micro_batch = role.max_tokens
     return model_cfg, role_cfg
+
+
+def apply_rollout_plan(plan_: DevicePlan | None, rollout_cfg: RolloutConfig) -> RolloutConfig:
+    """A copy of the `rollout` section with `offload_weights` filled in where it was left to the plan (None -> the
+    plan's, or off without a plan)."""
+    rollout_cfg = copy.copy(rollout_cfg)
+    if rollout_cfg.offload_weights is None:
+        rollout_cfg.offload_weights = plan_.rollout_offload if plan_ is not None else False
+    return rollout_cfg
 
 
 def memory_keys(keys: str, model_keys: str) -> str:

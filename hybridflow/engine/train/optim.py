@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hybridflow.config.schema import EngineOptimConfig
-from hybridflow.engine.budget.planning import default_optimizer
+from hybridflow.engine.budget.choices import default_optimizer
 
 SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
