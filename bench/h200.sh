@@ -82,6 +82,12 @@ rollout_long() { python3 bench/rollout.py --device cuda --long --long-max "${LON
     --out "$OUT/rollout_long_h200.json" 2>&1 | tee "$OUT/rollout_long.log"; }
 scale() { python3 bench/scale.py --configs "${SCALE_CONFIGS:-1.5b:default,3b:default,7b:8bit,14b:bf16_8bit}" \
     --budget-s "${SCALE_BUDGET_S:-540}" --out "$OUT/scale_h200.json" 2>&1 | tee "$OUT/scale.log"; }
+# small cards (issue 54; docs/small_gpus.md): GRPO 16 x 8, <= 512 new tokens, 3 steps, each setting under
+# trainer.device_memory_gib beside the uncapped steps it is compared with; one call per shape
+small_gpu_15b() { python3 bench/small_gpu.py --device cuda --settings 1.5b --budget-s 100 \
+    --out "$OUT/small_gpu_1.5b.json" 2>&1 | tee "$OUT/small_gpu_1.5b.log"; }
+small_gpu_7b() { python3 bench/small_gpu.py --device cuda --settings 7b --budget-s 170 \
+    --out "$OUT/small_gpu_7b.json" 2>&1 | tee "$OUT/small_gpu_7b.log"; }
 # where the first compiled step's stall goes (issue 23): the race's model shape, random weights, cold caches
 compile_first_step() {
     local cache

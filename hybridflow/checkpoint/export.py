@@ -12,7 +12,11 @@ is a sequence classifier's (`head_config`), and it is written as one, which `rew
 A LoRA checkpoint (its role dir holds peft's `adapter_config.json` and the adapters alone) is written as a
 peft adapter directory (`adapter_config.json` naming the base model, `adapter_model.safetensors`, the
 tokenizer), which `peft.PeftModel.from_pretrained(base_model, out_dir)` loads; or, with `merge`, as the
-base model (read from the path the run started from, or `--model`) with the adapters merged in.
+base model (read from the path the run started from, or `--model`) with the adapters merged in. A run with a
+4-bit base (`model.quantization=nf4`, recorded in `hf/source.json`) trained its adapters on the base's NF4
+rounding: the merge adds them to that dequantized base (`quantized_base.to_nf4`), the policy the run sampled from,
+written in the base's dtype; its adapter directory loads over the unquantized base (the difference is the 4-bit
+rounding).
 
     hybridflow export outputs/run1/checkpoints/step_00000200 exported/run1
     hybridflow export outputs/run1 exported/run1          # the newest complete checkpoint of a run
@@ -28,6 +32,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -67,8 +72,9 @@ def _auto_class(config):
     return AutoModelForCausalLM
 
 
-def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm") -> Path:
-    """Store config (`head_config`), generation config and tokenizer of `model_path` under `<role_dir>/hf/`."""
+def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm", quantization: str = "none") -> Path:
+    """Store config (`head_config`), generation config and tokenizer of `model_path` under `<role_dir>/hf/`, and
+    the base's storage (`model.quantization`) beside its path."""
     from transformers import AutoTokenizer, GenerationConfig
 
     dest = Path(role_dir) / HF_DIR
@@ -79,7 +85,7 @@ def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm
     except OSError:
         pass  # the model has no generation_config.json; transformers derives one from the config
     AutoTokenizer.from_pretrained(model_path).save_pretrained(dest)
-    (dest / SOURCE_FILE).write_text(json.dumps({"model_path": str(model_path)}))
+    (dest / SOURCE_FILE).write_text(json.dumps({"model_path": str(model_path), "quantization": quantization}))
     return dest
 
 
@@ -137,7 +143,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
     if (role_dir / ADAPTER_CONFIG).is_file():
         base_path = _base_path(role_dir, model_path_or_config, merge)
         _check_base(checkpoint, role, base_path, isinstance(model_path_or_config, (str, Path)), merge)
-        model = _lora_model(role_dir, state, config, base_path, dtype, merge)
+        model = _lora_model(role_dir, state, config, base_path, dtype, merge, _quantization(role_dir))
     else:
         model = _full_model(role, state, config, dtype)
     if generation is not None and isinstance(model, PreTrainedModel):  # not a peft adapter directory
@@ -211,6 +217,12 @@ def _base_path(role_dir: Path, model_path_or_config, merge: bool) -> str | None:
     return path
 
 
+def _quantization(role_dir: Path) -> str:
+    """The base's storage the run trained on (`model.quantization`; `none` where the checkpoint predates it)."""
+    source = role_dir / HF_DIR / SOURCE_FILE
+    return json.loads(source.read_text()).get("quantization", "none") if source.is_file() else "none"
+
+
 def _check_base(checkpoint: Path, role: str, base_path: str | None, given: bool, merge: bool) -> None:
     """A LoRA checkpoint's base weights against the fingerprint it recorded: a merge onto changed weights found
     where the run started is refused; onto a base `given` (--model), or for an adapter directory, it warns."""
@@ -230,9 +242,10 @@ def _check_base(checkpoint: Path, role: str, base_path: str | None, given: bool,
 
 
 def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_path: str | None,
-                dtype: torch.dtype | None, merge: bool):
+                dtype: torch.dtype | None, merge: bool, quantization: str = "none"):
     """The adapters in `config`'s model wrapped by peft, on the meta device (its `save_pretrained` writes
-    an adapter directory); with `merge`, in the base model loaded from `base_path`, merged into it."""
+    an adapter directory); with `merge`, in the base model loaded from `base_path` (its adapted weights rounded
+    as a 4-bit base's were, with `quantization=nf4`), merged into it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -252,6 +265,16 @@ def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_pat
         raise CheckpointError(f"the LoRA adapters of {role_dir} do not match its adapter_config.json on a "
                               f"{type(base).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     inner.load_state_dict(state, strict=False, assign=not merge)
+    if merge and quantization == "nf4":
+        from peft.tuners.lora import LoraLayer
+
+        from hybridflow.engine.train.quantized_base import dense, to_nf4
+
+        with torch.no_grad():
+            for name, layer in inner.named_modules():
+                if isinstance(layer, LoraLayer):
+                    weight = cast(torch.Tensor, layer.get_base_layer().weight)
+                    weight.copy_(dense(to_nf4(weight.detach(), f"{name}.weight")))
     return model.merge_and_unload() if merge else model
 
 

@@ -36,8 +36,10 @@ def package_problems(cfg: Any) -> list[str]:
     if cfg.trainer.backend == "ray":
         needs.append(("trainer.backend=ray", "ray", "hybridflow[ray]"))
     for section in _trained_sections(cfg):
-        if config_value(cfg, f"{section}.optimizer") == "adamw_8bit":
-            needs.append((f"{section}.optimizer=adamw_8bit", "torchao", "hybridflow[memory]"))
+        optimizer = config_value(cfg, f"{section}.optimizer")
+        model = "critic.model" if section == "critic" else "model"
+        if optimizer == "adamw_8bit" or (optimizer == "auto" and config_value(cfg, f"{model}.master_dtype") == "bf16"):
+            needs.append((f"{section}.optimizer={optimizer}", "torchao", "hybridflow[memory]"))
         rank = config_value(cfg, f"{section}.lora.rank")
         if rank > 0:
             needs.append((f"{section}.lora.rank={rank}", "peft", "hybridflow[lora]"))

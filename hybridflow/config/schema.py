@@ -26,7 +26,8 @@ LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "bf16", "fp32")
 TRUNCATION_MODES = ("error", "filter", "left", "right")
 MASTER_DTYPES = ("fp32", "bf16")
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
+OPTIMIZERS = ("auto", "adamw", "adamw_8bit", "adamw_cpu_offload")
+QUANTIZATIONS = ("none", "nf4")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LORA_INITS = ("default", "gaussian")
 
@@ -57,6 +58,10 @@ class ModelConfig(FrozenModelConfig):
                                                        "(ModelShape.host_bound_tokens), and where the memory needs "
                                                        "it; off on a CPU (why: docs/benchmarks.md#measurements-"
                                                        "behind-choices-in-the-code)")
+    quantization: str = opt("none", "storage of the frozen base weights of a LoRA role: none (the compute dtype) "
+                                    "or nf4 (4-bit NormalFloat, torchao; QLoRA: the adapted linear layers' weights "
+                                    "in 4 bits, dequantized for each forward; needs lora.rank > 0; the rollout "
+                                    "engine keeps a bf16 copy: docs/small_gpus.md)", QUANTIZATIONS)
 
 
 @dataclass
@@ -93,8 +98,10 @@ class RolloutConfig:
                                                    "(after the trained model loads) given to the KV cache; null = "
                                                    "what the device budget leaves within "
                                                    "trainer.gpu_memory_utilization")
-    offload_weights: bool = opt(False, "move the rollout engine's weights to the CPU outside generation (frees "
-                                       "a compute-dtype copy of the model for training; re-captures CUDA graphs)")
+    offload_weights: Optional[bool] = opt(None, "move the rollout engine's weights to the CPU outside generation "
+                                                "(frees a compute-dtype copy of the model for training; re-captures "
+                                                "CUDA graphs); null = the device plan decides: on only where the run "
+                                                "would not fit without it (off on a CPU)")
     cuda_graphs: bool = opt(True, "capture decode steps in CUDA graphs")
     free_cache_after_generate: bool = opt(True, "free the KV cache after each generation, so training gets its "
                                                 "memory (on a GPU; a CPU cache stays allocated); false keeps "
@@ -174,8 +181,10 @@ class EngineOptimConfig:
     lr_schedule: str = opt("constant", "learning-rate schedule after warm-up", LR_SCHEDULES)
     lr_warmup_steps: int = opt(0, "optimizer steps of linear learning-rate warm-up")
     min_lr_ratio: float = opt(0.0, "cosine schedule floor, as a fraction of lr")
-    optimizer: str = opt("adamw", "adamw; adamw_8bit (torchao, 8-bit moments: a quarter of the state memory); "
-                                  "adamw_cpu_offload (state and update on the CPU: none on the GPU)", OPTIMIZERS)
+    optimizer: str = opt("auto", "adamw; adamw_8bit (torchao, 8-bit moments: a quarter of the state memory); "
+                                  "adamw_cpu_offload (state and update on the CPU: none on the GPU); auto = adamw "
+                                  "(adamw_8bit with master_dtype=bf16), or adamw_8bit where the device plan needs "
+                                  "it to fit (docs/small_gpus.md)", OPTIMIZERS)
     weight_decay: float = opt(0.01, "AdamW weight decay")
     betas: tuple[float, float] = opt((0.9, 0.999), "AdamW betas")
     grad_clip: float = opt(1.0, "gradient-norm clipping threshold")
@@ -190,7 +199,9 @@ class EngineOptimConfig:
                                   "padded: docs/benchmarks.md#measurements-behind-choices-in-the-code)")
     shuffle: bool = opt(True, "shuffle rows between mini-batches")
     param_offload: bool = opt(False, "keep parameters on the CPU between uses")
-    optimizer_offload: bool = opt(False, "keep optimizer state on the CPU between uses")
+    optimizer_offload: Optional[bool] = opt(None, "keep optimizer state on the CPU between uses; null = the device "
+                                                  "plan decides: on only where the run would not fit without it "
+                                                  "(off on a CPU)")
     lora: LoraConfig = opt(LoraConfig, "train low-rank adapters instead of every weight")
 
     def __post_init__(self) -> None:
@@ -396,6 +407,11 @@ class RunConfig:
     gpu_memory_utilization: float = opt(0.9, "fraction of each GPU's memory the run plans to use (micro-batch "
                                              "token budgets, KV cache); a run that would not fit is refused "
                                              "before training")
+    device_memory_gib: Optional[float] = opt(None, "GiB of each GPU the run plans and allocates as if the card had "
+                                                   "that much (the allocator is held to it: a 24 GB card proven on "
+                                                   "an 80 GB one, two runs sharing a card); replaces "
+                                                   "gpu_memory_utilization x the card; null = the whole card "
+                                                   "(docs/small_gpus.md)")
     placement: str = opt("colocate", "colocate: actor and critic share each device's process; split: the "
                                      "critic gets its own processes (where the rollout runs is "
                                      "rollout.placement)",

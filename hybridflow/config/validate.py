@@ -21,6 +21,7 @@ from typing import Any
 
 from hybridflow.config.exact_checks import exact_problems
 from hybridflow.config.fp8_checks import fp8_problems
+from hybridflow.config.small_card_checks import cap_problems, quantization_problems
 from hybridflow.config.extras import config_value, lora_target_problems, moe_model_problems, package_problems
 from hybridflow.config.input_checks import data_file_problems, model_problems, path_problems, run_problems
 from hybridflow.config.rollout_checks import (divisors, join_values, moe_problems, off_policy_problems,
@@ -102,6 +103,7 @@ def _range_problems(cfg: Any) -> list[str]:
     if fraction is not None and not 0.0 < fraction < 1.0:
         problems.append(f"rollout.kv_cache_fraction={fraction} must be in (0.0, 1.0) or null (device budget)")
     problems += _precision_problems(cfg, (("actor", "model"), ("critic", "critic.model")))
+    problems += quantization_problems(cfg, (("actor", "model"), ("critic", "critic.model"))) + cap_problems(cfg)
     problems += _lora_problems(cfg, ("actor", "critic"))
     if cfg.actor.clip_c <= 1.0:
         problems.append(f"actor.clip_c={cfg.actor.clip_c} must be > 1 (dual-clip bound)")
@@ -148,7 +150,7 @@ def _precision_problems(cfg: Any, sections: tuple[tuple[str, str], ...]) -> list
     problems = []
     for role, model in sections:
         master, optimizer = config_value(cfg, f"{model}.master_dtype"), config_value(cfg, f"{role}.optimizer")
-        if master == "bf16" and optimizer != "adamw_8bit":
+        if master == "bf16" and optimizer not in ("adamw_8bit", "auto"):
             problems.append(f"{model}.master_dtype=bf16 needs {role}.optimizer=adamw_8bit (its stochastic rounding "
                             f"keeps updates below bf16's resolution; unset, it follows); got "
                             f"{role}.optimizer={optimizer}")
@@ -373,6 +375,7 @@ def validate_sft(cfg: Any, rows_per_example: int = 1, more: list[str] | None = N
                                {"optim.lr": (0.0, float("inf"), False, False),
                                 "trainer.gpu_memory_utilization": (0.0, 1.0, False, True)})
     problems += _precision_problems(cfg, (("optim", "model"),)) + _lora_problems(cfg, ("optim",))
+    problems += quantization_problems(cfg, (("optim", "model"),)) + cap_problems(cfg)
     problems += model_problems(cfg, ("model.path", "model.tokenizer_path")) + data_file_problems(cfg)
     problems += lora_target_problems(cfg, (("optim", "model.path", "lm"),)) + run_problems(cfg)
     problems += package_problems(cfg)

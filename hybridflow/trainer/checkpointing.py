@@ -112,7 +112,7 @@ class RunCheckpoints:
         try:
             for name, role in t.checkpointed_roles().items():
                 role.save_checkpoint(str(tmp / name))
-            save_hf_assets(tmp / t.model_role, t.cfg.model.path, t.model_head)
+            save_hf_assets(tmp / t.model_role, t.cfg.model.path, t.model_head, t.cfg.model.quantization)
             save_controller_state(tmp, t.step, t.cfg, t.checkpointed_state(),
                                   meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path,
                                         "lora_bases": self.lora_bases})

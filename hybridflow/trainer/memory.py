@@ -7,7 +7,8 @@ share its processes; ``critic`` with `trainer.placement=split`; ``rollout`` with
 device), and a LoRA actor's reference is its own base weights, which take no memory of their own.
 Each worker plans its device from its group's demand (`budget.plan_for_device`) and refuses to start if
 the run cannot fit. Model sizes come from the Hugging Face configs (parameters counted on the meta
-device); nothing here touches a GPU.
+device); nothing here touches a GPU. Under `trainer.device_memory_gib` each demand carries the cap, and a cap
+below the weights' own size is refused here, on the controller (`budget.check_weights_fit`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 
 from hybridflow.config.resolved import RunFacts
 from hybridflow.config.role_needs import rollout_workers
-from hybridflow.engine.budget import DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole
+from hybridflow.engine.budget import (GIB, DeviceDemand, FrozenRole, ModelShape, RolloutRole, TrainedRole,
+                                      check_weights_fit)
 from hybridflow.engine.train.lora import adapted_expert_params, shareable_params, trainable_params
+from hybridflow.engine.train.quantized_base import quantized_params
 
 
 def _compute_bytes(dtype: str) -> int:
@@ -37,8 +40,10 @@ def _shape(model_cfg: Any, path: str, head: str) -> ModelShape:
 def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: str, head: str,
              lora: bool) -> TrainedRole:
     """The role of config section `keys` training the model at `path` (with `lora`: its adapters, counted
-    here)."""
+    here; with a 4-bit base, the weights it quantizes)."""
     config = _config(model_cfg, path)
+    quantized, largest = quantized_params(config, role_cfg.lora, head, model_cfg.trust_remote_code) \
+        if lora and model_cfg.quantization == "nf4" else (0, 0)
     return TrainedRole(keys=keys, model_keys=model_keys,
                        shape=ModelShape.from_config(config, head, model_cfg.trust_remote_code),
                        compute_bytes=_compute_bytes(model_cfg.dtype),
@@ -49,7 +54,13 @@ def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: st
                        lora_params=trainable_params(config, role_cfg.lora, head, model_cfg.trust_remote_code)
                        if lora else None,
                        expert_lora_params=adapted_expert_params(config, role_cfg.lora, model_cfg.trust_remote_code)
-                       if lora else 0)
+                       if lora else 0, quantized_params=quantized, largest_quantized=largest)
+
+
+def _cap(cfg: Any) -> int | None:
+    """`trainer.device_memory_gib` in bytes (None: the whole card)."""
+    gib = cfg.trainer.device_memory_gib
+    return None if gib is None else int(gib * GIB)
 
 
 def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
@@ -58,7 +69,7 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
     actor_shape = actor.shape
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     common = dict(world_size=cfg.trainer.n_workers, longest_sequence=longest,
-                  utilization=cfg.trainer.gpu_memory_utilization)
+                  utilization=cfg.trainer.gpu_memory_utilization, memory_cap=_cap(cfg))
     rollout = RolloutRole(shape=actor_shape, compute_bytes=_compute_bytes(cfg.model.dtype),
                           max_num_seqs=cfg.rollout.max_num_seqs, max_model_len=longest,
                           offload_weights=cfg.rollout.offload_weights,
@@ -92,6 +103,8 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
                                 **common)
     if separate:
         out["rollout"] = DeviceDemand(rollout=rollout, **{**common, "world_size": rollout_workers(cfg)})
+    for demand in out.values():
+        check_weights_fit(demand)
     return out
 
 
@@ -102,5 +115,8 @@ def sft_demand(cfg: Any, head: str = "lm", rows_per_example: int = 1) -> DeviceD
     role = _trained("optim", "model", cfg.model, cfg.optim, cfg.model.path, head, cfg.optim.lora.rank > 0)
     longest = cfg.data.max_length or getattr(_config(cfg.model, cfg.model.path), "max_position_embeddings",
                                              None) or 4096
-    return DeviceDemand(trained=(role,), world_size=cfg.trainer.n_workers,
-                        longest_sequence=longest * rows_per_example, utilization=cfg.trainer.gpu_memory_utilization)
+    demand = DeviceDemand(trained=(role,), world_size=cfg.trainer.n_workers,
+                          longest_sequence=longest * rows_per_example, utilization=cfg.trainer.gpu_memory_utilization,
+                          memory_cap=_cap(cfg))
+    check_weights_fit(demand)
+    return demand

@@ -65,7 +65,9 @@ class RLTrainer(Trainer):
         self.sampling = train_sampling(cfg)
         self.rewards: RewardManager | None = None
         super().__init__(cfg, checkpoint_bytes_needed(cfg))
-        if self.step:  # the rollout engines were built from model.path: give them the resumed weights
+        # the rollout engines were built from model.path: give them the resumed weights, or a 4-bit base's
+        # dequantized ones (the policy the trainer computes with differs from the directory's bf16 weights)
+        if self.step or cfg.model.quantization != "none":
             self.roles.sync_weights()
 
     def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:

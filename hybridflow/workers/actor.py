@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,8 @@ from hybridflow.workers.weight_sync import BUCKET_BYTES, Rendezvous, WeightChann
 
 
 ROLLOUT_MEMORY_KEYS = ("rollout.kv_cache_fraction or trainer.gpu_memory_utilization (a smaller KV cache), "
-                       "rollout.max_num_seqs, actor.param_offload=true, actor.optimizer_offload=true")
+                       "rollout.max_num_seqs, actor.param_offload=true, actor.optimizer_offload=true, "
+                       "trainer.device_memory_gib (higher: more memory)")
 
 
 class ActorWorker(RolloutCalls, EngineWorker):
@@ -109,7 +111,9 @@ class ActorWorker(RolloutCalls, EngineWorker):
         if config.rollout is not None:
             # a LoRA actor's frozen weights never change: the engine holds them as they are
             shared = self.engine.frozen_weights() if config.lend_frozen_weights else {}
-            self.rollout = RolloutReplica(config.rollout, self.device, self.engine.precision.param,
+            replica = dataclasses.replace(config.rollout,
+                                          rollout=budget.apply_rollout_plan(self.plan, config.rollout.rollout))
+            self.rollout = RolloutReplica(replica, self.device, self.engine.precision.param,
                                           pad_token_id(self.engine.config),
                                           kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
                                           shared_weights=shared)

@@ -65,8 +65,11 @@ class EngineWorker(Worker):
     @register(Dispatch.BROADCAST)
     def effective_values(self) -> Effective:
         """The values this role runs with where its config left them to the device plan or the device: its
-        micro-batch token budget, gradient checkpointing, compilation and compute dtype (rank 0's)."""
+        micro-batch token budget, gradient checkpointing, optimizer and its offload, compilation and compute dtype
+        (rank 0's)."""
         values = {f"{self.keys}.max_tokens_per_micro_batch": self.cfg.max_tokens_per_micro_batch,
+                  f"{self.keys}.optimizer": self.cfg.optimizer,
+                  f"{self.keys}.optimizer_offload": self.cfg.optimizer_offload,
                   f"{self.model_keys}.gradient_checkpointing": self.model_cfg.gradient_checkpointing,
                   f"{self.model_keys}.compile": self.engine.compiled,
                   f"{self.model_keys}.dtype": DTYPE_NAMES.get(str(self.engine.precision.param),
@@ -109,7 +112,7 @@ class EngineWorker(Worker):
         (`params_on_device`)."""
         keep = self.cfg.param_offload and keep_params
         params = self.cfg.param_offload and not keep
-        optimizer = self.cfg.optimizer_offload and optimizer
+        optimizer = bool(self.cfg.optimizer_offload) and optimizer  # filled in by `_plan_device`
         if params or optimizer:
             self.engine.offload(params=params, optimizer=optimizer)
         self.params_on_device = keep
@@ -123,7 +126,7 @@ class EngineWorker(Worker):
     def _onload(self, optimizer: bool = True) -> None:
         """Before a use: bring back what `_offload_idle` moved (the optimizer state only if `optimizer`)."""
         params = self.cfg.param_offload and not self.params_on_device
-        optimizer = self.cfg.optimizer_offload and optimizer
+        optimizer = bool(self.cfg.optimizer_offload) and optimizer
         if params or optimizer:
             self.engine.onload(params=params, optimizer=optimizer)
 

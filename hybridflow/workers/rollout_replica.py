@@ -128,15 +128,17 @@ class RolloutReplica:
 
     def effective_values(self) -> dict[str, Any]:
         """The rollout keys this replica runs with where they differ from the config's: the engine that
-        serves (`rollout.engine`) and, on a CPU, the slots (`rollout.max_num_seqs`)."""
-        return {"rollout.engine": self.engine.kind, "rollout.max_num_seqs": self.max_num_seqs}
+        serves (`rollout.engine`), on a CPU the slots (`rollout.max_num_seqs`), and the device plan's
+        `rollout.offload_weights`."""
+        return {"rollout.engine": self.engine.kind, "rollout.max_num_seqs": self.max_num_seqs,
+                "rollout.offload_weights": self.cfg.offload_weights}
 
     def sleep(self) -> None:
         """Hands the KV cache's memory back until the next `generate`. Only an accelerator's: a CPU cache
         stays, since host memory is not what colocation has to share and re-making and zero-filling the
         cache each step costs time (docs/benchmarks.md)."""
         if self.awake and self.engine.device.type != "cpu":
-            self.engine.sleep(offload_weights=self.cfg.offload_weights)
+            self.engine.sleep(offload_weights=bool(self.cfg.offload_weights))  # the plan's where left to it
             self.awake = False
 
     def wake(self) -> None:

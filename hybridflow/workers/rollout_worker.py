@@ -10,6 +10,7 @@ sync, concurrently with the actor's `send_weights`; see `hybridflow.workers.weig
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,9 @@ class RolloutWorker(RolloutCalls, Worker):
             raise ValueError("RolloutWorker.Config.model.path is null; set model.path")
         hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
         dtype = resolve_precision(model.dtype, self.device).param
-        self.rollout = RolloutReplica(config.replica, self.device, dtype, pad_token_id(hf_config),
+        replica = dataclasses.replace(config.replica,
+                                      rollout=budget.apply_rollout_plan(self.plan, config.replica.rollout))
+        self.rollout = RolloutReplica(replica, self.device, dtype, pad_token_id(hf_config),
                                       kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
         self.channel: WeightChannel | None = None
 

@@ -132,15 +132,24 @@ def test_generation_needs_room_for_a_sequence_in_the_kv_cache():
 
 def test_apply_plan_fills_only_what_was_left_to_it():
     p = plan(grpo_demand("7b", optimizer="adamw_8bit"), *H200)
-    model = SimpleNamespace(gradient_checkpointing=None)
-    role = SimpleNamespace(max_tokens_per_micro_batch=None, micro_batch_size=None)
+    model = SimpleNamespace(gradient_checkpointing=None, master_dtype="fp32")
+    role = SimpleNamespace(max_tokens_per_micro_batch=None, micro_batch_size=None, optimizer="auto",
+                           optimizer_offload=None)
     m, r = budget.apply_plan(p, "actor", model, role)
     assert m.gradient_checkpointing is True and r.max_tokens_per_micro_batch == budget.TARGET_TOKENS
-    assert model.gradient_checkpointing is None  # the caller's sections are left alone
-    _, r = budget.apply_plan(p, "actor", model, SimpleNamespace(max_tokens_per_micro_batch=None, micro_batch_size=4))
-    assert r.max_tokens_per_micro_batch is None  # rows were chosen: the token budget stays off
-    m, r = budget.apply_plan(None, "actor", model, role)  # no plan (a CPU): off, the whole mini-batch
-    assert m.gradient_checkpointing is False and r.max_tokens_per_micro_batch is None
+    assert r.optimizer == "adamw_8bit" and r.optimizer_offload is False
+    assert model.gradient_checkpointing is None and role.optimizer == "auto"  # the caller's sections are left alone
+    _, r = budget.apply_plan(p, "actor", model, SimpleNamespace(max_tokens_per_micro_batch=None, micro_batch_size=4,
+                                                               optimizer="adamw", optimizer_offload=True))
+    assert r.max_tokens_per_micro_batch is None and r.optimizer == "adamw"  # rows were chosen: no token budget
+    m, r = budget.apply_plan(None, "actor", model, role)  # no plan (a CPU): off, the whole mini-batch, AdamW
+    assert m.gradient_checkpointing is False and r.max_tokens_per_micro_batch is None and r.optimizer == "adamw"
+    assert r.optimizer_offload is False
+    rollout = SimpleNamespace(offload_weights=None)
+    assert budget.apply_rollout_plan(p, rollout).offload_weights is False and rollout.offload_weights is None
+    assert budget.apply_rollout_plan(None, SimpleNamespace(offload_weights=True)).offload_weights is True
+    bf16 = SimpleNamespace(gradient_checkpointing=None, master_dtype="bf16")
+    assert budget.apply_plan(None, "actor", bf16, role)[1].optimizer == "adamw_8bit"  # its stochastic rounding
 
 
 def test_colocated_roles_share_the_first_plan_made_in_the_process(monkeypatch):

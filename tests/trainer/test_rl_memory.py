@@ -65,9 +65,9 @@ def test_cpu_offloaded_optimizer_trains(tiny_qwen2, data_dir, tmp_path):
 
 
 def test_large_model_options_train_together(tiny_qwen2, data_dir, tmp_path):
-    """bf16 master weights with 8-bit AdamW (which follows them), compiled layers, rollout weights offloaded between phases,
-    gradient checkpointing: the 14B recipe's keys on a tiny model (torch.compile and torchao compile
-    their kernels first: the slowest test of the suite, ~2 min on 2 cores)."""
+    """bf16 master weights with 8-bit AdamW (`actor.optimizer=auto` chooses it for them), compiled layers,
+    rollout weights offloaded between phases, gradient checkpointing: the 14B recipe's keys on a tiny model
+    (torch.compile and torchao compile their kernels first: the slowest test of the suite, ~2 min on 2 cores)."""
     pytest.importorskip("torchao")
     reward = tmp_path / "digits.py"  # a reward with signal on a random model, so the step has gradients
     reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -80,6 +80,7 @@ def test_large_model_options_train_together(tiny_qwen2, data_dir, tmp_path):
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in steps)
+    assert load_config([], tmp_path / "run" / "resolved_config.yaml").actor.optimizer == "adamw_8bit"
 
 
 def test_bf16_master_weights_need_the_stochastically_rounding_optimizer(tiny_qwen2, data_dir, tmp_path):

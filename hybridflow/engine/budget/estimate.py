@@ -6,7 +6,9 @@ Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
   the gathered compute-dtype weights (`P x c` on one rank, which keeps every layer gathered from forward
   to backward; two layers on several), and per micro-batch token the activations kept for the backward
   (with LoRA only the T adapter parameters train: weights `(P - T) x c + T x master`, gradients and state of
-  T alone, nothing gathered on one rank, where the model is not sharded):
+  T alone, nothing gathered on one rank, where the model is not sharded; a 4-bit base (`model.quantization=
+  nf4`) stores the Q weights of its adapted linear layers in `NF4_BYTES` each instead of c, and each forward
+  dequantizes one of them at a time):
   `layers x c x (7h + 2kv + 4i)` (the inputs of the norms, projections, attention and SwiGLU), or with
   checkpointing `layers x c x h` plus one layer's worth; the log-prob head adds one chunk;
 - a mixture of experts: P counts every expert (weights, gradients, state, the rollout's copy), while a token's
@@ -49,6 +51,9 @@ MIN_TOKENS_WITHOUT_CHECKPOINTING = 4096  # below this, recomputation is cheaper 
 HEAD_CHUNK_BYTES = 3 * 4 * 2**27  # fp32 temporaries of one log-prob head chunk (logprobs.CHUNK_ELEMENTS)
 SLACK_BYTES = 2 * GIB  # cuBLAS workspaces, allocator fragmentation, CUDA graphs
 # device bytes of optimizer state per parameter, given the master dtype's bytes (engine/train/optim.py)
+# device bytes per parameter of a 4-bit NormalFloat weight (torchao's NF4Tensor, QLoRA's layout): 4 bits, an int8
+# scale per 64-value block and an fp32 factor per 256 scales (double quantization)
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 STATE_BYTES: dict[str, Callable[[int], float]] = {
     "adamw": lambda master: 2 * master, "adamw_8bit": lambda master: 2.05, "adamw_cpu_offload": lambda master: 0}
 
@@ -158,7 +163,8 @@ class ModelShape:
 @dataclass(frozen=True)
 class TrainedRole:
     """A role this device trains. `keys`: its config section (``actor``); `model_keys`: its model's
-    (``model`` or ``critic.model``). None for `gradient_checkpointing` / `max_tokens` = decide here;
+    (``model`` or ``critic.model``). None for `gradient_checkpointing` / `max_tokens` / `optimizer_offload`, and
+    ``auto`` for `optimizer`, = decide here;
     `lora_params`: the parameters a LoRA role trains (None: every parameter)."""
 
     keys: str
@@ -168,21 +174,25 @@ class TrainedRole:
     master_bytes: int
     optimizer: str = "adamw"
     param_offload: bool = False
-    optimizer_offload: bool = False
+    optimizer_offload: bool | None = False  # None: decide here
     gradient_checkpointing: bool | None = None
     max_tokens: int | None = None
     micro_batch_rows: int | None = None
     lora_params: int | None = None
     expert_lora_params: int = 0  # the stacked expert weights LoRA adapts (`lora.target_parameters`), all layers
+    quantized_params: int = 0  # frozen weights stored in 4 bits (`model.quantization=nf4`: the adapted linear layers')
+    largest_quantized: int = 0  # the largest of them, which a forward dequantizes at a time
 
     @property
     def trained_params(self) -> int:
         return self.shape.params if self.lora_params is None else self.lora_params
 
     def weight_bytes(self, world: int) -> float:
-        """Stored weights: trained ones in the master dtype, a LoRA role's frozen ones in the compute dtype."""
-        t = self.trained_params
-        return (t * self.master_bytes + (self.shape.params - t) * self.compute_bytes) / world
+        """Stored weights: trained ones in the master dtype, a LoRA role's frozen ones in the compute dtype (or, the
+        quantized ones, `NF4_BYTES`)."""
+        t, q = self.trained_params, self.quantized_params
+        frozen = (self.shape.params - t - q) * self.compute_bytes + q * NF4_BYTES
+        return (t * self.master_bytes + frozen) / world
 
     def update_bytes(self, world: int) -> dict[str, float]:
         p, t, m = self.shape.params, self.trained_params, self.master_bytes
@@ -191,6 +201,8 @@ class TrainedRole:
         if self.compute_bytes != m and (self.lora_params is None or world > 1):
             gathered = p if world == 1 else 2 * p / self.shape.layers
             out["gathered compute-dtype weights"] = gathered * self.compute_bytes
+        if self.quantized_params:  # a 4-bit weight dequantized for its forward, and again for its backward
+            out["dequantized weight"] = 2 * self.largest_quantized * self.compute_bytes
         if self.optimizer == "adamw_8bit":  # one parameter's dequantised moments during its update
             largest = self.shape.largest_param if self.lora_params is None else t / self.shape.layers
             out["optimizer workspace"] = 2 * 4 * largest / world
@@ -238,7 +250,7 @@ class RolloutRole:
     max_num_seqs: int
     max_model_len: int
     max_prefill_tokens: int = 16384
-    offload_weights: bool = False
+    offload_weights: bool | None = False  # None: decide here
     cache_stays: bool = False
     kv_cache_fraction: float | None = None
     shared_params: int = 0  # a colocated LoRA trainer's frozen weights the engine holds instead of copies
@@ -270,3 +282,4 @@ class DeviceDemand:
     world_size: int = 1
     longest_sequence: int = 1
     utilization: float = 0.9
+    memory_cap: int | None = None  # bytes the run may use per device (`trainer.device_memory_gib`); None: the card

@@ -5,13 +5,17 @@ process's roles share (`plan_for_device`); filling in what the config left to th
 and CUDA out-of-memory errors explained with the plan and the keys to change (`reported_oom`).
 
 The memory a run may use is `cap = min(utilization x total, free at start)` (vLLM's
-`gpu_memory_utilization`). A trained role gets `TARGET_TOKENS`-token micro-batches where they fit (bounded
-memory; compiled layers make them as fast as one forward), fewer where memory is short, and gradient
-checkpointing when not even `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without
-it, or when the model has fewer than `HOST_BOUND_PARAMS` parameters (a mixture of experts: active ones; its
-update is host-bound: longer, recomputed micro-batches are faster and leaner), whose micro-batches then get
-`CHECKPOINTED_TARGET_TOKENS`,
-more for layers smaller than the 0.5B shape's (`ModelShape.host_bound_tokens`).
+`gpu_memory_utilization`), or under `trainer.device_memory_gib` that many bytes (`cap.py`: the allocator is held
+to them too). Keys left to the plan (checkpointing and the token budget at None, below; `optimizer="auto"`,
+`optimizer_offload` and the rollout's `offload_weights` at None) are chosen here, the cheapest combination that
+fits (`choices.py`): AdamW and nothing offloaded, else 8-bit AdamW (torchao), the rollout engine's weights on
+the CPU while training, the optimizer state on the CPU between uses, in that order of cost.
+A trained role gets `TARGET_TOKENS`-token micro-batches where they fit (bounded memory; compiled layers make them
+as fast as one forward), fewer where memory is short, and gradient checkpointing when not even
+`MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without it, or when the model has fewer
+than `HOST_BOUND_PARAMS` parameters (a mixture of experts: active ones; its update is host-bound: longer,
+recomputed micro-batches are faster and leaner), whose micro-batches then get `CHECKPOINTED_TARGET_TOKENS`, more
+for layers smaller than the 0.5B shape's (`ModelShape.host_bound_tokens`).
 The KV cache gets what is left within the cap while generating, at most what its slots need. A cache that
 stays allocated through training (`RolloutRole.cache_stays`: partial rollouts keep unfinished samples' keys and
 values between steps) gets, unless its size is fixed by a fraction, what the trained roles' updates leave,
@@ -28,7 +32,9 @@ from typing import TypeVar
 
 import torch
 
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig
+from hybridflow.config.schema import EngineOptimConfig, ModelConfig, RolloutConfig
+from hybridflow.engine.budget.cap import CAP_KEY, budget_bytes, budget_source, hold_allocator, weights_problem
+from hybridflow.engine.budget.choices import default_optimizer, silent_choices
 from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
                                                MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
                                                DeviceDemand, RolloutRole, TrainedRole)
@@ -43,12 +49,14 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
 
 @dataclass
 class RolePlan:
-    """A trained role's micro-batching and checkpointing, and its estimated peak while it updates."""
+    """A trained role's micro-batching, checkpointing and optimizer, and its estimated peak while it updates."""
 
     max_tokens: int
     gradient_checkpointing: bool
     peak_bytes: float
     breakdown: dict[str, float]
+    optimizer: str = "adamw"
+    optimizer_offload: bool = False
 
 
 @dataclass
@@ -60,6 +68,7 @@ class DevicePlan:
     total_bytes: int
     roles: dict[str, RolePlan] = field(default_factory=dict)
     kv_cache_bytes: int | None = None
+    rollout_offload: bool = False  # the rollout engine's weights on the CPU while training
     generation_peak_bytes: float = 0.0
     generation_breakdown: dict[str, float] = field(default_factory=dict)
 
@@ -67,10 +76,12 @@ class DevicePlan:
         lines = [f"device budget {_gib(self.cap_bytes)} of {_gib(self.total_bytes)}"]
         for keys, r in self.roles.items():
             lines.append(f"{keys} update: {r.max_tokens:,}-token micro-batches, gradient checkpointing "
-                         f"{'on' if r.gradient_checkpointing else 'off'}, estimated peak {_gib(r.peak_bytes)} "
-                         f"({_items(r.breakdown)})")
+                         f"{'on' if r.gradient_checkpointing else 'off'}, {r.optimizer}"
+                         f"{', state offloaded between uses' if r.optimizer_offload else ''}, estimated peak "
+                         f"{_gib(r.peak_bytes)} ({_items(r.breakdown)})")
         if self.kv_cache_bytes is not None:
-            lines.append(f"generation: KV cache {_gib(self.kv_cache_bytes)}, estimated peak "
+            offload = ", rollout weights offloaded while training" if self.rollout_offload else ""
+            lines.append(f"generation: KV cache {_gib(self.kv_cache_bytes)}{offload}, estimated peak "
                          f"{_gib(self.generation_peak_bytes)} ({_items(self.generation_breakdown)})")
         return "; ".join(lines)
 
@@ -132,7 +143,8 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int, kept_kv: int) 
                f"{' with gradient checkpointing' if ckpt else ''}, {_gib(free)} is left beside "
                f"{_items(breakdown)}")
     breakdown["activations"] = role.activation_peak(tokens, ckpt)
-    return RolePlan(tokens, ckpt, sum(breakdown.values()), breakdown), short, why if short else ""
+    return (RolePlan(tokens, ckpt, sum(breakdown.values()), breakdown, role.optimizer, bool(role.optimizer_offload)),
+            short, why if short else "")
 
 
 def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = None
@@ -178,10 +190,11 @@ def _kept_reserve(demand: DeviceDemand, cap: int) -> int:
 
 def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, float, list[str]]:
     """(the plan, the largest shortfall in bytes over all phases, what does not fit)."""
-    cap = int(min(demand.utilization * total, free))
+    cap = budget_bytes(demand, free, total)
     out = DevicePlan(cap_bytes=cap, total_bytes=total)
     problems, worst = [], 0.0
     ro = demand.rollout
+    out.rollout_offload = ro is not None and bool(ro.offload_weights)
     kept = ro is not None and ro.cache_stays
     planned = ro is not None and kept and ro.kv_cache_fraction is None and bool(demand.trained)  # kept, sized here
     reserve = _kept_reserve(demand, cap) if planned else (
@@ -264,10 +277,14 @@ def _remedies(demand: DeviceDemand) -> list[tuple[str, DeviceDemand]]:
 
 
 def plan(demand: DeviceDemand, free: int, total: int) -> DevicePlan:
-    """The plan for a device with `free` of `total` bytes, or `DoesNotFit` naming what would fit."""
-    out, _, problems = _check(demand, free, total)
-    if not problems:
-        return out
+    """The plan for a device with `free` of `total` bytes, the keys left to it chosen, or `DoesNotFit` naming what
+    would fit."""
+    choices = silent_choices(demand)
+    for choice in choices:
+        out, _, problems = _check(choice, free, total)
+        if not problems:
+            return out
+    demand = choices[-1]  # every choice made: the refusal names what is still short, and the keys beyond them
     remedies = [(label, _check(changed, free, total)[1]) for label, changed in _remedies(demand)]
     single = [label for label, short in remedies[:-1] if short == 0]
     (combined, short), = remedies[-1:]
@@ -276,12 +293,20 @@ def plan(demand: DeviceDemand, free: int, total: int) -> DevicePlan:
     elif short == 0:
         hint = f"it fits with all memory options together: {combined}"
     else:
+        more = f" (or a larger {CAP_KEY})" if demand.memory_cap is not None else ""
         hint = (f"it does not fit even with every memory option ({combined}: short by {_gib(short)}): use more "
-                f"devices (trainer.n_workers), shorter sequences (data.max_prompt_length, "
+                f"devices (trainer.n_workers){more}, shorter sequences (data.max_prompt_length, "
                 f"data.max_response_length) or a smaller model")
     raise DoesNotFit(f"the run does not fit one device: {'; '.join(problems)}. Budget: {_gib(out.cap_bytes)} "
-                     f"(trainer.gpu_memory_utilization={demand.utilization} of {_gib(total)}, {_gib(free)} free "
-                     f"at start); {hint}")
+                     f"({budget_source(demand, total)}, {_gib(free)} free at start); {hint}")
+
+
+def check_weights_fit(demand: DeviceDemand) -> None:
+    """Refuses, before any model loads (the controller calls it with each group's demand), a
+    `trainer.device_memory_gib` below the weights' own size."""
+    problem = weights_problem(demand)
+    if problem is not None:
+        raise DoesNotFit(problem)
 
 
 # plans made in this process, by (demand, device): colocated roles share a device and must share one plan
@@ -291,7 +316,8 @@ _PLANS: dict[tuple[DeviceDemand, torch.device], DevicePlan] = {}
 
 def plan_for_device(demand: DeviceDemand | None, device: torch.device) -> DevicePlan | None:
     """`plan` for this process's device (None without a demand, or off an accelerator); the first call
-    for a demand measures the free memory, later ones (the colocated roles) get the same plan."""
+    for a demand measures the free memory and holds the allocator to `trainer.device_memory_gib` (`cap.py`), later
+    ones (the colocated roles) get the same plan."""
     if demand is None:
         return None
     key = (demand, torch.device(device))
@@ -299,6 +325,9 @@ def plan_for_device(demand: DeviceDemand | None, device: torch.device) -> Device
         memory = device_memory(device)
         if memory is None:
             return None
+        problem = hold_allocator(demand, torch.device(device), memory[1])
+        if problem is not None:
+            raise DoesNotFit(problem)
         _PLANS[key] = plan(demand, *memory)
     return _PLANS[key]
 
@@ -309,15 +338,31 @@ Section = TypeVar("Section", bound=EngineOptimConfig)
 def apply_plan(plan_: DevicePlan | None, keys: str, model_cfg: ModelConfig, role_cfg: Section
                ) -> tuple[ModelConfig, Section]:
     """Copies of a trained role's model and role sections with what was left to the plan filled in:
-    `gradient_checkpointing` (None -> the plan's, or off without a plan) and `max_tokens_per_micro_batch`
-    (None with no `micro_batch_size` -> the plan's token budget; without a plan the whole mini-batch)."""
+    `gradient_checkpointing` (None -> the plan's, or off without a plan), `optimizer` (auto -> the plan's, or
+    `default_optimizer` without one), `optimizer_offload` (None -> the plan's, or off) and
+    `max_tokens_per_micro_batch` (None with no `micro_batch_size` -> the plan's token budget; without a plan the
+    whole mini-batch)."""
     role = plan_.roles.get(keys) if plan_ is not None else None
     model_cfg, role_cfg = copy.copy(model_cfg), copy.copy(role_cfg)
     if model_cfg.gradient_checkpointing is None:
         model_cfg.gradient_checkpointing = role.gradient_checkpointing if role is not None else False
+    if role_cfg.optimizer == "auto":
+        role_cfg.optimizer = role.optimizer if role is not None else default_optimizer(
+            2 if model_cfg.master_dtype == "bf16" else 4)
+    if role_cfg.optimizer_offload is None:
+        role_cfg.optimizer_offload = role.optimizer_offload if role is not None else False
     if role is not None and role_cfg.max_tokens_per_micro_batch is None and role_cfg.micro_batch_size is None:
         role_cfg.max_tokens_per_micro_batch = role.max_tokens
     return model_cfg, role_cfg
+
+
+def apply_rollout_plan(plan_: DevicePlan | None, rollout_cfg: RolloutConfig) -> RolloutConfig:
+    """A copy of the `rollout` section with `offload_weights` filled in where it was left to the plan (None -> the
+    plan's, or off without a plan)."""
+    rollout_cfg = copy.copy(rollout_cfg)
+    if rollout_cfg.offload_weights is None:
+        rollout_cfg.offload_weights = plan_.rollout_offload if plan_ is not None else False
+    return rollout_cfg
 
 
 def memory_keys(keys: str, model_keys: str) -> str:
@@ -325,7 +370,7 @@ def memory_keys(keys: str, model_keys: str) -> str:
     return (f"{keys}.max_tokens_per_micro_batch (smaller micro-batches), "
             f"{model_keys}.gradient_checkpointing=true, {keys}.optimizer=adamw_8bit or adamw_cpu_offload, "
             f"{keys}.param_offload / optimizer_offload=true, rollout.offload_weights=true, "
-            f"trainer.gpu_memory_utilization (lower: more headroom)")
+            f"trainer.gpu_memory_utilization (lower: more headroom) or {CAP_KEY} (higher: more memory)")
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from hybridflow.engine.train.lora import apply_lora, frozen_weights
 from hybridflow.engine.train.microbatch import (agree_count, count_micro_batches, group_lengths, group_rows,
                                                 split_rows, take_rows)
 from hybridflow.engine.train.model import load_model, resolve_precision
+from hybridflow.engine.train.quantized_base import quantize_base
 from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
@@ -53,7 +54,8 @@ class TrainEngine:
     """A Hugging Face model under FSDP2 (when torch.distributed is initialised with more than one rank,
     or, without LoRA, the compute dtype differs from the master weights) on this rank's device, its decoder
     layers compiled where `model.compile` says so (`compile.py`), with LoRA adapters where the trained
-    role's `lora.rank` > 0 (`lora.py`: only they train; `adapters` is None without).
+    role's `lora.rank` > 0 (`lora.py`: only they train; `adapters` is None without), their frozen base weights in
+    4 bits with `model.quantization=nf4` (`quantized_base.py`).
 
     Args:
         model_cfg: the model's section (`path`, `dtype`, `compile`, `attn_implementation`, `trust_remote_code`;
@@ -115,6 +117,14 @@ class TrainEngine:
                                self.trainable and trained is not None and bool(trained.gradient_checkpointing),
                                recompute_contexts if self.exact else None)
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora_cfg is not None else None
+        self.quantized_params = 0  # base weights stored in 4 bits (`model.quantization=nf4`)
+        if trained is not None and trained.quantization == "nf4":
+            if self.adapters is None:
+                raise ValueError("model.quantization=nf4 stores a LoRA model's frozen base in 4 bits; it needs "
+                                 "lora.rank > 0")
+            self.quantized_params = quantize_base({n: layer for n, layer in self.adapters.layers.items()
+                                                   if not hasattr(layer, "parameter_name")}, self.device,
+                                                  self.world_size)
         if exact_len is not None:
             make_exact(model, self.precision.param, exact_len, "inductor" if compile_on else None)
         # One rank: FSDP2 would shard nothing, only add its hooks (a measurable share of a small model's
@@ -329,12 +339,14 @@ class TrainEngine:
 
     def describe(self) -> str:
         """The model's size, for messages: "1.54B parameters (Qwen2ForCausalLM, bfloat16 over float32 weights)",
-        with LoRA "..., LoRA rank 32: 18.5M trained"."""
+        with LoRA "..., LoRA rank 32: 18.5M trained", with a 4-bit base "..., 1.31B base weights in NF4"."""
         params = sum(p.numel() for p in self.model.parameters())
         param, master = (str(d).removeprefix("torch.") for d in (self.precision.param, self.precision.master))
         name = type(self.model).__name__.removeprefix("FSDP")
         lora = "" if self.adapters is None else \
             f", LoRA rank {self.adapters.rank}: {count(self.trained_params())} trained"
+        if self.quantized_params:
+            lora += f", {count(self.quantized_params)} base weights in NF4"
         return f"{count(params)} parameters ({name}, {param} over {master} weights{lora})"
 
     def perf_metrics(self, seq_lens: list[int], seconds: float, passes: int = 1) -> dict[str, float]:

@@ -40,6 +40,7 @@ import torch
 from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.train.model import decoder_layers
 from hybridflow.engine.train.parallel import full_tensor
+from hybridflow.engine.train.quantized_base import dense
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -204,7 +205,7 @@ class Adapters:
         one the forward computes with (bit for bit in exact mode, which merges them the same way)."""
         for name, layer in self.layers.items():
             hf_name, weight = self._base(name, layer)
-            base = full_tensor(weight.detach())
+            base = dense(full_tensor(weight.detach()))  # a 4-bit base (quantized_base.py) dequantized
             if hasattr(layer, "parameter_name"):
                 yield hf_name, (base.float() + _expert_delta(layer, adapter_dtype)).to(dtype or base.dtype)
                 continue

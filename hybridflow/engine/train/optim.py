@@ -3,7 +3,8 @@
 Reads an actor/critic config section by attribute: `optimizer`, `lr`, `weight_decay`, `betas`,
 `lr_schedule` (``"constant"`` | ``"cosine"``), `lr_warmup_steps`, `min_lr_ratio`. After a resume,
 `apply_config` makes the config's values win over the ones restored with the optimizer and scheduler state.
-Optimizers (`OPTIMIZERS`), by the device memory their state takes per parameter:
+Optimizers (`OPTIMIZERS`; ``auto``, where a device plan did not choose, is `default_optimizer`'s), by the device
+memory their state takes per parameter:
 - ``adamw``: `torch.optim.AdamW` (fused on CUDA); two tensors in the master dtype (8 bytes fp32).
 - ``adamw_8bit``: torchao's `AdamW8bit`, block-quantised 8-bit moments (~2 bytes); with bf16 master
   weights its updates are stochastically rounded, so steps far below bf16's resolution still count.
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from hybridflow.config.schema import EngineOptimConfig
+from hybridflow.engine.budget.choices import default_optimizer
 
 SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
@@ -28,6 +30,8 @@ def build_optimizer(params, cfg: EngineOptimConfig, device: torch.device) -> tor
     """The optimizer `cfg.optimizer` over the trainable `params`."""
     params = [p for p in params if p.requires_grad]
     name = cfg.optimizer
+    if name == "auto":  # left open where no device plan chose (a CPU, an engine built directly): the default
+        name = default_optimizer(2 if any(p.dtype == torch.bfloat16 for p in params) else 4)
     if name != "adamw_8bit" and any(p.dtype == torch.bfloat16 for p in params):
         raise ValueError(f"optimizer {name!r} would round every update of bf16 master weights to bf16 (most "
                          f"vanish); use optimizer=adamw_8bit (stochastic rounding) or master_dtype=fp32")

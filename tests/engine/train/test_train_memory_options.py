@@ -3,6 +3,8 @@ trains), compiled decoder layers equal eager ones, and the precision checks of b
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch
@@ -71,7 +73,12 @@ def test_engine_optimizers_by_name(tiny_qwen2):
     with pytest.raises(ValueError, match="optimizer 'sgd' is not valid; valid: adamw, adamw_8bit"):
         TrainEngine(model_cfg(tiny_qwen2), optim_cfg(optimizer="sgd"), head="lm")
     with pytest.raises(ValueError, match="use optimizer=adamw_8bit"):
-        TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", master_dtype="bf16"), optim_cfg(), head="lm")
+        TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", master_dtype="bf16"), optim_cfg(optimizer="adamw"), head="lm")
+    # `auto` where no device plan chose: AdamW, or the 8-bit one for bf16 master weights
+    assert type(TrainEngine(model_cfg(tiny_qwen2), optim_cfg(optimizer="auto")).optimizer) is torch.optim.AdamW
+    if importlib.util.find_spec("torchao") is not None:
+        engine = TrainEngine(model_cfg(tiny_qwen2, dtype="bf16", master_dtype="bf16"), optim_cfg(optimizer="auto"))
+        assert type(engine.optimizer).__name__ == "AdamW8bit"
 
 
 def test_compiled_layers_equal_eager_ones(tiny_qwen2):

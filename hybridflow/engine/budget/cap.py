@@ -1,0 +1,79 @@
+"""The memory cap of a run (`trainer.device_memory_gib`): the bytes a device's plan may use, the caching allocator
+held to them in each process that plans a device, and the refusals of a cap the card cannot give or the weights
+cannot fit in.
+
+A capped run plans as if the card had `memory_cap` bytes (`gpu_memory_utilization` applies to a whole card
+only: the cap is the budget) and its processes allocate as if it had: `torch.cuda.set_per_process_memory_fraction`
+(cap / the card's total) makes the allocator raise `torch.OutOfMemoryError` past the cap, which the workers turn
+into explained errors (`planning.reported_oom`). The CUDA context and the communication library's buffers lie
+outside the allocator, so a real card of the cap's size needs their few hundred MiB beside it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.budget.estimate import GIB, DeviceDemand
+
+CAP_KEY = "trainer.device_memory_gib"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _setting(cap: int) -> str:
+    """`trainer.device_memory_gib=<its value>` from the cap's bytes."""
+    return f"{CAP_KEY}={cap / GIB:.4g}"
+
+
+def budget_bytes(demand: DeviceDemand, free: int, total: int) -> int:
+    """What a device's plan may use: the cap, or `utilization` of the whole card; never more than is free."""
+    whole = demand.utilization * total if demand.memory_cap is None else demand.memory_cap
+    return int(min(whole, free))
+
+
+def budget_source(demand: DeviceDemand, total: int) -> str:
+    """The keys that set the budget, for the plan's refusals."""
+    if demand.memory_cap is not None:
+        return f"{_setting(demand.memory_cap)} of the card's {_gib(total)}"
+    return f"trainer.gpu_memory_utilization={demand.utilization} of {_gib(total)}"
+
+
+def weights_floor(demand: DeviceDemand) -> tuple[float, str]:
+    """(bytes, what) of the weights a device must hold at once whatever the plan chooses: each trained role's
+    stored weights (while it updates, with any offload) and each frozen model's unless it can be offloaded."""
+    w = demand.world_size
+    parts = [(r.weight_bytes(w), f"{r.keys} ({r.shape.describe()})") for r in demand.trained]
+    parts += [(f.idle_bytes(w), f"a frozen model ({f.shape.describe()})") for f in demand.frozen if not f.offload_key]
+    if not parts and demand.rollout is not None:
+        parts = [(float(demand.rollout.weight_bytes), f"the rollout engine ({demand.rollout.shape.describe()})")]
+    total = sum(b for b, _ in parts)
+    return total, ", ".join(what for _, what in parts)
+
+
+def weights_problem(demand: DeviceDemand) -> str | None:
+    """Why a cap is below the weights' own size (None if it is not), naming the keys that shrink them."""
+    if demand.memory_cap is None:
+        return None
+    floor, what = weights_floor(demand)
+    if floor <= demand.memory_cap:
+        return None
+    return (f"{_setting(demand.memory_cap)} is below the weights' own size: {what} hold {_gib(floor)} per "
+            f"device; raise {CAP_KEY}, or shrink them: model.master_dtype=bf16 with actor.optimizer=adamw_8bit, "
+            f"actor.lora.rank > 0 (with model.quantization=nf4: 4-bit frozen weights), more devices "
+            f"(trainer.n_workers), or a smaller model")
+
+
+def hold_allocator(demand: DeviceDemand, device: torch.device, total: int) -> str | None:
+    """Holds this process's allocator on `device` to the cap (idempotent: the colocated roles of one process share
+    the device and the cap); a cap above the card is not held: the reason comes back instead (None when held or
+    uncapped)."""
+    if demand.memory_cap is None:
+        return None
+    if demand.memory_cap > total:
+        return (f"{_setting(demand.memory_cap)} is above this card's {_gib(total)} ({device}); use at most "
+                f"{total / GIB:.1f}, or null for the whole card")
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(demand.memory_cap / total, device)
+    return None

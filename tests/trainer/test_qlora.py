@@ -1,0 +1,111 @@
+"""QLoRA end to end on a tiny model: recipes/grpo_qlora.yaml (`model.quantization=nf4`, LoRA r32) trains 2 GRPO
+steps with its base in 4 bits; the adapter export loads in peft over the base; the merged export is the NF4-rounded
+base plus the adapters (to 1e-3), not the unquantized base plus them. And the small-card keys' refusals before any
+model loads: nf4 without LoRA, a cap below the weights, a cap above the card; a capped plan end to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hybridflow.config.loader import load_config
+from hybridflow.config.schema import LoraConfig
+from hybridflow.config.validate import ConfigError, validate
+from hybridflow.controller.errors import WorkerError
+from hybridflow.engine.budget import DoesNotFit, planning
+from hybridflow.engine.train import engine as engine_module
+from rl_helpers import reward_file, run
+
+GIB = 2**30
+RECIPE = "recipes/grpo_qlora.yaml"
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """Plans are made for the CPU device as for a GPU with `free` of `total` bytes."""
+    monkeypatch.setattr(planning, "_PLANS", {})
+
+    def use(free: float, total: float) -> None:
+        monkeypatch.setattr(planning, "device_memory", lambda device: (int(free), int(total)))
+
+    return use
+
+
+def test_qlora_recipe_trains_two_steps_and_exports(tiny_qwen2, data_dir, tmp_path, monkeypatch):
+    pytest.importorskip("torchao")
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from hybridflow.checkpoint.export import export_hf
+    from hybridflow.engine.train.quantized_base import dense, quantized_params, to_nf4
+
+    stored = []
+    quantize = engine_module.quantize_base
+    monkeypatch.setattr(engine_module, "quantize_base", lambda *args: stored.append(quantize(*args)) or stored[-1])
+    # lr 1e-2: the adapters move enough in 2 steps that a merge without them would differ
+    rows = run(tiny_qwen2, data_dir, tmp_path / "run", f"reward.function={reward_file(tmp_path)}", "actor.lr=1e-2",
+               "trainer.val_every=0", "trainer.val_before_train=false", recipe=RECIPE)
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in steps)
+    assert stored == [quantized_params(AutoConfig.from_pretrained(tiny_qwen2), LoraConfig(rank=32))[0]]
+
+    adapter_dir = export_hf(tmp_path / "run", tmp_path / "adapter")
+    merged_dir = export_hf(tmp_path / "run", tmp_path / "merged", merge=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.no_grad():
+        policy = peft.PeftModel.from_pretrained(base, adapter_dir)(ids).logits
+    assert torch.isfinite(policy).all()
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).state_dict()
+    adapters = load_file(adapter_dir / "adapter_model.safetensors")
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        a = adapters[f"base_model.model.{module}.lora_A.weight"]
+        b = adapters[f"base_model.model.{module}.lora_B.weight"]
+        delta = (32 / 32) * b @ a  # grpo_lora.yaml: alpha 32, rank 32
+        weight = base[f"{module}.weight"]
+        expected = dense(to_nf4(weight, module)) + delta
+        assert torch.allclose(merged[f"{module}.weight"], expected, atol=1e-3)
+        assert (merged[f"{module}.weight"] - (weight + delta)).abs().max() > 3e-3  # the 4-bit rounding is in it
+        assert delta.abs().max() > 1e-3  # and the trained adapters
+
+
+def test_nf4_needs_lora_and_is_refused_without_it():
+    cfg = load_config(["model.quantization=nf4"], "recipes/grpo.yaml")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, check_paths=False)
+    assert "model.quantization=nf4 stores the frozen base of a LoRA model in 4 bits; it needs actor.lora.rank > 0 " \
+           "(got 0)" in str(err.value)
+    offloaded = load_config(["actor.param_offload=true"], RECIPE)
+    with pytest.raises(ConfigError, match="set actor.param_offload=false"):
+        validate(offloaded, check_paths=False)
+
+
+def test_a_cap_below_the_weights_is_refused_before_any_worker_starts(tiny_qwen2, data_dir, tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the cap was refused")
+
+    monkeypatch.setattr(engine_module, "load_model", no_loading)
+    with pytest.raises(DoesNotFit, match=r"trainer.device_memory_gib=0.0001 is below the weights' own size: actor"):
+        run(tiny_qwen2, data_dir, tmp_path, "trainer.device_memory_gib=0.0001")
+    with pytest.raises(ConfigError, match=r"trainer.device_memory_gib=-1.0 must be > 0"):
+        run(tiny_qwen2, data_dir, tmp_path, "trainer.device_memory_gib=-1")
+
+
+def test_a_capped_run_plans_within_the_cap_and_refuses_one_above_the_card(tiny_qwen2, data_dir, tmp_path,
+                                                                            simulated_gpu, capsys):
+    simulated_gpu(free=80 * GIB, total=80 * GIB)
+    with pytest.raises(WorkerError, match=r"trainer.device_memory_gib=100 is above this card's 80.0 GiB"):
+        run(tiny_qwen2, data_dir, tmp_path / "above", "trainer.device_memory_gib=100")
+    rows = run(tiny_qwen2, data_dir, tmp_path / "capped", "trainer.device_memory_gib=12", "trainer.val_every=0",
+               "trainer.val_before_train=false")
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
+    resolved = (tmp_path / "capped" / "resolved_config.yaml").read_text()
+    assert resolved.startswith("# device plan of actor: device budget 12.0 GiB of 80.0 GiB")
+    cfg = load_config([], tmp_path / "capped" / "resolved_config.yaml")
+    assert cfg.trainer.device_memory_gib == 12 and cfg.actor.optimizer == "adamw"
