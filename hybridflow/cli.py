@@ -35,10 +35,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    """The resolved config, once it passes every check `train` runs before a model loads (`validate`)."""
     from hybridflow.config.follow import followed_comment
     from hybridflow.config.loader import load_config, to_yaml
+    from hybridflow.config.validate import validate
 
     cfg = load_config(args.overrides, args.config)
+    validate(cfg)
     print(followed_comment(cfg) + to_yaml(cfg), end="")
     return 0
 
@@ -100,12 +103,14 @@ def _rm(args: argparse.Namespace) -> int:
 def _migrate(args: argparse.Namespace) -> int:
     from hybridflow.config.migrate import migrate
 
-    text = migrate(args.source)
+    result = migrate(args.source)
+    for warning in result.warnings:
+        print(f"hybridflow migrate: warning: {warning}", file=sys.stderr)
     if args.out:
-        Path(args.out).write_text(text)
+        Path(args.out).write_text(result.text)
         print(f"wrote {args.out}; check it with: hybridflow config --config {args.out}")
     else:
-        print(text, end="")
+        print(result.text, end="")
     return 0
 
 
@@ -128,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     for name, fn, text in (("train", _train, "RL training (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO ...)"),
-                           ("config", _config, "print the resolved configuration of a train command")):
+                           ("config", _config, "check a train command's configuration as train does before any model loads, "
+                            "then print it resolved")):
         p = sub.add_parser(name, help=text, description=text + ". Options are dotted key=value overrides; "
                            "see docs/config.md for every key.")
         p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")

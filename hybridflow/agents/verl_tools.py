@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,11 @@ def load_class(name: str, folder: Path, where: str) -> type:
         raise ValueError(f"{where}: class_name {name!r} must be 'package.module.Class' or 'file.py:Class'")
     for base in (folder, Path.cwd()):
         path = base / (module.replace(".", "/") + ".py")
-        if path.is_file():
+        if path.is_file() and not (path.parent / "__init__.py").is_file():
             return load_from_file(f"{path}:{cls}", "verl", "class", where)
+        if path.is_file() and str(base) not in sys.path:  # a package's module (verl's own, from a checkout):
+            sys.path.append(str(base))  # imported as one, so its relative imports resolve
+            break
     try:
         return getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as e:

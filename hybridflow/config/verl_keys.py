@@ -73,10 +73,31 @@ def _reward_model(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     return {"reward.reward_model.path": path} if _truthy(given.get("reward_model.enable")) and path else {}
 
 
-def _dynamic_budget(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    if not _truthy(given.get(A + "use_dynamic_bsz")):
-        return {}
-    return {"actor.max_tokens_per_micro_batch": int(given.get(A + "ppo_max_token_len_per_gpu", 16384))}
+def _dynamic_budget(verl: str, ours: str) -> Convert:
+    """verl's `use_dynamic_bsz` + `ppo_max_token_len_per_gpu` of a role (prefix `verl`) -> our token budget."""
+    def convert(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+        if not _truthy(given.get(verl + "use_dynamic_bsz")):
+            return {}
+        return {ours: int(given.get(verl + "ppo_max_token_len_per_gpu", 16384))}
+
+    return convert
+
+
+def _ref_offload(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if int(given.get(M + "lora_rank", 0) or 0) > 0 and _truthy(value):
+        raise ValueError("with LoRA (lora_rank > 0) the reference is the actor's own base weights with the adapters "
+                         "disabled: there is no copy to offload")
+    return {"actor.ref_param_offload": _truthy(value)}
+
+
+def _truncation(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """verl drops prompts over max_prompt_length before `truncation` applies when filter_overlong_prompts is
+    set: together they are our `filter`."""
+    if _truthy(given.get("data.filter_overlong_prompts")):
+        return {"data.truncation": "filter"}
+    if value not in ("error", "left", "right"):
+        raise ValueError(f"truncation={value!r}: hybridflow has error, filter, left, right")
+    return {"data.truncation": value}
 
 
 def _resume(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,7 +143,7 @@ def _negative_is_off(ours: str) -> Convert:
 VERL_KEYS: dict[str, VerlKey] = {
     **_same({k: k for k in ("data.train_files", "data.val_files", "data.prompt_key", "data.max_prompt_length",
                             "data.max_response_length", "data.val_batch_size",
-                            "data.truncation", "data.shuffle", "data.seed", "algorithm.adv_estimator",
+                            "data.shuffle", "data.seed", "algorithm.adv_estimator",
                             "algorithm.gamma", "algorithm.lam", "algorithm.use_kl_in_reward", "algorithm.kl_penalty",
                             "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.target_kl",
                             "algorithm.kl_ctrl.horizon", "algorithm.filter_groups.enable",
@@ -144,7 +165,7 @@ VERL_KEYS: dict[str, VerlKey] = {
              A + "loss_agg_mode": "actor.loss_agg", A + "entropy_coeff": "actor.entropy_coef",
              A + "kl_loss_type": "actor.kl_loss_type", A + "fsdp_config.param_offload": "actor.param_offload",
              A + "fsdp_config.optimizer_offload": "actor.optimizer_offload",
-             A + "use_torch_compile": ("model.compile", "null (default) = on for CUDA, off on a CPU"), ARR + "ref.fsdp_config.param_offload": "actor.ref_param_offload",
+             A + "use_torch_compile": ("model.compile", "null (default) = on for CUDA, off on a CPU"), 
              R + "n": "rollout.n", R + "temperature": "rollout.temperature", R + "top_p": "rollout.top_p",
              R + "top_k": "rollout.top_k", R + "max_num_seqs": "rollout.max_num_seqs",
              R + "free_cache_engine": "rollout.free_cache_after_generate",
@@ -153,7 +174,13 @@ VERL_KEYS: dict[str, VerlKey] = {
              M + "lora_rank": ("actor.lora.rank", "0 = no LoRA (docs/lora.md)"), M + "lora_alpha": "actor.lora.alpha",
              M + "target_modules": ("actor.lora.target_modules", "module names; all-linear (verl's default) or [] = "
                                                                  "every linear layer of the decoder layers"), MT + "max_assistant_turns": "agent.max_turns",
-             "critic.optim.lr": "critic.lr", "critic.model.lora_rank": "critic.lora.rank",
+             "critic.optim.lr": "critic.lr", "critic.model.use_remove_padding": "critic.use_packing",
+             "critic.model.fsdp_config.param_offload": "critic.param_offload",
+             "critic.model.fsdp_config.optimizer_offload": "critic.optimizer_offload",
+             "critic.model.enable_gradient_checkpointing": "critic.model.gradient_checkpointing",
+             "critic.model.trust_remote_code": "critic.model.trust_remote_code",
+             "critic.ppo_epochs": "critic.ppo_epochs", "critic.grad_clip": "critic.grad_clip",
+             "critic.optim.weight_decay": "critic.weight_decay", "critic.model.lora_rank": "critic.lora.rank",
              "critic.model.lora_alpha": "critic.lora.alpha", "critic.model.target_modules": "critic.lora.target_modules", "critic.ppo_mini_batch_size": "critic.mini_batch_size",
              "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size", "trainer.critic_warmup":
              "critic.warmup_steps", "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
@@ -173,7 +200,15 @@ VERL_KEYS: dict[str, VerlKey] = {
                                            _map("actor.lr_schedule", {"constant": "constant", "cosine": "cosine"})),
     A + "optim.lr_warmup_steps_ratio": VerlKey(None, "give the warm-up in optimizer steps: actor.lr_warmup_steps"),
     A + "use_dynamic_bsz": VerlKey("actor.max_tokens_per_micro_batch", "set = the token budget "
-                                   "ppo_max_token_len_per_gpu; null = sized from the GPU's memory", _dynamic_budget),
+                                   "ppo_max_token_len_per_gpu; null = sized from the GPU's memory",
+                                   _dynamic_budget(A, "actor.max_tokens_per_micro_batch")),
+    "critic.use_dynamic_bsz": VerlKey("critic.max_tokens_per_micro_batch", "set = the token budget "
+                                      "ppo_max_token_len_per_gpu; null = sized from the GPU's memory",
+                                      _dynamic_budget("critic.", "critic.max_tokens_per_micro_batch")),
+    "critic.ppo_max_token_len_per_gpu": VerlKey("critic.max_tokens_per_micro_batch", "with use_dynamic_bsz=True",
+                                                lambda v, g: {}),
+    ARR + "ref.fsdp_config.param_offload": VerlKey("actor.ref_param_offload", "not with LoRA: its reference is the "
+                                                   "actor's base weights", _ref_offload),
     A + "ppo_max_token_len_per_gpu": VerlKey("actor.max_tokens_per_micro_batch", "with use_dynamic_bsz=True",
                                              lambda v, g: {}),
     A + "clip_ratio": VerlKey("actor.clip_low", "sets actor.clip_low and actor.clip_high",
@@ -209,8 +244,11 @@ VERL_KEYS: dict[str, VerlKey] = {
                                _correction("is")),
     RC + "rollout_rs": VerlKey("actor.rollout_correction.mode", "token -> token_mis, sequence -> seq_mis",
                                _correction("rs")),
-    "data.filter_overlong_prompts": VerlKey("data.truncation", "True is data.truncation=filter",
+    "data.filter_overlong_prompts": VerlKey("data.truncation", "True is data.truncation=filter, whatever "
+                                            "data.truncation says (verl drops those prompts before it applies)",
                                             lambda v, g: {"data.truncation": "filter"} if _truthy(v) else {}),
+    "data.truncation": VerlKey("data.truncation", "error, left, right; filter with filter_overlong_prompts=True",
+                               _truncation),
     "data.return_raw_chat": VerlKey(None, "the raw prompt always travels with the rows"),
     "data.reward_fn_key": VerlKey(None, "data_source always travels with the rows"),
     "custom_reward_function.path": VerlKey("reward.function", "path + name become path:name", _reward_function),
