@@ -1,7 +1,7 @@
 """`hybridflow migrate` over every ``examples/**/*.sh`` of a verl checkout: how many give a recipe that
 `hybridflow config` accepts, and why the rest do not.
 
-    pip install --target /tmp/verl_site --no-deps tensordict pyvers wandb    # what verl's imports and its loggers need
+    pip install --target /tmp/verl_site --no-deps tensordict pyvers mathruler pylatexenc wandb    # what verl's imports and its loggers need
     python bench/migrate_verl_examples.py /path/to/verl --site /tmp/verl_site [--out bench/results/migrate_verl_examples.json]
 
 Each script is migrated as a user would (`hybridflow migrate SCRIPT --out R.yaml`, run with the checkout as
@@ -9,11 +9,14 @@ the working directory, where verl's scripts expect to run), then checked with `h
 R.yaml` plus stand-ins for what names the hub or a user's disk: the scripts name hub models (``Qwen/...``) and
 ``$HOME/data/...`` parquet files, so every model key the recipe sets (``model.path``, ``critic.model.path``,
 ``reward.reward_model.path``, ``model.tokenizer_path``) is replaced by one tiny local model and
-``data.train_files`` / ``data.val_files`` by one tiny verl-format parquet file. Everything else (tool and
+``data.train_files`` / ``data.val_files`` by one tiny verl-format parquet file (``model.path`` and
+``data.train_files`` always: a script whose path holds a variable nothing sets, such as ``$pwd``, leaves them to the
+command line). An SFT script's recipe is checked with ``hybridflow config --command sft``. Everything else (tool and
 interaction configs, reward files, every other key) is checked as migrated, so verl's tool, interaction and reward
 modules are imported: `--site` names a folder holding what they import beyond this environment (verl's own
-dependencies tensordict and pyvers) and wandb, which most scripts log to, as a verl user's environment holds
-them. A script counts as accepted when
+dependencies tensordict, pyvers, mathruler, pylatexenc) and wandb, which most scripts log to, as a verl user's
+environment holds them. The checkout needs its ``recipe`` submodule (``git submodule update --init recipe``):
+some examples name its reward files and tool configs. A script counts as accepted when
 both commands exit 0. Prints a table by example folder and the reasons of the rest; writes the JSON.
 """
 
@@ -69,17 +72,19 @@ def check(script: Path, work: Path, model: Path, data: Path) -> dict[str, object
     code, err = _run(["migrate", str(script), "--out", str(recipe)])
     warnings = [line for line in err.splitlines() if ": warning: " in line]
     if code != 0:
-        return {"accepted": False, "stage": "migrate", "reason": err.splitlines()[-1] if err else f"exit {code}"}
+        reason = err.splitlines()[-1].replace(f"hybridflow migrate: {script}: ", "") if err else f"exit {code}"
+        return {"accepted": False, "stage": "migrate", "problems": [reason]}
     text = recipe.read_text()
     carried = [line.split(":")[0].strip() for line in text.splitlines() if "  # " in line and not line.startswith("#")]
     not_carried = sum(1 for line in text.splitlines() if line.startswith("#   "))
-    overrides = [f"{key}={model}" for key in STAND_IN_KEYS if _sets(text, key)]
+    overrides = [f"{key}={model}" for key in STAND_IN_KEYS if key == "model.path" or _sets(text, key)]
     overrides += [f"data.train_files=[{data}]"] + ([f"data.val_files=[{data}]"] if _sets(text, "data.val_files") else [])
-    code, err = _run(["config", "--config", str(recipe), *overrides])
+    command = "sft" if "a recipe for `hybridflow sft`" in text.splitlines()[0] else "train"
+    code, err = _run(["config", "--command", command, "--config", str(recipe), *overrides])
     out: dict[str, object] = {"accepted": code == 0, "stage": "config", "keys_written": len(carried),
                               "keys_not_carried": not_carried, "warnings": warnings}
-    if code != 0:
-        out["reason"] = err
+    if code != 0:  # one problem a line ("  - ..."), or the one line after "invalid configuration:"
+        out["problems"] = [line.strip().removeprefix("- ") for line in err.splitlines()[1:]] or [err]
     return out
 
 
@@ -99,8 +104,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("verl", type=Path, help="a verl checkout (its examples/ folder is read)")
     parser.add_argument("--site", type=Path, help="a folder of packages verl's modules and loggers import "
-                        "(pip install --target DIR --no-deps tensordict pyvers wandb); appended to the path")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/migrate_verl_examples.json"))
+                        "(pip install --target DIR --no-deps tensordict pyvers mathruler pylatexenc wandb); appended to the path")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/migrate_verl_examples.json"),
+                        help="the JSON to write: per script, accepted or not, keys written and not carried, "
+                        "warnings, problems")
     args = parser.parse_args()
     verl = args.verl.resolve()
     scripts = sorted((verl / "examples").rglob("*.sh"))
@@ -131,9 +138,8 @@ def main() -> None:
           f"`hybridflow config` accepts\n\n| examples/ folder | accepted | scripts |\n|---|---|---|")
     for folder, (ok, total) in sorted(folders.items()):
         print(f"| {folder} | {ok} | {total} |")
-    reasons = Counter(str(r.get("reason", "")).splitlines()[-1].split(": ", 1)[-1][:160]
-                      for r in results.values() if not r["accepted"])
-    print("\n| reason | scripts |\n|---|---|")
+    reasons = Counter(problem for r in results.values() if not r["accepted"] for problem in r["problems"])
+    print("\n| why a script's recipe is refused (a script may have several) | scripts |\n|---|---|")
     for reason, count in reasons.most_common():
         print(f"| {reason} | {count} |")
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
     hybridflow train --config recipes/grpo.yaml model.path=MODEL data.train_files=train.parquet
     hybridflow export outputs/run/checkpoints/step_00000010 outputs/run/hf
-    hybridflow config [--config FILE] [key=value ...]     # print the resolved config
+    hybridflow config [--command sft] [--config FILE] [key=value ...]  # check it as the command would, print it
     hybridflow report outputs/run [--out FILE.html]        # plots + HTML page of a run
     hybridflow sft --config recipes/sft.yaml model.path=MODEL data.train_files=chats.jsonl
     hybridflow dpo --config recipes/preference/dpo.yaml model.path=MODEL data.train_files=pairs.jsonl
@@ -35,13 +35,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    """The resolved config, once it passes every check `train` runs before a model loads (`validate`)."""
+    """The resolved config, once it passes every check its command runs before a model loads."""
+    from hybridflow.config.commands import check_config
     from hybridflow.config.follow import followed_comment
-    from hybridflow.config.loader import load_config, to_yaml
-    from hybridflow.config.validate import validate
+    from hybridflow.config.loader import to_yaml
 
-    cfg = load_config(args.overrides, args.config)
-    validate(cfg)
+    cfg = check_config(args.command_checked, args.overrides, args.config)
     print(followed_comment(cfg) + to_yaml(cfg), end="")
     return 0
 
@@ -139,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "see docs/config.md for every key.")
         p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.n=8 actor.lr=1e-6")
+        if name == "config":
+            p.add_argument("--command", dest="command_checked", choices=("train", "sft"), default="train",
+                           help="the command whose recipe this is (default train; sft for `hybridflow sft`)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("report", help="plots and an HTML page of a run's metrics, config and samples",

@@ -20,6 +20,7 @@ config refuses is moved to the list.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -33,11 +34,18 @@ from hybridflow.config.shell_eval import Word, evaluate, is_secret
 from hybridflow.config.shell_lexer import ShellSyntaxError
 from hybridflow.config.validate import ConfigError
 from hybridflow.config.verl_hydra import VERL_BASES, compose, find, verl_config_dir
-from hybridflow.config.verl_keys import VERL_DEFAULTS, VERL_KEYS, VERL_PREFIXES
+from hybridflow.config.verl_keys import VERL_DEFAULTS, VERL_KEYS, VERL_PREFIXES, VerlKey
+from hybridflow.config.verl_sft_keys import VERL_SFT_DEFAULTS, VERL_SFT_KEYS
+
+# Each command's table of verl keys, verl's defaults that differ from ours, and dict-valued key prefixes.
+TABLES: dict[str, tuple[dict[str, VerlKey], dict[str, Any], dict[str, str]]] = {
+    "train": (VERL_KEYS, VERL_DEFAULTS, VERL_PREFIXES), "sft": (VERL_SFT_KEYS, VERL_SFT_DEFAULTS, {})}
 
 KEY = re.compile(r"^\+{0,2}[A-Za-z_][\w]*(\.[\w-]+)*$")
-ENTRY = re.compile(r"(^|[./])main_ppo\w*(\.py)?$")
-OTHER_ENTRY = re.compile(r"(^|[./])(main_generation|main_eval|fsdp_sft_trainer|sft_trainer)(\.py)?$")
+ENTRIES = {"train": re.compile(r"(^|[./])main_ppo\w*(\.py)?$"),
+           "sft": re.compile(r"(^|[./])(fsdp_sft_trainer|sft_trainer)(\.py)?$")}
+OTHER_ENTRY = re.compile(r"(^|[./])(main_generation|main_eval)(\.py)?$")
+TORCHRUN = re.compile(r"^--(nproc[_-]per[_-]node|nnodes)(=(.*))?$")
 SECRET_KEY = re.compile(r"(api_key|token|secret|password)$", re.I)
 PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py")
 WARN = re.compile(r"multi_turn|tool|interaction|reward")
@@ -49,6 +57,7 @@ class VerlRun:
     """What a verl script or config sets: ``{dotted key: value}``, the keys whose value came from a secret
     variable (and which), what was read but cannot be carried (what, value, why), and reading notes."""
 
+    command: str = "train"  # the hybridflow command the recipe is for: train, or sft for verl's SFT trainer
     settings: dict[str, Any] = field(default_factory=dict)
     secrets: dict[str, frozenset[str]] = field(default_factory=dict)
     skipped: list[tuple[str, Any, str]] = field(default_factory=list)
@@ -82,16 +91,18 @@ def _parse(key: str, raw: str) -> Any:
         return raw
 
 
-def _command(words: list[list[Word]], path: Path) -> list[Word]:
-    """The arguments of the script's verl command (after the word naming ``main_ppo``)."""
+def _command(words: list[list[Word]], path: Path) -> tuple[str, list[Word], list[Word]]:
+    """The script's verl command: which of ours it becomes, the words before the one naming verl's trainer
+    (a launcher's: torchrun, ray job submit) and its arguments after it."""
     for command in words:
         for i, word in enumerate(command):
-            if ENTRY.search(word.text):
-                return command[i + 1:]
+            kind = next((k for k, entry in ENTRIES.items() if entry.search(word.text)), None)
+            if kind is not None:
+                return kind, command[:i], command[i + 1:]
     other = next((w.text for c in words for w in c if OTHER_ENTRY.search(w.text)), None)
     if other is not None:
-        raise ConfigError(f"{path}: runs {other}, which `hybridflow migrate` does not translate (it reads "
-                          f"verl.trainer.main_ppo commands; for SFT see docs/sft.md)")
+        raise ConfigError(f"{path}: runs {other}, which hybridflow has no equivalent of (`hybridflow migrate` reads "
+                          f"verl.trainer.main_ppo and verl's SFT trainers)")
     raise ConfigError(f"{path}: no python command running verl found (expected a line such as `python3 -m "
                       f"verl.trainer.main_ppo key=value ...`)")
 
@@ -111,7 +122,12 @@ def _read_script(path: Path, text: str) -> VerlRun:
                             "shell that runs hybridflow"))
     config_path: str | None = None
     config_name: str | None = None
-    args = _command([c for _, c in script.commands], path)
+    run.command, launcher, args = _command([c for _, c in script.commands], path)
+    for i, word in enumerate(launcher):  # torchrun's world size is verl SFT's
+        match = TORCHRUN.match(word.text)
+        if match:
+            value = match.group(3) if match.group(2) else (launcher[i + 1].text if i + 1 < len(launcher) else "")
+            run.settings[f"torchrun.{match.group(1).replace('-', '_')}"] = _parse("torchrun", value)
     i = 0
     while i < len(args):
         word = args[i]
@@ -189,20 +205,21 @@ def read_verl(path: str | Path) -> VerlRun:
 
 def translate(run: VerlRun) -> tuple[dict[str, tuple[Any, str]], list[tuple[str, Any, str]]]:
     """``({our key: (value, where from)}, [(verl key, value, why not carried)])`` for verl's settings."""
+    keys, defaults, prefixes = TABLES[run.command]
     settings = run.settings
-    given = {**VERL_DEFAULTS, **settings}
+    given = {**defaults, **settings}
     ours: dict[str, tuple[Any, str]] = {}
     skipped: list[tuple[str, Any, str]] = list(run.skipped)
     for key, value in given.items():
         origin = key if key in settings else f"verl's default {key}={value}"
-        prefix = next((p for p in VERL_PREFIXES if key.startswith(p)), None)
-        entry = VERL_KEYS.get(key)
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        entry = keys.get(key)
         if key in run.secrets or SECRET_KEY.search(key.rsplit(".", 1)[-1]):
             names = ", ".join(f"${n}" for n in sorted(run.secrets.get(key, ()))) or "its value"
             skipped.append((key, HIDDEN, f"holds a secret ({names}): set it in the environment of the run, "
                                          f"never in a recipe"))
         elif prefix is not None:
-            ours[VERL_PREFIXES[prefix] + key[len(prefix):]] = (value, origin)
+            ours[prefixes[prefix] + key[len(prefix):]] = (value, origin)
         elif "$(" in str(value) or "`" in str(value):
             skipped.append((key, value, "holds a command substitution hybridflow migrate does not run"))
         elif isinstance(value, str) and "${" in value:
@@ -226,13 +243,17 @@ def translate(run: VerlRun) -> tuple[dict[str, tuple[Any, str]], list[tuple[str,
 
 
 def _yaml_value(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+    """`value` as YAML on one line (JSON, which YAML reads, where YAML would break a line: a chat template)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+    return json.dumps(value) if "\n" in text else text
 
 
 def render(ours: Mapping[str, tuple[Any, str]], skipped: list[tuple[str, Any, str]], source: str,
-           notes: list[str] | None = None) -> str:
+           notes: list[str] | None = None, command: str = "train") -> str:
     """The recipe's text: sections of our keys, each commented with its verl origin, then what was not carried."""
-    lines = [f"# Migrated from verl ({source}) by `hybridflow migrate`. Check it: hybridflow config --config THIS.yaml",
+    check = "hybridflow config" + (f" --command {command}" if command != "train" else "")
+    lines = [f"# Migrated from verl ({source}) by `hybridflow migrate`: a recipe for `hybridflow {command}`. "
+             f"Check it: {check} --config THIS.yaml",
              "# Each key says which verl key it came from; verl defaults that differ from hybridflow's are set too."]
     lines += [f"# Read: {note}" for note in notes or ()]
     tree: dict[str, Any] = {}
@@ -278,15 +299,17 @@ def migrate(path: str | Path) -> Migration:
 
     from hybridflow.config.loader import load_config
 
+    from hybridflow.config.commands import COMMANDS
+
     run = read_verl(path)
     ours, skipped = translate(run)
     while True:
-        text = render(ours, skipped, str(path), run.notes)
+        text = render(ours, skipped, str(path), run.notes, run.command)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml") as recipe:
             recipe.write(text)
             recipe.flush()
             try:
-                load_config([], recipe.name)
+                load_config([], recipe.name, schema=COMMANDS[run.command][0])
                 return Migration(text, _warnings(ours, skipped))
             except ConfigError as e:
                 bad = next((k for k in ours if f"'{k}'" in str(e) or f"{k}=" in str(e)), None)

@@ -101,7 +101,7 @@ class _Evaluator:
             elif c in "$`":
                 value, i = self._dollar(raw, i)
                 items = value if isinstance(value, list) else [value]
-                words = [w for item in items for w in item.split()]
+                words = [w for item in items for w in _split(item)]
                 if words:
                     if items[0][:1].isspace() and fields[-1]:
                         fields.append("")
@@ -170,8 +170,8 @@ class _Evaluator:
             return [], i + 2  # no arguments are given to the script
         if nxt == "#":
             return "0", i + 2
-        if nxt.isdigit():
-            return ("" if nxt != "0" else str(self.script)), i + 2
+        if nxt.isdigit():  # the script is given no arguments: $1 stays as written, for the caller to name
+            return (f"${nxt}" if nxt != "0" else str(self.script)), i + 2
         match = NAME.match(raw, i + 1)
         if match is None:
             return "$", i + 1
@@ -188,8 +188,7 @@ class _Evaluator:
         if match is None:
             return "${" + inner + "}"
         name, index, rest = match.group(1), match.group(3), match.group(4)
-        value: str | list[str] | None = [] if name in "@*" else ("" if name.isdigit() and name != "0" else
-                                                                 self._get(name))
+        value: str | list[str] | None = [] if name in "@*" else self._get(name)
         if index is not None and value is not None:
             items = value if isinstance(value, list) else [value]
             if index in ("@", "*"):
@@ -343,6 +342,24 @@ class _Evaluator:
         return None if result is None else result != negate
 
 
+def _split(value: str) -> list[str]:
+    """An unquoted expansion's fields: split on whitespace, but a substitution left as written (``$(date +%s)``)
+    stays one field."""
+    fields, depth, current = [], 0, ""
+    for i, c in enumerate(value):
+        if c == "(" and value[i - 1:i] == "$" or c == "(" and depth:
+            depth += 1
+        elif c == ")" and depth:
+            depth -= 1
+        if c.isspace() and not depth:
+            if current:
+                fields.append(current)
+            current = ""
+        else:
+            current += c
+    return fields + [current] if current else fields
+
+
 def evaluate(text: str, script: Path, workdir: Path, env: Mapping[str, str]) -> Script:
     """The script's commands, expanded (see the module docstring). `env` is the environment it starts with."""
     ev = _Evaluator(script, workdir, env)
@@ -374,7 +391,7 @@ def evaluate(text: str, script: Path, workdir: Path, env: Mapping[str, str]) -> 
             if raws[-1] != "}":
                 skip_until.append("}")
             continue
-        active = _parent_active(frames)
+        active = _parent_active(frames[:-1] if head == "elif" else frames)
         if head in ("if", "elif"):
             decided = ev.test([w.text for w in ev.expand_command(raws[1:])]) if active else False
             if decided is None:
@@ -384,7 +401,7 @@ def evaluate(text: str, script: Path, workdir: Path, env: Mapping[str, str]) -> 
                 frames.append(["if", active and decided, active and decided])
             elif frames:
                 frame = frames[-1]
-                frame[1] = not frame[2] and decided and _parent_active(frames[:-1])
+                frame[1] = not frame[2] and decided and active
                 frame[2] = frame[2] or frame[1]
             continue
         if head == "fi":

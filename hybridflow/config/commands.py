@@ -1,0 +1,28 @@
+"""What each training command checks before a model loads, in one place: `hybridflow config --command C` runs
+exactly the checks `hybridflow C` runs first (the same functions its trainer calls: `validate` in
+`RLTrainer`, `validate_sft` in `SFTTrainer`), and `hybridflow migrate` loads a recipe with the command's schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.loader import load_config
+from hybridflow.config.schema import RLConfig
+from hybridflow.config.sft_schema import SFTConfig
+from hybridflow.config.validate import validate, validate_sft
+
+# command -> (its config schema, the checks its trainer runs before any model loads)
+COMMANDS: dict[str, tuple[type, Callable[[Any], None]]] = {"train": (RLConfig, validate),
+                                                           "sft": (SFTConfig, validate_sft)}
+
+
+def check_config(command: str, overrides: Sequence[str], config_file: str | Path | None) -> Any:
+    """The config of `command` built from `config_file` and `overrides`, once it passes every check the command
+    runs before a model loads; raises one `ConfigError` listing every problem otherwise."""
+    schema, checks = COMMANDS[command]
+    cfg = load_config(overrides, config_file, schema=schema)
+    checks(cfg)
+    return cfg
