@@ -27,6 +27,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 from hybridflow import cli
+from hybridflow.config.migrate import read_verl
 
 STAND_IN_KEYS = ("model.path", "model.tokenizer_path", "critic.model.path", "reward.reward_model.path")
 
@@ -75,6 +77,9 @@ def check(script: Path, work: Path, model: Path, data: Path) -> dict[str, object
         reason = err.splitlines()[-1].replace(f"hybridflow migrate: {script}: ", "") if err else f"exit {code}"
         return {"accepted": False, "stage": "migrate", "problems": [reason]}
     text = recipe.read_text()
+    # each verl key is named in the recipe: after a key it set ("# key" or "# other, key"), or listed ("#   key=")
+    unaccounted = [key for key in read_verl(script).settings
+                   if not re.search(rf"(# |, |#   ){re.escape(key)}(=|,|$)", text, re.M)]
     carried = [line.split(":")[0].strip() for line in text.splitlines() if "  # " in line and not line.startswith("#")]
     not_carried = sum(1 for line in text.splitlines() if line.startswith("#   "))
     overrides = [f"{key}={model}" for key in STAND_IN_KEYS if key == "model.path" or _sets(text, key)]
@@ -82,7 +87,7 @@ def check(script: Path, work: Path, model: Path, data: Path) -> dict[str, object
     command = "sft" if "a recipe for `hybridflow sft`" in text.splitlines()[0] else "train"
     code, err = _run(["config", "--command", command, "--config", str(recipe), *overrides])
     out: dict[str, object] = {"accepted": code == 0, "stage": "config", "keys_written": len(carried),
-                              "keys_not_carried": not_carried, "warnings": warnings}
+                              "keys_not_carried": not_carried, "unaccounted_keys": unaccounted, "warnings": warnings}
     if code != 0:  # one problem a line ("  - ..."), or the one line after "invalid configuration:"
         out["problems"] = [line.strip().removeprefix("- ") for line in err.splitlines()[1:]] or [err]
     return out
@@ -134,8 +139,10 @@ def main() -> None:
         folder = name.split("/")[1]
         folders.setdefault(folder, [0, 0])[0] += r["accepted"] is True
         folders[folder][1] += 1
+    unaccounted = sum(len(r.get("unaccounted_keys", ())) for r in results.values())  # type: ignore[arg-type]
     print(f"\nverl {commit[:9] or '(not a git checkout)'}: {accepted} of {len(results)} scripts give a recipe "
-          f"`hybridflow config` accepts\n\n| examples/ folder | accepted | scripts |\n|---|---|---|")
+          f"`hybridflow config` accepts; verl keys neither carried nor listed with a reason: {unaccounted}"
+          f"\n\n| examples/ folder | accepted | scripts |\n|---|---|---|")
     for folder, (ok, total) in sorted(folders.items()):
         print(f"| {folder} | {ok} | {total} |")
     reasons = Counter(problem for r in results.values() if not r["accepted"] for problem in r["problems"])

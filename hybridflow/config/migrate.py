@@ -30,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from hybridflow.config.shell_eval import Word, evaluate, is_secret
+from hybridflow.config.shell_eval import evaluate
+from hybridflow.config.shell_words import Word, is_secret
 from hybridflow.config.shell_lexer import ShellSyntaxError
 from hybridflow.config.validate import ConfigError
 from hybridflow.config.verl_hydra import VERL_BASES, compose, find, verl_config_dir
@@ -50,6 +51,16 @@ SECRET_KEY = re.compile(r"(api_key|token|secret|password)$", re.I)
 PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py")
 WARN = re.compile(r"multi_turn|tool|interaction|reward")
 HIDDEN = "<not written: a secret>"
+
+
+class _NoValue:
+    """What a listed entry has when it is not a key with a value (a Hydra deletion, a config file not found)."""
+
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE: Any = _NoValue()
 
 
 @dataclass
@@ -141,7 +152,7 @@ def _read_script(path: Path, text: str) -> VerlRun:
             else:
                 config_name = value
         elif word.text.startswith("~"):
-            run.skipped.append((word.text, None, "a Hydra deletion of a verl default; hybridflow's defaults differ"))
+            run.skipped.append((word.text, NO_VALUE, "a Hydra deletion of a verl default; hybridflow's defaults differ"))
         elif sep and KEY.match(flag):
             key = flag.lstrip("+")
             if key.startswith("hydra."):
@@ -151,7 +162,7 @@ def _read_script(path: Path, text: str) -> VerlRun:
                 if word.secrets:
                     run.secrets[key] = word.secrets
         elif word.text:
-            run.skipped.append((word.text, None, "not a key=value argument of verl's command"))
+            run.skipped.append((word.text, NO_VALUE, "not a key=value argument of verl's command"))
         i += 1
     base = _composed(config_path, config_name, path, workdir, run)
     run.settings = {**base, **run.settings}
@@ -181,7 +192,7 @@ def _composed(config_path: str | None, config_name: str | None, script: Path, wo
     composed = compose(local, workdir, verl_dir)
     run.notes += [f"{local}: read with its defaults"] + [f"defaults: {b}: verl's own config; its defaults that "
                                                          f"differ from hybridflow's are set" for b in composed.bases]
-    run.skipped += [(what, None, why) for what, why in composed.notes]
+    run.skipped += [(what, NO_VALUE, why) for what, why in composed.notes]
     return composed.settings
 
 
@@ -197,19 +208,25 @@ def read_verl(path: str | Path) -> VerlRun:
     if path.suffix in (".yaml", ".yml"):
         workdir = project_root(path)
         composed = compose(path, workdir, verl_config_dir(path.resolve().parent) or verl_config_dir(workdir))
-        return VerlRun(settings=composed.settings, skipped=[(w, None, y) for w, y in composed.notes],
+        return VerlRun(settings=composed.settings, skipped=[(w, NO_VALUE, y) for w, y in composed.notes],
                        notes=[f"defaults: {b}: verl's own config; its defaults that differ from hybridflow's are set"
                               for b in composed.bases])
     return _read_script(path, text)
 
 
-def translate(run: VerlRun) -> tuple[dict[str, tuple[Any, str]], list[tuple[str, Any, str]]]:
-    """``({our key: (value, where from)}, [(verl key, value, why not carried)])`` for verl's settings."""
+Entries = list[tuple[str, Any, str]]  # (verl key, value, why)
+
+
+def translate(run: VerlRun) -> tuple[dict[str, tuple[Any, str]], Entries, Entries]:
+    """``({our key: (value, where from)}, not carried, read with nothing of their own to write)`` for verl's
+    settings; the last are keys another key carries (``kl_loss_coef`` with ``use_kl_loss``) or whose value
+    writes nothing (``use_dynamic_bsz=False``), each with its note."""
     keys, defaults, prefixes = TABLES[run.command]
     settings = run.settings
     given = {**defaults, **settings}
     ours: dict[str, tuple[Any, str]] = {}
-    skipped: list[tuple[str, Any, str]] = list(run.skipped)
+    skipped: Entries = list(run.skipped)
+    through: Entries = []
     for key, value in given.items():
         origin = key if key in settings else f"verl's default {key}={value}"
         prefix = next((p for p in prefixes if key.startswith(p)), None)
@@ -230,16 +247,29 @@ def translate(run: VerlRun) -> tuple[dict[str, tuple[Any, str]], list[tuple[str,
             skipped.append((key, value, "hybridflow has no such key"))
         elif entry.ours is None:
             skipped.append((key, value, entry.note))
+        elif value is None and entry.convert is None:
+            through.append((key, value, "null: hybridflow's default applies"))
         else:
             try:
                 values = entry.values(value, given)
             except (ValueError, TypeError) as e:
                 skipped.append((key, value, str(e)))
                 continue
-            for ours_key, ours_value in values.items():  # a key read with another (name with path) adds nothing
-                if ours.get(ours_key, (None,))[0] != ours_value:
+            if not values and key in settings:
+                through.append((key, value, entry.note))
+            for ours_key, ours_value in values.items():
+                if ours_key not in ours:
                     ours[ours_key] = (ours_value, origin)
-    return ours, skipped
+                    continue
+                old_value, old_origin = ours[ours_key]
+                if old_value == ours_value:  # several verl keys agree (n_gpus_per_node with nnodes): name them all
+                    ours[ours_key] = (old_value, old_origin if origin in old_origin.split(", ")
+                                      else f"{old_origin}, {origin}")
+                    continue
+                if old_origin in settings:  # two verl keys disagree: the later wins, as in Hydra
+                    skipped.append((old_origin, old_value, f"{ours_key} is set by {origin} too; that value wins"))
+                ours[ours_key] = (ours_value, origin)
+    return ours, skipped, through
 
 
 def _yaml_value(value: Any) -> str:
@@ -248,8 +278,14 @@ def _yaml_value(value: Any) -> str:
     return json.dumps(value) if "\n" in text else text
 
 
-def render(ours: Mapping[str, tuple[Any, str]], skipped: list[tuple[str, Any, str]], source: str,
-           notes: list[str] | None = None, command: str = "train") -> str:
+def _comments(entries: Entries) -> list[str]:
+    """One comment line per entry, whatever the lines of its value or reason."""
+    return [f"#   {key}" + ("" if value is NO_VALUE else f"={_yaml_value(value)}") + ": " + " ".join(why.split())
+            for key, value, why in entries]
+
+
+def render(ours: Mapping[str, tuple[Any, str]], skipped: Entries, source: str, notes: list[str] | None = None,
+           command: str = "train", through: Entries | None = None) -> str:
     """The recipe's text: sections of our keys, each commented with its verl origin, then what was not carried."""
     check = "hybridflow config" + (f" --command {command}" if command != "train" else "")
     lines = [f"# Migrated from verl ({source}) by `hybridflow migrate`: a recipe for `hybridflow {command}`. "
@@ -274,14 +310,15 @@ def render(ours: Mapping[str, tuple[Any, str]], skipped: list[tuple[str, Any, st
                 lines.append(f"{indent}{name}: {_yaml_value(value)}  # {origin}")
 
     emit(tree, "")
+    if through:
+        lines += ["# Read, with nothing of their own to write (another key carries them, or they are off):",
+                  *_comments(through)]
     if skipped:
-        lines.append("# Not carried from verl:")
-        lines += [f"#   {key}" + ("" if value is None else f"={_yaml_value(value)}") + ": " + " ".join(why.split())
-                  for key, value, why in skipped]  # one comment line each, whatever the reason's lines
+        lines += ["# Not carried from verl:", *_comments(skipped)]
     return "\n".join(lines) + "\n"
 
 
-def _warnings(ours: Mapping[str, Any], skipped: list[tuple[str, Any, str]]) -> list[str]:
+def _warnings(ours: Mapping[str, Any], skipped: Entries) -> list[str]:
     """Multi-turn, tool, interaction and reward keys not carried, and config files not found."""
     agent = any(k.startswith("agent.") for k in ours)
     out = []
@@ -289,7 +326,7 @@ def _warnings(ours: Mapping[str, Any], skipped: list[tuple[str, Any, str]]) -> l
         if key.endswith("multi_turn.enable") and (agent or str(value).lower() == "false"):
             continue  # multi-turn is on exactly when the tools or interaction it names are carried
         if WARN.search(key) or "not found" in why:
-            out.append(f"not carried: {key}" + ("" if value is None else f"={_yaml_value(value)}") + f": {why}")
+            out.append(f"not carried: {key}" + ("" if value is NO_VALUE else f"={_yaml_value(value)}") + f": {why}")
     return out
 
 
@@ -302,9 +339,9 @@ def migrate(path: str | Path) -> Migration:
     from hybridflow.config.commands import COMMANDS
 
     run = read_verl(path)
-    ours, skipped = translate(run)
+    ours, skipped, through = translate(run)
     while True:
-        text = render(ours, skipped, str(path), run.notes, run.command)
+        text = render(ours, skipped, str(path), run.notes, run.command, through)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml") as recipe:
             recipe.write(text)
             recipe.flush()

@@ -1,59 +1,34 @@
 """What a shell script's commands say, worked out without running anything: `evaluate` walks the commands of
 `hybridflow.config.shell_lexer` in order, keeping the variables they assign, and returns each active command's
-words expanded as bash would expand them.
+words expanded as bash would expand them (`hybridflow.config.shell_words`).
 
-Understood: assignments (``NAME=v``, ``export``/``local``/``declare``/``readonly``, ``+=``, ``unset``), arrays
-(``a=(x "y z")``, ``"${a[@]}"``, ``${a[0]}``, ``${#a[@]}``), ``$NAME``, ``${NAME}``, ``${NAME:-default}`` (and
-``-``, ``:=``, ``:+``, ``#``/``%`` pattern removal, ``${#NAME}``), ``$((...))`` integer arithmetic, quoting,
-``if``/``elif``/``else`` on ``[ ]`` / ``[[ ]]`` string and integer tests (an ``exit`` inside a branch is
-ignored: the script is read as if given the arguments it asks for); and these command substitutions, computed
-here: ``$(pwd)`` and ``$PWD`` (the working directory given, which `hybridflow migrate` takes as the script's
-project root), ``$(dirname X)``, ``$(basename X)``, ``$(cd X && pwd)``, ``$(realpath X)``, ``$(readlink -f X)``,
-``$(echo ...)``. Any other substitution (``$(date)``, a function the script defines) is not run: it stays in the
-word as written and is named in `Script.notes`. Loop and function bodies are skipped. Variables whose name
-marks a secret (`is_secret`) are tracked: each expanded word says which it used, so a caller can keep them out
-of files.
+Understood at the command level: assignments (``NAME=v``, ``export``/``local``/``declare``/``readonly``, ``+=``,
+``NAME[i]=v``, ``a=(...)``, ``unset``), ``VAR=x command`` (the variable exported for that command), and
+``if``/``elif``/``else`` on ``[ ]`` / ``[[ ]]`` string and integer tests (one it cannot decide is read as true and
+named in `Script.notes`; an ``exit`` inside a branch is ignored: the script is read as if given the arguments it
+asks for; an ``exit`` outside one ends it). Loop, ``case`` and function bodies are skipped (a function's name is
+kept, so ``$(now)`` is named as the script's function). Every other command is recorded with its words.
 """
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 import operator
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config.shell_lexer import close_group, lex
+from hybridflow.config.shell_lexer import lex
+from hybridflow.config.shell_words import NAME, Expander, Word
 
-NAME = re.compile(r"[A-Za-z_]\w*")
 ASSIGN = re.compile(r"^([A-Za-z_]\w*)(\[[^\]]*\])?(\+?)=(.*)$", re.S)
-SECRET = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(WANDB_|HF_TOKEN|HUGGING_FACE_HUB_TOKEN|OPENAI_|"
-                    r"ANTHROPIC_|AWS_SECRET|SWANLAB_API|MLFLOW_TRACKING_PASSWORD)", re.I)
 DECLARE = ("export", "local", "declare", "readonly", "typeset")
 BLOCK_START = {"for": "done", "while": "done", "until": "done", "case": "esac", "select": "done"}
 BINARY = {"=": operator.eq, "==": operator.eq, "!=": operator.ne}
 NUMERIC = {"-eq": operator.eq, "-ne": operator.ne, "-lt": operator.lt, "-le": operator.le, "-gt": operator.gt,
            "-ge": operator.ge}
-ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Mod: operator.mod,
-         ast.Pow: operator.pow, ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv,
-         ast.LShift: operator.lshift, ast.RShift: operator.rshift}
-
-
-def is_secret(name: str) -> bool:
-    """A variable holding a credential: ``*_KEY``, ``*_TOKEN``, ``WANDB_*``, ``HF_TOKEN``, ..."""
-    return bool(SECRET.search(name))
-
-
-@dataclass
-class Word:
-    """An expanded word and the secret variables its value came from."""
-
-    text: str
-    secrets: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -67,302 +42,63 @@ class Script:
     notes: list[str] = field(default_factory=list)
 
 
-class _Evaluator:
-    def __init__(self, script: Path, workdir: Path, env: Mapping[str, str]) -> None:
-        self.script, self.workdir = script, workdir
-        self.vars: dict[str, str | list[str]] = {**env, "PWD": str(workdir), "0": str(script),
-                                                 "BASH_SOURCE": str(script)}
-        self.functions: set[str] = set()
-        self.out = Script()
-        self.used: set[str] = set()  # secret variables read while expanding the current word
-
-    # ------------------------------------------------------------------ expansion
-    def expand(self, raw: str) -> list[Word]:
-        """The fields `raw` expands to (unquoted expansions split on whitespace, ``"${a[@]}"`` one per item)."""
-        self.used = set()
-        fields: list[str] = [""]
-        started = False  # a quoted empty string is still a word
-        i = 0
-        while i < len(raw):
-            c = raw[i]
-            if c == "'":
-                j = raw.index("'", i + 1)
-                fields[-1] += raw[i + 1:j]
-                started, i = True, j + 1
-            elif c == '"':
-                j = self._close_double(raw, i)
-                parts = self._expand_quoted(raw[i + 1:j])
-                fields[-1] += parts[0]
-                fields += parts[1:]
-                started, i = True, j + 1
-            elif c == "\\":
-                fields[-1] += raw[i + 1:i + 2]
-                started, i = True, i + 2
-            elif c in "$`":
-                value, i = self._dollar(raw, i)
-                items = value if isinstance(value, list) else [value]
-                words = [w for item in items for w in _split(item)]
-                if words:
-                    if items[0][:1].isspace() and fields[-1]:
-                        fields.append("")
-                    fields[-1] += words[0]
-                    fields += words[1:]
-                    started = True
-            else:
-                fields[-1] += c
-                started, i = True, i + 1
-        secrets = frozenset(self.used)
-        return [Word(f, secrets) for f in fields] if started else []
-
-    @staticmethod
-    def _close_double(raw: str, i: int) -> int:
-        j = i + 1
-        while raw[j] != '"':
-            if raw[j] == "\\":
-                j += 1
-            elif raw[j] == "$" and raw[j + 1:j + 2] in ("(", "{"):
-                j = close_group(raw, j + 1, 0)
-            j += 1
-        return j
-
-    def _expand_quoted(self, raw: str) -> list[str]:
-        """A double-quoted part: no splitting, but ``"${a[@]}"`` gives one field per item."""
-        fields = [""]
-        i = 0
-        while i < len(raw):
-            c = raw[i]
-            if c == "\\" and raw[i + 1:i + 2] in ('"', "\\", "$", "`"):
-                fields[-1] += raw[i + 1]
-                i += 2
-            elif c in "$`":
-                value, i = self._dollar(raw, i)
-                if isinstance(value, list):
-                    fields[-1] += value[0] if value else ""
-                    fields += value[1:]
-                else:
-                    fields[-1] += value
-            else:
-                fields[-1] += c
-                i += 1
-        return fields
-
-    def _get(self, name: str) -> str | list[str] | None:
-        if is_secret(name) and name in self.vars:
-            self.used.add(name)
-        return self.vars.get(name)
-
-    def _dollar(self, raw: str, i: int) -> tuple[str | list[str], int]:
-        """The value of the expansion starting at `i` and the index after it."""
-        if raw[i] == "`":
-            j = raw.index("`", i + 1)
-            return self._substitute(raw[i + 1:j], raw[i:j + 1]), j + 1
-        nxt = raw[i + 1:i + 2]
-        if raw.startswith("$((", i):
-            j = close_group(raw, i + 1, 0)
-            return self._arithmetic(raw[i + 3:j - 1], raw[i:j + 1]), j + 1
-        if nxt == "(":
-            j = close_group(raw, i + 1, 0)
-            return self._substitute(raw[i + 2:j], raw[i:j + 1]), j + 1
-        if nxt == "{":
-            j = close_group(raw, i + 1, 0)
-            return self._parameter(raw[i + 2:j]), j + 1
-        if nxt in ("@", "*"):
-            return [], i + 2  # no arguments are given to the script
-        if nxt == "#":
-            return "0", i + 2
-        if nxt.isdigit():  # the script is given no arguments: $1 stays as written, for the caller to name
-            return (f"${nxt}" if nxt != "0" else str(self.script)), i + 2
-        match = NAME.match(raw, i + 1)
-        if match is None:
-            return "$", i + 1
-        value = self._get(match.group(0))
-        if value is None:
-            return f"${match.group(0)}", match.end()  # unset: kept as written, for the caller to name
-        return (" ".join(value) if isinstance(value, list) else value), match.end()
-
-    def _parameter(self, inner: str) -> str | list[str]:
-        """``${...}``: a variable, an array item or all items, a length, a default, a pattern removal."""
-        if inner.startswith("#"):  # a length: of a string, or of an array with [@]
-            return str(len(self._parameter(inner[1:])))
-        match = re.match(r"([A-Za-z_]\w*|\d+|[@*])(\[([^\]]*)\])?(.*)$", inner, re.S)
-        if match is None:
-            return "${" + inner + "}"
-        name, index, rest = match.group(1), match.group(3), match.group(4)
-        value: str | list[str] | None = [] if name in "@*" else self._get(name)
-        if index is not None and value is not None:
-            items = value if isinstance(value, list) else [value]
-            if index in ("@", "*"):
-                value = items
-            else:
-                position = int(self._arithmetic(index, index) or 0)
-                value = items[position] if -len(items) <= position < len(items) else None
-        elif isinstance(value, list):
-            value = value[0] if value else ""
-        op = re.match(r"(:?[-=+?]|##?|%%?)(.*)$", rest, re.S) if rest else None
-        if op is None:
-            return value if value is not None else "$" + inner  # unset: kept as written, for the caller to name
-        kind, arg = op.group(1), op.group(2)
-        empty = value is None or (kind.startswith(":") and value in ("", []))
-        if kind in (":-", "-", ":=", "="):
-            if empty:
-                value = " ".join(w.text for w in self._expand_all(arg))
-                if "=" in kind:
-                    self.vars[name] = value
-            return value if value is not None else ""
-        if kind in (":+", "+"):
-            return "" if empty else " ".join(w.text for w in self._expand_all(arg))
-        if kind in (":?", "?"):
-            return value if value is not None else "${" + inner + "}"
-        if value is None or isinstance(value, list):
-            return "${" + inner + "}"
-        pattern = " ".join(w.text for w in self._expand_all(arg))
-        return self._remove(value, pattern, kind)
-
-    @staticmethod
-    def _remove(value: str, pattern: str, kind: str) -> str:
-        """``${v#p}``, ``${v##p}``, ``${v%p}``, ``${v%%p}``: the shortest / longest match of `pattern` removed."""
-        cuts = range(len(value) + 1) if kind in ("#", "%") else range(len(value), -1, -1)
-        for k in cuts:
-            if kind.startswith("#") and fnmatch.fnmatchcase(value[:k], pattern):
-                return value[k:]
-            if kind.startswith("%") and fnmatch.fnmatchcase(value[len(value) - k:], pattern):
-                return value[:len(value) - k]
-        return value
-
-    def _expand_all(self, raw: str) -> list[Word]:
-        used = self.used
-        words = [w for part in lex(raw) for word in part.words for w in self.expand(word)] if raw.strip() else []
-        self.used = used | {s for w in words for s in w.secrets}
-        return words
-
-    def _arithmetic(self, expr: str, written: str) -> str:
-        """``$((expr))``: integers only; names are variables (unset = 0), as in bash."""
-        text = re.sub(r"\$\{?([A-Za-z_]\w*)\}?", r"\1", expr)
-
-        def value(node: ast.AST) -> int:
-            if isinstance(node, ast.Expression):
-                return value(node.body)
-            if isinstance(node, ast.Constant) and isinstance(node.value, int):
-                return node.value
-            if isinstance(node, ast.Name):
-                raw = self._get(node.id)
-                return int(raw) if isinstance(raw, str) and raw.strip().lstrip("-").isdigit() else 0
-            if isinstance(node, ast.BinOp) and type(node.op) in ARITH:
-                return int(ARITH[type(node.op)](value(node.left), value(node.right)))
-            if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-                return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
-            raise ValueError(written)
-
-        try:
-            return str(value(ast.parse(text.strip(), mode="eval")))
-        except (SyntaxError, ValueError, ZeroDivisionError):
-            self.out.notes.append(f"{written}: arithmetic hybridflow migrate cannot work out; left as written")
-            return written
-
-    def _substitute(self, body: str, written: str) -> str:
-        """``$(...)``: the few path commands computed here (module docstring); anything else is left as written."""
-        parts = lex(body)
-        words = [w.text for w in self.expand_command(parts[-1].words)] if parts else []
-        cd = [self.expand_command(p.words) for p in parts[:-1]]
-        base = self.workdir
-        if cd and all(c and c[0].text == "cd" for c in cd):
-            target = [w.text for w in cd[-1][1:] if w.text != "--"]
-            base = Path(os.path.normpath(base / target[0])) if target else base
-        elif cd:
-            words = []
-        if words == ["pwd"]:
-            return str(base)
-        if words[:1] in (["dirname"], ["basename"], ["realpath"], ["echo"]) and len(words) >= 2 or \
-                words[:2] == ["readlink", "-f"] and len(words) == 3:
-            arg = words[-1]
-            if words[0] == "dirname":
-                return os.path.dirname(arg) or "."
-            if words[0] == "basename":
-                name = os.path.basename(words[1].rstrip("/"))
-                return name[:-len(words[2])] if len(words) == 3 and name.endswith(words[2]) else name
-            if words[0] == "echo":
-                return " ".join(words[1:])
-            return os.path.normpath(base / arg)
-        what = "a function of the script" if words[:1] and words[0] in self.functions else "a command"
-        self.out.notes.append(f"{written}: {what} hybridflow migrate does not run; left as written")
-        return written
-
-    def expand_command(self, raws: list[str]) -> list[Word]:
-        return [w for raw in raws for w in self.expand(raw)]
-
-    # ------------------------------------------------------------------ commands
-    def assign(self, word: str, exported: bool) -> None:
-        match = ASSIGN.match(word)
-        assert match is not None
-        name, index, append, raw = match.groups()
-        if raw.startswith("(") and raw.endswith(")") and index is None:
-            items = [w.text for part in lex(raw[1:-1]) for w in self.expand_command(part.words)]
-            old = self.vars.get(name, [])
-            self.vars[name] = (old if isinstance(old, list) else [old]) + items if append else items
+def _assign(ev: Expander, out: Script, word: str, exported: bool) -> None:
+    """``NAME=v``, ``NAME+=v``, ``NAME[i]=v``, ``NAME=(...)``, ``NAME+=(...)``."""
+    match = ASSIGN.match(word)
+    assert match is not None
+    name, index, append, raw = match.groups()
+    if raw.startswith("(") and raw.endswith(")") and index is None:
+        items = [w.text for part in lex(raw[1:-1]) for w in ev.expand_command(part.words)]
+        old = ev.vars.get(name, [])
+        ev.vars[name] = (old if isinstance(old, list) else [old]) + items if append else items
+    else:
+        words = ev.expand(raw)
+        value = words[0].text if words else ""
+        for w in words[1:]:
+            value += " " + w.text  # an assignment's value is not split
+        old_value = ev.vars.get(name, "")
+        if index is not None:
+            items = list(old_value) if isinstance(old_value, list) else ([old_value] if old_value else [])
+            position = int(ev.arithmetic(index[1:-1], index[1:-1]))
+            items += [""] * (position + 1 - len(items))
+            items[position] = value
+            ev.vars[name] = items
         else:
-            words = self.expand(raw)
-            value = words[0].text if words else ""
-            for w in words[1:]:
-                value += " " + w.text  # an assignment's value is not split
-            old_value = self.vars.get(name, "")
-            if index is not None:
-                items = list(old_value) if isinstance(old_value, list) else ([old_value] if old_value else [])
-                position = int(self._arithmetic(index[1:-1], index[1:-1]))
-                items += [""] * (position + 1 - len(items))
-                items[position] = value
-                self.vars[name] = items
-            else:
-                self.vars[name] = (old_value if isinstance(old_value, str) else " ".join(old_value)) + value \
-                    if append else value
-        if exported and name not in self.out.exported:
-            self.out.exported.append(name)
-
-    def test(self, words: list[str]) -> bool | None:
-        """``[ ... ]`` / ``[[ ... ]]`` / ``test ...``: True, False, or None when it cannot be decided here."""
-        args = [w for w in words if w not in ("[", "]", "[[", "]]", "test")]
-        for op in ("||", "&&"):  # `[[ a && b || c ]]`: || binds loosest
-            if op in args:
-                at = args.index(op)
-                left, right = self.test(args[:at]), self.test(args[at + 1:])
-                if left is None or right is None:
-                    return None
-                return (left or right) if op == "||" else (left and right)
-        negate = args[:1] == ["!"]
-        args = args[1:] if negate else args
-        result: bool | None = None
-        if len(args) == 3 and args[1] in BINARY and "$" not in args[0] + args[2]:
-            result = BINARY[args[1]](args[0], args[2]) if "*" not in args[2] else fnmatch.fnmatchcase(args[0],
-                                                                                                    args[2])
-        elif len(args) == 3 and args[1] in NUMERIC and all(a.lstrip("-").isdigit() for a in (args[0], args[2])):
-            result = NUMERIC[args[1]](int(args[0]), int(args[2]))
-        elif len(args) == 2 and args[0] in ("-n", "-z") and "$" not in args[1]:
-            result = bool(args[1]) == (args[0] == "-n")
-        elif len(args) == 1 and "$" not in args[0]:
-            result = bool(args[0])
-        return None if result is None else result != negate
+            ev.vars[name] = (old_value if isinstance(old_value, str) else " ".join(old_value)) + value \
+                if append else value
+    if exported and name not in out.exported:
+        out.exported.append(name)
 
 
-def _split(value: str) -> list[str]:
-    """An unquoted expansion's fields: split on whitespace, but a substitution left as written (``$(date +%s)``)
-    stays one field."""
-    fields, depth, current = [], 0, ""
-    for i, c in enumerate(value):
-        if c == "(" and value[i - 1:i] == "$" or c == "(" and depth:
-            depth += 1
-        elif c == ")" and depth:
-            depth -= 1
-        if c.isspace() and not depth:
-            if current:
-                fields.append(current)
-            current = ""
-        else:
-            current += c
-    return fields + [current] if current else fields
+def _test(words: list[str]) -> bool | None:
+    """``[ ... ]`` / ``[[ ... ]]`` / ``test ...``: True, False, or None when it cannot be decided here."""
+    args = [w for w in words if w not in ("[", "]", "[[", "]]", "test")]
+    for op in ("||", "&&"):  # `[[ a && b || c ]]`: || binds loosest
+        if op in args:
+            at = args.index(op)
+            left, right = _test(args[:at]), _test(args[at + 1:])
+            if left is None or right is None:
+                return None
+            return (left or right) if op == "||" else (left and right)
+    negate = args[:1] == ["!"]
+    args = args[1:] if negate else args
+    result: bool | None = None
+    if len(args) == 3 and args[1] in BINARY and "$" not in args[0] + args[2]:
+        result = BINARY[args[1]](args[0], args[2]) if "*" not in args[2] else \
+            fnmatch.fnmatchcase(args[0], args[2])
+    elif len(args) == 3 and args[1] in NUMERIC and all(a.lstrip("-").isdigit() for a in (args[0], args[2])):
+        result = NUMERIC[args[1]](int(args[0]), int(args[2]))
+    elif len(args) == 2 and args[0] in ("-n", "-z") and "$" not in args[1]:
+        result = bool(args[1]) == (args[0] == "-n")
+    elif len(args) == 1 and "$" not in args[0]:
+        result = bool(args[0])
+    return None if result is None else result != negate
 
 
 def evaluate(text: str, script: Path, workdir: Path, env: Mapping[str, str]) -> Script:
     """The script's commands, expanded (see the module docstring). `env` is the environment it starts with."""
-    ev = _Evaluator(script, workdir, env)
+    ev = Expander(script, workdir, dict(env))
+    out = Script()
     frames: list[list[Any]] = []  # [kind, active, a branch was taken]
     skip_until: list[str] = []  # closing words of loops, case blocks and function bodies being skipped
     for command in lex(text):
@@ -393,10 +129,10 @@ def evaluate(text: str, script: Path, workdir: Path, env: Mapping[str, str]) -> 
             continue
         active = _parent_active(frames[:-1] if head == "elif" else frames)
         if head in ("if", "elif"):
-            decided = ev.test([w.text for w in ev.expand_command(raws[1:])]) if active else False
+            decided = _test([w.text for w in ev.expand_command(raws[1:])]) if active else False
             if decided is None:
                 decided = True
-                ev.out.notes.append(f"line {command.line}: `{' '.join(raws)}` cannot be decided here; read as true")
+                ev.notes.append(f"line {command.line}: `{' '.join(raws)}` cannot be decided here; read as true")
             if head == "if":
                 frames.append(["if", active and decided, active and decided])
             elif frames:
@@ -414,37 +150,37 @@ def evaluate(text: str, script: Path, workdir: Path, env: Mapping[str, str]) -> 
             if not frames:
                 break  # the script ends here
             continue  # a usage check's exit: the script is read as if given what it asks for
-        _run(ev, raws, command.line)
-    ev.out.variables = ev.vars
-    return ev.out
+        _run(ev, out, raws, command.line)
+    out.variables, out.notes = ev.vars, ev.notes
+    return out
 
 
 def _parent_active(frames: list[list[Any]]) -> bool:
     return all(frame[1] for frame in frames)
 
 
-def _run(ev: _Evaluator, raws: list[str], line: int) -> None:
+def _run(ev: Expander, out: Script, raws: list[str], line: int) -> None:
     """One active simple command: assignments change the variables; any other command is recorded."""
     exported = raws[0] in DECLARE
     if exported:
         raws = [r for r in raws[1:] if not r.startswith("-")]
         for raw in raws:
             if ASSIGN.match(raw):
-                ev.assign(raw, True)
-            elif NAME.fullmatch(raw) and raw not in ev.out.exported:
-                ev.out.exported.append(raw)
+                _assign(ev, out, raw, True)
+            elif NAME.fullmatch(raw) and raw not in out.exported:
+                out.exported.append(raw)
         return
     prefix = 0
     while prefix < len(raws) and ASSIGN.match(raws[prefix]):
         prefix += 1
     if prefix == len(raws):
         for raw in raws:
-            ev.assign(raw, False)
+            _assign(ev, out, raw, False)
         return
     for raw in raws[:prefix]:  # `VAR=x command`: the variable is the command's environment
-        ev.assign(raw, True)
+        _assign(ev, out, raw, True)
     if raws[prefix] == "unset":
         for name in raws[prefix + 1:]:
             ev.vars.pop(name, None)
         return
-    ev.out.commands.append((line, ev.expand_command(raws[prefix:])))
+    out.commands.append((line, ev.expand_command(raws[prefix:])))

@@ -288,12 +288,14 @@ VERL_DEFAULTS = {"algorithm.adv_estimator": "gae", A + "shuffle": False, "traine
                  A + "ppo_mini_batch_size": 256, "data.train_batch_size": 1024}
 
 
-def render_verl_table() -> str:
-    """The markdown table of `VERL_KEYS` and `VERL_PREFIXES` in docs/migrating_from_verl.md (a test checks it
-    is current): verl key, ours, what differs."""
+def render_verl_table(keys: Mapping[str, VerlKey] | None = None, prefixes: Mapping[str, str] | None = None) -> str:
+    """A markdown table of verl keys (default `VERL_KEYS` and `VERL_PREFIXES`; verl's SFT keys pass their own)
+    in docs/migrating_from_verl.md (a test checks it is current): verl key, ours, what differs."""
+    keys = VERL_KEYS if keys is None else keys
+    prefixes = VERL_PREFIXES if prefixes is None and keys is VERL_KEYS else prefixes or {}
     rows = ["| verl | hybridflow | notes |", "|---|---|---|"]
-    entries = {**{k: (v.ours, v.note) for k, v in VERL_KEYS.items()},
-               **{k[:-1]: (v[:-1], "each key under it is one of ours") for k, v in VERL_PREFIXES.items()}}
+    entries = {**{k: (v.ours, v.note) for k, v in keys.items()},
+               **{k[:-1]: (v[:-1], "each key under it is one of ours") for k, v in prefixes.items()}}
     for verl in sorted(entries):
         ours, note = entries[verl]
         rows.append(f"| `{verl}` | {f'`{ours}`' if ours else '—'} | {note} |")

@@ -59,13 +59,17 @@ def test_a_multiturn_script_keeps_its_tools_interaction_and_reward(project, tool
     assert cfg.data.truncation == "filter"  # filter_overlong_prompts=True, whatever truncation='error' says
     assert cfg.data.train_batch_size == 4 and cfg.data.max_response_length == 64 and cfg.rollout.n == 2
     assert cfg.trainer.loggers == ["console", "wandb"] and cfg.rollout.engine == "auto"
-    assert "not-a-real-key" not in text
+    assert "not-a-real-key" not in text and "tok-0123" not in text and cfg.reward.kwargs == {}
     for line in ("#   export WANDB_API_KEY='<not written: a secret>': a secret: set it in the environment of the run",
                  "#   export VLLM_USE_V1='1': an environment variable the script exports",
+                 "#   custom_reward_function.reward_kwargs.api_token='<not written: a secret>': holds a secret "
+                 "($JUDGE_TOKEN)",
                  "#   trainer.experiment_name=multiturn_$(now): holds a command substitution hybridflow migrate does",
                  "# Read: $(now): a function of the script hybridflow migrate does not run",
                  f"# Read: {config / 'multiturn_grpo.yaml'}: read with its defaults",
-                 "# Read: defaults: ppo_trainer: verl's own config"):
+                 "# Read: defaults: ppo_trainer: verl's own config",
+                 "  n_workers: 1  # trainer.n_gpus_per_node, trainer.nnodes",  # both keys named where they agree
+                 "#   actor_rollout_ref.actor.kl_loss_coef=0.001: applies with use_kl_loss=True"):
         assert line in text, line
     assert ("hybridflow migrate: warning: not carried: actor_rollout_ref.rollout.multi_turn.max_user_turns=2: "
             "episodes are bounded by agent.max_turns model turns") in err

@@ -82,13 +82,15 @@ def test_ifs_are_decided_and_a_usage_exit_is_read_past():
             MODE=other
         fi
         if [[ -n "$engine" && $engine != "hf" ]]; then GPU=yes; else GPU=no; fi
+        if command -v nvidia-smi; then NODE=gpu; fi
         for i in 1 2 3; do
             MODE=loop
         done
         now() { date; }
-        python3 -m verl.trainer.main_ppo mode=$MODE gpu=$GPU first=$1
+        python3 -m verl.trainer.main_ppo mode=$MODE gpu=$GPU node=$NODE first=$1
     """)
-    assert [w.text for w in script.commands[-1][1][3:]] == ["mode=sync", "gpu=yes", "first=$1"]
+    assert [w.text for w in script.commands[-1][1][3:]] == ["mode=sync", "gpu=yes", "node=gpu", "first=$1"]
+    assert script.notes == ["line 16: `if command -v nvidia-smi` cannot be decided here; read as true"]
 
 
 def test_secret_variables_are_tracked_in_the_words_they_reach():

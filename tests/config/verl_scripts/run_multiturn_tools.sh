@@ -8,6 +8,7 @@ HERE=$(cd -- "$(dirname "${BASH_SOURCE[0]}")" >/dev/null 2>&1 && pwd)
 CONFIG_PATH="$PROJECT_DIR/verl_scripts/config"
 export WANDB_API_KEY=not-a-real-key-0123
 export VLLM_USE_V1=1
+JUDGE_TOKEN=tok-0123
 
 function now() {
     date '+%d-%H-%M'
@@ -39,6 +40,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.rollout.multi_turn.interaction_config_path="$PROJECT_DIR/verl_scripts/config/interaction_config.yaml" \
     custom_reward_function.path="$HERE/reward.py" \
     custom_reward_function.name=score_answer \
+    +custom_reward_function.reward_kwargs.api_token=$JUDGE_TOKEN \
     trainer.logger='["console","wandb"]' \
     trainer.project_name='multiturn' \
     trainer.experiment_name=$EXPERIMENT_NAME \
