@@ -56,7 +56,9 @@ def read_config(path: str, key: str, where: str) -> list[dict[str, Any]]:
 
 def load_class(name: str, folder: Path, where: str) -> type:
     """A class named as verl names them (``package.module.Class``: imported, or the file ``package/module.py``
-    beside the config or in the working directory) or as ``path/to/file.py:Class`` (beside the config first)."""
+    beside the config or in the working directory: run as a file of its own, or, inside a package (an
+    ``__init__.py`` beside it, as in a verl checkout), imported as the package's module from that folder so its
+    relative imports work) or as ``path/to/file.py:Class`` (beside the config first)."""
     if ":" in name:
         file, _, cls = name.rpartition(":")
         path = folder / file if (folder / file).is_file() else Path(file)

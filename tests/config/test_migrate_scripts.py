@@ -156,3 +156,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, name, text, message):
     assert cli.main(["migrate", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hybridflow migrate: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_verl_class_inside_a_package_is_imported_as_a_module(tmp_path, monkeypatch):
+    """verl's tool configs name `verl.tools.gsm8k_tool.Gsm8kTool`, a module of a package with relative imports:
+    run from a verl checkout's root, it is imported as part of its package, not executed as a lone file."""
+    from hybridflow.agents.verl_tools import load_class
+
+    package = tmp_path / "checkout" / "mypkg" / "tools"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "base_tool.py").write_text("class BaseTool:\n    kind = 'native'\n")
+    (package / "sum_tool.py").write_text("from .base_tool import BaseTool\n\n\nclass SumTool(BaseTool):\n    pass\n")
+    monkeypatch.chdir(tmp_path / "checkout")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_class appends the checkout's root
+    cls = load_class("mypkg.tools.sum_tool.SumTool", tmp_path / "configs", "agent.tools[0]")
+    assert cls.__name__ == "SumTool" and cls.kind == "native" and cls.__module__ == "mypkg.tools.sum_tool"
