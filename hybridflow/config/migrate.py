@@ -124,21 +124,30 @@ def _read_script(path: Path, text: str) -> VerlRun:
         script = evaluate(text, path.resolve(), workdir, os.environ)
     except ShellSyntaxError as e:
         raise ConfigError(f"{path}: {e}") from None
-    run = VerlRun(notes=[f"$(pwd) and $PWD read as {workdir} (the script's project root)", *script.notes])
+    pwd = [f"$(pwd) and $PWD read as {workdir} (the script's project root)"] if "pwd" in text or "PWD" in text else []
+    run = VerlRun(notes=pwd + script.notes)
     for name in script.exported:
         secret = is_secret(name)
         value = HIDDEN if secret else script.variables.get(name, "")
         run.skipped.append((f"export {name}", value, "a secret: set it in the environment of the run, never in a "
                             "recipe" if secret else "an environment variable the script exports: set it in the "
                             "shell that runs hybridflow"))
-    config_path: str | None = None
-    config_name: str | None = None
     run.command, launcher, args = _command([c for _, c in script.commands], path)
     for i, word in enumerate(launcher):  # torchrun's world size is verl SFT's
         match = TORCHRUN.match(word.text)
         if match:
             value = match.group(3) if match.group(2) else (launcher[i + 1].text if i + 1 < len(launcher) else "")
             run.settings[f"torchrun.{match.group(1).replace('-', '_')}"] = _parse("torchrun", value)
+    config_path, config_name = _arguments(args, run)
+    run.settings = {**_composed(config_path, config_name, path, workdir, run), **run.settings}
+    return run
+
+
+def _arguments(args: list[Word], run: VerlRun) -> tuple[str | None, str | None]:
+    """verl's command-line arguments into `run` (settings, secrets, what is not carried); returns its
+    ``--config-path`` and ``--config-name``."""
+    config_path: str | None = None
+    config_name: str | None = None
     i = 0
     while i < len(args):
         word = args[i]
@@ -164,9 +173,7 @@ def _read_script(path: Path, text: str) -> VerlRun:
         elif word.text:
             run.skipped.append((word.text, NO_VALUE, "not a key=value argument of verl's command"))
         i += 1
-    base = _composed(config_path, config_name, path, workdir, run)
-    run.settings = {**base, **run.settings}
-    return run
+    return config_path, config_name
 
 
 def _composed(config_path: str | None, config_name: str | None, script: Path, workdir: Path,
@@ -183,17 +190,19 @@ def _composed(config_path: str | None, config_name: str | None, script: Path, wo
     name = config_name.removesuffix(".yaml")
     if local is None:
         if name in VERL_BASES or (verl_dir is not None and find(name, [verl_dir])):
-            run.notes.append(f"--config-name={config_name}: verl's own config; its defaults that differ from "
-                             f"hybridflow's are set")
+            run.notes.append(_base_note(f"--config-name={config_name}"))
         else:
-            run.skipped.append((f"--config-name={config_name}", config_path, f"not found in "
+            run.skipped.append((f"--config-name={config_name}", NO_VALUE, f"not found in "
                                 f"{', '.join(map(str, folders)) or 'the folders given'}; its keys are not read"))
         return {}
     composed = compose(local, workdir, verl_dir)
-    run.notes += [f"{local}: read with its defaults"] + [f"defaults: {b}: verl's own config; its defaults that "
-                                                         f"differ from hybridflow's are set" for b in composed.bases]
+    run.notes += [f"{local}: read with its defaults"] + [_base_note(f"defaults: {b}") for b in composed.bases]
     run.skipped += [(what, NO_VALUE, why) for what, why in composed.notes]
     return composed.settings
+
+
+def _base_note(what: str) -> str:
+    return f"{what}: verl's own config; its defaults that differ from hybridflow's are set"
 
 
 def read_verl(path: str | Path) -> VerlRun:
@@ -209,8 +218,7 @@ def read_verl(path: str | Path) -> VerlRun:
         workdir = project_root(path)
         composed = compose(path, workdir, verl_config_dir(path.resolve().parent) or verl_config_dir(workdir))
         return VerlRun(settings=composed.settings, skipped=[(w, NO_VALUE, y) for w, y in composed.notes],
-                       notes=[f"defaults: {b}: verl's own config; its defaults that differ from hybridflow's are set"
-                              for b in composed.bases])
+                       notes=[_base_note(f"defaults: {b}") for b in composed.bases])
     return _read_script(path, text)
 
 
