@@ -40,7 +40,7 @@ def _config(args: argparse.Namespace) -> int:
     from hybridflow.config.follow import followed_comment
     from hybridflow.config.loader import to_yaml
 
-    cfg = check_config(args.command_checked, args.overrides, args.config)
+    cfg = check_config(args.command_checked, args.overrides, args.config, checks=not args.no_checks)
     print(followed_comment(cfg) + to_yaml(cfg), end="")
     return 0
 
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "config":
             p.add_argument("--command", dest="command_checked", choices=("train", "sft"), default="train",
                            help="the command whose recipe this is (default train; sft for `hybridflow sft`)")
+            p.add_argument("--no-checks", action="store_true",
+                           help="print the resolved config without the command's checks (a partial config: no "
+                           "model or data yet); keys, types and choices are still checked")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("report", help="plots and an HTML page of a run's metrics, config and samples",

@@ -19,10 +19,13 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], None]]] = {"train": (RLConfig, v
                                                            "sft": (SFTConfig, validate_sft)}
 
 
-def check_config(command: str, overrides: Sequence[str], config_file: str | Path | None) -> Any:
+def check_config(command: str, overrides: Sequence[str], config_file: str | Path | None,
+                 checks: bool = True) -> Any:
     """The config of `command` built from `config_file` and `overrides`, once it passes every check the command
-    runs before a model loads; raises one `ConfigError` listing every problem otherwise."""
-    schema, checks = COMMANDS[command]
+    runs before a model loads (`checks=False`: only the loader's, of keys, types and choices); raises one
+    `ConfigError` listing every problem otherwise."""
+    schema, validate_command = COMMANDS[command]
     cfg = load_config(overrides, config_file, schema=schema)
-    checks(cfg)
+    if checks:
+        validate_command(cfg)
     return cfg

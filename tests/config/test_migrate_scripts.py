@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridflow import cli
 from hybridflow.config import load_config
@@ -134,6 +135,10 @@ def test_config_reports_every_problem_train_would_refuse_before_a_model_loads(ti
     assert cli.main(["config", "--config", str(recipe), "trainer.device=npu", "rollout.engine=vllm"]) == 2
     err = capsys.readouterr().err  # values outside their choices: all of them at once too
     assert "2 problems in the configuration" in err and "'trainer.device'" in err and "'rollout.engine'" in err
+    assert cli.main(["config", "--no-checks", "rollout.n=4"]) == 0  # a partial config printed: no model, no data
+    assert yaml.safe_load(capsys.readouterr().out)["rollout"]["n"] == 4
+    assert cli.main(["config", "rollout.n=4"]) == 2
+    assert "model.path is required" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, text, message", [
