@@ -35,7 +35,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    """The resolved config, once it passes every check its command runs before a model loads."""
+    """The resolved config, once it passes the checks its command runs first (`check_config`)."""
     from hybridflow.config.commands import check_config
     from hybridflow.config.follow import followed_comment
     from hybridflow.config.loader import to_yaml
@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     for name, fn, text in (("train", _train, "RL training (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO ...)"),
-                           ("config", _config, "check a train command's configuration as train does before any model loads, "
-                            "then print it resolved")):
+                           ("config", _config, "check a train command's configuration with the checks train runs "
+                            "first, then print it resolved")):
         p = sub.add_parser(name, help=text, description=text + ". Options are dotted key=value overrides; "
                            "see docs/config.md for every key.")
         p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")

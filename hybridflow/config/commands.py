@@ -1,4 +1,4 @@
-"""What each training command checks before a model loads, in one place: `hybridflow config --command C` runs
+"""What each training command checks first, before it opens its output directory or reads a data row: `hybridflow config --command C` runs
 exactly the checks `hybridflow C` runs first (the same functions its trainer calls: `validate` in
 `RLTrainer`, `validate_sft` in `SFTTrainer`), and `hybridflow migrate` loads a recipe with the command's schema.
 """
@@ -21,9 +21,10 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], None]]] = {"train": (RLConfig, v
 
 def check_config(command: str, overrides: Sequence[str], config_file: str | Path | None,
                  checks: bool = True) -> Any:
-    """The config of `command` built from `config_file` and `overrides`, once it passes every check the command
-    runs before a model loads (`checks=False`: only the loader's, of keys, types and choices); raises one
-    `ConfigError` listing every problem otherwise."""
+    """The config of `command` built from `config_file` and `overrides`, once it passes the checks the command
+    runs first (`checks=False`: only the loader's, of keys, types and choices); raises one `ConfigError` listing
+    every problem otherwise. Not run here: what a trainer checks after them (the output directory, the resume
+    checkpoint, each data row)."""
     schema, validate_command = COMMANDS[command]
     cfg = load_config(overrides, config_file, schema=schema)
     if checks:
