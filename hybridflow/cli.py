@@ -107,7 +107,8 @@ def _migrate(args: argparse.Namespace) -> int:
         print(f"hybridflow migrate: warning: {warning}", file=sys.stderr)
     if args.out:
         Path(args.out).write_text(result.text)
-        print(f"wrote {args.out}; check it with: hybridflow config --config {args.out}")
+        check = "" if result.command == "train" else f" --command {result.command}"
+        print(f"wrote {args.out}; check it with: hybridflow config{check} --config {args.out}")
     else:
         print(result.text, end="")
     return 0

@@ -77,10 +77,12 @@ class VerlRun:
 
 @dataclass
 class Migration:
-    """The recipe's text and the warnings to print (multi-turn, tool, interaction, reward keys not carried)."""
+    """The recipe's text, the warnings to print (multi-turn, tool, interaction, reward keys not carried) and the
+    command the recipe is for (train, sft)."""
 
     text: str
     warnings: list[str]
+    command: str = "train"
 
 
 def project_root(script: Path) -> Path:
@@ -355,7 +357,7 @@ def migrate(path: str | Path) -> Migration:
             recipe.flush()
             try:
                 load_config([], recipe.name, schema=COMMANDS[run.command][0])
-                return Migration(text, _warnings(ours, skipped))
+                return Migration(text, _warnings(ours, skipped), run.command)
             except ConfigError as e:
                 bad = next((k for k in ours if f"'{k}'" in str(e) or f"{k}=" in str(e)), None)
                 if bad is None:

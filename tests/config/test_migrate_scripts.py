@@ -108,7 +108,10 @@ def test_a_lora_script_passes_config_and_train(project, tiny_qwen2, capsys, tmp_
 
 
 def test_an_sft_script_becomes_a_recipe_for_hybridflow_sft(project, tiny_qwen2, capsys, tmp_path):
-    recipe, text, _ = migrate(project / "verl_scripts" / "run_sft.sh", capsys)
+    recipe = project / "verl_scripts" / "run_sft.yaml"
+    assert cli.main(["migrate", str(project / "verl_scripts" / "run_sft.sh"), "--out", str(recipe)]) == 0
+    assert f"check it with: hybridflow config --command sft --config {recipe}" in capsys.readouterr().out
+    text = recipe.read_text()
     assert text.startswith("# Migrated from verl") and "a recipe for `hybridflow sft`" in text.splitlines()[0]
     cfg = load_config([], recipe, schema=SFTConfig)
     assert cfg.data.prompt_key == "question" and cfg.optim.micro_batch_size == 2 and cfg.trainer.n_workers == 1
