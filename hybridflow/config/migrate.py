@@ -50,6 +50,7 @@ TORCHRUN = re.compile(r"^--(nproc[_-]per[_-]node|nnodes)(=(.*))?$")
 SECRET_KEY = re.compile(r"(api_key|token|secret|password)$", re.I)
 PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py")
 WARN = re.compile(r"multi_turn|tool|interaction|reward")
+NOT_AGENT = ("global_profiler.",)  # its `tool` is a profiler's, not the model's
 HIDDEN = "<not written: a secret>"
 
 
@@ -335,7 +336,7 @@ def _warnings(ours: Mapping[str, Any], skipped: Entries) -> list[str]:
     for key, value, why in skipped:
         if key.endswith("multi_turn.enable") and (agent or str(value).lower() == "false"):
             continue  # multi-turn is on exactly when the tools or interaction it names are carried
-        if WARN.search(key) or "not found" in why:
+        if WARN.search(key) and not key.startswith(NOT_AGENT) or "not found" in why:
             out.append(f"not carried: {key}" + ("" if value is NO_VALUE else f"={_yaml_value(value)}") + f": {why}")
     return out
 

@@ -75,6 +75,7 @@ def test_a_multiturn_script_keeps_its_tools_interaction_and_reward(project, tool
     assert ("hybridflow migrate: warning: not carried: actor_rollout_ref.rollout.multi_turn.max_user_turns=2: "
             "episodes are bounded by agent.max_turns model turns") in err
     assert "multi_turn.enable" not in err  # carried by the tools and interaction it names
+    assert "global_profiler.tool" not in err and "#   global_profiler.tool=torch_memory: hybridflow has no" in text
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(verl_row(i, "42")) + "\n" for i in range(4)))

@@ -41,6 +41,7 @@ python3 -m verl.trainer.main_ppo \
     custom_reward_function.path="$HERE/reward.py" \
     custom_reward_function.name=score_answer \
     +custom_reward_function.reward_kwargs.api_token=$JUDGE_TOKEN \
+    global_profiler.tool=torch_memory \
     trainer.logger='["console","wandb"]' \
     trainer.project_name='multiturn' \
     trainer.experiment_name=$EXPERIMENT_NAME \
