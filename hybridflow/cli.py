@@ -2,7 +2,7 @@
 
     hybridflow train --config recipes/grpo.yaml model.path=MODEL data.train_files=train.parquet
     hybridflow export outputs/run/checkpoints/step_00000010 outputs/run/hf
-    hybridflow config [--config FILE] [key=value ...]     # print the resolved config
+    hybridflow config [--command sft] [--config FILE] [key=value ...]  # check it as the command would, print it
     hybridflow report outputs/run [--out FILE.html]        # plots + HTML page of a run
     hybridflow sft --config recipes/sft.yaml model.path=MODEL data.train_files=chats.jsonl
     hybridflow dpo --config recipes/preference/dpo.yaml model.path=MODEL data.train_files=pairs.jsonl
@@ -35,10 +35,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    """The resolved config, once it passes the checks its command runs first (`check_config`)."""
+    from hybridflow.config.commands import check_config
     from hybridflow.config.follow import followed_comment
-    from hybridflow.config.loader import load_config, to_yaml
+    from hybridflow.config.loader import to_yaml
 
-    cfg = load_config(args.overrides, args.config)
+    cfg = check_config(args.command_checked, args.overrides, args.config, checks=not args.no_checks)
     print(followed_comment(cfg) + to_yaml(cfg), end="")
     return 0
 
@@ -100,12 +102,15 @@ def _rm(args: argparse.Namespace) -> int:
 def _migrate(args: argparse.Namespace) -> int:
     from hybridflow.config.migrate import migrate
 
-    text = migrate(args.source)
+    result = migrate(args.source)
+    for warning in result.warnings:
+        print(f"hybridflow migrate: warning: {warning}", file=sys.stderr)
     if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}; check it with: hybridflow config --config {args.out}")
+        Path(args.out).write_text(result.text)
+        check = "" if result.command == "train" else f" --command {result.command}"
+        print(f"wrote {args.out}; check it with: hybridflow config{check} --config {args.out}")
     else:
-        print(text, end="")
+        print(result.text, end="")
     return 0
 
 
@@ -128,11 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     for name, fn, text in (("train", _train, "RL training (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO ...)"),
-                           ("config", _config, "print the resolved configuration of a train command")):
+                           ("config", _config, "check a train command's configuration with the checks train runs "
+                            "first, then print it resolved")):
         p = sub.add_parser(name, help=text, description=text + ". Options are dotted key=value overrides; "
                            "see docs/config.md for every key.")
         p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.n=8 actor.lr=1e-6")
+        if name == "config":
+            p.add_argument("--command", dest="command_checked", choices=("train", "sft"), default="train",
+                           help="the command whose recipe this is (default train; sft for `hybridflow sft`)")
+            p.add_argument("--no-checks", action="store_true",
+                           help="print the resolved config without the command's checks (a partial config: no "
+                           "model or data yet); keys, types and choices are still checked")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("report", help="plots and an HTML page of a run's metrics, config and samples",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ def read_config(path: str, key: str, where: str) -> list[dict[str, Any]]:
 
 def load_class(name: str, folder: Path, where: str) -> type:
     """A class named as verl names them (``package.module.Class``: imported, or the file ``package/module.py``
-    beside the config or in the working directory) or as ``path/to/file.py:Class`` (beside the config first)."""
+    beside the config or in the working directory: run as a file of its own, or, inside a package (an
+    ``__init__.py`` beside it, as in a verl checkout), imported as the package's module from that folder so its
+    relative imports work) or as ``path/to/file.py:Class`` (beside the config first)."""
     if ":" in name:
         file, _, cls = name.rpartition(":")
         path = folder / file if (folder / file).is_file() else Path(file)
@@ -65,8 +68,11 @@ def load_class(name: str, folder: Path, where: str) -> type:
         raise ValueError(f"{where}: class_name {name!r} must be 'package.module.Class' or 'file.py:Class'")
     for base in (folder, Path.cwd()):
         path = base / (module.replace(".", "/") + ".py")
-        if path.is_file():
+        if path.is_file() and not (path.parent / "__init__.py").is_file():
             return load_from_file(f"{path}:{cls}", "verl", "class", where)
+        if path.is_file() and str(base) not in sys.path:  # a package's module (verl's own, from a checkout):
+            sys.path.append(str(base))  # imported as one, so its relative imports resolve
+            break
     try:
         return getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as e:

@@ -39,7 +39,7 @@ the YAML files and the earlier overrides set for a key (or a whole section), whi
 a `key=value` after it sets it anew:
 
     hybridflow train --config recipes/multiturn_retry.yaml ... '~agent.env_kwargs' 'agent.env_kwargs={start: 2}'
-    hybridflow config --config recipes/multiturn_retry.yaml '~agent.env_kwargs'   # env_kwargs: {}
+    hybridflow config --no-checks --config recipes/multiturn_retry.yaml '~agent.env_kwargs'   # env_kwargs: {}
 
 ## Keys that follow others
 

@@ -301,7 +301,9 @@ def _drop(tree: dict, item: str, known: dict[str, FieldInfo], problems: list[str
 
 
 def _check_choices(obj: Any, known: dict[str, FieldInfo], sources: dict[str, str]) -> None:
-    """Refuses values outside a field's `choices` (list fields: every element), naming their source."""
+    """Refuses values outside a field's `choices` (list fields: every element), naming their source; all of
+    them at once."""
+    problems = []
     for key, info in known.items():
         if not info.choices:
             continue
@@ -312,8 +314,11 @@ def _check_choices(obj: Any, known: dict[str, FieldInfo], sources: dict[str, str
             if item not in info.choices:
                 hint = difflib.get_close_matches(str(item), [str(c) for c in info.choices], n=1)
                 mean = f"; did you mean '{hint[0]}'?" if hint else ""
-                raise ConfigError(f"{_source_of(key, sources)}: invalid value {item!r} for '{key}'; valid: "
-                                  f"{', '.join(map(str, info.choices))}{mean}")
+                problems.append(f"{_source_of(key, sources)}: invalid value {item!r} for '{key}'; valid: "
+                                f"{', '.join(map(str, info.choices))}{mean}")
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} problems in the configuration:\n  - " + "\n  - ".join(problems))
 
 
 def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None,

@@ -41,17 +41,18 @@ class VerlKey:
         return {self.ours: value} if self.ours else {}
 
 
-def _same(keys: dict[str, str | tuple[str, str]]) -> dict[str, VerlKey]:
+def same(keys: dict[str, str | tuple[str, str]]) -> dict[str, VerlKey]:
     """Keys whose values carry over as they are: verl key -> our key, or (our key, note)."""
     return {verl: VerlKey(*((ours,) if isinstance(ours, str) else ours)) for verl, ours in keys.items()}
 
 
-def _truthy(value: Any) -> bool:
+def truthy(value: Any) -> bool:
+    """verl's boolean, written as a string (``True``, ``1``) or a value."""
     return str(value).lower() in ("true", "1") if isinstance(value, str) else bool(value)
 
 
 def _kl_coef(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    return {"actor.kl_loss_coef": float(given.get(A + "kl_loss_coef", 0.001)) if _truthy(given.get(A + "use_kl_loss"))
+    return {"actor.kl_loss_coef": float(given.get(A + "kl_loss_coef", 0.001)) if truthy(given.get(A + "use_kl_loss"))
             else 0.0}
 
 
@@ -70,16 +71,38 @@ def _reward_function(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
 
 def _reward_model(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     path = given.get("reward_model.model.path")
-    return {"reward.reward_model.path": path} if _truthy(given.get("reward_model.enable")) and path else {}
+    return {"reward.reward_model.path": path} if truthy(given.get("reward_model.enable")) and path else {}
 
 
-def _dynamic_budget(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    if not _truthy(given.get(A + "use_dynamic_bsz")):
-        return {}
-    return {"actor.max_tokens_per_micro_batch": int(given.get(A + "ppo_max_token_len_per_gpu", 16384))}
+def _dynamic_budget(verl: str, ours: str) -> Convert:
+    """verl's `use_dynamic_bsz` + `ppo_max_token_len_per_gpu` of a role (prefix `verl`) -> our token budget."""
+    def convert(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+        if not truthy(given.get(verl + "use_dynamic_bsz")):
+            return {}
+        return {ours: int(given.get(verl + "ppo_max_token_len_per_gpu", 16384))}
+
+    return convert
 
 
-def _resume(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+def _ref_offload(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if int(given.get(M + "lora_rank", 0) or 0) > 0 and truthy(value):
+        raise ValueError("with LoRA (lora_rank > 0) the reference is the actor's own base weights with the adapters "
+                         "disabled: there is no copy to offload")
+    return {"actor.ref_param_offload": truthy(value)}
+
+
+def _truncation(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """verl drops prompts over max_prompt_length before `truncation` applies when filter_overlong_prompts is
+    set: together they are our `filter`."""
+    if truthy(given.get("data.filter_overlong_prompts")):
+        return {"data.truncation": "filter"}
+    if value not in ("error", "left", "right"):
+        raise ValueError(f"truncation={value!r}: hybridflow has error, filter, left, right")
+    return {"data.truncation": value}
+
+
+def resume(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's resume_mode (with resume_from_path) -> our `trainer.resume`."""
     if value == "disable":
         return {"trainer.resume": "never"}
     if value == "resume_path":
@@ -101,12 +124,14 @@ def _correction(kind: str) -> Convert:
     return convert
 
 
-def _loggers(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+def loggers(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's logger names -> ours, the ones we lack dropped (console when none is left)."""
     names = [value] if isinstance(value, str) else list(value)
     return {"trainer.loggers": [n for n in names if n in LOGGERS] or ["console"]}
 
 
-def _map(ours: str, mapping: dict[Any, Any]) -> Convert:
+def map_values(ours: str, mapping: dict[Any, Any]) -> Convert:
+    """A value carried through `mapping` to `ours`; one it lacks is refused naming the valid ones."""
     def convert(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
         if value not in mapping:
             raise ValueError(f"value {value!r}: hybridflow has {', '.join(map(str, mapping.values()))}")
@@ -115,14 +140,15 @@ def _map(ours: str, mapping: dict[Any, Any]) -> Convert:
     return convert
 
 
-def _negative_is_off(ours: str) -> Convert:
+def negative_is_off(ours: str) -> Convert:
+    """verl's -1 (never) -> our 0."""
     return lambda value, given: {ours: 0 if value is None or int(value) < 0 else int(value)}
 
 
 VERL_KEYS: dict[str, VerlKey] = {
-    **_same({k: k for k in ("data.train_files", "data.val_files", "data.prompt_key", "data.max_prompt_length",
+    **same({k: k for k in ("data.train_files", "data.val_files", "data.prompt_key", "data.max_prompt_length",
                             "data.max_response_length", "data.val_batch_size",
-                            "data.truncation", "data.shuffle", "data.seed", "algorithm.adv_estimator",
+                            "data.shuffle", "data.seed", "algorithm.adv_estimator",
                             "algorithm.gamma", "algorithm.lam", "algorithm.use_kl_in_reward", "algorithm.kl_penalty",
                             "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.target_kl",
                             "algorithm.kl_ctrl.horizon", "algorithm.filter_groups.enable",
@@ -130,7 +156,7 @@ VERL_KEYS: dict[str, VerlKey] = {
                             "critic.cliprange_value", "trainer.total_epochs",
                             "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
                             "trainer.device")}),
-    **_same({M + "path": "model.path", M + "trust_remote_code": "model.trust_remote_code",
+    **same({M + "path": "model.path", M + "trust_remote_code": "model.trust_remote_code",
              M + "enable_gradient_checkpointing": ("model.gradient_checkpointing", "null (default) = on for models under "
                                                    "1B parameters and where the device budget needs it"), M + "use_remove_padding":
              "actor.use_packing", A + "optim.lr": "actor.lr", A + "optim.min_lr_ratio": "actor.min_lr_ratio",
@@ -144,7 +170,7 @@ VERL_KEYS: dict[str, VerlKey] = {
              A + "loss_agg_mode": "actor.loss_agg", A + "entropy_coeff": "actor.entropy_coef",
              A + "kl_loss_type": "actor.kl_loss_type", A + "fsdp_config.param_offload": "actor.param_offload",
              A + "fsdp_config.optimizer_offload": "actor.optimizer_offload",
-             A + "use_torch_compile": ("model.compile", "null (default) = on for CUDA, off on a CPU"), ARR + "ref.fsdp_config.param_offload": "actor.ref_param_offload",
+             A + "use_torch_compile": ("model.compile", "null (default) = on for CUDA, off on a CPU"), 
              R + "n": "rollout.n", R + "temperature": "rollout.temperature", R + "top_p": "rollout.top_p",
              R + "top_k": "rollout.top_k", R + "max_num_seqs": "rollout.max_num_seqs",
              R + "free_cache_engine": "rollout.free_cache_after_generate",
@@ -153,7 +179,13 @@ VERL_KEYS: dict[str, VerlKey] = {
              M + "lora_rank": ("actor.lora.rank", "0 = no LoRA (docs/lora.md)"), M + "lora_alpha": "actor.lora.alpha",
              M + "target_modules": ("actor.lora.target_modules", "module names; all-linear (verl's default) or [] = "
                                                                  "every linear layer of the decoder layers"), MT + "max_assistant_turns": "agent.max_turns",
-             "critic.optim.lr": "critic.lr", "critic.model.lora_rank": "critic.lora.rank",
+             "critic.optim.lr": "critic.lr", "critic.model.use_remove_padding": "critic.use_packing",
+             "critic.model.fsdp_config.param_offload": "critic.param_offload",
+             "critic.model.fsdp_config.optimizer_offload": "critic.optimizer_offload",
+             "critic.model.enable_gradient_checkpointing": "critic.model.gradient_checkpointing",
+             "critic.model.trust_remote_code": "critic.model.trust_remote_code",
+             "critic.ppo_epochs": "critic.ppo_epochs", "critic.grad_clip": "critic.grad_clip",
+             "critic.optim.weight_decay": "critic.weight_decay", "critic.model.lora_rank": "critic.lora.rank",
              "critic.model.lora_alpha": "critic.lora.alpha", "critic.model.target_modules": "critic.lora.target_modules", "critic.ppo_mini_batch_size": "critic.mini_batch_size",
              "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size", "trainer.critic_warmup":
              "critic.warmup_steps", "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
@@ -166,14 +198,22 @@ VERL_KEYS: dict[str, VerlKey] = {
              RC + "rollout_rs_threshold": "actor.rollout_correction.threshold",
              RC + "rollout_rs_threshold_lower": "actor.rollout_correction.threshold_lower"}),
     A + "optim.lr_warmup_steps": VerlKey("actor.lr_warmup_steps", "-1 (verl: use the ratio) becomes 0",
-                                         _negative_is_off("actor.lr_warmup_steps")),
+                                         negative_is_off("actor.lr_warmup_steps")),
     A + "optim.warmup_style": VerlKey("actor.lr_schedule", "constant or cosine",
-                                      _map("actor.lr_schedule", {"constant": "constant", "cosine": "cosine"})),
+                                      map_values("actor.lr_schedule", {"constant": "constant", "cosine": "cosine"})),
     A + "optim.lr_scheduler_type": VerlKey("actor.lr_schedule", "constant or cosine",
-                                           _map("actor.lr_schedule", {"constant": "constant", "cosine": "cosine"})),
+                                           map_values("actor.lr_schedule", {"constant": "constant", "cosine": "cosine"})),
     A + "optim.lr_warmup_steps_ratio": VerlKey(None, "give the warm-up in optimizer steps: actor.lr_warmup_steps"),
     A + "use_dynamic_bsz": VerlKey("actor.max_tokens_per_micro_batch", "set = the token budget "
-                                   "ppo_max_token_len_per_gpu; null = sized from the GPU's memory", _dynamic_budget),
+                                   "ppo_max_token_len_per_gpu; null = sized from the GPU's memory",
+                                   _dynamic_budget(A, "actor.max_tokens_per_micro_batch")),
+    "critic.use_dynamic_bsz": VerlKey("critic.max_tokens_per_micro_batch", "set = the token budget "
+                                      "ppo_max_token_len_per_gpu; null = sized from the GPU's memory",
+                                      _dynamic_budget("critic.", "critic.max_tokens_per_micro_batch")),
+    "critic.ppo_max_token_len_per_gpu": VerlKey("critic.max_tokens_per_micro_batch", "with use_dynamic_bsz=True",
+                                                lambda v, g: {}),
+    ARR + "ref.fsdp_config.param_offload": VerlKey("actor.ref_param_offload", "not with LoRA: its reference is the "
+                                                   "actor's base weights", _ref_offload),
     A + "ppo_max_token_len_per_gpu": VerlKey("actor.max_tokens_per_micro_batch", "with use_dynamic_bsz=True",
                                              lambda v, g: {}),
     A + "clip_ratio": VerlKey("actor.clip_low", "sets actor.clip_low and actor.clip_high",
@@ -184,12 +224,12 @@ VERL_KEYS: dict[str, VerlKey] = {
                                _kl_coef),
     A + "kl_loss_coef": VerlKey("actor.kl_loss_coef", "applies with use_kl_loss=True", lambda v, g: {}),
     R + "name": VerlKey("rollout.engine", "our own engine: vllm and sglang become auto",
-                        _map("rollout.engine", {"vllm": "auto", "sglang": "auto", "hf": "hf"})),
+                        map_values("rollout.engine", {"vllm": "auto", "sglang": "auto", "hf": "hf"})),
     R + "gpu_memory_utilization": VerlKey(None, "trainer.gpu_memory_utilization is the share of the GPU the whole run "
                                           "plans with (default 0.9); the KV cache gets what the rest leaves"),
-    R + "enforce_eager": VerlKey("rollout.cuda_graphs", "inverted", lambda v, g: {"rollout.cuda_graphs": not _truthy(v)}),
+    R + "enforce_eager": VerlKey("rollout.cuda_graphs", "inverted", lambda v, g: {"rollout.cuda_graphs": not truthy(v)}),
     R + "val_kwargs.do_sample": VerlKey("rollout.val_temperature", "do_sample=False is temperature 0",
-                                        lambda v, g: {} if _truthy(v) else {"rollout.val_temperature": 0.0}),
+                                        lambda v, g: {} if truthy(v) else {"rollout.val_temperature": 0.0}),
     R + "tensor_model_parallel_size": VerlKey(None, "each device runs a data-parallel rollout replica"),
     R + "log_prob_micro_batch_size_per_gpu": VerlKey(None, "log-prob passes use actor.micro_batch_size / "
                                                      "actor.max_tokens_per_micro_batch"),
@@ -209,8 +249,11 @@ VERL_KEYS: dict[str, VerlKey] = {
                                _correction("is")),
     RC + "rollout_rs": VerlKey("actor.rollout_correction.mode", "token -> token_mis, sequence -> seq_mis",
                                _correction("rs")),
-    "data.filter_overlong_prompts": VerlKey("data.truncation", "True is data.truncation=filter",
-                                            lambda v, g: {"data.truncation": "filter"} if _truthy(v) else {}),
+    "data.filter_overlong_prompts": VerlKey("data.truncation", "True is data.truncation=filter, whatever "
+                                            "data.truncation says (verl drops those prompts before it applies)",
+                                            lambda v, g: {"data.truncation": "filter"} if truthy(v) else {}),
+    "data.truncation": VerlKey("data.truncation", "error, left, right; filter with filter_overlong_prompts=True",
+                               _truncation),
     "data.return_raw_chat": VerlKey(None, "the raw prompt always travels with the rows"),
     "data.reward_fn_key": VerlKey(None, "data_source always travels with the rows"),
     "custom_reward_function.path": VerlKey("reward.function", "path + name become path:name", _reward_function),
@@ -221,14 +264,14 @@ VERL_KEYS: dict[str, VerlKey] = {
     "reward_model.reward_manager": VerlKey(None, "one manager: a process pool with a per-row timeout "
                                            "(reward.num_workers, reward.timeout_s)"),
     "trainer.test_freq": VerlKey("trainer.val_every", "-1 becomes 0 (no periodic validation)",
-                                 _negative_is_off("trainer.val_every")),
+                                 negative_is_off("trainer.val_every")),
     "trainer.save_freq": VerlKey("trainer.save_every", "-1 becomes 0 (only at the end)",
-                                 _negative_is_off("trainer.save_every")),
+                                 negative_is_off("trainer.save_every")),
     "trainer.n_gpus_per_node": VerlKey("trainer.n_workers", "n_gpus_per_node x nnodes processes", _workers),
     "trainer.nnodes": VerlKey("trainer.n_workers", "n_gpus_per_node x nnodes; nnodes > 1 runs on Ray", _workers),
     "trainer.logger": VerlKey("trainer.loggers", "console, jsonl, tensorboard and wandb are carried, others dropped",
-                              _loggers),
-    "trainer.resume_mode": VerlKey("trainer.resume", "auto, never (disable), or a checkpoint path", _resume),
+                              loggers),
+    "trainer.resume_mode": VerlKey("trainer.resume", "auto, never (disable), or a checkpoint path", resume),
     "trainer.resume_from_path": VerlKey("trainer.resume", "with resume_mode=resume_path", lambda v, g: {}),
 }
 
@@ -245,12 +288,14 @@ VERL_DEFAULTS = {"algorithm.adv_estimator": "gae", A + "shuffle": False, "traine
                  A + "ppo_mini_batch_size": 256, "data.train_batch_size": 1024}
 
 
-def render_verl_table() -> str:
-    """The markdown table of `VERL_KEYS` and `VERL_PREFIXES` in docs/migrating_from_verl.md (a test checks it
-    is current): verl key, ours, what differs."""
+def render_verl_table(keys: Mapping[str, VerlKey] | None = None, prefixes: Mapping[str, str] | None = None) -> str:
+    """A markdown table of verl keys (default `VERL_KEYS` and `VERL_PREFIXES`; verl's SFT keys pass their own)
+    in docs/migrating_from_verl.md (a test checks it is current): verl key, ours, what differs."""
+    keys = VERL_KEYS if keys is None else keys
+    prefixes = VERL_PREFIXES if prefixes is None and keys is VERL_KEYS else prefixes or {}
     rows = ["| verl | hybridflow | notes |", "|---|---|---|"]
-    entries = {**{k: (v.ours, v.note) for k, v in VERL_KEYS.items()},
-               **{k[:-1]: (v[:-1], "each key under it is one of ours") for k, v in VERL_PREFIXES.items()}}
+    entries = {**{k: (v.ours, v.note) for k, v in keys.items()},
+               **{k[:-1]: (v[:-1], "each key under it is one of ours") for k, v in prefixes.items()}}
     for verl in sorted(entries):
         ours, note = entries[verl]
         rows.append(f"| `{verl}` | {f'`{ours}`' if ours else '—'} | {note} |")

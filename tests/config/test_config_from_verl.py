@@ -12,8 +12,10 @@ import pytest
 from hybridflow.config import load_config
 from hybridflow.config.loader import schema_fields
 from hybridflow.config.schema import RLConfig
+from hybridflow.config.sft_schema import SFTConfig
 from hybridflow.config.validate import ConfigError
 from hybridflow.config.verl_keys import VERL_KEYS, render_verl_table
+from hybridflow.config.verl_sft_keys import VERL_SFT_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,11 +47,13 @@ def test_hydra_plus_keys_are_plain_overrides():
     assert cfg.reward.kwargs == {"method": "flexible"} and cfg.rollout.n == 4
 
 
-def test_the_verl_table_names_only_keys_we_have_and_the_docs_show_it():
-    ours = set(schema_fields(RLConfig))
-    for verl, entry in VERL_KEYS.items():
-        assert entry.ours is None or entry.ours in ours, (verl, entry.ours)
-    assert render_verl_table() in (ROOT / "docs" / "migrating_from_verl.md").read_text()
+def test_the_verl_tables_name_only_keys_we_have_and_the_docs_show_them():
+    docs = (ROOT / "docs" / "migrating_from_verl.md").read_text()
+    for keys, schema in ((VERL_KEYS, RLConfig), (VERL_SFT_KEYS, SFTConfig)):
+        ours = set(schema_fields(schema))
+        for verl, entry in keys.items():
+            assert entry.ours is None or entry.ours in ours, (verl, entry.ours)
+        assert render_verl_table(keys) in docs
 
 
 def test_code_files_a_recipe_names_are_found_next_to_it(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def test_a_verl_yaml_config_becomes_a_recipe_and_values_ours_lack_are_listed(tmp
     assert cfg.agent.tools == ["tools/gsm8k_tool_config.yaml"] and cfg.agent.max_turns == 5
     assert cfg.actor.rollout_correction.mode == "seq_tis" and cfg.actor.rollout_correction.threshold == 3.0
     assert cfg.trainer.resume == "never" and cfg.algorithm.adv_estimator == "grpo"  # grpo_passk is not carried
-    for line in ("#   defaults=[ppo_trainer, _self_]: hybridflow has no such key",
+    for line in ("# Read: defaults: ppo_trainer: verl's own config; its defaults that differ from hybridflow's are set",
                  "#   actor_rollout_ref.rollout.multi_turn.max_user_turns=5: episodes are bounded by agent.max_turns",
                  "#   reward_model.reward_manager=dapo: one manager: a process pool with a per-row timeout",
                  "#   trainer.default_local_dir=${trainer.project_name}/ckpt: an interpolation of verl's config",
