@@ -1,7 +1,8 @@
 """QLoRA end to end on a tiny model: recipes/grpo_qlora.yaml (`model.quantization=nf4`, LoRA r32) trains 2 GRPO
 steps with its base in 4 bits; the adapter export loads in peft over the base; the merged export is the NF4-rounded
 base plus the adapters (to 1e-3), not the unquantized base plus them. And the small-card keys' refusals before any
-model loads: nf4 without LoRA, a cap below the weights, a cap above the card; a capped plan end to end."""
+model loads: nf4 without LoRA, a cap below the weights, a cap above the card; a capped plan end to end, its
+offload choices reaching the workers."""
 
 from __future__ import annotations
 
@@ -109,3 +110,23 @@ def test_a_capped_run_plans_within_the_cap_and_refuses_one_above_the_card(tiny_q
     assert resolved.startswith("# device plan of actor: device budget 12.0 GiB of 80.0 GiB")
     cfg = load_config([], tmp_path / "capped" / "resolved_config.yaml")
     assert cfg.trainer.device_memory_gib == 12 and cfg.actor.optimizer == "adamw"
+
+
+def test_the_plans_offload_choices_reach_the_workers_and_the_resolved_config(tiny_qwen2, data_dir, tmp_path,
+                                                                            simulated_gpu, monkeypatch):
+    """Where the plan chooses the offloads left to it (here: made to, as a too-small card would make it), the actor
+    offloads its optimizer state, the rollout its weights, and `resolved_config.yaml` says so (the choice itself is
+    tests/engine/test_small_card_plans.py's)."""
+    from dataclasses import replace
+
+    simulated_gpu(free=80 * GIB, total=80 * GIB)
+    choices = planning.silent_choices
+    monkeypatch.setattr(planning, "silent_choices", lambda demand: [
+        replace(d, rollout=replace(d.rollout, offload_weights=True),
+                trained=tuple(replace(r, optimizer_offload=True) for r in d.trained)) for d in choices(demand)][:1])
+    rows = run(tiny_qwen2, data_dir, tmp_path, "trainer.device_memory_gib=12", "trainer.val_every=0",
+               "trainer.val_before_train=false")
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
+    cfg = load_config([], tmp_path / "resolved_config.yaml")
+    assert cfg.rollout.offload_weights is True and cfg.actor.optimizer_offload is True
+    assert "rollout weights offloaded while training" in (tmp_path / "resolved_config.yaml").read_text()
