@@ -52,6 +52,8 @@ def test_qlora_recipe_trains_two_steps_and_exports(tiny_qwen2, data_dir, tmp_pat
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in steps)
+    # the KL loss's reference: the 4-bit base under disabled adapters (grpo.yaml's actor.kl_loss_coef 0.001)
+    assert all(math.isfinite(r["actor/kl_loss"]) for r in steps) and steps[-1]["actor/kl_loss"] != 0
     assert stored == [quantized_params(AutoConfig.from_pretrained(tiny_qwen2), LoraConfig(rank=32))[0]]
 
     adapter_dir = export_hf(tmp_path / "run", tmp_path / "adapter")
