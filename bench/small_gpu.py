@@ -46,7 +46,7 @@ SETTINGS: dict[str, tuple[str, list[str], float | None, float | None, str | None
     "1.5b_full_uncapped": ("1.5b", [], None, None, None),
     "1.5b_nf4_lora_6gib": ("1.5b", [*NF4, "rollout.max_num_seqs=128"], 6, 6, "1.5b_lora_uncapped"),
     "1.5b_nf4_lora_8gib": ("1.5b", NF4, 8, None, "1.5b_lora_uncapped"),
-    "1.5b_full_16gib": ("1.5b", ["model.master_dtype=bf16"], 16, 16, "1.5b_full_uncapped"),
+    "1.5b_full_16gib": ("1.5b", ["model.master_dtype=bf16", "model.dtype=bf16"], 16, 16, "1.5b_full_uncapped"),
     "7b_lora_24gib": ("7b", [*LORA, "actor.param_offload=true"], 24, 24, None),
     "7b_nf4_lora_16gib": ("7b", [*NF4, "rollout.max_num_seqs=128"], 16, 16, None),
     "7b_nf4_lora_24gib": ("7b", NF4, 24, None, None),
@@ -72,7 +72,7 @@ def chosen(names: str) -> list[str]:
 
 def run_args(a: argparse.Namespace, work: Path, keys: list[str], cap: float | None) -> argparse.Namespace:
     """`grpo_vs_trl.run_hybridflow`'s arguments for one setting."""
-    overrides = [*keys, "trainer.val_every=0", "trainer.save_every=0"]
+    overrides = [*keys, "trainer.val_every=0", "trainer.save_every=0", *a.set]
     if cap is not None:
         overrides.append(f"trainer.device_memory_gib={cap}")
     return argparse.Namespace(work=str(work), prompts=a.prompts, n=a.n, max_new_tokens=a.max_new_tokens,
@@ -101,6 +101,7 @@ def spawn(a: argparse.Namespace, role: str, work: Path, result: Path | None = No
            f"--prompts={a.prompts}", f"--n={a.n}", f"--max-new-tokens={a.max_new_tokens}", f"--steps={a.steps}"]
     cmd += [f"--shape={SETTINGS[role][0] if role in SETTINGS else a.shape}"]
     cmd += [f"--result={result}"] if result is not None else []
+    cmd += [f"--set={kv}" for kv in a.set]
     try:
         proc = subprocess.run(cmd, env=child_env("hybridflow"), stderr=subprocess.PIPE, text=True,
                               timeout=a.budget_s)
@@ -132,6 +133,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=480.0, help="seconds a setting's subprocess may run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra config override for every setting (repeatable), e.g. model.compile=false")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/small_gpu_<device>.json)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -173,7 +176,7 @@ def main() -> None:
 
     report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "cpus": os.cpu_count(),
               "torch": torch.__version__, "commit": git_commit(),
-              "settings": {k: v for k, v in vars(a).items() if k in ("prompts", "n", "max_new_tokens", "steps")},
+              "settings": {k: v for k, v in vars(a).items() if k in ("prompts", "n", "max_new_tokens", "steps", "set")},
               "results": results}
     print(f"\n{'setting':<22}{'cap GiB':>8}{'ceiling':>8}{'s/step':>9}{'peak GiB':>10}{'device GiB':>11}"
           f"{'x uncapped':>11}")

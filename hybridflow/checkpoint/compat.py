@@ -38,6 +38,7 @@ MAY_DIFFER: tuple[str, ...] = (
     "*param_offload", "*optimizer_offload", "*.micro_batch_size", "*.max_tokens_per_micro_batch",
     "*.gradient_checkpointing", "*.attn_implementation", "rollout.max_num_seqs",
     "rollout.kv_cache_fraction", "rollout.cuda_graphs", "rollout.free_cache_after_generate",
+    "rollout.offload_weights", "trainer.device_memory_gib",
 )
 MUST_MATCH: tuple[str, ...] = (
     # which model and vocabulary the weights belong to

@@ -116,10 +116,14 @@ class ActorWorker(RolloutCalls, EngineWorker):
             self.rollout = RolloutReplica(replica, self.device, self.engine.precision.param,
                                           pad_token_id(self.engine.config),
                                           kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
-                                          shared_weights=shared)
+                                          shared_weights=shared, hold_allocator=self._hold_beside)
         self.channel: WeightChannel | None = None
         self.rendezvous: Rendezvous | None = None
         self._offload_idle()
+
+    def _hold_beside(self, outside: int) -> None:
+        """The device plan's cap on this process's allocator, less what the KV cache holds outside it."""
+        budget.hold_beside(self.plan, self.device, outside)
 
     @register(Dispatch.BROADCAST)
     def effective_values(self) -> Effective:

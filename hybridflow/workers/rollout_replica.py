@@ -7,7 +7,7 @@ the completions or trajectories into the RL batch layout of docs/architecture.md
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,7 +69,9 @@ class RolloutReplica:
     memory; with `rollout.offload_weights` the weights go to the CPU too), else allocated for the whole
     run; weights updated in place by `load_weights`. `kv_cache_bytes`: the device plan's KV cache (see
     `build_rollout`). With `config.agent` set, `generate` runs multi-turn episodes (`build_episodes`), which
-    need the tokenizer. `shared_weights`: a colocated LoRA trainer's frozen weights, held instead of copies."""
+    need the tokenizer. `shared_weights`: a colocated LoRA trainer's frozen weights, held instead of copies.
+    `hold_allocator`: told the bytes the KV cache holds outside PyTorch's allocator whenever that changes (a capped
+    device plan holds the allocator to the cap less them: `budget.hold_beside`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -93,7 +95,8 @@ class RolloutReplica:
         agent: AgentConfig | None = None
 
     def __init__(self, config: RolloutReplica.Config, device: torch.device, dtype: torch.dtype, pad_id: int,
-                 kv_cache_bytes: int | None = None, shared_weights: dict[str, torch.Tensor] | None = None) -> None:
+                 kv_cache_bytes: int | None = None, shared_weights: dict[str, torch.Tensor] | None = None,
+                 hold_allocator: Callable[[int], None] | None = None) -> None:
         self.config, self.cfg, self.pad_id = config, config.rollout, pad_id
         self.max_prompt_length, self.max_response_length = config.max_prompt_length, config.max_response_length
         self.max_num_seqs = cpu_max_num_seqs(self.cfg.max_num_seqs, config.rows_in_flight) if device.type == "cpu" \
@@ -123,8 +126,11 @@ class RolloutReplica:
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
             self.agent = build_episodes(config.agent, tokenizer, config.max_prompt_length, config.max_response_length)
         self.awake = True
+        self.hold_allocator = hold_allocator
         if self.cfg.free_cache_after_generate:
             self.sleep()
+        else:
+            self._hold()
 
     def effective_values(self) -> dict[str, Any]:
         """The rollout keys this replica runs with where they differ from the config's: the engine that
@@ -140,11 +146,22 @@ class RolloutReplica:
         if self.awake and self.engine.device.type != "cpu":
             self.engine.sleep(offload_weights=bool(self.cfg.offload_weights))  # the plan's where left to it
             self.awake = False
+            self._hold()
 
     def wake(self) -> None:
         if not self.awake:
+            self._hold(waking=True)
             self.engine.wake()
             self.awake = True
+
+    def _hold(self, waking: bool = False) -> None:
+        """Tells `hold_allocator` (the device plan's cap, `budget.hold_beside`) what the KV cache holds outside
+        PyTorch's allocator: its bytes while it is mapped in CUDA virtual memory (awake, or `waking`), else 0."""
+        if self.hold_allocator is None:
+            return
+        kv = getattr(self.engine, "kv", None)  # the fast engine's cache (the transformers fallback keeps none)
+        mapped = kv is not None and kv.keeps_address and (self.awake or waking)
+        self.hold_allocator(kv.bytes if kv is not None and mapped else 0)
 
     def generate(self, batch: Batch, params: SamplingParams, step: int, rank: int,
                  version: int | None = None) -> Batch:

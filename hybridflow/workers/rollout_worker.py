@@ -56,7 +56,9 @@ class RolloutWorker(RolloutCalls, Worker):
         replica = dataclasses.replace(config.replica,
                                       rollout=budget.apply_rollout_plan(self.plan, config.replica.rollout))
         self.rollout = RolloutReplica(replica, self.device, dtype, pad_token_id(hf_config),
-                                      kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None)
+                                      kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
+                                      hold_allocator=lambda outside: budget.hold_beside(self.plan, self.device,
+                                                                                        outside))
         self.channel: WeightChannel | None = None
 
     @register(Dispatch.BROADCAST)

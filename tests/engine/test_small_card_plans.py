@@ -157,3 +157,30 @@ def test_the_plan_offloads_only_where_the_run_needs_it():
     assert lora.rollout_offload and lora.roles["actor"].gradient_checkpointing
     with pytest.raises(DoesNotFit, match="rollout.offload_weights=true"):  # a key the user set stays set
         plan(demand("7b", 24, lora=True, param_offload=True, rollout_offload=False), *H100)
+
+
+def test_the_allocator_gets_the_cap_less_the_kv_cache_mapped_outside_it(monkeypatch):
+    """The rollout's KV cache lives in CUDA virtual memory, outside PyTorch's allocator: while it is mapped the
+    allocator is held to the cap less it, and to the whole cap again once it is freed; an uncapped plan is left
+    alone."""
+    from types import SimpleNamespace
+
+    from hybridflow.engine.budget import hold_beside
+    from hybridflow.workers.rollout_replica import RolloutReplica
+
+    held = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: held.append(f))
+    card = torch.device("cuda", 0)
+    capped = plan(demand("1.5b", 16, lora=True), *H100)
+    capped.held_bytes = 16 * GIB
+    replica = RolloutReplica.__new__(RolloutReplica)  # its memory bookkeeping alone, no engine built
+    replica.engine = SimpleNamespace(kv=SimpleNamespace(keeps_address=True, bytes=4 * GIB), wake=lambda: None,
+                                     sleep=lambda offload_weights: None, device=card)
+    replica.cfg, replica.awake = SimpleNamespace(offload_weights=False), True
+    replica.hold_allocator = lambda outside: hold_beside(capped, card, outside)
+    replica.sleep()
+    replica.wake()
+    replica.sleep()
+    assert held == [16 / 80, 12 / 80, 16 / 80]
+    hold_beside(plan(replace(demand("1.5b", 16, lora=True), memory_cap=None), *H100), card, 4 * GIB)
+    assert len(held) == 3

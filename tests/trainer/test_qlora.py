@@ -1,7 +1,8 @@
 """QLoRA end to end on a tiny model: recipes/grpo_qlora.yaml (`model.quantization=nf4`, LoRA r32) trains 2 GRPO
 steps with its base in 4 bits; the adapter export loads in peft over the base; the merged export is the NF4-rounded
 base plus the adapters (to 1e-3), not the unquantized base plus them. And the small-card keys' refusals before any
-model loads: nf4 without LoRA, a cap below the weights, a cap above the card; a capped plan end to end."""
+model loads: nf4 without LoRA, a cap below the weights, a cap above the card; a capped plan end to end, its
+offload choices reaching the workers."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def test_qlora_recipe_trains_two_steps_and_exports(tiny_qwen2, data_dir, tmp_pat
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in steps)
+    # the KL loss's reference: the 4-bit base under disabled adapters (grpo.yaml's actor.kl_loss_coef 0.001)
+    assert all(math.isfinite(r["actor/kl_loss"]) for r in steps) and steps[-1]["actor/kl_loss"] != 0
     assert stored == [quantized_params(AutoConfig.from_pretrained(tiny_qwen2), LoraConfig(rank=32))[0]]
 
     adapter_dir = export_hf(tmp_path / "run", tmp_path / "adapter")
@@ -109,3 +112,23 @@ def test_a_capped_run_plans_within_the_cap_and_refuses_one_above_the_card(tiny_q
     assert resolved.startswith("# device plan of actor: device budget 12.0 GiB of 80.0 GiB")
     cfg = load_config([], tmp_path / "capped" / "resolved_config.yaml")
     assert cfg.trainer.device_memory_gib == 12 and cfg.actor.optimizer == "adamw"
+
+
+def test_the_plans_offload_choices_reach_the_workers_and_the_resolved_config(tiny_qwen2, data_dir, tmp_path,
+                                                                            simulated_gpu, monkeypatch):
+    """Where the plan chooses the offloads left to it (here: made to, as a too-small card would make it), the actor
+    offloads its optimizer state, the rollout its weights, and `resolved_config.yaml` says so (the choice itself is
+    tests/engine/test_small_card_plans.py's)."""
+    from dataclasses import replace
+
+    simulated_gpu(free=80 * GIB, total=80 * GIB)
+    choices = planning.silent_choices
+    monkeypatch.setattr(planning, "silent_choices", lambda demand: [
+        replace(d, rollout=replace(d.rollout, offload_weights=True),
+                trained=tuple(replace(r, optimizer_offload=True) for r in d.trained)) for d in choices(demand)][:1])
+    rows = run(tiny_qwen2, data_dir, tmp_path, "trainer.device_memory_gib=12", "trainer.val_every=0",
+               "trainer.val_before_train=false")
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
+    cfg = load_config([], tmp_path / "resolved_config.yaml")
+    assert cfg.rollout.offload_weights is True and cfg.actor.optimizer_offload is True
+    assert "rollout weights offloaded while training" in (tmp_path / "resolved_config.yaml").read_text()

@@ -11,10 +11,10 @@ from hybridflow.engine.budget.estimate import (CHECKPOINTED_TARGET_TOKENS, GIB, 
                                                TARGET_TOKENS, DeviceDemand, FrozenRole, ModelShape, RolloutRole,
                                                TrainedRole, count)
 from hybridflow.engine.budget.planning import (DeviceOutOfMemory, DevicePlan, DoesNotFit, RolePlan, apply_plan,
-                                               apply_rollout_plan, check_weights_fit, device_memory, memory_keys,
-                                               plan, plan_for_device, reported_oom)
+                                               apply_rollout_plan, check_weights_fit, device_memory, hold_beside,
+                                               memory_keys, plan, plan_for_device, reported_oom)
 
 __all__ = ["CHECKPOINTED_TARGET_TOKENS", "GIB", "NF4_BYTES", "STATE_BYTES", "TARGET_TOKENS", "DeviceDemand",
            "DeviceOutOfMemory", "DevicePlan", "DoesNotFit", "FrozenRole", "ModelShape", "RolePlan", "RolloutRole",
            "TrainedRole", "apply_plan", "apply_rollout_plan", "check_weights_fit", "count", "device_memory",
-           "memory_keys", "plan", "plan_for_device", "reported_oom"]
+           "hold_beside", "memory_keys", "plan", "plan_for_device", "reported_oom"]

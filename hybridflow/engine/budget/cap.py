@@ -5,8 +5,10 @@ cannot fit in.
 A capped run plans as if the card had `memory_cap` bytes (`gpu_memory_utilization` applies to a whole card
 only: the cap is the budget) and its processes allocate as if it had: `torch.cuda.set_per_process_memory_fraction`
 (cap / the card's total) makes the allocator raise `torch.OutOfMemoryError` past the cap, which the workers turn
-into explained errors (`planning.reported_oom`). The CUDA context and the communication library's buffers lie
-outside the allocator, so a real card of the cap's size needs their few hundred MiB beside it.
+into explained errors (`planning.reported_oom`). While the rollout engine's KV cache is mapped in CUDA virtual
+memory (outside the allocator) the allocator gets the cap less the cache (`hold`, called by the rollout replica).
+The CUDA context and the communication library's buffers lie outside the allocator, so a real card of the cap's
+size needs their few hundred MiB beside it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def hold_allocator(demand: DeviceDemand, device: torch.device, total: int) -> st
     if demand.memory_cap > total:
         return (f"{_setting(demand.memory_cap)} is above this card's {_gib(total)} ({device}); use at most "
                 f"{total / GIB:.1f}, or null for the whole card")
-    if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(demand.memory_cap / total, device)
+    hold(device, demand.memory_cap, total)
     return None
+
+
+def hold(device: torch.device, cap: int, total: int, outside: int = 0) -> None:
+    """This process's allocator on a CUDA `device` held to `cap` bytes of the card's `total`, less `outside` bytes
+    the process holds beyond the allocator (the rollout's KV cache in CUDA virtual memory, `engine/rollout/vmm.py`):
+    the process as a whole then stays within the cap."""
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(max(cap - outside, 0) / total, device)

@@ -33,7 +33,8 @@ from typing import TypeVar
 import torch
 
 from hybridflow.config.schema import EngineOptimConfig, ModelConfig, RolloutConfig
-from hybridflow.engine.budget.cap import CAP_KEY, budget_bytes, budget_source, hold_allocator, weights_problem
+from hybridflow.engine.budget.cap import (CAP_KEY, budget_bytes, budget_source, hold, hold_allocator,
+                                          weights_problem)
 from hybridflow.engine.budget.choices import default_optimizer, silent_choices
 from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
                                                MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
@@ -69,6 +70,7 @@ class DevicePlan:
     roles: dict[str, RolePlan] = field(default_factory=dict)
     kv_cache_bytes: int | None = None
     rollout_offload: bool = False  # the rollout engine's weights on the CPU while training
+    held_bytes: int | None = None  # the cap this process's allocator is held to (`cap.hold`); None: not held
     generation_peak_bytes: float = 0.0
     generation_breakdown: dict[str, float] = field(default_factory=dict)
 
@@ -329,6 +331,7 @@ def plan_for_device(demand: DeviceDemand | None, device: torch.device) -> Device
         if problem is not None:
             raise DoesNotFit(problem)
         _PLANS[key] = plan(demand, *memory)
+        _PLANS[key].held_bytes = demand.memory_cap
     return _PLANS[key]
 
 
@@ -363,6 +366,13 @@ def apply_rollout_plan(plan_: DevicePlan | None, rollout_cfg: RolloutConfig) -> 
     if rollout_cfg.offload_weights is None:
         rollout_cfg.offload_weights = plan_.rollout_offload if plan_ is not None else False
     return rollout_cfg
+
+
+def hold_beside(plan_: DevicePlan | None, device: torch.device, outside: int) -> None:
+    """Where the plan holds this process's allocator to a cap: holds it to the cap less the `outside` bytes the
+    process holds beyond the allocator now (0: the whole cap again)."""
+    if plan_ is not None and plan_.held_bytes is not None:
+        hold(device, plan_.held_bytes, plan_.total_bytes, outside)
 
 
 def memory_keys(keys: str, model_keys: str) -> str:

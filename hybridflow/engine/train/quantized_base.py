@@ -23,12 +23,12 @@ BLOCK = 64  # values per scale (QLoRA's and torchao's default)
 SCALER_BLOCK = 256  # scales per second-level factor (torchao's default; smaller where a weight has fewer blocks)
 
 
-def _torchao_nf4() -> tuple[Any, type]:
+def _torchao_to_nf4() -> Any:
     try:
-        from torchao.quantization import NF4Tensor, to_nf4
+        from torchao.quantization import to_nf4
     except ImportError as e:
         raise ImportError("model.quantization=nf4 needs torchao: pip install 'hybridflow[memory]'") from e
-    return to_nf4, NF4Tensor
+    return to_nf4
 
 
 def _scaler_block(blocks: int, shards: int) -> int | None:
@@ -51,8 +51,7 @@ def to_nf4(weight: torch.Tensor, name: str, shards: int = 1) -> torch.Tensor:
         raise ValueError(f"model.quantization=nf4: {name} of shape {tuple(weight.shape)} cannot be stored in "
                          f"{BLOCK}-value NF4 blocks shared evenly by {shards} rank(s) (trainer.n_workers); leave that "
                          f"module out of lora.target_modules, change trainer.n_workers, or use model.quantization=none")
-    quantize, _ = _torchao_nf4()
-    return quantize(weight, BLOCK, scaler)
+    return _torchao_to_nf4()(weight, BLOCK, scaler)
 
 
 def is_nf4(t: torch.Tensor) -> bool:
@@ -81,7 +80,7 @@ def quantize_base(layers: dict[str, Any], device: torch.device, shards: int = 1)
         quantized = to_nf4(weight.detach().to(device), f"{name}.weight", shards)
         base.weight = torch.nn.Parameter(quantized, requires_grad=False)
         stored += weight.numel()
-        del weight
+        del weight  # the full-precision weight goes now, before the next one is quantized
     return stored
 
 
