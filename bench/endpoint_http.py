@@ -5,8 +5,10 @@ every turn at once. Optionally one trajectory sends one very large message.
     python bench/endpoint_http.py --out bench/results/endpoint_http_cpu.json   # 64 trajectories x 4 turns
     python bench/endpoint_http.py --trajectories 32 --big-mb 5                 # one of them sends 5 MB
 
-The clients are the `openai` client on aiohttp's transport (as the runners use), in a child process, so the
-endpoint's event loop is alone in this one. Each trajectory asks a question, then answers each reply with a
+The clients are the `openai` client on aiohttp's transport (as the runners use), in child processes, so the
+endpoint's event loop is alone in this one: trajectory 0 in one, the others in another (so the big message's
+own cost in its client, building and sending 5 MB of JSON, does not delay the others' clients: in a run, the
+runners are spread over `agent.runner_processes` processes). Each trajectory asks a question, then answers each reply with a
 short user message (`--turns` requests). With `--big-mb`, trajectory 0's second request appends a user
 message of that many MB; the report gives the other trajectories' latency with and without it (the same
 run is made first without). Each run repeats `--repeats` times; the median run (by seconds) is reported with
@@ -78,8 +80,9 @@ async def _trajectory(client, key: int, turns: int, big: str | None, latencies: 
             return
 
 
-def _clients(port: int, keys: list[str], turns: int, big_mb: float, out) -> None:
-    """The child process: every trajectory at once; sends back [(trajectory, seconds)] and the wall time."""
+def _clients(port: int, keys: dict[int, str], turns: int, big_mb: float, out) -> None:
+    """A child process: its trajectories (number -> key) at once, trajectory 0 with the big message; sends back
+    [(trajectory, seconds)] and the wall time."""
     import openai
 
     from hybridflow.agents.runner_child import http_client
@@ -92,7 +95,7 @@ def _clients(port: int, keys: list[str], turns: int, big_mb: float, out) -> None
         await asyncio.gather(*(_trajectory(openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/t/{key}/v1",
                                                               api_key=TOKEN, http_client=http, max_retries=0,
                                                               timeout=600), i, turns, big if i == 0 else None,
-                                           latencies) for i, key in enumerate(keys)))
+                                           latencies) for i, key in keys.items()))
         seconds = time.perf_counter() - start
         await http.aclose()
         return latencies, seconds
@@ -111,14 +114,22 @@ def run_once(tokenizer, trajectories: int, turns: int, big_mb: float) -> dict:
         keys = [f"k{i}" for i in range(trajectories)]
         for key in keys:
             endpoint.open(key)
-        receive, send = mp.get_context("spawn").Pipe(duplex=False)
-        child = mp.get_context("spawn").Process(target=_clients, args=(port, keys, turns, big_mb, send))
-        child.start()
+        spawn = mp.get_context("spawn")
+        pipes = [spawn.Pipe(duplex=False) for _ in range(2)]
+        shares = ({0: keys[0]}, {i: key for i, key in enumerate(keys) if i})
+        children = [spawn.Process(target=_clients, args=(port, share, turns, big_mb, send))
+                    for share, (_, send) in zip(shares, pipes)]
+        for child in children:
+            child.start()
         try:
-            latencies, seconds = await asyncio.to_thread(receive.recv)
+            results = [await asyncio.to_thread(receive.recv) for receive, _ in pipes]
         finally:
-            child.join()
+            for child in children:
+                child.join()
             await server.close()
+            endpoint.close()
+        latencies = [pair for got, _ in results for pair in got]
+        seconds = max(took for _, took in results)
         others = [s for key, s in latencies if key != 0 or not big_mb]
         return dict(seconds=seconds, requests=len(latencies), requests_per_s=len(latencies) / seconds,
                     errors=endpoint.stats["errors"], others_latency_mean_s=statistics.mean(others),

@@ -194,8 +194,8 @@ def parse_request(body: Any, chat: bool, temperature: float, top_p: float, max_n
     if not _count(n) or n < 1:
         raise _bad("n", f"must be an integer >= 1, got {n!r}")
     if n > max_n:
-        raise _bad("n", f"at most {max_n} samples a request on this engine (an eighth of its KV slots: a request "
-                        f"waits until n slots are free, and every new trajectory behind it waits too), got {n}")
+        raise _bad("n", f"this engine serves n <= {max_n} (an eighth of its KV slots: a request waits until n slots "
+                        f"are free, and every new trajectory behind it waits too), got {n}")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not _count(max_tokens) or max_tokens < 1):
         raise _bad("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")

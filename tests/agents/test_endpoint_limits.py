@@ -162,7 +162,7 @@ def test_client_mistakes_are_answered_4xx_in_openai_form_without_a_traceback(tin
     for param, body in errors:
         assert set(body) == {"message", "type", "param", "code"} and body["param"] == param, body
     assert "nests JSON deeper than 64 levels" in errors[-1][1]["message"]
-    assert "at most 2 samples" in errors[0][1]["message"] and "at most 2 samples" in errors[1][1]["message"]
+    assert "serves n <= 2" in errors[0][1]["message"] and "serves n <= 2" in errors[1][1]["message"]
     assert raw[0] == 400 and "nests JSON deeper" in json.loads(raw[1])["error"]["message"]
     assert len(served.choices) == 2 and endpoint.stats["errors"] == len(errors) + 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
