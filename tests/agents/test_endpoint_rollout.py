@@ -200,6 +200,22 @@ def test_runners_asking_for_more_samples_than_the_engine_serves_fail_their_traje
     assert rollout.stats["errors"] == rollout.stats["requests"] == 4
 
 
+def test_a_batch_whose_every_trajectory_failed_ends_the_run_in_one_line():
+    """What a run whose runners all fail (n=10000 above) meets: `hybridflow train` prints a `RowsFailed` as one
+    line and exits 2, no traceback."""
+    import numpy as np
+    import torch
+
+    from hybridflow.batch import Batch
+    from hybridflow.rewards.failures import RowsFailed
+    from hybridflow.trainer.step_math import drop_failed_trajectories
+
+    reason = "the runner failed: BadRequestError: Error code: 400"
+    batch = Batch({"responses": torch.zeros(2, 3)}, {"agent/dropped": np.array([reason, reason], dtype=object)})
+    with pytest.raises(RowsFailed, match="every trajectory of this batch failed, the first because the runner"):
+        drop_failed_trajectories(batch)
+
+
 def test_the_endpoint_without_aiohttp_is_refused_naming_the_extra(monkeypatch):
     import importlib.util
 
