@@ -8,11 +8,13 @@ every turn at once. Optionally one trajectory sends one very large message.
 The clients are the `openai` client on aiohttp's transport (as the runners use), in child processes, so the
 endpoint's event loop is alone in this one: trajectory 0 in one, the others in another (so the big message's
 own cost in its client, building and sending 5 MB of JSON, does not delay the others' clients: in a run, the
-runners are spread over `agent.runner_processes` processes). Each trajectory asks a question, then answers each reply with a
-short user message (`--turns` requests). With `--big-mb`, trajectory 0's second request appends a user
-message of that many MB; the report gives the other trajectories' latency with and without it (the same
-run is made first without). Each run repeats `--repeats` times; the median run (by seconds) is reported with
-every run's seconds. Prints and writes JSON.
+runners are spread over `agent.runner_processes` processes). Each trajectory asks a question, then answers
+each reply with a short user message (`--turns` requests). With `--big-mb`, trajectory 0's second request
+appends a user message of that many MB; the report gives the other trajectories' latency with and without it
+(the same run is made first without). Each run repeats `--repeats` times; the median run (by seconds) is
+reported with every run's seconds. `endpoint_cpu_ms_per_request` is the CPU time of the endpoint's process
+(its event loop and the renderers' thread) per request: on a shared machine it varies much less than the
+seconds, and it bounds the requests/s one core can serve. Prints and writes JSON.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def run_once(tokenizer, trajectories: int, turns: int, big_mb: float) -> dict:
         keys = [f"k{i}" for i in range(trajectories)]
         for key in keys:
             endpoint.open(key)
+        cpu = time.process_time()  # this process's threads: the event loop and the renderers' thread
         spawn = mp.get_context("spawn")
         pipes = [spawn.Pipe(duplex=False) for _ in range(2)]
         shares = ({0: keys[0]}, {i: key for i, key in enumerate(keys) if i})
@@ -128,10 +131,12 @@ def run_once(tokenizer, trajectories: int, turns: int, big_mb: float) -> dict:
                 child.join()
             await server.close()
             endpoint.close()
+        cpu = time.process_time() - cpu
         latencies = [pair for got, _ in results for pair in got]
         seconds = max(took for _, took in results)
         others = [s for key, s in latencies if key != 0 or not big_mb]
         return dict(seconds=seconds, requests=len(latencies), requests_per_s=len(latencies) / seconds,
+                    endpoint_cpu_ms_per_request=1000 * cpu / len(latencies),
                     errors=endpoint.stats["errors"], others_latency_mean_s=statistics.mean(others),
                     others_latency_p95_s=sorted(others)[int(0.95 * (len(others) - 1))],
                     others_latency_max_s=max(others))

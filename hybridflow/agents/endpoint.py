@@ -48,8 +48,9 @@ CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/mode
 
 class Endpoint:
     """The routes (see the module docstring). driver: an `EngineDriver` over a held session sampling with
-    `params` (its max_tokens caps a turn; its `max_group` caps a request's n); budget: response tokens of a trajectory over all its turns;
-    max_prompt_length: tokens of a trajectory's prompt; vocab_size: bound of prompt ids."""
+    `params` (its max_tokens caps a turn; its `max_group` caps a request's n); budget: response tokens of a
+    trajectory over all its turns; max_prompt_length: tokens of a trajectory's prompt; vocab_size: bound of
+    prompt ids."""
 
     def __init__(self, tokenizer: Any, driver: Any, params: SamplingParams, budget: int, max_prompt_length: int,
                  vocab_size: int, max_concurrent: int, token: str) -> None:

@@ -60,6 +60,7 @@ class Renderers:
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
 
     def close(self) -> None:
+        """Ends the rendering thread once its current call returns; calls still queued are dropped."""
         self.thread.shutdown(wait=False, cancel_futures=True)
 
     def most_chars(self, tokens: int) -> int:
