@@ -64,8 +64,9 @@ def chat(path_key: str = "k") -> str:
 
 
 def test_the_key_and_the_declared_length_are_checked_before_the_body_is_read(tokenizer):
-    """A wrong, missing or non-ASCII key is answered 401 and a body declared over the limit 413, though none of
-    the body was sent: the server did not wait for it. Below the limit, the request is served."""
+    """A wrong or non-ASCII key is answered 401 and a body declared over the limit 413, though none of the body
+    was sent: the server did not wait for it. A chunked body (no length declared) is refused 413 once it grows
+    past the limit. Below the limit, the request is served."""
 
     async def main():
         async with serving(tokenizer, scripted(tokenizer), PARAMS, max_body_bytes=4096) as (endpoint, port):
@@ -75,15 +76,19 @@ def test_the_key_and_the_declared_length_are_checked_before_the_body_is_read(tok
             accented = await exchange(port, post(chat(), b"", key="t\u00e9st-token", length=10))
             too_large = await exchange(port, post(chat(), b"", length=5000))
             waited = time.monotonic() - start
+            head = (f"POST {chat()} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                    f"Transfer-Encoding: chunked\r\n\r\n1388\r\n")  # one chunk of 0x1388 = 5000 bytes
+            chunked = await exchange(port, head.encode() + b"x" * 5000 + b"\r\n0\r\n\r\n")
             fits = json.dumps({"model": "policy", "messages": QUESTION}).encode()
             served = await exchange(port, post(chat(), fits))
-            return wrong, accented, too_large, waited, served
+            return wrong, accented, too_large, waited, chunked, served
 
-    wrong, accented, too_large, waited, served = asyncio.run(main())
+    wrong, accented, too_large, waited, chunked, served = asyncio.run(main())
     assert wrong[0] == 401 and json.loads(wrong[1])["error"]["code"] == "invalid_api_key"
     assert accented[0] == 401 and json.loads(accented[1])["error"]["code"] == "invalid_api_key"
     assert too_large[0] == 413 and "at most 4096" in json.loads(too_large[1])["error"]["message"]
     assert waited < 4  # three answers without their bodies (a wait for one would take the 5 s timeout)
+    assert chunked[0] == 413 and json.loads(chunked[1])["error"]["code"] == "request_too_large"  # no length declared
     assert served[0] == 200 and json.loads(served[1])["choices"][0]["message"]["content"] == "Fine."
 
 
