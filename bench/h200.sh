@@ -247,6 +247,10 @@ multiturn() { python3 bench/multiturn.py --device cuda --model "$GGUF" ${MT_RUNN
 # 1,024 trajectories at once through the endpoint: the JSON's endpoint.errors must all be 0
 endpoint_1024() { python3 bench/multiturn.py --device cuda --model "$GGUF" --only-endpoint --prompts 256 --n 4 \
     --turn-tokens 64 --out "$OUT/endpoint_1024_h200.json" 2>&1 | tee "$OUT/endpoint_1024.log"; }
+# 32 trajectories, one sending a 5 MB message (issue 56): big_message.others_latency_ratio must be <= 2 (also needs
+# aiohttp's wheel in .whl/: it serves the endpoint)
+endpoint_big() { python3 bench/multiturn.py --device cuda --model "$GGUF" --only-endpoint --prompts 32 --n 1 \
+    --big-message-mb 5 --out "$OUT/endpoint_big_h200.json" 2>&1 | tee "$OUT/endpoint_big.log"; }
 # GRPO on textarena's GuessTheNumber through the endpoint, ET_STEPS steps at actor.lr ET_LR (a reward curve, JSON
 # and PNG)
 # (its metrics.jsonl is written to $OUT step by step: a call that runs out of time keeps the finished steps)

@@ -26,6 +26,12 @@ median seconds reported, with every repeat's seconds. Prints and writes JSON.
 
     python bench/multiturn.py --device cuda --model ... --only-endpoint --prompts 256 --n 4 --turn-tokens 64
         # 1,024 trajectories at once through the endpoint: `errors` counts failed requests and trajectories
+    python bench/multiturn.py --device cpu --only-endpoint --prompts 32 --n 1 --big-message-mb 5
+        # run 4 again with row 0's trajectory sending a 5 MB message (refused: no prompt holds it);
+        # `big_message.others_latency_ratio`: the other trajectories' mean request latency against run 4's
+
+Run 4 reports the runners' request latency (`request_s_mean`: the mean over trajectories of each one's mean
+request seconds, `request_s_max`: the longest request), measured in the runner by the agent.
 """
 
 from __future__ import annotations
@@ -156,15 +162,16 @@ def runner_cpu_s(rollout) -> float:
 
 
 def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, rows, params,
-                 runner_processes: int | None) -> dict:
-    """Run 4: the episodes through the endpoint (`EndpointRollout` with `bench/endpoint_agent.py:feedback`)."""
+                 runner_processes: int | None, big_mb: float = 0.0) -> dict:
+    """Run 4: the episodes through the endpoint (`EndpointRollout` with `bench/endpoint_agent.py:feedback`); with
+    `big_mb`, row 0's trajectories send a message of that many MB (its latency is left out of `request_s_*`)."""
     from hybridflow.agents.endpoint_rollout import EndpointRollout
     from hybridflow.config.schema import AgentConfig
 
     cfg = AgentConfig(runner=f"{Path(__file__).resolve().parent / 'endpoint_agent.py'}:feedback",
                       max_tokens_per_turn=turn_tokens, max_concurrent_requests=4096, timeout_s=600.0,
                       runner_processes=runner_processes)
-    rollout = EndpointRollout(cfg, tokenizer, budget, 4096, cfg.runner, {"turns": turns})
+    rollout = EndpointRollout(cfg, tokenizer, budget, 4096, cfg.runner, {"turns": turns, "big_mb": big_mb})
     rollout.run(engine, [[1]] * 2, rows[:2], SamplingParams(n=1, max_tokens=8, seed=1))  # starts the runner process
     sessions = []
     make_session = engine.session
@@ -186,6 +193,7 @@ def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, r
         del engine.session
         rollout.close()
     trajectories = [t for row in outs for t in row]
+    latencies = [t.metrics for row in (outs[1:] if big_mb else outs) for t in row if "request_s" in t.metrics]
     turns_done = sum(t.turns for t in trajectories)
     model_tokens = sum(sum(t.response_mask) for t in trajectories)
     all_tokens = sum(len(t.token_ids) for t in trajectories)
@@ -203,7 +211,9 @@ def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, r
                 prefill_tokens=stats["prefill_tokens"], reused_tokens=stats["reused_tokens"],
                 prefill_forwards=stats["prefill_forwards"], decode_steps=stats["decode_steps"],
                 prefill_s=stats["prefill_s"], decode_s=stats["decode_s"], runner_processes=len(rollout.hosts),
-                runner_cpu_s=runner_cpu, runner_cpu_ms_per_request=1000 * runner_cpu / rollout.stats["requests"])
+                runner_cpu_s=runner_cpu, runner_cpu_ms_per_request=1000 * runner_cpu / rollout.stats["requests"],
+                request_s_mean=sum(m["request_s"] for m in latencies) / max(len(latencies), 1),
+                request_s_max=max((m["request_s_max"] for m in latencies), default=0.0))
 
 
 def repeated(run, repeats: int) -> dict:
@@ -235,6 +245,8 @@ def main() -> None:
                              "for the interpreter while the event loop serves requests; default: Python's, 0.005")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each kind, the median's reported (default: 3 on cuda, 1 on cpu)")
+    parser.add_argument("--big-message-mb", type=float, default=0.0,
+                        help="after run 4, run it again with row 0's trajectories sending a message of this many MB")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -296,6 +308,12 @@ def main() -> None:
             result["endpoint_runs"] = runs
         for run in runs:
             print("endpoint", run, flush=True)
+        if args.big_message_mb:
+            big = repeated(lambda: run_endpoint(engine, tokenizer, budget, args.turns, turn_tokens, rows, params,
+                                                counts[0], args.big_message_mb), repeats)
+            result["big_message"] = dict(big, mb=args.big_message_mb, others_latency_ratio=(
+                big["request_s_mean"] / result["endpoint"]["request_s_mean"]))
+            print("big_message", result["big_message"], flush=True)
 
     if args.only_endpoint:
         endpoint_runs()

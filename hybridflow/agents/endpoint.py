@@ -12,6 +12,15 @@ trajectory run one after the other and are stitched into its token sequence (`st
 engine's (`EngineDriver`): the answers are the sampled ids, their log-probs and their text, decoded once.
 A request the engine cannot serve gets an OpenAI-style error body (`openai_wire`). A request for a
 trajectory whose runner has returned is refused, counted and drops that trajectory.
+
+A request is checked in order of cost, so no check waits for a more expensive step: the API key and the route
+from the headers, before the body is read (`http_server`); the body's shape and values (`openai_wire`); its
+length against the trajectory's limits from its characters, before anything is rendered (`stitching`). The
+decoding, the checks and the rendering and tokenizing run in the renderers' thread, off the event loop that
+drives the engine, so a large request does not hold up the other trajectories' requests or the engine's steps.
+A request for more samples than the engine admits without holding back others (`driver.max_group`: an eighth
+of its KV slots) is refused: it would wait at the head of the engine's queue until that many slots are free,
+and every new trajectory behind it would wait too.
 """
 
 from __future__ import annotations
@@ -19,22 +28,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from hybridflow.agents.openai_wire import APIError, Choice, Request, models_body, parse_request, response_body
+from jinja2 import TemplateError
+
+from hybridflow.agents.openai_wire import (APIError, Choice, Request, decode_body, models_body, parse_request,
+                                           response_body)
 from hybridflow.agents.parsing import OPEN, parse_tool_calls
-from hybridflow.agents.stitching import Lane, Renderers, budget_error, cut_at_stop
+from hybridflow.agents.stitching import Lane, Plan, Renderers, budget_error, cut_at_stop
 from hybridflow.engine.rollout import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from hybridflow.agents.http_server import BodyReader
 
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
 
 
 class Endpoint:
     """The routes (see the module docstring). driver: an `EngineDriver` over a held session sampling with
-    `params` (its max_tokens caps a turn); budget: response tokens of a trajectory over all its turns;
-    max_prompt_length: tokens of a trajectory's prompt; vocab_size: bound of prompt ids."""
+    `params` (its max_tokens caps a turn; its `max_group` caps a request's n); budget: response tokens of a
+    trajectory over all its turns; max_prompt_length: tokens of a trajectory's prompt; vocab_size: bound of
+    prompt ids."""
 
     def __init__(self, tokenizer: Any, driver: Any, params: SamplingParams, budget: int, max_prompt_length: int,
                  vocab_size: int, max_concurrent: int, token: str) -> None:
@@ -50,17 +66,23 @@ class Endpoint:
         self.lanes[key] = Lane(key)
         return self.lanes[key]
 
-    async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
-        """One HTTP request -> (status, JSON body)."""
+    def close(self) -> None:
+        """Ends the renderers' thread."""
+        self.renderers.close()
+
+    async def handle(self, method: str, path: str, headers: Mapping[str, str], read: BodyReader) -> tuple[int, Any]:
+        """One HTTP request -> (status, JSON body); `read()` reads its body."""
         self.stats["requests"] += 1
         try:
-            return 200, await self._route(method, path.split("?", 1)[0], headers, body)
+            return 200, await self._route(method, path.split("?", 1)[0], headers, read)
         except APIError as e:
             self.stats["errors"] += 1
             return e.status, e.body()
 
-    async def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
-        if not hmac.compare_digest(headers.get("authorization", ""), f"Bearer {self.token}"):
+    async def _route(self, method: str, path: str, headers: Mapping[str, str], read: BodyReader) -> dict[str, Any]:
+        given = headers.get("authorization", "")
+        # compare_digest takes ASCII text only; any other key is wrong anyway
+        if not (given.isascii() and hmac.compare_digest(given, f"Bearer {self.token}")):
             raise APIError(401, "missing or wrong API key: use the key given with this endpoint's base URL",
                            code="invalid_api_key", kind="authentication_error")
         key = None
@@ -82,11 +104,7 @@ class Endpoint:
             lane.trajectory.drop("a request came after its runner returned")
             raise APIError(400, "this trajectory has ended: its runner returned before this request",
                            code="trajectory_ended")
-        try:
-            payload = json.loads(body or b"null")
-        except ValueError as e:
-            raise APIError(400, f"the body is not JSON: {e}") from None
-        request = parse_request(payload, route == "/chat/completions", self.params.temperature, self.params.top_p)
+        body = await read()
         # in flight from here: a request waiting for the concurrency cap is its runner waiting on us, not idle
         lane.in_flight += 1
         try:
@@ -97,7 +115,9 @@ class Endpoint:
                 self.stats["peak_concurrent"] = max(self.stats["peak_concurrent"], self.active)
                 try:
                     async with lane.lock:
-                        return await self._turn(lane, request)
+                        request, plan = await self.renderers.call(self._prepare, lane, body,
+                                                                  route == "/chat/completions")
+                        return await self._turn(lane, request, plan)
                 finally:
                     self.active -= 1
         finally:
@@ -106,9 +126,21 @@ class Endpoint:
             if lane.ended:  # its runner returned meanwhile (`Lane.end`)
                 lane.end(self.driver.release)
 
-    async def _turn(self, lane: Lane, request: Request) -> dict[str, Any]:
-        """Plan the request on the lane, run it on the engine, record and answer it."""
-        plan = lane.plan(request, self.renderers)
+    def _prepare(self, lane: Lane, body: bytes, chat: bool) -> tuple[Request, Plan]:
+        """The checked request and its plan on the lane (in the renderers' thread)."""
+        request = parse_request(decode_body(body), chat, self.params.temperature, self.params.top_p,
+                                self.driver.max_group)
+        try:
+            plan = lane.plan(request, self.renderers, self.budget, self.max_prompt_length)
+        except TemplateError as e:  # the template's own refusal (e.g. roles that do not alternate)
+            raise APIError(400, f"the model's chat template refuses these messages: {e}", param="messages") from None
+        if plan.prompt and max(plan.prompt) >= self.vocab_size:
+            raise APIError(400, f"token id {max(plan.prompt)} is outside the vocabulary [0, {self.vocab_size})",
+                           param="prompt", code="invalid_value")
+        return request, plan
+
+    async def _turn(self, lane: Lane, request: Request, plan: Plan) -> dict[str, Any]:
+        """Run the request's plan on the engine, record and answer it."""
         cap = min(request.max_tokens or self.params.max_tokens, self.params.max_tokens)
         if plan.seq is not None:
             held = lane.answers().choices[plan.choice]
@@ -119,7 +151,6 @@ class Endpoint:
             lane.continue_with(plan, self.driver.release)
             seqs, futures = [plan.seq], [self.driver.extend(plan.seq, plan.appended, min(cap, room))]
         else:
-            self._check_prompt(plan.prompt)
             lane.start_segment(plan.prompt, self.driver.release)
             pairs = self.driver.start(plan.prompt, request.n, min(cap, self.budget))
             seqs, futures = [seq for seq, _ in pairs], [future for _, future in pairs]
@@ -129,16 +160,6 @@ class Endpoint:
         lane.answered(request, [a for a, _ in answers], seqs, [stopped for _, stopped in answers])
         return response_body(self.tokenizer, request.messages is not None, [a for a, _ in answers], prompt_tokens,
                              request.logprobs)
-
-    def _check_prompt(self, prompt: list[int]) -> None:
-        if len(prompt) > self.max_prompt_length:
-            raise APIError(400, f"This model's maximum context length is {self.max_prompt_length} tokens for a "
-                                f"prompt (data.max_prompt_length: a trajectory's first request, or one that does not "
-                                f"continue the last), and this one has {len(prompt)}", param="messages",
-                           code="context_length_exceeded")
-        if max(prompt) >= self.vocab_size:
-            raise APIError(400, f"token id {max(prompt)} is outside the vocabulary [0, {self.vocab_size})",
-                           param="prompt", code="invalid_value")
 
     def _choice(self, seq: int, completion: Completion, request: Request) -> tuple[Choice, bool]:
         """The answer of one sequence, and whether its last id is a stop token. A stop string cuts the turn

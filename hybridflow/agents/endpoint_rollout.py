@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 import secrets
@@ -38,7 +39,6 @@ from typing import Any
 
 from hybridflow.agents.engine_driver import EngineDriver
 from hybridflow.agents.endpoint import Endpoint
-from hybridflow.agents.http_server import JSONServer
 from hybridflow.agents.runner_host import RunnerFailed, RunnerHost
 from hybridflow.agents.stitching import Lane, Renderers
 from hybridflow.agents.trajectory import Trajectory
@@ -53,6 +53,9 @@ class EndpointRollout:
 
     def __init__(self, agent_cfg: Any, tokenizer: Any, budget: int, max_prompt_length: int, runner: str,
                  kwargs: dict[str, Any]) -> None:
+        if importlib.util.find_spec("aiohttp") is None:
+            raise RuntimeError("the OpenAI-compatible endpoint (agent.runner, agent.verifiers, agent.gym, "
+                               "agent.openenv) is served by aiohttp: pip install 'hybridflow[agents]'")
         self.cfg, self.tokenizer, self.budget, self.max_prompt_length = agent_cfg, tokenizer, budget, max_prompt_length
         self.turn_tokens = min(agent_cfg.max_tokens_per_turn or budget, budget)
         processes = agent_cfg.runner_processes or min(16, os.cpu_count() or 1)
@@ -71,6 +74,8 @@ class EndpointRollout:
         return asyncio.run(self._run(engine, rows, params))
 
     async def _run(self, engine: Any, rows: list[dict[str, Any]], params: SamplingParams) -> list[list[Trajectory]]:
+        from hybridflow.agents.http_server import JSONServer  # aiohttp: imported where the endpoint runs only
+
         session_params = dataclasses.replace(params, n=1, max_tokens=self.turn_tokens)
         driver = EngineDriver(engine.session(session_params, hold=True))
         serving = asyncio.create_task(driver.serve())
@@ -100,10 +105,19 @@ class EndpointRollout:
             driver.stop()
             engine_error = (await asyncio.gather(serving, return_exceptions=True))[0]
             await server.close()
-        if isinstance(engine_error, Exception):  # the requests it failed were answered 500 and their runners
-            raise engine_error  # counted as failed: the phase fails on the engine's own error instead
-        self.stats = dict(endpoint.stats, engine_stalls=self.stalls)
-        return [[lane.finish(endpoint.renderers, driver.release) for lane in per_row] for per_row in lanes]
+        try:
+            if isinstance(engine_error, Exception):  # the requests it failed were answered 500 and their runners
+                raise engine_error  # counted as failed: the phase fails on the engine's own error instead
+            self.stats = dict(endpoint.stats, engine_stalls=self.stalls)
+            for lane in endpoint.lanes.values():
+                lane.release(driver.release)
+
+            def finish_all() -> list[list[Trajectory]]:
+                return [[lane.finish(endpoint.renderers) for lane in per_row] for per_row in lanes]
+
+            return await endpoint.renderers.call(finish_all)
+        finally:
+            endpoint.close()
 
     async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]], driver: EngineDriver,
                     renderers: Renderers) -> set[RunnerHost]:
@@ -114,13 +128,15 @@ class EndpointRollout:
         not after the phase with the engine idle). Watches for a stall."""
         limit, timed_out, release = self.cfg.timeout_s, set(), driver.release
         waiting, self.stalls, reported = set(jobs), 0, None
+        checks: list[asyncio.Future] = []
         while waiting:
             done, waiting = await asyncio.wait(waiting, timeout=min(1.0, limit / 4),
                                                return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 lane = jobs[future][0]
                 if self._returned(lane, future, release) and lane.pending is not None:  # else at the end: a
-                    lane.finish(renderers, release)  # request it sent as it returned may still come, to be refused
+                    # request it sent as it returned may still come, to be refused; its slots are free (`end`)
+                    checks.append(asyncio.ensure_future(renderers.call(lane.finish, renderers)))
             now = time.monotonic()
             requests = sum(jobs[future][0].in_flight for future in waiting)
             if requests and now - driver.last_step > limit and reported != driver.last_step:
@@ -135,6 +151,7 @@ class EndpointRollout:
                     host.cancel(lane.key)
                     waiting.discard(future)
                     timed_out.add(host)
+        await asyncio.gather(*checks)
         return timed_out
 
     def _returned(self, lane: Lane, future: asyncio.Future, release: Callable[[int], None]) -> bool:

@@ -49,6 +49,13 @@ class EngineDriver:
         self.wake.set()
         return future
 
+    @property
+    def max_group(self) -> int:
+        """The most samples one prompt should ask for: new prompts are admitted once this many KV slots are free
+        (`Scheduler.admit_batch`, an eighth of them) and in arrival order, so a larger group would hold every
+        prompt behind it back for longer than the engine's own admission does."""
+        return self.session.scheduler.admit_batch
+
     def start(self, prompt: list[int], n: int, max_tokens: int) -> list[tuple[int, asyncio.Future]]:
         """Queue a prompt's n samples; their sequence ids and first turns' futures."""
         with self.lock:

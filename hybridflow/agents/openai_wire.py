@@ -7,7 +7,9 @@ refused otherwise (the trainer needs the log-probs of the distribution that was 
 with an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`): another model name,
 `stream`, a forced `tool_choice`, `top_logprobs` > 0 (the engine returns the sampled token's log-prob
 only), `seed`, penalties, `logit_bias`, a JSON `response_format`. Keys the endpoint does not know are
-ignored, as vLLM does with its own extensions.
+ignored, as vLLM does with its own extensions. The body is checked before anything is rendered: JSON nested
+deeper than `MAX_DEPTH` levels, a value of the wrong type (`temperature: true`, `tools: [1]`, `stop: 5`), `n` < 1 or
+above what the engine admits without holding back other trajectories (`max_n`) are refused 400.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 MODEL_NAME = "policy"  # the model name the endpoint serves
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_DEPTH = 64  # JSON nesting a request may have (a tool's parameter schema nests a few levels per parameter)
 
 
 class APIError(Exception):
@@ -55,6 +58,33 @@ class Request:
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = True
     prompt: str | list[int] | None = None
+
+
+def decode_body(body: bytes) -> Any:
+    """The request body as JSON, refused (400) when it is not JSON or nests deeper than `MAX_DEPTH` (the chat
+    template and the tool schemas' renderings recurse into it)."""
+    try:
+        value = json.loads(body or b"null")
+    except RecursionError:
+        raise APIError(400, f"the body nests JSON deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:
+        raise APIError(400, f"the body is not JSON: {e}") from None
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"the body nests JSON deeper than {MAX_DEPTH} levels")
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+    return value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text(content: Any, where: str) -> str:
@@ -123,7 +153,7 @@ def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
         raise _bad("tools", "must be a list of {type: function, function: {name, description, parameters}}")
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"),
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function" or not isinstance(fn.get("name"),
                                                                                                   str):
             raise _bad(f"tools[{i}]", "must be {type: function, function: {name, description, parameters}}")
     return [{"type": "function", "function": t["function"]} for t in tools]
@@ -132,8 +162,7 @@ def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
 def _check_sampling(body: dict[str, Any], temperature: float, top_p: float) -> None:
     for key, value in (("temperature", temperature), ("top_p", top_p)):
         given = body.get(key)
-        if given is not None and (not isinstance(given, (int, float)) or not math.isclose(given, value,
-                                                                                             abs_tol=1e-6)):
+        if given is not None and (not _number(given) or not math.isclose(given, value, abs_tol=1e-6)):
             raise _bad(key, f"this rollout phase samples with {key}={value:g} (rollout.{key}, or rollout.val_"
                             f"{key} when validating): leave it out or pass {value:g}", "unsupported_value")
     fixed: dict[str, Any] = {"stream": False, "seed": None, "presence_penalty": 0, "frequency_penalty": 0,
@@ -150,8 +179,9 @@ def _check_sampling(body: dict[str, Any], temperature: float, top_p: float) -> N
                    "unsupported_value")
 
 
-def parse_request(body: Any, chat: bool, temperature: float, top_p: float) -> Request:
-    """A checked `Request` from a chat or completion request body; `APIError` naming the parameter else."""
+def parse_request(body: Any, chat: bool, temperature: float, top_p: float, max_n: int) -> Request:
+    """A checked `Request` from a chat or completion request body; `APIError` naming the parameter else. max_n:
+    the most samples a request may ask for."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -159,15 +189,22 @@ def parse_request(body: Any, chat: bool, temperature: float, top_p: float) -> Re
         raise APIError(404, f"the model {model!r} does not exist; this endpoint serves {MODEL_NAME!r}",
                        param="model", code="model_not_found")
     _check_sampling(body, temperature, top_p)
-    n = body.get("n") or 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _count(n) or n < 1:
         raise _bad("n", f"must be an integer >= 1, got {n!r}")
+    if n > max_n:
+        raise _bad("n", f"this engine serves n <= {max_n} (an eighth of its KV slots: a request waits until n slots "
+                        f"are free, and every new trajectory behind it waits too), got {n}")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+    if max_tokens is not None and (not _count(max_tokens) or max_tokens < 1):
         raise _bad("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
-    if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise _bad("stop", "must be a string or a list of up to 4 non-empty strings")
     request = Request(n=n, max_tokens=max_tokens, stop=stop)
     if chat:
@@ -185,7 +222,7 @@ def parse_request(body: Any, chat: bool, temperature: float, top_p: float) -> Re
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if not (isinstance(prompt, str) and prompt) and not (
-                isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt)):
+                isinstance(prompt, list) and prompt and all(_count(t) and t >= 0 for t in prompt)):
             raise _bad("prompt", "must be one non-empty string or one list of token ids")
         request.prompt = prompt
     return request

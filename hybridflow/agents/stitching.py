@@ -13,6 +13,15 @@ text plus more continues it, unless that choice ended on a stop token the text d
 
 The recorded ids and log-probs are always the engine's; `finish` commits the last request's first choice
 and runs the token-exact check (`token_check`) against the template's rendering of the final conversation.
+
+A request's length is checked before anything is rendered or tokenized, so an oversized message costs no more
+than one that fits: no token spans more characters than the vocabulary's longest entry, so message contents of
+more than `(limit + 1)` times that many characters cannot fit `limit` tokens. A new segment whose contents
+exceed that for `data.max_prompt_length` is refused at once; a continuation's new contents (or text) are cut to
+what could still fit the trajectory's room, so their ids exceed it and the request is refused with a full
+context. The rendering and tokenizing then run in `Renderers`' own thread (`Renderers.call`), off the event
+loop that drives the engine and serves the other trajectories' requests; one thread, since the tokenizer's
+backend is switched per call between reading special-token text as such or as plain text.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hybridflow.agents.openai_wire import APIError, Choice, Request, same_message
 from hybridflow.agents.rendering import TurnRenderer
@@ -31,14 +42,30 @@ from hybridflow.agents.trajectory import Trajectory
 from hybridflow.data.chat import with_tools
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Renderers:
-    """The chat template's renderings for one tokenizer, a `TurnRenderer` per tool list (cached)."""
+    """The chat template's renderings for one tokenizer, a `TurnRenderer` per tool list (cached), and the thread
+    they run in (`call`; `close` ends it)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[str, TurnRenderer] = {}
+        self.max_token_chars = self.turn(None).max_token_chars
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-render")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the rendering thread (every use of the tokenizer's encoder runs there)."""
+        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+
+    def close(self) -> None:
+        """Ends the rendering thread once its current call returns; calls still queued are dropped."""
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+    def most_chars(self, tokens: int) -> int:
+        """Characters beyond which a text cannot fit `tokens` tokens."""
+        return (max(tokens, 0) + 1) * self.max_token_chars
 
     def turn(self, tools: list[dict] | None) -> TurnRenderer:
         key = json.dumps(tools, sort_keys=True)
@@ -97,8 +124,10 @@ class Lane:
         self.finished: Trajectory | None = None  # `finish`'s result, once made
 
     # ------------------------------------------------------------------ planning a request
-    def plan(self, request: Request, renderers: Renderers) -> Plan:
-        """Continue a held choice when the request extends it, else a new segment's prompt ids."""
+    def plan(self, request: Request, renderers: Renderers, budget: int, max_prompt_length: int) -> Plan:
+        """Continue a held choice when the request extends it, else a new segment's prompt ids (refused when
+        longer than `max_prompt_length`). A continuation's ids are cut past the room the trajectory's `budget`
+        leaves (see the module docstring); the caller refuses them then. In the rendering thread."""
         messages = request.messages
         chat = messages is not None
         last = self.pending
@@ -106,10 +135,19 @@ class Lane:
             for c, choice in enumerate(last.choices):
                 if last.seqs[c] is None:
                     continue
-                appended = (self._chat_continuation(request, last, c, renderers) if chat
-                            else self._text_continuation(request, last, c, renderers))
+                room = budget - len(self.trajectory.token_ids) - len(choice.ids)
+                appended = (self._chat_continuation(request, last, c, renderers, room) if chat
+                            else self._text_continuation(request, last, c, renderers, room))
                 if appended:
                     return Plan(seq=last.seqs[c], choice=c, appended=appended)
+        if messages is not None:
+            chars = sum(len(m["content"]) for m in messages)
+        elif isinstance(request.prompt, str):
+            chars = len(request.prompt)
+        else:
+            chars = 0
+        if chars > renderers.most_chars(max_prompt_length):
+            raise prompt_error(max_prompt_length, f"its message contents hold {chars} characters")
         if messages is not None:
             prompt = renderers.ids(renderers.render(messages, request.tools, generation_prompt=True))
         elif isinstance(request.prompt, list):
@@ -118,10 +156,13 @@ class Lane:
             prompt = renderers.ids(request.prompt, True)
         else:
             raise ValueError(f"trajectory {self.key}: a request with neither messages nor a prompt")
+        if len(prompt) > max_prompt_length:
+            raise prompt_error(max_prompt_length, f"this one has {len(prompt)}")
         return Plan(prompt=prompt)
 
     @staticmethod
-    def _chat_continuation(request: Request, last: Pending, c: int, renderers: Renderers) -> list[int] | None:
+    def _chat_continuation(request: Request, last: Pending, c: int, renderers: Renderers,
+                           room: int) -> list[int] | None:
         messages, sent, returned = request.messages, last.messages, last.choices[c].message
         if messages is None or sent is None or returned is None:  # not a chat request or not a chat answer
             return None
@@ -131,12 +172,14 @@ class Lane:
             return None
         try:
             return renderers.turn(request.tools).render(messages[before + 1:],
-                                                        last.choices[c].ids[-1] if last.stopped[c] else None)
+                                                        last.choices[c].ids[-1] if last.stopped[c] else None,
+                                                        limit=max(room, 0))
         except ValueError:  # the template renders the conversation differently once these messages follow
             return None
 
     @staticmethod
-    def _text_continuation(request: Request, last: Pending, c: int, renderers: Renderers) -> list[int] | None:
+    def _text_continuation(request: Request, last: Pending, c: int, renderers: Renderers,
+                           room: int) -> list[int] | None:
         prompt, before, choice = request.prompt, last.prompt, last.choices[c]
         if last.stopped[c]:
             return None
@@ -145,7 +188,7 @@ class Lane:
             return prompt[len(done):] if prompt[:len(done)] == done else None
         if isinstance(prompt, str) and isinstance(before, str):
             text = before + choice.text
-            rest = prompt[len(text):] if prompt.startswith(text) else ""
+            rest = prompt[len(text):len(text) + renderers.most_chars(room)] if prompt.startswith(text) else ""
             return renderers.ids(rest) if rest else None
         return None  # a prompt of another kind (ids after text, or the reverse)
 
@@ -202,19 +245,19 @@ class Lane:
                                choices, list(seqs), stopped)
 
     # ------------------------------------------------------------------ the end
-    def finish(self, renderers: Renderers, release: Any) -> Trajectory:
+    def finish(self, renderers: Renderers) -> Trajectory:
         """The trajectory as trained: the last request's first choice committed, the token-exact check run; once
-        (a later call returns the same trajectory)."""
+        (a later call returns the same trajectory). In the rendering thread; it leaves the engine alone (the
+        caller has released the held choices: `end`)."""
         if self.finished is None:
-            self.finished = self._finish(renderers, release)
+            self.finished = self._finish(renderers)
         return self.finished
 
-    def _finish(self, renderers: Renderers, release: Any) -> Trajectory:
+    def _finish(self, renderers: Renderers) -> Trajectory:
         trajectory, last = self.trajectory, self.pending
         if last is None:
             trajectory.drop("the runner made no request")
             return trajectory
-        self.release(release)
         first = last.choices[0]
         trajectory.add_model_turn(first.completion())
         if last.messages is None or first.message is None:  # a completion: no conversation to check against
@@ -250,6 +293,13 @@ def cut_at_stop(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[int, s
         else:
             low = mid + 1
     return low, text[:start]
+
+
+def prompt_error(limit: int, what: str) -> APIError:
+    """The answer to a new segment's prompt longer than `data.max_prompt_length` (`what`: by how much)."""
+    return APIError(400, f"This model's maximum context length is {limit} tokens for a prompt (data.max_prompt_length: "
+                         f"a trajectory's first request, or one that does not continue the last), and {what}",
+                    param="messages", code="context_length_exceeded")
 
 
 def budget_error(budget: int) -> APIError:

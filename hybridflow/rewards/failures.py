@@ -16,7 +16,8 @@ class RewardFunctionFailed(RowsFailed):
 
 
 class EnvironmentFailed(RowsFailed):
-    """The environment failed on every trajectory of several training steps in a row."""
+    """The environment failed on every trajectory of several training steps in a row, or the endpoint's agent
+    runners on every trajectory of one batch (none is left to train on)."""
 
 
 class FailureStreak:

@@ -17,6 +17,7 @@ import torch
 from hybridflow import algorithms
 from hybridflow.batch import Batch
 from hybridflow.config.resolved import RunFacts
+from hybridflow.rewards.failures import EnvironmentFailed
 from hybridflow.rewards.manager import RewardResult, scores_to_token_scores
 
 
@@ -129,9 +130,9 @@ def drop_failed_trajectories(batch: Batch) -> Batch:
     from hybridflow.tracking.metrics import compute_agent_metrics
 
     keep = torch.tensor([reason is None for reason in batch["agent/dropped"]])
-    if not keep.any():
-        raise RuntimeError(f"every trajectory of this batch failed, the first because {batch['agent/dropped'][0]}; "
-                           f"see the agent runner's log lines above")
+    if not keep.any():  # `hybridflow train` ends on it with this line (exit status 2), not a traceback
+        raise EnvironmentFailed(f"every trajectory of this batch failed, the first because "
+                                f"{batch['agent/dropped'][0]}; see the agent runner's log lines above")
     metrics = compute_agent_metrics(batch)
     kept = batch[keep]
     kept.meta["agent_metrics"] = metrics

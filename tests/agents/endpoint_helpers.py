@@ -18,10 +18,12 @@ TOKEN = "test-token"
 
 @contextlib.asynccontextmanager
 async def serving(tokenizer, driver, params: SamplingParams, budget: int = 64, max_prompt_length: int = 200,
-                  vocab_size: int = 10**6, max_concurrent: int = 64) -> AsyncIterator[tuple[Endpoint, int]]:
-    """(endpoint, port) served on 127.0.0.1 while the block runs; `driver.serve()` runs beside it."""
+                  vocab_size: int = 10**6, max_concurrent: int = 64,
+                  **server_args) -> AsyncIterator[tuple[Endpoint, int]]:
+    """(endpoint, port) served on 127.0.0.1 while the block runs; `driver.serve()` runs beside it. server_args:
+    `JSONServer`'s limits."""
     endpoint = Endpoint(tokenizer, driver, params, budget, max_prompt_length, vocab_size, max_concurrent, TOKEN)
-    server = JSONServer(endpoint.handle)
+    server = JSONServer(endpoint.handle, **server_args)
     port = await server.start()
     task = asyncio.create_task(driver.serve())
     try:
@@ -30,6 +32,7 @@ async def serving(tokenizer, driver, params: SamplingParams, budget: int = 64, m
         driver.stop()
         await asyncio.gather(task, return_exceptions=True)
         await server.close()
+        endpoint.close()
 
 
 def engine_driver(engine, params: SamplingParams) -> EngineDriver:
@@ -65,6 +68,8 @@ class ScriptedDriver:
     """A driver whose "model" writes scripted texts, tokenized as the tokenizer would (then the stop id): the
     endpoint's stitching and the token check on a real template without an engine. It records what the
     endpoint asked (`calls`) and keeps each sequence's ids, so a test can compare them with the template."""
+
+    max_group = 8
 
     def __init__(self, tokenizer, answers: list[str], stop_id: int) -> None:
         self.tokenizer, self.answers, self.stop_id = tokenizer, list(answers), stop_id

@@ -53,7 +53,8 @@ def play(spec: str, row: dict, answers: list[str], **kwargs):
                 endpoint, port):
             lane = endpoint.open("doc")
             reward = await runner(client(port, "doc"), row, **kwargs)
-            return reward, lane.finish(endpoint.renderers, driver.release)
+            lane.end(driver.release)  # the runner returned
+            return reward, lane.finish(endpoint.renderers)
 
     return asyncio.run(main())
 

@@ -19,7 +19,7 @@ TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"
 
 @pytest.fixture(scope="module")
 def tiny(tiny_qwen2):
-    return AutoTokenizer.from_pretrained(tiny_qwen2), RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=8,
+    return AutoTokenizer.from_pretrained(tiny_qwen2), RolloutEngine.from_pretrained(tiny_qwen2, max_num_seqs=16,
                                                                                     max_model_len=320)
 
 
@@ -41,7 +41,7 @@ def test_chat_with_n_and_logprobs_is_stitched_into_the_sampled_ids(tiny):
             return endpoint, lane, first, picked, second
 
     endpoint, lane, first, picked, second = asyncio.run(main())
-    trajectory = lane.finish(endpoint.renderers, lambda seq: None)
+    trajectory = lane.finish(endpoint.renderers)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], tokenize=False,
                                            add_generation_prompt=True)
     assert trajectory.prompt_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -87,7 +87,7 @@ def test_tool_calls_come_back_in_openai_form_and_stop_strings_cut_the_turn(tool_
     assert call.type == "function" and call.function.name == "calculator"
     assert call.function.arguments == '{"expression": "6*7"}' and call.id.startswith("call_")
     assert again.choices[0].message.tool_calls  # the tool result was appended to the held sequence
-    trajectory = calls.finish(endpoint.renderers, lambda seq: None)
+    trajectory = calls.finish(endpoint.renderers)
     assert trajectory.segments == 1 and trajectory.turns == 2
     # this template renders an assistant message's content only, never its tool calls: the final conversation
     # is not what the model saw, and the check says where (the first sampled token)
@@ -96,7 +96,7 @@ def test_tool_calls_come_back_in_openai_form_and_stop_strings_cut_the_turn(tool_
     assert plain.choices[0].finish_reason == "stop" and TOOL_CALL.startswith(text) and text.endswith('"name": "')
     kept = plain.choices[0].model_extra["token_ids"]
     assert tokenizer.decode(kept).startswith(text + "calculator")  # ids up to the token completing the stop
-    assert cut.finish(endpoint.renderers, lambda seq: None).token_ids == kept
+    assert cut.finish(endpoint.renderers).token_ids == kept
 
 
 def test_raw_completions_continue_on_text_and_ids(tiny):
@@ -113,7 +113,7 @@ def test_raw_completions_continue_on_text_and_ids(tiny):
             return endpoint, lane, first, second
 
     endpoint, lane, first, second = asyncio.run(main())
-    trajectory = lane.finish(endpoint.renderers, lambda seq: None)
+    trajectory = lane.finish(endpoint.renderers)
     assert len(first.choices[0].logprobs.token_logprobs) == len(first.choices[0].model_extra["token_ids"])
     if first.choices[0].finish_reason == "length":  # not ended on a stop token: the text view is exact
         assert trajectory.segments == 1 and trajectory.turns == 2
@@ -195,7 +195,7 @@ def test_concurrent_conversations_with_the_engine_stepped_from_a_worker_thread(t
             return endpoint, lanes
 
     endpoint, lanes = asyncio.run(asyncio.wait_for(main(), timeout=120))
-    trajectories = [lane.finish(endpoint.renderers, lambda seq: None) for lane in lanes.values()]
+    trajectories = [lane.finish(endpoint.renderers) for lane in lanes.values()]
     assert all(t.dropped is None and t.turns == 2 and t.segments == 1 for t in trajectories)
     # the token check fails only where the model sampled a special token inside a turn, which the client never sees
     inside = set(tokenizer.all_special_ids) - set(engine.default_stop_ids)
@@ -276,6 +276,6 @@ def test_the_concurrency_cap_does_not_hold_back_trajectories_that_hold_kv_slots(
 
             await asyncio.gather(*(second_turn(key) for key in "ab"))
             await asyncio.gather(*waiting)
-            return [lanes[key].finish(endpoint.renderers, driver.release).turns for key in "abcd"]
+            return [lanes[key].finish(endpoint.renderers).turns for key in "abcd"]
 
     assert asyncio.run(asyncio.wait_for(main(), timeout=60)) == [2, 2, 1, 1]

@@ -52,6 +52,8 @@ RUNNERS = """
             await ask(client, "Hello", max_tokens=2)
             await asyncio.sleep(1.5)
             return 1.0
+        if case == "many":
+            await ask(client, "Hello", n=10000)
         if case == "pid":
             await ask(client, "Hello", max_tokens=2)
             return {"reward": 1.0, "metrics": {"pid": os.getpid()}}
@@ -183,6 +185,45 @@ def test_an_engine_that_stops_stepping_is_reported_once(setup, env_file, monkeyp
     assert "(agent.timeout_s=1) while" in warnings[0] and "turns waiting" in warnings[0]
     assert "of 8 KV slots held between turns" in warnings[0]
     rollout.close()
+
+
+def test_runners_asking_for_more_samples_than_the_engine_serves_fail_their_trajectories_only(setup, env_file):
+    """Every runner asks for n=10000 on eight KV slots: each request is refused 400 (n above an eighth of the
+    slots), so each runner raises and its trajectory counts as a runner error; the phase itself completes."""
+    tokenizer, engine = setup
+    rollout = EndpointRollout(agent_cfg(timeout_s=10, max_tokens_per_turn=4, runner_processes=1), tokenizer,
+                              budget=32, max_prompt_length=64, runner=f"{env_file(RUNNERS)}:play", kwargs={})
+    outs = rollout.run(engine, [[1]] * 2, rows("many", "many"), SamplingParams(n=2, temperature=1.0, seed=0))
+    trajectories = [t for per_row in outs for t in per_row]
+    assert all(t.runner_errors == 1 and "BadRequestError: Error code: 400" in t.dropped and "n <= 1" in t.dropped
+               for t in trajectories)
+    assert rollout.stats["errors"] == rollout.stats["requests"] == 4
+
+
+def test_a_batch_whose_every_trajectory_failed_ends_the_run_in_one_line():
+    """What a run whose runners all fail (n=10000 above) meets: `hybridflow train` prints a `RowsFailed` as one
+    line and exits 2, no traceback."""
+    import numpy as np
+    import torch
+
+    from hybridflow.batch import Batch
+    from hybridflow.rewards.failures import RowsFailed
+    from hybridflow.trainer.step_math import drop_failed_trajectories
+
+    reason = "the runner failed: BadRequestError: Error code: 400"
+    batch = Batch({"responses": torch.zeros(2, 3)}, {"agent/dropped": np.array([reason, reason], dtype=object)})
+    with pytest.raises(RowsFailed, match="every trajectory of this batch failed, the first because the runner"):
+        drop_failed_trajectories(batch)
+
+
+def test_the_endpoint_without_aiohttp_is_refused_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "aiohttp"
+                        else find_spec(name, *args))
+    with pytest.raises(RuntimeError, match=r"served by aiohttp: pip install 'hybridflow\[agents\]'"):
+        EndpointRollout(agent_cfg(), None, budget=32, max_prompt_length=64, runner="x.py:play", kwargs={})
 
 
 def test_trajectories_are_dealt_over_the_runner_processes_and_a_hang_kills_only_its_own(setup, env_file):

@@ -47,7 +47,8 @@ def converse(family: str, answers: list[str], tools: bool, follow_up: str = "Are
             conversation = [*QUESTION, message.model_dump(exclude_none=True), reply]
             second = await api.chat.completions.create(model="policy", messages=conversation, **extra)
             final = [*conversation, second.choices[0].message.model_dump(exclude_none=True)]
-            return lane.finish(endpoint.renderers, driver.release), final
+            lane.end(driver.release)  # the runner returns
+            return lane.finish(endpoint.renderers), final
 
     trajectory, final = asyncio.run(main())
     return tokenizer, trajectory, final, driver
