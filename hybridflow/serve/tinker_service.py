@@ -49,6 +49,19 @@ class ServeConfig:
     max_snapshots: int = 8
 
 
+def model_map(specs: list[str]) -> dict[str, Path]:
+    """`--model` values, each `NAME=PATH` or `PATH` (served under the path as written), as name -> directory."""
+    models: dict[str, Path] = {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        name = name or path
+        if not path or name in models:
+            raise ValueError(f"--model {spec!r}: give NAME=PATH or PATH, each name once (served so far: "
+                             f"{sorted(models)})")
+        models[name] = Path(path)
+    return models
+
+
 @dataclass
 class _Model:
     base: str
