@@ -116,3 +116,12 @@ def test_a_wrong_api_key_is_refused(service_client):
     url = str(service_client.holder._base_url)
     with pytest.raises(tinker.AuthenticationError, match="wrong API key"):  # the client connects on first use
         tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(base_model="tiny", rank=2)
+
+
+def test_serve_command_refuses_a_directory_without_a_model(tmp_path, capsys):
+    from hybridflow.cli import main
+
+    assert main(["serve", "--model", f"tiny={tmp_path}"]) == 2
+    assert f"--model tiny={tmp_path}: no config.json there" in capsys.readouterr().err
+    assert main(["serve", "--model", f"a={tmp_path}", "--model", f"a={tmp_path}"]) == 2
+    assert "each name once" in capsys.readouterr().err
