@@ -22,7 +22,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from tinker import types
 
-from hybridflow.serve.tinker_service import ServeConfig, TinkerService
+from hybridflow.serve.tinker_service import Result, ServeConfig, TinkerService
 from hybridflow.serve.wire import PROTO_CONTENT_TYPE, WireError, read_forward_backward
 
 log = logging.getLogger(__name__)
@@ -92,12 +92,12 @@ async def asample(request: web.Request) -> web.Response:
     return _future(request_id, sequence_ids=[f"{request_id}:{i}" for i in range(req.num_samples)])
 
 
-def _queued(model: type[BaseModel], operation: str) -> Handler:
-    """A route that validates its body as `model` and queues `service.<operation>(body)`."""
+def _queued(model: type[BaseModel], operation: Callable[[TinkerService, Any], Result]) -> Handler:
+    """A route that validates its body as `model` and queues `operation(service, body)`."""
     async def handle(request: web.Request) -> web.Response:
         service = request.app[SERVICE]
         req = await _body(request, model)
-        return _future(service.submit(getattr(service, operation), req), getattr(req, "model_id", None))
+        return _future(service.submit(operation, service, req), getattr(req, "model_id", None))
     return handle
 
 
@@ -173,12 +173,12 @@ def make_app(config: ServeConfig, api_key: str | None = None) -> web.Application
         web.post(f"{api}/create_session", create_session),
         web.post(f"{api}/session_heartbeat", _constant(types.SessionHeartbeatResponse().model_dump())),
         web.post(f"{api}/telemetry", _constant(types.TelemetryResponse(status="accepted").model_dump())),
-        web.post(f"{api}/create_model", _queued(types.CreateModelRequest, "create_model")),
+        web.post(f"{api}/create_model", _queued(types.CreateModelRequest, TinkerService.create_model)),
         web.post(f"{api}/get_info", get_info),
         web.post(f"{api}/forward_backward", forward_backward),
-        web.post(f"{api}/optim_step", _queued(types.OptimStepRequest, "optim_step")),
+        web.post(f"{api}/optim_step", _queued(types.OptimStepRequest, TinkerService.optim_step)),
         web.post(f"{api}/save_weights_for_sampler",
-                 _queued(types.SaveWeightsForSamplerRequest, "save_weights_for_sampler")),
+                 _queued(types.SaveWeightsForSamplerRequest, TinkerService.save_weights_for_sampler)),
         web.post(f"{api}/create_sampling_session", create_sampling_session),
         web.get(f"{api}/samplers/{{sampler_id}}", get_sampler),
         web.post(f"{api}/asample", asample),

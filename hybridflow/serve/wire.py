@@ -44,22 +44,14 @@ class FwdBwdRequest:
 
 
 def _tensor(name: str, msg: pb.Tensor) -> torch.Tensor:
-    """A dense torch tensor of a proto `Tensor` (a sparse CSR one is densified)."""
+    """A torch tensor of a dense proto `Tensor`."""
     if msg.dtype not in _NUMPY:
         raise WireError(f"loss_fn_inputs[{name!r}] has dtype {pb.DType.Name(msg.dtype)}; valid: float32, int64")
-    dtype = _NUMPY[msg.dtype]
-    shape = list(msg.shape)
-    if not msg.HasField("sparse_csr"):
-        values = np.frombuffer(msg.dense, dtype=dtype).copy()
-        return torch.from_numpy(values.reshape(shape) if shape else values)
-    csr = msg.sparse_csr
-    # The SDK sends 1-D sparse inputs as CSR with one row; torch densifies 2-D CSR.
-    rows_shape = shape if len(shape) == 2 else [1, shape[0]]
-    dense = torch.sparse_csr_tensor(torch.from_numpy(np.frombuffer(csr.crow_indices, dtype=np.int64).copy()),
-                                    torch.from_numpy(np.frombuffer(csr.col_indices, dtype=np.int64).copy()),
-                                    torch.from_numpy(np.frombuffer(csr.values, dtype=dtype).copy()),
-                                    size=rows_shape).to_dense()
-    return dense.reshape(shape)
+    if msg.HasField("sparse_csr"):  # the SDK sends 2-D targets (several per position) sparse
+        raise WireError(f"loss_fn_inputs[{name!r}] is sparse (2-D targets); this server takes one target per "
+                        f"position, as 1-D dense inputs")
+    values = np.frombuffer(msg.dense, dtype=_NUMPY[msg.dtype]).copy()
+    return torch.from_numpy(values.reshape(list(msg.shape)) if len(msg.shape) else values)
 
 
 def _tokens(index: int, chunks) -> list[int]:

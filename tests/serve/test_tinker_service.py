@@ -69,6 +69,25 @@ def test_sft_loss_falls_and_samples_carry_the_trained_logprobs(service_client):
         torch.testing.assert_close(torch.tensor(seq.logprobs), trained, atol=1e-4, rtol=0)
 
 
+def _sampled_logprobs_match(sampler, trainer, prompt: list[int]) -> None:
+    """Greedy samples of `prompt` carry the log-probs `trainer`'s model gives their tokens."""
+    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1,
+                         types.SamplingParams(max_tokens=6, temperature=0.0)).result().sequences[0]
+    full = prompt + list(seq.tokens)
+    own = trainer.forward([_datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result()
+    torch.testing.assert_close(torch.tensor(seq.logprobs),
+                               own.loss_fn_outputs[0]["logprobs"].to_torch()[len(prompt) - 1:], atol=1e-4, rtol=0)
+
+
+def test_sampling_the_base_model_after_a_snapshot_restores_its_weights(service_client):
+    trained = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    trained.forward_backward([_datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "cross_entropy").result()
+    trained.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    _sampled_logprobs_match(trained.save_weights_and_get_sampling_client().result(), trained, TOKENS[:5])
+    fresh = service_client.create_lora_training_client(base_model="tiny", rank=4).result()  # B = 0: the base
+    _sampled_logprobs_match(service_client.create_sampling_client(base_model="tiny").result(), fresh, TOKENS[:5])
+
+
 @pytest.mark.parametrize("loss_fn, config", [("importance_sampling", {}),
                                              ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})])
 def test_rl_losses_equal_our_loss_functions(service_client, loss_fn, config):
@@ -97,6 +116,22 @@ def test_rl_losses_equal_our_loss_functions(service_client, loss_fn, config):
                                   agg="token-mean", global_token_count=1, **options)
     assert got == pytest.approx(float(ours), abs=1e-6, rel=1e-6)
     assert got == pytest.approx(float(tinker_formula), abs=1e-5, rel=1e-5)
+
+
+def test_a_custom_loss_runs_client_side_through_cross_entropy(service_client):
+    """The SDK computes a custom loss on the log-probs of a `forward` and sends its gradient as cross_entropy
+    weights: -sum(logp) that way must step the adapters exactly as cross_entropy with unit weights does."""
+    datum = _datum(TOKENS[:12], weights=[1.0] * 11)
+    after = []
+    for custom in (True, False):
+        trainer = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        if custom:
+            trainer.forward_backward_custom([datum], lambda data, logps: (-sum(lp.sum() for lp in logps), {})).result()
+        else:
+            trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after.append(trainer.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch())
+    torch.testing.assert_close(after[0], after[1], atol=1e-6, rtol=0)
 
 
 def test_refused_requests_get_the_sdk_error_and_the_server_goes_on(service_client):
