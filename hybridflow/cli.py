@@ -82,7 +82,8 @@ def _serve(args: argparse.Namespace) -> int:
         import torch
 
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        serve(ServeConfig(model_map(args.model), device=device), args.host, args.port, args.api_key)
+        config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir))
+        serve(config, args.host, args.port, args.api_key)
     except ValueError as e:
         print(f"hybridflow serve: {e}", file=sys.stderr)
         return 2
@@ -179,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="the key clients must send (tml-...); default: none checked")
     p.add_argument("--device", default="auto", help="where training and sampling run: cpu, cuda, or auto (default: "
                                                     "cuda when there is a GPU, else cpu)")
+    p.add_argument("--checkpoint-dir", default="tinker_checkpoints",
+                   help="where save_state writes training state (default ./tinker_checkpoints)")
     p.set_defaults(fn=_serve)
 
     for name, fn, text, docs, recipe in (

@@ -177,6 +177,8 @@ def make_app(config: ServeConfig, api_key: str | None = None) -> web.Application
         web.post(f"{api}/get_info", get_info),
         web.post(f"{api}/forward_backward", forward_backward),
         web.post(f"{api}/optim_step", _queued(types.OptimStepRequest, TinkerService.optim_step)),
+        web.post(f"{api}/save_weights", _queued(types.SaveWeightsRequest, TinkerService.save_weights)),
+        web.post(f"{api}/load_weights", _queued(types.LoadWeightsRequest, TinkerService.load_weights)),
         web.post(f"{api}/save_weights_for_sampler",
                  _queued(types.SaveWeightsForSamplerRequest, TinkerService.save_weights_for_sampler)),
         web.post(f"{api}/create_sampling_session", create_sampling_session),

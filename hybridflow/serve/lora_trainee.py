@@ -4,7 +4,8 @@
 training engine's `apply_lora` (B starts at 0: the first policy is the base model). `forward_backward`
 computes each datum's log-probs of its `target_tokens`, the Tinker loss (`tinker_losses`) and, unless
 forward-only, accumulates its gradient; `optim_step` applies AdamW with the parameters the SDK sent, then
-clears the gradients; `merged_weights` gives W + scale · B·A of every adapted weight, the only tensors of the
+clears the gradients; `state` / `load_state` are the training state `save_weights` / `load_weights` keep
+(adapters and optimizer moments); `merged_weights` gives W + scale · B·A of every adapted weight, the only tensors of the
 trained policy that differ from the base directory's (what the sampler loads).
 """
 
@@ -88,6 +89,26 @@ class LoraTrainee:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm:mean": float(norm)}
+
+    def state(self) -> dict[str, Any]:
+        """The training state `save_weights` keeps: the adapters, the optimizer's moments, the rank."""
+        adapters = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+        return {"rank": self.rank, "adapters": adapters, "optimizer": self.optimizer.state_dict()}
+
+    def load_state(self, state: dict[str, Any], optimizer: bool) -> None:
+        """Put `state` (from `state()`) in place: the adapters, and the optimizer's moments when `optimizer` (else
+        they start afresh)."""
+        if state["rank"] != self.rank:
+            raise ValueError(f"the saved adapters have rank {state['rank']}; this training client's have rank "
+                             f"{self.rank}; create the client with rank={state['rank']}")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state["adapters"].items():
+                params[name].copy_(tensor)
+        self.optimizer = torch.optim.AdamW(self.params)
+        if optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.zero_grad(set_to_none=True)
 
     def merged_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, W + scale · B·A) of every adapted weight, copied to the CPU (a snapshot)."""

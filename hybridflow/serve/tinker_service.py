@@ -2,10 +2,11 @@
 
 `TinkerService` holds the base models it serves (a name -> a local directory), the sessions, the training
 clients' `LoraTrainee`s, the weight snapshots `save_weights_for_sampler` took, the sampling sessions and one
-`Sampler` per base model. Long operations (create_model, forward_backward, optim_step, saving weights,
-sampling) run one at a time, in arrival order, on one worker thread (the model and the engine are not
-thread-safe, and the SDK orders a client's requests by sending them in turn); each returns a request id at
-once and its result later through `result(request_id)`, as the SDK's futures expect. A result is a JSON
+`Sampler` per base model; `save_weights` / `load_weights` keep training state in files under `checkpoint_dir`.
+Long operations (create_model, forward_backward, optim_step, saving and loading weights, sampling) run one at a
+time, in arrival order, on one worker thread (the model and the engine are not thread-safe, and the SDK orders
+a client's requests by sending them in turn); `submit` returns a request id at once and `futures[request_id]`
+holds the result later, as the SDK's futures expect. A result is a JSON
 dict, or protobuf bytes for the two types the SDK reads as protobuf. Requests are read with the SDK's own
 types; a `ValueError` raised by an operation (unknown model, unknown loss, bad shapes) is the caller's
 error, reported in the future as the SDK's `RequestFailedError` with category `user`.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import re
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from tinker import types
 
 from hybridflow.engine.rollout import SamplingParams
@@ -31,6 +35,8 @@ from hybridflow.serve.wire import FwdBwdRequest, forward_backward_output, sample
 
 log = logging.getLogger(__name__)
 Result = dict[str, Any] | bytes
+_NAME = re.compile(r"\w[\w.-]*")  # a checkpoint name: one file name, never a path
+_CHECKPOINT = re.compile(r"tinker://(session-[\w-]+:train:\d+)/weights/(\w[\w.-]*)")
 
 
 @dataclass
@@ -41,12 +47,14 @@ class ServeConfig:
     device: where training and sampling run ("cpu", "cuda").
     max_num_seqs: the rollout engine's concurrent sequences.
     max_snapshots: sampler weight snapshots kept in memory (the oldest is dropped first).
+    checkpoint_dir: where `save_weights` writes training state (`MODEL_ID/NAME.pt`).
     """
 
     models: dict[str, Path]
     device: str = "cpu"
     max_num_seqs: int = 64
     max_snapshots: int = 8
+    checkpoint_dir: Path = Path("tinker_checkpoints")
 
 
 def model_map(specs: list[str]) -> dict[str, Path]:
@@ -154,7 +162,7 @@ class TinkerService:
         if lora.train_unembed:
             log.warning("lora_config.train_unembed=True: this server adapts the decoder layers' projections "
                         "only; the unembedding stays frozen")
-        model_id = f"model-{next(self._ids)}"
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the SDK's own derivation (see load_weights)
         self.models[model_id] = _Model(req.base_model, LoraTrainee(path, lora.rank, lora.seed, self.config.device))
         return types.CreateModelResponse(model_id=model_id).model_dump(mode="json")
 
@@ -171,6 +179,49 @@ class TinkerService:
         metrics = self._model(req.model_id).trainee.optim_step(
             params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay, params.grad_clip_norm)
         return types.OptimStepResponse(metrics=metrics).model_dump(mode="json")
+
+    def save_weights(self, req: types.SaveWeightsRequest) -> Result:
+        """Write the model's training state (adapters, optimizer moments) to `checkpoint_dir/MODEL/NAME.pt`,
+        named `tinker://MODEL/weights/NAME`; written whole or not at all (a temporary file renamed)."""
+        model = self._model(req.model_id)
+        name = req.path or f"step-{next(self._ids)}"
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"save_state name {name!r}: use letters, digits, '-', '_' and '.', not first")
+        path = f"tinker://{req.model_id}/weights/{name}"
+        file = self._checkpoint_file(path)
+        if file.exists() and not req.overwrite:
+            raise ValueError(f"{path} exists ({file}); pick another name or pass overwrite")
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        torch.save({"base": model.base, **model.trainee.state()}, tmp)
+        os.replace(tmp, file)
+        return types.SaveWeightsResponse(path=path).model_dump(mode="json")
+
+    def load_weights(self, req: types.LoadWeightsRequest) -> Result:
+        """Load a `save_weights` checkpoint (with its optimizer state when `optimizer`) into a training client:
+        the one `model_id` names (load_state), or a new one of the checkpoint's base and rank
+        (create_training_client_from_state), under the id the SDK derives, `SESSION:train:SEQ`."""
+        file = self._checkpoint_file(req.path)
+        if not file.is_file():
+            raise ValueError(f"checkpoint {req.path!r} is not saved here (no {file})")
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        model_id = req.model_id
+        if model_id is None:
+            if req.session_id is None or req.model_seq_id is None:
+                raise ValueError("load_weights needs model_id, or session_id with model_seq_id")
+            if req.base_model not in (None, state["base"]):
+                raise ValueError(f"checkpoint {req.path!r} trains base model {state['base']!r}, not {req.base_model!r}")
+            if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
+                raise ValueError(f"optimizer_config.type={req.optimizer_config.type!r} is not served; valid: adamw")
+            model_id = f"{req.session_id}:train:{req.model_seq_id}"
+            trainee = LoraTrainee(self.base_path(state["base"]), state["rank"], None, self.config.device)
+            self.models[model_id] = _Model(state["base"], trainee)
+        model = self._model(model_id)
+        if state["base"] != model.base:
+            raise ValueError(f"checkpoint {req.path!r} trains base model {state['base']!r}; this client's is "
+                             f"{model.base!r}")
+        model.trainee.load_state(state, req.optimizer)
+        return types.LoadWeightsResponse(path=req.path, model_id=model_id).model_dump(mode="json")
 
     def save_weights_for_sampler(self, req: types.SaveWeightsForSamplerRequest) -> Result:
         """Snapshot the model's merged weights under `tinker://MODEL/sampler_weights/NAME`; without a name
@@ -222,6 +273,12 @@ class TinkerService:
         if model_id not in self.models:
             raise ValueError(f"model_id {model_id!r} is unknown; known: {sorted(self.models)}")
         return self.models[model_id]
+
+    def _checkpoint_file(self, path: str) -> Path:
+        match = _CHECKPOINT.fullmatch(path)
+        if match is None:
+            raise ValueError(f"checkpoint path {path!r} is not one save_state returned (tinker://MODEL/weights/NAME)")
+        return self.config.checkpoint_dir / match[1] / f"{match[2]}.pt"
 
     def _snapshot(self, path: str) -> tuple[str, Snapshot]:
         if path not in self.snapshots:

@@ -24,13 +24,14 @@ TOKENS = list(range(40, 64))  # one fixed sequence the model learns
 
 
 @pytest.fixture(scope="module")
-def service_client(tiny_qwen2):
+def service_client(tiny_qwen2, tmp_path_factory):
     """A ServiceClient of the real SDK, talking to a server on a free port in a background thread."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(ServeConfig({"tiny": tiny_qwen2}, max_num_seqs=8), api_key=API_KEY))
+    runner = web.AppRunner(make_app(ServeConfig({"tiny": tiny_qwen2}, max_num_seqs=8,
+                                             checkpoint_dir=tmp_path_factory.mktemp("checkpoints")), api_key=API_KEY))
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -132,6 +133,31 @@ def test_a_custom_loss_runs_client_side_through_cross_entropy(service_client):
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         after.append(trainer.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch())
     torch.testing.assert_close(after[0], after[1], atol=1e-6, rtol=0)
+
+
+def test_a_client_from_saved_state_with_optimizer_resumes_exactly(service_client):
+    datum = _datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))
+
+    def steps(trainer, n: int) -> None:
+        for _ in range(n):
+            trainer.forward_backward([datum], "cross_entropy").result()
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    def logprobs(trainer) -> torch.Tensor:
+        return trainer.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+
+    first = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    steps(first, 2)
+    path = first.save_state("mid").result().path
+    steps(first, 2)
+    resumed = service_client.create_training_client_from_state_with_optimizer(path).result()
+    steps(resumed, 2)
+    torch.testing.assert_close(logprobs(resumed), logprobs(first), atol=0, rtol=0)
+    fresh_moments = service_client.create_training_client_from_state(path).result()
+    steps(fresh_moments, 2)  # weights only: Adam's moments start afresh, so the steps differ
+    assert not torch.equal(logprobs(fresh_moments), logprobs(first))
+    with pytest.warns(FutureWarning), pytest.raises(tinker.RequestFailedError, match="adapters have rank 4.*rank 2"):
+        service_client.create_lora_training_client(base_model="tiny", rank=2).result().load_state(path).result()
 
 
 def test_refused_requests_get_the_sdk_error_and_the_server_goes_on(service_client):
