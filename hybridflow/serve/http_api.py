@@ -48,8 +48,8 @@ def _future(request_id: str, model_id: str | None = None, sequence_ids: list[str
                                                     sample_sequence_ids=sequence_ids).model_dump(mode="json"))
 
 
-def _fail(message: str, category: str) -> web.Response:
-    return web.json_response({"error": message, "category": category})
+def _fail(message: str, category: types.RequestErrorCategory) -> web.Response:
+    return web.json_response(types.RequestFailedResponse(error=message, category=category).model_dump(mode="json"))
 
 
 async def retrieve_future(request: web.Request) -> web.Response:
@@ -57,18 +57,23 @@ async def retrieve_future(request: web.Request) -> web.Response:
     req = await _body(request, types.FutureRetrieveRequest)
     future = service.futures.get(req.request_id)
     if future is None:
-        return _fail(f"request {req.request_id!r} is unknown (never made, or its result was already taken)", "user")
+        return _fail(f"request {req.request_id!r} is unknown (never made, or its result was already taken)",
+                     types.RequestErrorCategory.User)
+    if not future.done():
+        # A result that comes in time is answered at once; else the SDK is told to poll again.
+        done, _ = await asyncio.wait([asyncio.wrap_future(future)], timeout=POLL_WAIT_S)
+        if not done:
+            # the SDK's TryAgainResponse (not exported by tinker.types): it polls again at once
+            return web.json_response({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
     try:
-        result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), POLL_WAIT_S)
-    except asyncio.TimeoutError:
-        return web.json_response({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
+        result = future.result()
     except ValueError as e:  # the caller's mistake (unknown model or loss, bad shapes...)
         service.futures.pop(req.request_id, None)
-        return _fail(str(e), "user")
+        return _fail(str(e), types.RequestErrorCategory.User)
     except Exception as e:  # a fault of the server: logged with its traceback, reported to the caller
         log.exception("request %s failed", req.request_id)
         service.futures.pop(req.request_id, None)
-        return _fail(f"{type(e).__name__}: {e}", "server")
+        return _fail(f"{type(e).__name__}: {e}", types.RequestErrorCategory.Server)
     service.futures.pop(req.request_id, None)
     if isinstance(result, bytes):
         return web.Response(body=result, content_type=PROTO_CONTENT_TYPE)
@@ -190,5 +195,5 @@ def make_app(config: ServeConfig, api_key: str | None = None) -> web.Application
 
 
 def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
-    """Run the server until interrupted."""
-    web.run_app(make_app(config, api_key), host=host, port=port, print=lambda _: None)
+    """Run the server until interrupted (Ctrl-C, SIGTERM)."""
+    web.run_app(make_app(config, api_key), host=host, port=port)  # prints the address it listens on

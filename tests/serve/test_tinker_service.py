@@ -173,6 +173,16 @@ def test_refused_requests_get_the_sdk_error_and_the_server_goes_on(service_clien
     assert math.isfinite(out.metrics["loss:sum"]) and len(out.loss_fn_outputs[0]["logprobs"].tolist()) == 7
 
 
+def test_a_result_not_ready_within_the_poll_wait_is_polled_again(service_client, monkeypatch, caplog):
+    from hybridflow.serve import http_api
+
+    monkeypatch.setattr(http_api, "POLL_WAIT_S", 0.0)  # every poll that finds it unfinished answers try_again
+    trainer = service_client.create_lora_training_client(base_model="tiny", rank=2).result()  # loading takes a while
+    out = trainer.forward_backward([_datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "cross_entropy").result()
+    assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == len(TOKENS) - 1
+    assert any("because of try_again" in r.getMessage() for r in caplog.records)  # the SDK's own log line
+
+
 def test_a_wrong_api_key_is_refused(service_client):
     url = str(service_client.holder._base_url)
     with pytest.raises(tinker.AuthenticationError, match="wrong API key"):  # the client connects on first use
