@@ -126,7 +126,8 @@ async def create_sampling_session(request: web.Request) -> web.Response:
         sampling_id = service.create_sampling_session(req)
     except ValueError as e:
         raise _bad(str(e)) from e
-    return web.json_response(types.CreateSamplingSessionResponse(sampling_session_id=sampling_id).model_dump(mode="json"))
+    response = types.CreateSamplingSessionResponse(sampling_session_id=sampling_id)
+    return web.json_response(response.model_dump(mode="json"))
 
 
 async def get_info(request: web.Request) -> web.Response:

@@ -5,8 +5,8 @@ training engine's `apply_lora` (B starts at 0: the first policy is the base mode
 computes each datum's log-probs of its `target_tokens`, the Tinker loss (`tinker_losses`) and, unless
 forward-only, accumulates its gradient; `optim_step` applies AdamW with the parameters the SDK sent, then
 clears the gradients; `state` / `load_state` are the training state `save_weights` / `load_weights` keep
-(adapters and optimizer moments); `merged_weights` gives W + scale · B·A of every adapted weight, the only tensors of the
-trained policy that differ from the base directory's (what the sampler loads).
+(adapters and optimizer moments); `merged_weights` gives W + scale · B·A of every adapted weight, the only
+tensors of the trained policy that differ from the base directory's (what the sampler loads).
 """
 
 from __future__ import annotations
