@@ -72,6 +72,26 @@ def _view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from hybridflow.serve.http_api import serve
+        from hybridflow.serve.tinker_service import ServeConfig, model_map
+    except ImportError as e:
+        print(f"hybridflow serve needs tinker and aiohttp ({e}): pip install -c constraints.txt -e '.[serve]'",
+              file=sys.stderr)
+        return 2
+    try:
+        import torch
+
+        device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir))
+        serve(config, args.host, args.port, args.api_key)
+    except ValueError as e:
+        print(f"hybridflow serve: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _sft(args: argparse.Namespace) -> int:
     from hybridflow.config.loader import load_config
     from hybridflow.config.sft_schema import SFTConfig
@@ -160,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.set_defaults(fn=_view)
+
+    p = sub.add_parser("serve", help="a local Tinker-compatible training service for the tinker SDK",
+                       description="Serves the Tinker REST API: LoRA training and sampling of local models, "
+                                   "driven by the tinker SDK unchanged (docs/tinker.md).")
+    p.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
+                   help="a base model: a local Hugging Face directory, served as NAME (default: PATH as written); "
+                        "repeat for several")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--api-key", help="the key clients must send (tml-...); default: none checked")
+    p.add_argument("--device", default="auto", help="where training and sampling run: cpu, cuda, or auto (default: "
+                                                    "cuda when there is a GPU, else cpu)")
+    p.add_argument("--checkpoint-dir", default="tinker_checkpoints",
+                   help="where save_state writes training state (default ./tinker_checkpoints)")
+    p.set_defaults(fn=_serve)
 
     for name, fn, text, docs, recipe in (
             ("sft", _sft, "supervised fine-tuning on chat data (loss on assistant tokens)", "sft.md", "sft.yaml"),

@@ -1,0 +1,47 @@
+"""Sampling for the service: one `RolloutEngine` per base model, switched between saved weight snapshots.
+
+A snapshot is what `save_weights_for_sampler` keeps: (HF name, merged tensor) of every adapted weight.
+`Sampler.sample(key, snapshot, prompt, params)` loads that snapshot into the engine when another one (or the
+base) is loaded (the engine updates its weights in place), generates `params.n` samples and returns each one's
+tokens, per-token log-probs and finish reason. Sampling from the base model reloads the adapted weights
+from the model directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+from hybridflow.engine.rollout.engine import checkpoint_tensors
+
+Snapshot = list[tuple[str, torch.Tensor]]
+
+
+class Sampler:
+    """The rollout engine of one base model and which weights it holds now (a snapshot's path, or None: base)."""
+
+    def __init__(self, path: str | Path, device: str, max_num_seqs: int) -> None:
+        self.path = Path(path)
+        self.engine = RolloutEngine.from_pretrained(path, device=device, max_num_seqs=max_num_seqs)
+        self.loaded: str | None = None
+        self.adapted: set[str] = set()  # weights a snapshot replaced, reloaded from disk to go back to the base
+
+    def _load(self, key: str | None, snapshot: Snapshot | None) -> None:
+        if key == self.loaded:
+            return
+        if snapshot is None:
+            self.engine.load_weights(checkpoint_tensors(self.path, keep=lambda name: name in self.adapted))
+        else:
+            self.adapted |= {name for name, _ in snapshot}
+            self.engine.load_weights(snapshot)
+        self.loaded = key
+
+    def sample(self, key: str | None, snapshot: Snapshot | None, prompt: list[int],
+               params: SamplingParams) -> list[tuple[list[int], list[float], str]]:
+        """`params.n` samples of `prompt` under the snapshot `key` (None: the base): (tokens, log-probs, finish
+        reason) each."""
+        self._load(key, snapshot)
+        [completions] = self.engine.generate([prompt], params)
+        return [(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in completions]
