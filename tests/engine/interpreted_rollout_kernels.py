@@ -58,6 +58,9 @@ def test_row_kernels_compute_the_torch_path(monkeypatch):
     for got, expected in zip(kernels.add_rms_norm(h, delta, weight, 1e-6), want[0]):
         _close(got, expected)
     _close(kernels.add_rms_norm(h, None, weight, 1e-6)[0], want[1][0])
+    # OLMo 2's norm, scaled before its rounding: the same in fp32 (the interpreter's bf16 rounds otherwise than a
+    # GPU's, so the bf16 difference is test_rollout_gpu.py's)
+    _close(kernels.add_rms_norm(h, delta, weight, 1e-6, round_first=False)[0], want[0][0])
     _close(kernels.silu_mul(gate_up), want[2])
     _close(_rotated(x, positions, cos, sin), want[3])
 
@@ -167,8 +170,9 @@ def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
 
 
 def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkeypatch, tiny_model_factory):
-    """Whole generations of a tiny Qwen2 and Qwen3 (spread weights) through every Triton path the engine takes on
-    a GPU: the norms (Qwen3's per-head q/k norms in place in the fused projection), rotary with the cache write
+    """Whole generations of a tiny Qwen2, Qwen3 and OLMo 2 (spread weights) through every Triton path the engine
+    takes on a GPU: the norms (Qwen3's per-head q/k norms in place in the fused projection, OLMo 2's scaled before
+    their rounding, over the whole q and k and after each block), rotary with the cache write
     in prefill, the fused rotary-and-decode attention, SwiGLU and the sampler; greedy tokens and their
     log-probs against the same engine on its torch paths."""
     from hybridflow.engine.rollout import RolloutEngine, SamplingParams, attention, model, sampler
@@ -176,7 +180,7 @@ def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkey
 
     prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=8,
                                                                                 stop_token_ids=[])
-    for arch in ("qwen2", "qwen3"):
+    for arch in ("qwen2", "qwen3", "olmo2"):
         path = spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
         want = RolloutEngine.from_pretrained(path, max_num_seqs=4).generate(prompts, params)
         with monkeypatch.context() as patch:

@@ -111,8 +111,8 @@ def _fp8_wanted(quantization: str, config, device: torch.device, dtype: torch.dt
 
 
 class RolloutEngine:
-    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral, Qwen3-MoE / Mixtral / Qwen2-MoE). Build it with
-    `from_pretrained`."""
+    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral / OLMo 2, Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE). Build it
+    with `from_pretrained`."""
 
     kind = "fast"
 

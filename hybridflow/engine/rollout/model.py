@@ -1,8 +1,9 @@
-"""One fast decoder for the Llama, Qwen2, Qwen3 and Mistral families and the mixtures of experts built on them
-(Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
+"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral and OLMo 2 families and the mixtures of experts built on
+them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
-and k per head, OLMoE over the whole q and k projections, Llama may have `attention_bias` / `mlp_bias`,
+and k per head, OLMoE and OLMo 2 over the whole q and k projections, OLMo 2 normalises each block's output
+instead of its input (`post_norm.PostNormDecoderLayer`), Llama may have `attention_bias` / `mlp_bias`,
 Mistral is Llama's shape; a mixture of experts has its family's attention and a `sparse_moe.SparseMoE` block
 in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj`.
 Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes HF names
@@ -39,7 +40,7 @@ from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", *MOE_ARCHITECTURES)
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", *MOE_ARCHITECTURES)
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -105,19 +106,25 @@ class RMSNorm(nn.Module):
     """HF's RMSNorm (normalise in fp32, cast back, then scale), optionally fused with the residual add
     (exact: the invariant add and norm, in one kernel where `build` found its bits the same as apart)."""
 
-    def __init__(self, dim: int, eps: float, exact: bool) -> None:
+    def __init__(self, dim: int, eps: float, exact: bool, round_first: bool = True) -> None:
+        """round_first: see `kernels.add_rms_norm` (False for OLMo 2, which exact mode refuses)."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps, self.exact, self.fused_add = eps, exact, False
+        self.eps, self.exact, self.fused_add, self.round_first = eps, exact, False, round_first
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta); delta None normalises h."""
         if not self.exact:
-            return add_rms_norm(h, delta, self.weight, self.eps)
+            return add_rms_norm(h, delta, self.weight, self.eps, self.round_first)
         if delta is not None and self.fused_add:
             return invariant.add_rms_norm(h, delta, self.weight, self.eps)
         h = h if delta is None else h + delta
         return invariant.rms_norm(h, self.weight, self.eps), h
+
+
+def norm_rounds_first(config) -> bool:
+    """Whether the family's RMSNorm rounds the normalised row before its scale (all but OLMo 2's)."""
+    return config.model_type != "olmo2"
 
 
 class Attention(nn.Module):
@@ -134,12 +141,15 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, exact)
         o_bias = config.model_type not in ("qwen2", "qwen2_moe") and bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(q_size, config.hidden_size, o_bias, exact)
-        # q/k norms: Qwen3's per head, OLMoE's over the whole projection; OLMoE may clamp q, k and v after them
+        # q/k norms: Qwen3's per head, OLMoE's and OLMo 2's over the whole projection; OLMoE may clamp q, k and v
+        # after them
         self.clip = getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None
-        self.qk_norm_width = {"qwen3": self.head_dim, "qwen3_moe": self.head_dim, "olmoe": 0}.get(config.model_type)
+        self.qk_norm_width = {"qwen3": self.head_dim, "qwen3_moe": self.head_dim, "olmoe": 0,
+                              "olmo2": 0}.get(config.model_type)
         if self.qk_norm_width is not None:
-            self.q_norm = RMSNorm(self.qk_norm_width or q_size, config.rms_norm_eps, exact)
-            self.k_norm = RMSNorm(self.qk_norm_width or kv_size, config.rms_norm_eps, exact)
+            round_first = norm_rounds_first(config)
+            self.q_norm = RMSNorm(self.qk_norm_width or q_size, config.rms_norm_eps, exact, round_first)
+            self.k_norm = RMSNorm(self.qk_norm_width or kv_size, config.rms_norm_eps, exact, round_first)
         self.splits = [q_size, kv_size, kv_size]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
@@ -150,7 +160,7 @@ class Attention(nn.Module):
         if self.backend == "exact":
             return self.o_proj(self.exact_attention(qkv, v, rope, meta, kv).reshape(tokens, -1))
         fused = self.store_fused(qkv, positions, meta)
-        if self.qk_norm_width == 0:  # OLMoE: norms over the whole projection, then maybe a clamp
+        if self.qk_norm_width == 0:  # OLMoE, OLMo 2: norms over the whole projection, then maybe a clamp
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
             q = self.q_norm(q)[0].view(tokens, self.heads, self.head_dim)
             k = self.k_norm(k)[0].view(tokens, self.kv_heads, self.head_dim)
@@ -268,11 +278,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
+        from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer  # it builds on this module's pieces
+
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, moe_kernel)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact")
+        layer = PostNormDecoderLayer if config.model_type == "olmo2" else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, i, backend, moe_kernel) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact", norm_rounds_first(config))
 
 
 class CausalLM(nn.Module):

@@ -1,5 +1,5 @@
-"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3): parity with HF, the sampling
-contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
+"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2): parity with HF,
+the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def llama3_rope(spread_model, tmp_path_factory):
     return dst
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "llama3-rope"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "llama3-rope"])
 def test_greedy_matches_transformers_generate(spread_model, llama3_rope, arch):
     path = llama3_rope if arch == "llama3-rope" else spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=3)  # fewer slots than prompts
@@ -65,8 +65,9 @@ def test_greedy_matches_transformers_generate(spread_model, llama3_rope, arch):
         torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=1e-4, rtol=0)
 
 
-def test_logprobs_equal_full_forward_at_temperature(spread_model):
-    path = spread_model("qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2"])
+def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
+    path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
     params = SamplingParams(n=3, temperature=0.7, max_tokens=16, stop_token_ids=[], seed=1)
     outs = engine.generate(PROMPTS[:4], params)
@@ -158,10 +159,11 @@ def test_length_is_capped_by_the_context(spread_model):
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
-def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model):
+@pytest.mark.parametrize("arch", ["llama", "olmo2"])
+def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arch):
     from safetensors.torch import load_file
 
-    old_path, new_path = spread_model("llama", seed=0), spread_model("llama", seed=1)
+    old_path, new_path = spread_model(arch, seed=0), spread_model(arch, seed=1)
     engine = RolloutEngine.from_pretrained(old_path, max_num_seqs=8)
     before = engine.generate(PROMPTS, GREEDY)
     state = load_file(str(new_path / "model.safetensors"))
