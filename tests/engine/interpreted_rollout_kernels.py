@@ -170,18 +170,25 @@ def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
 
 
 def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkeypatch, tiny_model_factory):
-    """Whole generations of a tiny Qwen2, Qwen3 and OLMo 2 (spread weights) through every Triton path the engine
-    takes on a GPU: the norms (Qwen3's per-head q/k norms in place in the fused projection, OLMo 2's scaled before
-    their rounding, over the whole q and k and after each block), rotary with the cache write
+    """Whole generations of a tiny Qwen2, Qwen3, OLMo 2 and Phi-3 (whole and partial rotary; spread weights) through
+    every Triton path the engine takes on a GPU: the norms (Qwen3's per-head q/k norms in place in the fused
+    projection, OLMo 2's scaled before their rounding, over the whole q and k and after each block), rotary with
+    the cache write
     in prefill, the fused rotary-and-decode attention, SwiGLU and the sampler; greedy tokens and their
     log-probs against the same engine on its torch paths."""
     from hybridflow.engine.rollout import RolloutEngine, SamplingParams, attention, model, sampler
-    from tests.engine.rollout.conftest import spread_weights
+    from tests.engine.rollout.conftest import spread_weights, with_config
 
     prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=8,
                                                                                 stop_token_ids=[])
-    for arch in ("qwen2", "qwen3", "olmo2"):
-        path = spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
+    paths = {arch: spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
+             for arch in ("qwen2", "qwen3", "olmo2", "phi3")}
+    partial = paths["phi3"].parent / "partial_phi3"
+    partial.mkdir(exist_ok=True)
+    paths["phi3 partial rotary"] = with_config(paths["phi3"], partial, partial_rotary_factor=0.5,
+                                               rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                                                "rope_type": "default"})
+    for arch, path in paths.items():
         want = RolloutEngine.from_pretrained(path, max_num_seqs=4).generate(prompts, params)
         with monkeypatch.context() as patch:
             for module in (kernels, model, sampler):

@@ -33,6 +33,7 @@ from hybridflow.engine.rollout.busy_clock import BusyClock
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, DecoderLayer, weight_target
+from hybridflow.engine.rollout.rope import rotary_problems
 from hybridflow.engine.rollout.sparse_moe import RouteRecord
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
@@ -111,8 +112,8 @@ def _fp8_wanted(quantization: str, config, device: torch.device, dtype: torch.dt
 
 
 class RolloutEngine:
-    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral / OLMo 2, Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE). Build it
-    with `from_pretrained`."""
+    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral / OLMo 2 / Phi-3, Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE).
+    Build it with `from_pretrained`."""
 
     kind = "fast"
 
@@ -235,11 +236,15 @@ class RolloutEngine:
         fp8 = _fp8_wanted(quantization, config, device, dtype, exact)
         max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
         window = getattr(config, "sliding_window", None)
-        uses_window = (config.model_type in ("llama", "mistral", "mixtral")
+        uses_window = (config.model_type in ("llama", "mistral", "mixtral", "phi3")
                        or getattr(config, "use_sliding_window", False))
         if window and uses_window and max_model_len > window:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
-                             f"which the fast path does not implement; pass max_model_len <= {window}")
+                             f"which the fast path does not implement; pass max_model_len <= {window}, or use "
+                             f"engine='hf'")
+        rotary = rotary_problems(config, max_model_len)
+        if rotary:
+            raise ValueError(f"max_model_len={max_model_len}: {'; '.join(rotary)}")
         if stop_token_ids is None:
             stop_token_ids = eos_ids(config) or []
         model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact), moe_kernel,

@@ -125,7 +125,7 @@ class Fp8Linear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
         start, size = 0, param.shape[0]
-        if self.offsets is not None:
+        if self.offsets is not None and shard is not None:  # None: the whole fused weight (Phi-3's checkpoints)
             if shard not in self.offsets:
                 raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)}, got {shard!r}")
             start, size = self.offsets[shard]

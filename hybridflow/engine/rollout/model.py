@@ -1,18 +1,19 @@
-"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral and OLMo 2 families and the mixtures of experts built on
-them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
+"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral, OLMo 2 and Phi-3 families and the mixtures of experts
+built on them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
 and k per head, OLMoE and OLMo 2 over the whole q and k projections, OLMo 2 normalises each block's output
-instead of its input (`post_norm.PostNormDecoderLayer`), Llama may have `attention_bias` / `mlp_bias`,
-Mistral is Llama's shape; a mixture of experts has its family's attention and a `sparse_moe.SparseMoE` block
-in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj`.
-Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes HF names
-(`...self_attn.q_proj.weight`) and copies in place: a module's `weight_loader(param, tensor, shard)` serves
-its parameters (the fused ones place a shard at its offset), others take `default_weight_loader`. Weights
-are only ever `copy_`-ed into, never replaced, so captured CUDA graphs stay valid across updates.
+instead of its input (`post_norm.PostNormDecoderLayer`), Phi-3 may rotate only part of each head, Llama may have
+`attention_bias` / `mlp_bias`, Mistral is Llama's shape; a mixture of experts has its family's attention and a
+`sparse_moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up
+into `gate_up_proj`. Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes
+HF names (`...self_attn.q_proj.weight`) and copies in place: a module's `weight_loader(param, tensor, shard)` serves
+its parameters (the fused ones place a shard at its offset, or take the whole: Phi-3 stores `qkv_proj` and
+`gate_up_proj` fused in our order), others take `default_weight_loader`. Weights are only ever `copy_`-ed into,
+never replaced, so captured CUDA graphs stay valid across updates.
 
 Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
-other rope_scaling types), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
+other rope_scaling types, Phi-3's partial rotation; `rope`), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
 kernels of `kernels` on CUDA; the residual add is fused into the following norm. The forward takes
 packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for the
 rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
@@ -37,10 +38,11 @@ from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, deco
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, head_rms_norm_, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.rope import rotary_dim, rotary_table
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", *MOE_ARCHITECTURES)
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", *MOE_ARCHITECTURES)
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -96,8 +98,13 @@ class FusedLinear(Linear):
         return list(self.offsets)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """A shard at its offset; shard None: the whole parameter (a checkpoint that stores it fused, as Phi-3's
+        `qkv_proj` and `gate_up_proj`, in the same order)."""
+        if shard is None:
+            default_weight_loader(param.data, tensor)
+            return
         if shard not in self.offsets:
-            raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)}, got {shard!r}")
+            raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)} or none, got {shard!r}")
         start, size = self.offsets[shard]
         default_weight_loader(param.data[start:start + size], tensor)
 
@@ -151,6 +158,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.qk_norm_width or q_size, config.rms_norm_eps, exact, round_first)
             self.k_norm = RMSNorm(self.qk_norm_width or kv_size, config.rms_norm_eps, exact, round_first)
         self.splits = [q_size, kv_size, kv_size]
+        self.rotary_dim = rotary_dim(config)  # Phi-3's `partial_rotary_factor` rotates the heads' leading part
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMeta, kv: KVCache) -> torch.Tensor:
@@ -167,8 +175,8 @@ class Attention(nn.Module):
             if self.clip is not None:
                 for t in (q, k, v):
                     t.clamp_(-self.clip, self.clip)
-            rotary_(q, positions, *rope)
-            rotary_(k, positions, *rope)
+            rotary_(q[..., :self.rotary_dim], positions, *rope)
+            rotary_(k[..., :self.rotary_dim], positions, *rope)
         else:  # q and k heads are adjacent in qkv: normed per head (Qwen3) and rotated there, in place
             qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
             q, k = qk[:, :self.heads], qk[:, self.heads:]
@@ -176,7 +184,7 @@ class Attention(nn.Module):
                 head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
                 head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
             if not fused:
-                rotary_(qk, positions, *rope)
+                rotary_(qk[..., :self.rotary_dim], positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
         if fused and decodes_in_triton(meta, self.backend, self.head_dim):
             out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale)
@@ -215,9 +223,9 @@ class Attention(nn.Module):
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
         """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, q and k in
         qkv when rotated (no norms, or per-head norms applied there; not OLMoE's), each token written once, a
-        power-of-two head dimension); else rotary and `write_kv` run apart."""
+        power-of-two head dimension, rotated whole); else rotary and `write_kv` run apart."""
         return (self.qk_norm_width != 0 and positions is not None and meta.write_rows is None
-                and use_triton(qkv) and supported(self.head_dim))
+                and use_triton(qkv) and supported(self.head_dim) and self.rotary_dim == self.head_dim)
 
 
 def gated_act(config):
@@ -342,17 +350,13 @@ class CausalLM(nn.Module):
         return model
 
     def set_rotary(self, max_len: int) -> None:
-        """Precompute cos/sin [max_len, D] (fp32) with HF's rotary embedding for this config (exact: the
-        table the training engine gathers from too, `invariant.rope_table`)."""
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
+        """Precompute cos/sin [max_len, rotary dim] (fp32) with HF's rotary embedding for this config
+        (`rope.rotary_table`; exact: the table the training engine gathers from too, `invariant.rope_table`)."""
         device = self.lm_head.weight.device
         if self.exact:
             cos, sin = invariant.rope_table(self.config, max_len, device)
         else:
-            rope = LlamaRotaryEmbedding(self.config).to(device)
-            dummy = torch.zeros(1, dtype=torch.float32, device=device)
-            cos, sin = (t[0] for t in rope(dummy, torch.arange(max_len, device=device)[None]))
+            cos, sin = rotary_table(self.config, max_len, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -424,6 +428,13 @@ class CausalLM(nn.Module):
         out: set[tuple[str, Shard]] = set()
         for name, shard in loaded:
             owner_name, leaf = name.rsplit(".", 1)
-            covers = getattr(self.get_submodule(owner_name), "covers", None)
-            out.update((name, s) for s in (covers(leaf, shard) if covers is not None else [shard]))
+            owner = self.get_submodule(owner_name)
+            covers, shard_ids = getattr(owner, "covers", None), getattr(owner, "shard_ids", None)
+            if covers is not None:
+                pieces = covers(leaf, shard)
+            elif shard is None and shard_ids is not None:  # a fused parameter loaded whole (Phi-3's checkpoints)
+                pieces = shard_ids(leaf)
+            else:
+                pieces = [shard]
+            out.update((name, s) for s in pieces)
         return out

@@ -13,7 +13,8 @@ from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: per-head q/k norms in place, then the fused kernels
+# qwen3: per-head q/k norms in place, then the fused kernels; olmo2: norms over the whole q and k and after each block
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_equals_eager(spread_model, dtype, arch):
     path = spread_model(arch)
