@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from hybridflow.engine.rollout import kernels
-from hybridflow.engine.rollout.model import CausalLM, FusedLinear, Linear, default_weight_loader
+from hybridflow.engine.rollout.linear import FusedLinear, Linear, default_weight_loader
+from hybridflow.engine.rollout.model import CausalLM
 from hybridflow.utils.moe_spec import moe_spec
 
 try:

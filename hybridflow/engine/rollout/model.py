@@ -6,11 +6,10 @@ and k per head, OLMoE and OLMo 2 over the whole q and k projections, OLMo 2 norm
 instead of its input (`post_norm.PostNormDecoderLayer`), Phi-3 may rotate only part of each head, Llama may have
 `attention_bias` / `mlp_bias`, Mistral is Llama's shape; a mixture of experts has its family's attention and a
 `sparse_moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up
-into `gate_up_proj`. Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes
-HF names (`...self_attn.q_proj.weight`) and copies in place: a module's `weight_loader(param, tensor, shard)` serves
-its parameters (the fused ones place a shard at its offset, or take the whole: Phi-3 stores `qkv_proj` and
-`gate_up_proj` fused in our order), others take `default_weight_loader`. Weights are only ever `copy_`-ed into,
-never replaced, so captured CUDA graphs stay valid across updates.
+into `gate_up_proj` (`linear`). Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path
+that takes HF names (`...self_attn.q_proj.weight`) and copies in place: a module's `weight_loader(param, tensor,
+shard)` serves its parameters (the fused ones place a shard at its offset, or take the whole: Phi-3 stores
+`qkv_proj` and `gate_up_proj` fused in our order), others take `default_weight_loader`.
 
 Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
 other rope_scaling types, Phi-3's partial rotation; `rope`), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
@@ -29,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.engine import invariant
@@ -38,6 +36,7 @@ from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, deco
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, head_rms_norm_, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.linear import FusedLinear, Linear, Shard, default_weight_loader
 from hybridflow.engine.rollout.rope import rotary_dim, rotary_table
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
@@ -47,9 +46,6 @@ FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", *MO
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
-
-
-Shard = str | tuple[str, int] | None  # a parameter's piece: a FusedLinear shard's name, or experts' (part, expert)
 
 
 def weight_target(name: str) -> tuple[str, Shard]:
@@ -64,49 +60,6 @@ def weight_target(name: str) -> tuple[str, Shard]:
         if f".{piece}." in name:
             return name.replace(f".{piece}.", f".{fused}."), shard_id
     return name, None
-
-
-def default_weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard: Shard = None) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"shape {tuple(tensor.shape)} does not match the parameter's {tuple(param.shape)}")
-    param.data.copy_(tensor)
-
-
-class Linear(nn.Linear):
-    """y = x @ W.T (+ b): `F.linear`, or with `exact` the invariant GEMM."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, exact: bool) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.exact = exact
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant.linear(x, self.weight, self.bias) if self.exact else F.linear(x, self.weight, self.bias)
-
-
-class FusedLinear(Linear):
-    """Several HF projections sharing an input, stacked on the output dim: y = x @ W.T (+ b)."""
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool, exact: bool) -> None:
-        self.offsets, start = {}, 0
-        for name, size in shards.items():
-            self.offsets[name] = (start, size)
-            start += size
-        super().__init__(in_features, start, bias, exact)
-
-    def shard_ids(self, leaf: str) -> list[str]:
-        """The pieces a full load of `weight` or `bias` consists of."""
-        return list(self.offsets)
-
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
-        """A shard at its offset; shard None: the whole parameter (a checkpoint that stores it fused, as Phi-3's
-        `qkv_proj` and `gate_up_proj`, in the same order)."""
-        if shard is None:
-            default_weight_loader(param.data, tensor)
-            return
-        if shard not in self.offsets:
-            raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)} or none, got {shard!r}")
-        start, size = self.offsets[shard]
-        default_weight_loader(param.data[start:start + size], tensor)
 
 
 class RMSNorm(nn.Module):

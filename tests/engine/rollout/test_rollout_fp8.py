@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.engine import checkpoint_tensors
 from hybridflow.engine.rollout.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_rows
-from hybridflow.engine.rollout.model import Linear
+from hybridflow.engine.rollout.linear import Linear
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [20, 21]]
 
