@@ -12,10 +12,10 @@ shard)` serves its parameters (the fused ones place a shard at its offset, or ta
 `qkv_proj` and `gate_up_proj` fused in our order), others take `default_weight_loader`.
 
 Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
-other rope_scaling types, Phi-3's partial rotation; `rope`), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
-kernels of `kernels` on CUDA; the residual add is fused into the following norm. The forward takes
-packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for the
-rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
+other rope_scaling types, Phi-3's partial rotation; `rope`), precomputed for all positions. Norms, rotary and
+silu-and-mul are the fused kernels of `kernels` on CUDA; the residual add is fused into the following norm. The
+forward takes packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for
+the rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
 
 With the "exact" backend (`rollout.exact`) every op is the training engine's: the GEMMs, residual adds,
 norms, rotary, activation and attention of `hybridflow.engine.invariant`, the rotary table of

@@ -3,6 +3,8 @@ the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -70,12 +72,19 @@ def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_lo
         torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=1e-4, rtol=0)
 
 
-def test_phi3_contexts_the_fast_path_cannot_serve_are_refused_by_their_config_value(phi3_longrope, tmp_path):
-    with pytest.raises(ValueError, match="'longrope'.*original_max_position_embeddings=128.*max_model_len <= 128"):
-        RolloutEngine.from_pretrained(phi3_longrope, max_num_seqs=2, max_model_len=129)
+def test_phi3_contexts_the_fast_path_cannot_serve_are_refused_by_their_config_value(phi3_longrope, tmp_path, caplog):
+    """engine='fast' refuses them, naming the value; 'auto' serves them through transformers.generate, saying why."""
     windowed = with_config(phi3_longrope, tmp_path, sliding_window=64)  # Phi-3-mini-4k's is 2047
-    with pytest.raises(ValueError, match="max_model_len=100 exceeds the model's sliding_window=64"):
-        RolloutEngine.from_pretrained(windowed, max_num_seqs=2, max_model_len=100)
+    cases = [(phi3_longrope, 129, "'longrope'.*original_max_position_embeddings=128.*max_model_len <= 128"),
+             (windowed, 100, "max_model_len=100 exceeds the model's sliding_window=64")]
+    for path, length, why in cases:
+        with pytest.raises(ValueError, match=why):
+            RolloutEngine.from_pretrained(path, max_num_seqs=2, max_model_len=length, engine="fast")
+        with caplog.at_level("WARNING"):
+            assert RolloutEngine.from_pretrained(path, max_num_seqs=2, max_model_len=length).kind == "hf"
+        assert re.search(why, caplog.text)
+        caplog.clear()
+    assert RolloutEngine.from_pretrained(windowed, max_num_seqs=2, max_model_len=64).kind == "fast"
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3"])
