@@ -66,15 +66,18 @@ def test_row_kernels_compute_the_torch_path(monkeypatch):
 
 
 def test_head_norms_in_place_inside_the_fused_projection(monkeypatch):
-    """Qwen3's per-head q/k norms on the q and k heads of a fused projection row: normed in place as the torch
-    reference norms a copy; the v heads and the other heads' columns are left as they were."""
+    """Qwen3's per-head q/k norms on the q and k heads of a fused projection row, and OLMo 2's over the whole k
+    (one head as wide as k, scaled before its rounding): normed in place as the torch reference norms a copy; the
+    v heads and the other heads' columns are left as they were."""
     qkv = _randn(5, (HEADS + 2 * KV_HEADS) * DIM, seed=1)
-    weight = _randn(DIM, seed=2)
-    heads = qkv.view(5, -1, DIM)
+    weight, whole = _randn(DIM, seed=2), _randn(KV_HEADS * DIM, seed=3)
+    heads, k = qkv.view(5, -1, DIM), slice(HEADS * DIM, (HEADS + KV_HEADS) * DIM)
     want = qkv.clone()
     want.view(5, -1, DIM)[:, :HEADS] = kernels._rms_norm_torch(heads[:, :HEADS], weight, 1e-6)
+    want[:, k] = kernels._rms_norm_torch(qkv[:, k], whole, 1e-6, round_first=False)
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     kernels.head_rms_norm_(heads[:, :HEADS], weight, 1e-6)
+    kernels.head_rms_norm_(qkv[:, k].view(5, 1, -1), whole, 1e-6, round_first=False)
     _close(qkv, want)
 
 

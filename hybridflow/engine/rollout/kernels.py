@@ -54,16 +54,17 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return out, (h if delta is None else total)
 
 
-def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """HF RMSNorm of each head of x [T, heads, D] (weight [D]) in place: Qwen3's q/k norms, applied inside
-    the fused projection's output, so q and k stay where the fused rotary, cache-write and decode kernels
-    read them. One launch where the torch reference is eight kernels."""
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> None:
+    """HF RMSNorm of each head of x [T, heads, D] (weight [D]) in place: Qwen3's q/k norms (or OLMoE's and
+    OLMo 2's over the whole projection: one head of its width), applied inside the fused projection's output, so
+    q and k stay where the fused rotary, cache-write and decode kernels read them. One launch where the torch
+    reference is eight kernels. round_first: see `add_rms_norm`."""
     if not use_triton(x) or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
-        x.copy_(_rms_norm_torch(x, weight, eps))
+        x.copy_(_rms_norm_torch(x, weight, eps, round_first))
         return
     tokens, heads, dim = x.shape
     _add_rms_norm_kernel[(tokens, heads)](x, x, weight, x, x, x.stride(0), 0, dim, eps, x.stride(0), dim,
-                                          HAS_DELTA=False, ROUND_FIRST=True, **_norm_tile(dim))
+                                          HAS_DELTA=False, ROUND_FIRST=round_first, **_norm_tile(dim))
 
 
 def _norm_tile(n: int) -> dict[str, int]:

@@ -121,23 +121,16 @@ class Attention(nn.Module):
         if self.backend == "exact":
             return self.o_proj(self.exact_attention(qkv, v, rope, meta, kv).reshape(tokens, -1))
         fused = self.store_fused(qkv, positions, meta)
-        if self.qk_norm_width == 0:  # OLMoE, OLMo 2: norms over the whole projection, then maybe a clamp
-            q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
-            q = self.q_norm(q)[0].view(tokens, self.heads, self.head_dim)
-            k = self.k_norm(k)[0].view(tokens, self.kv_heads, self.head_dim)
-            if self.clip is not None:
-                for t in (q, k, v):
-                    t.clamp_(-self.clip, self.clip)
-            rotary_(q[..., :self.rotary_dim], positions, *rope)
-            rotary_(k[..., :self.rotary_dim], positions, *rope)
-        else:  # q and k heads are adjacent in qkv: normed per head (Qwen3) and rotated there, in place
-            qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-            if self.qk_norm_width:
-                head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
-                head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
-            if not fused:
-                rotary_(qk[..., :self.rotary_dim], positions, *rope)
+        # q and k heads are adjacent in qkv: normed (per head, or over the whole q and k) and rotated there, in place
+        qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        if self.qk_norm_width is not None:
+            for part, norm in ((qkv[:, :q_size], self.q_norm), (qkv[:, q_size:q_size + kv_size], self.k_norm)):
+                head_rms_norm_(part.view(tokens, -1, norm.weight.shape[0]), norm.weight, norm.eps, norm.round_first)
+        if self.clip is not None:  # OLMoE clamps q, k and v after the norms
+            qkv.clamp_(-self.clip, self.clip)
+        if not fused:
+            rotary_(qk[..., :self.rotary_dim], positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
         if fused and decodes_in_triton(meta, self.backend, self.head_dim):
             out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale)
@@ -174,11 +167,10 @@ class Attention(nn.Module):
         return exact_attention(q, k_cache, v_cache, meta, self.scale)
 
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
-        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, q and k in
-        qkv when rotated (no norms, or per-head norms applied there; not OLMoE's), each token written once, a
-        power-of-two head dimension, rotated whole); else rotary and `write_kv` run apart."""
-        return (self.qk_norm_width != 0 and positions is not None and meta.write_rows is None
-                and use_triton(qkv) and supported(self.head_dim) and self.rotary_dim == self.head_dim)
+        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, each token
+        written once, a power-of-two head dimension, rotated whole); else rotary and `write_kv` run apart."""
+        return (positions is not None and meta.write_rows is None and use_triton(qkv) and supported(self.head_dim)
+                and self.rotary_dim == self.head_dim)
 
 
 def gated_act(config):
