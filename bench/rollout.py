@@ -2,6 +2,7 @@
 
     python bench/rollout.py --device cpu                 # ~10M-param Qwen2 shape, fp32, batch 64, 3 runs
     python bench/rollout.py --device cpu --rl-only       # only the RL-shaped (varied lengths) run
+    python bench/rollout.py --shapes olmo2-1b phi3-mini phi4-mini   # other families' real shapes, batch 256
     python bench/rollout.py --device cuda --out bench/results/rollout_h200.json
     python bench/rollout.py --device cuda --quick --skip-hf   # smoke: 0.5B, batch 256, ours only
     python bench/rollout.py --device cuda --long [--long-max 8192]   # only the long-response regime
@@ -37,7 +38,7 @@ from bench_util import git_commit, write_json
 from hybridflow.engine.rollout import SamplingParams
 from rollout_exact import bench_exact
 from rollout_long import bench_long, profile_decode, shared_prefill
-from rollout_util import engine_from, hf_generate, make_model, median, ours_generate, sync
+from rollout_util import SHAPES, engine_from, hf_generate, make_model, median, ours_generate, sync
 
 def check_kernels(device: torch.device) -> dict:
     """The fused CUDA kernels against their torch references (max abs differences, bf16 inputs)."""
@@ -343,6 +344,9 @@ def main() -> None:
                                                                    "(of exact mode's engine with --exact)")
     parser.add_argument("--attention-only", action="store_true", help="CUDA: only the decode attention sweep")
     parser.add_argument("--exact", action="store_true", help="only exact mode's engine against the default")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
+                        help="only these shapes' tok/s against generate at batch 256 (prompt 128, 256 new tokens): "
+                             "e.g. olmo2-1b phi3-mini phi4-mini, the other families' fast paths")
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
@@ -354,7 +358,11 @@ def main() -> None:
     if cpu:
         torch.set_num_threads(args.threads)
         result["threads"] = args.threads
-    if args.exact:
+    if args.shapes:
+        batches, bandwidth = [256] if not cpu else [16], None if cpu else copy_bandwidth(device)
+        result["shapes"] = {s: bench_shape(s, device, torch.float32 if cpu else torch.bfloat16, batches, 128, 256,
+                                           args.skip_hf, bandwidth) for s in args.shapes}
+    elif args.exact:
         result["exact"] = bench_exact(device, torch.float32 if cpu else torch.bfloat16, 8 if cpu else 128,
                                       8 if cpu else 256, 1 if cpu else 3)
     elif cpu and not args.long:
@@ -378,7 +386,8 @@ def main() -> None:
                                            bandwidth) for s in shapes}
         result["varied_stop"] = bench_varied("qwen2-0.5b", device, torch.bfloat16, 256, 128, 256)
     dtype = torch.float32 if cpu else torch.bfloat16
-    if args.long or not (args.skip_long or args.quick or args.rl_only or args.attention_only or args.exact):
+    if args.long or not (args.skip_long or args.quick or args.rl_only or args.attention_only or args.exact
+                         or args.shapes):
         if cpu:  # toy size: prompt 32, up to 128 new tokens, batch 16
             result["long"] = {"cpu-10m": bench_long("cpu-10m", device, dtype, 16, 32, 128, (16, 32), 32,
                                                     args.skip_hf)}

@@ -1,6 +1,6 @@
 """Model shapes and timing helpers shared by bench/rollout.py and its long-response regime
-(bench/rollout_long.py): random-weight HF Qwen2 models, our engine over their parameters, and timed
-runs of ours and of `transformers.generate`."""
+(bench/rollout_long.py): random-weight HF models (Qwen2, or the family a shape names), our engine over their
+parameters, and timed runs of ours and of `transformers.generate`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ SHAPES = {
     "qwen2-0.5b": QWEN_SHAPES["0.5b"],
     "qwen2-1.5b": QWEN_SHAPES["1.5b"],
     "smollm2-135m": SMOLLM2_135M,  # the learning race's dimensions, built as a Qwen2 (random weights)
+    # the config.json shapes of OLMo-2-0425-1B, Phi-3-mini-4k-instruct and Phi-4-mini-instruct (its partial rotary;
+    # the bench's 384 positions stay within longrope's short factors, so plain rope stands in for them)
+    "olmo2-1b": dict(model_type="olmo2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=16, num_key_value_heads=16, vocab_size=100352, tie_word_embeddings=False,
+                     rope_theta=500000.0, rms_norm_eps=1e-6),
+    "phi3-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False,
+                      sliding_window=2047, rms_norm_eps=1e-5),
+    "phi4-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True,
+                      partial_rotary_factor=0.75, rms_norm_eps=1e-5),
 }
 
 
@@ -30,13 +41,14 @@ def sync(device: torch.device) -> None:
 
 
 def make_model(shape: str, dtype: torch.dtype, device: torch.device, spread: float | None = None, **extra):
-    """A random-init HF Qwen2 of the named shape (tied embeddings, no download); `spread` re-draws the
-    weights from N(0, spread) (norms ~1) so greedy continuations are not degenerate."""
+    """A random-init HF model of the named shape (a Qwen2 unless it names a `model_type`; tied embeddings unless
+    it says otherwise; no download); `spread` re-draws the weights from N(0, spread) (norms ~1) so greedy
+    continuations are not degenerate."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen2", eos_token_id=None, bos_token_id=None, pad_token_id=0,
-                                  **{"max_position_embeddings": 4096, "tie_word_embeddings": True,
-                                     **SHAPES[shape], **extra})
+    sizes = {"max_position_embeddings": 4096, "tie_word_embeddings": True, **SHAPES[shape], **extra}
+    config = AutoConfig.for_model(sizes.pop("model_type", "qwen2"), eos_token_id=None, bos_token_id=None,
+                                  pad_token_id=0, **sizes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     if spread is not None:

@@ -4,8 +4,9 @@ Tests, the demo and CPU benchmarks need a model directory that `AutoModelForCaus
 and `AutoTokenizer.from_pretrained` load with no network. This module builds one: a byte-level BPE
 tokenizer made with the `tokenizers` library (optionally with merges learnt from task text, plus chat
 special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
-Mistral model, or a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert), of a chosen
-size, saved as a normal Hugging Face directory (experts saved one tensor per expert, as on the hub).
+Mistral / OLMo 2 / Phi-3 model, a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert,
+OLMoE), or a GPT-2 (a family with no fast rollout path), of a chosen size, saved as a normal Hugging Face
+directory (experts saved one tensor per expert, as on the hub).
 
     python -m hybridflow.utils.tiny_model /tmp/tiny --arch qwen2 --hidden 64 --layers 2
     python -m hybridflow.utils.tiny_model /tmp/tiny_moe --arch qwen3_moe --experts 8 --experts-per-token 2
@@ -29,7 +30,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "olmo2", "phi3")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "olmo2", "phi3",
+                 "gpt2")
 
 
 def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:

@@ -58,20 +58,26 @@ def test_row_kernels_compute_the_torch_path(monkeypatch):
     for got, expected in zip(kernels.add_rms_norm(h, delta, weight, 1e-6), want[0]):
         _close(got, expected)
     _close(kernels.add_rms_norm(h, None, weight, 1e-6)[0], want[1][0])
+    # OLMo 2's norm, scaled before its rounding: the same in fp32 (the interpreter's bf16 rounds otherwise than a
+    # GPU's, so the bf16 difference is test_rollout_gpu.py's)
+    _close(kernels.add_rms_norm(h, delta, weight, 1e-6, round_first=False)[0], want[0][0])
     _close(kernels.silu_mul(gate_up), want[2])
     _close(_rotated(x, positions, cos, sin), want[3])
 
 
 def test_head_norms_in_place_inside_the_fused_projection(monkeypatch):
-    """Qwen3's per-head q/k norms on the q and k heads of a fused projection row: normed in place as the torch
-    reference norms a copy; the v heads and the other heads' columns are left as they were."""
+    """Qwen3's per-head q/k norms on the q and k heads of a fused projection row, and OLMo 2's over the whole k
+    (one head as wide as k, scaled before its rounding): normed in place as the torch reference norms a copy; the
+    v heads and the other heads' columns are left as they were."""
     qkv = _randn(5, (HEADS + 2 * KV_HEADS) * DIM, seed=1)
-    weight = _randn(DIM, seed=2)
-    heads = qkv.view(5, -1, DIM)
+    weight, whole = _randn(DIM, seed=2), _randn(KV_HEADS * DIM, seed=3)
+    heads, k = qkv.view(5, -1, DIM), slice(HEADS * DIM, (HEADS + KV_HEADS) * DIM)
     want = qkv.clone()
     want.view(5, -1, DIM)[:, :HEADS] = kernels._rms_norm_torch(heads[:, :HEADS], weight, 1e-6)
+    want[:, k] = kernels._rms_norm_torch(qkv[:, k], whole, 1e-6, round_first=False)
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     kernels.head_rms_norm_(heads[:, :HEADS], weight, 1e-6)
+    kernels.head_rms_norm_(qkv[:, k].view(5, 1, -1), whole, 1e-6, round_first=False)
     _close(qkv, want)
 
 
@@ -167,17 +173,25 @@ def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
 
 
 def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkeypatch, tiny_model_factory):
-    """Whole generations of a tiny Qwen2 and Qwen3 (spread weights) through every Triton path the engine takes on
-    a GPU: the norms (Qwen3's per-head q/k norms in place in the fused projection), rotary with the cache write
+    """Whole generations of a tiny Qwen2, Qwen3, OLMo 2 and Phi-3 (whole and partial rotary; spread weights) through
+    every Triton path the engine takes on a GPU: the norms (Qwen3's per-head q/k norms in place in the fused
+    projection, OLMo 2's scaled before their rounding, over the whole q and k and after each block), rotary with
+    the cache write
     in prefill, the fused rotary-and-decode attention, SwiGLU and the sampler; greedy tokens and their
     log-probs against the same engine on its torch paths."""
     from hybridflow.engine.rollout import RolloutEngine, SamplingParams, attention, model, sampler
-    from tests.engine.rollout.conftest import spread_weights
+    from tests.engine.rollout.conftest import spread_weights, with_config
 
     prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=8,
                                                                                 stop_token_ids=[])
-    for arch in ("qwen2", "qwen3"):
-        path = spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
+    paths = {arch: spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
+             for arch in ("qwen2", "qwen3", "olmo2", "phi3")}
+    partial = paths["phi3"].parent / "partial_phi3"
+    partial.mkdir(exist_ok=True)
+    paths["phi3 partial rotary"] = with_config(paths["phi3"], partial, partial_rotary_factor=0.5,
+                                               rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                                                "rope_type": "default"})
+    for arch, path in paths.items():
         want = RolloutEngine.from_pretrained(path, max_num_seqs=4).generate(prompts, params)
         with monkeypatch.context() as patch:
             for module in (kernels, model, sampler):

@@ -105,6 +105,9 @@ def _rollout_launches() -> None:
         cache = _meta(slots + 1, max_len, kv_heads, dim)
         qkv = _meta(rows, (heads + 2 * kv_heads) * dim)
         kernels.head_rms_norm_(qkv.view(rows, -1, dim)[:, :heads], _meta(dim), 1e-6)
+        # OLMo 2's norms: scaled before their rounding, over the whole q in place
+        kernels.add_rms_norm(h, h, _meta(hidden), 1e-6, round_first=False)
+        kernels.head_rms_norm_(qkv[:, :heads * dim].view(rows, 1, -1), _meta(heads * dim), 1e-6, round_first=False)
         decode_attention.rotary_store_(qkv, positions, cos, sin, cache, cache, positions, heads, kv_heads)
         slot_ids, lens = _meta(rows, dtype=torch.long), _meta(rows, dtype=torch.int32)
         for splits in (1, 8):  # a full batch in one piece each, a few rows over long contexts in pieces

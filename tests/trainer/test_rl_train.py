@@ -32,11 +32,11 @@ def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path)
     assert (tmp_path / "checkpoints").is_dir()
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "phi3"])
-def test_an_architecture_without_a_fast_path_trains_through_the_fallback(arch, tiny_model_factory, data_dir,
-                                                                         tmp_path):
-    """OLMo 2 and Phi-3 have no fast rollout path: generation runs through transformers.generate (which says so,
-    with its rate: tests/engine/rollout/test_rollout_parts.py) and the step trains as on the fast path."""
+@pytest.mark.parametrize("arch,engine", [("olmo2", "fast"), ("phi3", "fast"), ("gpt2", "hf")])
+def test_a_family_trains_on_its_rollout_path(arch, engine, tiny_model_factory, data_dir, tmp_path):
+    """OLMo 2 and Phi-3 generate on the fast path; GPT-2 has none, so its generation runs through
+    transformers.generate (which says so, with its rate: tests/engine/rollout/test_rollout_parts.py) and the step
+    trains the same."""
     import yaml
 
     rows = run(tiny_model_factory(arch), data_dir, tmp_path, "trainer.val_before_train=false",
@@ -44,7 +44,7 @@ def test_an_architecture_without_a_fast_path_trains_through_the_fallback(arch, t
     assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["actor/pg_loss"])
     assert rows[0]["actor/grad_norm"] > 0 and rows[0]["response_length/mean"] > 0
     resolved = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())
-    assert resolved["rollout"]["engine"] == "hf"
+    assert resolved["rollout"]["engine"] == engine
 
 
 def test_ppo_with_critic_trains_both(tiny_qwen2, data_dir, tmp_path):

@@ -33,6 +33,7 @@ from hybridflow.engine.rollout.busy_clock import BusyClock
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
 from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
 from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, DecoderLayer, weight_target
+from hybridflow.engine.rollout.scope import context_problems, default_max_model_len
 from hybridflow.engine.rollout.sparse_moe import RouteRecord
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
@@ -111,8 +112,8 @@ def _fp8_wanted(quantization: str, config, device: torch.device, dtype: torch.dt
 
 
 class RolloutEngine:
-    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral, Qwen3-MoE / Mixtral / Qwen2-MoE). Build it with
-    `from_pretrained`."""
+    """The fast engine (Llama / Qwen2 / Qwen3 / Mistral / OLMo 2 / Phi-3, Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE).
+    Build it with `from_pretrained`."""
 
     kind = "fast"
 
@@ -162,8 +163,8 @@ class RolloutEngine:
                         quantization: str = "none") -> RolloutEngine | HFRolloutEngine:
         """Load a Hugging Face model directory.
 
-        engine: "fast" (our decoder; Llama/Qwen2/Qwen3/Mistral only), "hf" (`transformers.generate`), or
-            "auto" (fast when the architecture has a fast path, else hf).
+        engine: "fast" (our decoder; the families of FAST_ARCHITECTURES), "hf" (`transformers.generate`), or
+            "auto" (fast when the architecture has a fast path and it serves max_model_len, else hf).
         max_model_len: tokens per sequence, prompt + response (default min(max_position_embeddings, 4096)).
         kv_cache_memory: None, a fraction of free memory, or bytes; the cache takes at most max_num_seqs
             slots of max_model_len tokens within it.
@@ -190,7 +191,10 @@ class RolloutEngine:
         device = indexed_device(device)
         stop_ids = model_stop_ids(path, config)
         fast = config.model_type in FAST_ARCHITECTURES
-        if engine == "fast" and not fast:
+        # auto: a context the fast model of this config cannot serve (a sliding window, longrope) falls back
+        refused = context_problems(config, default_max_model_len(config, max_model_len)) if fast else []
+        fast = fast and not (engine == "auto" and refused)
+        if engine == "fast" and config.model_type not in FAST_ARCHITECTURES:
             raise ValueError(f"engine='fast' has no path for model_type {config.model_type!r}; fast: "
                              f"{FAST_ARCHITECTURES}; use engine='auto' or 'hf'")
         if exact and (engine == "hf" or not fast):
@@ -206,8 +210,8 @@ class RolloutEngine:
             if record_routes:
                 raise ValueError(f"record_routes needs the fast engine, which has no path for model_type "
                                  f"{config.model_type!r} with engine={engine!r}; fast: {FAST_ARCHITECTURES}")
-            why = (f"model_type {config.model_type!r} has no fast path (fast: {', '.join(FAST_ARCHITECTURES)})"
-                   if not fast else "rollout.engine=hf")
+            why = ("rollout.engine=hf" if engine == "hf" else "; ".join(refused) if refused else
+                   f"model_type {config.model_type!r} has no fast path (fast: {', '.join(FAST_ARCHITECTURES)})")
             return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096, why)
         shared = shared_weights or {}
         tensors = checkpoint_tensors(path, keep=lambda name: weight_target(name)[0] not in shared)
@@ -233,13 +237,10 @@ class RolloutEngine:
         `named_tensors` need not hold them. quantization: see `from_pretrained`."""
         device = indexed_device(device)
         fp8 = _fp8_wanted(quantization, config, device, dtype, exact)
-        max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", None) or 4096, 4096)
-        window = getattr(config, "sliding_window", None)
-        uses_window = (config.model_type in ("llama", "mistral", "mixtral")
-                       or getattr(config, "use_sliding_window", False))
-        if window and uses_window and max_model_len > window:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
-                             f"which the fast path does not implement; pass max_model_len <= {window}")
+        max_model_len = default_max_model_len(config, max_model_len)
+        problems = context_problems(config, max_model_len)
+        if problems:
+            raise ValueError("; ".join(problems))
         if stop_token_ids is None:
             stop_token_ids = eos_ids(config) or []
         model = CausalLM.build(config, max_model_len, device, dtype, pick_backend(device, dtype, exact), moe_kernel,

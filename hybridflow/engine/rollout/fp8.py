@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from hybridflow.engine.rollout import kernels
-from hybridflow.engine.rollout.model import CausalLM, FusedLinear, Linear, default_weight_loader
+from hybridflow.engine.rollout.linear import FusedLinear, Linear, default_weight_loader
+from hybridflow.engine.rollout.model import CausalLM
 from hybridflow.utils.moe_spec import moe_spec
 
 try:
@@ -194,7 +195,7 @@ class Fp8Linear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
         start, size = 0, param.shape[0]
-        if self.offsets is not None:
+        if self.offsets is not None and shard is not None:  # None: the whole fused weight (Phi-3's checkpoints)
             if shard not in self.offsets:
                 raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)}, got {shard!r}")
             start, size = self.offsets[shard]

@@ -1,20 +1,21 @@
-"""One fast decoder for the Llama, Qwen2, Qwen3 and Mistral families and the mixtures of experts built on them
-(Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
+"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral, OLMo 2 and Phi-3 families and the mixtures of experts
+built on them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
-and k per head, OLMoE over the whole q and k projections, Llama may have `attention_bias` / `mlp_bias`,
-Mistral is Llama's shape; a mixture of experts has its family's attention and a `sparse_moe.SparseMoE` block
-in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj`.
-Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path that takes HF names
-(`...self_attn.q_proj.weight`) and copies in place: a module's `weight_loader(param, tensor, shard)` serves
-its parameters (the fused ones place a shard at its offset), others take `default_weight_loader`. Weights
-are only ever `copy_`-ed into, never replaced, so captured CUDA graphs stay valid across updates.
+and k per head, OLMoE and OLMo 2 over the whole q and k projections, OLMo 2 normalises each block's output
+instead of its input (`post_norm.PostNormDecoderLayer`), Phi-3 may rotate only part of each head, Llama may have
+`attention_bias` / `mlp_bias`, Mistral is Llama's shape; a mixture of experts has its family's attention and a
+`sparse_moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up
+into `gate_up_proj` (`linear`). Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path
+that takes HF names (`...self_attn.q_proj.weight`) and copies in place: a module's `weight_loader(param, tensor,
+shard)` serves its parameters (the fused ones place a shard at its offset, or take the whole: Phi-3 stores
+`qkv_proj` and `gate_up_proj` fused in our order), others take `default_weight_loader`.
 
 Rotary tables come from `transformers`' own rotary embedding for the config (rope_theta, llama3 and
-other rope_scaling types), precomputed for all positions. Norms, rotary and silu-and-mul are the fused
-kernels of `kernels` on CUDA; the residual add is fused into the following norm. The forward takes
-packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for the
-rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
+other rope_scaling types, Phi-3's partial rotation; `rope`), precomputed for all positions. Norms, rotary and
+silu-and-mul are the fused kernels of `kernels` on CUDA; the residual add is fused into the following norm. The
+forward takes packed tokens: input_ids [T], positions [T] and an `AttnMeta`, and returns logits (model dtype) for
+the rows named by `logits_index` (the last token of each prompt in prefill; every row in decode).
 
 With the "exact" backend (`rollout.exact`) every op is the training engine's: the GEMMs, residual adds,
 norms, rotary, activation and attention of `hybridflow.engine.invariant`, the rotary table of
@@ -27,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.engine import invariant
@@ -36,17 +36,16 @@ from hybridflow.engine.rollout.attention import (AttnMeta, cache_attention, deco
 from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, head_rms_norm_, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.linear import FusedLinear, Linear, Shard, default_weight_loader
+from hybridflow.engine.rollout.rope import rotary_dim, rotary_table
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", *MOE_ARCHITECTURES)
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", *MOE_ARCHITECTURES)
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
-
-
-Shard = str | tuple[str, int] | None  # a parameter's piece: a FusedLinear shard's name, or experts' (part, expert)
 
 
 def weight_target(name: str) -> tuple[str, Shard]:
@@ -63,61 +62,29 @@ def weight_target(name: str) -> tuple[str, Shard]:
     return name, None
 
 
-def default_weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard: Shard = None) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"shape {tuple(tensor.shape)} does not match the parameter's {tuple(param.shape)}")
-    param.data.copy_(tensor)
-
-
-class Linear(nn.Linear):
-    """y = x @ W.T (+ b): `F.linear`, or with `exact` the invariant GEMM."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, exact: bool) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.exact = exact
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant.linear(x, self.weight, self.bias) if self.exact else F.linear(x, self.weight, self.bias)
-
-
-class FusedLinear(Linear):
-    """Several HF projections sharing an input, stacked on the output dim: y = x @ W.T (+ b)."""
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool, exact: bool) -> None:
-        self.offsets, start = {}, 0
-        for name, size in shards.items():
-            self.offsets[name] = (start, size)
-            start += size
-        super().__init__(in_features, start, bias, exact)
-
-    def shard_ids(self, leaf: str) -> list[str]:
-        """The pieces a full load of `weight` or `bias` consists of."""
-        return list(self.offsets)
-
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
-        if shard not in self.offsets:
-            raise ValueError(f"fused parameter needs a shard id among {list(self.offsets)}, got {shard!r}")
-        start, size = self.offsets[shard]
-        default_weight_loader(param.data[start:start + size], tensor)
-
-
 class RMSNorm(nn.Module):
     """HF's RMSNorm (normalise in fp32, cast back, then scale), optionally fused with the residual add
     (exact: the invariant add and norm, in one kernel where `build` found its bits the same as apart)."""
 
-    def __init__(self, dim: int, eps: float, exact: bool) -> None:
+    def __init__(self, dim: int, eps: float, exact: bool, round_first: bool = True) -> None:
+        """round_first: see `kernels.add_rms_norm` (False for OLMo 2, which exact mode refuses)."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps, self.exact, self.fused_add = eps, exact, False
+        self.eps, self.exact, self.fused_add, self.round_first = eps, exact, False, round_first
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta); delta None normalises h."""
         if not self.exact:
-            return add_rms_norm(h, delta, self.weight, self.eps)
+            return add_rms_norm(h, delta, self.weight, self.eps, self.round_first)
         if delta is not None and self.fused_add:
             return invariant.add_rms_norm(h, delta, self.weight, self.eps)
         h = h if delta is None else h + delta
         return invariant.rms_norm(h, self.weight, self.eps), h
+
+
+def norm_rounds_first(config) -> bool:
+    """Whether the family's RMSNorm rounds the normalised row before its scale (all but OLMo 2's)."""
+    return config.model_type != "olmo2"
 
 
 class Attention(nn.Module):
@@ -134,13 +101,17 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, exact)
         o_bias = config.model_type not in ("qwen2", "qwen2_moe") and bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(q_size, config.hidden_size, o_bias, exact)
-        # q/k norms: Qwen3's per head, OLMoE's over the whole projection; OLMoE may clamp q, k and v after them
+        # q/k norms: Qwen3's per head, OLMoE's and OLMo 2's over the whole projection; OLMoE may clamp q, k and v
+        # after them
         self.clip = getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None
-        self.qk_norm_width = {"qwen3": self.head_dim, "qwen3_moe": self.head_dim, "olmoe": 0}.get(config.model_type)
+        self.qk_norm_width = {"qwen3": self.head_dim, "qwen3_moe": self.head_dim, "olmoe": 0,
+                              "olmo2": 0}.get(config.model_type)
         if self.qk_norm_width is not None:
-            self.q_norm = RMSNorm(self.qk_norm_width or q_size, config.rms_norm_eps, exact)
-            self.k_norm = RMSNorm(self.qk_norm_width or kv_size, config.rms_norm_eps, exact)
+            round_first = norm_rounds_first(config)
+            self.q_norm = RMSNorm(self.qk_norm_width or q_size, config.rms_norm_eps, exact, round_first)
+            self.k_norm = RMSNorm(self.qk_norm_width or kv_size, config.rms_norm_eps, exact, round_first)
         self.splits = [q_size, kv_size, kv_size]
+        self.rotary_dim = rotary_dim(config)  # Phi-3's `partial_rotary_factor` rotates the heads' leading part
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMeta, kv: KVCache) -> torch.Tensor:
@@ -150,23 +121,16 @@ class Attention(nn.Module):
         if self.backend == "exact":
             return self.o_proj(self.exact_attention(qkv, v, rope, meta, kv).reshape(tokens, -1))
         fused = self.store_fused(qkv, positions, meta)
-        if self.qk_norm_width == 0:  # OLMoE: norms over the whole projection, then maybe a clamp
-            q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
-            q = self.q_norm(q)[0].view(tokens, self.heads, self.head_dim)
-            k = self.k_norm(k)[0].view(tokens, self.kv_heads, self.head_dim)
-            if self.clip is not None:
-                for t in (q, k, v):
-                    t.clamp_(-self.clip, self.clip)
-            rotary_(q, positions, *rope)
-            rotary_(k, positions, *rope)
-        else:  # q and k heads are adjacent in qkv: normed per head (Qwen3) and rotated there, in place
-            qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-            if self.qk_norm_width:
-                head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
-                head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
-            if not fused:
-                rotary_(qk, positions, *rope)
+        # q and k heads are adjacent in qkv: normed (per head, or over the whole q and k) and rotated there, in place
+        qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        if self.qk_norm_width is not None:
+            for part, norm in ((qkv[:, :q_size], self.q_norm), (qkv[:, q_size:q_size + kv_size], self.k_norm)):
+                head_rms_norm_(part.view(tokens, -1, norm.weight.shape[0]), norm.weight, norm.eps, norm.round_first)
+        if self.clip is not None:  # OLMoE clamps q, k and v after the norms
+            qkv.clamp_(-self.clip, self.clip)
+        if not fused:
+            rotary_(qk[..., :self.rotary_dim], positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
         if fused and decodes_in_triton(meta, self.backend, self.head_dim):
             out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale)
@@ -203,11 +167,10 @@ class Attention(nn.Module):
         return exact_attention(q, k_cache, v_cache, meta, self.scale)
 
     def store_fused(self, qkv: torch.Tensor, positions: torch.Tensor | None, meta: AttnMeta) -> bool:
-        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, q and k in
-        qkv when rotated (no norms, or per-head norms applied there; not OLMoE's), each token written once, a
-        power-of-two head dimension); else rotary and `write_kv` run apart."""
-        return (self.qk_norm_width != 0 and positions is not None and meta.write_rows is None
-                and use_triton(qkv) and supported(self.head_dim))
+        """Whether one kernel rotates q and k and writes k and v to the cache (CUDA with Triton, each token
+        written once, a power-of-two head dimension, rotated whole); else rotary and `write_kv` run apart."""
+        return (positions is not None and meta.write_rows is None and use_triton(qkv) and supported(self.head_dim)
+                and self.rotary_dim == self.head_dim)
 
 
 def gated_act(config):
@@ -268,11 +231,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
+        from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer  # it builds on this module's pieces
+
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, moe_kernel)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact")
+        layer = PostNormDecoderLayer if config.model_type == "olmo2" else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, i, backend, moe_kernel) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact", norm_rounds_first(config))
 
 
 class CausalLM(nn.Module):
@@ -330,17 +295,13 @@ class CausalLM(nn.Module):
         return model
 
     def set_rotary(self, max_len: int) -> None:
-        """Precompute cos/sin [max_len, D] (fp32) with HF's rotary embedding for this config (exact: the
-        table the training engine gathers from too, `invariant.rope_table`)."""
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
+        """Precompute cos/sin [max_len, rotary dim] (fp32) with HF's rotary embedding for this config
+        (`rope.rotary_table`; exact: the table the training engine gathers from too, `invariant.rope_table`)."""
         device = self.lm_head.weight.device
         if self.exact:
             cos, sin = invariant.rope_table(self.config, max_len, device)
         else:
-            rope = LlamaRotaryEmbedding(self.config).to(device)
-            dummy = torch.zeros(1, dtype=torch.float32, device=device)
-            cos, sin = (t[0] for t in rope(dummy, torch.arange(max_len, device=device)[None]))
+            cos, sin = rotary_table(self.config, max_len, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -412,6 +373,13 @@ class CausalLM(nn.Module):
         out: set[tuple[str, Shard]] = set()
         for name, shard in loaded:
             owner_name, leaf = name.rsplit(".", 1)
-            covers = getattr(self.get_submodule(owner_name), "covers", None)
-            out.update((name, s) for s in (covers(leaf, shard) if covers is not None else [shard]))
+            owner = self.get_submodule(owner_name)
+            covers, shard_ids = getattr(owner, "covers", None), getattr(owner, "shard_ids", None)
+            if covers is not None:
+                pieces = covers(leaf, shard)
+            elif shard is None and shard_ids is not None:  # a fused parameter loaded whole (Phi-3's checkpoints)
+                pieces = shard_ids(leaf)
+            else:
+                pieces = [shard]
+            out.update((name, s) for s in pieces)
         return out

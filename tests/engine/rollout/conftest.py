@@ -27,6 +27,21 @@ def spread_weights(src, dst, seed: int = 0, std: float = 0.3):
     return dst
 
 
+def with_config(src, dst, **changes):
+    """A copy of the model directory `src` at `dst` with `changes` set on its config."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    config = AutoConfig.from_pretrained(src)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    config.save_pretrained(dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def spread_model(tiny_model_factory, tmp_path_factory):
     """`spread_model(arch, seed=0, **sizes) -> Path`, each built once per session."""

@@ -1,12 +1,15 @@
-"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3): parity with HF, the sampling
-contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
+"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2): parity with HF,
+the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+from tests.engine.rollout.conftest import with_config
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 17, [40, 41], [7] * 30, [100, 200, 3, 4, 5, 6, 7],
            [9], [33, 34, 35, 36] * 3]
@@ -35,25 +38,29 @@ def full_logits(model, prompt, tokens):
 @pytest.fixture(scope="module")
 def llama3_rope(spread_model, tmp_path_factory):
     """The spread Llama with llama3 rope scaling and a non-default rope_theta."""
-    import shutil
-
-    from transformers import AutoConfig
-
-    src, dst = spread_model("llama"), tmp_path_factory.mktemp("llama3_rope")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    config = AutoConfig.from_pretrained(src)
-    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
-                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 16}
-    config.save_pretrained(dst)
-    return dst
+    return with_config(spread_model("llama"), tmp_path_factory.mktemp("llama3_rope"),
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 16})
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "llama3-rope"])
-def test_greedy_matches_transformers_generate(spread_model, llama3_rope, arch):
-    path = llama3_rope if arch == "llama3-rope" else spread_model(arch)
-    engine = RolloutEngine.from_pretrained(path, max_num_seqs=3)  # fewer slots than prompts
+@pytest.fixture(scope="module")
+def phi3_longrope(spread_model, tmp_path_factory):
+    """The spread Phi-3 rotating half of each head (Phi-4-mini rotates 0.75) with longrope scaling (the 128k
+    variants'), whose short factors hold within original_max_position_embeddings=128."""
+    return with_config(spread_model("phi3"), tmp_path_factory.mktemp("phi3_longrope"), partial_rotary_factor=0.5,
+                       original_max_position_embeddings=128,  # Phi3Config takes it over rope_parameters' own
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                        "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [2.0, 3.0, 5.0, 9.0],
+                                        "original_max_position_embeddings": 128})
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "llama3-rope",
+                                  "phi3-longrope"])
+def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, arch):
+    path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope}.get(arch) or spread_model(arch)
+    # fewer slots than prompts; longrope's short factors hold within its original 128 positions
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=3, max_model_len=128 if arch == "phi3-longrope" else None)
     outs = engine.generate(PROMPTS, GREEDY)
     model = hf_model(path)
     for prompt, (out,) in zip(PROMPTS, outs):
@@ -65,8 +72,24 @@ def test_greedy_matches_transformers_generate(spread_model, llama3_rope, arch):
         torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=1e-4, rtol=0)
 
 
-def test_logprobs_equal_full_forward_at_temperature(spread_model):
-    path = spread_model("qwen2")
+def test_phi3_contexts_the_fast_path_cannot_serve_are_refused_by_their_config_value(phi3_longrope, tmp_path, caplog):
+    """engine='fast' refuses them, naming the value; 'auto' serves them through transformers.generate, saying why."""
+    windowed = with_config(phi3_longrope, tmp_path, sliding_window=64)  # Phi-3-mini-4k's is 2047
+    cases = [(phi3_longrope, 129, "'longrope'.*original_max_position_embeddings=128.*max_model_len <= 128"),
+             (windowed, 100, "max_model_len=100 exceeds the model's sliding_window=64")]
+    for path, length, why in cases:
+        with pytest.raises(ValueError, match=why):
+            RolloutEngine.from_pretrained(path, max_num_seqs=2, max_model_len=length, engine="fast")
+        with caplog.at_level("WARNING"):
+            assert RolloutEngine.from_pretrained(path, max_num_seqs=2, max_model_len=length).kind == "hf"
+        assert re.search(why, caplog.text)
+        caplog.clear()
+    assert RolloutEngine.from_pretrained(windowed, max_num_seqs=2, max_model_len=64).kind == "fast"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3"])
+def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
+    path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
     params = SamplingParams(n=3, temperature=0.7, max_tokens=16, stop_token_ids=[], seed=1)
     outs = engine.generate(PROMPTS[:4], params)
@@ -158,10 +181,11 @@ def test_length_is_capped_by_the_context(spread_model):
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
-def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model):
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3"])
+def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arch):
     from safetensors.torch import load_file
 
-    old_path, new_path = spread_model("llama", seed=0), spread_model("llama", seed=1)
+    old_path, new_path = spread_model(arch, seed=0), spread_model(arch, seed=1)
     engine = RolloutEngine.from_pretrained(old_path, max_num_seqs=8)
     before = engine.generate(PROMPTS, GREEDY)
     state = load_file(str(new_path / "model.safetensors"))

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.engine import checkpoint_tensors
 from hybridflow.engine.rollout.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_rows
-from hybridflow.engine.rollout.model import Linear
+from hybridflow.engine.rollout.linear import Linear
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [20, 21]]
 
@@ -53,8 +53,9 @@ def test_the_fp8_linear_is_its_dequantized_arithmetic():
         layer.weight_loader(layer.weight_scale, torch.ones(48))
 
 
-def test_a_weight_load_requantizes_in_place(spread_model):
-    engine, other = _fp8(spread_model("qwen2")), spread_model("qwen2", seed=1)
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])  # phi3: q/k/v and gate/up arrive fused, each quantized whole
+def test_a_weight_load_requantizes_in_place(spread_model, arch):
+    engine, other = _fp8(spread_model(arch)), spread_model(arch, seed=1)
     addresses = {name: p.data_ptr() for name, p in engine.model.named_parameters()}
     engine.load_weights(checkpoint_tensors(other))
     assert {name: p.data_ptr() for name, p in engine.model.named_parameters()} == addresses

@@ -13,7 +13,8 @@ from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: per-head q/k norms in place, then the fused kernels
+# qwen3: per-head q/k norms in place, then the fused kernels; olmo2: norms over the whole q and k and after each block
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_equals_eager(spread_model, dtype, arch):
     path = spread_model(arch)
@@ -75,6 +76,8 @@ def test_fused_kernels_match_torch_references():
     out, total = kernels.add_rms_norm(h, d, w, 1e-6)
     torch.testing.assert_close(total, h + d)
     torch.testing.assert_close(out, kernels._rms_norm_torch(h + d, w, 1e-6), atol=2e-2, rtol=2e-2)
+    olmo2 = kernels.add_rms_norm(h, d, w, 1e-6, round_first=False)[0]  # OLMo 2's: scaled in fp32, rounded once
+    torch.testing.assert_close(olmo2, kernels._rms_norm_torch(h + d, w, 1e-6, False), atol=2e-2, rtol=2e-2)
     gate_up = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)

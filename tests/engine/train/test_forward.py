@@ -29,7 +29,7 @@ def _hf_reference(model, batch, temperature):
     return logp * mask, entropy * mask
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "olmo2", "phi3"])
 def test_log_probs_match_plain_hf_forward_packed_and_padded(tiny_model_factory, arch):
     path = tiny_model_factory(arch)
     engine = TrainEngine(model_cfg(path), None, head="lm", pack_on_cpu=True)
