@@ -73,11 +73,13 @@ def _describe(value: Any) -> str:
 
 
 def non_finite_parameter(model: torch.nn.Module) -> str | None:
-    """`name (k of n values are NaN or inf)` of the first floating-point parameter of `model` holding a non-finite
-    value, looking at this process's shards alone (an FSDP2 DTensor's local part); None when all are finite.
-    One device sync for the whole model, then one for the parameter it names."""
+    """`name (k of n values are NaN or inf)` of the first trained floating-point parameter of `model` holding a
+    non-finite value, looking at this process's shards alone (an FSDP2 DTensor's local part); None when all are
+    finite. Frozen parameters (a LoRA base, a 4-bit NF4 base, which has no elementwise ops) are not looked at:
+    only an update can make a weight non-finite after it loaded. One device sync for the whole model, then one
+    for the parameter it names."""
     params = [(name, p.to_local() if isinstance(p, DTensor) else p.detach())
-              for name, p in model.named_parameters() if p.is_floating_point()]
+              for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
     if not params:
         return None
     finite = torch.stack([torch.isfinite(local).all() for _, local in params]).tolist()

@@ -11,6 +11,7 @@ import torch
 
 from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
 from hybridflow.engine.train import TrainEngine
+from hybridflow.engine.train.quantized_base import dense
 from pair_helpers import write_pairs
 from rl_helpers import TWO_WORKERS, run
 
@@ -92,9 +93,9 @@ def engine_steps(monkeypatch):
 
     def recording(self, batch, *args, **kwargs):
         params = list(self.model.parameters())
-        before = [p.detach().clone() for p in params]
+        before = [dense(p.detach()).clone() for p in params]  # a 4-bit base compared dequantized (NF4 has no clone)
         result = train_step(self, batch, *args, **kwargs)
-        moved = [not torch.equal(old, new) for old, new in zip(before, params)]
+        moved = [not torch.equal(old, dense(new.detach())) for old, new in zip(before, params)]
         trained = sum(p.numel() for p in params if p.requires_grad) / sum(p.numel() for p in params)
         steps.setdefault(self.head, []).append({"rows": len(batch["input_ids"]), "lr": result["lr"],
                                                 "grad_norm": result["grad_norm"], "changed": any(moved),
