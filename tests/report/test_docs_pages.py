@@ -61,7 +61,8 @@ def table_rows(text: str) -> list[list[str]]:
 
 
 def test_verl_table_maps_to_keys_that_exist():
-    rows = table_rows((DOCS / "migrating_from_verl.md").read_text())
+    # the key tables' rows (verl, ours, note); the examples' table beside them has two columns
+    rows = [row for row in table_rows((DOCS / "migrating_from_verl.md").read_text()) if len(row) == 3]
     assert len(rows) > 60
     seen = set()
     for verl, ours, _ in rows:
