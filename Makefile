@@ -26,8 +26,10 @@ venv: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# the CPU suite on every core (pytest-xdist; tests/xdist_groups.py says which tests share a worker), then the
+# 15 slowest tests, the place to look when the suite grows slow
 test: typecheck
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n auto --dist loadgroup --durations=15 tests
 
 demo: $(STAMP)
 	$(VENV)/bin/hybridflow demo
