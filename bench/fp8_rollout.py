@@ -52,12 +52,9 @@ TARGETS = {"1.5b": 1.5, "7b": 1.6}  # issue 54: FP8 tok/s over bf16 at batch 256
 # the engine's FP8 runs: name -> fp8.WEIGHT_ONLY_MAX_ROWS while it is built and runs (None: the module's default)
 FP8_VARIANTS = {"fp8": None, "fp8_scaled_mm": 0}
 GEMM_ROWS = (64, 128, 256, 4096)
-# the weight-only kernel's tiles swept per projection and row count: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps,
-# stages); a split past K's BLOCK_K steps runs as fewer pieces
-TILE_SWEEP = [(16, 64, 128, 1, 4, 4), (32, 64, 128, 1, 4, 4), (64, 64, 64, 1, 4, 4), (64, 128, 64, 1, 4, 4),
-              (128, 64, 64, 1, 4, 4), (128, 128, 64, 1, 8, 4), (128, 128, 128, 1, 8, 3), (256, 128, 64, 1, 8, 3),
-              (64, 256, 64, 1, 8, 3), (64, 128, 64, 4, 4, 4), (128, 128, 64, 2, 8, 4), (128, 128, 64, 4, 8, 4),
-              (128, 128, 64, 8, 8, 4)]
+# the weight-only kernel's tiles swept per projection and row count: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+TILE_SWEEP = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+              (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 3)]
 
 
 def shape_config(shape: str):
@@ -169,9 +166,9 @@ def graph_ms(calls: list[Callable[[], Any]], replays: int = 20) -> float:
     return statistics.median(times) / len(calls)
 
 
-def tiles_of(tile: tuple[int, ...]) -> dict[str, int]:
-    block_m, block_n, block_k, split, warps, stages = tile
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps, num_stages=stages)
+def tiles_of(tile: tuple[int, int, int, int, int]) -> dict[str, int]:
+    block_m, block_n, block_k, warps, stages = tile
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
 def sweep_tiles(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
@@ -235,7 +232,7 @@ def run_gemms(config, device, dtype, rows: int) -> dict:
         if rows <= max(GEMM_ROWS[:-1]):
             row.update(weight_only_ms=graph_ms([lambda w=w, s=s: fp8.weight_only_linear(x, w, s, None)
                                                 for w, s in weights]),
-                       weight_only_tiles=fp8.decode_tiles(rows, n, k), **sweep_tiles(x, weights))
+                       weight_only_tiles=fp8.decode_tiles(rows, n), **sweep_tiles(x, weights))
         row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
         out[name] = row
         del dense, weights

@@ -50,9 +50,7 @@ TILE = 4096  # elements of a row the quantize kernel holds at a time
 # benchmark can set it before building an engine. Why 256 and not the ~150 of the bytes/flops ridge:
 # docs/rollout.md#fp8-rollout.
 WEIGHT_ONLY_MAX_ROWS = 256
-MULTIPROCESSORS = 132  # an H100 SXM's: `decode_tiles` fills them by splitting K or shrinking its tiles
-SPLIT_K_MIN_WIDTH = 4096  # K from which `decode_tiles` splits it rather than shrink the tiles
-SPLIT_K_MIN_CHUNK = 1024  # the least of K a split covers (16 steps of BLOCK_K = 64)
+MULTIPROCESSORS = 132  # an H100 SXM's: `decode_tiles` shrinks its tiles until a launch has this many programs
 
 
 def model_problems(config: Any) -> list[str]:
@@ -123,52 +121,35 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
                             out_dtype=x.dtype)
 
 
-def decode_tiles(rows: int, n: int, width: int) -> dict[str, int]:
-    """The weight-only kernel's tiles for `rows` tokens, `n` weight rows and K = `width`. Each program multiplies a
-    tile of BLOCK_N weight rows by BLOCK_M tokens over its split of K. Large tiles re-read less from L2 (the tokens
-    once per weight tile, the weights once per token tile), so start at 128 x min(128, the rows); while the launch
-    has fewer programs than the GPU has multiprocessors, split a long K into SPLIT_K pieces (as many as fill them
-    in one wave, each at least SPLIT_K_MIN_CHUNK: a second small kernel sums them in a fixed order), else halve
-    BLOCK_N, then BLOCK_M."""
-    block_m, block_n, split = min(max(16, triton.next_power_of_2(rows)), 128), 128, 1
-    programs = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
-    if programs < MULTIPROCESSORS and width >= SPLIT_K_MIN_WIDTH:
-        split = max(1, min(MULTIPROCESSORS // programs, width // SPLIT_K_MIN_CHUNK))
-    while split == 1 and programs < MULTIPROCESSORS and (block_n > 64 or block_m > 32):
+def decode_tiles(rows: int, n: int) -> dict[str, int]:
+    """The weight-only kernel's tiles for `rows` tokens and `n` weight rows. Each program multiplies a tile of
+    BLOCK_N weight rows by BLOCK_M tokens over the whole K. Large tiles re-read less (the tokens are read once per
+    weight tile, the weights once per token tile, both from L2 after the first), so start at 128 x 128 and halve
+    BLOCK_N, then BLOCK_M, while the launch has fewer programs than the GPU has multiprocessors."""
+    block_m, block_n = min(max(16, triton.next_power_of_2(rows)), 128), 128
+    while triton.cdiv(rows, block_m) * triton.cdiv(n, block_n) < MULTIPROCESSORS and (block_n > 64 or block_m > 32):
         if block_n > 64:
             block_n //= 2
         else:
             block_m //= 2
-        programs = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     # 8 warps (two warpgroups) from 128 x 128 up: 64 accumulator registers a thread, no spill at sm_90
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split,
-                num_warps=8 if block_m * block_n >= 16384 else 4, num_stages=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=8 if block_m * block_n >= 16384 else 4,
+                num_stages=4)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                        tiles: dict[str, int] | None = None) -> torch.Tensor:
     """x [T, K] contiguous (bf16 on a GPU) @ (weight [N, K] e4m3 * weight_scale [N, None]).T + bias -> [T, N] in
-    x's dtype, with one Triton kernel (CUDA, or Triton's interpreter), two when K is split: no pass over x before
-    it, so it runs in a CUDA graph as the plain GEMM does. tiles: BLOCK_M / BLOCK_N / BLOCK_K / SPLIT_K /
-    num_warps / num_stages (default `decode_tiles`; benchmarks sweep them)."""
+    x's dtype, with one Triton kernel (CUDA, or Triton's interpreter): no pass over x before it, one launch, so it
+    runs in a CUDA graph as the plain GEMM does. tiles: BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages
+    (default `decode_tiles`; benchmarks sweep them)."""
     rows, width = x.shape
     n = weight.shape[0]
-    tiles = dict(tiles or decode_tiles(rows, n, width))
-    split = tiles.pop("SPLIT_K", 1)
-    chunk = triton.cdiv(triton.cdiv(width, split), tiles["BLOCK_K"]) * tiles["BLOCK_K"]
-    split = triton.cdiv(width, chunk)  # the pieces that hold some of K
+    tiles = tiles or decode_tiles(rows, n)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    # split: each piece's fp32 sums, which `_split_k_sum_kernel` adds in a fixed order (no atomics: the same
-    # inputs give the same bits, as RL's seeded rollouts need)
-    partial = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), split)
-    bias_or_any = weight_scale if bias is None else bias
-    _weight_only_kernel[grid](x, weight, weight_scale, bias_or_any, partial, rows, n, width, chunk, x.stride(0),
-                              weight.stride(0), HAS_BIAS=bias is not None, PARTIAL=split > 1, **tiles)
-    if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(rows * n, block),)](partial, weight_scale, bias_or_any, out, rows * n, n,
-                                                             SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block)
+    grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
+    _weight_only_kernel[grid](x, weight, weight_scale, weight_scale if bias is None else bias, out, rows, n, width,
+                              x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, **tiles)
     return out
 
 
@@ -246,55 +227,31 @@ if triton is not None:
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < width)
 
     @triton.jit
-    def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, K_CHUNK, stride_x, stride_w,
-                            HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         """out[M, N] = x[M, K] @ (w[N, K] * scale[N, None]).T + bias, computed transposed. A program's weight tile
         [BLOCK_N, BLOCK_K] is upcast to x's dtype in registers and is the MMA's left operand (Hopper's wgmma takes
         that one from registers, so the upcast tile never goes back to shared memory); its tokens' tile, loaded as
-        [BLOCK_K, BLOCK_M], the right one. The accumulator [BLOCK_N, BLOCK_M] is fp32 over the program's piece of
-        K (axis 2, K_CHUNK long); with PARTIAL it is stored as it is at out[piece] ([pieces, M, N] fp32), else
-        scaled per weight row and biased once, then rounded once. Axis 0 walks the token tiles, so the programs
-        that share a weight tile run side by side and read it from HBM once."""
+        [BLOCK_K, BLOCK_M], the right one. The accumulator [BLOCK_N, BLOCK_M] is fp32, scaled per weight row and
+        biased once, then rounded once. Axis 0 walks the token tiles, so the programs that share a weight tile run
+        side by side and read it from HBM once."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        k_start = tl.program_id(2) * K_CHUNK
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + (k_start + rk)[None, :]
-        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_x + (k_start + rk)[:, None]
-        k_end = tl.minimum(k_start + K_CHUNK, K)
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_x + rk[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for start in range(k_start, k_end, BLOCK_K):
-            w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < k_end - start), other=0.0)
-            x = tl.load(x_ptrs, mask=(rk[:, None] < k_end - start) & (rm[None, :] < M), other=0.0)
+        for start in range(0, K, BLOCK_K):
+            w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < K - start), other=0.0)
+            x = tl.load(x_ptrs, mask=(rk[:, None] < K - start) & (rm[None, :] < M), other=0.0)
             acc = tl.dot(w.to(x_ptr.dtype.element_ty), x, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        mask = (rn[:, None] < N) & (rm[None, :] < M)
-        if PARTIAL:
-            piece = out_ptr + tl.program_id(2).to(tl.int64) * M * N
-            tl.store(piece + rm[None, :].to(tl.int64) * N + rn[:, None], acc, mask=mask)
-        else:
-            acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=mask)
-
-    @triton.jit
-    def _split_k_sum_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, size, N, SPLIT: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        """out[M, N] = (the SPLIT pieces of partial [SPLIT, M, N] summed in order) * scale[N] + bias[N], rounded
-        once: the weight-only kernel's epilogue after a split K."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < size
-        acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
-        for piece in tl.static_range(1, SPLIT):
-            acc += tl.load(partial_ptr + piece * size + offs, mask=mask, other=0.0)
-        cols = offs % N
-        acc *= tl.load(scale_ptr + cols, mask=mask, other=0.0)
+        acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_out + rn[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rm[None, :] < M))

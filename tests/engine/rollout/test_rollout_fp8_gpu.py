@@ -33,13 +33,12 @@ def test_the_quantize_kernel_rounds_as_torch_does(monkeypatch):
     assert torch.equal(got[0], want[0])
 
 
-@pytest.mark.parametrize("rows, width", [(7, 1536), (256, 1536), (256, 8960), (4096, 1536)])
-def test_the_fp8_linear_is_its_dequantized_arithmetic(rows, width):
-    """Decode's row counts run the weight-only kernel (bf16 tokens as they are; K = 8,960 split in pieces), prefill's
-    quantize the tokens for `_scaled_mm`: each against its own dequantized arithmetic in fp32."""
-    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(2048, width, device="cuda") / width ** 0.5
-    bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("rows", [7, 256, 4096])
+def test_the_fp8_linear_is_its_dequantized_arithmetic(rows):
+    """Decode's row counts run the weight-only kernel (bf16 tokens as they are), prefill's quantize the tokens for
+    `_scaled_mm`: each against its own dequantized arithmetic in fp32."""
+    x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
+    weight, bias = torch.randn(2048, 1536, device="cuda") * 0.02, torch.randn(2048, device="cuda", dtype=torch.bfloat16)
     wq, ws = torch.empty(weight.shape, dtype=FP8, device="cuda"), torch.empty(2048, device="cuda")
     quantize_rows(weight, wq, ws)
     tokens = x.float()
