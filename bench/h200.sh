@@ -62,8 +62,7 @@ decode_attention() { python3 bench/rollout.py --device cuda --attention-only --o
 # the decode step's GEMMs alone: cuBLAS, cuBLASLt and Triton tiles at 64-512 rows (issue 19)
 decode_gemm() { python3 bench/decode_gemm.py --device cuda --out "$OUT/decode_gemm_h200.json" 2>&1 | tee "$OUT/decode_gemm.log"; }
 # FP8 rollout (issue 54; docs/rollout.md#fp8-rollout): rollout.quantization=fp8 against bf16 at batch 256, the 1.5B and
-# 7B shapes (targets 1.5x and 1.6x tok/s), FP8 with decode's weight-only kernel and with _scaled_mm alone, weight
-# sync, peak memory, each projection's GEMMs in CUDA graphs at 64-4,096 rows with a tile sweep (~5 minutes);
+# 7B shapes (targets 1.5x and 1.6x tok/s), weight sync, peak memory, each projection's GEMM alone (~3 minutes);
 # FP8_PROFILE=1 adds where the FP8 decode step's time goes. fp8_tests: its GPU tests
 fp8_rollout() { python3 bench/fp8_rollout.py --device cuda ${FP8_PROFILE:+--profile} --out "$OUT/fp8_rollout_h200.json" \
     2>&1 | tee "$OUT/fp8_rollout.log"; }

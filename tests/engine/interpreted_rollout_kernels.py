@@ -230,28 +230,3 @@ def test_fp8_row_quantization_computes_the_torch_path(monkeypatch):
         carry_lost = power_of_two & (got * q_want > 0) & (got.abs() < q_want.abs()) & (2 * got.abs() >= q_want.abs())
         assert ((got == q_want) | carry_lost).all()
         assert carry_lost.float().mean() < 0.05
-
-
-def test_fp8_weight_only_gemm_equals_its_dequantized_arithmetic(monkeypatch):
-    """The FP8 rollout's decode GEMM (`fp8.fp8_linear` at most `WEIGHT_ONLY_MAX_ROWS` tokens on a GPU): bf16 tokens
-    times e4m3 weights upcast in the kernel, scaled per weight row, plus the bias, against the same e4m3 weights
-    dequantized in fp32. Row counts of one decode row, odd ones that mask the last token tile, and a full bucket;
-    weight rows and a K that mask their tiles; tiles the engine picks and a small one with several K steps. The
-    tokens hold bf16 values in fp32: the interpreter's `tl.dot` multiplies bf16 operands' raw bits (numpy has no
-    bf16), so the bf16 MMA itself is checked on the GPU (`test_rollout_fp8_gpu.py`)."""
-    from hybridflow.engine.rollout import fp8
-
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-    for seed, (rows, n, k, bias, tiles) in enumerate(((1, 96, 80, True, None), (7, 64, 64, False, None),
-                                                     (130, 80, 48, True, None), (256, 128, 96, False, None),
-                                                     (130, 80, 96, False, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32,
-                                                                               num_warps=4, num_stages=2)))):
-        x = _randn(rows, k, seed=30 + seed).to(torch.bfloat16).float()
-        weight = _randn(n, k, seed=40 + seed) * torch.logspace(-2, 1, n)[:, None]  # rows of different scales
-        q, scale = torch.empty(n, k, dtype=fp8.FP8), torch.empty(n)
-        fp8.quantize_rows(weight, q, scale)
-        b = _randn(n, seed=50 + seed) if bias else None
-        want = x.double() @ (q.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
-        got = fp8.weight_only_linear(x, q, scale, b, tiles) if tiles else fp8.fp8_linear(x, q, scale, b)
-        assert got.shape == (rows, n) and got.isfinite().all()
-        assert ((got.double() - want).norm() / want.norm()).item() < 1e-6  # fp32 accumulation and output

@@ -93,12 +93,6 @@ def _rollout_launches() -> None:
             for count in (rows, 2 * inter):
                 fp8.quantize_rows(_meta(count, width), _meta(count, width, dtype=fp8.FP8),
                                   _meta(count, dtype=torch.float32))
-        qkv_width = (heads + 2 * kv_heads) * dim
-        for n, k, bias in ((qkv_width, hidden, True), (hidden, heads * dim, False), (2 * inter, hidden, False),
-                           (hidden, inter, False)):  # FP8 rollout: each projection's weight-only decode GEMM
-            for count in (1, 64, rows):
-                fp8.fp8_linear(_meta(count, k), _meta(n, k, dtype=fp8.FP8), _meta(n, dtype=torch.float32),
-                               _meta(n) if bias else None)
         cos, sin = _meta(max_len, dim, dtype=torch.float32), _meta(max_len, dim, dtype=torch.float32)
         positions = _meta(rows, dtype=torch.long)
         kernels.rotary_(_meta(rows, heads, dim), positions, cos, sin)

@@ -5,11 +5,9 @@ that reads them.
 - `quantize_rows(x, q, scale)`: each row of x [R, K] scaled so its absolute max maps to 448 (e4m3's largest
   finite value) and rounded to e4m3 into q [R, K], its scale (absmax / 448) into scale [R]. One Triton kernel
   on CUDA (a program per row, two passes over it: the max, then the scaled store); torch elsewhere.
-- `fp8_linear(x, weight, weight_scale, bias)`: x @ (weight * its row scales).T + bias in x's dtype. On CUDA at
-  decode's row counts (at most `WEIGHT_ONLY_MAX_ROWS` tokens) `weight_only_linear`: one Triton GEMM that upcasts
-  each e4m3 weight tile to bf16 in registers for a bf16 MMA with the activations as they are, the row scales and
-  the bias applied to the fp32 accumulator. Above it (prefill), and on the CPU: x quantized per token, then
-  `torch._scaled_mm` with row-wise scales (cuBLASLt / CUTLASS FP8 on CUDA, the reference in fp32 on the CPU).
+- `fp8_linear(x, weight, weight_scale, bias)`: y = (x quantized per token) @ weight.T, rescaled by the token's
+  and the weight row's scales (`torch._scaled_mm` with row-wise scales: cuBLASLt / CUTLASS FP8 on CUDA, the
+  reference in fp32 on the CPU), + bias, in x's dtype.
 - `Fp8Linear`: a `model.Linear` / `FusedLinear` whose weight is such an FP8 buffer and scale. Its
   `weight_loader` quantizes each incoming (shard of a) weight into its rows in place: the buffers are never
   re-allocated, so captured CUDA graphs stay valid, and a fused shard's rows are quantized alone (per-row
@@ -45,12 +43,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: FP8 tensor cores, row-wise scaled `_scaled_mm` (torch >= 2.7 on sm_89)
 TILE = 4096  # elements of a row the quantize kernel holds at a time
-# The most tokens `fp8_linear` runs through the weight-only kernel (decode's CUDA-graph buckets go up to 256); more
-# take per-token quantize + `_scaled_mm`. Read at each call (the graphs capture what it was at their capture), so a
-# benchmark can set it before building an engine. Why 256 and not the ~150 of the bytes/flops ridge:
-# docs/rollout.md#fp8-rollout.
-WEIGHT_ONLY_MAX_ROWS = 256
-MULTIPROCESSORS = 132  # an H100 SXM's: `decode_tiles` shrinks its tiles until a launch has this many programs
 
 
 def model_problems(config: Any) -> list[str]:
@@ -101,56 +93,14 @@ def quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, K] (model dtype) @ weight [N, K] (e4m3, scales weight_scale [N]).T + bias -> [T, N] in x's dtype:
-    at most `WEIGHT_ONLY_MAX_ROWS` tokens on CUDA with x as it is, else each token quantized with a scale of its
-    own."""
+    """x [T, K] (model dtype) @ weight [N, K] (e4m3, scales weight_scale [N]).T + bias -> [T, N] in x's dtype,
+    each token quantized with a scale of its own."""
     x = x.contiguous()
-    if kernels.use_triton(x) and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
-        return weight_only_linear(x, weight, weight_scale, bias)
-    return scaled_linear(x, weight, weight_scale, bias)
-
-
-def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """`fp8_linear` above `WEIGHT_ONLY_MAX_ROWS` tokens (and on the CPU): x [T, K] contiguous quantized per token,
-    then `torch._scaled_mm` of the two FP8 operands with row-wise scales."""
     xq = torch.empty(x.shape, dtype=FP8, device=x.device)
     x_scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     quantize_rows(x, xq, x_scale.view(-1))
     return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
                             out_dtype=x.dtype)
-
-
-def decode_tiles(rows: int, n: int) -> dict[str, int]:
-    """The weight-only kernel's tiles for `rows` tokens and `n` weight rows. Each program multiplies a tile of
-    BLOCK_N weight rows by BLOCK_M tokens over the whole K. Large tiles re-read less (the tokens are read once per
-    weight tile, the weights once per token tile, both from L2 after the first), so start at 128 x 128 and halve
-    BLOCK_N, then BLOCK_M, while the launch has fewer programs than the GPU has multiprocessors."""
-    block_m, block_n = min(max(16, triton.next_power_of_2(rows)), 128), 128
-    while triton.cdiv(rows, block_m) * triton.cdiv(n, block_n) < MULTIPROCESSORS and (block_n > 64 or block_m > 32):
-        if block_n > 64:
-            block_n //= 2
-        else:
-            block_m //= 2
-    # 8 warps (two warpgroups) from 128 x 128 up: 64 accumulator registers a thread, no spill at sm_90
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=8 if block_m * block_n >= 16384 else 4,
-                num_stages=4)
-
-
-def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                       tiles: dict[str, int] | None = None) -> torch.Tensor:
-    """x [T, K] contiguous (bf16 on a GPU) @ (weight [N, K] e4m3 * weight_scale [N, None]).T + bias -> [T, N] in
-    x's dtype, with one Triton kernel (CUDA, or Triton's interpreter): no pass over x before it, one launch, so it
-    runs in a CUDA graph as the plain GEMM does. tiles: BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages
-    (default `decode_tiles`; benchmarks sweep them)."""
-    rows, width = x.shape
-    n = weight.shape[0]
-    tiles = tiles or decode_tiles(rows, n)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
-    _weight_only_kernel[grid](x, weight, weight_scale, weight_scale if bias is None else bias, out, rows, n, width,
-                              x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, **tiles)
-    return out
 
 
 class Fp8Linear(nn.Module):
@@ -225,33 +175,3 @@ if triton is not None:
             x = tl.load(x_row + cols, mask=cols < width, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < width)
-
-    @triton.jit
-    def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        """out[M, N] = x[M, K] @ (w[N, K] * scale[N, None]).T + bias, computed transposed. A program's weight tile
-        [BLOCK_N, BLOCK_K] is upcast to x's dtype in registers and is the MMA's left operand (Hopper's wgmma takes
-        that one from registers, so the upcast tile never goes back to shared memory); its tokens' tile, loaded as
-        [BLOCK_K, BLOCK_M], the right one. The accumulator [BLOCK_N, BLOCK_M] is fp32, scaled per weight row and
-        biased once, then rounded once. Axis 0 walks the token tiles, so the programs that share a weight tile run
-        side by side and read it from HBM once."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_x + rk[:, None]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < K - start), other=0.0)
-            x = tl.load(x_ptrs, mask=(rk[:, None] < K - start) & (rm[None, :] < M), other=0.0)
-            acc = tl.dot(w.to(x_ptr.dtype.element_ty), x, acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_out + rn[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rm[None, :] < M))
