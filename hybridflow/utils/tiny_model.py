@@ -4,8 +4,8 @@ Tests, the demo and CPU benchmarks need a model directory that `AutoModelForCaus
 and `AutoTokenizer.from_pretrained` load with no network. This module builds one: a byte-level BPE
 tokenizer made with the `tokenizers` library (optionally with merges learnt from task text, plus chat
 special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
-Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) model, a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert,
-OLMoE), or a GPT-2 (a family with no fast rollout path), of a chosen size, saved as a normal Hugging Face
+Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) model, a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its
+shared expert, OLMoE), or a GPT-2 (a family with no fast rollout path), of a chosen size, saved as a normal Hugging Face
 directory (experts saved one tensor per expert, as on the hub).
 
     python -m hybridflow.utils.tiny_model /tmp/tiny --arch qwen2 --hidden 64 --layers 2
@@ -123,7 +123,7 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
     if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
         kwargs["head_dim"] = head_dim or hidden // heads
     if arch == "gemma3_text":
-        kwargs.update(gemma3_kwargs(layers, kwargs["head_dim"]))
+        kwargs.update(gemma3_kwargs(layers, head_dim or hidden // heads))
     kwargs.update(moe_kwargs(arch, experts, experts_per_token, expert_intermediate or hidden // 2))
     return AutoConfig.for_model(arch, **kwargs)
 

@@ -88,8 +88,8 @@ class RMSNorm(nn.Module):
 def family_norm(dim: int, config, exact: bool) -> RMSNorm:
     """The family's RMSNorm of rows of `dim`: OLMo 2's scales before it rounds, Gemma 3's by 1 + weight, the
     others' round the normalised row before their scale."""
-    gemma = config.model_type == "gemma3_text"
-    return RMSNorm(dim, config.rms_norm_eps, exact, config.model_type not in ("olmo2", "gemma3_text"), gemma)
+    kind = config.model_type
+    return RMSNorm(dim, config.rms_norm_eps, exact, kind not in ("olmo2", "gemma3_text"), kind == "gemma3_text")
 
 
 class Attention(nn.Module):
@@ -97,9 +97,8 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        # Gemma 3 scales the scores by query_pre_attn_scalar ** -0.5
+        self.layer_index, self.backend = layer_index, backend  # Gemma 3 scales by its query_pre_attn_scalar
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        self.layer_index, self.backend = layer_index, backend
         self.window = layer_window(config, layer_index)  # a sliding-window layer's (Gemma 3's local layers)
         self.rope_columns = rope_columns(config, layer_index)  # its rotary table's columns, where there are several
         exact = backend == "exact"
@@ -110,8 +109,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, exact)
         o_bias = config.model_type not in ("qwen2", "qwen2_moe") and bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(q_size, config.hidden_size, o_bias, exact)
-        # q/k norms: Qwen3's and Gemma 3's per head, OLMoE's and OLMo 2's over the whole projection; OLMoE may clamp
-        # q, k and v after them
+        # q/k norms: Qwen3's, Gemma 3's per head, OLMoE's, OLMo 2's over the whole projection; OLMoE clamps after them
         self.clip = getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None
         self.qk_norm_width = {"qwen3": self.head_dim, "qwen3_moe": self.head_dim, "olmoe": 0,
                               "olmo2": 0, "gemma3_text": self.head_dim}.get(config.model_type)
@@ -243,8 +241,7 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
-        # they build on this module's pieces
-        from hybridflow.engine.rollout.gemma3 import Gemma3DecoderLayer, ScaledEmbedding
+        from hybridflow.engine.rollout.gemma3 import Gemma3DecoderLayer, ScaledEmbedding  # built on this module
         from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer
 
         super().__init__()

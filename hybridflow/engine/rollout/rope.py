@@ -65,8 +65,8 @@ def rotary_table(config, max_len: int, device: torch.device) -> tuple[torch.Tens
     dummy, positions = torch.zeros(1, dtype=torch.float32, device=device), torch.arange(max_len, device=device)[None]
     types = layer_rope_types(config)
     if types:
-        rope = Gemma3RotaryEmbedding(config).to(device)
-        tables = [rope(dummy, positions, layer_type) for layer_type in types]
+        gemma = Gemma3RotaryEmbedding(config).to(device)
+        tables = [gemma(dummy, positions, layer_type) for layer_type in types]
         return torch.cat([cos[0] for cos, _ in tables], -1), torch.cat([sin[0] for _, sin in tables], -1)
     rope = (Phi3RotaryEmbedding if config.model_type == "phi3" else LlamaRotaryEmbedding)(config).to(device)
     cos, sin = (t[0] for t in rope(dummy, positions))

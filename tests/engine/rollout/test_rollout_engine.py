@@ -1,5 +1,6 @@
 """The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2 / Phi-3 / Gemma 3):
-parity with HF, the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
+parity with HF, the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input
+errors."""
 
 from __future__ import annotations
 
