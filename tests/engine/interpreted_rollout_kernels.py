@@ -189,13 +189,13 @@ def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkey
     layers within their 8-token window, each layer reading its columns of the local and global tables side by
     side), SwiGLU and the sampler; greedy tokens and their log-probs against the same engine on its torch paths."""
     from hybridflow.engine.rollout import RolloutEngine, SamplingParams, attention, model, sampler
-    from tests.engine.rollout.conftest import spread_weights, with_config
+    from tests.engine.rollout.conftest import SPREAD_SIZES, spread_weights, with_config
 
     prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=10,
                                                                                 stop_token_ids=[])
     paths = {arch: spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
              for arch in ("qwen2", "qwen3", "olmo2", "phi3")}
-    untied = tiny_model_factory("gemma3_text", tie_word_embeddings=False)  # see test_rollout_engine.py's gemma3
+    untied = tiny_model_factory("gemma3_text", **SPREAD_SIZES["gemma3_text"])
     paths["gemma3_text"] = spread_weights(untied, untied.parent / "spread_gemma3_text")
     partial = paths["phi3"].parent / "partial_phi3"
     partial.mkdir(exist_ok=True)

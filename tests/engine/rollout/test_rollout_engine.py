@@ -57,24 +57,18 @@ def phi3_longrope(spread_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gemma3(spread_model):
-    """The spread Gemma 3: sliding-window (8 tokens, shorter than the generations) and global layers, rotated by the
-    local and the linearly scaled global bases; untied, since its embedding (scaled by sqrt(hidden)) dominates a
-    spread model's residual stream, and a tied head would then repeat the last token."""
-    return spread_model("gemma3_text", tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def gemma3_softcap(gemma3, tmp_path_factory):
-    """The spread Gemma 3 with its final logits soft-capped (Gemma 2's 30; Gemma 3's checkpoints leave it unset)."""
-    return with_config(gemma3, tmp_path_factory.mktemp("gemma3_softcap"), final_logit_softcapping=3.0)
+def gemma3_softcap(spread_model, tmp_path_factory):
+    """The spread Gemma 3 (sliding-window layers of 8 tokens, shorter than the generations, and global layers,
+    rotated by the local and the linearly scaled global bases) with its final logits soft-capped (Gemma 2 capped at
+    30; Gemma 3's checkpoints leave it unset). Greedy tokens are the same under the cap; their log-probs are not."""
+    return with_config(spread_model("gemma3_text"), tmp_path_factory.mktemp("gemma3_softcap"),
+                       final_logit_softcapping=3.0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", "llama3-rope",
                                   "phi3-longrope", "gemma3-softcap"])
-def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, gemma3, gemma3_softcap,
-                                              arch):
-    path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope, "gemma3_text": gemma3,
+def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, gemma3_softcap, arch):
+    path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope,
             "gemma3-softcap": gemma3_softcap}.get(arch) or spread_model(arch)
     # fewer slots than prompts; longrope's short factors hold within its original 128 positions
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=3, max_model_len=128 if arch == "phi3-longrope" else None)
@@ -104,12 +98,12 @@ def test_phi3_contexts_the_fast_path_cannot_serve_are_refused_by_their_config_va
     assert RolloutEngine.from_pretrained(windowed, max_num_seqs=2, max_model_len=64).kind == "fast"
 
 
-def test_gemma3_settings_the_fast_path_does_not_serve_are_refused_by_name(gemma3, tmp_path, caplog):
+def test_gemma3_settings_the_fast_path_does_not_serve_are_refused_by_name(spread_model, tmp_path, caplog):
     """Attention soft-capping and bidirectional attention: engine='fast' refuses them, naming the key and its value;
     'auto' serves them through transformers.generate, saying why."""
     for key, value in (("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)):
         (tmp_path / key).mkdir()
-        path = with_config(gemma3, tmp_path / key, **{key: value})
+        path = with_config(spread_model("gemma3_text"), tmp_path / key, **{key: value})
         why = f"{key}={value} is set, which the fast path does not implement"
         with pytest.raises(ValueError, match=why):
             RolloutEngine.from_pretrained(path, max_num_seqs=2, engine="fast")
@@ -120,8 +114,8 @@ def test_gemma3_settings_the_fast_path_does_not_serve_are_refused_by_name(gemma3
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "gemma3_text"])
-def test_logprobs_equal_full_forward_at_temperature(spread_model, gemma3, arch):
-    path = gemma3 if arch == "gemma3_text" else spread_model(arch)
+def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
+    path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
     params = SamplingParams(n=3, temperature=0.7, max_tokens=16, stop_token_ids=[], seed=1)
     outs = engine.generate(PROMPTS[:4], params)
@@ -217,8 +211,7 @@ def test_length_is_capped_by_the_context(spread_model):
 def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arch):
     from safetensors.torch import load_file
 
-    sizes = {"tie_word_embeddings": False} if arch == "gemma3_text" else {}  # see the gemma3 fixture
-    old_path, new_path = spread_model(arch, seed=0, **sizes), spread_model(arch, seed=1, **sizes)
+    old_path, new_path = spread_model(arch, seed=0), spread_model(arch, seed=1)
     engine = RolloutEngine.from_pretrained(old_path, max_num_seqs=8)
     before = engine.generate(PROMPTS, GREEDY)
     state = load_file(str(new_path / "model.safetensors"))

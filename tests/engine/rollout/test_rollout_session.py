@@ -38,10 +38,10 @@ def turns(session, first, appended, max_tokens=8):
 
 
 # olmo2: its q/k norms over the whole projection; gemma3_text: several queries of a row over the cache, each within
-# its own sliding window (8 tokens, untied: see test_rollout_engine.py's gemma3 fixture)
+# its own sliding window (8 tokens)
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "gemma3_text"])
 def test_continuation_equals_one_shot_prefill_of_the_whole_sequence(spread_model, arch):
-    path = spread_model(arch, **({"tie_word_embeddings": False} if arch == "gemma3_text" else {}))
+    path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=6, max_model_len=128)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 17]
     appended = {0: [[40, 41, 42], [50]], 1: [[7] * 9, [60, 61]], 2: [[33, 34], [35, 36, 37, 38]]}
