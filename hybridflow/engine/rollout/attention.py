@@ -183,8 +183,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             meta.cu_seqlens, meta.max_seqlen_q, meta.max_seqlen, 0.0, meta.max_seqlen_q > 1 or window is not None,
             False, scale=scale, seqused_k=meta.context_lens, **_flash_window(window))[0]
     rows, query_index, valid, mask, position = _cache_layout(meta)
-    keys = torch.arange(meta.max_seqlen, device=q.device)
-    mask = _windowed(meta, mask, window, lambda w: _band(position[:, None, :, None], keys, w))
+    key_positions = torch.arange(meta.max_seqlen, device=q.device)
+    mask = _windowed(meta, mask, window, lambda w: _band(position[:, None, :, None], key_positions, w))
     keys = k_cache[rows, :meta.max_seqlen].transpose(1, 2)
     values = v_cache[rows, :meta.max_seqlen].transpose(1, 2)
     queries = q[:, :, None] if query_index is None else q[query_index].transpose(1, 2)
