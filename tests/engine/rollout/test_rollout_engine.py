@@ -113,6 +113,19 @@ def test_gemma3_settings_the_fast_path_does_not_serve_are_refused_by_name(spread
         caplog.clear()
 
 
+def test_gemma3_windows_in_prefill_one_prompt_at_a_time_equal_the_padded_prefill(spread_model, monkeypatch):
+    """Prefills past `_PADDED_LIMIT` (prompts x longest^2) run SDPA per prompt: each with its own windowed mask."""
+    from hybridflow.engine.rollout import attention
+
+    path = spread_model("gemma3_text")
+    want = RolloutEngine.from_pretrained(path, max_num_seqs=8).generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(attention, "_PADDED_LIMIT", 0)
+    got = RolloutEngine.from_pretrained(path, max_num_seqs=8).generate(PROMPTS, GREEDY)
+    for (a,), (b,) in zip(got, want):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "gemma3_text"])
 def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
     path = spread_model(arch)
