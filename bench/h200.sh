@@ -53,8 +53,9 @@ dpo_bf16() { python3 bench/dpo_vs_trl.py --device cuda --trl-ref precompute --se
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
     | tee "$OUT/rollout.log"; }
 # the other families' fast paths at their real shapes (issue 59, docs/models.md): OLMo 2 1B, Phi-3-mini, Phi-4-mini
-# (partial rotary) against generate at batch 256; FAMILY_SHAPES picks fewer where one call cannot hold them all
-families() { python3 bench/rollout.py --device cuda --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini} \
+# (partial rotary), Gemma 3 4B (text) against generate at batch 256; FAMILY_SHAPES picks fewer where one call cannot
+# hold them all
+families() { python3 bench/rollout.py --device cuda --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
 # the decode attention kernel alone: tiles, warps and splits at the engine's shapes, and over SmolLM2's long slots with
 # spread contexts (issue 42: at 8,192 tokens a partial rollout's full buffer generated at a third of the rate of a

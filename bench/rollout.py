@@ -2,7 +2,7 @@
 
     python bench/rollout.py --device cpu                 # ~10M-param Qwen2 shape, fp32, batch 64, 3 runs
     python bench/rollout.py --device cpu --rl-only       # only the RL-shaped (varied lengths) run
-    python bench/rollout.py --shapes olmo2-1b phi3-mini phi4-mini   # other families' real shapes, batch 256
+    python bench/rollout.py --shapes olmo2-1b phi3-mini phi4-mini gemma3-4b   # other families' real shapes, batch 256
     python bench/rollout.py --device cuda --out bench/results/rollout_h200.json
     python bench/rollout.py --device cuda --quick --skip-hf   # smoke: 0.5B, batch 256, ours only
     python bench/rollout.py --device cuda --long [--long-max 8192]   # only the long-response regime
@@ -211,7 +211,7 @@ def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip
     engine = engine_from(model, device, dtype, max_num_seqs=max(batches),
                          max_model_len=prompt_len + new_tokens)
     cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Gemma 3's 256
     row = dict(params_m=n_params / 1e6, graph_capture_s=engine.stats.get("graph_capture_s"),
                kv_cache_gb=engine.stats["kv_cache_gb"])
     sync_times = []
@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true", help="only exact mode's engine against the default")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
                         help="only these shapes' tok/s against generate at batch 256 (prompt 128, 256 new tokens): "
-                             "e.g. olmo2-1b phi3-mini phi4-mini, the other families' fast paths")
+                             "e.g. olmo2-1b phi3-mini phi4-mini gemma3-4b, the other families' fast paths")
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

@@ -28,6 +28,14 @@ SHAPES = {
     "phi4-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                       num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True,
                       partial_rotary_factor=0.75, rms_norm_eps=1e-5),
+    # gemma-3-4b-it's text model: five sliding-window layers (1,024 tokens) to one global, 8 heads of 256 over 4 KV
+    # heads, the local base and the global one with linear scaling; the bench's 384 positions stay within the window
+    "gemma3-4b": dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                      vocab_size=262208, tie_word_embeddings=True, sliding_window=1024, rms_norm_eps=1e-6,
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                          "rope_theta": 1_000_000.0}}),
 }
 
 

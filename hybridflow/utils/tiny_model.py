@@ -4,8 +4,8 @@ Tests, the demo and CPU benchmarks need a model directory that `AutoModelForCaus
 and `AutoTokenizer.from_pretrained` load with no network. This module builds one: a byte-level BPE
 tokenizer made with the `tokenizers` library (optionally with merges learnt from task text, plus chat
 special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
-Mistral / OLMo 2 / Phi-3 model, a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert,
-OLMoE), or a GPT-2 (a family with no fast rollout path), of a chosen size, saved as a normal Hugging Face
+Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) model, a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its
+shared expert, OLMoE), or a GPT-2 (a family with no fast rollout path), of a chosen size, saved as a normal Hugging Face
 directory (experts saved one tensor per expert, as on the hub).
 
     python -m hybridflow.utils.tiny_model /tmp/tiny --arch qwen2 --hidden 64 --layers 2
@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "olmo2", "phi3",
-                 "gpt2")
+                 "gemma3_text", "gpt2")
 
 
 def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:
@@ -51,6 +51,16 @@ def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermedi
             out["shared_expert_intermediate_size"] = 4 * expert_intermediate
         return out
     return {}
+
+
+def gemma3_kwargs(layers: int, head_dim: int) -> dict:
+    """Gemma 3's attention at a debug size: sliding-window and global layers alternating (the real models have five
+    sliding layers to one global), an 8-token window so short generations outgrow it, the real models' rotary bases
+    (the global one with Gemma 3 4B's linear scaling) and their query_pre_attn_scalar of one head's width."""
+    return dict(sliding_window=8, query_pre_attn_scalar=head_dim,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}})
 
 
 def build_tokenizer(train_texts: list[str] | None = None, vocab_size: int = 300):
@@ -110,8 +120,10 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
         tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=1e-6,
     )
-    if arch in ("qwen3", "qwen3_moe"):
+    if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
         kwargs["head_dim"] = head_dim or hidden // heads
+    if arch == "gemma3_text":
+        kwargs.update(gemma3_kwargs(layers, head_dim or hidden // heads))
     kwargs.update(moe_kwargs(arch, experts, experts_per_token, expert_intermediate or hidden // 2))
     return AutoConfig.for_model(arch, **kwargs)
 

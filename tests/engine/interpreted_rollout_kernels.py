@@ -35,13 +35,15 @@ def _rotated(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     return out
 
 
-def _softmax_attention(q, k_cache, v_cache, slots, context_lens, scale):
-    """Each row's heads over its slot's first context_lens positions; KV heads shared by HEADS / KV_HEADS."""
+def _softmax_attention(q, k_cache, v_cache, slots, context_lens, scale, window=None):
+    """Each row's heads over its slot's first context_lens positions (the last `window` of them where given); KV
+    heads shared by HEADS / KV_HEADS."""
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     for row, (slot, length) in enumerate(zip(slots.tolist(), context_lens.tolist())):
-        k = k_cache[slot, :length].repeat_interleave(group, dim=1)
-        v = v_cache[slot, :length].repeat_interleave(group, dim=1)
+        first = max(0, length - window) if window else 0
+        k = k_cache[slot, first:length].repeat_interleave(group, dim=1)
+        v = v_cache[slot, first:length].repeat_interleave(group, dim=1)
         weights = torch.softmax(torch.einsum("hd,lhd->hl", q[row], k) * scale, dim=-1)
         out[row] = torch.einsum("hl,lhd->hd", weights, v)
     return out
@@ -53,7 +55,8 @@ def test_row_kernels_compute_the_torch_path(monkeypatch):
     x, positions = _randn(5, 3, 32, seed=5), torch.tensor([0, 4, 9, 2, 7])
     cos, sin = _rope_tables(12, 32)
     want = (kernels.add_rms_norm(h, delta, weight, 1e-6), kernels.add_rms_norm(h, None, weight, 1e-6),
-            kernels.silu_mul(gate_up), _rotated(x, positions, cos, sin))
+            kernels.silu_mul(gate_up), _rotated(x, positions, cos, sin),
+            kernels.add_rms_norm(h, delta, weight, 1e-6, plus_one=True))
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     for got, expected in zip(kernels.add_rms_norm(h, delta, weight, 1e-6), want[0]):
         _close(got, expected)
@@ -61,23 +64,28 @@ def test_row_kernels_compute_the_torch_path(monkeypatch):
     # OLMo 2's norm, scaled before its rounding: the same in fp32 (the interpreter's bf16 rounds otherwise than a
     # GPU's, so the bf16 difference is test_rollout_gpu.py's)
     _close(kernels.add_rms_norm(h, delta, weight, 1e-6, round_first=False)[0], want[0][0])
+    _close(kernels.add_rms_norm(h, delta, weight, 1e-6, plus_one=True)[0], want[4][0])  # Gemma 3's, by 1 + weight
     _close(kernels.silu_mul(gate_up), want[2])
     _close(_rotated(x, positions, cos, sin), want[3])
 
 
 def test_head_norms_in_place_inside_the_fused_projection(monkeypatch):
-    """Qwen3's per-head q/k norms on the q and k heads of a fused projection row, and OLMo 2's over the whole k
-    (one head as wide as k, scaled before its rounding): normed in place as the torch reference norms a copy; the
-    v heads and the other heads' columns are left as they were."""
+    """Qwen3's per-head q/k norms on the q heads of a fused projection row, OLMo 2's over the whole k (one head as
+    wide as k, scaled before its rounding), and Gemma 3's per head by 1 + weight on the v heads' columns standing
+    in for a third kind: normed in place as the torch reference norms a copy; the other columns are left as they
+    were."""
     qkv = _randn(5, (HEADS + 2 * KV_HEADS) * DIM, seed=1)
     weight, whole = _randn(DIM, seed=2), _randn(KV_HEADS * DIM, seed=3)
     heads, k = qkv.view(5, -1, DIM), slice(HEADS * DIM, (HEADS + KV_HEADS) * DIM)
     want = qkv.clone()
     want.view(5, -1, DIM)[:, :HEADS] = kernels._rms_norm_torch(heads[:, :HEADS], weight, 1e-6)
     want[:, k] = kernels._rms_norm_torch(qkv[:, k], whole, 1e-6, round_first=False)
+    want.view(5, -1, DIM)[:, HEADS + KV_HEADS:] = kernels._rms_norm_torch(heads[:, HEADS + KV_HEADS:], weight, 1e-6,
+                                                                          plus_one=True)
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     kernels.head_rms_norm_(heads[:, :HEADS], weight, 1e-6)
     kernels.head_rms_norm_(qkv[:, k].view(5, 1, -1), whole, 1e-6, round_first=False)
+    kernels.head_rms_norm_(heads[:, HEADS + KV_HEADS:], weight, 1e-6, plus_one=True)
     _close(qkv, want)
 
 
@@ -95,10 +103,11 @@ def test_decode_attention_whole_and_split_equals_a_softmax_over_the_slot():
     k_cache, v_cache = _cache(5, 40, seed=1)
     slots, context_lens = torch.tensor([2, 0, 4]), torch.tensor([1, 17, 40], dtype=torch.int32)
     q = _randn(3, HEADS, DIM, seed=3)
-    want = _softmax_attention(q, k_cache, v_cache, slots, context_lens, 0.3)
-    for splits in (1, 3):  # one piece of each row's context, then flash-decoding's pieces merged by their lse
-        _close(decode_attention.decode_attention(q, k_cache, v_cache, slots, context_lens, 0.3, splits, block=16),
-               want)
+    for window in (None, 9):  # the whole context, then a sliding window shorter than two of the rows
+        want = _softmax_attention(q, k_cache, v_cache, slots, context_lens, 0.3, window)
+        for splits in (1, 3):  # one piece of each row's context, then flash-decoding's pieces merged by their lse
+            _close(decode_attention.decode_attention(q, k_cache, v_cache, slots, context_lens, 0.3, splits, block=16,
+                                                     window=window), want)
 
 
 def test_rotary_store_then_the_fused_decode_step():
@@ -124,11 +133,11 @@ def test_rotary_store_then_the_fused_decode_step():
     k_want, v_want = k_cache.clone(), v_cache.clone()
     k_want[slots, context_lens.long() - 1] = new[:, HEADS:]
     v_want[slots, context_lens.long() - 1] = _heads(step)[:, HEADS + KV_HEADS:]
-    want = _softmax_attention(new[:, :HEADS], k_want, v_want, slots, context_lens, 0.25)
-    for splits in (1, 2):
+    for window, splits in ((None, 1), (None, 2), (6, 1), (6, 2)):  # 6: a sliding window shorter than two rows
+        want = _softmax_attention(new[:, :HEADS], k_want, v_want, slots, context_lens, 0.25, window)
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out = decode_attention.rotary_decode_attention(step, cos, sin, k_got, v_got, slots, context_lens, 0.25,
-                                                       splits, HEADS)
+                                                       splits, HEADS, window)
         _close(out, want)
         _close(k_got, k_want)
         _close(v_got, v_want)
@@ -173,19 +182,21 @@ def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
 
 
 def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkeypatch, tiny_model_factory):
-    """Whole generations of a tiny Qwen2, Qwen3, OLMo 2 and Phi-3 (whole and partial rotary; spread weights) through
-    every Triton path the engine takes on a GPU: the norms (Qwen3's per-head q/k norms in place in the fused
-    projection, OLMo 2's scaled before their rounding, over the whole q and k and after each block), rotary with
-    the cache write
-    in prefill, the fused rotary-and-decode attention, SwiGLU and the sampler; greedy tokens and their
-    log-probs against the same engine on its torch paths."""
+    """Whole generations of a tiny Qwen2, Qwen3, OLMo 2, Phi-3 (whole and partial rotary) and Gemma 3 (spread weights)
+    through every Triton path the engine takes on a GPU: the norms (Qwen3's per-head q/k norms in place in the fused
+    projection, OLMo 2's scaled before their rounding, over the whole q and k and after each block, Gemma 3's by
+    1 + weight), rotary with the cache write in prefill, the fused rotary-and-decode attention (Gemma 3's sliding
+    layers within their 8-token window, each layer reading its columns of the local and global tables side by
+    side), SwiGLU and the sampler; greedy tokens and their log-probs against the same engine on its torch paths."""
     from hybridflow.engine.rollout import RolloutEngine, SamplingParams, attention, model, sampler
-    from tests.engine.rollout.conftest import spread_weights, with_config
+    from tests.engine.rollout.conftest import SPREAD_SIZES, spread_weights, with_config
 
-    prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=8,
+    prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=10,
                                                                                 stop_token_ids=[])
     paths = {arch: spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
              for arch in ("qwen2", "qwen3", "olmo2", "phi3")}
+    untied = tiny_model_factory("gemma3_text", **SPREAD_SIZES["gemma3_text"])
+    paths["gemma3_text"] = spread_weights(untied, untied.parent / "spread_gemma3_text")
     partial = paths["phi3"].parent / "partial_phi3"
     partial.mkdir(exist_ok=True)
     paths["phi3 partial rotary"] = with_config(paths["phi3"], partial, partial_rotary_factor=0.5,

@@ -107,6 +107,7 @@ def _rollout_launches() -> None:
         for splits in (1, 8):  # a full batch in one piece each, a few rows over long contexts in pieces
             decode_attention.decode_attention(_meta(rows, heads, dim), cache, cache, slot_ids, lens, 0.1, splits)
             decode_attention.rotary_decode_attention(qkv, cos, sin, cache, cache, slot_ids, lens, 0.1, splits, heads)
+    _gemma3_launches()
     for vocab in (49152, 151936):
         for greedy in (True, False):
             kernels.sample_plain(_meta(256, vocab), _meta(1, dtype=torch.float32), _meta(1, dtype=torch.long),
@@ -118,6 +119,24 @@ def _rollout_launches() -> None:
             ids = _meta(tokens, k, dtype=torch.long)
             grouped_gemm.expert_mlp(x, weights, ids, _meta(experts, 2 * inter, hidden), _meta(experts, hidden, inter),
                                     kernels.silu_mul, "triton")
+
+
+def _gemma3_launches() -> None:
+    """Gemma 3 4B's (hidden 2560, 8 heads of 256 over 4 KV heads, a 1,024-token window): norms by 1 + weight,
+    per-head q/k norms in place, and the decode kernels within the window, rotating by one layer type's columns of
+    the two tables side by side."""
+    hidden, heads, kv_heads, dim, rows, max_len = 2560, 8, 4, 256, 256, 4096
+    h, qkv = _meta(rows, hidden), _meta(rows, (heads + 2 * kv_heads) * dim)
+    kernels.add_rms_norm(h, h, _meta(hidden), 1e-6, plus_one=True)
+    kernels.head_rms_norm_(qkv.view(rows, -1, dim)[:, :heads], _meta(dim), 1e-6, plus_one=True)
+    cos = _meta(max_len, 2 * dim, dtype=torch.float32)[:, dim:]
+    positions, cache = _meta(rows, dtype=torch.long), _meta(9, max_len, kv_heads, dim)
+    decode_attention.rotary_store_(qkv, positions, cos, cos, cache, cache, positions, heads, kv_heads)
+    slot_ids, lens = _meta(rows, dtype=torch.long), _meta(rows, dtype=torch.int32)
+    for splits in (1, 8):
+        decode_attention.decode_attention(_meta(rows, heads, dim), cache, cache, slot_ids, lens, 0.1, splits,
+                                          window=1024)
+        decode_attention.rotary_decode_attention(qkv, cos, cos, cache, cache, slot_ids, lens, 0.1, splits, heads, 1024)
 
 
 def _invariant_launches() -> None:

@@ -32,15 +32,18 @@ def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path)
     assert (tmp_path / "checkpoints").is_dir()
 
 
-@pytest.mark.parametrize("arch,engine", [("olmo2", "fast"), ("phi3", "fast"), ("gpt2", "hf")])
+@pytest.mark.parametrize("arch,engine", [("olmo2", "fast"), ("phi3", "fast"), ("gemma3_text", "fast"),
+                                         ("gpt2", "hf")])
 def test_a_family_trains_on_its_rollout_path(arch, engine, tiny_model_factory, data_dir, tmp_path):
-    """OLMo 2 and Phi-3 generate on the fast path; GPT-2 has none, so its generation runs through
+    """OLMo 2, Phi-3 and Gemma 3 (its prompts longer than its 8-token sliding window) generate on the fast path;
+    GPT-2 has none, so its generation runs through
     transformers.generate (which says so, with its rate: tests/engine/rollout/test_rollout_parts.py) and the step
     trains the same."""
     import yaml
 
+    forced = ["rollout.engine=fast"] if engine == "fast" else []  # the fallback's family keeps auto, which falls back
     rows = run(tiny_model_factory(arch), data_dir, tmp_path, "trainer.val_before_train=false",
-               "trainer.total_steps=1", "trainer.val_every=0", f"reward.function={reward_file(tmp_path)}")
+               "trainer.total_steps=1", "trainer.val_every=0", f"reward.function={reward_file(tmp_path)}", *forced)
     assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["actor/pg_loss"])
     assert rows[0]["actor/grad_norm"] > 0 and rows[0]["response_length/mean"] > 0
     resolved = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())

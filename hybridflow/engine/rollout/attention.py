@@ -18,13 +18,18 @@ Two kinds of attention, each with two kernels picked by `Backend`:
 - "exact" (`rollout.exact`, any device): every forward attends over the cache (`exact_attention`), with
   the invariant kernel the training engine's forward runs (`hybridflow.engine.invariant`).
 
+A sliding-window layer (Gemma 3's local layers: `window` W) attends, from a query at position p, to the keys at
+positions p - W + 1 .. p only (transformers' `sliding_window_causal_mask_function`); the cache keeps every
+position and the attention leaves out what lies before the window: flash's `window_size_left = W - 1`, the decode
+kernels' first position, and SDPA's masks narrowed once per forward per window (`AttnMeta.windowed`).
+
 Shapes: T packed tokens, B decode rows, H query heads, Hkv kv heads, D head dim.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -53,7 +58,9 @@ class AttnMeta:
         a new-prompt prefill, which attends over its own K/V only).
     slots: over the cache, [B] int64 each row's slot.
     padding: the backend's layout, made by the first layer (SDPA prefill: padded prompts; SDPA over the
-        cache: rows, queries and mask; exact: each row's first cache row and the kernel's work table).
+        cache: rows, queries, mask and query positions; exact: each row's first cache row and the kernel's work
+        table).
+    windowed: SDPA's masks narrowed to a sliding window, by window, made by the first layer of that window.
     """
 
     write_index: torch.Tensor
@@ -66,6 +73,7 @@ class AttnMeta:
     context_lens: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     padding: tuple | None = None
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def reads_cache(self) -> bool:
@@ -112,42 +120,71 @@ def _padding(meta: AttnMeta, tokens: int, device: torch.device):
     return meta.padding
 
 
+def _band(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """Which keys (positions `keys`, broadcast against `queries`' positions) lie within the query's sliding
+    window: p - window < key (None without a window)."""
+    return None if window is None else keys > queries - window
+
+
+def _windowed(meta: AttnMeta, mask: torch.Tensor, window: int | None, band) -> torch.Tensor:
+    """The layout's mask, narrowed by `band(window)` where the layer has a window (once per forward per window)."""
+    if window is None:
+        return mask
+    if window not in meta.windowed:
+        meta.windowed[window] = mask & band(window)
+    return meta.windowed[window]
+
+
+def _flash_window(window: int | None) -> dict:
+    """Flash's window arguments: the window's earlier keys and none after (causal)."""
+    return {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, scale: float,
-                      backend: str) -> torch.Tensor:
-    """Causal attention within each packed prompt. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+                      backend: str, window: int | None = None) -> torch.Tensor:
+    """Causal attention within each packed prompt (within the last `window` positions where given). q [T, H, D],
+    k/v [T, Hkv, D] -> [T, H, D]."""
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(
             q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, 0.0, True, False,
-            scale=scale)[0]
+            scale=scale, **_flash_window(window))[0]
     if len(_needed(meta.seqlens, "seqlens")) * meta.max_seqlen ** 2 <= _PADDED_LIMIT:
         index, valid, mask = _padding(meta, q.shape[0], q.device)
+        steps = torch.arange(meta.max_seqlen, device=q.device)
+        mask = _windowed(meta, mask, window, lambda w: _band(steps[:, None], steps[None, :], w))
         out = F.scaled_dot_product_attention(q[index].transpose(1, 2), k[index].transpose(1, 2),
                                              v[index].transpose(1, 2), attn_mask=mask, scale=scale,
                                              enable_gqa=True)
         return out.transpose(1, 2)[valid]
     outs = []
     for qs, ks, vs in zip(q.split(meta.seqlens), k.split(meta.seqlens), v.split(meta.seqlens)):
+        steps = torch.arange(qs.shape[0], device=q.device)
+        band = _band(steps[:, None], steps[None, :], window if window and window < qs.shape[0] else None)
         o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
-                                           vs.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                           enable_gqa=True)
+                                           vs.transpose(0, 1)[None], is_causal=band is None,
+                                           attn_mask=None if band is None else band & (steps[:, None] >= steps),
+                                           scale=scale, enable_gqa=True)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                    scale: float, backend: str) -> torch.Tensor:
+                    scale: float, backend: str, window: int | None = None) -> torch.Tensor:
     """Each row's queries (packed by `cu_seqlens_q`; one per row in decode) over its slot's first
-    context_lens positions, causally: the last query of a row sees the whole context. q [T, H, D] -> [T, H, D]."""
+    context_lens positions, causally (within the last `window` positions where given): the last query of a row
+    sees the whole context. q [T, H, D] -> [T, H, D]."""
     if decodes_in_triton(meta, backend, q.shape[-1]):
         return decode_attention.decode_attention(q, k_cache, v_cache, _needed(meta.slots, "slots"),
                                                  _needed(meta.context_lens, "context_lens"), scale,
-                                                 _splits(q.shape[0], k_cache, meta))
-    if backend == "flash":
+                                                 _splits(q.shape[0], k_cache, meta), window=window)
+    if backend == "flash":  # one query per row is causal too: its window reaches back from the row's end
         return torch.ops.aten._flash_attention_forward(
             q, k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta.cu_seqlens_q,
-            meta.cu_seqlens, meta.max_seqlen_q, meta.max_seqlen, 0.0, meta.max_seqlen_q > 1, False,
-            scale=scale, seqused_k=meta.context_lens)[0]
-    rows, query_index, valid, mask = _cache_layout(meta)
+            meta.cu_seqlens, meta.max_seqlen_q, meta.max_seqlen, 0.0, meta.max_seqlen_q > 1 or window is not None,
+            False, scale=scale, seqused_k=meta.context_lens, **_flash_window(window))[0]
+    rows, query_index, valid, mask, position = _cache_layout(meta)
+    key_positions = torch.arange(meta.max_seqlen, device=q.device)
+    mask = _windowed(meta, mask, window, lambda w: _band(position[:, None, :, None], key_positions, w))
     keys = k_cache[rows, :meta.max_seqlen].transpose(1, 2)
     values = v_cache[rows, :meta.max_seqlen].transpose(1, 2)
     queries = q[:, :, None] if query_index is None else q[query_index].transpose(1, 2)
@@ -177,13 +214,14 @@ def decodes_in_triton(meta: AttnMeta, backend: str, head_dim: int) -> bool:
 
 
 def rotary_decode_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, meta: AttnMeta, heads: int, scale: float) -> torch.Tensor:
+                            v_cache: torch.Tensor, meta: AttnMeta, heads: int, scale: float,
+                            window: int | None = None) -> torch.Tensor:
     """A decode step (one token per row) from the fused projection output qkv [B, (H + 2 Hkv) * D] as
-    projected: rotary, the cache write and the attention in one kernel (`decode_attention`'s
-    `rotary_decode_attention`; CUDA, a power-of-two head dim) -> [B, H, D]."""
+    projected: rotary, the cache write and the attention (over the last `window` positions where given) in one
+    kernel (`decode_attention`'s `rotary_decode_attention`; CUDA, a power-of-two head dim) -> [B, H, D]."""
     return decode_attention.rotary_decode_attention(qkv, *rope, k_cache, v_cache, _needed(meta.slots, "slots"),
                                                     _needed(meta.context_lens, "context_lens"), scale,
-                                                    _splits(qkv.shape[0], k_cache, meta), heads)
+                                                    _splits(qkv.shape[0], k_cache, meta), heads, window)
 
 
 def _splits(rows: int, k_cache: torch.Tensor, meta: AttnMeta) -> int:
@@ -198,7 +236,8 @@ def _multiprocessors(device: torch.device) -> int:
 def _cache_layout(meta: AttnMeta):
     """Once per forward: the cache rows to read (a slice when the sorted slots are contiguous, on CPU, so
     no gather), the gather index [B, Q] from packed queries to padded ones and their valid entries [B, Q]
-    (both None in decode, one query per row), and the causal length mask [B, 1, Q, max_seqlen]."""
+    (both None in decode, one query per row), the causal length mask [B, 1, Q, max_seqlen] and each query's
+    position [B, Q]."""
     if meta.padding is None:
         slots = _needed(meta.slots, "slots")
         rows: torch.Tensor | slice = slots
@@ -211,6 +250,7 @@ def _cache_layout(meta: AttnMeta):
         if meta.max_seqlen_q == 1:
             query_index = valid = None
             mask = (keys[None, :] < context[:, None])[:, None, None]
+            position = context[:, None] - 1
         else:
             steps = torch.arange(meta.max_seqlen_q, device=slots.device)
             q_starts = _needed(meta.cu_seqlens_q, "cu_seqlens_q")
@@ -220,5 +260,5 @@ def _cache_layout(meta: AttnMeta):
             position = (context - counts)[:, None] + steps[None, :]  # each query's position in its row
             mask = ((keys[None, None, :] <= position[:, :, None]) & (keys[None, None, :] < context[:, None, None]))
             mask = mask[:, None]
-        meta.padding = (rows, query_index, valid, mask)
+        meta.padding = (rows, query_index, valid, mask, position)
     return meta.padding

@@ -21,6 +21,9 @@ its bandwidth floor (the numbers: docs/benchmarks.md, "Where a decode step's tim
   cache, and the new token joins the online softmax from registers (so no program reads a cache entry
   written in the same kernel). One kernel fewer per layer.
 
+With a sliding `window` (Gemma 3's local layers) the attention kernels read only each row's last `window`
+positions, split into pieces as a whole context is.
+
 `supported(head_dim)` says whether a shape can take these kernels (a power-of-two head dimension ≥ 16);
 the caller keeps the general path otherwise, and on CPU.
 """
@@ -74,31 +77,34 @@ def rotary_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, splits: int, block: int | None = None,
-                     warps: int = WARPS) -> torch.Tensor:
-    """q [B, H, D] (any row stride, heads contiguous) over each row's slot's first context_lens positions
-    -> [B, H, D] in q's dtype. k/v_cache [slots + 1, max_len, Hkv, D]; slots, context_lens [B]. `block`
-    and `warps` are the kernel's tile (None: `block_for(D)`) and warp count (`bench/rollout.py` sweeps them)."""
+                     warps: int = WARPS, window: int | None = None) -> torch.Tensor:
+    """q [B, H, D] (any row stride, heads contiguous) over each row's slot's first context_lens positions (the
+    last `window` of them where given) -> [B, H, D] in q's dtype. k/v_cache [slots + 1, max_len, Hkv, D]; slots,
+    context_lens [B]. `block` and `warps` are the kernel's tile (None: `block_for(D)`) and warp count
+    (`bench/rollout.py` sweeps them)."""
     rows, heads, dim = q.shape
     if q.stride()[1:] != (dim, 1):
         raise ValueError(f"decode_attention reads heads of {dim} contiguous elements: q strides {q.stride()}")
-    return _attend(q, None, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps)
+    return _attend(q, None, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps, window)
 
 
 def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            splits: int, heads: int) -> torch.Tensor:
+                            splits: int, heads: int, window: int | None = None) -> torch.Tensor:
     """A decode step's attention from the fused projection output qkv [B, (H + 2 Hkv) * D] as it left the
     GEMM: each row's token sits at position context_lens - 1; its q and k are rotated in registers (cos/sin
-    [max_len, D] fp32 tables), its k and v written to the slot's cache at that position, and its q attends
-    over the cached positions before it and over its own k and v -> [B, H, D]. One kernel does what
-    `rotary_store_` and `decode_attention` do in two; qkv is left as it was."""
+    [max_len, D] fp32 tables, any row stride), its k and v written to the slot's cache at that position, and its
+    q attends over the cached positions before it (the last `window` - 1 where given) and over its own k and v
+    -> [B, H, D]. One kernel does what `rotary_store_` and `decode_attention` do in two; qkv is left as it was."""
     dim = qkv.shape[1] // (heads + 2 * k_cache.shape[2])
     if qkv.stride(1) != 1:
         raise ValueError(f"rotary_decode_attention reads rows of contiguous heads: qkv strides {qkv.stride()}")
-    return _attend(qkv, (cos, sin), k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, None, WARPS)
+    return _attend(qkv, (cos, sin), k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, None, WARPS,
+                   window)
 
 
-def _attend(q, rope_tables, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps):
+def _attend(q, rope_tables, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps,
+            window):
     """Both entry points' launch: q is a row-strided tensor whose rows start with the heads' queries (and,
     with rope_tables, continue with the new k and v heads)."""
     rows, kv_heads = q.shape[0], k_cache.shape[2]
@@ -117,7 +123,7 @@ def _attend(q, rope_tables, k_cache, v_cache, slots, context_lens, scale, splits
         q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, cos, sin, q.stride(0), k_cache.stride(0),
         k_cache.stride(1), cos.stride(0), scale, HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, SPLITS=splits, BLOCK=block or block_for(dim),
-        ROTATE=rope_tables is not None, num_warps=warps)
+        ROTATE=rope_tables is not None, WINDOW=window or 0, num_warps=warps)
     if splits > 1:
         _merge_kernel[(rows * heads,)](part_o, part_lse, out, SPLITS=splits,
                                        SPLITS_PAD=triton.next_power_of_2(splits), D=dim)
@@ -148,13 +154,16 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, cos_ptr, sin_ptr,
                        stride_q, stride_slot, stride_pos, stride_c, scale, HEADS: tl.constexpr,
                        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr):
+                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr, WINDOW: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(len_ptr + row)
-        piece = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
-        start = split * piece
+        first_key = 0
+        if WINDOW > 0:  # a sliding window's earliest position
+            first_key = tl.maximum(length - WINDOW, 0)
+        piece = tl.cdiv(tl.cdiv(length - first_key, SPLITS), BLOCK) * BLOCK
+        start = first_key + split * piece
         end = tl.minimum(start + piece, length)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D)

@@ -6,7 +6,8 @@ reference's rounding (every bf16 op of the reference is an fp32 compute followed
 the fast path stays close to `transformers`; on CPU (or without Triton) the torch reference runs.
 
 - `add_rms_norm(h, delta, weight, eps)` -> (norm(h + delta) * weight, h + delta)   rows [T, N]; `round_first=False`
-  scales the fp32 row before its one rounding (OLMo 2's RMSNorm) instead of rounding it first (Llama's)
+  scales the fp32 row before its one rounding (OLMo 2's RMSNorm) instead of rounding it first (Llama's);
+  `plus_one=True` scales by (1 + weight) in fp32 (Gemma 3's, whose checkpoints store the scale less one)
 - `head_rms_norm_(x, weight, eps)`: the same norm of each head of x [T, heads, D], in place
 - `rotary_(x, positions, cos, sin)`: HF rotate-half RoPE in place on x [T, heads, D]
 - `silu_mul(gate_up)` -> silu(gate) * up                                          [T, 2I] -> [T, I]
@@ -31,40 +32,47 @@ def use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def _rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
+def _rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True,
+                    plus_one: bool = False) -> torch.Tensor:
     x32 = h.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:  # Gemma 3's: (1 + weight) in fp32, one rounding at the end
+        return (x32 * (1.0 + weight.float())).to(h.dtype)
     return weight * x32.to(h.dtype) if round_first else (weight * x32).to(h.dtype)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, round_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, round_first: bool = True, plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """HF RMSNorm of (h + delta) (delta None: of h). h, delta [T, N] -> (normed [T, N], h + delta).
     round_first: the normalised row is rounded to h's dtype before the scale (Llama's RMSNorm), else scaled
-    in fp32 and rounded once (OLMo 2's)."""
+    in fp32 and rounded once (OLMo 2's). plus_one: the scale is 1 + weight, in fp32, rounded once (Gemma 3's;
+    round_first is then unread)."""
     if not use_triton(h) or h.dim() != 2:
         h = h if delta is None else h + delta
-        return _rms_norm_torch(h, weight, eps, round_first), h
+        return _rms_norm_torch(h, weight, eps, round_first, plus_one), h
     rows, n = h.shape
     out = torch.empty(rows, n, dtype=h.dtype, device=h.device)
     total = out if delta is None else torch.empty_like(out)
     _add_rms_norm_kernel[(rows,)](h, h if delta is None else delta, weight, out, total, h.stride(0),
                                   0 if delta is None else delta.stride(0), n, eps, n, 0,
-                                  HAS_DELTA=delta is not None, ROUND_FIRST=round_first, **_norm_tile(n))
+                                  HAS_DELTA=delta is not None, ROUND_FIRST=round_first and not plus_one,
+                                  PLUS_ONE=plus_one, **_norm_tile(n))
     return out, (h if delta is None else total)
 
 
-def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> None:
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True,
+                   plus_one: bool = False) -> None:
     """HF RMSNorm of each head of x [T, heads, D] (weight [D]) in place: Qwen3's q/k norms (or OLMoE's and
-    OLMo 2's over the whole projection: one head of its width), applied inside the fused projection's output, so
-    q and k stay where the fused rotary, cache-write and decode kernels read them. One launch where the torch
-    reference is eight kernels. round_first: see `add_rms_norm`."""
+    OLMo 2's over the whole projection: one head of its width; Gemma 3's per head, by 1 + weight), applied inside
+    the fused projection's output, so q and k stay where the fused rotary, cache-write and decode kernels read
+    them. One launch where the torch reference is eight kernels. round_first, plus_one: see `add_rms_norm`."""
     if not use_triton(x) or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
-        x.copy_(_rms_norm_torch(x, weight, eps, round_first))
+        x.copy_(_rms_norm_torch(x, weight, eps, round_first, plus_one))
         return
     tokens, heads, dim = x.shape
     _add_rms_norm_kernel[(tokens, heads)](x, x, weight, x, x, x.stride(0), 0, dim, eps, x.stride(0), dim,
-                                          HAS_DELTA=False, ROUND_FIRST=round_first, **_norm_tile(dim))
+                                          HAS_DELTA=False, ROUND_FIRST=round_first and not plus_one,
+                                          PLUS_ONE=plus_one, **_norm_tile(dim))
 
 
 def _norm_tile(n: int) -> dict[str, int]:
@@ -145,7 +153,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, stride_h, stride_d, n, eps, stride_out,
-                             stride_head, HAS_DELTA: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+                             stride_head, HAS_DELTA: tl.constexpr, ROUND_FIRST: tl.constexpr, PLUS_ONE: tl.constexpr,
+                             BLOCK: tl.constexpr):
         """One row (program 0), or one head of it (program 1, heads stride_head apart in h and out)."""
         row = tl.program_id(0)
         head = tl.program_id(1) * stride_head
@@ -162,6 +171,8 @@ if triton is not None:
         if ROUND_FIRST:
             y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if PLUS_ONE:
+            w = 1.0 + w
         tl.store(out_ptr + row * stride_out + head + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

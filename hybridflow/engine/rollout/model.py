@@ -1,9 +1,10 @@
-"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral, OLMo 2 and Phi-3 families and the mixtures of experts
-built on them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
+"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral, OLMo 2, Phi-3 and Gemma 3 families and the mixtures of
+experts built on them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
 and k per head, OLMoE and OLMo 2 over the whole q and k projections, OLMo 2 normalises each block's output
-instead of its input (`post_norm.PostNormDecoderLayer`), Phi-3 may rotate only part of each head, Llama may have
+instead of its input (`post_norm.PostNormDecoderLayer`), Phi-3 may rotate only part of each head, Gemma 3 mixes
+sliding-window and global layers with norms on both sides of each block (`gemma3`), Llama may have
 `attention_bias` / `mlp_bias`, Mistral is Llama's shape; a mixture of experts has its family's attention and a
 `sparse_moe.SparseMoE` block in place of the MLP of its sparse layers. q/k/v are fused into `qkv_proj` and gate/up
 into `gate_up_proj` (`linear`). Checkpoint loading and the trainer -> rollout sync (`load_weights`) share one path
@@ -37,11 +38,12 @@ from hybridflow.engine.rollout.decode_attention import rotary_store_, supported
 from hybridflow.engine.rollout.kernels import add_rms_norm, head_rms_norm_, rotary_, silu_mul, use_triton
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.linear import FusedLinear, Linear, Shard, default_weight_loader
-from hybridflow.engine.rollout.rope import rotary_dim, rotary_table
+from hybridflow.engine.rollout.rope import rope_columns, rotary_dim, rotary_table
+from hybridflow.engine.rollout.scope import layer_window
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", *MOE_ARCHITECTURES)
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", *MOE_ARCHITECTURES)
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -66,25 +68,28 @@ class RMSNorm(nn.Module):
     """HF's RMSNorm (normalise in fp32, cast back, then scale), optionally fused with the residual add
     (exact: the invariant add and norm, in one kernel where `build` found its bits the same as apart)."""
 
-    def __init__(self, dim: int, eps: float, exact: bool, round_first: bool = True) -> None:
-        """round_first: see `kernels.add_rms_norm` (False for OLMo 2, which exact mode refuses)."""
+    def __init__(self, dim: int, eps: float, exact: bool, round_first: bool = True, plus_one: bool = False) -> None:
+        """round_first, plus_one: see `kernels.add_rms_norm` (OLMo 2's, Gemma 3's; families exact mode refuses)."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps, self.exact, self.fused_add, self.round_first = eps, exact, False, round_first
+        self.plus_one = plus_one
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta); delta None normalises h."""
         if not self.exact:
-            return add_rms_norm(h, delta, self.weight, self.eps, self.round_first)
+            return add_rms_norm(h, delta, self.weight, self.eps, self.round_first, self.plus_one)
         if delta is not None and self.fused_add:
             return invariant.add_rms_norm(h, delta, self.weight, self.eps)
         h = h if delta is None else h + delta
         return invariant.rms_norm(h, self.weight, self.eps), h
 
 
-def norm_rounds_first(config) -> bool:
-    """Whether the family's RMSNorm rounds the normalised row before its scale (all but OLMo 2's)."""
-    return config.model_type != "olmo2"
+def family_norm(dim: int, config, exact: bool) -> RMSNorm:
+    """The family's RMSNorm of rows of `dim`: OLMo 2's scales before it rounds, Gemma 3's by 1 + weight, the
+    others' round the normalised row before their scale."""
+    kind = config.model_type
+    return RMSNorm(dim, config.rms_norm_eps, exact, kind not in ("olmo2", "gemma3_text"), kind == "gemma3_text")
 
 
 class Attention(nn.Module):
@@ -92,7 +97,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.layer_index, self.backend, self.scale = layer_index, backend, self.head_dim ** -0.5
+        self.layer_index, self.backend = layer_index, backend  # Gemma 3 scales by its query_pre_attn_scalar
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.window = layer_window(config, layer_index)  # a sliding-window layer's (Gemma 3's local layers)
+        self.rope_columns = rope_columns(config, layer_index)  # its rotary table's columns, where there are several
         exact = backend == "exact"
         qkv_bias = (getattr(config, "qkv_bias", True) if config.model_type == "qwen2_moe"
                     else config.model_type == "qwen2")
@@ -101,15 +109,13 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, exact)
         o_bias = config.model_type not in ("qwen2", "qwen2_moe") and bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(q_size, config.hidden_size, o_bias, exact)
-        # q/k norms: Qwen3's per head, OLMoE's and OLMo 2's over the whole projection; OLMoE may clamp q, k and v
-        # after them
+        # q/k norms: Qwen3's, Gemma 3's per head, OLMoE's, OLMo 2's over the whole projection; OLMoE clamps after them
         self.clip = getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None
         self.qk_norm_width = {"qwen3": self.head_dim, "qwen3_moe": self.head_dim, "olmoe": 0,
-                              "olmo2": 0}.get(config.model_type)
+                              "olmo2": 0, "gemma3_text": self.head_dim}.get(config.model_type)
         if self.qk_norm_width is not None:
-            round_first = norm_rounds_first(config)
-            self.q_norm = RMSNorm(self.qk_norm_width or q_size, config.rms_norm_eps, exact, round_first)
-            self.k_norm = RMSNorm(self.qk_norm_width or kv_size, config.rms_norm_eps, exact, round_first)
+            self.q_norm = family_norm(self.qk_norm_width or q_size, config, exact)
+            self.k_norm = family_norm(self.qk_norm_width or kv_size, config, exact)
         self.splits = [q_size, kv_size, kv_size]
         self.rotary_dim = rotary_dim(config)  # Phi-3's `partial_rotary_factor` rotates the heads' leading part
 
@@ -121,19 +127,22 @@ class Attention(nn.Module):
         if self.backend == "exact":
             return self.o_proj(self.exact_attention(qkv, v, rope, meta, kv).reshape(tokens, -1))
         fused = self.store_fused(qkv, positions, meta)
+        if self.rope_columns is not None:  # this layer's table of several side by side (Gemma 3's local and global)
+            rope = (rope[0][..., self.rope_columns], rope[1][..., self.rope_columns])
         # q and k heads are adjacent in qkv: normed (per head, or over the whole q and k) and rotated there, in place
         qk = qkv[:, :q_size + kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
         q, k = qk[:, :self.heads], qk[:, self.heads:]
         if self.qk_norm_width is not None:
             for part, norm in ((qkv[:, :q_size], self.q_norm), (qkv[:, q_size:q_size + kv_size], self.k_norm)):
-                head_rms_norm_(part.view(tokens, -1, norm.weight.shape[0]), norm.weight, norm.eps, norm.round_first)
+                head_rms_norm_(part.view(tokens, -1, norm.weight.shape[0]), norm.weight, norm.eps, norm.round_first,
+                               norm.plus_one)
         if self.clip is not None:  # OLMoE clamps q, k and v after the norms
             qkv.clamp_(-self.clip, self.clip)
         if not fused:
             rotary_(qk[..., :self.rotary_dim], positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
         if fused and decodes_in_triton(meta, self.backend, self.head_dim):
-            out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale)
+            out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale, self.window)
         else:
             if fused:  # rotates q and k in place too
                 assert positions is not None  # store_fused holds only with positions
@@ -141,9 +150,9 @@ class Attention(nn.Module):
             else:
                 write_kv(k_cache, v_cache, k, v, meta)
             if meta.reads_cache:
-                out = cache_attention(q, k_cache, v_cache, meta, self.scale, self.backend)
+                out = cache_attention(q, k_cache, v_cache, meta, self.scale, self.backend, self.window)
             else:
-                out = prefill_attention(q, k, v, meta, self.scale, self.backend)
+                out = prefill_attention(q, k, v, meta, self.scale, self.backend, self.window)
         return self.o_proj(out.reshape(tokens, -1))
 
     def exact_attention(self, qkv: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -175,11 +184,12 @@ class Attention(nn.Module):
 
 def gated_act(config):
     """[T, 2I] gate and up side by side -> act(gate) * up [T, I] (the fused kernel for SiLU)."""
-    if config.hidden_act == "silu":
+    name = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma 3 names it hidden_activation
+    if name == "silu":
         return silu_mul
     from transformers.activations import ACT2FN
 
-    act = ACT2FN[config.hidden_act]
+    act = ACT2FN[name]
     return lambda gate_up: act(gate_up[:, :gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:]
 
 
@@ -231,13 +241,15 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
-        from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer  # it builds on this module's pieces
+        from hybridflow.engine.rollout.gemma3 import Gemma3DecoderLayer, ScaledEmbedding  # built on this module
+        from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer
 
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layer = PostNormDecoderLayer if config.model_type == "olmo2" else DecoderLayer
+        gemma = config.model_type == "gemma3_text"
+        self.embed_tokens = (ScaledEmbedding if gemma else nn.Embedding)(config.vocab_size, config.hidden_size)
+        layer = {"olmo2": PostNormDecoderLayer, "gemma3_text": Gemma3DecoderLayer}.get(config.model_type, DecoderLayer)
         self.layers = nn.ModuleList(layer(config, i, backend, moe_kernel) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact", norm_rounds_first(config))
+        self.norm = family_norm(config.hidden_size, config, backend == "exact")
 
 
 class CausalLM(nn.Module):
@@ -319,7 +331,9 @@ class CausalLM(nn.Module):
             h, delta = layer(h, delta, layer_positions, rope, meta, kv)
         if logits_index is not None:
             h, delta = h[logits_index], None if delta is None else delta[logits_index]
-        return self.lm_head(self.model.norm(h, delta)[0])
+        logits = self.lm_head(self.model.norm(h, delta)[0])
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma's, in the logits' dtype as transformers
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def moe_blocks(self) -> list[SparseMoE]:
         """The sparse layers' MoE blocks, in layer order (empty for a dense model)."""

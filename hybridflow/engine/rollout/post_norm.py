@@ -17,17 +17,17 @@ from torch import nn
 
 from hybridflow.engine.rollout.attention import AttnMeta
 from hybridflow.engine.rollout.kv_cache import KVCache
-from hybridflow.engine.rollout.model import Attention, RMSNorm, layer_mlp, norm_rounds_first
+from hybridflow.engine.rollout.model import Attention, family_norm, layer_mlp
 
 
 class PostNormDecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, backend: str, moe_kernel: str = "grouped_mm") -> None:
         super().__init__()
-        exact, round_first = backend == "exact", norm_rounds_first(config)
+        exact = backend == "exact"
         self.self_attn = Attention(config, layer_index, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, exact, round_first)
+        self.post_attention_layernorm = family_norm(config.hidden_size, config, exact)
         self.mlp = layer_mlp(config, layer_index, exact, moe_kernel)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, exact, round_first)
+        self.post_feedforward_layernorm = family_norm(config.hidden_size, config, exact)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor | None, rope,
                 meta: AttnMeta, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,11 @@ made per call from the arguments, so recomputation under gradient checkpointing 
 On CUDA the packed kernel is `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative
 lengths, no padding, no mask) for half-precision inputs; elsewhere, and for fp32 outside autocast, one
 causal SDPA call per row.
+
+A sliding-window layer (transformers passes its `sliding_window` W to the attention function: Gemma 3's local
+layers, Mistral's) attends, packed, from each token to the W positions of its row ending at itself, as
+transformers' `sliding_window_causal_mask_function` does on padded rows: flash's `window_size=(W - 1, 0)`, or a
+banded mask on the rows longer than W.
 """
 
 from __future__ import annotations
@@ -51,12 +56,16 @@ def _flash_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                  scale: float | None) -> torch.Tensor:
+                  scale: float | None, window: int | None = None) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> `[T, Hq, D]` through the flash varlen kernel."""
     if _varlen_attn is None:
         raise RuntimeError("flash varlen attention needs torch.nn.attention.varlen, which this torch lacks")
     kwargs: dict = {"scale": scale}
-    if "is_causal" in _VARLEN_PARAMS:
+    if window is not None:
+        if "window_size" not in _VARLEN_PARAMS:
+            raise RuntimeError(f"sliding_window={window} needs varlen_attn's window_size, which this torch lacks")
+        kwargs["window_size"] = (window - 1, 0)
+    elif "is_causal" in _VARLEN_PARAMS:
         kwargs["is_causal"] = True
     else:
         kwargs["window_size"] = (-1, 0)
@@ -70,14 +79,27 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return cast(torch.Tensor, out)  # without return_aux, the output alone
 
 
+def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """A row's causal mask within the sliding window `[L, L]` (True: attend), None where plain causal serves."""
+    if window is None or window >= length:
+        return None
+    steps = torch.arange(length, device=device)
+    distance = steps[:, None] - steps[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 def _looped_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                   scale: float | None) -> torch.Tensor:
+                   scale: float | None, window: int | None = None) -> torch.Tensor:
     """Same contract as `_flash_varlen`, as one causal SDPA call per row: O(sum of L^2) work, where a
     block-diagonal mask over the whole pack would cost O(T^2) (seconds on a CPU for a few thousand tokens)."""
     bounds = cu.tolist()
-    rows = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-                                           is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
-            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    rows = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            mask = _window_mask(e - s, window, q.device)
+            rows.append(F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), attn_mask=mask,
+                is_causal=mask is None, scale=scale, enable_gqa=True).transpose(0, 1))
     return torch.cat(rows, dim=0) if rows else q.new_empty(q.shape)
 
 
@@ -96,17 +118,19 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     # max_length_q passed through as it came (no int()): under torch.compile it is symbolic, and int() would
     # specialise the compiled layer on each micro-batch's longest row
-    return packed_attention(q, k, v, cu, kwargs["max_length_q"], scaling).unsqueeze(0), None
+    return packed_attention(q, k, v, cu, kwargs["max_length_q"], scaling,
+                            kwargs.get("sliding_window")).unsqueeze(0), None
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                     scale: float | None) -> torch.Tensor:
-    """Causal attention of rows packed by `cu` (int32 `[N+1]` row starts): q `[T, Hq, D]`, k/v `[T, Hkv, D]` ->
-    `[T, Hq, D]`; the flash varlen kernel where it applies (CUDA, half precision), else SDPA per row."""
+                     scale: float | None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of rows packed by `cu` (int32 `[N+1]` row starts), within the last `window` positions
+    where given: q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> `[T, Hq, D]`; the flash varlen kernel where it applies
+    (CUDA, half precision), else SDPA per row."""
     flash = _flash_dtype(q, k, v) if q.is_cuda and _varlen_attn is not None else None
     if flash is not None:
-        return _flash_varlen(*flash, cu, max_len, scale)
-    return _looped_varlen(q, k, v, cu, scale)
+        return _flash_varlen(*flash, cu, max_len, scale, window)
+    return _looped_varlen(q, k, v, cu, scale, window)
 
 
 def _mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

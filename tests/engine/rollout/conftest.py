@@ -42,12 +42,18 @@ def with_config(src, dst, **changes):
     return dst
 
 
+# Gemma 3's embedding, scaled by sqrt(hidden), dominates a spread model's residual stream: a head tied to it would
+# repeat the last token, so its spread models are untied
+SPREAD_SIZES = {"gemma3_text": {"tie_word_embeddings": False}}
+
+
 @pytest.fixture(scope="session")
 def spread_model(tiny_model_factory, tmp_path_factory):
-    """`spread_model(arch, seed=0, **sizes) -> Path`, each built once per session."""
+    """`spread_model(arch, seed=0, **sizes) -> Path`, each built once per session (`SPREAD_SIZES` by default)."""
     cache = {}
 
     def factory(arch: str = "qwen2", seed: int = 0, **sizes):
+        sizes = {**SPREAD_SIZES.get(arch, {}), **sizes}
         key = (arch, seed, tuple(sorted(sizes.items())))
         if key not in cache:
             cache[key] = spread_weights(tiny_model_factory(arch, **sizes),

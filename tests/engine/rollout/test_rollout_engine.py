@@ -1,5 +1,6 @@
-"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2): parity with HF,
-the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
+"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2 / Phi-3 / Gemma 3):
+parity with HF, the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input
+errors."""
 
 from __future__ import annotations
 
@@ -55,10 +56,20 @@ def phi3_longrope(spread_model, tmp_path_factory):
                                         "original_max_position_embeddings": 128})
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "llama3-rope",
-                                  "phi3-longrope"])
-def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, arch):
-    path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope}.get(arch) or spread_model(arch)
+@pytest.fixture(scope="module")
+def gemma3_softcap(spread_model, tmp_path_factory):
+    """The spread Gemma 3 (sliding-window layers of 8 tokens, shorter than the generations, and global layers,
+    rotated by the local and the linearly scaled global bases) with its final logits soft-capped (Gemma 2 capped at
+    30; Gemma 3's checkpoints leave it unset). Greedy tokens are the same under the cap; their log-probs are not."""
+    return with_config(spread_model("gemma3_text"), tmp_path_factory.mktemp("gemma3_softcap"),
+                       final_logit_softcapping=3.0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", "llama3-rope",
+                                  "phi3-longrope", "gemma3-softcap"])
+def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, gemma3_softcap, arch):
+    path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope,
+            "gemma3-softcap": gemma3_softcap}.get(arch) or spread_model(arch)
     # fewer slots than prompts; longrope's short factors hold within its original 128 positions
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=3, max_model_len=128 if arch == "phi3-longrope" else None)
     outs = engine.generate(PROMPTS, GREEDY)
@@ -87,7 +98,35 @@ def test_phi3_contexts_the_fast_path_cannot_serve_are_refused_by_their_config_va
     assert RolloutEngine.from_pretrained(windowed, max_num_seqs=2, max_model_len=64).kind == "fast"
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3"])
+def test_gemma3_settings_the_fast_path_does_not_serve_are_refused_by_name(spread_model, tmp_path, caplog):
+    """Attention soft-capping and bidirectional attention: engine='fast' refuses them, naming the key and its value;
+    'auto' serves them through transformers.generate, saying why."""
+    for key, value in (("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)):
+        (tmp_path / key).mkdir()
+        path = with_config(spread_model("gemma3_text"), tmp_path / key, **{key: value})
+        why = f"{key}={value} is set, which the fast path does not implement"
+        with pytest.raises(ValueError, match=why):
+            RolloutEngine.from_pretrained(path, max_num_seqs=2, engine="fast")
+        with caplog.at_level("WARNING"):
+            assert RolloutEngine.from_pretrained(path, max_num_seqs=2).kind == "hf"
+        assert why in caplog.text
+        caplog.clear()
+
+
+def test_gemma3_windows_in_prefill_one_prompt_at_a_time_equal_the_padded_prefill(spread_model, monkeypatch):
+    """Prefills past `_PADDED_LIMIT` (prompts x longest^2) run SDPA per prompt: each with its own windowed mask."""
+    from hybridflow.engine.rollout import attention
+
+    path = spread_model("gemma3_text")
+    want = RolloutEngine.from_pretrained(path, max_num_seqs=8).generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(attention, "_PADDED_LIMIT", 0)
+    got = RolloutEngine.from_pretrained(path, max_num_seqs=8).generate(PROMPTS, GREEDY)
+    for (a,), (b,) in zip(got, want):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "gemma3_text"])
 def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
     path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
@@ -181,7 +220,7 @@ def test_length_is_capped_by_the_context(spread_model):
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3", "gemma3_text"])
 def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arch):
     from safetensors.torch import load_file
 
@@ -191,7 +230,7 @@ def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arc
     state = load_file(str(new_path / "model.safetensors"))
     # trainer-style names (no `model.` prefix on some), another dtype, and lm_head even though tied
     named = [(k.removeprefix("model.") if i % 2 else k, v.double()) for i, (k, v) in enumerate(state.items())]
-    named.append(("lm_head.weight", state["model.embed_tokens.weight"]))
+    named.append(("lm_head.weight", state.get("lm_head.weight", state["model.embed_tokens.weight"])))
     assert engine.load_weights(named) == len(named)
     after = engine.generate(PROMPTS, GREEDY)
     fresh = RolloutEngine.from_pretrained(new_path, max_num_seqs=8).generate(PROMPTS, GREEDY)

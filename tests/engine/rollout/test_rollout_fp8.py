@@ -53,7 +53,9 @@ def test_the_fp8_linear_is_its_dequantized_arithmetic():
         layer.weight_loader(layer.weight_scale, torch.ones(48))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "phi3"])  # phi3: q/k/v and gate/up arrive fused, each quantized whole
+# phi3: q/k/v and gate/up arrive fused, each quantized whole; gemma3_text: its layers' projections (the norms on both
+# sides of each block and the per-head q/k norms stay in the model's dtype)
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma3_text"])
 def test_a_weight_load_requantizes_in_place(spread_model, arch):
     engine, other = _fp8(spread_model(arch)), spread_model(arch, seed=1)
     addresses = {name: p.data_ptr() for name, p in engine.model.named_parameters()}

@@ -13,8 +13,9 @@ from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-# qwen3: per-head q/k norms in place, then the fused kernels; olmo2: norms over the whole q and k and after each block
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3"])
+# qwen3: per-head q/k norms in place, then the fused kernels; olmo2: norms over the whole q and k and after each block;
+# gemma3_text: sliding-window layers (8 tokens, shorter than the generations) in the decode kernels and flash
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_equals_eager(spread_model, dtype, arch):
     path = spread_model(arch)
@@ -24,6 +25,39 @@ def test_cuda_graph_decode_equals_eager(spread_model, dtype, arch):
     eager = RolloutEngine.from_pretrained(path, device="cuda", dtype=dtype, max_num_seqs=8,
                                           cuda_graphs=False).generate(prompts, params)
     assert [o[0].token_ids for o in graphs] == [o[0].token_ids for o in eager]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flash_attention_within_a_sliding_window_equals_sdpa(window):
+    """Packed prefill and several queries per row over the cache (a continuation) in bf16: flash's window arguments
+    leave out what SDPA's narrowed masks leave out (Gemma 3's sliding layers; a window shorter than the rows)."""
+    from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, prefill_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    lens = [3, 11, 7]
+    q, k, v = randn(sum(lens), 4, 64), randn(sum(lens), 2, 64), randn(sum(lens), 2, 64)
+    cu = torch.tensor([0, 3, 14, 21], dtype=torch.int32, device="cuda")
+    got = [prefill_attention(q, k, v, AttnMeta(write_index=cu, cu_seqlens=cu, seqlens=lens, max_seqlen=max(lens)),
+                             0.125, backend, window) for backend in ("flash", "sdpa")]
+    torch.testing.assert_close(got[0], got[1], atol=2e-2, rtol=2e-2)
+    max_len, slots = 16, torch.tensor([0, 1, 2], device="cuda")
+    k_cache, v_cache = randn(4, max_len, 2, 64), randn(4, max_len, 2, 64)
+    starts = (slots * max_len).to(torch.int32)
+    queries = randn(8, 4, 64)  # 3, 1 and 4 new tokens at the ends of contexts of 9, 16 and 4
+
+    def over_cache():
+        return AttnMeta(write_index=starts, cu_seqlens=torch.cat([starts, starts[-1:] + max_len]),
+                        cu_seqlens_q=torch.tensor([0, 3, 4, 8], dtype=torch.int32, device="cuda"), max_seqlen_q=4,
+                        max_seqlen=max_len, context_lens=torch.tensor([9, 16, 4], dtype=torch.int32, device="cuda"),
+                        slots=slots)
+
+    got = [cache_attention(queries, k_cache, v_cache, over_cache(), 0.125, backend, window)
+           for backend in ("flash", "sdpa")]
+    torch.testing.assert_close(got[0], got[1], atol=2e-2, rtol=2e-2)
 
 
 def test_the_busy_clock_times_the_gpu_work_of_the_steps_within_their_wall_time(spread_model):

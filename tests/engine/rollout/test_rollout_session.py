@@ -37,7 +37,9 @@ def turns(session, first, appended, max_tokens=8):
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2"])  # olmo2: its q/k norms over the whole projection
+# olmo2: its q/k norms over the whole projection; gemma3_text: several queries of a row over the cache, each within
+# its own sliding window (8 tokens)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "gemma3_text"])
 def test_continuation_equals_one_shot_prefill_of_the_whole_sequence(spread_model, arch):
     path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=6, max_model_len=128)
