@@ -20,6 +20,13 @@ class Server:
     client: Any  # tinker.ServiceClient
     service: Any  # the server's TinkerService, for what the SDK cannot see (its queue, shared weights)
     checkpoint_dir: Any
+    url: str
+
+    def rest(self) -> Any:
+        """The SDK's RestClient (checkpoints, weights info) of this server."""
+        import tinker
+
+        return tinker.RestClient(base_url=self.url, api_key=API_KEY)
 
 
 def start_server(model_dir, checkpoint_dir, **config: Any):
@@ -47,8 +54,8 @@ def start_server(model_dir, checkpoint_dir, **config: Any):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
 
-    client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=API_KEY)
-    return Server(client, app[SERVICE], checkpoint_dir), stop
+    url = f"http://127.0.0.1:{port}"
+    return Server(tinker.ServiceClient(base_url=url, api_key=API_KEY), app[SERVICE], checkpoint_dir, url), stop
 
 
 @pytest.fixture(scope="module")
