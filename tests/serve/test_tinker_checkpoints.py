@@ -79,3 +79,15 @@ def test_merged_exports_write_the_merged_model(tiny_qwen2, tmp_path):
         torch.testing.assert_close(_hf_logprobs(model, TOKENS), logprobs(trainer, TOKENS), atol=1e-5, rtol=0)
     finally:
         stop()
+
+
+def test_the_serve_command_passes_merged_exports_to_the_server(tiny_qwen2, monkeypatch):
+    from hybridflow.cli import main
+    from hybridflow.serve import http_api
+
+    started = []
+    monkeypatch.setattr(http_api, "serve", lambda config, *args: started.append(config))
+    assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--merged-exports", "--device", "cpu"]) == 0
+    assert started[0].merged_exports is True and started[0].models == {"tiny": tiny_qwen2}
+    assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--device", "cpu"]) == 0
+    assert started[1].merged_exports is False
