@@ -323,19 +323,23 @@ class TinkerService:
         return base, path, req.prompt.to_ints(), req.sampling_params
 
     def _sample(self, requests: list[types.SampleRequest]) -> list[Any]:
-        """One engine batch of every request's prompt (they share weights and parameters: `submit_sample`)."""
+        """One engine batch of every request's prompt (they share weights and parameters: `submit_sample`); a
+        prompt the engine cannot hold fails alone."""
         base, path, _, p = self._sample_args(requests[0])
-        prompts = [self._sample_args(r)[2] for r in requests]
         sampler = self._sampler(base)
-        longest = max(len(prompt) for prompt in prompts)
-        room = sampler.engine.max_model_len - longest
-        if room < 1:
-            raise ValueError(f"the prompt has {longest} tokens; the engine holds {sampler.engine.max_model_len}")
-        params = SamplingParams(n=requests[0].num_samples, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                max_tokens=p.max_tokens or room, seed=p.seed,
-                                stop_token_ids=None if p.stop is None else [int(s) for s in p.stop])
-        snapshot = None if path is None else self._snapshot(path).weights
-        return [sample_response(out) for out in sampler.sample(path, snapshot, prompts, params)]
+        limit = sampler.engine.max_model_len
+        prompts = [self._sample_args(r)[2] for r in requests]
+        outcomes: list[Any] = [ValueError(f"the prompt has {len(prompt)} tokens; the engine holds {limit}")
+                               if len(prompt) >= limit else None for prompt in prompts]
+        served = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if served:
+            params = SamplingParams(n=requests[0].num_samples, temperature=p.temperature, top_p=p.top_p,
+                                    top_k=p.top_k, max_tokens=p.max_tokens or limit - len(prompts[served[0]]),
+                                    seed=p.seed, stop_token_ids=None if p.stop is None else [int(s) for s in p.stop])
+            snapshot = None if path is None else self._snapshot(path).weights
+            for i, out in zip(served, sampler.sample(path, snapshot, [prompts[i] for i in served], params)):
+                outcomes[i] = sample_response(out)
+        return outcomes
 
     # ---- lookups ----------------------------------------------------------------------------------
     def _model(self, model_id: str) -> _Model:
