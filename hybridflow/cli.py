@@ -85,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir),
-                             merged_exports=args.merged_exports)
+                             merged_exports=args.merged_exports, micro_batch_tokens=args.micro_batch_tokens)
         serve(config, args.host, args.port, args.api_key)
     except ValueError as e:
         print(f"hybridflow serve: {e}", file=sys.stderr)
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merged-exports", action="store_true",
                    help="save_weights_external of a LoRA client writes the merged model (default: a peft adapter "
                         "directory)")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="the most padded tokens (rows x longest row) one forward_backward pass holds; requests' "
+                        "data are packed into micro-batches within it (default 0: one batch per call)")
     p.set_defaults(fn=_serve)
 
     for name, fn, text, docs, recipe in (

@@ -5,9 +5,9 @@ the sessions, the training clients' `Trainee`s (LoRA or full-parameter), the wei
 `save_weights_for_sampler` took, the sampling sessions, one `Sampler` per base model, and the `CheckpointStore`
 (saved states and Hugging Face exports under `checkpoint_dir`). Long operations (create_model,
 forward_backward, optim_step, saving, loading and exporting weights, sampling) run on one worker thread in
-arrival order (`WorkQueue`); waiting forward_backward requests of one model (with the same `forward_only`) run as
-one forward and backward, and waiting sample requests on the same weights with the same unseeded sampling
-parameters as one engine batch. `submit` returns a request id at once and `futures[request_id]` holds the
+arrival order (`WorkQueue`); waiting forward_backward requests of one model (with the same `forward_only`) are
+packed together into the trainer's micro-batches (`micro_batch_tokens`), and waiting sample requests on the
+same weights with the same unseeded sampling parameters run as one engine batch. `submit` returns a request id at once and `futures[request_id]` holds the
 result later, as the SDK's futures expect. A result is a JSON dict, or protobuf bytes for the two types the SDK
 reads as protobuf. Requests are read with the SDK's own types; a `ValueError` raised by an operation (unknown
 model, unknown loss, bad shapes) is the caller's error, reported in the future as the SDK's
@@ -52,6 +52,8 @@ class ServeConfig:
     max_snapshots: sampler weight snapshots kept in memory (the oldest is dropped first).
     checkpoint_dir: where `save_weights` and `save_weights_external` write (`MODEL_ID/...`).
     merged_exports: `save_weights_external` of a LoRA client writes its merged model, not an adapter directory.
+    micro_batch_tokens: the most padded tokens (rows x longest row) a forward_backward pass holds at once; the
+        data of waiting requests are packed into micro-batches within it (0: one batch, bounded by memory only).
     """
 
     models: dict[str, Path]
@@ -60,6 +62,11 @@ class ServeConfig:
     max_snapshots: int = 8
     checkpoint_dir: Path = Path("tinker_checkpoints")
     merged_exports: bool = False
+    micro_batch_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit)")
 
 
 def model_map(specs: list[str]) -> dict[str, Path]:
@@ -187,7 +194,8 @@ class TinkerService:
         self.bases.path(req.base_model)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the SDK's own derivation (see load_weights)
         if lora is None or lora.rank == 0:
-            trainee = Trainee.full(self.bases.full_model(req.base_model), self.bases.device)
+            trainee = Trainee.full(self.bases.full_model(req.base_model), self.bases.device,
+                                   self.config.micro_batch_tokens)
         else:
             if not (lora.train_attn and lora.train_mlp):
                 raise ValueError(f"lora_config train_attn={lora.train_attn}, train_mlp={lora.train_mlp}: adapters "
@@ -195,7 +203,8 @@ class TinkerService:
             if lora.train_unembed:
                 log.warning("lora_config.train_unembed=True: this server adapts the decoder layers' projections "
                             "only; the unembedding stays frozen")
-            trainee = Trainee.lora(self.bases.lora_model(req.base_model), lora.rank, lora.seed, self.bases.device)
+            trainee = Trainee.lora(self.bases.lora_model(req.base_model), lora.rank, lora.seed, self.bases.device,
+                                   self.config.micro_batch_tokens)
         self.models[model_id] = _Model(req.base_model, trainee)
         return types.CreateModelResponse(model_id=model_id).model_dump(mode="json")
 

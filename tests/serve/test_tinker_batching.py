@@ -97,3 +97,37 @@ def test_a_request_that_cannot_be_served_fails_alone_in_its_batch(server):
     assert len(good_loss.result().loss_fn_outputs[0]["logprobs"].tolist()) == 7
     assert len(good_sample.result().sequences) == 1
     assert service.queue.batches[-2:] == [2, 2]  # each bad request rode in its batch and failed alone
+
+
+def test_micro_batches_within_the_token_budget_give_the_one_batch_results(tiny_qwen2, tmp_path, server, monkeypatch, capsys):
+    from hybridflow.cli import main
+    from hybridflow.serve import http_api
+    from tests.serve.conftest import start_server
+
+    started = []
+    monkeypatch.setattr(http_api, "serve", lambda config, *args: started.append(config))
+    assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--device", "cpu", "--micro-batch-tokens", "40"]) == 0
+    assert started[0].micro_batch_tokens == 40
+    assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--micro-batch-tokens", "-1"]) == 2
+    assert "--micro-batch-tokens=-1 must be >= 0" in capsys.readouterr().err
+    small, stop = start_server(tiny_qwen2, tmp_path, micro_batch_tokens=40)
+    try:
+        rows = [TOKENS[:12], TOKENS[4:24], TOKENS[2:10]]  # 11, 19 and 7 inputs: [11, 19] pads to 38, 7 starts anew
+        data = [datum(r, weights=[1.0] * (len(r) - 1)) for r in rows]
+        outs, trainers = [], []
+        for served in (small, server):
+            trainer = served.client.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+            calls = []
+            served.service.models[trainer.model_id].trainee.model.register_forward_hook(
+                lambda *args: calls.append(1))
+            outs.append(trainer.forward_backward(data, "cross_entropy").result())
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            trainers.append((trainer, len(calls)))
+        assert [n for _, n in trainers] == [2, 1]  # two micro-batches within 40 tokens, one without a budget
+        assert outs[0].metrics["loss:sum"] == pytest.approx(outs[1].metrics["loss:sum"], rel=1e-6)
+        for a, b in zip(outs[0].loss_fn_outputs, outs[1].loss_fn_outputs):
+            torch.testing.assert_close(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(logprobs(trainers[0][0], TOKENS), logprobs(trainers[1][0], TOKENS), atol=1e-5,
+                                   rtol=0)  # the same step: the micro-batches' gradients add up to the batch's
+    finally:
+        stop()
