@@ -119,9 +119,13 @@ async def list_checkpoints(request: web.Request) -> web.Response:
 
 
 async def weights_info(request: web.Request) -> web.Response:
-    body = await request.json()
+    # the SDK sends {"tinker_path": ...} (it has no request type for it)
     try:
-        return web.json_response(request.app[SERVICE].weights_info(str(body.get("tinker_path"))))
+        path = (await request.json())["tinker_path"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise _bad('weights_info takes a JSON body {"tinker_path": "tinker://MODEL/weights/NAME"}') from e
+    try:
+        return web.json_response(request.app[SERVICE].weights_info(str(path)))
     except ValueError as e:
         raise _bad(str(e), web.HTTPNotFound) from e
 
