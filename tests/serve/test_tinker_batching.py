@@ -99,7 +99,8 @@ def test_a_request_that_cannot_be_served_fails_alone_in_its_batch(server):
     assert service.queue.batches[-2:] == [2, 2]  # each bad request rode in its batch and failed alone
 
 
-def test_micro_batches_within_the_token_budget_give_the_one_batch_results(tiny_qwen2, tmp_path, server, monkeypatch, capsys):
+def test_micro_batches_within_the_token_budget_give_the_one_batch_results(tiny_qwen2, tmp_path, server, monkeypatch,
+                                                                         capsys):
     from hybridflow.cli import main
     from hybridflow.serve import http_api
     from tests.serve.conftest import start_server

@@ -62,7 +62,8 @@ def test_a_full_parameter_export_is_a_whole_model(server):
 
     trainer = _trained(server.client, rank=0)
     trainer.save_weights_external("whole").result()
-    model = AutoModelForCausalLM.from_pretrained(server.checkpoint_dir / trainer.model_id / "external_weights" / "whole")
+    folder = server.checkpoint_dir / trainer.model_id / "external_weights" / "whole"
+    model = AutoModelForCausalLM.from_pretrained(folder)
     torch.testing.assert_close(_hf_logprobs(model, TOKENS), logprobs(trainer, TOKENS), atol=1e-5, rtol=0)
 
 

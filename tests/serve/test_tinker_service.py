@@ -126,7 +126,8 @@ def test_a_client_from_saved_state_with_optimizer_resumes_exactly(service_client
     fresh_moments = service_client.create_training_client_from_state(path).result()
     steps(fresh_moments, 2)  # weights only: Adam's moments start afresh, so the steps differ
     assert not torch.equal(logprobs(fresh_moments), logprobs(first))
-    with pytest.warns(FutureWarning), pytest.raises(tinker.RequestFailedError, match="holds rank-4 LoRA weights.*rank-2 LoRA"):
+    with pytest.warns(FutureWarning), \
+            pytest.raises(tinker.RequestFailedError, match="holds rank-4 LoRA weights.*rank-2 LoRA"):
         service_client.create_lora_training_client(base_model="tiny", rank=2).result().load_state(path).result()
 
 
