@@ -84,7 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
         import torch
 
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir))
+        config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir),
+                             merged_exports=args.merged_exports, micro_batch_tokens=args.micro_batch_tokens)
         serve(config, args.host, args.port, args.api_key)
     except ValueError as e:
         print(f"hybridflow serve: {e}", file=sys.stderr)
@@ -182,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_view)
 
     p = sub.add_parser("serve", help="a local Tinker-compatible training service for the tinker SDK",
-                       description="Serves the Tinker REST API: LoRA training and sampling of local models, "
+                       description="Serves the Tinker REST API: LoRA and full-parameter training and sampling of "
+                                   "local models, "
                                    "driven by the tinker SDK unchanged (docs/tinker.md).")
     p.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
                    help="a base model: a local Hugging Face directory, served as NAME (default: PATH as written); "
@@ -193,7 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="where training and sampling run: cpu, cuda, or auto (default: "
                                                     "cuda when there is a GPU, else cpu)")
     p.add_argument("--checkpoint-dir", default="tinker_checkpoints",
-                   help="where save_state writes training state (default ./tinker_checkpoints)")
+                   help="where save_state writes training state and save_weights_external its Hugging Face "
+                        "directories (default ./tinker_checkpoints)")
+    p.add_argument("--merged-exports", action="store_true",
+                   help="save_weights_external of a LoRA client writes the merged model (default: a peft adapter "
+                        "directory)")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="the most padded tokens (rows x longest row) one forward_backward pass holds; requests' "
+                        "data are packed into micro-batches within it (default 0: one batch per call)")
     p.set_defaults(fn=_serve)
 
     for name, fn, text, docs, recipe in (

@@ -95,6 +95,28 @@ def ppo_policy_loss(
     )
 
 
+def gspo_token_losses(
+    old_logp: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, ratio_mask: torch.Tensor,
+    clip_low: float, clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO-token's per-token losses `[batch, T]`, before aggregation: (losses, clipped term, unclipped term).
+
+    Each row's sequence ratio s_i = exp(mean of logp - old_logp over the tokens `ratio_mask` marks), carried to
+    every token of the row as log s_it = sg[log s_i] + logp - sg[logp] (value s_i, gradient of the token's own
+    logp), clamped at 10 in log space; loss_it = max(-A s_it, -A clip(s_it, 1 - clip_low, 1 + clip_high)).
+    A row with no marked token has s_i = 1. Tokens outside `ratio_mask` still get a loss (the caller's
+    aggregation mask decides which count): Tinker's `gspo` sums them all, `gspo_policy_loss` masks them.
+    """
+    log_ratio = logp - old_logp
+    seq_len = ratio_mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = masked_sum(log_ratio, ratio_mask, dim=-1) / seq_len
+    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped, unclipped
+
+
 @register_policy_loss("gspo")
 def gspo_policy_loss(
     old_logp: torch.Tensor,
@@ -108,25 +130,16 @@ def gspo_policy_loss(
 ) -> LossOut:
     """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071).
 
-    Sequence ratio s_i = exp(mean over the row's tokens of logp - old_logp), carried to each token as
-    log s_it = sg[log s_i] + logp - sg[logp] (value s_i, gradient of the token's logp), clamped at 10
-    in log space; clipped surrogate max(-A s_it, -A clip(s_it, 1 - clip_low, 1 + clip_high)), always
-    aggregated `seq-mean-token-mean` (the paper's defaults: clip_low 3e-4, clip_high 4e-4).
+    `gspo_token_losses` with the sequence ratio over the row's response tokens, always aggregated
+    `seq-mean-token-mean` (the paper's defaults: clip_low 3e-4, clip_high 4e-4).
     Metrics: `pg_clipfrac`, `ppo_kl` (token-mean of old_logp - logp), `pg_clipfrac_lower` (0).
     """
     check_shapes("logp", old_logp=old_logp, logp=logp, advantages=advantages, response_mask=response_mask)
-    log_ratio = logp - old_logp
-    seq_len = response_mask.sum(dim=-1).clamp(min=1)
-    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / seq_len
-    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    pg_losses = torch.maximum(unclipped, clipped)
+    pg_losses, clipped, unclipped = gspo_token_losses(old_logp, logp, advantages, response_mask, clip_low, clip_high)
     loss = aggregate(pg_losses, response_mask, "seq-mean-token-mean", global_seq_count=global_seq_count)
     return loss, _metrics(
         pg_clipfrac=masked_mean(torch.gt(clipped, unclipped).to(logp.dtype), response_mask),
-        ppo_kl=masked_mean(-log_ratio, response_mask),
+        ppo_kl=masked_mean(old_logp - logp, response_mask),
         pg_clipfrac_lower=torch.zeros((), dtype=logp.dtype, device=logp.device),
     )
 

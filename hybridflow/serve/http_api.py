@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from functools import partial
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -61,7 +62,10 @@ async def retrieve_future(request: web.Request) -> web.Response:
                      types.RequestErrorCategory.User)
     if not future.done():
         # A result that comes in time is answered at once; else the SDK is told to poll again.
-        done, _ = await asyncio.wait([asyncio.wrap_future(future)], timeout=POLL_WAIT_S)
+        waiting = asyncio.wrap_future(future)
+        # the result is read from `future` (now or at a later poll), never from this wrapper: mark its error seen
+        waiting.add_done_callback(lambda w: w.cancelled() or w.exception())
+        done, _ = await asyncio.wait([waiting], timeout=POLL_WAIT_S)
         if not done:
             # the SDK's TryAgainResponse (not exported by tinker.types): it polls again at once
             return web.json_response({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
@@ -86,14 +90,14 @@ async def forward_backward(request: web.Request) -> web.Response:
         req = read_forward_backward(await request.read())
     except WireError as e:
         raise _bad(str(e)) from e
-    return _future(service.submit(service.forward_backward, req), req.model_id)
+    return _future(service.submit_forward_backward(req), req.model_id)
 
 
 async def asample(request: web.Request) -> web.Response:
     # The SDK stamps these ids on the returned sequences, one per sample, fixed at submission.
     service = request.app[SERVICE]
     req = await _body(request, types.SampleRequest)
-    request_id = service.submit(service.sample, req)
+    request_id = service.submit_sample(req)
     return _future(request_id, sequence_ids=[f"{request_id}:{i}" for i in range(req.num_samples)])
 
 
@@ -102,8 +106,28 @@ def _queued(model: type[BaseModel], operation: Callable[[TinkerService, Any], Re
     async def handle(request: web.Request) -> web.Response:
         service = request.app[SERVICE]
         req = await _body(request, model)
-        return _future(service.submit(operation, service, req), getattr(req, "model_id", None))
+        return _future(service.queued(partial(operation, service), req), getattr(req, "model_id", None))
     return handle
+
+
+async def list_checkpoints(request: web.Request) -> web.Response:
+    # one training run's (`/training_runs/{id}/checkpoints`) or every one's (`/checkpoints`); unpaginated
+    try:
+        return web.json_response(request.app[SERVICE].checkpoints(request.match_info.get("model_id")))
+    except ValueError as e:
+        raise _bad(str(e), web.HTTPNotFound) from e
+
+
+async def weights_info(request: web.Request) -> web.Response:
+    # the SDK sends {"tinker_path": ...} (it has no request type for it)
+    try:
+        path = (await request.json())["tinker_path"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise _bad('weights_info takes a JSON body {"tinker_path": "tinker://MODEL/weights/NAME"}') from e
+    try:
+        return web.json_response(request.app[SERVICE].weights_info(str(path)))
+    except ValueError as e:
+        raise _bad(str(e), web.HTTPNotFound) from e
 
 
 async def client_config(request: web.Request) -> web.Response:
@@ -184,6 +208,11 @@ def make_app(config: ServeConfig, api_key: str | None = None) -> web.Application
         web.post(f"{api}/forward_backward", forward_backward),
         web.post(f"{api}/optim_step", _queued(types.OptimStepRequest, TinkerService.optim_step)),
         web.post(f"{api}/save_weights", _queued(types.SaveWeightsRequest, TinkerService.save_weights)),
+        web.post(f"{api}/save_weights_external",
+                 _queued(types.SaveWeightsExternalRequest, TinkerService.save_weights_external)),
+        web.get(f"{api}/training_runs/{{model_id}}/checkpoints", list_checkpoints),
+        web.get(f"{api}/checkpoints", list_checkpoints),
+        web.post(f"{api}/weights_info", weights_info),
         web.post(f"{api}/load_weights", _queued(types.LoadWeightsRequest, TinkerService.load_weights)),
         web.post(f"{api}/save_weights_for_sampler",
                  _queued(types.SaveWeightsForSamplerRequest, TinkerService.save_weights_for_sampler)),

@@ -1,10 +1,11 @@
 """Sampling for the service: one `RolloutEngine` per base model, switched between saved weight snapshots.
 
-A snapshot is what `save_weights_for_sampler` keeps: (HF name, merged tensor) of every adapted weight.
-`Sampler.sample(key, snapshot, prompt, params)` loads that snapshot into the engine when another one (or the
-base) is loaded (the engine updates its weights in place), generates `params.n` samples and returns each one's
-tokens, per-token log-probs and finish reason. Sampling from the base model reloads the adapted weights
-from the model directory.
+A snapshot is what `save_weights_for_sampler` keeps: (HF name, tensor) of every weight that differs from the
+base directory's (a LoRA client's merged weights, a full-parameter client's every weight).
+`Sampler.sample(key, snapshot, prompts, params)` loads that snapshot into the engine when another one (or the
+base) is loaded (the engine updates its weights in place), generates `params.n` samples of every prompt in one
+engine batch (the prompts of several clients' requests) and returns each one's tokens, per-token log-probs and
+finish reason. Sampling from the base model reloads the replaced weights from the model directory.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ class Sampler:
             self.engine.load_weights(snapshot)
         self.loaded = key
 
-    def sample(self, key: str | None, snapshot: Snapshot | None, prompt: list[int],
-               params: SamplingParams) -> list[tuple[list[int], list[float], str]]:
-        """`params.n` samples of `prompt` under the snapshot `key` (None: the base): (tokens, log-probs, finish
-        reason) each."""
+    def sample(self, key: str | None, snapshot: Snapshot | None, prompts: list[list[int]],
+               params: SamplingParams) -> list[list[tuple[list[int], list[float], str]]]:
+        """`params.n` samples of each prompt under the snapshot `key` (None: the base), all in one engine batch:
+        per prompt, (tokens, log-probs, finish reason) per sample."""
         self._load(key, snapshot)
-        [completions] = self.engine.generate([prompt], params)
-        return [(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in completions]
+        return [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in completions]
+                for completions in self.engine.generate(prompts, params)]

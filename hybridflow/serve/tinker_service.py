@@ -1,42 +1,45 @@
 """The Tinker service's state and operations, behind the HTTP layer (`http_api`).
 
-`TinkerService` holds the base models it serves (a name -> a local directory), the sessions, the training
-clients' `LoraTrainee`s, the weight snapshots `save_weights_for_sampler` took, the sampling sessions and one
-`Sampler` per base model; `save_weights` / `load_weights` keep training state in files under `checkpoint_dir`.
-Long operations (create_model, forward_backward, optim_step, saving and loading weights, sampling) run one at a
-time, in arrival order, on one worker thread (the model and the engine are not thread-safe, and the SDK orders
-a client's requests by sending them in turn); `submit` returns a request id at once and `futures[request_id]`
-holds the result later, as the SDK's futures expect. A result is a JSON
-dict, or protobuf bytes for the two types the SDK reads as protobuf. Requests are read with the SDK's own
-types; a `ValueError` raised by an operation (unknown model, unknown loss, bad shapes) is the caller's
-error, reported in the future as the SDK's `RequestFailedError` with category `user`.
+`TinkerService` holds the base models it serves (`BaseModels`: each loaded once, shared by its LoRA clients),
+the sessions, the training clients' `Trainee`s (LoRA or full-parameter), the weight snapshots
+`save_weights_for_sampler` took, the sampling sessions, one `Sampler` per base model, and the `CheckpointStore`
+(saved states and Hugging Face exports under `checkpoint_dir`). Long operations (create_model,
+forward_backward, optim_step, saving, loading and exporting weights, sampling) run on one worker thread in
+arrival order (`WorkQueue`); waiting forward_backward requests of one model (with the same `forward_only`) are
+packed together into the trainer's micro-batches (`micro_batch_tokens`), and waiting sample requests on the
+same weights with the same unseeded sampling parameters run as one engine batch. `submit` returns a request id
+at once and `futures[request_id]` holds the result later, as the SDK's futures expect. A result is a JSON
+dict, or protobuf bytes for the two types the SDK reads as protobuf. Requests are read with the SDK's own types;
+a `ValueError` raised by an operation (unknown model, unknown loss, bad shapes) is the caller's error, reported
+in the future as the SDK's `RequestFailedError` with category `user`.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
-import os
-import re
 import uuid
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from tinker import types
 
 from hybridflow.engine.rollout import SamplingParams
-from hybridflow.serve.lora_trainee import LoraTrainee
+from hybridflow.serve.base_models import BaseModels
+from hybridflow.serve.checkpoints import CheckpointStore
 from hybridflow.serve.sampler import Sampler, Snapshot
+from hybridflow.serve.trainee import LossRequest, Trainee
 from hybridflow.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
+from hybridflow.serve.work_queue import Job, WorkQueue
 
 log = logging.getLogger(__name__)
 Result = dict[str, Any] | bytes
-_NAME = re.compile(r"\w[\w.-]*")  # a checkpoint name: one file name, never a path
-_CHECKPOINT = re.compile(r"tinker://(session-[\w-]+:train:\d+)/weights/(\w[\w.-]*)")
 
 
 @dataclass
@@ -47,7 +50,10 @@ class ServeConfig:
     device: where training and sampling run ("cpu", "cuda").
     max_num_seqs: the rollout engine's concurrent sequences.
     max_snapshots: sampler weight snapshots kept in memory (the oldest is dropped first).
-    checkpoint_dir: where `save_weights` writes training state (`MODEL_ID/NAME.pt`).
+    checkpoint_dir: where `save_weights` and `save_weights_external` write (`MODEL_ID/...`).
+    merged_exports: `save_weights_external` of a LoRA client writes its merged model, not an adapter directory.
+    micro_batch_tokens: the most padded tokens (rows x longest row) a forward_backward pass holds at once; the
+        data of waiting requests are packed into micro-batches within it (0: one batch, bounded by memory only).
     """
 
     models: dict[str, Path]
@@ -55,6 +61,12 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_snapshots: int = 8
     checkpoint_dir: Path = Path("tinker_checkpoints")
+    merged_exports: bool = False
+    micro_batch_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit)")
 
 
 def model_map(specs: list[str]) -> dict[str, Path]:
@@ -71,9 +83,21 @@ def model_map(specs: list[str]) -> dict[str, Path]:
 
 
 @dataclass
+class _Snapshot:
+    base: str
+    weights: Snapshot
+    time: datetime
+
+
+@dataclass
 class _Model:
     base: str
-    trainee: LoraTrainee
+    trainee: Trainee
+
+
+def _one(operation: Callable[[Any], Result]) -> Callable[[list[Any]], list[Result]]:
+    """A job's `run` for an operation that serves one request at a time."""
+    return lambda requests: [operation(requests[0])]
 
 
 class TinkerService:
@@ -85,33 +109,32 @@ class TinkerService:
                 raise ValueError(f"--model {name}={path}: no config.json there; give a local Hugging Face "
                                  f"model directory")
         self.config = config
+        self.bases = BaseModels(config.models, config.device)
+        self.store = CheckpointStore(config.checkpoint_dir, config.merged_exports)
         self.sessions: set[str] = set()
         self.models: dict[str, _Model] = {}
-        self.snapshots: OrderedDict[str, tuple[str, Snapshot]] = OrderedDict()
+        self.snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
         self.sampling_sessions: dict[str, tuple[str, str | None]] = {}
         self.samplers: dict[str, Sampler] = {}
         self.futures: dict[str, Future[Result]] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-service")
+        self.queue = WorkQueue()
         self._ids = itertools.count()
 
     # ---- the futures ------------------------------------------------------------------------------
-    def submit(self, fn: Callable[..., Result], *args: Any) -> str:
-        """Queue `fn(*args)` on the worker thread; the request id its result is retrieved by."""
+    def submit(self, job: Job) -> str:
+        """Queue `job` on the worker thread; the request id its result is retrieved by."""
         request_id = str(uuid.uuid4())
-        self.futures[request_id] = self._worker.submit(fn, *args)
+        self.futures[request_id] = self.queue.submit(job)
         return request_id
 
+    def queued(self, operation: Callable[[Any], Result], request: Any) -> str:
+        """Queue a one-request operation; it runs in order with the other requests of its model."""
+        return self.submit(Job(_one(operation), request, resource=getattr(request, "model_id", None)))
+
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self.queue.close()
 
     # ---- immediate answers ------------------------------------------------------------------------
-    def base_path(self, name: str | None) -> Path:
-        """The directory of served base model `name`; a `ValueError` naming the served ones otherwise."""
-        if name not in self.config.models:
-            raise ValueError(f"base model {name!r} is not served here; served: {sorted(self.config.models)} "
-                             f"(start hybridflow serve with --model NAME=PATH)")
-        return self.config.models[name]
-
     def capabilities(self) -> dict[str, Any]:
         return types.GetServerCapabilitiesResponse(supported_models=[
             types.SupportedModel(model_name=name, trainable=True, sampleable=True)
@@ -125,10 +148,10 @@ class TinkerService:
     def create_sampling_session(self, req: types.CreateSamplingSessionRequest) -> str:
         """A sampling session on a snapshot (`model_path`) or on a base model."""
         if req.model_path is not None:
-            base = self._snapshot(req.model_path)[0]
+            base = self._snapshot(req.model_path).base
         else:
             base = str(req.base_model)
-            self.base_path(base)
+            self.bases.path(base)
         return self._new_sampling_session(base, req.model_path)
 
     def _new_sampling_session(self, base: str, path: str | None) -> str:
@@ -142,34 +165,72 @@ class TinkerService:
 
     def info(self, model_id: str) -> dict[str, Any]:
         model = self._model(model_id)
-        path = self.config.models[model.base]
+        rank = model.trainee.rank
         return types.GetInfoResponse(
-            model_id=model_id, model_data=types.ModelData(model_name=model.base, tokenizer_id=str(path)),
-            is_lora=True, lora_rank=model.trainee.rank, model_name=model.base).model_dump(mode="json")
+            model_id=model_id, model_data=types.ModelData(model_name=model.base, tokenizer_id=str(
+                self.bases.path(model.base))), is_lora=rank > 0, lora_rank=rank or None,
+            model_name=model.base).model_dump(mode="json")
+
+    def checkpoints(self, model_id: str | None) -> dict[str, Any]:
+        """The saved states and exports of `model_id` (None: all), then its sampler snapshots (in memory)."""
+        if model_id is not None:
+            self._model(model_id)
+        found = self.store.checkpoints(model_id)
+        found += [types.Checkpoint(checkpoint_id=path.split("/", 3)[3], checkpoint_type="sampler", tinker_path=path,
+                                   time=snapshot.time)
+                  for path, snapshot in reversed(self.snapshots.items())
+                  if model_id is None or path.split("/")[2] == model_id]
+        return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
+
+    def weights_info(self, path: str) -> dict[str, Any]:
+        return self.store.weights_info(path).model_dump(mode="json")
 
     # ---- worker-thread operations -----------------------------------------------------------------
     def create_model(self, req: types.CreateModelRequest) -> Result:
-        if req.lora_config is None:
-            raise ValueError("create_model without lora_config (full-parameter training) is not served yet; "
-                             "pass a rank (create_lora_training_client)")
-        lora = req.lora_config
-        if not (lora.train_attn and lora.train_mlp):
-            raise ValueError(f"lora_config train_attn={lora.train_attn}, train_mlp={lora.train_mlp}: adapters "
-                             f"go on every attention and MLP projection here; both must be true")
+        """A LoRA client, or with no `lora_config` (or rank 0) a full-parameter one."""
         if req.optimizer_config.type != "adamw":
             raise ValueError(f"optimizer_config.type={req.optimizer_config.type!r} is not served; valid: adamw")
-        path = self.base_path(req.base_model)
-        if lora.train_unembed:
-            log.warning("lora_config.train_unembed=True: this server adapts the decoder layers' projections "
-                        "only; the unembedding stays frozen")
+        lora = req.lora_config
+        self.bases.path(req.base_model)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the SDK's own derivation (see load_weights)
-        self.models[model_id] = _Model(req.base_model, LoraTrainee(path, lora.rank, lora.seed, self.config.device))
+        if lora is None or lora.rank == 0:
+            trainee = Trainee.full(self.bases.full_model(req.base_model), self.bases.device,
+                                   self.config.micro_batch_tokens)
+        else:
+            if not (lora.train_attn and lora.train_mlp):
+                raise ValueError(f"lora_config train_attn={lora.train_attn}, train_mlp={lora.train_mlp}: adapters "
+                                 f"go on every attention and MLP projection here; both must be true")
+            if lora.train_unembed:
+                log.warning("lora_config.train_unembed=True: this server adapts the decoder layers' projections "
+                            "only; the unembedding stays frozen")
+            trainee = Trainee.lora(self.bases.lora_model(req.base_model), lora.rank, lora.seed, self.bases.device,
+                                   self.config.micro_batch_tokens)
+        self.models[model_id] = _Model(req.base_model, trainee)
         return types.CreateModelResponse(model_id=model_id).model_dump(mode="json")
 
-    def forward_backward(self, req: FwdBwdRequest) -> Result:
-        outputs, metrics = self._model(req.model_id).trainee.forward_backward(
-            req.data, req.loss_fn, req.config, req.forward_only)
-        return forward_backward_output(outputs, metrics)
+    def submit_forward_backward(self, req: FwdBwdRequest) -> str:
+        """Queue a forward_backward; those of one model waiting together run as one batch."""
+        return self.submit(Job(self._forward_backward, req, key=("forward_backward", req.model_id, req.forward_only),
+                               resource=req.model_id))
+
+    def _forward_backward(self, requests: list[FwdBwdRequest]) -> list[Any]:
+        """One forward (and backward) of every request that passes its checks; each check's error is its own."""
+        trainee = self._model(requests[0].model_id).trainee
+        outcomes: list[Any] = []
+        valid: list[int] = []
+        for i, req in enumerate(requests):
+            try:
+                trainee.check(LossRequest(req.data, req.loss_fn, req.config))
+                valid.append(i)
+                outcomes.append(None)
+            except ValueError as e:
+                outcomes.append(e)
+        if valid:
+            results = trainee.forward_backward([LossRequest(requests[i].data, requests[i].loss_fn, requests[i].config)
+                                                for i in valid], requests[0].forward_only)
+            for i, (outputs, metrics) in zip(valid, results):
+                outcomes[i] = forward_backward_output(outputs, metrics)
+        return outcomes
 
     def optim_step(self, req: types.OptimStepRequest) -> Result:
         params = req.optim_params
@@ -181,41 +242,38 @@ class TinkerService:
         return types.OptimStepResponse(metrics=metrics).model_dump(mode="json")
 
     def save_weights(self, req: types.SaveWeightsRequest) -> Result:
-        """Write the model's training state (adapters, optimizer moments) to `checkpoint_dir/MODEL/NAME.pt`,
-        named `tinker://MODEL/weights/NAME`; written whole or not at all (a temporary file renamed)."""
+        """Write the model's training state (`CheckpointStore.save_state`)."""
         model = self._model(req.model_id)
         name = req.path or f"step-{next(self._ids)}"
-        if not _NAME.fullmatch(name):
-            raise ValueError(f"save_state name {name!r}: use letters, digits, '-', '_' and '.', not first")
-        path = f"tinker://{req.model_id}/weights/{name}"
-        file = self._checkpoint_file(path)
-        if file.exists() and not req.overwrite:
-            raise ValueError(f"{path} exists ({file}); pick another name or pass overwrite")
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        torch.save({"base": model.base, **model.trainee.state()}, tmp)
-        os.replace(tmp, file)
+        path = self.store.save_state(req.model_id, name, bool(req.overwrite), model.base, model.trainee)
         return types.SaveWeightsResponse(path=path).model_dump(mode="json")
+
+    def save_weights_external(self, req: types.SaveWeightsExternalRequest) -> Result:
+        """Export the model as a Hugging Face directory (`CheckpointStore.export`)."""
+        if req.age_encryption_recipients:
+            raise ValueError("age_encryption_recipients: encrypted exports are not served; the files are written "
+                             "to this machine's --checkpoint-dir")
+        model = self._model(req.model_id)
+        path = self.store.export(req.model_id, req.path, model.trainee, self.bases.base(model.base),
+                                 self.bases.path(model.base))
+        return {"path": path, "type": "save_weights_external"}
 
     def load_weights(self, req: types.LoadWeightsRequest) -> Result:
         """Load a `save_weights` checkpoint (with its optimizer state when `optimizer`) into a training client:
         the one `model_id` names (load_state), or a new one of the checkpoint's base and rank
         (create_training_client_from_state), under the id the SDK derives, `SESSION:train:SEQ`."""
-        file = self._checkpoint_file(req.path)
-        if not file.is_file():
-            raise ValueError(f"checkpoint {req.path!r} is not saved here (no {file})")
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = self.store.load_state(req.path)
         model_id = req.model_id
         if model_id is None:
             if req.session_id is None or req.model_seq_id is None:
                 raise ValueError("load_weights needs model_id, or session_id with model_seq_id")
             if req.base_model not in (None, state["base"]):
                 raise ValueError(f"checkpoint {req.path!r} trains base model {state['base']!r}, not {req.base_model!r}")
-            if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
-                raise ValueError(f"optimizer_config.type={req.optimizer_config.type!r} is not served; valid: adamw")
+            lora = types.LoraConfig(rank=state["rank"]) if state["rank"] else None
+            self.create_model(types.CreateModelRequest(
+                session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=state["base"], lora_config=lora,
+                optimizer_config=req.optimizer_config or types.AdamOptimizerConfig()))
             model_id = f"{req.session_id}:train:{req.model_seq_id}"
-            trainee = LoraTrainee(self.base_path(state["base"]), state["rank"], None, self.config.device)
-            self.models[model_id] = _Model(state["base"], trainee)
         model = self._model(model_id)
         if state["base"] != model.base:
             raise ValueError(f"checkpoint {req.path!r} trains base model {state['base']!r}; this client's is "
@@ -224,14 +282,14 @@ class TinkerService:
         return types.LoadWeightsResponse(path=req.path, model_id=model_id).model_dump(mode="json")
 
     def save_weights_for_sampler(self, req: types.SaveWeightsForSamplerRequest) -> Result:
-        """Snapshot the model's merged weights under `tinker://MODEL/sampler_weights/NAME`; without a name
+        """Snapshot the weights the sampler needs under `tinker://MODEL/sampler_weights/NAME`; without a name
         (save_weights_and_get_sampling_client), under a fresh one with a sampling session on it."""
         if req.kind != "snapshot":
             raise ValueError(f"kind={req.kind!r} is not served; valid: snapshot")
         model = self._model(req.model_id)
         name = req.path or f"ephemeral-{next(self._ids)}"
         path = f"tinker://{req.model_id}/sampler_weights/{name}"
-        self.snapshots[path] = (model.base, model.trainee.merged_weights())
+        self.snapshots[path] = _Snapshot(model.base, model.trainee.sampler_weights(), datetime.now(timezone.utc))
         self.snapshots.move_to_end(path)
         while len(self.snapshots) > self.config.max_snapshots:
             self.snapshots.popitem(last=False)
@@ -240,33 +298,57 @@ class TinkerService:
         sampling_id = self._new_sampling_session(model.base, path)
         return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampling_id).model_dump(mode="json")
 
-    def sample(self, req: types.SampleRequest) -> Result:
+    def submit_sample(self, req: types.SampleRequest) -> str:
+        """Queue a sample request; unseeded ones on the same weights and sampling parameters share a batch."""
+        key: Hashable | None = None
+        try:
+            base, path, _, p = self._sample_args(req)
+            if p.seed is None and p.max_tokens is not None:  # seeded ones stay reproducible alone
+                key = ("sample", base, path, req.num_samples, json.dumps(p.model_dump(mode="json"), sort_keys=True))
+        except ValueError:
+            pass  # the job raises it again, into the caller's future
+        return self.submit(Job(self._sample, req, key=key))
+
+    def _sample_args(self, req: types.SampleRequest) -> tuple[str, str | None, list[int], types.SamplingParams]:
+        """(base, snapshot path, prompt, sampling parameters) of a request, refused when it asks for what is not
+        served."""
         if req.sampling_session_id is not None:
             base, path = self._sampling_session(req.sampling_session_id)
         elif req.model_path is not None:
-            base, path = self._snapshot(req.model_path)[0], req.model_path
+            base, path = self._snapshot(req.model_path).base, req.model_path
         else:
             base, path = str(req.base_model), None
+            self.bases.path(base)
         unserved = {k: v for k, v in (("prompt_logprobs", req.prompt_logprobs), ("topk_prompt_logprobs",
                     req.topk_prompt_logprobs), ("topk_sample_logprobs", req.topk_sample_logprobs),
-                    ("prompt_alt_tokens_k", req.prompt_alt_tokens_k)) if v}
+                    ("prompt_alt_tokens_k", req.prompt_alt_tokens_k), ("record_stability_info",
+                    req.record_stability_info)) if v}
         if unserved or req.target_prompt_logprobs is not None:
             raise ValueError(f"sample options {sorted(unserved) or ['target_prompt_logprobs']} are not served; "
                              f"this server returns the sampled tokens' log-probs only")
-        sampler = self._sampler(base)
-        prompt = req.prompt.to_ints()
-        p = req.sampling_params
-        stop = p.stop
+        stop = req.sampling_params.stop
         if stop is not None and not all(isinstance(s, int) for s in ([stop] if isinstance(stop, str) else stop)):
             raise ValueError(f"sampling_params.stop={stop!r}: stop strings are not served; pass token ids")
-        room = sampler.engine.max_model_len - len(prompt)
-        if room < 1:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the engine holds {sampler.engine.max_model_len}")
-        params = SamplingParams(n=req.num_samples, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                max_tokens=p.max_tokens or room, seed=p.seed,
-                                stop_token_ids=None if stop is None else [int(s) for s in stop])
-        snapshot = None if path is None else self._snapshot(path)[1]
-        return sample_response(sampler.sample(path, snapshot, prompt, params))
+        return base, path, req.prompt.to_ints(), req.sampling_params
+
+    def _sample(self, requests: list[types.SampleRequest]) -> list[Any]:
+        """One engine batch of every request's prompt (they share weights and parameters: `submit_sample`); a
+        prompt the engine cannot hold fails alone."""
+        base, path, _, p = self._sample_args(requests[0])
+        sampler = self._sampler(base)
+        limit = sampler.engine.max_model_len
+        prompts = [self._sample_args(r)[2] for r in requests]
+        outcomes: list[Any] = [ValueError(f"the prompt has {len(prompt)} tokens; the engine holds {limit}")
+                               if len(prompt) >= limit else None for prompt in prompts]
+        served = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if served:
+            params = SamplingParams(n=requests[0].num_samples, temperature=p.temperature, top_p=p.top_p,
+                                    top_k=p.top_k, max_tokens=p.max_tokens or limit - len(prompts[served[0]]),
+                                    seed=p.seed, stop_token_ids=None if p.stop is None else [int(s) for s in p.stop])
+            snapshot = None if path is None else self._snapshot(path).weights
+            for i, out in zip(served, sampler.sample(path, snapshot, [prompts[i] for i in served], params)):
+                outcomes[i] = sample_response(out)
+        return outcomes
 
     # ---- lookups ----------------------------------------------------------------------------------
     def _model(self, model_id: str) -> _Model:
@@ -274,13 +356,7 @@ class TinkerService:
             raise ValueError(f"model_id {model_id!r} is unknown; known: {sorted(self.models)}")
         return self.models[model_id]
 
-    def _checkpoint_file(self, path: str) -> Path:
-        match = _CHECKPOINT.fullmatch(path)
-        if match is None:
-            raise ValueError(f"checkpoint path {path!r} is not one save_state returned (tinker://MODEL/weights/NAME)")
-        return self.config.checkpoint_dir / match[1] / f"{match[2]}.pt"
-
-    def _snapshot(self, path: str) -> tuple[str, Snapshot]:
+    def _snapshot(self, path: str) -> _Snapshot:
         if path not in self.snapshots:
             raise ValueError(f"sampler weights {path!r} are unknown (never saved, or dropped: the server keeps "
                              f"the last {self.config.max_snapshots}); kept: {list(self.snapshots)}")
@@ -293,5 +369,5 @@ class TinkerService:
 
     def _sampler(self, base: str) -> Sampler:
         if base not in self.samplers:
-            self.samplers[base] = Sampler(self.base_path(base), self.config.device, self.config.max_num_seqs)
+            self.samplers[base] = Sampler(self.bases.path(base), self.config.device, self.config.max_num_seqs)
         return self.samplers[base]

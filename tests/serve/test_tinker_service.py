@@ -3,48 +3,18 @@ against our own loss functions, and refused requests that leave the server servi
 
 from __future__ import annotations
 
-import asyncio
 import math
-import socket
-import threading
 
 import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from aiohttp import web  # noqa: E402
 from tinker import types  # noqa: E402
 
 from hybridflow.algorithms.losses import compute_policy_loss  # noqa: E402
-from hybridflow.serve.http_api import make_app  # noqa: E402
-from hybridflow.serve.tinker_service import ServeConfig  # noqa: E402
 
-API_KEY = "tml-local-test"
-TOKENS = list(range(40, 64))  # one fixed sequence the model learns
-
-
-@pytest.fixture(scope="module")
-def service_client(tiny_qwen2, tmp_path_factory):
-    """A ServiceClient of the real SDK, talking to a server on a free port in a background thread."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(ServeConfig({"tiny": tiny_qwen2}, max_num_seqs=8,
-                                             checkpoint_dir=tmp_path_factory.mktemp("checkpoints")), api_key=API_KEY))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=API_KEY)
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(30)
-
-
-def _datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+from tests.serve.conftest import TOKENS  # noqa: E402
+from tests.serve.conftest import datum as _datum  # noqa: E402
 
 
 def test_sft_loss_falls_and_samples_carry_the_trained_logprobs(service_client):
@@ -156,7 +126,8 @@ def test_a_client_from_saved_state_with_optimizer_resumes_exactly(service_client
     fresh_moments = service_client.create_training_client_from_state(path).result()
     steps(fresh_moments, 2)  # weights only: Adam's moments start afresh, so the steps differ
     assert not torch.equal(logprobs(fresh_moments), logprobs(first))
-    with pytest.warns(FutureWarning), pytest.raises(tinker.RequestFailedError, match="adapters have rank 4.*rank 2"):
+    with pytest.warns(FutureWarning), \
+            pytest.raises(tinker.RequestFailedError, match="holds rank-4 LoRA weights.*rank-2 LoRA"):
         service_client.create_lora_training_client(base_model="tiny", rank=2).result().load_state(path).result()
 
 
