@@ -54,6 +54,8 @@ class AttnMeta:
     slots: over the cache, [B] int64 each row's slot.
     padding: the backend's layout, made by the first layer (SDPA prefill: padded prompts; SDPA over the
         cache: rows, queries and mask; exact: each row's first cache row and the kernel's work table).
+    live: decode, [B] bool the rows that have not finished (a hybrid model's recurrent states take in only
+        their tokens: `recurrent_state.py`); None: every row.
     """
 
     write_index: torch.Tensor
@@ -66,6 +68,7 @@ class AttnMeta:
     context_lens: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     padding: tuple | None = None
+    live: torch.Tensor | None = None
 
     @property
     def reads_cache(self) -> bool:

@@ -26,6 +26,7 @@ first and attends over the cache (docs/exact.md).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -41,7 +42,8 @@ from hybridflow.engine.rollout.rope import rotary_dim, rotary_table
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", *MOE_ARCHITECTURES)
+HYBRID_ARCHITECTURES = ("qwen3_5_text",)  # linear and full attention layers (`hybrid_decoder`)
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", *MOE_ARCHITECTURES, *HYBRID_ARCHITECTURES)
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -231,13 +233,18 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
-        from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer  # it builds on this module's pieces
+        # these build on this module's pieces
+        from hybridflow.engine.rollout.hybrid_decoder import HybridDecoderLayer, OffsetRMSNorm
+        from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer
 
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layer = PostNormDecoderLayer if config.model_type == "olmo2" else DecoderLayer
+        hybrid = config.model_type in HYBRID_ARCHITECTURES
+        layer = PostNormDecoderLayer if config.model_type == "olmo2" else HybridDecoderLayer if hybrid else DecoderLayer
         self.layers = nn.ModuleList(layer(config, i, backend, moe_kernel) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact", norm_rounds_first(config))
+        self.norm: nn.Module = (OffsetRMSNorm(config.hidden_size, config.rms_norm_eps) if hybrid else
+                                RMSNorm(config.hidden_size, config.rms_norm_eps, backend == "exact",
+                                        norm_rounds_first(config)))
 
 
 class CausalLM(nn.Module):
@@ -293,6 +300,18 @@ class CausalLM(nn.Module):
         for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
             norm.fused_add = fused_add
         return model
+
+    def kv_cache(self, max_len: int, max_num_seqs: int, budget_bytes: int | None) -> KVCache:
+        """The engine's cache for this model, on its device and in its dtype: K/V for every layer, or a hybrid
+        model's K/V and recurrent states (`hybrid_decoder.hybrid_cache`)."""
+        weight = self.lm_head.weight
+        if self.config.model_type in HYBRID_ARCHITECTURES:
+            from hybridflow.engine.rollout.hybrid_decoder import hybrid_cache
+
+            return hybrid_cache(self.config, max_len, max_num_seqs, budget_bytes, weight.dtype, weight.device)
+        attn = cast(DecoderLayer, self.model.layers[0]).self_attn  # nn.ModuleList's items are typed nn.Module
+        return KVCache(self.config.num_hidden_layers, attn.kv_heads, attn.head_dim, max_len, max_num_seqs,
+                       budget_bytes, weight.dtype, weight.device)
 
     def set_rotary(self, max_len: int) -> None:
         """Precompute cos/sin [max_len, rotary dim] (fp32) with HF's rotary embedding for this config

@@ -7,6 +7,8 @@ config. Phi-3's (`Phi3RotaryEmbedding`) also rotates only the first `partial_rot
 128k variants) is dynamic in transformers: a forward whose positions reach past `original_max_position_embeddings`
 uses the long factors for every position, a shorter one the short factors. One table for every position matches that
 only while the context stays within the original length, where the short factors hold; a longer context is refused.
+Qwen3.5's (`Qwen3_5TextRotaryEmbedding`) rotates a quarter of each head, its multimodal sections all at the text
+position.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ def rotary_table(config, max_len: int, device: torch.device) -> tuple[torch.Tens
     """cos, sin [max_len, rotary_dim(config)] fp32 from the family's HF rotary embedding."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-    rope = (Phi3RotaryEmbedding if config.model_type == "phi3" else LlamaRotaryEmbedding)(config).to(device)
+    classes = {"phi3": Phi3RotaryEmbedding, "qwen3_5_text": Qwen3_5TextRotaryEmbedding}
+    rope = classes.get(config.model_type, LlamaRotaryEmbedding)(config).to(device)
     dummy = torch.zeros(1, dtype=torch.float32, device=device)
     cos, sin = (t[0] for t in rope(dummy, torch.arange(max_len, device=device)[None]))
     return cos, sin
