@@ -65,6 +65,8 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config, state_index: int) -> None:
         super().__init__()
+        if config.hidden_act != "silu":  # the conv's activation is the config's, and ours is silu's
+            raise ValueError(f"hidden_act={config.hidden_act!r}: the fast path's linear-attention conv is silu's")
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
@@ -111,6 +113,8 @@ class GatedDeltaNet(nn.Module):
                 lengths: torch.Tensor, max_len: int) -> torch.Tensor:
         """Packed sequences, each from zero states (a new prompt) or its slot's (a continuation over the cache); the
         final states go to every slot a sequence's last token is written to."""
+        conv_initial: torch.Tensor | None = None
+        initial: torch.Tensor | None = None
         if meta.reads_cache:
             cu, slots = meta.cu_seqlens_q, meta.slots
             assert cu is not None and slots is not None and meta.context_lens is not None
@@ -129,7 +133,6 @@ class GatedDeltaNet(nn.Module):
         else:
             cu = meta.cu_seqlens
             assert cu is not None
-            conv_initial = initial = None
         out, conv_final, final = la.packed_mixer(self, x, cu, conv_initial, initial)
         # each write of a sequence's last token names a slot the sequence's states go to
         write_rows = meta.write_rows if meta.write_rows is not None else torch.arange(len(meta.write_index),

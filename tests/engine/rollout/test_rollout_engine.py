@@ -1,5 +1,6 @@
-"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2): parity with HF,
-the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input errors."""
+"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2 / Phi-3 / Qwen3.5):
+parity with HF, the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input
+errors."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def phi3_longrope(spread_model, tmp_path_factory):
                                         "original_max_position_embeddings": 128})
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "llama3-rope",
-                                  "phi3-longrope"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "qwen3_5_text",
+                                  "llama3-rope", "phi3-longrope"])
 def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, arch):
     path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope}.get(arch) or spread_model(arch)
     # fewer slots than prompts; longrope's short factors hold within its original 128 positions
@@ -87,7 +88,7 @@ def test_phi3_contexts_the_fast_path_cannot_serve_are_refused_by_their_config_va
     assert RolloutEngine.from_pretrained(windowed, max_num_seqs=2, max_model_len=64).kind == "fast"
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "qwen3_5_text"])
 def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
     path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
@@ -181,7 +182,7 @@ def test_length_is_capped_by_the_context(spread_model):
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3", "qwen3_5_text"])
 def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arch):
     from safetensors.torch import load_file
 
