@@ -32,9 +32,10 @@ def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path)
     assert (tmp_path / "checkpoints").is_dir()
 
 
-@pytest.mark.parametrize("arch,engine", [("olmo2", "fast"), ("phi3", "fast"), ("gpt2", "hf")])
+@pytest.mark.parametrize("arch,engine", [("olmo2", "fast"), ("phi3", "fast"), ("qwen3_5_text", "fast"),
+                                         ("gpt2", "hf")])
 def test_a_family_trains_on_its_rollout_path(arch, engine, tiny_model_factory, data_dir, tmp_path):
-    """OLMo 2 and Phi-3 generate on the fast path; GPT-2 has none, so its generation runs through
+    """OLMo 2, Phi-3 and Qwen3.5 (hybrid linear attention) generate on the fast path; GPT-2 has none, so its generation runs through
     transformers.generate (which says so, with its rate: tests/engine/rollout/test_rollout_parts.py) and the step
     trains the same."""
     import yaml

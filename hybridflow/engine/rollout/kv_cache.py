@@ -52,7 +52,7 @@ class KVCache:
     num_slots: sequences that can run at once (plus one scratch slot); max_len: positions per slot;
     token_bytes: one cached position's keys and values over all layers (what attention reads per context token).
     state_bytes: what else a slot holds beside its K/V (a hybrid model's recurrent states: `recurrent_state.py`),
-    counted in the budget.
+    counted in the budget; `bytes` is the K/V's alone (what `StableBuffer` holds), plus the states' in a subclass.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, max_num_seqs: int,
@@ -68,7 +68,7 @@ class KVCache:
                              f"of max_model_len={max_len} takes {per_slot / 2**20:.2f} MiB; raise "
                              f"kv_cache_memory or lower max_model_len")
         self.num_slots = min(max_num_seqs, fit)
-        self.token_bytes = kv_bytes // max_len
+        self.token_bytes, self.state_bytes = kv_bytes // max_len, state_bytes
         self.bytes = kv_bytes * (self.num_slots + 1)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
