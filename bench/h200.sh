@@ -55,7 +55,8 @@ rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "
 # where one call cannot hold them all. Qwen3.5's kernels on both sides (ours and transformers') are
 # flash-linear-attention's: its wheels go into .whl/ with the others
 # (pip download --no-deps -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2)
-families() { python3 bench/rollout.py --device cuda --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini qwen3.5-0.8b} \
+families() { python3 bench/rollout.py --device cuda \
+    --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini qwen3.5-0.8b} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
 # the decode attention kernel alone: tiles, warps and splits at the engine's shapes, and over SmolLM2's long slots with
 # spread contexts (issue 42: at 8,192 tokens a partial rollout's full buffer generated at a third of the rate of a

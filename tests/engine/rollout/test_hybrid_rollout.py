@@ -7,7 +7,8 @@ parametrized tests of `test_rollout_engine.py` and `test_rollout_session.py`).
 - rows of different ages decode in one batch, and a slot a finished row gave back starts from zero states;
 - a finished row idling in the batch until the host looks does not fold its last token in again;
 - a held sequence cut short cannot be continued (its states cannot go back), and says so;
-- sleep frees the states with the K/V, wake makes them again.
+- sleep frees the states with the K/V, wake makes them again;
+- exact mode and FP8 weights are refused, naming why.
 """
 
 from __future__ import annotations
@@ -116,3 +117,11 @@ def test_sleep_frees_the_states_and_wake_makes_them_again(hybrid):
     engine.wake()
     after = engine.generate([[5, 6, 7], [9] * 11], GREEDY)
     assert [o[0].token_ids for o in after] == [o[0].token_ids for o in before]
+
+
+def test_exact_mode_and_fp8_weights_are_refused_by_name(hybrid):
+    with pytest.raises(ValueError, match="exact mode cannot run this model: model_type 'qwen3_5_text' has no exact"):
+        RolloutEngine.from_pretrained(hybrid, max_num_seqs=2, max_model_len=64, exact=True)
+    with pytest.raises(ValueError, match="'qwen3_5_text' mixes linear-attention layers in, whose projections have no "
+                                         "FP8 path"):
+        RolloutEngine.from_pretrained(hybrid, max_num_seqs=2, max_model_len=64, quantization="fp8")
