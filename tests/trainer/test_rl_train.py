@@ -40,8 +40,9 @@ def test_a_family_trains_on_its_rollout_path(arch, engine, tiny_model_factory, d
     with its rate: tests/engine/rollout/test_rollout_parts.py) and the step trains the same."""
     import yaml
 
+    fast = ["rollout.engine=fast"] if engine == "fast" else []  # refused, were the family without a fast path
     rows = run(tiny_model_factory(arch), data_dir, tmp_path, "trainer.val_before_train=false",
-               "trainer.total_steps=1", "trainer.val_every=0", f"reward.function={reward_file(tmp_path)}")
+               "trainer.total_steps=1", "trainer.val_every=0", f"reward.function={reward_file(tmp_path)}", *fast)
     assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["actor/pg_loss"])
     assert rows[0]["actor/grad_norm"] > 0 and rows[0]["response_length/mean"] > 0
     resolved = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())
