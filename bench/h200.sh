@@ -53,9 +53,12 @@ dpo_bf16() { python3 bench/dpo_vs_trl.py --device cuda --trl-ref precompute --se
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
     | tee "$OUT/rollout.log"; }
 # the other families' fast paths at their real shapes (issue 59, docs/models.md): OLMo 2 1B, Phi-3-mini, Phi-4-mini
-# (partial rotary), Gemma 3 4B (text) against generate at batch 256; FAMILY_SHAPES picks fewer where one call cannot
-# hold them all
-families() { python3 bench/rollout.py --device cuda --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b} \
+# (partial rotary), Gemma 3 4B (text) and Qwen3.5-0.8B (hybrid linear attention) against generate at batch 256;
+# FAMILY_SHAPES picks fewer where one call cannot hold them all. Qwen3.5's kernels on both sides (ours and
+# transformers') are flash-linear-attention's: its wheels go into .whl/ with the others
+# (pip download --no-deps -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2)
+families() { python3 bench/rollout.py --device cuda \
+    --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
 # the decode attention kernel alone: tiles, warps and splits at the engine's shapes, and over SmolLM2's long slots with
 # spread contexts (issue 42: at 8,192 tokens a partial rollout's full buffer generated at a third of the rate of a

@@ -2,7 +2,7 @@
 
     python bench/rollout.py --device cpu                 # ~10M-param Qwen2 shape, fp32, batch 64, 3 runs
     python bench/rollout.py --device cpu --rl-only       # only the RL-shaped (varied lengths) run
-    python bench/rollout.py --shapes olmo2-1b phi3-mini phi4-mini gemma3-4b   # other families' real shapes, batch 256
+    python bench/rollout.py --shapes olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b   # other families' shapes
     python bench/rollout.py --device cuda --out bench/results/rollout_h200.json
     python bench/rollout.py --device cuda --quick --skip-hf   # smoke: 0.5B, batch 256, ours only
     python bench/rollout.py --device cuda --long [--long-max 8192]   # only the long-response regime
@@ -211,7 +211,6 @@ def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip
     engine = engine_from(model, device, dtype, max_num_seqs=max(batches),
                          max_model_len=prompt_len + new_tokens)
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Gemma 3's 256
     row = dict(params_m=n_params / 1e6, graph_capture_s=engine.stats.get("graph_capture_s"),
                kv_cache_gb=engine.stats["kv_cache_gb"])
     sync_times = []
@@ -247,7 +246,8 @@ def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip
         stats = engine.stats
         step_ms = 1e3 * stats["decode_s"] / max(stats["decode_steps"], 1)
         avg_ctx = prompt_len + new_tokens / 2
-        kv_bytes = batch * avg_ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
+        # a step reads each row's K/V (its cached layers only) and reads and writes its recurrent states (a hybrid's)
+        kv_bytes = batch * (avg_ctx * engine.kv.token_bytes + 2 * engine.kv.state_bytes)
         roofline_ms = 1e3 * (n_params * dtype.itemsize + kv_bytes) / bandwidth if bandwidth else None
         entry = dict(ours_tok_s=median(ours_runs), ours_s=batch * new_tokens / median(ours_runs),
                      prefill_s=stats["prefill_s"], decode_step_ms=step_ms, roofline_step_ms=roofline_ms,
@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true", help="only exact mode's engine against the default")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
                         help="only these shapes' tok/s against generate at batch 256 (prompt 128, 256 new tokens): "
-                             "e.g. olmo2-1b phi3-mini phi4-mini gemma3-4b, the other families' fast paths")
+                             "e.g. olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b, the other families' fast paths")
     args = parser.parse_args()
     device = torch.device(args.device)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

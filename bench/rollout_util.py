@@ -36,6 +36,14 @@ SHAPES = {
                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                           "rope_theta": 1_000_000.0}}),
+    # Qwen3.5-0.8B's text model (its config.json's text_config; the checkpoint is a `qwen3_5` with a vision tower):
+    # 18 Gated DeltaNet layers and 6 gated full-attention ones (every 4th), a quarter of each head rotated
+    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                         tie_word_embeddings=True, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6),
 }
 
 

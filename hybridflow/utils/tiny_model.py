@@ -4,9 +4,9 @@ Tests, the demo and CPU benchmarks need a model directory that `AutoModelForCaus
 and `AutoTokenizer.from_pretrained` load with no network. This module builds one: a byte-level BPE
 tokenizer made with the `tokenizers` library (optionally with merges learnt from task text, plus chat
 special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
-Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) model, a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its
-shared expert, OLMoE), or a GPT-2 (a family with no fast rollout path), of a chosen size, saved as a normal Hugging Face
-directory (experts saved one tensor per expert, as on the hub).
+Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) / Qwen3.5 (`qwen3_5_text`: hybrid linear attention) model, a mixture of
+experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert, OLMoE), or a GPT-2 (a family with no fast rollout
+path), of a chosen size, saved as a normal Hugging Face directory (experts saved one tensor per expert, as on the hub).
 
     python -m hybridflow.utils.tiny_model /tmp/tiny --arch qwen2 --hidden 64 --layers 2
     python -m hybridflow.utils.tiny_model /tmp/tiny_moe --arch qwen3_moe --experts 8 --experts-per-token 2
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "olmo2", "phi3",
-                 "gemma3_text", "gpt2")
+                 "gemma3_text", "qwen3_5_text", "gpt2")
 
 
 def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:
@@ -106,7 +107,7 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHITECTURES)}")
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate or hidden * 4,
@@ -120,10 +121,17 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
         tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=1e-6,
     )
-    if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
+    if arch in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_5_text"):
         kwargs["head_dim"] = head_dim or hidden // heads
     if arch == "gemma3_text":
         kwargs.update(gemma3_kwargs(layers, head_dim or hidden // heads))
+    if arch == "qwen3_5_text":  # Qwen3.5: linear attention with twice the value heads as key heads, every 4th layer
+        # full (the last one, with fewer than 4 layers)
+        every = min(4, layers)
+        kwargs.update(linear_num_key_heads=kv_heads, linear_num_value_heads=2 * kv_heads,
+                      linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,
+                      layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                   for i in range(layers)])
     kwargs.update(moe_kwargs(arch, experts, experts_per_token, expert_intermediate or hidden // 2))
     return AutoConfig.for_model(arch, **kwargs)
 

@@ -61,6 +61,8 @@ class AttnMeta:
         cache: rows, queries, mask and query positions; exact: each row's first cache row and the kernel's work
         table).
     windowed: SDPA's masks narrowed to a sliding window, by window, made by the first layer of that window.
+    live: decode, [B] bool the rows that have not finished (a hybrid model's recurrent states take in only
+        their tokens: `recurrent_state.py`); None: every row.
     """
 
     write_index: torch.Tensor
@@ -74,6 +76,7 @@ class AttnMeta:
     slots: torch.Tensor | None = None
     padding: tuple | None = None
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    live: torch.Tensor | None = None
 
     @property
     def reads_cache(self) -> bool:

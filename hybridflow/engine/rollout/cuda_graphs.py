@@ -34,18 +34,18 @@ _Out = TypeVar("_Out")
 
 
 def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor, max_context: int) -> torch.Tensor:
+                   slots: torch.Tensor, max_context: int, live: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per row. tokens/positions/slots [B] int64 (rows sorted by slot) -> logits [B, V] in the
     model's dtype (the sampler computes in fp32).
 
     max_context: an upper bound on any row's context length (the flash kernel's max_seqlen_k, and the
-    width of the gathered cache on the SDPA path).
+    width of the gathered cache on the SDPA path). live: [B] bool, the rows not finished (`AttnMeta.live`).
     """
     starts = slots * kv.max_len
     meta = AttnMeta(write_index=starts + positions,
                     cu_seqlens=torch.cat([starts, starts[-1:] + kv.max_len]).to(torch.int32),
                     cu_seqlens_q=torch.arange(tokens.shape[0] + 1, dtype=torch.int32, device=tokens.device),
-                    max_seqlen=max_context, context_lens=(positions + 1).to(torch.int32), slots=slots)
+                    max_seqlen=max_context, context_lens=(positions + 1).to(torch.int32), slots=slots, live=live)
     return model(tokens, positions, meta, kv)
 
 
@@ -82,7 +82,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self.forwards[size], self.logits[size] = _capture(pool, lambda: decode_forward(
-                model, kv, batch.tokens[:size], batch.positions[:size], batch.slots[:size], kv.max_len))
+                model, kv, batch.tokens[:size], batch.positions[:size], batch.slots[:size], kv.max_len,
+                ~batch.done(size)))
             self.forwards[size].replay()  # real logits (of padding rows) for the sampler's warm-up
             for greedy in (False, True):
                 params = SamplingParams(temperature=0.0 if greedy else 1.0)

@@ -24,15 +24,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridflow.engine.rollout.attention import AttnMeta, pick_backend
 from hybridflow.engine.rollout.busy_clock import BusyClock
 from hybridflow.engine.rollout.cuda_graphs import DecodeGraphs, decode_forward, sample_and_record
-from hybridflow.engine.rollout.kv_cache import KVCache, resolve_budget
-from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, DecoderLayer, weight_target
+from hybridflow.engine.rollout.kv_cache import resolve_budget
+from hybridflow.engine.rollout.model import FAST_ARCHITECTURES, CausalLM, weight_target
 from hybridflow.engine.rollout.scope import context_problems, default_max_model_len
 from hybridflow.engine.rollout.sparse_moe import RouteRecord
 from hybridflow.engine.rollout.sampler import sample
@@ -128,9 +128,7 @@ class RolloutEngine:
         self.max_prefill_tokens, self.decode_steps_per_sync = max_prefill_tokens, decode_steps_per_sync
         self.backend = pick_backend(device, dtype, model.exact)
         self.use_graphs = cuda_graphs and device.type == "cuda"
-        attn = cast(DecoderLayer, model.model.layers[0]).self_attn  # nn.ModuleList's items are typed nn.Module
-        self.kv = KVCache(self.config.num_hidden_layers, attn.kv_heads, attn.head_dim, max_model_len,
-                          max_num_seqs, resolve_budget(kv_cache_memory, device), dtype, device)
+        self.kv = model.kv_cache(max_model_len, max_num_seqs, resolve_budget(kv_cache_memory, device))
         # one session decodes at a time (sessions share the slots): the engine owns the running rows'
         # buffers, so the CUDA graphs are captured over them
         self.batch = RunningBatch(self.kv.num_slots, self.kv.scratch_slot, max_model_len,
@@ -331,7 +329,7 @@ class RolloutEngine:
             # the SDPA path gathers the cache up to the longest context; flash reads each row's own length
             width = min(last + step + 1, self.max_model_len) if self.backend == "sdpa" else self.max_model_len
             logits = decode_forward(self.model, self.kv, batch.tokens[:size], batch.positions[:size],
-                                    batch.slots[:size], width)
+                                    batch.slots[:size], width, ~batch.done(size))
             sample_and_record(batch, size, logits, params, generator, self.model.exact)
         batch.advanced(steps)
 

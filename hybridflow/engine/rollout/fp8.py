@@ -30,7 +30,7 @@ from torch import nn
 
 from hybridflow.engine.rollout import kernels
 from hybridflow.engine.rollout.linear import FusedLinear, Linear, default_weight_loader
-from hybridflow.engine.rollout.model import CausalLM
+from hybridflow.engine.rollout.model import HYBRID_ARCHITECTURES, CausalLM
 from hybridflow.utils.moe_spec import moe_spec
 
 try:
@@ -51,6 +51,9 @@ def model_problems(config: Any) -> list[str]:
     if moe_spec(config) is not None:
         out.append(f"model_type {config.model_type!r} is a mixture of experts: its experts' grouped GEMMs have no "
                    f"FP8 path (dense Llama / Qwen2 / Qwen3 / Mistral only)")
+    if config.model_type in HYBRID_ARCHITECTURES:
+        out.append(f"model_type {config.model_type!r} mixes linear-attention layers in, whose projections have no FP8 "
+                   f"path (dense Llama / Qwen2 / Qwen3 / Mistral only)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,

@@ -51,13 +51,16 @@ class KVCache:
 
     num_slots: sequences that can run at once (plus one scratch slot); max_len: positions per slot;
     token_bytes: one cached position's keys and values over all layers (what attention reads per context token).
+    state_bytes: what else a slot holds beside its K/V (a hybrid model's recurrent states: `recurrent_state.py`),
+    counted in the budget; `bytes` is the K/V's alone (what `StableBuffer` holds), plus the states' in a subclass.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, max_num_seqs: int,
-                 budget_bytes: int | None, dtype: torch.dtype, device: torch.device) -> None:
+                 budget_bytes: int | None, dtype: torch.dtype, device: torch.device, state_bytes: int = 0) -> None:
         self.shape_tail = (max_len, kv_heads, head_dim)
         self.layers, self.max_len, self.dtype, self.device = layers, max_len, dtype, device
-        per_slot = 2 * layers * max_len * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        kv_bytes = 2 * layers * max_len * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        per_slot = kv_bytes + state_bytes
         budget = budget_bytes if budget_bytes is not None else int(0.9 * free_memory(device))
         fit = budget // per_slot - 1
         if fit < 1:
@@ -65,8 +68,8 @@ class KVCache:
                              f"of max_model_len={max_len} takes {per_slot / 2**20:.2f} MiB; raise "
                              f"kv_cache_memory or lower max_model_len")
         self.num_slots = min(max_num_seqs, fit)
-        self.token_bytes = per_slot // max_len
-        self.bytes = per_slot * (self.num_slots + 1)
+        self.token_bytes, self.state_bytes = kv_bytes // max_len, state_bytes
+        self.bytes = kv_bytes * (self.num_slots + 1)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self._buffer = StableBuffer(self.bytes, device) if StableBuffer.supported(device) else None

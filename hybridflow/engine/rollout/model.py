@@ -27,6 +27,7 @@ first and attends over the cache (docs/exact.md).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -43,7 +44,9 @@ from hybridflow.engine.rollout.scope import layer_window
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", *MOE_ARCHITECTURES)
+HYBRID_ARCHITECTURES = ("qwen3_5_text",)  # linear and full attention layers (`hybrid_decoder`)
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", *MOE_ARCHITECTURES,
+                      *HYBRID_ARCHITECTURES)
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -86,10 +89,10 @@ class RMSNorm(nn.Module):
 
 
 def family_norm(dim: int, config, exact: bool) -> RMSNorm:
-    """The family's RMSNorm of rows of `dim`: OLMo 2's scales before it rounds, Gemma 3's by 1 + weight, the
-    others' round the normalised row before their scale."""
-    kind = config.model_type
-    return RMSNorm(dim, config.rms_norm_eps, exact, kind not in ("olmo2", "gemma3_text"), kind == "gemma3_text")
+    """The family's RMSNorm of rows of `dim`: OLMo 2's scales before it rounds, Gemma 3's and Qwen3.5's by
+    1 + weight, the others' round the normalised row before their scale."""
+    kind, plus_one = config.model_type, config.model_type in ("gemma3_text", "qwen3_5_text")
+    return RMSNorm(dim, config.rms_norm_eps, exact, kind != "olmo2" and not plus_one, plus_one)
 
 
 class Attention(nn.Module):
@@ -241,13 +244,16 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, backend: str, moe_kernel: str = "grouped_mm") -> None:
-        from hybridflow.engine.rollout.gemma3 import Gemma3DecoderLayer, ScaledEmbedding  # built on this module
+        # these build on this module's pieces
+        from hybridflow.engine.rollout.gemma3 import Gemma3DecoderLayer, ScaledEmbedding
+        from hybridflow.engine.rollout.hybrid_decoder import HybridDecoderLayer
         from hybridflow.engine.rollout.post_norm import PostNormDecoderLayer
 
         super().__init__()
-        gemma = config.model_type == "gemma3_text"
+        gemma, hybrid = config.model_type == "gemma3_text", config.model_type in HYBRID_ARCHITECTURES
         self.embed_tokens = (ScaledEmbedding if gemma else nn.Embedding)(config.vocab_size, config.hidden_size)
-        layer = {"olmo2": PostNormDecoderLayer, "gemma3_text": Gemma3DecoderLayer}.get(config.model_type, DecoderLayer)
+        layer = {"olmo2": PostNormDecoderLayer, "gemma3_text": Gemma3DecoderLayer}.get(
+            config.model_type, HybridDecoderLayer if hybrid else DecoderLayer)
         self.layers = nn.ModuleList(layer(config, i, backend, moe_kernel) for i in range(config.num_hidden_layers))
         self.norm = family_norm(config.hidden_size, config, backend == "exact")
 
@@ -305,6 +311,18 @@ class CausalLM(nn.Module):
         for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
             norm.fused_add = fused_add
         return model
+
+    def kv_cache(self, max_len: int, max_num_seqs: int, budget_bytes: int | None) -> KVCache:
+        """The engine's cache for this model, on its device and in its dtype: K/V for every layer, or a hybrid
+        model's K/V and recurrent states (`hybrid_decoder.hybrid_cache`)."""
+        weight = self.lm_head.weight
+        if self.config.model_type in HYBRID_ARCHITECTURES:
+            from hybridflow.engine.rollout.hybrid_decoder import hybrid_cache
+
+            return hybrid_cache(self.config, max_len, max_num_seqs, budget_bytes, weight.dtype, weight.device)
+        attn = cast(DecoderLayer, self.model.layers[0]).self_attn  # nn.ModuleList's items are typed nn.Module
+        return KVCache(self.config.num_hidden_layers, attn.kv_heads, attn.head_dim, max_len, max_num_seqs,
+                       budget_bytes, weight.dtype, weight.device)
 
     def set_rotary(self, max_len: int) -> None:
         """Precompute cos/sin [max_len, rotary dim] (fp32) with HF's rotary embedding for this config

@@ -12,6 +12,9 @@ Gemma 3 rotates its sliding-window layers and its global layers by different tab
 type: the local base, 10,000, and the global one, 1,000,000 with linear scaling in the 4B and larger models).
 Its table holds them side by side, [max_len, types x head_dim] in `Gemma3RotaryEmbedding`'s order of the layer
 types; each layer reads its own columns (`rope_columns`), a strided view the kernels take by its row stride.
+
+Qwen3.5's (`Qwen3_5TextRotaryEmbedding`) rotates a quarter of each head, its multimodal sections all at the text
+position.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def rotary_table(config, max_len: int, device: torch.device) -> tuple[torch.Tens
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
     dummy, positions = torch.zeros(1, dtype=torch.float32, device=device), torch.arange(max_len, device=device)[None]
     types = layer_rope_types(config)
@@ -68,6 +72,7 @@ def rotary_table(config, max_len: int, device: torch.device) -> tuple[torch.Tens
         gemma = Gemma3RotaryEmbedding(config).to(device)
         tables = [gemma(dummy, positions, layer_type) for layer_type in types]
         return torch.cat([cos[0] for cos, _ in tables], -1), torch.cat([sin[0] for _, sin in tables], -1)
-    rope = (Phi3RotaryEmbedding if config.model_type == "phi3" else LlamaRotaryEmbedding)(config).to(device)
+    classes = {"phi3": Phi3RotaryEmbedding, "qwen3_5_text": Qwen3_5TextRotaryEmbedding}
+    rope = classes.get(config.model_type, LlamaRotaryEmbedding)(config).to(device)
     cos, sin = (t[0] for t in rope(dummy, positions))
     return cos, sin

@@ -8,7 +8,8 @@ reward model in training (`head="score"`) is the same without the head's bias, s
 those of `AutoModelForSequenceClassification` (which reads the score at the last token), the model an RL run
 scores with.
 Weights are loaded in the master dtype (fp32 by default); low-precision compute is FSDP's mixed-precision
-policy. RMSNorms run the fused kernel (`kernels.fuse_rms_norms`), and a causal LM's `lm_head` becomes the
+policy. RMSNorms run the fused kernel (`kernels.fuse_rms_norms`), packed rows restart a hybrid model's
+linear-attention states at each sequence (`packed_deltanet`), and a causal LM's `lm_head` becomes the
 log-prob head (`head.install_log_prob_head`), so no forward materialises full-vocabulary logits. This is
 the one place a model is built; parallelism and compilation are applied to its result.
 """
@@ -80,6 +81,7 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     from hybridflow.engine.train import attention
     from hybridflow.engine.train.head import install_log_prob_head
     from hybridflow.engine.train.kernels import fuse_rms_norms
+    from hybridflow.engine.train.packed_deltanet import install_packed_deltanet
 
     if head not in HEADS:
         raise ValueError(f"model head {head!r} is not valid; valid: {', '.join(HEADS)}")
@@ -100,6 +102,7 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                 module.p = 0.0
     model.config.use_cache = False
     fuse_rms_norms(model)
+    install_packed_deltanet(model)
     if head == "lm":
         transforms = {k: getattr(model.config, k) for k in LOGIT_TRANSFORMS
                       if getattr(model.config, k, None) not in (None, 1, 1.0)}

@@ -1,4 +1,5 @@
-"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2 / Phi-3 / Gemma 3):
+"""The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2 / Phi-3 / Gemma 3 /
+Qwen3.5):
 parity with HF, the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input
 errors."""
 
@@ -65,8 +66,8 @@ def gemma3_softcap(spread_model, tmp_path_factory):
                        final_logit_softcapping=3.0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", "llama3-rope",
-                                  "phi3-longrope", "gemma3-softcap"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", "qwen3_5_text",
+                                  "llama3-rope", "phi3-longrope", "gemma3-softcap"])
 def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, gemma3_softcap, arch):
     path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope,
             "gemma3-softcap": gemma3_softcap}.get(arch) or spread_model(arch)
@@ -126,7 +127,7 @@ def test_gemma3_windows_in_prefill_one_prompt_at_a_time_equal_the_padded_prefill
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "gemma3_text", "qwen3_5_text"])
 def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
     path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
@@ -220,7 +221,7 @@ def test_length_is_capped_by_the_context(spread_model):
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3", "gemma3_text", "qwen3_5_text"])
 def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arch):
     from safetensors.torch import load_file
 
