@@ -65,11 +65,13 @@ def head_config(model_path: str | Path, head: str = "lm", trust_remote_code: boo
 
 def _auto_class(config):
     """The `transformers` auto class of a saved config: a sequence classifier (a reward model) or a causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridflow.utils.lm_class import lm_auto_class
 
     if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         return AutoModelForSequenceClassification
-    return AutoModelForCausalLM
+    return lm_auto_class(config)
 
 
 def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm", quantization: str = "none") -> Path:
@@ -247,15 +249,16 @@ def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_pat
     an adapter directory); with `merge`, in the base model loaded from `base_path` (its adapted weights rounded
     as a 4-bit base's were, with `quantization=nf4`), merged into it."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from hybridflow.utils.lm_class import lm_auto_class
 
     lora = LoraConfig.from_pretrained(str(role_dir))
+    auto = lm_auto_class(config)
     if merge:
         assert base_path is not None  # _base_path refuses a merge without one
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype or "auto")
+        base = auto.from_pretrained(base_path, dtype=dtype or "auto")
     else:
         with torch.device("meta"):
-            base = AutoModelForCausalLM.from_config(config)
+            base = auto.from_config(config)
     model = get_peft_model(base, lora)
     model.peft_config["default"].base_model_name_or_path = base_path  # what `PeftModel.from_pretrained` loads
     inner = model.base_model.model  # the wrapped model, with the names the training engine saved

@@ -78,6 +78,10 @@ class DataConfig:
     truncation: str = opt("error", "prompts over max_prompt_length: refuse, drop, or cut from the left/right",
                           TRUNCATION_MODES)
     apply_chat_template: bool = opt(True, "render prompts with the tokenizer's chat template")
+    image_key: Optional[str] = opt(None, "column of each row's images (verl's `images`: a list of {bytes}/{path} "
+                                         "mappings or paths), placed where the prompt says `<image>`; null = no "
+                                         "images, or `images` when model.path is a vision-language model (followed; "
+                                         "docs/models.md#vision-language-models)")
     shuffle: bool = opt(True, "shuffle training prompts each epoch (seeded)")
     seed: Optional[int] = opt(None, "shuffling seed; null = trainer.seed")
 

@@ -3,7 +3,7 @@ attention vision tower, patch merger, multimodal rotary positions) at a debug si
 
 Tests need a vision-language model that loads with no network. The directory holds the model, a byte-level
 tokenizer (`tiny_model.build_tokenizer`) with Qwen's vision tokens added (`<|vision_start|>`, `<|image_pad|>`,
-`<|vision_end|>`; `hybridflow.data.vision` puts them where a prompt says `<image>`), and Qwen2-VL's image
+`<|vision_end|>`; `hybridflow.data.image_prompts` puts them where a prompt says `<image>`), and Qwen2-VL's image
 processor with a small pixel range (so a test image is a few dozen patches).
 
     python -m hybridflow.utils.tiny_vlm /tmp/tiny_vl

@@ -3,7 +3,7 @@
     engine = VisionRolloutEngine(path, device, dtype, stop_ids, max_num_seqs=64, max_model_len=2048)
     outs = engine.generate(prompt_token_ids, SamplingParams(n=8), vision=[VisionInputs, ...])
 
-Each prompt's token ids already hold its vision tokens (`hybridflow.data.vision`); `vision[i]` holds its pixel values
+Each prompt's token ids already hold its vision tokens (`hybridflow.data.image_prompts`); `vision[i]` holds its pixel values
 and patch grids (None for a prompt without images). Prompts run in left-padded chunks of up to max_num_seqs rows
 (prompts x n). A chunk is prefilled once: one forward of the transformers model over its prompts, where the vision
 tower encodes each prompt's images once and their embeddings take the place of the image tokens; the KV cache and
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.data.vision import VisionInputs
+from hybridflow.data.image_prompts import VisionInputs
 from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
@@ -81,7 +81,7 @@ class VisionRolloutEngine(HFRolloutEngine):
         want = 0 if images is None else int(images.image_grid_thw.prod(-1).sum()) // merge
         if have != want:
             raise ValueError(f"prompt {i} has {have} image tokens (id {self.image_token_id}) but its images make "
-                             f"{want}; encode prompts and images together (hybridflow.data.vision.VisionPrompts)")
+                             f"{want}; encode prompts and images together (hybridflow.data.image_prompts.VisionPrompts)")
 
     def _prefill(self, prompts: list[list[int]], vision: list[VisionInputs | None]):
         """One forward over the left-padded prompts and their images -> (last logits [B, V], KV cache,

@@ -8,7 +8,8 @@ across all shards, and a step that is skipped (and counted) when that norm is no
 is belongs to the caller (`loss_fn`), so the engine knows nothing of PPO.
 
 Inputs are plain `{key: Tensor [B, ...]}` dicts (a `Batch`'s `.tensors`) with `input_ids`,
-`attention_mask`, optional `position_ids` (`[B, P+R]`) and `response_mask` (`[B, R]`).
+`attention_mask`, optional `position_ids` (`[B, P+R]`) and `response_mask` (`[B, R]`); a vision-language model's rows
+also `pixel_values` / `image_grid_thw` (`vision_forward`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
 from hybridflow.engine.train.router_replay import RouterHooks, flat_routes, require_spec
+from hybridflow.engine.train.vision_forward import has_images, vision_kwargs
 
 
 def _default_device() -> torch.device:
@@ -172,13 +174,17 @@ class TrainEngine:
         policy and `mb`'s `teacher_topk_ids` at `teacher_topk_log_probs` (`[B, R, k]`: a teacher's top-k, the rest
         of its mass one more outcome) comes back as `topk_kl` (differentiable); `topk` > 0: also the k likeliest tokens of each
         position (`topk_ids` long and `topk_log_probs`, `[B, R, k]`)."""
-        pack = pack and self.pack_allowed
+        images = has_images(mb)
+        pack = pack and self.pack_allowed and not images  # vision rows run padded (`vision_forward`)
         width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
         position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
         # indices are built on the host (no device syncs), then moved once
         inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
         soft = teacher_targets(inputs, mb, self.device) if soft_targets is not None else None
         inputs = inputs.to(self.device)
+        if images:
+            inputs.kwargs.update(vision_kwargs(self.model, inputs.kwargs["input_ids"], inputs.kwargs["attention_mask"],
+                                               mb, self.precision.param))
         if self.routing is not None:
             self.routing.prepare(*flat_routes(mb, inputs.packed, self.device))
         if pack and self.config._attn_implementation != VARLEN_ATTENTION:

@@ -288,13 +288,15 @@ def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -
     """The model of Hugging Face `config` on the meta device (no memory): a causal LM, or a value model."""
     import copy
 
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
+
+    from hybridflow.utils.lm_class import lm_auto_class
 
     if head == "value":
         config = copy.copy(config)
         config.num_labels = 1
     with torch.device("meta"):
-        auto = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
+        auto = lm_auto_class(config) if head == "lm" else AutoModelForTokenClassification
         return auto.from_config(config, trust_remote_code=trust_remote_code)
 
 

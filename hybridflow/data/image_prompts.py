@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
+from hybridflow.utils.lm_class import is_vision_config
+
 IMAGE_PLACEHOLDER = "<image>"
-
-
-def is_vision_config(config: Any) -> bool:
-    """Whether a transformers config is a vision-language model's (it has a `vision_config`)."""
-    return getattr(config, "vision_config", None) is not None
+# the batch tensors that carry each row's images (`VisionInputs.pad_rows`): a prompt batch's, and the RL rows made
+# from it (repeated with their prompt), so the rollout and the trainer's forwards read the same pixels
+VISION_KEYS = ("pixel_values", "image_grid_thw")
 
 
 @dataclass
@@ -45,6 +45,32 @@ class VisionInputs:
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> VisionInputs:
         return VisionInputs(self.pixel_values.to(device, dtype), self.image_grid_thw.to(device))
+
+    @staticmethod
+    def pad_rows(rows: list[VisionInputs | None]) -> dict[str, torch.Tensor]:
+        """Per-row images as batch tensors: `pixel_values` [B, most patches, D] and `image_grid_thw` [B, most images,
+        3], zero-padded (a zero grid is no image), so row operations (select, repeat, split) carry them."""
+        present = [v for v in rows if v is not None]
+        if not present:
+            raise ValueError("no row has images; a vision batch needs at least one")
+        width, dim = max(v.pixel_values.shape[0] for v in present), present[0].pixel_values.shape[1]
+        images = max(v.image_grid_thw.shape[0] for v in present)
+        pixels = torch.zeros(len(rows), width, dim, dtype=present[0].pixel_values.dtype)
+        grid = torch.zeros(len(rows), images, 3, dtype=torch.long)
+        for r, v in enumerate(rows):
+            if v is not None:
+                pixels[r, :v.pixel_values.shape[0]] = v.pixel_values
+                grid[r, :v.image_grid_thw.shape[0]] = v.image_grid_thw
+        return {"pixel_values": pixels, "image_grid_thw": grid}
+
+    @staticmethod
+    def unpad_rows(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[VisionInputs | None]:
+        """`pad_rows`' inverse: each row's images (None for a row without)."""
+        out: list[VisionInputs | None] = []
+        for pixels, grid in zip(pixel_values, image_grid_thw):
+            grid = grid[grid.prod(-1) > 0]
+            out.append(VisionInputs(pixels[:int(grid.prod(-1).sum())], grid) if len(grid) else None)
+        return out
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments of a transformers VLM forward that carry these images."""

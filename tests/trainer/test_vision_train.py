@@ -1,0 +1,96 @@
+"""GRPO on a tiny random Qwen2.5-VL with geo3k-format data (`recipes/geo3k_vl.yaml`): prompts as chat messages with
+`<image>`, an `images` column of PNG bytes drawn with PIL, `reward_model.ground_truth`; bad image rows are refused
+before training with the row named."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pandas as pd
+import pytest
+import yaml
+from PIL import Image, ImageDraw
+
+from hybridflow.config.loader import load_config
+from hybridflow.data.files import DataError
+from hybridflow.trainer.rl import train
+from rl_helpers import read_metrics, reward_file
+
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 230), "yellow": (230, 220, 30)}
+
+
+def png(color, size=(56, 84)) -> bytes:
+    image = Image.new("RGB", size, COLORS[color])
+    ImageDraw.Draw(image).ellipse((8, 8, 40, 40), outline=(0, 0, 0))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def geo3k_rows(colors):
+    return [{"data_source": "hiyouga/geometry3k",
+             "prompt": [{"role": "user", "content": "<image>Which color fills the picture? Answer in \\boxed{}."}],
+             "images": [{"bytes": png(c)}], "ability": "math", "reward_model": {"style": "rule", "ground_truth": c},
+             "extra_info": {"index": i}} for i, c in enumerate(colors)]
+
+
+def write(rows, path):
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def overrides(model, train_file, out, *extra):
+    return [f"model.path={model}", f"data.train_files={train_file}", "data.train_batch_size=2",
+            "data.max_prompt_length=128", "data.max_response_length=6", "rollout.n=2", "actor.lr=1e-3",
+            "actor.mini_batch_size=null", "trainer.total_steps=2", "trainer.val_every=0",
+            "trainer.val_before_train=false", "trainer.save_every=0", "reward.num_workers=1",
+            f"trainer.output_dir={out}", *extra]
+
+
+def test_grpo_trains_two_steps_on_geo3k_format_images(tiny_vlm, tmp_path):
+    train_file = write(geo3k_rows(["red", "green", "blue", "yellow"]), tmp_path / "train.parquet")
+    out = tmp_path / "run"
+    cfg = load_config(overrides(tiny_vlm, train_file, out, "data.image_key=null",
+                                f"reward.function={reward_file(tmp_path)}"), "recipes/geo3k_vl.yaml")
+    with pytest.raises(DataError, match="vision-language model, but data.image_key=null"):
+        train(cfg)
+    cfg = load_config(overrides(tiny_vlm, train_file, out, f"reward.function={reward_file(tmp_path)}"),
+                      "recipes/geo3k_vl.yaml")
+    train(cfg)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0
+        assert row["response_length/mean"] > 0
+    resolved = yaml.safe_load((out / "resolved_config.yaml").read_text())
+    assert resolved["rollout"]["engine"] == "vision" and resolved["data"]["image_key"] == "images"
+
+
+def test_image_key_follows_for_a_vision_model(tiny_vlm, tmp_path):
+    from hybridflow.config.follow import followed_lines
+
+    cfg = load_config(overrides(tiny_vlm, tmp_path / "train.parquet", tmp_path / "run"), "recipes/grpo.yaml")
+    assert cfg.data.image_key == "images"
+    assert any(line.startswith("data.image_key=images: model.path is a vision-language model (qwen2_5_vl)")
+               for line in followed_lines(cfg))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("undecodable", r"row 1, image 0: the image does not decode"),
+    ("count", r"row 1: the prompt has 2 '<image>' placeholder\(s\) for 1 image\(s\)"),
+    ("too_big", r"row 1, image 0: 2000x2000 = 4000000 pixels, over the image processor's limit"),
+])
+def test_bad_image_rows_are_refused_before_training(case, match, tiny_vlm, tmp_path):
+    rows = geo3k_rows(["red", "green"])
+    if case == "undecodable":
+        rows[1]["images"] = [{"bytes": b"not an image"}]
+    elif case == "count":
+        rows[1]["prompt"] = [{"role": "user", "content": "<image> and <image>?"}]
+    else:
+        buf = io.BytesIO()
+        Image.new("RGB", (2000, 2000)).save(buf, "PNG")
+        rows[1]["images"] = [{"bytes": buf.getvalue()}]
+    train_file = write(rows, tmp_path / "train.parquet")
+    with pytest.raises(DataError, match=match):
+        train(load_config(overrides(tiny_vlm, train_file, tmp_path / "run"), "recipes/geo3k_vl.yaml"))
