@@ -40,6 +40,7 @@ from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
 from hybridflow.checkpoint.manager import CheckpointError, disk_full, find_checkpoint, human_bytes
 from hybridflow.checkpoint.manifest import MANIFEST
 from hybridflow.checkpoint.state import read_full_model_state, read_meta
+from hybridflow.utils.lm_class import is_vision_config
 
 HF_DIR, SOURCE_FILE, ADAPTER_CONFIG = "hf", "source.json", "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,7 +78,7 @@ def _auto_class(config):
 def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm", quantization: str = "none") -> Path:
     """Store config (`head_config`), generation config and tokenizer of `model_path` under `<role_dir>/hf/`, and
     the base's storage (`model.quantization`) beside its path."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     dest = Path(role_dir) / HF_DIR
     dest.mkdir(parents=True, exist_ok=True)
@@ -87,6 +88,11 @@ def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm
     except OSError:
         pass  # the model has no generation_config.json; transformers derives one from the config
     AutoTokenizer.from_pretrained(model_path).save_pretrained(dest)
+    config = AutoConfig.from_pretrained(model_path)
+    if is_vision_config(config):  # a vision-language model's images need its processor
+        from transformers import AutoImageProcessor
+
+        AutoImageProcessor.from_pretrained(model_path).save_pretrained(dest)
     (dest / SOURCE_FILE).write_text(json.dumps({"model_path": str(model_path), "quantization": quantization}))
     return dest
 
@@ -129,6 +135,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
             raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     source = model_path_or_config if model_path_or_config is not None else role_dir / HF_DIR
+    image_processor = None  # a vision-language model's, written beside its tokenizer
     if isinstance(source, PretrainedConfig):
         config, tokenizer, generation = source, None, None
     else:
@@ -141,6 +148,10 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
             generation = GenerationConfig.from_pretrained(source)
         except OSError:
             generation = None
+        if is_vision_config(config):
+            from transformers import AutoImageProcessor
+
+            image_processor = AutoImageProcessor.from_pretrained(source)
     state = read_full_model_state(role_dir, dtype)
     if (role_dir / ADAPTER_CONFIG).is_file():
         base_path = _base_path(role_dir, model_path_or_config, merge)
@@ -155,6 +166,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
         model.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+        if image_processor is not None:
+            image_processor.save_pretrained(folder)
 
     _write_whole(out_dir, write)
     return out_dir

@@ -58,6 +58,9 @@ class ModelConfig(FrozenModelConfig):
                                                        "(ModelShape.host_bound_tokens), and where the memory needs "
                                                        "it; off on a CPU (why: docs/benchmarks.md#measurements-"
                                                        "behind-choices-in-the-code)")
+    freeze_vision: bool = opt(True, "a vision-language model's vision tower stays as loaded: the language model "
+                                    "trains alone (LoRA: adapters on its layers only); false trains the tower too "
+                                    "(LoRA: adapters on its linear layers as well)")
     quantization: str = opt("none", "storage of the frozen base weights of a LoRA role: none (the compute dtype) "
                                     "or nf4 (4-bit NormalFloat, torchao; QLoRA: the adapted linear layers' weights "
                                     "in 4 bits, dequantized for each forward; needs lora.rank > 0; the rollout "

@@ -94,3 +94,42 @@ def test_bad_image_rows_are_refused_before_training(case, match, tiny_vlm, tmp_p
     train_file = write(rows, tmp_path / "train.parquet")
     with pytest.raises(DataError, match=match):
         train(load_config(overrides(tiny_vlm, train_file, tmp_path / "run"), "recipes/geo3k_vl.yaml"))
+
+
+LORA = ("actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-2")
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_lora_grpo_on_a_vlm_exports_an_adapter_and_a_merged_model(freeze, tiny_vlm, tmp_path):
+    """LoRA on the language model, the vision tower frozen (`model.freeze_vision`, the default) or given adapters
+    too; the checkpoint exports as a peft adapter and a merged model, both of which load in transformers / peft and
+    compute the trained policy's log-probs."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from hybridflow.checkpoint import main_export
+    from hybridflow.data.image_prompts import VisionPrompts
+
+    train_file = write(geo3k_rows(["red", "green", "blue", "yellow"]), tmp_path / "train.parquet")
+    out = tmp_path / "run"
+    train(load_config(overrides(tiny_vlm, train_file, out, *LORA, f"model.freeze_vision={str(freeze).lower()}",
+                                "trainer.save_every=2", f"reward.function={reward_file(tmp_path)}"),
+                      "recipes/geo3k_vl.yaml"))
+    assert main_export([str(out), str(tmp_path / "adapter")]) == 0
+    assert main_export([str(out), str(tmp_path / "merged"), "--merge"]) == 0
+    assert (tmp_path / "merged" / "preprocessor_config.json").is_file()  # the merged model takes images as before
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
+    changed = {n for n, p in merged.state_dict().items() if not torch.equal(p, base.state_dict()[n])}
+    assert any(".language_model." in n for n in changed)
+    assert any(".visual." in n for n in changed) is not freeze
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_vlm), tmp_path / "adapter")
+    prompts = VisionPrompts.from_pretrained(str(tmp_path / "merged"), AutoTokenizer.from_pretrained(tmp_path / "merged"))
+    ids, vision = prompts.encode("<image> which color?", [{"bytes": png("blue")}], "test row")
+    inputs = dict(input_ids=torch.tensor([ids]), mm_token_type_ids=(torch.tensor([ids]) == base.config.image_token_id)
+                  .int(), **vision.model_kwargs())
+    with torch.no_grad():
+        logp = [m(**inputs).logits.log_softmax(-1) for m in (peft_model, merged, base)]
+    torch.testing.assert_close(logp[0], logp[1], atol=1e-4, rtol=0)
+    assert (logp[1] - logp[2]).abs().max() > 1e-3  # the exported policy is the trained one, not the base

@@ -70,7 +70,7 @@ class VisionRolloutEngine(HFRolloutEngine):
         start_s = time.perf_counter()
         for start in range(0, len(prompt_token_ids), per_chunk):
             end = start + per_chunk
-            outs += self._generate_chunk(prompt_token_ids[start:end], vision[start:end], params, stop_ids, generator)
+            outs += self._generate_images(prompt_token_ids[start:end], vision[start:end], params, stop_ids, generator)
         self.report_rate(outs, start_s)
         return outs
 
@@ -99,7 +99,7 @@ class VisionRolloutEngine(HFRolloutEngine):
         self.encoded_images += 0 if grid is None else len(grid)
         return out.logits[:, -1], out.past_key_values, mask, deltas
 
-    def _generate_chunk(self, prompts: list[list[int]], vision: list[VisionInputs | None], params: SamplingParams,
+    def _generate_images(self, prompts: list[list[int]], vision: list[VisionInputs | None], params: SamplingParams,
                         stop_ids: list[int], generator: torch.Generator) -> list[list[Completion]]:
         logits, cache, mask, deltas = self._prefill(prompts, vision)
         n = params.n

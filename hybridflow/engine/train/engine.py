@@ -43,7 +43,7 @@ from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
 from hybridflow.engine.train.router_replay import RouterHooks, flat_routes, require_spec
-from hybridflow.engine.train.vision_forward import has_images, vision_kwargs
+from hybridflow.engine.train.vision_forward import freeze_tower, has_images, vision_kwargs, vision_tower
 
 
 def _default_device() -> torch.device:
@@ -118,7 +118,12 @@ class TrainEngine:
                                model_cfg.attn_implementation, model_cfg.trust_remote_code,
                                self.trainable and trained is not None and bool(trained.gradient_checkpointing),
                                recompute_contexts if self.exact else None)
-            self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora_cfg is not None else None
+            # a vision-language model's tower stays as loaded unless `model.freeze_vision=false` (`vision_forward`)
+            frozen_tower = vision_tower(model) if trained is not None and trained.freeze_vision else None
+            self.adapters = apply_lora(model, lora_cfg, head, self.precision.master, skip=frozen_tower) \
+                if lora_cfg is not None else None
+            if frozen_tower is not None and self.adapters is None:
+                freeze_tower(model, frozen_tower)
         self.quantized_params = 0  # base weights stored in 4 bits (`model.quantization=nf4`)
         if trained is not None and trained.quantization == "nf4":
             if self.adapters is None:

@@ -1,5 +1,10 @@
-"""A vision-language model's (Qwen2.5-VL's) inputs in the training engine's forward: each row's images and its
-multimodal rotary positions.
+"""A vision-language model (Qwen2.5-VL) in the training engine: its vision tower, frozen or trained
+(`model.freeze_vision`), and the inputs of its forward: each row's images and its multimodal rotary positions.
+
+`vision_tower(model)` names the tower (the module built from the config's `vision_config`). With `freeze_vision` the
+trainer trains the language model alone: a full fine-tune leaves the tower's weights without gradients or optimizer
+state, and LoRA gives adapters to the language model's linear layers only (`lora.apply_lora`'s `skip`); without it
+the tower trains too (LoRA: adapters on its linear layers as well).
 
 The rows of a vision batch carry their images as `pixel_values` / `image_grid_thw` tensors (`VisionInputs.pad_rows`,
 repeated with their prompt for its samples), so the actor's, the reference's and the update's forwards see the pixels
@@ -17,6 +22,22 @@ from typing import Any
 import torch
 
 from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs
+
+
+def vision_tower(model: torch.nn.Module) -> str | None:
+    """The qualified name of a vision-language model's vision tower (`model.visual` in Qwen2.5-VL); None for a text
+    model."""
+    vision_config = getattr(model.config, "vision_config", None)
+    if vision_config is None:
+        return None
+    return next(name for name, module in model.named_modules() if getattr(module, "config", None) is vision_config)
+
+
+def freeze_tower(model: torch.nn.Module, name: str) -> int:
+    """Leave the module `name`'s weights out of training; returns how many parameters that froze."""
+    tower = model.get_submodule(name)
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
 
 
 def has_images(mb: dict[str, torch.Tensor]) -> bool:

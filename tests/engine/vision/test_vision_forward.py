@@ -50,3 +50,22 @@ def test_trainer_log_probs_agree_with_rollout_and_transformers(rows, tiny_vlm):
         targets = rows["responses"][r, :k]
         want = logits[-k - 1:-1].gather(-1, targets[:, None])[:, 0]
         assert torch.allclose(ours[r, :k], want, atol=1e-4), r
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_vlm):
+    """`model.freeze_vision` (default true): the vision tower gets no gradient and no optimizer state; false trains
+    it with the language model."""
+    from hybridflow.config.schema import ActorConfig, ModelConfig
+
+    engine = TrainEngine(ModelConfig(path=str(tiny_vlm), dtype="fp32", freeze_vision=freeze), ActorConfig(lr=1e-2),
+                         device=torch.device("cpu"))
+    trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    assert any(".language_model." in n for n in trained)
+    assert any(".visual." in n for n in trained) is not freeze
+    optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in engine.model.parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    engine.train_step(rows.tensors, lambda out, mb, ctx: ((out["log_probs"] * mb["response_mask"]).sum(), {}), 6)
+    moved = {n for n, p in engine.model.named_parameters() if not torch.equal(p, before[n])}
+    assert any(".visual." in n for n in moved) is not freeze and any(".language_model." in n for n in moved)
