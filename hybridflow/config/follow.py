@@ -22,8 +22,9 @@ from typing import Any
 from hybridflow.config.ray_schema import PoolConfig, RayConfig
 from hybridflow.config.role_needs import ENDPOINT_WAYS
 from hybridflow.config.validate import changed_keys
+from hybridflow.utils.lm_class import vision_model_type
 
-__all__ = ["FOLLOWS", "Follows", "follow_defaults", "followed_comment", "followed_lines", "vision_model_type"]
+__all__ = ["FOLLOWS", "Follows", "follow_defaults", "followed_comment", "followed_lines"]
 
 
 @dataclass(frozen=True)
@@ -103,24 +104,6 @@ def _fp8_rollout(cfg: Any) -> str | None:
     if cfg.rollout.quantization == "fp8":
         return ("rollout.quantization=fp8 samples with FP8 weights, whose per-token log-prob noise truncated "
                 "importance weights correct (docs/rollout.md#fp8-rollout)")
-    return None
-
-
-def vision_model_type(path: str | None) -> str | None:
-    """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
-    None for a text model, a hub id or a missing directory (the pre-load checks name a missing one)."""
-    import json
-    from pathlib import Path
-
-    config = Path(str(path or "")) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        fields = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return None
-    if isinstance(fields, dict) and "vision_config" in fields:
-        return str(fields.get("model_type"))
     return None
 
 

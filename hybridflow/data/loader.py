@@ -24,7 +24,6 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.data.dataset import RLDataset
 from hybridflow.data.files import DataError
-from hybridflow.config.follow import vision_model_type
 from hybridflow.data.image_prompts import VisionInputs, VisionPrompts
 
 PROMPT_FIELDS = ("index", "data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "columns")
@@ -132,13 +131,10 @@ class BatchLoader:
 
 
 def image_prompts(cfg: Any, tokenizer: Any) -> tuple[str, VisionPrompts] | None:
-    """`(data.image_key, VisionPrompts)` of a vision-language model's run; None for a text model. A vision model with
-    no `data.image_key`, or an image key on a text model, is refused."""
+    """`(data.image_key, VisionPrompts)` of a vision-language model's run; None for a text model. An image key on a
+    text model is refused."""
     key, path = cfg.data.image_key, cfg.model.path
-    if key is None:
-        if vision_model_type(path) is not None:
-            raise DataError(f"model.path={path} is a vision-language model, but data.image_key=null gives its prompts "
-                            f"no images; set data.image_key to the column holding them (verl's geo3k: images)")
+    if key is None:  # a vision-language model without it is refused before (`input_checks.vision_problems`)
         return None
     try:
         return key, VisionPrompts.from_pretrained(path, tokenizer)

@@ -19,10 +19,11 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import AgentConfig, RolloutConfig
 from hybridflow.data.loader import PROMPT_FIELDS
 from hybridflow.engine.contracts import RolloutEngineContract
-from hybridflow.config.follow import vision_model_type
+from hybridflow.config.input_checks import vision_rollout_problems
 from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
+from hybridflow.utils.lm_class import vision_model_type
 from hybridflow.workers.partial_rollout import PartialRollouts, groups_to_prompts
 
 # what a generation reports besides its wall time (`gen_s`): GPU busy seconds (CUDA), running rows and the positions
@@ -60,12 +61,9 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
 def vision_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                    max_model_len: int) -> VisionRolloutEngine:
     """The vision-language model's engine; the fast engine's options it has no path for are refused by name."""
-    asked = [f"rollout.{key}={getattr(rollout_cfg, key)}" for key, plain in
-             (("engine", "auto"), ("exact", False), ("quantization", "none"), ("record_routes", False),
-              ("partial", False)) if getattr(rollout_cfg, key) != plain]
-    if asked:
-        raise ValueError(f"{path} is a vision-language model, whose rollout runs on VisionRolloutEngine, which has no "
-                         f"{', '.join(asked)}; leave them at their defaults")
+    problems = vision_rollout_problems(rollout_cfg)
+    if problems:
+        raise ValueError(f"{path}: {'; '.join(problems)}")
     from transformers import AutoConfig
 
     from hybridflow.engine.rollout.engine import model_stop_ids

@@ -13,6 +13,7 @@ import yaml
 from PIL import Image, ImageDraw
 
 from hybridflow.config.loader import load_config
+from hybridflow.config.validate import ConfigError
 from hybridflow.data.files import DataError
 from hybridflow.trainer.rl import train
 from rl_helpers import read_metrics, reward_file
@@ -53,8 +54,12 @@ def test_grpo_trains_two_steps_on_geo3k_format_images(tiny_vlm, tmp_path):
     out = tmp_path / "run"
     cfg = load_config(overrides(tiny_vlm, train_file, out, "data.image_key=null",
                                 f"reward.function={reward_file(tmp_path)}"), "recipes/geo3k_vl.yaml")
-    with pytest.raises(DataError, match="vision-language model, but data.image_key=null"):
+    with pytest.raises(ConfigError, match="data.image_key=null: model.path=.* is a vision-language model"):
         train(cfg)
+    with pytest.raises(ConfigError, match="a critic for the vision-language model qwen2_5_vl is not supported"):
+        train(load_config(overrides(tiny_vlm, train_file, out, "algorithm.adv_estimator=gae"), "recipes/geo3k_vl.yaml"))
+    with pytest.raises(ConfigError, match=r"rollout.exact=True: a vision-language model's rollout .* has no such"):
+        train(load_config(overrides(tiny_vlm, train_file, out, "rollout.exact=true"), "recipes/geo3k_vl.yaml"))
     cfg = load_config(overrides(tiny_vlm, train_file, out, f"reward.function={reward_file(tmp_path)}"),
                       "recipes/geo3k_vl.yaml")
     train(cfg)
@@ -133,3 +138,27 @@ def test_lora_grpo_on_a_vlm_exports_an_adapter_and_a_merged_model(freeze, tiny_v
         logp = [m(**inputs).logits.log_softmax(-1) for m in (peft_model, merged, base)]
     torch.testing.assert_close(logp[0], logp[1], atol=1e-4, rtol=0)
     assert (logp[1] - logp[2]).abs().max() > 1e-3  # the exported policy is the trained one, not the base
+
+
+def test_rounds_with_different_image_sizes_concatenate_with_their_images():
+    """Dynamic sampling's rounds come from different prompt batches: their images (padded per batch to its largest)
+    concatenate, each row keeping its own pixels."""
+    import torch
+
+    from hybridflow.batch import Batch
+    from hybridflow.data.image_prompts import VisionInputs
+    from hybridflow.trainer.step_math import concat_rounds
+
+    small = VisionInputs(torch.randn(4, 6), torch.tensor([[1, 2, 2]]))
+    large = VisionInputs(torch.randn(12, 6), torch.tensor([[1, 2, 2], [1, 2, 4]]))
+
+    def round_of(vision, prompt):
+        prompts = torch.tensor([prompt])
+        return Batch({"prompts": prompts, "attention_mask": torch.ones_like(prompts), **VisionInputs.pad_rows([vision])},
+                     {"uid": [str(prompt)]})
+
+    merged = concat_rounds([round_of(small, [5, 6]), round_of(large, [7, 8, 9])], pad_id=0)
+    rows = VisionInputs.unpad_rows(merged["pixel_values"], merged["image_grid_thw"])
+    for got, want in zip(rows, (small, large)):
+        assert got is not None and torch.equal(got.pixel_values, want.pixel_values)
+        assert torch.equal(got.image_grid_thw, want.image_grid_thw)
