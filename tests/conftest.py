@@ -60,6 +60,14 @@ def tiny_model_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """A saved tiny random Qwen2.5-VL with its tokenizer and image processor (`hybridflow.utils.tiny_vlm`)."""
+    from hybridflow.utils.tiny_vlm import build_tiny_vlm
+
+    return built_once(tmp_path_factory, "tiny_qwen2_5_vl", build_tiny_vlm)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tiny_model_factory):
     return tiny_model_factory("qwen2")
 

@@ -40,6 +40,7 @@ from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
 from hybridflow.checkpoint.manager import CheckpointError, disk_full, find_checkpoint, human_bytes
 from hybridflow.checkpoint.manifest import MANIFEST
 from hybridflow.checkpoint.state import read_full_model_state, read_meta
+from hybridflow.utils.lm_class import is_vision_config
 
 HF_DIR, SOURCE_FILE, ADAPTER_CONFIG = "hf", "source.json", "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,17 +66,19 @@ def head_config(model_path: str | Path, head: str = "lm", trust_remote_code: boo
 
 def _auto_class(config):
     """The `transformers` auto class of a saved config: a sequence classifier (a reward model) or a causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridflow.utils.lm_class import lm_auto_class
 
     if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         return AutoModelForSequenceClassification
-    return AutoModelForCausalLM
+    return lm_auto_class(config)
 
 
 def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm", quantization: str = "none") -> Path:
     """Store config (`head_config`), generation config and tokenizer of `model_path` under `<role_dir>/hf/`, and
     the base's storage (`model.quantization`) beside its path."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     dest = Path(role_dir) / HF_DIR
     dest.mkdir(parents=True, exist_ok=True)
@@ -85,6 +88,11 @@ def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm
     except OSError:
         pass  # the model has no generation_config.json; transformers derives one from the config
     AutoTokenizer.from_pretrained(model_path).save_pretrained(dest)
+    config = AutoConfig.from_pretrained(model_path)
+    if is_vision_config(config):  # a vision-language model's images need its processor
+        from transformers import AutoImageProcessor
+
+        AutoImageProcessor.from_pretrained(model_path).save_pretrained(dest)
     (dest / SOURCE_FILE).write_text(json.dumps({"model_path": str(model_path), "quantization": quantization}))
     return dest
 
@@ -127,6 +135,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
             raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     source = model_path_or_config if model_path_or_config is not None else role_dir / HF_DIR
+    image_processor = None  # a vision-language model's, written beside its tokenizer
     if isinstance(source, PretrainedConfig):
         config, tokenizer, generation = source, None, None
     else:
@@ -139,6 +148,10 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
             generation = GenerationConfig.from_pretrained(source)
         except OSError:
             generation = None
+        if is_vision_config(config):
+            from transformers import AutoImageProcessor
+
+            image_processor = AutoImageProcessor.from_pretrained(source)
     state = read_full_model_state(role_dir, dtype)
     if (role_dir / ADAPTER_CONFIG).is_file():
         base_path = _base_path(role_dir, model_path_or_config, merge)
@@ -153,6 +166,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
         model.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+        if image_processor is not None:
+            image_processor.save_pretrained(folder)
 
     _write_whole(out_dir, write)
     return out_dir
@@ -247,15 +262,16 @@ def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_pat
     an adapter directory); with `merge`, in the base model loaded from `base_path` (its adapted weights rounded
     as a 4-bit base's were, with `quantization=nf4`), merged into it."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from hybridflow.utils.lm_class import lm_auto_class
 
     lora = LoraConfig.from_pretrained(str(role_dir))
+    auto = lm_auto_class(config)
     if merge:
         assert base_path is not None  # _base_path refuses a merge without one
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype or "auto")
+        base = auto.from_pretrained(base_path, dtype=dtype or "auto")
     else:
         with torch.device("meta"):
-            base = AutoModelForCausalLM.from_config(config)
+            base = auto.from_config(config)
     model = get_peft_model(base, lora)
     model.peft_config["default"].base_model_name_or_path = base_path  # what `PeftModel.from_pretrained` loads
     inner = model.base_model.model  # the wrapped model, with the names the training engine saved

@@ -22,6 +22,7 @@ from typing import Any
 from hybridflow.config.ray_schema import PoolConfig, RayConfig
 from hybridflow.config.role_needs import ENDPOINT_WAYS
 from hybridflow.config.validate import changed_keys
+from hybridflow.utils.lm_class import vision_model_type
 
 __all__ = ["FOLLOWS", "Follows", "follow_defaults", "followed_comment", "followed_lines"]
 
@@ -106,6 +107,11 @@ def _fp8_rollout(cfg: Any) -> str | None:
     return None
 
 
+def _vision_model(cfg: Any) -> str | None:
+    model_type = vision_model_type(getattr(getattr(cfg, "model", None), "path", None))
+    return f"model.path is a vision-language model ({model_type}) whose prompts carry images" if model_type else None
+
+
 def _bf16_master(model: str) -> Callable[[Any], str | None]:
     def because(cfg: Any) -> str | None:
         if _value(cfg, f"{model}.master_dtype") == "bf16":
@@ -132,6 +138,7 @@ FOLLOWS: tuple[Follows, ...] = (
     Follows("trainer.backend", "ray", _ray_cluster, "a `ray.*` key differs from its default"),
     Follows("actor.rollout_correction.mode", "token_tis", _fp8_rollout, "`rollout.quantization=fp8`"),
     Follows("actor.optimizer", "adamw_8bit", _bf16_master("model"), "`model.master_dtype=bf16`"),
+    Follows("data.image_key", "images", _vision_model, "`model.path` is a vision-language model (Qwen2.5-VL)"),
     Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model"), "`critic.model.master_dtype=bf16`"),
     Follows("optim.optimizer", "adamw_8bit", _bf16_master("model"),
             "`model.master_dtype=bf16` (`hybridflow sft`, `dpo`, `rm`)"),

@@ -1,6 +1,6 @@
 """Checks of what a run will read, before any model loads: model directories, data files, the reward functions,
-the environment and tools, the resume checkpoint, a visible GPU, LoRA's targets on the model (`extras`), and a
-distillation teacher's tokenizer.
+the environment and tools, the resume checkpoint, a visible GPU, LoRA's targets on the model (`extras`), a
+distillation teacher's tokenizer, and what a vision-language model's run cannot do.
 
 Each function returns the problems it found as messages naming the key and its value (`validate` and
 `validate_sft` in `hybridflow.config.validate` gather them into one `ConfigError`).
@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
 from hybridflow.config.role_needs import ENDPOINT_WAYS, distills, needs_critic
+from hybridflow.utils.lm_class import vision_model_type
 
 
 def model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
@@ -85,6 +86,33 @@ def teacher_problems(cfg: Any) -> list[str]:
         f"policy's token ids, so both need one vocabulary"]
 
 
+# the rollout options VisionRolloutEngine has no path for, with the values that ask for nothing
+VISION_ROLLOUT_PLAIN = (("engine", "auto"), ("exact", False), ("quantization", "none"), ("record_routes", False),
+                        ("partial", False))
+
+
+def vision_rollout_problems(rollout: Any) -> list[str]:
+    """The `rollout` options a vision-language model's engine (`VisionRolloutEngine`) cannot serve."""
+    return [f"rollout.{key}={getattr(rollout, key)!r}: a vision-language model's rollout (VisionRolloutEngine) has no "
+            f"such path; leave it at {plain!r}" for key, plain in VISION_ROLLOUT_PLAIN if getattr(rollout, key) != plain]
+
+
+def vision_problems(cfg: Any) -> list[str]:
+    """What a vision-language model's run (`model.path` holds one) cannot do: prompts without images, a critic,
+    rollout options its engine lacks, multi-turn agents."""
+    model_type = vision_model_type(cfg.model.path)
+    if model_type is None:
+        return []
+    problems = vision_rollout_problems(cfg.rollout)
+    if cfg.data.image_key is None:
+        problems.append(f"data.image_key=null: model.path={cfg.model.path} is a vision-language model ({model_type}), "
+                        f"whose prompts need images; set it to the column holding them (verl's geo3k: images)")
+    if needs_critic(cfg):
+        problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: a critic for the vision-language "
+                        f"model {model_type} is not supported; use a critic-free estimator (grpo, rloo, ...)")
+    return problems
+
+
 def path_problems(cfg: Any) -> list[str]:
     """What an RL run will read: data files, the reward function, a resume checkpoint, model directories, the
     environment and tools, a distillation teacher."""
@@ -116,4 +144,4 @@ def path_problems(cfg: Any) -> list[str]:
         tool_schemas(cfg.agent)
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
-    return problems + teacher_problems(cfg) + run_problems(cfg)
+    return problems + teacher_problems(cfg) + run_problems(cfg) + vision_problems(cfg)

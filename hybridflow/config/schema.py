@@ -58,6 +58,9 @@ class ModelConfig(FrozenModelConfig):
                                                        "(ModelShape.host_bound_tokens), and where the memory needs "
                                                        "it; off on a CPU (why: docs/benchmarks.md#measurements-"
                                                        "behind-choices-in-the-code)")
+    freeze_vision: bool = opt(True, "a vision-language model's vision tower stays as loaded: the language model "
+                                    "trains alone (LoRA: adapters on its layers only); false trains the tower too "
+                                    "(LoRA: adapters on its linear layers as well)")
     quantization: str = opt("none", "storage of the frozen base weights of a LoRA role: none (the compute dtype) "
                                     "or nf4 (4-bit NormalFloat, torchao; QLoRA: the adapted linear layers' weights "
                                     "in 4 bits, dequantized for each forward; needs lora.rank > 0; the rollout "
@@ -78,6 +81,10 @@ class DataConfig:
     truncation: str = opt("error", "prompts over max_prompt_length: refuse, drop, or cut from the left/right",
                           TRUNCATION_MODES)
     apply_chat_template: bool = opt(True, "render prompts with the tokenizer's chat template")
+    image_key: Optional[str] = opt(None, "column of each row's images (verl's `images`: a list of {bytes}/{path} "
+                                         "mappings or paths), placed where the prompt says `<image>`; null = no "
+                                         "images, or `images` when model.path is a vision-language model (followed; "
+                                         "docs/models.md#vision-language-models)")
     shuffle: bool = opt(True, "shuffle training prompts each epoch (seeded)")
     seed: Optional[int] = opt(None, "shuffling seed; null = trainer.seed")
 

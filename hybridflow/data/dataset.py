@@ -4,7 +4,8 @@ A row has the prompt under `prompt_key` (a list of chat messages `{role, content
 and optionally `data_source` (str; routes `reward.function=auto`), `ability` (str), `reward_model`
 (a mapping with `ground_truth`; a top-level `ground_truth` column works too) and `extra_info` (a
 mapping, passed to the reward function); every column is kept for batched (TRL-style) reward functions. Every row is checked and tokenized when the dataset is built,
-so a malformed file or row is refused before training, with the file, row and column named.
+so a malformed file or row is refused before training, with the file, row and column named. A vision-language
+model's rows also hold images (`data.image_key`, `image_prompts`), decoded and checked here too.
 
 Prompts longer than `max_prompt_length` tokens are handled by `truncation`: `error` refuses the
 dataset, `filter` drops them, `left` / `right` keep the last / first tokens; the counts are logged and
@@ -23,6 +24,7 @@ import numpy as np
 from hybridflow.config.schema import TRUNCATION_MODES
 from hybridflow.data.chat import check_messages, encode_prompts, pad_token_id
 from hybridflow.data.files import DataError, Record, as_path_list, read_records
+from hybridflow.data.image_prompts import VisionPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +103,14 @@ class RLDataset(RowDataset):
         truncation: `error` | `filter` | `left` | `right` for prompts over the limit.
         apply_chat_template: render prompts with the tokenizer's chat template.
         tools: function schemas shown in every prompt (multi-turn runs with `agent.tools`).
+        images: a vision-language model's `(image_key, VisionPrompts)`: each row's images under that column, encoded
+            with its prompt (`image_prompts`); a row then also has `vision` (its `VisionInputs`).
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, prompt_key: str = "prompt",
                  max_prompt_length: int | None = None, truncation: str = "error",
-                 apply_chat_template: bool = True, tools: list[dict] | None = None) -> None:
+                 apply_chat_template: bool = True, tools: list[dict] | None = None,
+                 images: tuple[str, VisionPrompts] | None = None) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
         self.files = as_path_list(files)
@@ -119,12 +124,37 @@ class RLDataset(RowDataset):
         for record, row in zip(records, rows):
             null = " (data_source is null or missing)" if record.data.get("data_source") is None else ""
             self.sources.setdefault(row["data_source"], record.where + null)
-        try:
-            ids = encode_prompts([row["raw_prompt"] for row in rows], tokenizer, apply_chat_template, tools)
-        except ValueError as e:
-            raise DataError(f"{self.files[0]}, column '{prompt_key}': {e}") from None
+        if images is not None:
+            ids = self._encode_images(records, rows, images, apply_chat_template, tools, truncation)
+        else:
+            try:
+                ids = encode_prompts([row["raw_prompt"] for row in rows], tokenizer, apply_chat_template, tools)
+            except ValueError as e:
+                raise DataError(f"{self.files[0]}, column '{prompt_key}': {e}") from None
         self.num_rows = len(rows)
         self._rows = self._limit_lengths(records, rows, ids, prompt_key, truncation)
+
+    @staticmethod
+    def _encode_images(records: list[Record], rows: list[dict], images: tuple[str, VisionPrompts],
+                       apply_chat_template: bool, tools: list[dict] | None, truncation: str) -> list[list[int]]:
+        """Each row's token ids with its images' vision tokens; its `VisionInputs` kept as the row's `vision`. A bad
+        image or placeholder count is refused naming the file, row and image."""
+        key, prompts = images
+        if tools:
+            raise DataError(f"{records[0].where}: tool schemas with images in the prompts are not supported")
+        if truncation in ("left", "right"):
+            raise DataError(f"data.truncation={truncation} would cut image tokens out of a prompt; use error or "
+                            f"filter with data.image_key={key}")
+        ids = []
+        for record, row in zip(records, rows):
+            try:
+                row_ids, row["vision"] = prompts.encode(row["raw_prompt"], record.require(key, "data.image_key"),
+                                                        record.where, apply_chat_template)
+            except ValueError as e:
+                raise e if isinstance(e, DataError) else DataError(str(e)) from None
+            row["columns"].pop(key, None)  # the pixels travel as `vision`; reward functions need not get the bytes
+            ids.append(row_ids)
+        return ids
 
     def _limit_lengths(self, records: list[Record], rows: list[dict], ids: list[list[int]], prompt_key: str,
                        truncation: str) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ left-padded:
 
     prompts         [B, P] long   token ids, left-padded with the pad id (P = longest prompt in batch)
     attention_mask  [B, P] long   1 on real tokens
+    pixel_values    [B, patches, D], image_grid_thw [B, images, 3]: a vision model's images (`VisionInputs.pad_rows`)
     non-tensors     uid ("<epoch>-<index>"), index, data_source, ground_truth, extra_info, raw_prompt, ability,
                     columns (the row's dataset columns but the prompt)
 """
@@ -23,6 +24,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.data.dataset import RLDataset
 from hybridflow.data.files import DataError
+from hybridflow.data.image_prompts import VisionInputs, VisionPrompts
 
 PROMPT_FIELDS = ("index", "data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "columns")
 
@@ -43,7 +45,10 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_id: int, epoch: int) ->
     ids, mask = left_pad([it["input_ids"] for it in items], pad_id)
     non_tensors: dict[str, list] = {"uid": [f"{epoch}-{it['index']}" for it in items]}
     non_tensors.update({k: [it[k] for it in items] for k in PROMPT_FIELDS})
-    return Batch({"prompts": ids, "attention_mask": mask}, non_tensors, {"epoch": epoch})
+    tensors = {"prompts": ids, "attention_mask": mask}
+    if any("vision" in it for it in items):  # a vision model's rows: their images as batch tensors
+        tensors.update(VisionInputs.pad_rows([it.get("vision") for it in items]))
+    return Batch(tensors, non_tensors, {"epoch": epoch})
 
 
 class BatchLoader:
@@ -125,6 +130,18 @@ class BatchLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+def image_prompts(cfg: Any, tokenizer: Any) -> tuple[str, VisionPrompts] | None:
+    """`(data.image_key, VisionPrompts)` of a vision-language model's run; None for a text model. An image key on a
+    text model is refused."""
+    key, path = cfg.data.image_key, cfg.model.path
+    if key is None:  # a vision-language model without it is refused before (`input_checks.vision_problems`)
+        return None
+    try:
+        return key, VisionPrompts.from_pretrained(path, tokenizer)
+    except ValueError as e:  # not a vision-language model
+        raise DataError(f"data.image_key={key}: {e}") from None
+
+
 def build_prompt_loaders(cfg: Any, tokenizer: Any,
                          tools: list[dict] | None = None) -> tuple[BatchLoader, BatchLoader | None]:
     """`(train, val)` loaders from an `RLConfig`'s `data` (and `trainer.seed`); val is None without files.
@@ -133,10 +150,11 @@ def build_prompt_loaders(cfg: Any, tokenizer: Any,
     (all of them when null). `tools`: function schemas rendered into every prompt.
     """
     data = cfg.data
+    images = image_prompts(cfg, tokenizer)
 
     def dataset(files: list[str]) -> RLDataset:
         return RLDataset(files, tokenizer, data.prompt_key, data.max_prompt_length, data.truncation,
-                         data.apply_chat_template, tools)
+                         data.apply_chat_template, tools, images)
 
     seed = data.seed if data.seed is not None else cfg.trainer.seed
     train_ds = dataset(data.train_files)

@@ -35,15 +35,16 @@ def checkpoint_bytes(models: list[tuple[str, str, Any]], trust_remote_code: bool
     LoRA, of its trained parameters alone). `models`: (path, head, lora section) triples, head "lm" (a causal
     LM) or "value" (a critic: a one-label token classifier)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     from hybridflow.engine.train.lora import trainable_params
+    from hybridflow.utils.lm_class import lm_auto_class
 
     total = 0
     for path, head, lora in models:
-        auto_class, overrides = ((AutoModelForCausalLM, {}) if head == "lm"
-                                 else (AutoModelForTokenClassification, {"num_labels": 1}))
+        overrides = {} if head == "lm" else {"num_labels": 1}
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+        auto_class = lm_auto_class(config) if head == "lm" else AutoModelForTokenClassification
         if lora.rank > 0:  # fp32 adapters and their two moments
             total += 3 * 4 * trainable_params(config, lora, head, trust_remote_code)
             continue

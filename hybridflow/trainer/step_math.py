@@ -17,6 +17,7 @@ import torch
 from hybridflow import algorithms
 from hybridflow.batch import Batch
 from hybridflow.config.resolved import RunFacts
+from hybridflow.data.image_prompts import VISION_KEYS
 from hybridflow.rewards.failures import EnvironmentFailed
 from hybridflow.rewards.manager import RewardResult, scores_to_token_scores
 
@@ -152,16 +153,20 @@ PROMPT_WIDTH_FILL = {"prompts": None, "input_ids": None, "attention_mask": 0, "p
 def concat_rounds(batches: list[Batch], pad_id: int) -> Batch:
     """`Batch.concat` of batches from different prompt batches (dynamic sampling's rounds), whose prompts
     were left-padded to different widths: the keys that start with the prompt are left-padded to the widest
-    first (`pad_id` on token ids, 0 on masks and positions)."""
+    first (`pad_id` on token ids, 0 on masks and positions), and a vision model's images (`VisionInputs.pad_rows`)
+    zero-padded to the most patches and images of a row."""
     width = max(b["prompts"].shape[1] for b in batches)
+    image_widths = {key: max(b[key].shape[1] for b in batches) for key in VISION_KEYS if key in batches[0]}
     padded = []
     for b in batches:
         extra = width - b["prompts"].shape[1]
+        b = b.select(*b.keys())
         if extra:
-            b = b.select(*b.keys())
             for key, fill in PROMPT_WIDTH_FILL.items():
                 if key in b:
                     b[key] = torch.nn.functional.pad(b[key], (extra, 0), value=pad_id if fill is None else fill)
+        for key, most in image_widths.items():
+            b[key] = torch.nn.functional.pad(b[key], (0, 0, 0, most - b[key].shape[1]))
         padded.append(b)
     return Batch.concat(padded)
 

@@ -19,7 +19,11 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import AgentConfig, RolloutConfig
 from hybridflow.data.loader import PROMPT_FIELDS
 from hybridflow.engine.contracts import RolloutEngineContract
+from hybridflow.config.input_checks import vision_rollout_problems
+from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
+from hybridflow.utils.lm_class import vision_model_type
 from hybridflow.workers.partial_rollout import PartialRollouts, groups_to_prompts
 
 # what a generation reports besides its wall time (`gen_s`): GPU busy seconds (CUDA), running rows and the positions
@@ -46,10 +50,26 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
         kv = rollout_cfg.kv_cache_fraction
         if kv is None:
             kv = kv_cache_bytes if kv_cache_bytes is not None else UNPLANNED_KV_FRACTION
+    if vision_model_type(path) is not None:  # images in the prompts: the vision engine (`vision_engine`)
+        return vision_rollout(path, rollout_cfg, device, dtype, max_num_seqs, max_model_len)
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact,
         record_routes=rollout_cfg.record_routes, shared_weights=shared_weights, quantization=rollout_cfg.quantization)
+
+
+def vision_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
+                   max_model_len: int) -> VisionRolloutEngine:
+    """The vision-language model's engine; the fast engine's options it has no path for are refused by name."""
+    problems = vision_rollout_problems(rollout_cfg)
+    if problems:
+        raise ValueError(f"{path}: {'; '.join(problems)}")
+    from transformers import AutoConfig
+
+    from hybridflow.engine.rollout.engine import model_stop_ids
+
+    return VisionRolloutEngine(path, device, dtype, model_stop_ids(path, AutoConfig.from_pretrained(path)),
+                               max_num_seqs, max_model_len)
 
 
 def cpu_max_num_seqs(max_num_seqs: int, rows_in_flight: int | None) -> int:
@@ -177,7 +197,10 @@ class RolloutReplica:
             self.engine.weight_version = version
         self.wake()
         outs: list[list[Any]]  # per prompt, its samples: Completions, or multi-turn Trajectories
-        if self.agent is None:
+        if self.agent is None and isinstance(self.engine, VisionRolloutEngine):
+            outs = self.engine.generate(prompts, params, vision=batch_vision(batch))
+            self.last_stats = {}
+        elif self.agent is None:
             outs = self.engine.generate(prompts, params)
             stats = self.engine.stats  # the fast engine's session stats (the transformers fallback has none)
             self.last_stats = {"gen_s": stats["generate_s"], **{k: stats[k] for k in GENERATION_STATS}} \
@@ -255,6 +278,14 @@ def prompt_token_lists(prompts: torch.Tensor, attention_mask: torch.Tensor) -> l
         raise ValueError(f"generate needs `attention_mask` of the prompt, shape {tuple(prompts.shape)}; "
                          f"got {tuple(attention_mask.shape)}")
     return [row[mask.bool()].tolist() for row, mask in zip(prompts, attention_mask)]
+
+
+def batch_vision(batch: Batch) -> list[VisionInputs | None]:
+    """Each prompt row's images (`VisionInputs.pad_rows`' tensors); a vision model's batch without them is refused."""
+    if VISION_KEYS[0] not in batch:
+        raise ValueError("the rollout serves a vision-language model, but the prompt batch carries no images "
+                         "(pixel_values); set data.image_key to the column holding them")
+    return VisionInputs.unpad_rows(batch["pixel_values"], batch["image_grid_thw"])
 
 
 def prompt_rows(batch: Batch) -> list[dict[str, Any]]:

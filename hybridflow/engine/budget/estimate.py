@@ -101,12 +101,15 @@ class ModelShape:
         """From a Hugging Face config; parameters counted on the meta device (no memory, exact). `head`:
         ``"lm"`` (a causal LM) or ``"value"`` (the backbone and a one-output score head, as the critic and
         reward models are, whatever classification class an architecture has)."""
-        from transformers import AutoModel, AutoModelForCausalLM
+        from transformers import AutoModel
+
+        from hybridflow.utils.lm_class import lm_auto_class
 
         with torch.device("meta"):
-            auto = AutoModelForCausalLM if head == "lm" else AutoModel
+            auto = lm_auto_class(config) if head == "lm" else AutoModel
             model = auto.from_config(config, trust_remote_code=trust_remote_code)
-        numels = [p.numel() for p in model.parameters()]
+        numels = [p.numel() for p in model.parameters()]  # a vision-language model's vision tower included
+        config = config.get_text_config()  # the language model's shape (a text model's config is its own)
         if head != "lm":
             numels.append(config.hidden_size + 1)  # the score head (weight and bias)
         heads = config.num_attention_heads

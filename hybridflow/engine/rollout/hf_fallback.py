@@ -29,13 +29,15 @@ class HFRolloutEngine:
     """`transformers.generate` behind the rollout engine's interface."""
 
     kind = "hf"
+    auto_class = "AutoModelForCausalLM"  # the transformers Auto class that loads the model (a VLM's subclass: its own)
+    path_name = "transformers.generate"  # what generates, as the warnings name it
 
     def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, stop_ids: list[int],
                  max_num_seqs: int, max_model_len: int, why: str = "rollout.engine=hf") -> None:
         """why: the reason this path serves (said once, in the warning the engine logs when built)."""
-        from transformers import AutoModelForCausalLM
+        import transformers
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = getattr(transformers, self.auto_class).from_pretrained(path, dtype=dtype)
         self.model = model.to(device).eval()  # type: ignore[arg-type]  # typeshed's functools.wraps binds no self
         self.config, self.device, self.default_stop_ids = self.model.config, device, stop_ids
         positions = getattr(self.config, "max_position_embeddings", None) or getattr(self.config,
@@ -45,10 +47,10 @@ class HFRolloutEngine:
         self.weight_version = 0  # recorded with every token, as the fast engine does
         self.stats: dict[str, float] = {}
         self.rate_reported = False
-        logger.warning("rollout: %s, so generation runs through transformers.generate, the slow path (the fast "
+        logger.warning("rollout: %s, so generation runs through %s, the slow path (the fast "
                        "engine decoded 29x its tokens per second at the 0.5B shape on one H100; "
                        "docs/models.md lists the fast architectures); its rate follows the first generation",
-                       why)
+                       why, self.path_name)
 
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]],
@@ -65,13 +67,17 @@ class HFRolloutEngine:
             torch.manual_seed(seed)
             for start in range(0, len(prompt_token_ids), per_chunk):
                 outs += self._generate_chunk(prompt_token_ids[start:start + per_chunk], params, stop_ids)
+        self.report_rate(outs, start_s)
+        return outs
+
+    def report_rate(self, outs: list[list[Completion]], start_s: float) -> None:
+        """Say once, after the first generation that made tokens, the rate this slow path reached."""
         tokens = sum(len(c.token_ids) for row in outs for c in row)
         if tokens and not self.rate_reported:
             self.rate_reported = True
             seconds = time.perf_counter() - start_s
-            logger.warning("rollout through transformers.generate: %d tokens in %.2f s, %.0f tok/s on %s", tokens,
+            logger.warning("rollout through %s: %d tokens in %.2f s, %.0f tok/s on %s", self.path_name, tokens,
                            seconds, tokens / max(seconds, 1e-9), self.device)
-        return outs
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
                         stop_ids: list[int]) -> list[list[Completion]]:

@@ -8,7 +8,8 @@ across all shards, and a step that is skipped (and counted) when that norm is no
 is belongs to the caller (`loss_fn`), so the engine knows nothing of PPO.
 
 Inputs are plain `{key: Tensor [B, ...]}` dicts (a `Batch`'s `.tensors`) with `input_ids`,
-`attention_mask`, optional `position_ids` (`[B, P+R]`) and `response_mask` (`[B, R]`).
+`attention_mask`, optional `position_ids` (`[B, P+R]`) and `response_mask` (`[B, R]`); a vision-language model's rows
+also `pixel_values` / `image_grid_thw` (`vision_forward`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hybridflow.engine.train.optim import build_optimizer, build_scheduler
 from hybridflow.engine.train.packing import build_inputs, to_device
 from hybridflow.engine.train.parallel import dp_mesh, full_tensor, shard_model
 from hybridflow.engine.train.router_replay import RouterHooks, flat_routes, require_spec
+from hybridflow.engine.train.vision_forward import freeze_tower, has_images, vision_kwargs, vision_tower
 
 
 def _default_device() -> torch.device:
@@ -116,7 +118,12 @@ class TrainEngine:
                                model_cfg.attn_implementation, model_cfg.trust_remote_code,
                                self.trainable and trained is not None and bool(trained.gradient_checkpointing),
                                recompute_contexts if self.exact else None)
-            self.adapters = apply_lora(model, lora_cfg, head, self.precision.master) if lora_cfg is not None else None
+            # a vision-language model's tower stays as loaded unless `model.freeze_vision=false` (`vision_forward`)
+            frozen_tower = vision_tower(model) if trained is not None and trained.freeze_vision else None
+            self.adapters = apply_lora(model, lora_cfg, head, self.precision.master, skip=frozen_tower) \
+                if lora_cfg is not None else None
+            if frozen_tower is not None and self.adapters is None:
+                freeze_tower(model, frozen_tower)
         self.quantized_params = 0  # base weights stored in 4 bits (`model.quantization=nf4`)
         if trained is not None and trained.quantization == "nf4":
             if self.adapters is None:
@@ -172,13 +179,17 @@ class TrainEngine:
         policy and `mb`'s `teacher_topk_ids` at `teacher_topk_log_probs` (`[B, R, k]`: a teacher's top-k, the rest
         of its mass one more outcome) comes back as `topk_kl` (differentiable); `topk` > 0: also the k likeliest tokens of each
         position (`topk_ids` long and `topk_log_probs`, `[B, R, k]`)."""
-        pack = pack and self.pack_allowed
+        images = has_images(mb)
+        pack = pack and self.pack_allowed and not images  # vision rows run padded (`vision_forward`)
         width = mb["response_mask"].shape[1] if "response_mask" in mb else mb["responses"].shape[1]
         position_ids = mb["position_ids"].cpu() if "position_ids" in mb else None
         # indices are built on the host (no device syncs), then moved once
         inputs = build_inputs(mb["input_ids"].cpu(), mb["attention_mask"].cpu(), width, position_ids, pack)
         soft = teacher_targets(inputs, mb, self.device) if soft_targets is not None else None
         inputs = inputs.to(self.device)
+        if images:
+            inputs.kwargs.update(vision_kwargs(self.model, inputs.kwargs["input_ids"], inputs.kwargs["attention_mask"],
+                                               mb, self.precision.param))
         if self.routing is not None:
             self.routing.prepare(*flat_routes(mb, inputs.packed, self.device))
         if pack and self.config._attn_implementation != VARLEN_ATTENTION:

@@ -37,7 +37,9 @@ def matmul_params(config) -> int:
 
 def train_flops(config, seq_lens: list[int], adapter_params: int | None = None) -> float:
     """Forward + backward FLOPs of one pass over rows of `seq_lens` real tokens each; `adapter_params`: the
-    trained parameters of a LoRA model (None: every weight trains)."""
+    trained parameters of a LoRA model (None: every weight trains). A vision-language model counts its language
+    model (its text config): the vision tower's FLOPs are not in the figure."""
+    config = config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     tokens = sum(seq_lens)

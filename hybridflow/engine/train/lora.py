@@ -32,6 +32,7 @@ trains (for device budgeting and the checkpoint-size check), `shareable_params` 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -73,14 +74,17 @@ def target_names(names: list[str] | tuple[str, ...]) -> list[str]:
     return names
 
 
-def resolve_targets(model: torch.nn.Module, names: list[str] | tuple[str, ...]) -> dict[str, torch.nn.Linear]:
+def resolve_targets(model: torch.nn.Module, names: list[str] | tuple[str, ...],
+                    skip: str | None = None) -> dict[str, torch.nn.Linear]:
     """{qualified name: module} of the linear layers inside the decoder layers that `names` select (peft's
     rule: a module whose qualified name is one of them, or ends with a dot and one of them); `names` empty or
     ``all-linear`` = every linear layer there. Refuses a name that selects nothing, or something that is not a
-    linear layer of a decoder layer (embeddings and heads are not adapted), naming the layers that could be."""
+    linear layer of a decoder layer (embeddings and heads are not adapted), naming the layers that could be.
+    `skip`: a module (a frozen vision tower) whose layers are never selected."""
     names = target_names(names)
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
-    linear = {n: m for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)}
+    linear = {n: m for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
+              and not (skip is not None and n.startswith(skip + "."))}
     if not names:
         if not linear:
             raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layer inside its decoder layers to "
@@ -89,7 +93,8 @@ def resolve_targets(model: torch.nn.Module, names: list[str] | tuple[str, ...]) 
     available = sorted({n.rsplit(".", 1)[-1] for n in linear})
     out: dict[str, torch.nn.Linear] = {}
     for key in names:
-        chosen = {n: m for n, m in model.named_modules() if n == key or n.endswith("." + key)}
+        chosen = {n: m for n, m in model.named_modules() if (n == key or n.endswith("." + key))
+                  and not (skip is not None and n.startswith(skip + "."))}
         wrong = sorted({f"{n} ({type(m).__name__})" for n, m in chosen.items() if n not in linear})
         if not chosen or wrong:
             found = f"it selects {', '.join(wrong[:3])}, not a linear layer of a decoder layer" if wrong else \
@@ -221,19 +226,34 @@ def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dt
         return torch.addmm(base.float(), b.float(), a.float(), alpha=scale).to(dtype)
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig, head: str, master_dtype: torch.dtype) -> Adapters:
-    """Injects adapters into `model` in place (see the module docstring); returns its `Adapters`."""
+def default_names(model: torch.nn.Module, targets: dict[str, torch.nn.Linear]) -> list[str]:
+    """peft's `target_modules` for every linear layer of the decoder layers: their last name pieces (q_proj, ...),
+    or, where a piece also names a module outside them (a vision tower's `patch_embed.proj` beside its blocks'
+    `attn.proj`), their qualified names."""
+    short = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in targets))
+    if any(n not in targets and n.rsplit(".", 1)[-1] in short for n, _ in model.named_modules()):
+        return list(targets)
+    return short
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, head: str, master_dtype: torch.dtype,
+               skip: str | None = None) -> Adapters:
+    """Injects adapters into `model` in place (see the module docstring); returns its `Adapters`. `skip`: a module
+    left without adapters, frozen (a vision-language model's tower with `model.freeze_vision`)."""
     if cfg.init not in INITS:
         raise ValueError(f"lora.init={cfg.init!r} is not valid; valid: {', '.join(INITS)}")
-    targets = resolve_targets(model, list(cfg.target_modules))
-    names = target_names(cfg.target_modules) or list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in targets))
+    targets = resolve_targets(model, list(cfg.target_modules), skip)
+    names = target_names(cfg.target_modules) or default_names(model, targets)
     parameters = list(cfg.target_parameters)
     resolve_parameters(model, parameters)  # refuses a name that selects no expert weight, naming those that could
     if parameters and cfg.dropout:
         raise ValueError(f"lora.dropout={cfg.dropout} cannot apply to expert weights (lora.target_parameters="
                          f"{parameters}): peft adds their update to the weight, not to each input; use lora.dropout=0")
+    # peft matches `exclude_modules` as a regular expression over qualified names: everything under `skip`
+    exclude = re.escape(skip) + r"\..*" if skip is not None else None
     config = _peft().LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names,
-                                target_parameters=parameters or None, init_lora_weights=INITS[cfg.init], bias="none")
+                                target_parameters=parameters or None, init_lora_weights=INITS[cfg.init], bias="none",
+                                exclude_modules=exclude)
     model.requires_grad_(False)
     _peft().inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -288,13 +308,15 @@ def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -
     """The model of Hugging Face `config` on the meta device (no memory): a causal LM, or a value model."""
     import copy
 
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
+
+    from hybridflow.utils.lm_class import lm_auto_class
 
     if head == "value":
         config = copy.copy(config)
         config.num_labels = 1
     with torch.device("meta"):
-        auto = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
+        auto = lm_auto_class(config) if head == "lm" else AutoModelForTokenClassification
         return auto.from_config(config, trust_remote_code=trust_remote_code)
 
 

@@ -76,12 +76,13 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     `[*, 1]` logits per position) or a reward model (`head="score"`: the critic's outputs, no bias).
     With `gradient_checkpointing` each decoder layer recomputes its activations in the backward (non-reentrant
     `torch.utils.checkpoint`), under `recompute_contexts` (its `context_fn`) where given."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     from hybridflow.engine.train import attention
     from hybridflow.engine.train.head import install_log_prob_head
     from hybridflow.engine.train.kernels import fuse_rms_norms
     from hybridflow.engine.train.packed_deltanet import install_packed_deltanet
+    from hybridflow.utils.lm_class import lm_auto_class
 
     if head not in HEADS:
         raise ValueError(f"model head {head!r} is not valid; valid: {', '.join(HEADS)}")
@@ -91,7 +92,9 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation,
                                   trust_remote_code=trust_remote_code)
     if head == "lm":
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        # a vision-language model's vision tower comes with it (its inputs: `vision_forward`)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = lm_auto_class(config).from_pretrained(path, **kwargs)
     else:
         config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
         config.token_classification_bias = head == "value"

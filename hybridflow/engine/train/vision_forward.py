@@ -1,0 +1,62 @@
+"""A vision-language model (Qwen2.5-VL) in the training engine: its vision tower, frozen or trained
+(`model.freeze_vision`), and the inputs of its forward: each row's images and its multimodal rotary positions.
+
+`vision_tower(model)` names the tower (the module built from the config's `vision_config`). With `freeze_vision` the
+trainer trains the language model alone: a full fine-tune leaves the tower's weights without gradients or optimizer
+state, and LoRA gives adapters to the language model's linear layers only (`lora.apply_lora`'s `skip`); without it
+the tower trains too (LoRA: adapters on its linear layers as well).
+
+The rows of a vision batch carry their images as `pixel_values` / `image_grid_thw` tensors (`VisionInputs.pad_rows`,
+repeated with their prompt for its samples), so the actor's, the reference's and the update's forwards see the pixels
+the rollout engine prefilled with. `vision_kwargs` turns a micro-batch's rows into the model's keyword arguments: the
+images of its rows one after another, and the 3-D (temporal / height / width) position ids of the whole rows, prompt
+and response, from the model's own `get_rope_index` (what the rollout engine's prefill and decode used, so log-probs
+agree with it and with a transformers forward: tests/engine/test_vision_forward.py). Vision rows run in the padded
+layout: packed rows would need the multimodal positions of several sequences in one row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs
+
+
+def vision_tower(model: torch.nn.Module) -> str | None:
+    """The qualified name of a vision-language model's vision tower (`model.visual` in Qwen2.5-VL); None for a text
+    model."""
+    vision_config = getattr(model.config, "vision_config", None)
+    if vision_config is None:
+        return None
+    return next(name for name, module in model.named_modules() if getattr(module, "config", None) is vision_config)
+
+
+def freeze_tower(model: torch.nn.Module, name: str) -> int:
+    """Leave the module `name`'s weights out of training; returns how many parameters that froze."""
+    tower = model.get_submodule(name)
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
+def has_images(mb: dict[str, torch.Tensor]) -> bool:
+    """Whether a micro-batch's rows carry images."""
+    return VISION_KEYS[0] in mb
+
+
+def vision_kwargs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, mb: dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`pixel_values` (in `dtype`), `image_grid_thw` and the [3, B, L] `position_ids` of padded rows `input_ids` /
+    `attention_mask` [B, L] (on the model's device) whose images are `mb`'s."""
+    rows = [v for v in VisionInputs.unpad_rows(mb["pixel_values"], mb["image_grid_thw"]) if v is not None]
+    inner = model.model  # the VLM's base model: vision tower, language model and the rope index
+    config = model.config
+    grid = torch.cat([v.image_grid_thw for v in rows]).to(input_ids.device) if rows else None
+    positions, _ = inner.get_rope_index(input_ids, (input_ids == config.image_token_id).int(), grid,
+                                        attention_mask=attention_mask)
+    out: dict[str, torch.Tensor] = {"position_ids": positions}
+    if rows:
+        out["pixel_values"] = torch.cat([v.pixel_values for v in rows]).to(input_ids.device, dtype)
+        out["image_grid_thw"] = grid  # type: ignore[assignment]  # rows is non-empty here, so grid is a tensor
+    return out

@@ -1,0 +1,39 @@
+"""Which transformers Auto class builds a model with its language-model head: a vision-language model's
+(`AutoModelForImageTextToText`: Qwen2.5-VL's vision tower, language model and head) or a causal LM's
+(`AutoModelForCausalLM`). Every place that loads, sizes, checkpoints or exports the policy asks here, so a
+vision-language model takes the same paths as a text one; `vision_model_type` tells a vision-language model's
+directory from its config.json alone (the config checks ask it before anything loads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_vision_config(config: Any) -> bool:
+    """Whether a transformers config is a vision-language model's (it has a `vision_config`)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def lm_auto_class(config: Any) -> Any:
+    """The Auto class of `config`'s model with its language-model head."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if is_vision_config(config) else transformers.AutoModelForCausalLM
+
+
+def vision_model_type(path: str | None) -> str | None:
+    """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
+    None for a text model, a hub id or a missing directory (the pre-load checks name a missing one)."""
+    import json
+    from pathlib import Path
+
+    config = Path(str(path or "")) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        fields = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(fields, dict) and "vision_config" in fields:
+        return str(fields.get("model_type"))
+    return None

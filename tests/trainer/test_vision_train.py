@@ -1,0 +1,164 @@
+"""GRPO on a tiny random Qwen2.5-VL with geo3k-format data (`recipes/geo3k_vl.yaml`): prompts as chat messages with
+`<image>`, an `images` column of PNG bytes drawn with PIL, `reward_model.ground_truth`; bad image rows are refused
+before training with the row named."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pandas as pd
+import pytest
+import yaml
+from PIL import Image, ImageDraw
+
+from hybridflow.config.loader import load_config
+from hybridflow.config.validate import ConfigError
+from hybridflow.data.files import DataError
+from hybridflow.trainer.rl import train
+from rl_helpers import read_metrics, reward_file
+
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 230), "yellow": (230, 220, 30)}
+
+
+def png(color, size=(56, 84)) -> bytes:
+    image = Image.new("RGB", size, COLORS[color])
+    ImageDraw.Draw(image).ellipse((8, 8, 40, 40), outline=(0, 0, 0))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def geo3k_rows(colors):
+    return [{"data_source": "hiyouga/geometry3k",
+             "prompt": [{"role": "user", "content": "<image>Which color fills the picture? Answer in \\boxed{}."}],
+             "images": [{"bytes": png(c)}], "ability": "math", "reward_model": {"style": "rule", "ground_truth": c},
+             "extra_info": {"index": i}} for i, c in enumerate(colors)]
+
+
+def write(rows, path):
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def overrides(model, train_file, out, *extra):
+    return [f"model.path={model}", f"data.train_files={train_file}", "data.train_batch_size=2",
+            "data.max_prompt_length=128", "data.max_response_length=6", "rollout.n=2", "actor.lr=1e-3",
+            "actor.mini_batch_size=null", "trainer.total_steps=2", "trainer.val_every=0",
+            "trainer.val_before_train=false", "trainer.save_every=0", "reward.num_workers=1",
+            f"trainer.output_dir={out}", *extra]
+
+
+def test_grpo_trains_two_steps_on_geo3k_format_images(tiny_vlm, tmp_path):
+    train_file = write(geo3k_rows(["red", "green", "blue", "yellow"]), tmp_path / "train.parquet")
+    out = tmp_path / "run"
+    cfg = load_config(overrides(tiny_vlm, train_file, out, "data.image_key=null",
+                                f"reward.function={reward_file(tmp_path)}"), "recipes/geo3k_vl.yaml")
+    with pytest.raises(ConfigError, match="data.image_key=null: model.path=.* is a vision-language model"):
+        train(cfg)
+    with pytest.raises(ConfigError, match="a critic for the vision-language model qwen2_5_vl is not supported"):
+        train(load_config(overrides(tiny_vlm, train_file, out, "algorithm.adv_estimator=gae"), "recipes/geo3k_vl.yaml"))
+    with pytest.raises(ConfigError, match=r"rollout.exact=True: a vision-language model's rollout .* has no such"):
+        train(load_config(overrides(tiny_vlm, train_file, out, "rollout.exact=true"), "recipes/geo3k_vl.yaml"))
+    cfg = load_config(overrides(tiny_vlm, train_file, out, f"reward.function={reward_file(tmp_path)}"),
+                      "recipes/geo3k_vl.yaml")
+    train(cfg)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0
+        assert row["response_length/mean"] > 0
+    resolved = yaml.safe_load((out / "resolved_config.yaml").read_text())
+    assert resolved["rollout"]["engine"] == "vision" and resolved["data"]["image_key"] == "images"
+
+
+def test_image_key_follows_for_a_vision_model(tiny_vlm, tmp_path):
+    from hybridflow.config.follow import followed_lines
+
+    cfg = load_config(overrides(tiny_vlm, tmp_path / "train.parquet", tmp_path / "run"), "recipes/grpo.yaml")
+    assert cfg.data.image_key == "images"
+    assert any(line.startswith("data.image_key=images: model.path is a vision-language model (qwen2_5_vl)")
+               for line in followed_lines(cfg))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("undecodable", r"row 1, image 0: the image does not decode"),
+    ("count", r"row 1: the prompt has 2 '<image>' placeholder\(s\) for 1 image\(s\)"),
+    ("too_big", r"row 1, image 0: 2000x2000 = 4000000 pixels, over the image processor's limit"),
+])
+def test_bad_image_rows_are_refused_before_training(case, match, tiny_vlm, tmp_path):
+    rows = geo3k_rows(["red", "green"])
+    if case == "undecodable":
+        rows[1]["images"] = [{"bytes": b"not an image"}]
+    elif case == "count":
+        rows[1]["prompt"] = [{"role": "user", "content": "<image> and <image>?"}]
+    else:
+        buf = io.BytesIO()
+        Image.new("RGB", (2000, 2000)).save(buf, "PNG")
+        rows[1]["images"] = [{"bytes": buf.getvalue()}]
+    train_file = write(rows, tmp_path / "train.parquet")
+    with pytest.raises(DataError, match=match):
+        train(load_config(overrides(tiny_vlm, train_file, tmp_path / "run"), "recipes/geo3k_vl.yaml"))
+
+
+LORA = ("actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=5e-2")
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_lora_grpo_on_a_vlm_exports_an_adapter_and_a_merged_model(freeze, tiny_vlm, tmp_path):
+    """LoRA on the language model, the vision tower frozen (`model.freeze_vision`, the default) or given adapters
+    too; the checkpoint exports as a peft adapter and a merged model, both of which load in transformers / peft and
+    compute the trained policy's log-probs."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from hybridflow.checkpoint import main_export
+    from hybridflow.data.image_prompts import VisionPrompts
+
+    train_file = write(geo3k_rows(["red", "green", "blue", "yellow"]), tmp_path / "train.parquet")
+    out = tmp_path / "run"
+    train(load_config(overrides(tiny_vlm, train_file, out, *LORA, f"model.freeze_vision={str(freeze).lower()}",
+                                "trainer.save_every=2", f"reward.function={reward_file(tmp_path)}"),
+                      "recipes/geo3k_vl.yaml"))
+    assert main_export([str(out), str(tmp_path / "adapter")]) == 0
+    assert main_export([str(out), str(tmp_path / "merged"), "--merge"]) == 0
+    assert (tmp_path / "merged" / "preprocessor_config.json").is_file()  # the merged model takes images as before
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
+    changed = {n for n, p in merged.state_dict().items() if not torch.equal(p, base.state_dict()[n])}
+    assert any(".language_model." in n for n in changed)
+    assert any(".visual." in n for n in changed) is not freeze
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_vlm), tmp_path / "adapter")
+    prompts = VisionPrompts.from_pretrained(str(tmp_path / "merged"), AutoTokenizer.from_pretrained(tmp_path / "merged"))
+    ids, vision = prompts.encode("<image> which color?", [{"bytes": png("blue")}], "test row")
+    inputs = dict(input_ids=torch.tensor([ids]), mm_token_type_ids=(torch.tensor([ids]) == base.config.image_token_id)
+                  .int(), **vision.model_kwargs())
+    with torch.no_grad():
+        logp = [m(**inputs).logits.log_softmax(-1) for m in (peft_model, merged, base)]
+    torch.testing.assert_close(logp[0], logp[1], atol=1e-4, rtol=0)
+    assert (logp[1] - logp[2]).abs().max() > 1e-3  # the exported policy is the trained one, not the base
+
+
+def test_rounds_with_different_image_sizes_concatenate_with_their_images():
+    """Dynamic sampling's rounds come from different prompt batches: their images (padded per batch to its largest)
+    concatenate, each row keeping its own pixels."""
+    import torch
+
+    from hybridflow.batch import Batch
+    from hybridflow.data.image_prompts import VisionInputs
+    from hybridflow.trainer.step_math import concat_rounds
+
+    small = VisionInputs(torch.randn(4, 6), torch.tensor([[1, 2, 2]]))
+    large = VisionInputs(torch.randn(12, 6), torch.tensor([[1, 2, 2], [1, 2, 4]]))
+
+    def round_of(vision, prompt):
+        prompts = torch.tensor([prompt])
+        return Batch({"prompts": prompts, "attention_mask": torch.ones_like(prompts), **VisionInputs.pad_rows([vision])},
+                     {"uid": [str(prompt)]})
+
+    merged = concat_rounds([round_of(small, [5, 6]), round_of(large, [7, 8, 9])], pad_id=0)
+    rows = VisionInputs.unpad_rows(merged["pixel_values"], merged["image_grid_thw"])
+    for got, want in zip(rows, (small, large)):
+        assert got is not None and torch.equal(got.pixel_values, want.pixel_values)
+        assert torch.equal(got.image_grid_thw, want.image_grid_thw)
