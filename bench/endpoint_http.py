@@ -32,8 +32,8 @@ from pathlib import Path
 
 from bench_util import write_json
 
-from hybridflow.agents.endpoint import Endpoint
-from hybridflow.agents.http_server import JSONServer
+from hybridflow.agents.endpoint.http_server import JSONServer
+from hybridflow.agents.endpoint.routes import Endpoint
 from hybridflow.engine.rollout import Completion, SamplingParams
 
 TOKEN = "bench-token"
@@ -87,7 +87,7 @@ def _clients(port: int, keys: dict[int, str], turns: int, big_mb: float, out) ->
     [(trajectory, seconds)] and the wall time."""
     import openai
 
-    from hybridflow.agents.runner_child import http_client
+    from hybridflow.agents.endpoint.runner_child import http_client
 
     async def main() -> tuple[list, float]:
         http = http_client(openai)

@@ -49,8 +49,8 @@ import torch
 from bench_util import write_json
 
 from hybridflow.agents import Environment, EnvStep
-from hybridflow.agents import agent_loop
-from hybridflow.agents.engine_driver import EngineDriver
+from hybridflow.agents.loop import agent_loop
+from hybridflow.agents.loop.engine_driver import EngineDriver
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 
 
@@ -165,7 +165,7 @@ def run_endpoint(engine, tokenizer, budget: int, turns: int, turn_tokens: int, r
                  runner_processes: int | None, big_mb: float = 0.0) -> dict:
     """Run 4: the episodes through the endpoint (`EndpointRollout` with `bench/endpoint_agent.py:feedback`); with
     `big_mb`, row 0's trajectories send a message of that many MB (its latency is left out of `request_s_*`)."""
-    from hybridflow.agents.endpoint_rollout import EndpointRollout
+    from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
     from hybridflow.config.schema import AgentConfig
 
     cfg = AgentConfig(runner=f"{Path(__file__).resolve().parent / 'endpoint_agent.py'}:feedback",

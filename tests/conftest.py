@@ -110,7 +110,7 @@ def _train_tool_calling_model(out):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridflow.agents.toolset import ToolSet
+    from hybridflow.agents.tools.toolset import ToolSet
     from hybridflow.utils.tiny_model import build_tiny_model
 
     path = build_tiny_model(out, train_texts=[TOOL_CALL] * 50, vocab_size=400)

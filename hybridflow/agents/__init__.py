@@ -1,19 +1,15 @@
-"""Multi-turn episodes on the rollout engine: environments, tools and the agent loop.
+"""Multi-turn episodes on the rollout engine, one subpackage per concern:
 
-- `environment`: the `Environment` protocol (`step(text, turn) -> EnvStep`), loaded from
-  `agent.environment=path/to/file.py:Class`.
-- `tools` / `toolset`: the `Tool` protocol and the run's tools (built-ins `calculator` and `python`, or
-  `file.py:Class`); `parsing`: Hermes / Qwen `<tool_call>` blocks; `calculator`, `sandbox` (+
-  `sandbox_child`, `sandbox_seccomp`): the built-ins.
-- `verl_tools`, `verl_interaction`: verl's tool config YAML / `BaseTool` classes and its `BaseInteraction`
-  classes / interaction config YAML, behind the tool and environment protocols.
-- `host` / `host_process`: the process where environments and tools run, apart from the rollout.
-- `rendering`: the chat template's ids for new messages; `trajectory`: an episode as token ids, mask
-  and log-probs; `driver`: the engine session under asyncio; `loop`: `AgentLoop`, which runs them.
-- The OpenAI-compatible endpoint: `endpoint` (routes; `openai_wire`: the wire format; `http_server`;
-  `stitching`: a trajectory's requests as one token sequence; `token_check`), `endpoint_rollout` (runners
-  in the runner process: `runner_host`, `runner_child`), the adapters `gym_runner`, `verifiers_runner`,
-  `openenv_runner`, and `episodes` (which rollout a run uses).
+- `loop/`: the in-process episode loop (`AgentLoop`) and what the endpoint shares with it: the engine's
+  session under asyncio, the chat template's ids for new messages, `Trajectory`, the `Environment`
+  protocol, and the process where environments and tools run (`host`, `host_process`).
+- `endpoint/`: the OpenAI-compatible endpoint (routes, wire format, HTTP server, a trajectory's requests
+  stitched into one token sequence) and `EndpointRollout`, agent runners driving it from their own process.
+- `adapters/`: Gymnasium, verifiers and OpenEnv environments through the endpoint; verl's tools and
+  interactions in the loop.
+- `tools/`: the `Tool` protocol, the run's tools, `<tool_call>` parsing, the built-in calculator and the
+  sandboxed Python executor.
+- `episodes`: which of the two rollouts (`AgentLoop`, `EndpointRollout`) a run uses.
 
 Imports only `engine/rollout`, `data` and `utils`; the rollout worker drives it (docs/agents.md). The
 names below are imported on first use, so the processes that run user code (`host_process`,
@@ -23,8 +19,9 @@ names below are imported on first use, so the processes that run user code (`hos
 import importlib
 from typing import Any
 
-_EXPORTS = {"AgentLoop": "agent_loop", "EnvStep": "environment", "Environment": "environment", "Tool": "tools",
-            "ToolContext": "tools", "ToolResult": "tools", "Trajectory": "trajectory"}
+_EXPORTS = {"AgentLoop": "loop.agent_loop", "EnvStep": "loop.environment", "Environment": "loop.environment",
+            "Tool": "tools.tool", "ToolContext": "tools.tool", "ToolResult": "tools.tool",
+            "Trajectory": "loop.trajectory"}
 
 __all__ = sorted(_EXPORTS)
 

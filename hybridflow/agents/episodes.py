@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from hybridflow.agents.endpoint_rollout import EndpointRollout
-from hybridflow.agents.agent_loop import AgentLoop
+from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
+from hybridflow.agents.loop.agent_loop import AgentLoop
 
 
 def _kwargs(value: Any) -> dict[str, Any]:
@@ -39,13 +39,14 @@ def runner_of(agent_cfg: Any) -> tuple[str, dict[str, Any]] | None:
     if agent_cfg.runner:
         return agent_cfg.runner, env_kwargs
     if agent_cfg.verifiers:
-        return "hybridflow.agents.verifiers_runner:run", {"env": agent_cfg.verifiers, "env_args": env_kwargs}
+        return "hybridflow.agents.adapters.verifiers_runner:run", {"env": agent_cfg.verifiers, "env_args": env_kwargs}
     if agent_cfg.gym:
-        return "hybridflow.agents.gym_runner:run", {"env": agent_cfg.gym, "env_kwargs": env_kwargs,
-                                                    "max_turns": agent_cfg.max_turns}
+        return "hybridflow.agents.adapters.gym_runner:run", {"env": agent_cfg.gym, "env_kwargs": env_kwargs,
+                                                             "max_turns": agent_cfg.max_turns}
     if agent_cfg.openenv:
-        return "hybridflow.agents.openenv_runner:run", {"client_class": agent_cfg.openenv, "env_kwargs": env_kwargs,
-                                                        "max_turns": agent_cfg.max_turns}
+        return "hybridflow.agents.adapters.openenv_runner:run", {"client_class": agent_cfg.openenv,
+                                                                 "env_kwargs": env_kwargs,
+                                                                 "max_turns": agent_cfg.max_turns}
     return None
 
 

@@ -133,7 +133,7 @@ def path_problems(cfg: Any) -> list[str]:
         key = "reward.functions" if cfg.reward.functions else "reward.function"
         why = f"importing it raised SystemExit({e.code!r})" if isinstance(e, SystemExit) else str(e)
         problems.append(f"{key}={config_value(cfg, key)!r}: {why}")
-    from hybridflow.agents.host import tool_schemas
+    from hybridflow.agents.loop.host import tool_schemas
 
     for way in ENDPOINT_WAYS:  # user code runs in the runner process only: here its file must exist
         spec = getattr(cfg.agent, way) or ""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybridflow import algorithms
-from hybridflow.agents.host import tool_schemas
+from hybridflow.agents.loop.host import tool_schemas
 from hybridflow.batch import Batch
 from hybridflow.config.resolved import resolve_facts
 from hybridflow.config.validate import ConfigError, validate

@@ -2,7 +2,7 @@
 and what they set up first. They die with the process that started them, even one killed by SIGKILL, and
 what the user code prints is capped per call, so a loop of prints cannot flood the run's logs.
 
-    process, conn = spawn_module("hybridflow.agents.host_process")   # in the parent
+    process, conn = spawn_module("hybridflow.agents.loop.host_process")   # in the parent
     conn.send(plain(row))              # what crosses the pipe: builtins only
     conn = parent_connection()         # in the child: its end of the pipe; it now dies with the parent
     die_with_parent(parent_pid)        # a parent-death signal: SIGKILL when the parent is gone

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hybridflow.agents.episodes import build_episodes
-from hybridflow.agents.trajectory import STAT_FIELDS
+from hybridflow.agents.loop.trajectory import STAT_FIELDS
 from hybridflow.batch import Batch
 from hybridflow.config.schema import AgentConfig, RolloutConfig
 from hybridflow.data.loader import PROMPT_FIELDS

@@ -7,9 +7,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from hybridflow.agents.engine_driver import EngineDriver
-from hybridflow.agents.endpoint import Endpoint
-from hybridflow.agents.http_server import JSONServer
+from hybridflow.agents.endpoint.http_server import JSONServer
+from hybridflow.agents.endpoint.routes import Endpoint
+from hybridflow.agents.loop.engine_driver import EngineDriver
 from hybridflow.engine.rollout import Completion, SamplingParams
 from hybridflow.engine.rollout.session import Launched, Session
 

@@ -9,11 +9,11 @@ import re
 from pathlib import Path
 
 from endpoint_helpers import ScriptedDriver, client, serving
-from hybridflow.agents.environment import as_env_step, load_environment
-from hybridflow.agents.parsing import ToolCall
-from hybridflow.agents.tools import Scratch, ToolContext
-from hybridflow.agents.runner_child import load_runner
-from hybridflow.agents.toolset import ToolSet
+from hybridflow.agents.endpoint.runner_child import load_runner
+from hybridflow.agents.loop.environment import as_env_step, load_environment
+from hybridflow.agents.tools.parsing import ToolCall
+from hybridflow.agents.tools.tool import Scratch, ToolContext
+from hybridflow.agents.tools.toolset import ToolSet
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.utils.tiny_model import build_tokenizer
 

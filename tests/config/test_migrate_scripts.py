@@ -17,7 +17,7 @@ from hybridflow import cli
 from hybridflow.config import load_config
 from hybridflow.config.sft_schema import SFTConfig
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "agents"))  # the verl doubles the agent tests use
+sys.path.insert(0, str(Path(__file__).parents[1] / "agents" / "adapters"))  # the verl doubles the agent tests use
 from verl_doubles import verl_row, write_verl_files  # noqa: E402
 
 CORPUS = Path(__file__).parent / "verl_scripts"
@@ -170,7 +170,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, name, text, message):
 def test_a_verl_class_inside_a_package_is_imported_as_a_module(tmp_path, monkeypatch):
     """verl's tool configs name `verl.tools.gsm8k_tool.Gsm8kTool`, a module of a package with relative imports:
     run from a verl checkout's root, it is imported as part of its package, not executed as a lone file."""
-    from hybridflow.agents.verl_tools import load_class
+    from hybridflow.agents.adapters.verl_tools import load_class
 
     package = tmp_path / "checkout" / "mypkg" / "tools"
     package.mkdir(parents=True)

@@ -15,7 +15,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from hybridflow.agents.endpoint_rollout import EndpointRollout
+from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
 from hybridflow.agents.episodes import runner_of
 from hybridflow.config.loader import load_config
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
@@ -170,7 +170,7 @@ def test_agent_code_trains_through_the_endpoint(tiny_qwen2, tmp_path, monkeypatc
 
 
 def test_a_verifiers_environment_group_trains_two_steps(tool_calling_model, tmp_path, monkeypatch):
-    from hybridflow.agents.verifiers_runner import export_dataset
+    from hybridflow.agents.adapters.verifiers_runner import export_dataset
 
     env = write(tmp_path / "vf_env.py", VERIFIERS_ENV)
     assert export_dataset(str(env), str(tmp_path / "train.parquet")) == 3

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.agents.rendering import TurnRenderer
+from hybridflow.agents.loop.rendering import TurnRenderer
 from hybridflow.config.loader import load_config
 from hybridflow.trainer import step_math
 from hybridflow.trainer.rl import train
@@ -133,7 +133,7 @@ def test_tool_calls_through_training(tool_calling_model, tmp_path, monkeypatch):
 
 
 def test_feedback_retry_recipe_runs_and_its_environment_scores_attempts(tiny_qwen2, data_dir, tmp_path):
-    from hybridflow.agents.environment import load_environment
+    from hybridflow.agents.loop.environment import load_environment
 
     retry = load_environment("recipes/environments/feedback_retry.py:FeedbackRetry")
     env = retry({"ground_truth": "18"}, decay=0.5)

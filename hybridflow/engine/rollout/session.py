@@ -187,7 +187,7 @@ class Session:
     @torch.inference_mode()
     def launch(self) -> Launched | None:
         """`step`'s first half: queue its GPU work and return without waiting for it (None: nothing to run).
-        Until `collect`, the caller may do host work beside the GPU's (`hybridflow.agents.engine_driver` serves
+        Until `collect`, the caller may do host work beside the GPU's (`hybridflow.agents.loop.engine_driver` serves
         HTTP requests) and `add`, `extend`, `shorten` or `release` sequences, which touch only the queue and
         the held slots; the next `launch` admits what they queued."""
         if self.version != self.engine.weight_version:
