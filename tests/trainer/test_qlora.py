@@ -109,7 +109,8 @@ def test_a_capped_run_plans_within_the_cap_and_refuses_one_above_the_card(tiny_q
                "trainer.val_before_train=false")
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
     resolved = (tmp_path / "capped" / "resolved_config.yaml").read_text()
-    assert resolved.startswith("# device plan of actor: device budget 12.0 GiB of 80.0 GiB")
+    # the cap less the 1 GiB the CUDA context and libraries hold outside the allocator (cap.OUTSIDE_ALLOCATOR_BYTES)
+    assert resolved.startswith("# device plan of actor: device budget 11.0 GiB of 80.0 GiB")
     cfg = load_config([], tmp_path / "capped" / "resolved_config.yaml")
     assert cfg.trainer.device_memory_gib == 12 and cfg.actor.optimizer == "adamw"
 
