@@ -1,5 +1,5 @@
 """The device plan under `trainer.device_memory_gib` at the real Qwen2.5 shapes (1.5B, 7B), full and LoRA r32, bf16
-and NF4 bases, caps of 6 / 8 / 16 / 24 GiB on an 80 GiB card: what it chooses where the keys are silent
+and NF4 bases (with a bf16 or an FP8 rollout), caps of 6 / 8 / 16 / 24 GiB on an 80 GiB card: what it chooses where the keys are silent
 (checkpointing, the micro-batch token budget, the KV cache, 8-bit AdamW for `optimizer=auto`), what it refuses and
 the keys its refusals name; the 4-bit weights' bytes; the cap's own refusals and the allocator held to it."""
 
@@ -25,10 +25,10 @@ H100 = (80 * GIB, 80 * GIB)  # (free, total)
 
 
 def demand(name: str, cap: float, lora: bool = False, nf4: bool = False, master_bytes: int = 4,
-           rollout_offload: bool | None = None, **actor) -> DeviceDemand:
+           rollout_offload: bool | None = None, fp8: bool = False, **actor) -> DeviceDemand:
     """GRPO 16 x 8 of <= 512 + 512 tokens on one card (the actor, its colocated rollout engine) under a `cap`-GiB
     `trainer.device_memory_gib`, as `trainer.memory.device_demands` builds it; the optimizer, its offload and the
-    rollout's weight offload left to the plan unless given."""
+    rollout's weight offload left to the plan unless given; `fp8`: the rollout's projections in FP8."""
     config = AutoConfig.for_model("qwen2", **QWEN_SHAPES[name])
     shape, adapters = ModelShape.from_config(config), LoraConfig(rank=32)
     quantized, largest = quantized_params(config, adapters) if nf4 else (0, 0)
@@ -37,7 +37,7 @@ def demand(name: str, cap: float, lora: bool = False, nf4: bool = False, master_
                        largest_quantized=largest, **{"optimizer": "auto", "optimizer_offload": None, **actor})
     shared = shareable_params(config, adapters) if lora and not actor.get("param_offload") else 0
     rollout = RolloutRole(shape, 2, max_num_seqs=256, max_model_len=1024, offload_weights=rollout_offload,
-                          shared_params=shared)
+                          shared_params=shared, fp8=fp8)
     return DeviceDemand(trained=(role,), rollout=rollout, longest_sequence=1024, memory_cap=int(cap * GIB))
 
 
@@ -83,6 +83,29 @@ def test_1_5b_lora_plans_at_8_16_and_24_gib():
     with pytest.raises(DoesNotFit) as err:  # 6 GiB: the rollout engine's bf16 copy alone is 2.4 GiB
         plan(demand("1.5b", 6, lora=True, nf4=True, rollout_offload=True), *H100)
     assert "generation: the KV cache gets 0 MiB" in str(err.value) and "trainer.n_workers" in str(err.value)
+
+
+def test_an_fp8_rollout_of_a_4_bit_base_fits_where_the_bf16_copy_does_not():
+    """`rollout.quantization=fp8` (what a 4-bit base under a cap follows to): the rollout's projections in a byte each
+    plus a scale per row, half the bf16 copy. 1.5B NF4 fits 8 GiB and 7 GiB again; 6 GiB is refused with its
+    arithmetic (the 1 GiB context, the 2 GiB allowance for fragmentation and the 1.5 GiB log-prob head chunk leave
+    the update 100 MiB); 7B NF4 fits 24 GiB with full 16,384-token micro-batches, and 16 GiB is short by one
+    sequence's KV cache."""
+    bf16, fp8 = demand("1.5b", 8, lora=True, nf4=True), demand("1.5b", 8, lora=True, nf4=True, fp8=True)
+    assert fp8.rollout.weight_bytes < 0.51 * bf16.rollout.weight_bytes  # 1.22 GiB against 2.44 GiB
+    at8 = plan(fp8, *H100)
+    assert at8.roles["actor"].max_tokens == 3918 and not at8.rollout_offload and 0.7 * GIB < at8.kv_cache_bytes
+    at7 = plan(demand("1.5b", 7, lora=True, nf4=True, fp8=True), *H100)
+    assert at7.rollout_offload and at7.roles["actor"].optimizer_offload and at7.kv_cache_bytes > 0
+    with pytest.raises(DoesNotFit) as err:
+        plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True), *H100)
+    msg = str(err.value)
+    assert "100 MiB is left beside weights 1.1 GiB" in msg and "rollout weights 1.2 GiB" in msg
+    assert "Budget: 5.0 GiB (trainer.device_memory_gib=6 of the card's 80.0 GiB, less 1.0 GiB" in msg
+    at24 = plan(demand("7b", 24, lora=True, nf4=True, fp8=True), *H100)
+    assert at24.roles["actor"].max_tokens == 16384 and at24.kv_cache_bytes > 6 * GIB
+    with pytest.raises(DoesNotFit, match="rollout weights 6.1 GiB, generation workspace 2.8 GiB"):
+        plan(demand("7b", 16, lora=True, nf4=True, fp8=True), *H100)
 
 
 def test_1_5b_full_chooses_8_bit_adamw_then_an_offload_where_adamw_would_not_fit():
