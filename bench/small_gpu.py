@@ -13,6 +13,12 @@ runs out of memory or runs out of time is recorded in the JSON with the tail of 
 Per setting: the keys it sets, the cap and the issue's ceiling, seconds per step, the allocator's peak, the device's
 whole used memory (sampled every 50 ms: the CUDA context and memory outside the allocator included), and where the
 issue asks for it the step against the uncapped one. Prints a table and writes JSON (`--out`).
+
+What the plan assumes lies outside the allocator (`hybridflow.engine.budget.cap.OUTSIDE_ALLOCATOR_BYTES`, subtracted
+from the cap) is checked here: `context_gib` is the device's used memory once the process's CUDA context exists,
+before any tensor (`torch.cuda.mem_get_info`; the device holds nothing else); `allocator_reserved_peak_gib` the
+caching allocator's reserved peak; `device_over_cap_gib` the device's peak less the cap, which is at most 0 when
+the cap holds the whole process (context, libraries, the KV cache mapped outside the allocator included).
 """
 
 from __future__ import annotations
@@ -88,10 +94,19 @@ def child(a: argparse.Namespace) -> None:
                     151936 if a.device == "cuda" else None, a.device)
         return
     shape, keys, cap, _, _ = SETTINGS[a.child]
+    context = None
+    if a.device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()  # the first CUDA call: the context exists, no tensor yet
+        context = (total - free) / 2**30
     watch = DeviceMemoryWatch() if a.device == "cuda" else None
     result = run_hybridflow(run_args(a, work, keys, cap))
     result["peak_device_memory_gb"] = watch.stop() if watch is not None else None
     result["peak_memory_gb"] = peak_memory_gb(a.device)
+    result["context_gib"] = context
+    if a.device == "cuda":
+        result["allocator_reserved_peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
     Path(a.result).write_text(json.dumps(result))
 
 
@@ -121,6 +136,10 @@ def summary(name: str, r: dict) -> dict:
            "phases_s_all": r["phases_s"]}
     if ceiling is not None:  # the whole device's use where it was sampled (what a card of that size must hold)
         out["within_ceiling"] = (r["peak_device_memory_gb"] or r["peak_memory_gb"]) <= ceiling
+    out["context_gib"] = r.get("context_gib")
+    out["allocator_reserved_peak_gib"] = r.get("allocator_reserved_peak_gib")
+    if cap is not None and r["peak_device_memory_gb"] is not None:  # > 0: memory outside the cap's hold
+        out["device_over_cap_gib"] = r["peak_device_memory_gb"] - cap
     return out
 
 
@@ -179,14 +198,16 @@ def main() -> None:
               "settings": {k: v for k, v in vars(a).items() if k in ("prompts", "n", "max_new_tokens", "steps", "set")},
               "results": results}
     print(f"\n{'setting':<22}{'cap GiB':>8}{'ceiling':>8}{'s/step':>9}{'peak GiB':>10}{'device GiB':>11}"
-          f"{'x uncapped':>11}")
+          f"{'over cap':>9}{'context':>8}{'x uncapped':>11}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<22} failed: {r['error']} (stderr tail in the JSON)")
             continue
         ratio = f"{r['step_over_uncapped']:.2f}" if "step_over_uncapped" in r else "-"
+        over = f"{r['device_over_cap_gib']:.2f}" if "device_over_cap_gib" in r else "-"
+        context = f"{r['context_gib']:.2f}" if r.get("context_gib") is not None else "-"
         print(f"{name:<22}{r['device_memory_gib'] or '-':>8}{r['ceiling_gib'] or '-':>8}{r['step_s_median']:>9.2f}"
-              f"{r['peak_memory_gb']:>10.2f}{r['peak_device_memory_gb'] or 0:>11.2f}{ratio:>11}")
+              f"{r['peak_memory_gb']:>10.2f}{r['peak_device_memory_gb'] or 0:>11.2f}{over:>9}{context:>8}{ratio:>11}")
     write_json(report, a.out or HERE / "results" / f"small_gpu_{a.device}.json")
 
 

@@ -5,6 +5,7 @@ for this choice); a key that was set keeps its value, and the checks (`hybridflo
 naming both keys, before any model loads.
 
     hybridflow train ... rollout.partial=true     # rollout.free_cache_after_generate follows: false
+    hybridflow train ... model.quantization=nf4 trainer.device_memory_gib=6    # rollout.quantization follows: fp8
 
 `followed_lines(cfg)` says which keys of a config hold the value another key asks for, and why (whether they
 followed or were set so: the config alone does not tell): `hybridflow config` prints them, and a run writes them
@@ -16,9 +17,11 @@ default, so nothing follows there.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
+from hybridflow.config.fp8_checks import fp8_problems
 from hybridflow.config.ray_schema import PoolConfig, RayConfig
 from hybridflow.config.role_needs import ENDPOINT_WAYS
 from hybridflow.config.validate import changed_keys
@@ -112,6 +115,19 @@ def _vision_model(cfg: Any) -> str | None:
     return f"model.path is a vision-language model ({model_type}) whose prompts carry images" if model_type else None
 
 
+def _nf4_under_cap(cfg: Any) -> str | None:
+    """A 4-bit base on a capped card samples from FP8 weights, where the FP8 rollout can run (`fp8_checks` finds no
+    problem with it: a CUDA GPU of sm_89+, the fast engine, no exact mode, a dense model)."""
+    cap = cfg.trainer.device_memory_gib
+    if cfg.model.quantization != "nf4" or cap is None:
+        return None
+    fp8 = SimpleNamespace(rollout=replace(cfg.rollout, quantization="fp8"), trainer=cfg.trainer, model=cfg.model)
+    if fp8_problems(fp8):
+        return None
+    return (f"model.quantization=nf4 under trainer.device_memory_gib={cap:g}: the rollout keeps FP8 weights made at "
+            f"each sync from the 4-bit base plus the adapters, half a bf16 copy's bytes (docs/small_gpus.md)")
+
+
 def _bf16_master(model: str) -> Callable[[Any], str | None]:
     def because(cfg: Any) -> str | None:
         if _value(cfg, f"{model}.master_dtype") == "bf16":
@@ -136,6 +152,9 @@ FOLLOWS: tuple[Follows, ...] = (
     Follows("rollout.placement", "separate", _separate_rollout,
             "`rollout.pipeline=true`, `rollout.n_workers` is set, or a `ray.rollout.*` key differs from its default"),
     Follows("trainer.backend", "ray", _ray_cluster, "a `ray.*` key differs from its default"),
+    Follows("rollout.quantization", "fp8", _nf4_under_cap,
+            "`model.quantization=nf4` with `trainer.device_memory_gib` set, where the FP8 rollout can run (a CUDA GPU "
+            "of sm_89 or newer, the fast engine, not exact mode, a dense model)"),
     Follows("actor.rollout_correction.mode", "token_tis", _fp8_rollout, "`rollout.quantization=fp8`"),
     Follows("actor.optimizer", "adamw_8bit", _bf16_master("model"), "`model.master_dtype=bf16`"),
     Follows("data.image_key", "images", _vision_model, "`model.path` is a vision-language model (Qwen2.5-VL)"),

@@ -64,7 +64,9 @@ class ModelConfig(FrozenModelConfig):
     quantization: str = opt("none", "storage of the frozen base weights of a LoRA role: none (the compute dtype) "
                                     "or nf4 (4-bit NormalFloat, torchao; QLoRA: the adapted linear layers' weights "
                                     "in 4 bits, dequantized for each forward; needs lora.rank > 0; the rollout "
-                                    "engine keeps a bf16 copy: docs/small_gpus.md)", QUANTIZATIONS)
+                                    "engine keeps a bf16 copy, or FP8 weights with rollout.quantization=fp8, which "
+                                    "follows under trainer.device_memory_gib where it can run: docs/small_gpus.md)",
+                            QUANTIZATIONS)
 
 
 @dataclass
@@ -130,7 +132,9 @@ class RolloutConfig:
                                     "GEMMs in FP8: about half the weight bytes a decode step reads. CUDA sm_89+ "
                                     "(Ada, Hopper), fast engine, dense models, not with rollout.exact; its log-probs "
                                     "differ more from the trainer's: actor.rollout_correction.mode follows to "
-                                    "token_tis when unset (docs/rollout.md#fp8-rollout)", ("none", "fp8"))
+                                    "token_tis when unset (docs/rollout.md#fp8-rollout). Follows to fp8 when unset "
+                                    "with model.quantization=nf4 under trainer.device_memory_gib, where it can run "
+                                    "(docs/small_gpus.md)", ("none", "fp8"))
     record_routes: bool = opt(False, "mixture of experts: record the experts every token was routed to in each "
                                      "sparse layer (the batch's rollout_routes), for actor.router_replay and the "
                                      "router/* agreement metrics (docs/moe.md); fast engine, single-turn")

@@ -1,5 +1,5 @@
 """The device plan under `trainer.device_memory_gib` at the real Qwen2.5 shapes (1.5B, 7B), full and LoRA r32, bf16
-and NF4 bases, caps of 6 / 8 / 16 / 24 GiB on an 80 GiB card: what it chooses where the keys are silent
+and NF4 bases (with a bf16 or an FP8 rollout), caps of 6 / 8 / 16 / 24 GiB on an 80 GiB card: what it chooses where the keys are silent
 (checkpointing, the micro-batch token budget, the KV cache, 8-bit AdamW for `optimizer=auto`), what it refuses and
 the keys its refusals name; the 4-bit weights' bytes; the cap's own refusals and the allocator held to it."""
 
@@ -15,6 +15,7 @@ from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.budget import (NF4_BYTES, DeviceDemand, DoesNotFit, ModelShape, RolloutRole, TrainedRole,
                                       check_weights_fit, plan)
 from hybridflow.engine.budget import cap as cap_module
+from hybridflow.engine.budget.cap import OUTSIDE_ALLOCATOR_BYTES
 from hybridflow.engine.train.lora import shareable_params, trainable_params
 from hybridflow.engine.train.quantized_base import quantized_params
 from hybridflow.utils.model_shapes import QWEN_SHAPES
@@ -24,10 +25,10 @@ H100 = (80 * GIB, 80 * GIB)  # (free, total)
 
 
 def demand(name: str, cap: float, lora: bool = False, nf4: bool = False, master_bytes: int = 4,
-           rollout_offload: bool | None = None, **actor) -> DeviceDemand:
+           rollout_offload: bool | None = None, fp8: bool = False, **actor) -> DeviceDemand:
     """GRPO 16 x 8 of <= 512 + 512 tokens on one card (the actor, its colocated rollout engine) under a `cap`-GiB
     `trainer.device_memory_gib`, as `trainer.memory.device_demands` builds it; the optimizer, its offload and the
-    rollout's weight offload left to the plan unless given."""
+    rollout's weight offload left to the plan unless given; `fp8`: the rollout's projections in FP8."""
     config = AutoConfig.for_model("qwen2", **QWEN_SHAPES[name])
     shape, adapters = ModelShape.from_config(config), LoraConfig(rank=32)
     quantized, largest = quantized_params(config, adapters) if nf4 else (0, 0)
@@ -36,7 +37,7 @@ def demand(name: str, cap: float, lora: bool = False, nf4: bool = False, master_
                        largest_quantized=largest, **{"optimizer": "auto", "optimizer_offload": None, **actor})
     shared = shareable_params(config, adapters) if lora and not actor.get("param_offload") else 0
     rollout = RolloutRole(shape, 2, max_num_seqs=256, max_model_len=1024, offload_weights=rollout_offload,
-                          shared_params=shared)
+                          shared_params=shared, fp8=fp8)
     return DeviceDemand(trained=(role,), rollout=rollout, longest_sequence=1024, memory_cap=int(cap * GIB))
 
 
@@ -46,53 +47,77 @@ def test_nf4_weights_take_a_quarter_of_bf16_and_the_cap_is_the_budget():
     assert quantized == 28 * (2 * 3584 * 3584 + 2 * 3584 * 512 + 3 * 3584 * 18944)  # every adapted projection
     saved = bf16.trained[0].weight_bytes(1) - nf4.trained[0].weight_bytes(1)
     assert saved == pytest.approx(quantized * (2 - NF4_BYTES)) and 0.5 < NF4_BYTES < 0.52
-    assert plan(nf4, *H100).cap_bytes == 24 * GIB  # not gpu_memory_utilization x 80 GiB
+    # not gpu_memory_utilization x 80 GiB: the cap, less what the process holds outside the allocator
+    assert plan(nf4, *H100).cap_bytes == 24 * GIB - OUTSIDE_ALLOCATOR_BYTES == 23 * GIB
 
 
 def test_7b_bf16_lora_under_24_gib_recomputes_with_a_smaller_budget_once_the_copies_move_off():
     with pytest.raises(DoesNotFit) as err:  # the trainer's bf16 base and the rollout's own copy: 27 GiB
         plan(demand("7b", 24, lora=True), *H100)
-    assert "trainer.device_memory_gib=24 of the card's 80.0 GiB" in str(err.value)
+    assert "trainer.device_memory_gib=24 of the card's 80.0 GiB, less 1.0 GiB for the CUDA context" in str(err.value)
     assert "it fits with actor.param_offload=true" in str(err.value)  # the rollout's offload is the plan's own
     p = plan(demand("7b", 24, lora=True, param_offload=True), *H100)
     assert p.rollout_offload
     actor = p.roles["actor"]
-    assert actor.gradient_checkpointing and actor.max_tokens == 13490 and actor.optimizer == "adamw"
-    assert actor.peak_bytes <= 24 * GIB and p.generation_peak_bytes <= 24 * GIB
+    assert actor.gradient_checkpointing and actor.max_tokens == 10926 and actor.optimizer == "adamw"
+    assert actor.peak_bytes <= 23 * GIB and p.generation_peak_bytes <= 23 * GIB
 
 
 def test_7b_nf4_lora_fits_24_gib_alone_but_not_16_beside_the_rollouts_bf16_copy():
     p = plan(demand("7b", 24, lora=True, nf4=True), *H100)
     actor = p.roles["actor"]
-    assert actor.gradient_checkpointing and actor.max_tokens == 4804 and actor.optimizer == "adamw"
-    assert 1.0 * GIB < p.kv_cache_bytes < 1.5 * GIB  # what is left: less than 256 slots of 1,024 tokens need
+    assert actor.gradient_checkpointing and actor.max_tokens == 2240 and actor.optimizer == "adamw"
+    assert 0.1 * GIB < p.kv_cache_bytes < 0.25 * GIB  # what is left: far less than 256 slots of 1,024 tokens need
     with pytest.raises(DoesNotFit, match="rollout weights 12.2 GiB"):
         plan(demand("7b", 16, lora=True, nf4=True, rollout_offload=True), *H100)
 
 
 def test_1_5b_lora_plans_at_8_16_and_24_gib():
-    nf4 = plan(demand("1.5b", 8, lora=True, nf4=True), *H100)
-    assert nf4.roles["actor"].gradient_checkpointing and nf4.roles["actor"].max_tokens == 2663
-    assert 0.5 * GIB < nf4.kv_cache_bytes < 0.6 * GIB  # fewer slots than 256 fit: the engine queues the rest
+    with pytest.raises(DoesNotFit) as err:  # the 8 GiB cap's 7 GiB: the rollout's bf16 copy leaves no KV cache
+        plan(demand("1.5b", 8, lora=True, nf4=True), *H100)
+    assert "rollout weights 2.4 GiB" in str(err.value) and "param_offload" not in str(err.value)  # nf4 refuses it
     at16 = plan(demand("1.5b", 16, lora=True), *H100).roles["actor"]
     assert at16.gradient_checkpointing and at16.max_tokens == 16384  # recomputation keeps the full budget
     at24 = plan(demand("1.5b", 24, lora=True), *H100).roles["actor"]
-    assert not at24.gradient_checkpointing and at24.max_tokens == 5970  # or a smaller budget without it
+    assert not at24.gradient_checkpointing and at24.max_tokens == 5564  # or a smaller budget without it
     with pytest.raises(DoesNotFit) as err:  # 6 GiB: the rollout engine's bf16 copy alone is 2.4 GiB
         plan(demand("1.5b", 6, lora=True, nf4=True, rollout_offload=True), *H100)
     assert "generation: the KV cache gets 0 MiB" in str(err.value) and "trainer.n_workers" in str(err.value)
 
 
+def test_an_fp8_rollout_of_a_4_bit_base_fits_where_the_bf16_copy_does_not():
+    """`rollout.quantization=fp8` (what a 4-bit base under a cap follows to): the rollout's projections in a byte each
+    plus a scale per row, half the bf16 copy. 1.5B NF4 fits 8 GiB and 7 GiB again; 6 GiB is refused with its
+    arithmetic (the 1 GiB context, the 2 GiB allowance for fragmentation and the 1.5 GiB log-prob head chunk leave
+    the update 100 MiB); 7B NF4 fits 24 GiB with full 16,384-token micro-batches, and 16 GiB is short by one
+    sequence's KV cache."""
+    bf16, fp8 = demand("1.5b", 8, lora=True, nf4=True), demand("1.5b", 8, lora=True, nf4=True, fp8=True)
+    assert fp8.rollout.weight_bytes < 0.51 * bf16.rollout.weight_bytes  # 1.22 GiB against 2.44 GiB
+    at8 = plan(fp8, *H100)
+    assert at8.roles["actor"].max_tokens == 3918 and not at8.rollout_offload and 0.7 * GIB < at8.kv_cache_bytes
+    at7 = plan(demand("1.5b", 7, lora=True, nf4=True, fp8=True), *H100)
+    assert at7.rollout_offload and at7.roles["actor"].optimizer_offload and at7.kv_cache_bytes > 0
+    with pytest.raises(DoesNotFit) as err:
+        plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True), *H100)
+    msg = str(err.value)
+    assert "100 MiB is left beside weights 1.1 GiB" in msg and "rollout weights 1.2 GiB" in msg
+    assert "Budget: 5.0 GiB (trainer.device_memory_gib=6 of the card's 80.0 GiB, less 1.0 GiB" in msg
+    at24 = plan(demand("7b", 24, lora=True, nf4=True, fp8=True), *H100)
+    assert at24.roles["actor"].max_tokens == 16384 and at24.kv_cache_bytes > 6 * GIB
+    with pytest.raises(DoesNotFit, match="rollout weights 6.1 GiB, generation workspace 2.8 GiB"):
+        plan(demand("7b", 16, lora=True, nf4=True, fp8=True), *H100)
+
+
 def test_1_5b_full_chooses_8_bit_adamw_then_an_offload_where_adamw_would_not_fit():
     assert plan(demand("1.5b", 36), *H100).roles["actor"].optimizer == "adamw"
-    for cap in (26, 32):
+    for cap in (27, 32):
         p = plan(demand("1.5b", cap), *H100)
         assert p.roles["actor"].optimizer == "adamw_8bit" and not p.rollout_offload
     at24 = plan(demand("1.5b", 24), *H100)
     assert at24.roles["actor"].optimizer == "adamw_8bit" and not at24.roles["actor"].optimizer_offload
     assert at24.rollout_offload and at24.roles["actor"].gradient_checkpointing
     at16 = plan(demand("1.5b", 16, master_bytes=2), *H100).roles["actor"]
-    assert at16.optimizer == "adamw_8bit" and at16.gradient_checkpointing and at16.max_tokens == 11886
+    assert at16.optimizer == "adamw_8bit" and at16.gradient_checkpointing and at16.max_tokens == 6125
     with pytest.raises(DoesNotFit) as err:
         plan(demand("1.5b", 22), *H100)
     assert "it fits with actor.optimizer=adamw_cpu_offload (or: model.master_dtype=bf16 actor.optimizer=" \
@@ -112,7 +137,9 @@ def test_small_caps_refuse_full_training_naming_every_option(cap):
 
 
 def test_a_cap_below_the_weights_is_refused_naming_the_keys():
-    check_weights_fit(demand("7b", 6, lora=True, nf4=True))  # 5.9 GiB of weights (4-bit base, bf16 embeddings)
+    check_weights_fit(demand("7b", 7, lora=True, nf4=True))  # 5.3 GiB of weights (4-bit base, bf16 embeddings)
+    with pytest.raises(DoesNotFit, match="hold 5.3 GiB per device, beside 1.0 GiB for the CUDA context"):
+        check_weights_fit(demand("7b", 6, lora=True, nf4=True))  # and the context outside the allocator
     with pytest.raises(DoesNotFit) as err:
         check_weights_fit(demand("7b", 12))  # fp32 master weights: 28 GiB
     msg = str(err.value)
@@ -127,7 +154,7 @@ def test_a_cap_above_the_card_is_refused_and_a_cap_within_it_holds_the_allocator
     assert "above this card's 80.0 GiB" in cap_module.hold_allocator(demand("1.5b", 100), card, 80 * GIB)
     assert not held
     assert cap_module.hold_allocator(demand("1.5b", 20), card, 80 * GIB) is None
-    assert held == [(0.25, card)]
+    assert held == [(19 / 80, card)]  # the cap less the 1 GiB outside the allocator (the CUDA context)
     assert cap_module.hold_allocator(replace(demand("1.5b", 20), memory_cap=None), card, 80 * GIB) is None
     assert len(held) == 1  # uncapped: the allocator is left alone
 
@@ -143,7 +170,7 @@ def test_running_out_of_the_cap_comes_out_explained_with_the_keys():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
                                          "of 79.19 GiB of which 60.1 GiB is free. Of the allocated memory 15.6 GiB")
     msg = str(err.value)
-    assert "ran out of device memory" in msg and "device budget 16.0 GiB of 80.0 GiB" in msg
+    assert "ran out of device memory" in msg and "device budget 15.0 GiB of 80.0 GiB" in msg  # 16 less the context
     assert "trainer.device_memory_gib (higher: more memory)" in msg and "Tried to allocate 2.00 GiB" in msg
 
 

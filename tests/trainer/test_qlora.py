@@ -2,7 +2,8 @@
 steps with its base in 4 bits; the adapter export loads in peft over the base; the merged export is the NF4-rounded
 base plus the adapters (to 1e-3), not the unquantized base plus them. And the small-card keys' refusals before any
 model loads: nf4 without LoRA, a cap below the weights, a cap above the card; a capped plan end to end, its
-offload choices reaching the workers."""
+offload choices reaching the workers. And the FP8 rollout of a 4-bit base: a sync's FP8 rows made from the
+dequantized base plus the adapters, one weight at a time; under a cap it follows and trains 2 steps."""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def test_a_capped_run_plans_within_the_cap_and_refuses_one_above_the_card(tiny_q
                "trainer.val_before_train=false")
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
     resolved = (tmp_path / "capped" / "resolved_config.yaml").read_text()
-    assert resolved.startswith("# device plan of actor: device budget 12.0 GiB of 80.0 GiB")
+    # the cap less the 1 GiB the CUDA context and libraries hold outside the allocator (cap.OUTSIDE_ALLOCATOR_BYTES)
+    assert resolved.startswith("# device plan of actor: device budget 11.0 GiB of 80.0 GiB")
     cfg = load_config([], tmp_path / "capped" / "resolved_config.yaml")
     assert cfg.trainer.device_memory_gib == 12 and cfg.actor.optimizer == "adamw"
 
@@ -132,3 +134,83 @@ def test_the_plans_offload_choices_reach_the_workers_and_the_resolved_config(tin
     cfg = load_config([], tmp_path / "resolved_config.yaml")
     assert cfg.rollout.offload_weights is True and cfg.actor.optimizer_offload is True
     assert "rollout weights offloaded while training" in (tmp_path / "resolved_config.yaml").read_text()
+
+
+def test_a_sync_writes_fp8_rollout_weights_made_from_the_4_bit_base_plus_the_adapters(tiny_qwen2):
+    """`model.quantization=nf4` with `rollout.quantization=fp8`: each adapted weight is dequantized, its adapters'
+    B·A added and the sum quantized into the FP8 engine's rows in place, one weight at a time (at most the previous
+    merged weight is alive when the next is made: never a bf16 copy of the whole model)."""
+    import weakref
+
+    pytest.importorskip("torchao")
+    from hybridflow.config.schema import ModelConfig, OptimConfig
+    from hybridflow.engine.rollout import RolloutEngine
+    from hybridflow.engine.rollout.fp8 import FP8, quantize_rows
+    from hybridflow.engine.rollout.model import weight_target
+    from hybridflow.engine.train import TrainEngine
+    from hybridflow.engine.train.lora import ADAPTER, merge
+    from hybridflow.engine.train.quantized_base import dense, is_nf4
+
+    train = TrainEngine(ModelConfig(path=str(tiny_qwen2), quantization="nf4"), OptimConfig(lora=LoraConfig(rank=8)),
+                        head="lm")
+    with torch.no_grad():  # B off 0, as after training: the sync carries the adapters
+        for layer in train.adapters.layers.values():
+            layer.lora_B[ADAPTER].weight.normal_(std=0.05)
+    rollout = RolloutEngine.from_pretrained(tiny_qwen2, quantization="fp8", max_num_seqs=4)
+    dtype = train.precision.param
+    seen: list[weakref.ref] = []
+
+    def watched():
+        for name, merged in train.rollout_weights(dtype):
+            # the loader's loop variable holds the previous weight until it takes this one; none before it lives
+            assert sum(ref() is not None for ref in seen) <= 1, f"merged weights outlived their load (at {name})"
+            seen.append(weakref.ref(merged))
+            yield name, merged
+
+    assert rollout.load_weights(watched()) == len(train.adapters.layers)
+    for name, layer in train.adapters.layers.items():
+        base = layer.base_layer.weight
+        assert is_nf4(base)
+        want = merge(dense(base), layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight,
+                     layer.scaling[ADAPTER], dtype)
+        q, scale = torch.empty(want.shape, dtype=FP8), torch.empty(want.shape[0])
+        quantize_rows(want, q, scale)
+        target, shard = weight_target(f"{name}.weight")
+        module = rollout.model.get_submodule(target.rsplit(".", 1)[0])
+        start, size = module.offsets[shard] if shard is not None else (0, module.weight.shape[0])
+        assert torch.equal(module.weight.data[start:start + size].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(module.weight_scale.data[start:start + size], scale), name
+        exact = dense(base).float() + layer.scaling[ADAPTER] * layer.lora_B[ADAPTER].weight @ layer.lora_A[ADAPTER].weight
+        got = module.weight.data[start:start + size].float() * scale[:, None]
+        assert ((got - exact).abs() <= exact.abs() * 2**-4 + scale[:, None] * 2**-10 + 1e-6).all(), name  # e4m3
+
+
+def test_a_4_bit_base_under_a_cap_rolls_out_in_fp8_and_trains_two_steps(tiny_qwen2, data_dir, tmp_path,
+                                                                         simulated_gpu, monkeypatch):
+    """With `model.quantization=nf4` and `trainer.device_memory_gib` set, `rollout.quantization` follows to fp8 where
+    the FP8 rollout can run (the CPU refusal lifted here, as in test_fp8_start.py; the plan made as for a GPU):
+    2 GRPO steps sample from FP8 weights synced from the 4-bit base and the adapters, `token_tis` weighs the
+    mismatch, and `resolved_config.yaml` says what followed and why. On the CPU as it is, or without a cap, nothing
+    follows."""
+    pytest.importorskip("torchao")
+    from hybridflow.config import fp8_checks
+
+    keys = ["model.path=unused", "trainer.device_memory_gib=12"]
+    assert load_config(keys, RECIPE).rollout.quantization == "none"  # the CPU: FP8 cannot run here
+    monkeypatch.setattr(fp8_checks, "_device_problems", lambda trainer: [])
+    assert load_config(keys[:1], RECIPE).rollout.quantization == "none"  # no cap: the bf16 copy stays
+    assert load_config([*keys, "rollout.quantization=none"], RECIPE).rollout.quantization == "none"  # set: kept
+    simulated_gpu(free=80 * GIB, total=80 * GIB)
+    rows = run(tiny_qwen2, data_dir, tmp_path, "trainer.device_memory_gib=12", "trainer.val_every=0",
+               "trainer.val_before_train=false", "actor.lr=1e-2", f"reward.function={reward_file(tmp_path)}",
+               recipe=RECIPE)
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:  # FP8 rounding, not a missed sync (the trainer's 4-bit base against the directory's weights)
+        assert 1e-3 < row["rollout_corr/max_abs_logp_diff"] < 0.1, row["rollout_corr/max_abs_logp_diff"]
+        assert 0.9 < row["rollout_corr/rollout_is_mean"] < 1.1 and row["actor/grad_norm"] > 0
+    resolved = (tmp_path / "resolved_config.yaml").read_text()
+    assert "rollout.quantization=fp8: model.quantization=nf4 under trainer.device_memory_gib=12" in resolved
+    assert "actor.rollout_correction.mode=token_tis: rollout.quantization=fp8" in resolved
+    cfg = load_config([], tmp_path / "resolved_config.yaml")
+    assert cfg.rollout.quantization == "fp8" and cfg.actor.rollout_correction.mode == "token_tis"

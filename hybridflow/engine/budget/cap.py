@@ -7,8 +7,9 @@ only: the cap is the budget) and its processes allocate as if it had: `torch.cud
 (cap / the card's total) makes the allocator raise `torch.OutOfMemoryError` past the cap, which the workers turn
 into explained errors (`planning.reported_oom`). While the rollout engine's KV cache is mapped in CUDA virtual
 memory (outside the allocator) the allocator gets the cap less the cache (`hold`, called by the rollout replica).
-The CUDA context and the communication library's buffers lie outside the allocator, so a real card of the cap's
-size needs their few hundred MiB beside it.
+The CUDA context, the kernels its libraries load and the communication library's buffers lie outside the
+allocator too, where no fraction holds them: a capped plan budgets the cap less `OUTSIDE_ALLOCATOR_BYTES` for them and
+holds the allocator to that (`allocator_bytes`), so the process as a whole stays within the cap.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ import torch
 from hybridflow.engine.budget.estimate import GIB, DeviceDemand
 
 CAP_KEY = "trainer.device_memory_gib"
+# What a CUDA process holds outside PyTorch's caching allocator: the CUDA context, the modules of cuBLAS / cuDNN /
+# Triton / compiled kernels it loads, NCCL's buffers. Measured on one H100 at c5f14af: the 1.5B full-parameter run
+# held to a 16 GiB cap reached 16.85 GiB of the device (bench/results/small_gpu_1.5b_h100_c5f14af.json), 0.85 GiB
+# beyond the cap; rounded up to 1 GiB. bench/small_gpu.py records, per setting, the device's used memory once the
+# context exists (`context_gib`, `torch.cuda.mem_get_info` before any tensor) and the device's peak beside the
+# allocator's (`outside_allocator_gib`), so each GPU run checks this figure.
+OUTSIDE_ALLOCATOR_BYTES = GIB
 
 
 def _gib(n: float) -> str:
@@ -29,16 +37,24 @@ def _setting(cap: int) -> str:
     return f"{CAP_KEY}={cap / GIB:.4g}"
 
 
+def allocator_bytes(cap: int) -> int:
+    """What PyTorch's allocator (and the KV cache mapped beside it) may use under a cap of `cap` bytes: the cap less
+    what the process holds outside the allocator (`OUTSIDE_ALLOCATOR_BYTES`)."""
+    return max(cap - OUTSIDE_ALLOCATOR_BYTES, 0)
+
+
 def budget_bytes(demand: DeviceDemand, free: int, total: int) -> int:
-    """What a device's plan may use: the cap, or `utilization` of the whole card; never more than is free."""
-    whole = demand.utilization * total if demand.memory_cap is None else demand.memory_cap
+    """What a device's plan may use: the cap less what lies outside the allocator, or `utilization` of the whole
+    card (the context already exists when `free` is measured); never more than is free."""
+    whole = demand.utilization * total if demand.memory_cap is None else allocator_bytes(demand.memory_cap)
     return int(min(whole, free))
 
 
 def budget_source(demand: DeviceDemand, total: int) -> str:
     """The keys that set the budget, for the plan's refusals."""
     if demand.memory_cap is not None:
-        return f"{_setting(demand.memory_cap)} of the card's {_gib(total)}"
+        return (f"{_setting(demand.memory_cap)} of the card's {_gib(total)}, less {_gib(OUTSIDE_ALLOCATOR_BYTES)} "
+                f"for the CUDA context and libraries")
     return f"trainer.gpu_memory_utilization={demand.utilization} of {_gib(total)}"
 
 
@@ -59,24 +75,24 @@ def weights_problem(demand: DeviceDemand) -> str | None:
     if demand.memory_cap is None:
         return None
     floor, what = weights_floor(demand)
-    if floor <= demand.memory_cap:
+    if floor <= allocator_bytes(demand.memory_cap):
         return None
     return (f"{_setting(demand.memory_cap)} is below the weights' own size: {what} hold {_gib(floor)} per "
-            f"device; raise {CAP_KEY}, or shrink them: model.master_dtype=bf16 with actor.optimizer=adamw_8bit, "
+            f"device, beside {_gib(OUTSIDE_ALLOCATOR_BYTES)} for the CUDA context and libraries; raise {CAP_KEY}, or shrink them: model.master_dtype=bf16 with actor.optimizer=adamw_8bit, "
             f"actor.lora.rank > 0 (with model.quantization=nf4: 4-bit frozen weights), more devices "
             f"(trainer.n_workers), or a smaller model")
 
 
 def hold_allocator(demand: DeviceDemand, device: torch.device, total: int) -> str | None:
-    """Holds this process's allocator on `device` to the cap (idempotent: the colocated roles of one process share
-    the device and the cap); a cap above the card is not held: the reason comes back instead (None when held or
-    uncapped)."""
+    """Holds this process's allocator on `device` to the cap less what lies outside it (`allocator_bytes`;
+    idempotent: the colocated roles of one process share the device and the cap); a cap above the card is not held:
+    the reason comes back instead (None when held or uncapped)."""
     if demand.memory_cap is None:
         return None
     if demand.memory_cap > total:
         return (f"{_setting(demand.memory_cap)} is above this card's {_gib(total)} ({device}); use at most "
                 f"{total / GIB:.1f}, or null for the whole card")
-    hold(device, demand.memory_cap, total)
+    hold(device, allocator_bytes(demand.memory_cap), total)
     return None
 
 

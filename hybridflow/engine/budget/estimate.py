@@ -20,7 +20,8 @@ Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
 - a frozen model: its compute-dtype weights unless offloaded (a LoRA actor's reference is its own base
   weights: nothing);
 - the rollout engine: `P x c` weights (unless offloaded while training; beside a LoRA trainer on one device,
-  less the frozen weights it holds as they are: embeddings, head, norms, routers, unadapted experts), the KV
+  less the frozen weights it holds as they are: embeddings, head, norms, routers, unadapted experts; with
+  `rollout.quantization=fp8` the decoder layers' projections in a byte each and an fp32 scale per row), the KV
   cache while generating.
 `bench/train.py` and `bench/scale.py` record this estimate beside the measured device peak of each run.
 """
@@ -257,10 +258,19 @@ class RolloutRole:
     cache_stays: bool = False
     kv_cache_fraction: float | None = None
     shared_params: int = 0  # a colocated LoRA trainer's frozen weights the engine holds instead of copies
+    fp8: bool = False  # the decoder layers' projections in FP8 (`rollout.quantization=fp8`, engine/rollout/fp8.py)
 
     @property
     def weight_bytes(self) -> int:
-        return (self.shape.params - self.shared_params) * self.compute_bytes
+        """Its own weights: the model less the shared ones in the compute dtype, or with FP8 the projections (never
+        shared: they are the engine's FP8 copies) in a byte each and an fp32 scale per output row."""
+        if not self.fp8:
+            return (self.shape.params - self.shared_params) * self.compute_bytes
+        s = self.shape
+        projections = s.layers * s.layer_params()
+        rows = s.layers * (3 * s.hidden + 2 * s.kv_dim + 2 * s.intermediate)  # q, k, v, o, gate, up, down
+        rest = s.params - self.shared_params - projections
+        return rest * self.compute_bytes + projections + 4 * rows
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.shape.layers * self.shape.kv_dim * self.compute_bytes

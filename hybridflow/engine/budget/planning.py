@@ -5,11 +5,12 @@ process's roles share (`plan_for_device`); filling in what the config left to th
 and CUDA out-of-memory errors explained with the plan and the keys to change (`reported_oom`).
 
 The memory a run may use is `cap = min(utilization x total, free at start)` (vLLM's
-`gpu_memory_utilization`), or under `trainer.device_memory_gib` that many bytes (`cap.py`: the allocator is held
-to them too). Keys left to the plan (checkpointing and the token budget at None, below; `optimizer="auto"`,
-`optimizer_offload` and the rollout's `offload_weights` at None) are chosen here, the cheapest combination that
-fits (`choices.py`): AdamW and nothing offloaded, else 8-bit AdamW (torchao), the rollout engine's weights on
-the CPU while training, the optimizer state on the CPU between uses, in that order of cost.
+`gpu_memory_utilization`), or under `trainer.device_memory_gib` that many bytes less what the process holds
+outside the allocator (`cap.py`: the allocator is held to them too). Keys left to the plan (checkpointing and the
+token budget at None, below; `optimizer="auto"`, `optimizer_offload` and the rollout's `offload_weights` at None)
+are chosen here, the cheapest combination that fits (`choices.py`): AdamW and nothing offloaded, else 8-bit AdamW
+(torchao), the rollout engine's weights on the CPU while training, the optimizer state on the CPU between uses, in
+that order of cost.
 A trained role gets `TARGET_TOKENS`-token micro-batches where they fit (bounded memory; compiled layers make them
 as fast as one forward), fewer where memory is short, and gradient checkpointing when not even
 `MIN_TOKENS_WITHOUT_CHECKPOINTING` tokens (or one full sequence) fit without it, or when the model has fewer
@@ -33,8 +34,8 @@ from typing import TypeVar
 import torch
 
 from hybridflow.config.schema import EngineOptimConfig, ModelConfig, RolloutConfig
-from hybridflow.engine.budget.cap import (CAP_KEY, budget_bytes, budget_source, hold, hold_allocator,
-                                          weights_problem)
+from hybridflow.engine.budget.cap import (CAP_KEY, allocator_bytes, budget_bytes, budget_source, hold,
+                                          hold_allocator, weights_problem)
 from hybridflow.engine.budget.choices import default_optimizer, silent_choices
 from hybridflow.engine.budget.estimate import (GIB, HEAD_CHUNK_BYTES, HOST_BOUND_PARAMS,
                                                MIN_TOKENS_WITHOUT_CHECKPOINTING, SLACK_BYTES, TARGET_TOKENS,
@@ -241,8 +242,9 @@ def _remedies(demand: DeviceDemand) -> list[tuple[str, DeviceDemand]]:
          lambda r: f"{r.keys}.optimizer=adamw_8bit")
     each(lambda r: dict(optimizer="adamw_cpu_offload") if r.master_bytes == 4 else {},
          lambda r: f"{r.keys}.optimizer=adamw_cpu_offload")
-    each(lambda r: dict(param_offload=True, optimizer_offload=True),
-         lambda r: f"{r.keys}.param_offload=true {r.keys}.optimizer_offload=true")
+    # a 4-bit base stays on the device (`small_card_checks`): its role is offered no parameter offload
+    each(lambda r: dict(param_offload=not r.quantized_params, optimizer_offload=True),
+         lambda r: f"{r.keys}.param_offload=true " * (not r.quantized_params) + f"{r.keys}.optimizer_offload=true")
     each(lambda r: dict(master_bytes=2, optimizer="adamw_8bit") if r.compute_bytes == 2 else {},
          lambda r: f"{r.model_keys}.master_dtype=bf16 {r.keys}.optimizer=adamw_8bit")
     if demand.rollout is not None and not demand.rollout.offload_weights:
@@ -262,9 +264,10 @@ def _remedies(demand: DeviceDemand) -> list[tuple[str, DeviceDemand]]:
             optimizer="adamw_cpu_offload")
         label = (f"{r.model_keys}.master_dtype=bf16 {r.keys}.optimizer=adamw_8bit" if r.compute_bytes == 2
                  else f"{r.keys}.optimizer=adamw_cpu_offload")
-        return (replace(r, gradient_checkpointing=True, param_offload=True, optimizer_offload=True, **low),
-                f"{r.model_keys}.gradient_checkpointing=true {r.keys}.param_offload=true "
-                f"{r.keys}.optimizer_offload=true {label}")
+        offload = not r.quantized_params
+        return (replace(r, gradient_checkpointing=True, param_offload=offload, optimizer_offload=True, **low),
+                f"{r.model_keys}.gradient_checkpointing=true " + f"{r.keys}.param_offload=true " * offload
+                + f"{r.keys}.optimizer_offload=true {label}")
 
     trained = [strongest(r) for r in demand.trained]
     labels = [label for _, label in trained]
@@ -331,7 +334,7 @@ def plan_for_device(demand: DeviceDemand | None, device: torch.device) -> Device
         if problem is not None:
             raise DoesNotFit(problem)
         _PLANS[key] = plan(demand, *memory)
-        _PLANS[key].held_bytes = demand.memory_cap
+        _PLANS[key].held_bytes = None if demand.memory_cap is None else allocator_bytes(demand.memory_cap)
     return _PLANS[key]
 
 

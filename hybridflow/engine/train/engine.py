@@ -148,6 +148,11 @@ class TrainEngine:
         self.compiled = not self.exact and compile_on
         if self.compiled:
             compile_model(model)
+            if self.adapters is not None and self.trainable:
+                # the frozen embeddings' output needs no gradient, so the first layer's input would differ from the
+                # others' in `requires_grad`, a guard: a second graph (forward and backward) compiled for that layer
+                # alone, most of a LoRA run's first step (docs/small_gpus.md). Marked, every layer shares one graph
+                model.enable_input_require_grads()
         self.lm_head: LogProbHead | None = model.get_output_embeddings() if head == "lm" else None
         self.config = model.config
         self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())

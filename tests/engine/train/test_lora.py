@@ -1,7 +1,8 @@
 """LoRA in the training engine: which modules get adapters (and the errors naming the valid ones), the dtype policy
 (frozen weights in the compute dtype, adapters in the master dtype; one process under autocast, two gloo ranks
 under FSDP2's bf16 mixed precision), the initial policy equal to the base model, the merged weights a sync sends,
-dropout off in log-prob passes, compiled layers through peft's modules, the meta-device count of trained
+dropout off in log-prob passes, compiled layers through peft's modules (one graph for every layer, a 4-bit base
+too), the meta-device count of trained
 parameters the device budget uses, and the FLOPs of a frozen-weight update."""
 
 from __future__ import annotations
@@ -163,6 +164,33 @@ def test_compiled_lora_layers_equal_eager_ones(tiny_qwen2):
     torch.testing.assert_close(comp_base, eager_base, atol=1e-5, rtol=1e-5)
     for a, b in zip(comp_grads, eager_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_compiled_lora_layers_share_one_graph_over_three_steps(tiny_qwen2, monkeypatch, quantization):
+    """Every decoder layer of a LoRA model runs one compiled graph, through 3 updates of uneven micro-batches: the
+    frozen embeddings' output is marked as needing a gradient, as every later layer's input does. Unmarked, the first
+    layer's input failed the `requires_grad` guard and compiled a second graph (its backward too under inductor),
+    most of a LoRA run's first step; the NF4 base's weights add none (docs/small_gpus.md)."""
+    if quantization == "nf4":
+        pytest.importorskip("torchao")
+    from hybridflow.engine.train import engine as engine_module
+
+    graphs = []
+
+    def counting(gm, example_inputs):  # a backend that counts what dynamo hands it and runs it as traced
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()  # nothing cached from other tests' compiles of the same layer code
+    monkeypatch.setattr(engine_module, "compile_model", lambda model: compile_model(model, backend=counting))
+    engine = TrainEngine(model_cfg(tiny_qwen2, compile=True, quantization=quantization),
+                         optim_cfg(lora=lora(), max_tokens_per_micro_batch=40), head="lm")
+    batch = rl_batch(rows=6, prompt_width=6, response_width=7, seed=3)
+    batch["advantages"] = torch.randn(6, 7, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        engine.train_step(batch, loss_fn)
+    assert len(graphs) == 1, [g.code for g in graphs[1:]]
 
 
 @pytest.mark.parametrize("head, targets", [("lm", []), ("lm", ["q_proj", "v_proj"]), ("value", ["o_proj"])])
