@@ -52,6 +52,7 @@ SETTINGS: dict[str, tuple[str, list[str], float | None, float | None, str | None
     "1.5b_full_uncapped": ("1.5b", [], None, None, None),
     "1.5b_nf4_lora_6gib": ("1.5b", [*NF4, "rollout.max_num_seqs=128"], 6, 6, "1.5b_lora_uncapped"),
     "1.5b_nf4_lora_8gib": ("1.5b", NF4, 8, None, "1.5b_lora_uncapped"),
+    "1.5b_nf4_lora_7gib": ("1.5b", NF4, 7, None, "1.5b_lora_uncapped"),
     "1.5b_full_16gib": ("1.5b", ["model.master_dtype=bf16", "model.dtype=bf16"], 16, 16, "1.5b_full_uncapped"),
     "7b_lora_24gib": ("7b", [*LORA, "actor.param_offload=true"], 24, 24, None),
     "7b_nf4_lora_16gib": ("7b", [*NF4, "rollout.max_num_seqs=128"], 16, 16, None),
