@@ -2,7 +2,7 @@
 
     hybridflow train --config recipes/grpo.yaml model.path=MODEL data.train_files=train.parquet
     hybridflow export outputs/run/checkpoints/step_00000010 outputs/run/hf
-    hybridflow config [--command sft] [--config FILE] [key=value ...]  # check it as the command would, print it
+    hybridflow config [--command sft|dpo|rm] [--config FILE] [key=value ...]  # check it as the command would
     hybridflow report outputs/run [--out FILE.html]        # plots + HTML page of a run
     hybridflow sft --config recipes/sft.yaml model.path=MODEL data.train_files=chats.jsonl
     hybridflow dpo --config recipes/preference/dpo.yaml model.path=MODEL data.train_files=pairs.jsonl
@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.n=8 actor.lr=1e-6")
         if name == "config":
-            p.add_argument("--command", dest="command_checked", choices=("train", "sft"), default="train",
-                           help="the command whose recipe this is (default train; sft for `hybridflow sft`)")
+            p.add_argument("--command", dest="command_checked", choices=("train", "sft", "dpo", "rm"), default="train",
+                           help="the command whose recipe this is (default train; sft, dpo or rm for those commands)")
             p.add_argument("--no-checks", action="store_true",
                            help="print the resolved config without the command's checks (a partial config: no "
                            "model or data yet); keys, types and choices are still checked")

@@ -1,6 +1,7 @@
-"""What each training command checks first, before it opens its output directory or reads a data row: `hybridflow config --command C` runs
-exactly the checks `hybridflow C` runs first (the same functions its trainer calls: `validate` in
-`RLTrainer`, `validate_sft` in `SFTTrainer`), and `hybridflow migrate` loads a recipe with the command's schema.
+"""What each training command checks first, before it opens its output directory or reads a data row: `hybridflow
+config --command C` runs exactly the checks `hybridflow C` runs first (the same functions its trainer calls:
+`validate` in `RLTrainer`, `validate_sft` in `SFTTrainer`, `validate_preference` in `PreferenceTrainer`), and
+`hybridflow migrate` loads a recipe with the command's schema.
 """
 
 from __future__ import annotations
@@ -10,13 +11,23 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.loader import load_config
+from hybridflow.config.preference_schema import DPOConfig, RewardModelTrainConfig, preference_problems
 from hybridflow.config.schema import RLConfig
 from hybridflow.config.sft_schema import SFTConfig
 from hybridflow.config.validate import validate, validate_sft
 
+
+def validate_preference(cfg: Any) -> None:
+    """`hybridflow dpo`'s and `hybridflow rm`'s checks: SFT's, with a pair's two sequences in one micro-batch, and
+    the preference sections' own; one `ConfigError` lists them all."""
+    validate_sft(cfg, rows_per_example=2, more=preference_problems(cfg))
+
+
 # command -> (its config schema, the checks its trainer runs before any model loads)
 COMMANDS: dict[str, tuple[type, Callable[[Any], None]]] = {"train": (RLConfig, validate),
-                                                           "sft": (SFTConfig, validate_sft)}
+                                                           "sft": (SFTConfig, validate_sft),
+                                                           "dpo": (DPOConfig, validate_preference),
+                                                           "rm": (RewardModelTrainConfig, validate_preference)}
 
 
 def check_config(command: str, overrides: Sequence[str], config_file: str | Path | None,

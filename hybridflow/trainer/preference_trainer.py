@@ -31,8 +31,7 @@ import torch
 
 from hybridflow.algorithms import bradley_terry_loss, compute_preference_loss, preference_needs_reference
 from hybridflow.batch import Batch
-from hybridflow.config.preference_schema import preference_problems
-from hybridflow.config.validate import validate_sft
+from hybridflow.config.commands import validate_preference
 from hybridflow.controller import Remote
 from hybridflow.data.loader import BatchLoader
 from hybridflow.data.preference_data import (PreferenceDataset, collate_policy_pairs, collate_scored_pairs,
@@ -86,7 +85,7 @@ class PreferenceTrainer(SingleModelTrainer[PreferenceWorker]):
     kind: str  # the metric prefix: "dpo" or "rm"
 
     def __init__(self, cfg: Any) -> None:
-        validate_sft(cfg, rows_per_example=2, more=preference_problems(cfg))
+        validate_preference(cfg)
         super().__init__(cfg, checkpoint_bytes([(cfg.model.path, self.model_head, cfg.optim.lora)],
                                                cfg.model.trust_remote_code))
 

@@ -173,3 +173,20 @@ def test_recipes_load_and_docs_reference_the_schemas():
     docs = (ROOT / "docs" / "preference.md").read_text()
     for schema in (DPOConfig, RewardModelTrainConfig):
         assert render_sections(schema).strip() in docs
+
+
+def test_config_runs_the_preference_checks_before_any_model_loads(tiny_qwen2, pairs, tmp_path, capsys):
+    """`hybridflow config --command dpo|rm` runs the checks `hybridflow dpo|rm` runs first and lists every problem in
+    one line (exit 2); a recipe that passes is printed resolved, and no output directory is made."""
+    bad = overrides(tiny_qwen2, pairs, tmp_path / "dpo", "dpo.beta=0", "data.max_length=64",
+                    "optim.max_tokens_per_micro_batch=100")
+    assert cli_main(["config", "--command", "dpo", "--config", "recipes/preference/dpo.yaml", *bad]) == 2
+    err = capsys.readouterr().err
+    assert "dpo.beta=0.0 must be > 0" in err and "optim.max_tokens_per_micro_batch=100 is below 2 x" in err
+    assert cli_main(["config", "--command", "rm", *overrides(tiny_qwen2, pairs, tmp_path / "rm", "optim.lora.rank=8",
+                                                              "rm.center_coef=-1")]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lora.rank=8: reward-model training" in err and "rm.center_coef=-1.0 must be >= 0" in err
+    assert cli_main(["config", "--command", "dpo", "--config", "recipes/preference/dpo.yaml",
+                     *overrides(tiny_qwen2, pairs, tmp_path / "ok")]) == 0
+    assert "loss_type:" in capsys.readouterr().out and not (tmp_path / "ok").exists()
