@@ -36,7 +36,7 @@ from hybridflow.engine.train.loss_context import LossContext, LossFn
 from hybridflow.engine.train.lora import apply_lora, frozen_weights
 from hybridflow.engine.train.microbatch import (agree_count, count_micro_batches, group_lengths, group_rows,
                                                 split_rows, take_rows)
-from hybridflow.engine.train.model import load_model, resolve_precision
+from hybridflow.engine.train.model import load_model, mark_inputs_require_grad, resolve_precision
 from hybridflow.engine.train.quantized_base import quantize_base
 from hybridflow.engine.train.offload import move_optimizer, move_params
 from hybridflow.engine.train.optim import build_optimizer, build_scheduler
@@ -149,10 +149,8 @@ class TrainEngine:
         if self.compiled:
             compile_model(model)
             if self.adapters is not None and self.trainable:
-                # the frozen embeddings' output needs no gradient, so the first layer's input would differ from the
-                # others' in `requires_grad`, a guard: a second graph (forward and backward) compiled for that layer
-                # alone, most of a LoRA run's first step (docs/small_gpus.md). Marked, every layer shares one graph
-                model.enable_input_require_grads()
+                # one compiled graph per pass for every layer, the first included (docs/small_gpus.md)
+                mark_inputs_require_grad(model)
         self.lm_head: LogProbHead | None = model.get_output_embeddings() if head == "lm" else None
         self.config = model.config
         self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())

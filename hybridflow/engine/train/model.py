@@ -134,3 +134,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise ValueError(f"{type(model).__name__} names no decoder-layer class in _no_split_modules "
                          f"({sorted(names)}); cannot shard it per layer")
     return layers
+
+
+def mark_inputs_require_grad(model: torch.nn.Module) -> None:
+    """The input embeddings' output marked as needing a gradient in a pass that records one. The frozen embeddings
+    of a LoRA model leave the first decoder layer's input without `requires_grad` while every later layer's has it,
+    and compiled layers guard on it: a second graph (forward and backward) for the first layer alone. transformers'
+    `enable_input_require_grads` marks it in no-grad passes too, where no other layer's input has it, so the
+    log-prob pass compiled a graph of its own for the first layer; marking only where grad mode is on gives each
+    pass one graph for all its layers (`tests/engine/train/test_lora.py`)."""
+
+    def mark(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            output.requires_grad_(True)
+
+    model.get_input_embeddings().register_forward_hook(mark)
