@@ -35,7 +35,7 @@ from bench_util import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
 def run_mode(args: argparse.Namespace) -> dict:
     import torch
 
-    from hybridflow.config.schema import ModelConfig, OptimConfig
+    from hybridflow.config.model_schema import ModelConfig, OptimConfig
     from hybridflow.engine.train import TrainEngine
 
     device = torch.device(args.device)

@@ -143,7 +143,7 @@ def estimated_peak_gb(config, tokens: int, device: str, checkpointing: bool) -> 
 def bench_engine(path, params, batch, args, ceiling, max_tokens: int | None, compiled: bool, checkpointing: bool,
                  check_parity: bool = False, exact: bool = False) -> dict:
     """One configuration: old-log-prob pass, warm-up, timed steps, memory (and packed-vs-padded parity)."""
-    from hybridflow.config.schema import ModelConfig, OptimConfig
+    from hybridflow.config.model_schema import ModelConfig, OptimConfig
     from hybridflow.engine.train import TrainEngine
 
     model_cfg = ModelConfig(path=path, dtype="bf16" if args.device == "cuda" else "fp32",

@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 
 from hybridflow import algorithms
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import ActorConfig, DataConfig, RLConfig, RolloutConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.chat import encode_prompts
 from hybridflow.data.loader import left_pad

@@ -53,7 +53,7 @@ config` prints what followed, and a run writes it at the top of its `resolved_co
 |---|---|---|
 {follows}
 
-This file is generated from `hybridflow/config/schema.py` by `python scripts/gen_config_docs.py`;
+This file is generated from `hybridflow/config/schema.py` (and `model_schema.py`) by `python scripts/gen_config_docs.py`;
 do not edit it by hand.
 """
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hybridflow.config.options import opt, registered
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig, RunConfig
+from hybridflow.config.model_schema import EngineOptimConfig, ModelConfig
+from hybridflow.config.schema import RunConfig
 
 PREFERENCE_TRUNCATION_MODES = ("error", "filter")
 

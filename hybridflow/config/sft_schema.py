@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hybridflow.config.options import opt
-from hybridflow.config.schema import ModelConfig, OptimConfig, RunConfig
+from hybridflow.config.model_schema import ModelConfig, OptimConfig
+from hybridflow.config.schema import RunConfig
 
 SFT_TRUNCATION_MODES = ("error", "filter", "right")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine.train.lora import Adapters, apply_lora
 from hybridflow.serve.tinker_losses import check_loss, tinker_loss
 from hybridflow.serve.wire import FwdBwdDatum

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, ModelConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine import budget
 from hybridflow.engine.train import TrainEngine

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig
+from hybridflow.config.model_schema import EngineOptimConfig, ModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
 from hybridflow.engine.contracts import TrainEngineContract

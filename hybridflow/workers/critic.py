@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import CriticConfig, ModelConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import CriticConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine import budget
 from hybridflow.engine.train import TrainEngine

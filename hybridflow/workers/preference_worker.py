@@ -18,7 +18,7 @@ import torch
 from hybridflow.algorithms import bradley_terry_loss, compute_preference_loss
 from hybridflow.batch import Batch
 from hybridflow.config.preference_schema import DPOLossConfig, PreferenceOptimConfig, RewardModelLossConfig
-from hybridflow.config.schema import ModelConfig
+from hybridflow.config.model_schema import ModelConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.data.preference_data import policy_rows, scored_rows
 from hybridflow.engine import budget

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import EngineOptimConfig, FrozenModelConfig
+from hybridflow.config.model_schema import EngineOptimConfig, FrozenModelConfig
 from hybridflow.engine.train import TrainEngine
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.config.schema import ModelConfig
+from hybridflow.config.model_schema import ModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
 from hybridflow.engine.train.model import resolve_precision

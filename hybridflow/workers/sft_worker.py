@@ -13,7 +13,7 @@ import torch
 
 from hybridflow.algorithms import aggregate
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ModelConfig, OptimConfig
+from hybridflow.config.model_schema import ModelConfig, OptimConfig
 from hybridflow.config.sft_schema import SFTOptimConfig
 from hybridflow.controller import Dispatch, register
 from hybridflow.engine import budget

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, FrozenModelConfig, ModelConfig
+from hybridflow.config.model_schema import FrozenModelConfig, ModelConfig
+from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
 from hybridflow.workers.base import DTYPE_NAMES, Effective

@@ -19,7 +19,8 @@ from collections import defaultdict
 import torch
 
 from hybridflow.algorithms import aggregate, compute_policy_loss, kl_loss, value_loss
-from hybridflow.config.schema import ActorConfig, CriticConfig, EngineOptimConfig, OptimConfig
+from hybridflow.config.model_schema import EngineOptimConfig, OptimConfig
+from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.engine.contracts import LossFunction, TrainEngineContract
 from hybridflow.engine.train import LossContext, timed
 from hybridflow.engine.train.collectives import all_reduce

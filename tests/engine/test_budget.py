@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine import budget
 from hybridflow.engine.budget import planning
 from hybridflow.engine.budget import (DeviceDemand, DoesNotFit, FrozenRole, ModelShape, RolloutRole,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine.budget import DeviceDemand, DoesNotFit, ModelShape, RolloutRole, TrainedRole, plan
 from hybridflow.engine.train.flops import matmul_params
 from hybridflow.engine.train.lora import adapted_expert_params, shareable_params, trainable_params

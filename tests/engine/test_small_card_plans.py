@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine.budget import (NF4_BYTES, DeviceDemand, DoesNotFit, ModelShape, RolloutRole, TrainedRole,
                                       check_weights_fit, plan)
 from hybridflow.engine.budget import cap as cap_module

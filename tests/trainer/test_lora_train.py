@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from hybridflow.checkpoint import load_worker_state, main_export
 from hybridflow.cli import main as cli_main
-from hybridflow.config.schema import ActorConfig, LoraConfig, ModelConfig
+from hybridflow.config.model_schema import LoraConfig, ModelConfig
+from hybridflow.config.schema import ActorConfig
 from hybridflow.engine.train import TrainEngine
 from hybridflow.utils.tiny_model import build_tiny_model
 from rl_helpers import read_metrics, reward_file, run

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybridflow.config.loader import load_config
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.config.validate import ConfigError, validate
 from hybridflow.controller.errors import WorkerError
 from hybridflow.engine.budget import DoesNotFit, planning
@@ -143,7 +143,7 @@ def test_a_sync_writes_fp8_rollout_weights_made_from_the_4_bit_base_plus_the_ada
     import weakref
 
     pytest.importorskip("torchao")
-    from hybridflow.config.schema import ModelConfig, OptimConfig
+    from hybridflow.config.model_schema import ModelConfig, OptimConfig
     from hybridflow.engine.rollout import RolloutEngine
     from hybridflow.engine.rollout.fp8 import FP8, quantize_rows
     from hybridflow.engine.rollout.model import weight_target

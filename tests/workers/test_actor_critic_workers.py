@@ -9,7 +9,8 @@ import torch.distributed as dist
 from train_helpers import run_ranks
 from worker_helpers import actor_worker, masked_gap, rank_prompts, sampling
 
-from hybridflow.config.schema import ActorConfig, CriticConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import ActorConfig, CriticConfig, DataConfig, RLConfig, RolloutConfig
 from hybridflow.controller.worker import WorkerContext
 from hybridflow.trainer.role_configs import critic_config
 from hybridflow.workers import CriticWorker

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from worker_helpers import actor_worker, rank_prompts, sampling
 
-from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import ActorConfig, DataConfig, RolloutConfig
 from hybridflow.controller.worker import WorkerContext
 from hybridflow.workers import ActorWorker
 

@@ -14,8 +14,8 @@ from train_helpers import rl_batch, run_ranks
 from worker_helpers import actor_worker, masked_gap, rank_prompts, sampling
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import (ActorConfig, CriticConfig, DataConfig, LoraConfig, ModelConfig,
-                                      RolloutConfig)
+from hybridflow.config.model_schema import LoraConfig, ModelConfig
+from hybridflow.config.schema import ActorConfig, CriticConfig, DataConfig, RolloutConfig
 from hybridflow.controller.worker import WorkerContext
 from hybridflow.engine.train import TrainEngine
 from hybridflow.workers import ActorWorker, CriticWorker

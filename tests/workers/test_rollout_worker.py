@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import ActorConfig, DataConfig, RLConfig, RolloutConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.engine.rollout import SamplingParams

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.config.schema import CriticConfig, ModelConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import CriticConfig
 from hybridflow.controller.worker import WorkerContext
 from hybridflow.workers import CriticWorker
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import ActorConfig, DataConfig, ModelConfig, RLConfig, RolloutConfig, TrainerConfig
+from hybridflow.config.model_schema import ModelConfig
+from hybridflow.config.schema import ActorConfig, DataConfig, RLConfig, RolloutConfig, TrainerConfig
 from hybridflow.controller.worker import WorkerContext
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.trainer.role_configs import actor_config

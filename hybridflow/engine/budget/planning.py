@@ -33,7 +33,8 @@ from typing import TypeVar
 
 import torch
 
-from hybridflow.config.schema import EngineOptimConfig, ModelConfig, RolloutConfig
+from hybridflow.config.model_schema import EngineOptimConfig, ModelConfig
+from hybridflow.config.schema import RolloutConfig
 from hybridflow.engine.budget.cap import (CAP_KEY, allocator_bytes, budget_bytes, budget_source, hold,
                                           hold_allocator, weights_problem)
 from hybridflow.engine.budget.choices import default_optimizer, silent_choices

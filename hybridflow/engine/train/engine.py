@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from hybridflow.config.schema import EngineOptimConfig, FrozenModelConfig, ModelConfig
+from hybridflow.config.model_schema import EngineOptimConfig, FrozenModelConfig, ModelConfig
 from hybridflow.engine.budget import count
 from hybridflow.engine.train import flops as flops_lib
 from hybridflow.engine.train.attention import VARLEN_ATTENTION

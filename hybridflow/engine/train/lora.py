@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine.train.model import decoder_layers
 from hybridflow.engine.train.parallel import full_tensor
 from hybridflow.engine.train.quantized_base import dense

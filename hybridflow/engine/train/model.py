@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -148,4 +148,5 @@ def mark_inputs_require_grad(model: torch.nn.Module) -> None:
         if torch.is_grad_enabled():
             output.requires_grad_(True)
 
-    model.get_input_embeddings().register_forward_hook(mark)
+    embeddings: torch.nn.Module = cast(Any, model).get_input_embeddings()
+    embeddings.register_forward_hook(mark)

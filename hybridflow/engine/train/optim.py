@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.config.schema import EngineOptimConfig
+from hybridflow.config.model_schema import EngineOptimConfig
 from hybridflow.engine.budget.choices import default_optimizer
 
 SCHEDULES = ("constant", "cosine")

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 
 BLOCK = 64  # values per scale (QLoRA's and torchao's default)
 SCALER_BLOCK = 256  # scales per second-level factor (torchao's default; smaller where a weight has fewer blocks)

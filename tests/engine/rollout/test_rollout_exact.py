@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.config.schema import LoraConfig, ModelConfig, OptimConfig
+from hybridflow.config.model_schema import LoraConfig, ModelConfig, OptimConfig
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.train import TrainEngine
 

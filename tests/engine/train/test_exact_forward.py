@@ -11,7 +11,7 @@ import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch
 from transformers import LlamaConfig
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine import invariant
 from hybridflow.engine.train import TrainEngine, exact
 from hybridflow.engine.train.exact import Gradients

@@ -14,7 +14,7 @@ import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch, run_ranks
 from transformers import AutoConfig
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.compile import compile_model
 from hybridflow.engine.train.flops import matmul_params, train_flops

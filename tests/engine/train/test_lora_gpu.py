@@ -10,7 +10,7 @@ import torch
 from train_helpers import model_cfg, optim_cfg, rl_batch
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.controller.runtime import ensure_single_process_group
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.train import TrainEngine

@@ -11,7 +11,7 @@ import torch
 from train_helpers import model_cfg, optim_cfg
 from transformers import AutoConfig
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.lora import ADAPTER, trainable_params

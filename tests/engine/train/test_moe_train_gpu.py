@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_helpers import model_cfg, optim_cfg
 
-from hybridflow.config.schema import LoraConfig
+from hybridflow.config.model_schema import LoraConfig
 from hybridflow.controller.runtime import ensure_single_process_group
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.model import decoder_layers

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from train_helpers import model_cfg, optim_cfg, rl_batch, run_ranks
 
-from hybridflow.config.schema import FrozenModelConfig
+from hybridflow.config.model_schema import FrozenModelConfig
 from hybridflow.engine.train import TrainEngine
 
 BETA1 = 0.9

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow.config.schema import ModelConfig, OptimConfig
+from hybridflow.config.model_schema import ModelConfig, OptimConfig
 
 
 def rl_batch(rows: int, prompt_width: int, response_width: int, vocab: int = 200, seed: int = 0

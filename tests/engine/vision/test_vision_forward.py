@@ -8,7 +8,7 @@ import torch
 from vision_helpers import encoded_prompts
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import FrozenModelConfig
+from hybridflow.config.model_schema import FrozenModelConfig
 from hybridflow.data.image_prompts import VisionInputs
 from hybridflow.data.loader import left_pad
 from hybridflow.engine.rollout import SamplingParams
@@ -56,7 +56,8 @@ def test_trainer_log_probs_agree_with_rollout_and_transformers(rows, tiny_vlm):
 def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_vlm):
     """`model.freeze_vision` (default true): the vision tower gets no gradient and no optimizer state; false trains
     it with the language model."""
-    from hybridflow.config.schema import ActorConfig, ModelConfig
+    from hybridflow.config.model_schema import ModelConfig
+    from hybridflow.config.schema import ActorConfig
 
     engine = TrainEngine(ModelConfig(path=str(tiny_vlm), dtype="fp32", freeze_vision=freeze), ActorConfig(lr=1e-2),
                          device=torch.device("cpu"))
