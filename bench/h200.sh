@@ -158,6 +158,14 @@ grpo_long() { python3 bench/grpo_vs_trl.py --device cuda --prompts 16 --n 8 --ma
 scale_long() { python3 bench/scale.py --configs 1.5b:default --max-new-tokens 16384 --steps "${SCALE_LONG_STEPS:-3}" \
     --prompts "${SCALE_LONG_PROMPTS:-16}" --budget-s "${SCALE_LONG_BUDGET_S:-540}" --out "$OUT/scale_long_h200.json" 2>&1 \
     | tee "$OUT/scale_long.log"; }
+# the Tinker-compatible service (issue 57; docs/tinker.md): sampling through the tinker SDK against our engine, and
+# GRPO driven through the SDK against `hybridflow train`, ST_BUDGET_S (default 120) of training each (needs the
+# GGUF, model_part1 / model_part2 first, and the SDK's wheels: tinker 0.38 and what the image lacks, carried in .whl2/)
+serve_tinker() {
+    [ -d .whl2 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/*.whl
+    python3 bench/serve_tinker.py --device cuda --model "$GGUF" --budget-s "${ST_BUDGET_S:-120}" \
+        --out "$OUT/serve_tinker_cuda.json" 2>&1 | tee "$OUT/serve_tinker.log"
+}
 model_part1() { mkdir -p /tmp/smollm2 && cp .gguf1/part /tmp/smollm2/part1; }
 model_part2() { cat /tmp/smollm2/part1 .gguf2/part > "$GGUF" && md5sum "$GGUF"; }
 race() { python3 bench/learn_vs_trl.py --device cuda --model "$GGUF" --budget-s "${RACE_BUDGET_S:-180}" \
