@@ -14,8 +14,9 @@ pytestmark = pytest.mark.gpu
 
 
 # qwen3: per-head q/k norms in place, then the fused kernels; olmo2: norms over the whole q and k and after each block;
-# gemma3_text: sliding-window layers (8 tokens, shorter than the generations) in the decode kernels and flash
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3", "gemma3_text"])
+# gemma3_text: sliding-window layers (8 tokens, shorter than the generations) in the decode kernels and flash;
+# qwen3_5_text: linear-attention layers (flash-linear-attention's kernels) whose states the graphs update in place
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "qwen3_5_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_equals_eager(spread_model, dtype, arch):
     path = spread_model(arch)
@@ -251,3 +252,25 @@ def test_split_sampler_draws_from_the_softmax_across_pieces():
         assert ((got - rows * p).abs() <= 5 * sigma + 1).all(), (got, rows * p)
     ref = (logits / temp).log_softmax(-1)[tokens]
     torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=0)
+
+
+def test_hybrid_linear_attention_on_cuda_tracks_transformers(spread_model):
+    """Qwen3.5's pattern (three linear-attention layers, then a full one) on CUDA, where both engines run
+    flash-linear-attention's chunked and recurrent kernels: fp32 greedy equals transformers' greedy, and the logits
+    that chose each token equal transformers' full forward's."""
+    pytest.importorskip("fla", reason="flash-linear-attention (the `linear` extra) runs Qwen3.5 on CUDA")
+    from transformers import AutoModelForCausalLM
+
+    path = spread_model("qwen3_5_text", layers=4)
+    prompts = [[5, 6, 7], [8] * 70, [9, 10, 11, 12]]  # 73 tokens: a prefill over one chunk of the delta rule (64)
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
+    outs = RolloutEngine.from_pretrained(path, device="cuda", dtype=torch.float32, max_num_seqs=4).generate(prompts,
+                                                                                                              params)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    for prompt, out in zip(prompts, outs):
+        tokens = out[0].token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
+        chosen = logits[len(prompt) - 1:-1].log_softmax(-1).gather(1, torch.tensor(tokens, device="cuda")[:, None])
+        assert tokens == logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(out[0].logprobs), chosen[:, 0].cpu(), atol=2e-3, rtol=0)
