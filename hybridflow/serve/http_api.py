@@ -25,6 +25,7 @@ from tinker import types
 
 from hybridflow.serve.tinker_service import Result, ServeConfig, TinkerService
 from hybridflow.serve.wire import PROTO_CONTENT_TYPE, WireError, read_forward_backward
+from hybridflow.serve.work_queue import Job
 
 log = logging.getLogger(__name__)
 POLL_WAIT_S = 20.0  # under the SDK's 45 s retrieve timeout
@@ -143,6 +144,16 @@ async def create_session(request: web.Request) -> web.Response:
     return web.json_response(types.CreateSessionResponse(session_id=session_id).model_dump(mode="json"))
 
 
+async def finish_session(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    job = Job(lambda ids: [service.finish_session(ids[0])], request.match_info["session_id"])
+    try:
+        await asyncio.wrap_future(service.queue.submit(job))
+    except ValueError as e:
+        raise _bad(str(e), web.HTTPNotFound) from e
+    return web.json_response(None)
+
+
 async def create_sampling_session(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     req = await _body(request, types.CreateSamplingSessionRequest)
@@ -201,6 +212,7 @@ def make_app(config: ServeConfig, api_key: str | None = None) -> web.Application
         web.post(f"{api}/client/config", client_config),
         web.post(f"{api}/client/dynamic_config", _constant(types.ClientDynamicConfigResponse().model_dump())),
         web.post(f"{api}/create_session", create_session),
+        web.post(f"{api}/sessions/{{session_id}}/finish", finish_session),
         web.post(f"{api}/session_heartbeat", _constant(types.SessionHeartbeatResponse().model_dump())),
         web.post(f"{api}/telemetry", _constant(types.TelemetryResponse(status="accepted").model_dump())),
         web.post(f"{api}/create_model", _queued(types.CreateModelRequest, TinkerService.create_model)),

@@ -48,14 +48,18 @@ def start_server(model_dir, checkpoint_dir, **config: Any):
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
+    url = f"http://127.0.0.1:{port}"
+
+    client = tinker.ServiceClient(base_url=url, api_key=API_KEY)
 
     def stop() -> None:
+        # the SDK's session heartbeats would otherwise outlive the server, logging a failure every minute
+        client.close("success").result(30)
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
 
-    url = f"http://127.0.0.1:{port}"
-    return Server(tinker.ServiceClient(base_url=url, api_key=API_KEY), app[SERVICE], checkpoint_dir, url), stop
+    return Server(client, app[SERVICE], checkpoint_dir, url), stop
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from tinker import types  # noqa: E402
 
 from hybridflow.algorithms.losses import compute_policy_loss  # noqa: E402
 
-from tests.serve.conftest import TOKENS  # noqa: E402
+from tests.serve.conftest import API_KEY, TOKENS  # noqa: E402
 from tests.serve.conftest import datum as _datum  # noqa: E402
 
 
@@ -157,7 +157,23 @@ def test_a_result_not_ready_within_the_poll_wait_is_polled_again(service_client,
 def test_a_wrong_api_key_is_refused(service_client):
     url = str(service_client.holder._base_url)
     with pytest.raises(tinker.AuthenticationError, match="wrong API key"):  # the client connects on first use
-        tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(base_model="tiny", rank=2)
+        with tinker.ServiceClient(base_url=url, api_key="tml-wrong") as client:
+            client.create_lora_training_client(base_model="tiny", rank=2)
+
+
+def test_closing_a_client_ends_its_session_and_releases_its_models(server):
+    """`ServiceClient.close` (and leaving its `with` block) finishes the session on the server: its training
+    clients' models are released, another session's stay, and closing twice is the SDK's no-op."""
+    other = server.client.create_lora_training_client(base_model="tiny", rank=2).result()
+    with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as client:
+        trainer = client.create_lora_training_client(base_model="tiny", rank=2).result()
+        trainer.forward_backward([_datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "cross_entropy").result()
+        session = client.holder.get_session_id()
+        assert any(m.startswith(f"{session}:") for m in server.service.models)
+    assert session not in server.service.sessions
+    assert not any(m.startswith(f"{session}:") for m in server.service.models)
+    assert other.model_id in server.service.models
+    client.close("success").result(30)
 
 
 def test_serve_command_refuses_a_directory_without_a_model(tmp_path, capsys):
