@@ -25,7 +25,6 @@ from tinker import types
 
 from hybridflow.serve.tinker_service import Result, ServeConfig, TinkerService
 from hybridflow.serve.wire import PROTO_CONTENT_TYPE, WireError, read_forward_backward
-from hybridflow.serve.work_queue import Job
 
 log = logging.getLogger(__name__)
 POLL_WAIT_S = 20.0  # under the SDK's 45 s retrieve timeout
@@ -146,9 +145,8 @@ async def create_session(request: web.Request) -> web.Response:
 
 async def finish_session(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    job = Job(lambda ids: [service.finish_session(ids[0])], request.match_info["session_id"])
     try:
-        await asyncio.wrap_future(service.queue.submit(job))
+        await asyncio.wrap_future(service.finish_session(request.match_info["session_id"]))
     except ValueError as e:
         raise _bad(str(e), web.HTTPNotFound) from e
     return web.json_response(None)

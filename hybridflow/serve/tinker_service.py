@@ -145,15 +145,21 @@ class TinkerService:
         self.sessions.add(session_id)
         return session_id
 
-    def finish_session(self, session_id: str) -> None:
-        """The SDK's `ServiceClient.close`: the session ends and its training clients with it, their weights and
-        optimizer state released (checkpoints they saved stay listed and loadable); a later request naming one of
-        them is refused as an unknown model. Run on the worker thread, after the requests queued before it."""
-        if session_id not in self.sessions:
-            raise ValueError(f"no open session {session_id!r} on this server")
-        self.sessions.discard(session_id)
-        for model_id in [m for m in self.models if m.startswith(f"{session_id}:")]:
-            del self.models[model_id]
+    def finish_session(self, session_id: str) -> Future[None]:
+        """The SDK's `ServiceClient.close`, queued behind the requests before it: the session ends and its training
+        clients with it, their weights and optimizer state released (checkpoints they saved stay listed and
+        loadable); a later request naming one of them is refused as an unknown model. The future raises
+        `ValueError` for a session this server does not hold open."""
+
+        def finish(ids: list[str]) -> list[None]:
+            if ids[0] not in self.sessions:
+                raise ValueError(f"no open session {ids[0]!r} on this server")
+            self.sessions.discard(ids[0])
+            for model_id in [m for m in self.models if m.startswith(f"{ids[0]}:")]:
+                del self.models[model_id]
+            return [None]
+
+        return self.queue.submit(Job(finish, session_id))
 
     def create_sampling_session(self, req: types.CreateSamplingSessionRequest) -> str:
         """A sampling session on a snapshot (`model_path`) or on a base model."""
