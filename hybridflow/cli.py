@@ -85,7 +85,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir),
-                             merged_exports=args.merged_exports, micro_batch_tokens=args.micro_batch_tokens)
+                             merged_exports=args.merged_exports, micro_batch_tokens=args.micro_batch_tokens,
+                             quantization=args.quantization)
         serve(config, args.host, args.port, args.api_key)
     except ValueError as e:
         print(f"hybridflow serve: {e}", file=sys.stderr)
@@ -203,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="the most padded tokens (rows x longest row) one forward_backward pass holds; requests' "
                         "data are packed into micro-batches within it (default 0: one batch per call)")
+    p.add_argument("--quantization", choices=("none", "nf4"), default="none",
+                   help="nf4: the bases' projections stored once in 4 bits (torchao NF4), shared by the LoRA clients "
+                        "(QLoRA); full-parameter clients are then refused (default none: fp32)")
     p.set_defaults(fn=_serve)
 
     for name, fn, text, docs, recipe in (

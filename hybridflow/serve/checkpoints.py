@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tinker import types
 
+from hybridflow.engine.train.quantized_base import dense, is_nf4
 from hybridflow.serve.trainee import Trainee
 
 _NAME = re.compile(r"\w[\w.-]*")  # a checkpoint name: one file name, never a path
@@ -87,7 +88,7 @@ class CheckpointStore:
             if trainee.adapters is None:
                 trainee.model.save_pretrained(tmp)
             elif self.merged_exports:
-                merged = copy.deepcopy(base_model)
+                merged = _dense_copy(base_model)
                 merged.load_state_dict(dict(trainee.sampler_weights()), strict=False)
                 merged.save_pretrained(tmp)
             else:
@@ -130,3 +131,12 @@ def _adapter_model(trainee: Trainee, base_model: Any, base_path: Path) -> Any:
     model = get_peft_model(skeleton, config)
     model.base_model.model.load_state_dict(trainee.trained(), strict=False, assign=True)
     return model
+
+
+def _dense_copy(base_model: Any) -> Any:
+    """A copy of the base whose 4-bit weights (`hybridflow serve --quantization nf4`) are dequantized: what a merged
+    export's adapted weights are loaded into and saved from. The memo hands `deepcopy` each 4-bit weight's dense
+    copy in its place (copying an `NF4Tensor` itself would quantize it again, with the default blocks)."""
+    dense_weights = {id(p): torch.nn.Parameter(dense(p.data), requires_grad=False)
+                     for p in base_model.parameters() if is_nf4(p.data)}
+    return copy.deepcopy(base_model, memo=dense_weights)

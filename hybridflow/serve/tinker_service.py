@@ -16,6 +16,7 @@ in the future as the SDK's `RequestFailedError` with category `user`.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import logging
@@ -54,6 +55,7 @@ class ServeConfig:
     merged_exports: `save_weights_external` of a LoRA client writes its merged model, not an adapter directory.
     micro_batch_tokens: the most padded tokens (rows x longest row) a forward_backward pass holds at once; the
         data of waiting requests are packed into micro-batches within it (0: one batch, bounded by memory only).
+    quantization: "nf4" stores the bases' projections in 4 bits for LoRA clients (`BaseModels`); "none" keeps fp32.
     """
 
     models: dict[str, Path]
@@ -63,10 +65,13 @@ class ServeConfig:
     checkpoint_dir: Path = Path("tinker_checkpoints")
     merged_exports: bool = False
     micro_batch_tokens: int = 0
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 0:
             raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit)")
+        if self.quantization == "nf4" and importlib.util.find_spec("torchao") is None:
+            raise ValueError("--quantization nf4 needs torchao: pip install -c constraints.txt -e '.[memory]'")
 
 
 def model_map(specs: list[str]) -> dict[str, Path]:
@@ -109,7 +114,7 @@ class TinkerService:
                 raise ValueError(f"--model {name}={path}: no config.json there; give a local Hugging Face "
                                  f"model directory")
         self.config = config
-        self.bases = BaseModels(config.models, config.device)
+        self.bases = BaseModels(config.models, config.device, config.quantization)
         self.store = CheckpointStore(config.checkpoint_dir, config.merged_exports)
         self.sessions: set[str] = set()
         self.models: dict[str, _Model] = {}
