@@ -234,10 +234,13 @@ def test_a_request_waiting_for_the_concurrency_cap_counts_as_in_flight(tiny):
             lanes = [endpoint.open(key) for key in ("a", "b")]
             asks = [asyncio.ensure_future(client(port, key).chat.completions.create(
                 model="policy", messages=[{"role": "user", "content": "Count."}])) for key in ("a", "b")]
+            # a request counts in flight on arrival and reaches the driver once rendered (off the event loop), so
+            # wait for both; then the second, held by the cap, must not reach the driver while the first is open
             for _ in range(500):
-                if sum(lane.in_flight for lane in lanes) == 2:
+                if sum(lane.in_flight for lane in lanes) == 2 and driver.calls:
                     break
                 await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
             assert [lane.in_flight for lane in lanes] == [1, 1] and len(driver.calls) == 1  # one waits for the cap
             driver.gate.set()
             await asyncio.gather(*asks)
