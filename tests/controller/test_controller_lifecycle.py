@@ -74,3 +74,31 @@ def test_failing_init_raises_at_start_and_frees_the_pool():
         WorkerGroup(BrokenInit, 2, pool=pool, name="broken")
     assert "controller_workers.py" in str(info.value)
     assert pool.groups == []
+
+
+def test_a_stop_signal_between_two_worker_starts_leaves_no_process(monkeypatch):
+    """A SIGTERM that arrives while the first of two workers starts is delivered when its `held_signals` block ends,
+    before the second starts: the group's start raises it, and the worker already started is shut down at once.
+    Left alive (it was, unrecorded), it waited forever for its work, and the interpreter's exit, which joins its
+    multiprocessing children, with it: `hybridflow train` hung instead of stopping."""
+    from controller_workers import ToyWorker
+
+    from hybridflow.controller.backends import local
+    from hybridflow.utils.stop_signals import Interrupted
+
+    started = []
+    spawn = local.LocalBackend._spawn
+
+    def spawn_then_signal(self, rank):
+        ready = spawn(self, rank)
+        started.append(self.procs[rank])
+        if rank == 0:
+            raise Interrupted(signal.SIGTERM, second=False)  # as held_signals delivers it
+        return ready
+
+    monkeypatch.setattr(local.LocalBackend, "_spawn", spawn_then_signal)
+    begun = time.monotonic()
+    with pytest.raises(Interrupted):
+        WorkerGroup(ToyWorker, 2, inline=False, name="interrupted")
+    assert len(started) == 1 and not started[0].is_alive()
+    assert time.monotonic() - begun < 30

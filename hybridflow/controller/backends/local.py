@@ -135,6 +135,8 @@ class LocalBackend(Backend):
         self._dead: dict[int, Exception] = {}
         self._closing = False
         self._lock = threading.Lock()
+        self._liveness: Liveness | None = None
+        self._serving = False  # the pipes' reader and writer threads run: a worker can be asked to exit
         store = dist.TCPStore("127.0.0.1", 0, spec.world_size + 1, is_master=True, wait_for_workers=False)
         self._store: dist.TCPStore | None = store
         env = dict(self.env)
@@ -143,16 +145,20 @@ class LocalBackend(Backend):
         self.procs: list[Any] = []  # the spawned processes
         self._conns: list[Any] = []  # their pipe ends
         self._outboxes: list[Any] = []  # their send queues
-        with _environ(env):
-            ready = [self._spawn(rank) for rank in range(self.world_size)]
-        for rank in range(self.world_size):
-            for loop, tag in ((self._read_loop, "rx"), (self._send_loop, "tx")):
-                threading.Thread(target=loop, args=(rank,), daemon=True, name=f"hf-{spec.role}-{rank}-{tag}").start()
-        self._liveness = None
-        if self.worker_timeout_s:
-            self._liveness = Liveness(spec.role, log_server(), [self._log_key(r) for r in range(self.world_size)],
-                                      lambda r: f"pid {self.procs[r].pid}", self.worker_timeout_s, self._give_up)
+        # a stop signal can land anywhere in here (after each process start, `held_signals` delivers one that
+        # arrived meanwhile): the processes started so far are shut down, or the interpreter's exit would wait for
+        # them (multiprocessing joins its children) while they wait for work that never comes
         try:
+            with _environ(env):
+                ready = [self._spawn(rank) for rank in range(self.world_size)]
+            for rank in range(self.world_size):
+                for loop, tag in ((self._read_loop, "rx"), (self._send_loop, "tx")):
+                    threading.Thread(target=loop, args=(rank,), daemon=True,
+                                     name=f"hf-{spec.role}-{rank}-{tag}").start()
+            self._serving = True
+            if self.worker_timeout_s:
+                self._liveness = Liveness(spec.role, log_server(), [self._log_key(r) for r in range(self.world_size)],
+                                          lambda r: f"pid {self.procs[r].pid}", self.worker_timeout_s, self._give_up)
             wait_all(ready)
         except BaseException:
             self.shutdown()
@@ -183,10 +189,11 @@ class LocalBackend(Backend):
         )
         with held_signals():  # a stop now would leave the new process without its work, printing a traceback
             proc.start()
-        child.close()  # the pipe now closes as soon as the worker dies
-        self.procs.append(proc)
-        self._conns.append(parent)
-        self._outboxes.append(queue.SimpleQueue())
+            child.close()  # the pipe now closes as soon as the worker dies
+            # recorded before a held signal is delivered (at the block's end), so that shutdown stops it
+            self.procs.append(proc)
+            self._conns.append(parent)
+            self._outboxes.append(queue.SimpleQueue())
         ready: Future = Future()
         self._pending[rank][0] = (ready, "__init__")
         return ready
@@ -254,7 +261,7 @@ class LocalBackend(Backend):
         self._closing = True
         if self._liveness is not None:
             self._liveness.close()
-        healthy = not self._dead
+        healthy = not self._dead and self._serving  # else no worker can be asked: kill at once
         for outbox in self._outboxes:
             outbox.put(None)
         deadline = time.monotonic() + (GRACEFUL_EXIT_S if healthy else 0.5)
