@@ -149,6 +149,8 @@ PASSTHROUGH_HELP = {"export": "write a checkpoint as a Hugging Face model direct
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridflow.config.model_schema import QUANTIZATIONS
+
     parser = argparse.ArgumentParser(prog="hybridflow",
                                      description="Reinforcement-learning post-training of language models.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="the most padded tokens (rows x longest row) one forward_backward pass holds; requests' "
                         "data are packed into micro-batches within it (default 0: one batch per call)")
-    p.add_argument("--quantization", choices=("none", "nf4"), default="none",
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="nf4: the bases' projections stored once in 4 bits (torchao NF4), shared by the LoRA clients "
                         "(QLoRA); full-parameter clients are then refused (default none: fp32)")
     p.set_defaults(fn=_serve)

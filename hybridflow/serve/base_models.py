@@ -21,15 +21,14 @@ from typing import Any, cast
 
 import torch
 
-QUANTIZATIONS = ("none", "nf4")
+from hybridflow.engine.train.lora import resolve_targets
+from hybridflow.engine.train.quantized_base import quantize_linears
 
 
 class BaseModels:
     """Base-model name -> its directory, and each one loaded once (see the module docstring)."""
 
     def __init__(self, paths: dict[str, Path], device: str, quantization: str = "none") -> None:
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization {quantization}: valid: {', '.join(QUANTIZATIONS)}")
         self.paths = paths
         self.device = torch.device(device)
         self.quantization = quantization
@@ -49,8 +48,8 @@ class BaseModels:
 
             model = AutoModelForCausalLM.from_pretrained(self.path(name), dtype=torch.float32)
             model.requires_grad_(False)
-            if self.quantization == "nf4":
-                _quantize_projections(model, self.device)
+            if self.quantization == "nf4":  # the decoder layers' linear layers: LoRA's default targets
+                quantize_linears(resolve_targets(model, []), self.device)
             cast(torch.nn.Module, model).to(self.device)  # transformers types `to` for dtypes only
             self._loaded[name] = model
         return self._loaded[name]
@@ -71,16 +70,3 @@ class BaseModels:
         model = copy.deepcopy(self.base(name))
         model.requires_grad_(True)
         return model
-
-
-@torch.no_grad()
-def _quantize_projections(model: Any, device: torch.device) -> None:
-    """The decoder layers' linear weights (LoRA's default targets) replaced by 4-bit copies made on `device`, one
-    at a time, so no full-precision copy of the whole model reaches it."""
-    from hybridflow.engine.train.lora import resolve_targets
-    from hybridflow.engine.train.quantized_base import to_nf4
-
-    for name, linear in resolve_targets(model, []).items():
-        weight = linear.weight
-        linear.weight = torch.nn.Parameter(to_nf4(weight.detach().to(device), f"{name}.weight"), requires_grad=False)
-        del weight

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from tinker import types
 
+from hybridflow.config.model_schema import QUANTIZATIONS
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.serve.base_models import BaseModels
 from hybridflow.serve.checkpoints import CheckpointStore
@@ -70,6 +71,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 0:
             raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization}: valid: {', '.join(QUANTIZATIONS)}")
         if self.quantization == "nf4" and importlib.util.find_spec("torchao") is None:
             raise ValueError("--quantization nf4 needs torchao: pip install -c constraints.txt -e '.[memory]'")
 

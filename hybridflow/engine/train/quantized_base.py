@@ -69,19 +69,22 @@ def dense(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_base(layers: dict[str, Any], device: torch.device, shards: int = 1) -> int:
-    """Replaces the frozen `base_layer.weight` of each of peft's adapted linear `layers` (by name) with its 4-bit
-    copy, made on `device` (for FSDP2 over `shards` ranks: `to_nf4`); returns how many weights it stores in 4
-    bits."""
+def quantize_linears(linears: dict[str, Any], device: torch.device, shards: int = 1) -> int:
+    """Replaces the weight of each linear layer in `linears` (by name) with its frozen 4-bit copy, made on `device`
+    one weight at a time (for FSDP2 over `shards` ranks: `to_nf4`); returns how many weights it stores in 4 bits."""
     stored = 0
-    for name, layer in layers.items():
-        base = layer.base_layer
-        weight = base.weight
+    for name, linear in linears.items():
+        weight = linear.weight
         quantized = to_nf4(weight.detach().to(device), f"{name}.weight", shards)
-        base.weight = torch.nn.Parameter(quantized, requires_grad=False)
+        linear.weight = torch.nn.Parameter(quantized, requires_grad=False)
         stored += weight.numel()
         del weight  # the full-precision weight goes now, before the next one is quantized
     return stored
+
+
+def quantize_base(layers: dict[str, Any], device: torch.device, shards: int = 1) -> int:
+    """`quantize_linears` over the frozen `base_layer` of each of peft's adapted linear `layers` (by name)."""
+    return quantize_linears({name: layer.base_layer for name, layer in layers.items()}, device, shards)
 
 
 def quantized_params(config: Any, lora: LoraConfig, head: str = "lm", trust_remote_code: bool = False
