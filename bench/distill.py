@@ -29,13 +29,13 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from bench_util import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
-from learn_vs_trl import add_race_arguments, plot, race_hybridflow, time_to  # noqa: E402
+from learn_vs_trl import (RACE_DEFAULTS, add_race_arguments, device_defaults, plot,  # noqa: E402
+                          race_hybridflow, race_inputs, time_to)
 
 TARGET_SHARE = 0.9  # of the teacher's accuracy
 TIME_LIMIT = 1 / 3  # of GRPO's time to that accuracy
@@ -110,22 +110,11 @@ def main() -> None:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args()
-    cpu = a.device == "cpu"
-    for key, (gpu_default, cpu_default) in {"prompts": (64, 2), "n": (8, 2), "max_new_tokens": (256, 8),
-                                            "grpo_budget_s": (150.0, 20.0), "grpo_eval_every_s": (10.0, 10.0),
-                                            "distill_budget_s": (60.0, 20.0), "distill_eval_every_s": (4.0, 10.0),
-                                            "n_train": (20000, 64), "n_val": (300, 4)}.items():
-        if getattr(a, key) is None:
-            setattr(a, key, cpu_default if cpu else gpu_default)
+    device_defaults(a, {**RACE_DEFAULTS, "grpo_budget_s": (150.0, 20.0), "grpo_eval_every_s": (10.0, 10.0),
+                        "distill_budget_s": (60.0, 20.0), "distill_eval_every_s": (4.0, 10.0)})
     if a.child:
         return child(a)
-    from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
-    from hybridflow.utils.real_model import resolve_model
-
-    model_dir = resolve_model(a.model, "fp32", a.cache_dir)
-    work = Path(tempfile.mkdtemp(prefix="distill_"))
-    write_parquet(make_rows(a.n_train, "train", a.seed), work / "train.parquet")
-    write_parquet(make_rows(a.n_val, "test", a.seed), work / "val.parquet")
+    model_dir, work = race_inputs(a, "distill_")
     settings = ("device", "prompts", "n", "max_new_tokens", "max_prompt_length", "lr", "weight_decay",
                 "grpo_budget_s", "grpo_eval_every_s", "distill_budget_s", "distill_eval_every_s", "n_train", "n_val",
                 "seed")
@@ -149,7 +138,7 @@ def main() -> None:
     summaries = {name: summarize(results, name) for name in runs}
     import torch
 
-    report = {"device": torch.cuda.get_device_name() if not cpu else platform.processor() or "cpu",
+    report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
               "cpus": os.cpu_count(), "torch": torch.__version__, "model": str(model_dir), "commit": git_commit(),
               "settings": {**{k: v for k, v in vars(a).items() if k in settings}, "set": a.set,
                            "distill_set": a.distill_set, "distill_sweep": a.distill_sweep},

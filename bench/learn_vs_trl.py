@@ -309,6 +309,35 @@ def add_race_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+# the race's arguments left None by `add_race_arguments`: (cuda default, cpu default)
+RACE_DEFAULTS = {"prompts": (64, 2), "n": (8, 2), "max_new_tokens": (256, 8), "n_train": (20000, 64), "n_val": (300, 4)}
+
+
+def device_defaults(a: argparse.Namespace, defaults: dict[str, tuple]) -> None:
+    """Each argument of `defaults` left None takes its default for `a.device`: (cuda default, cpu default)."""
+    for key, (gpu_default, cpu_default) in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, cpu_default if a.device == "cpu" else gpu_default)
+
+
+def write_race_data(a: argparse.Namespace, work: Path) -> None:
+    """The race's synthetic GSM8K rows: `a.n_train` in work/train.parquet, `a.n_val` held out in work/val.parquet."""
+    from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
+
+    write_parquet(make_rows(a.n_train, "train", a.seed), work / "train.parquet")
+    write_parquet(make_rows(a.n_val, "test", a.seed), work / "val.parquet")
+
+
+def race_inputs(a: argparse.Namespace, prefix: str) -> tuple[Path, Path]:
+    """(the race's model as an fp32 Hugging Face directory, a new work directory holding its data)."""
+    from hybridflow.utils.real_model import resolve_model
+
+    model_dir = resolve_model(a.model, "fp32", a.cache_dir)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    write_race_data(a, work)
+    return model_dir, work
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_race_arguments(p)
@@ -333,11 +362,7 @@ def main() -> None:
         write_report(report, a.out)
         return
     cpu = a.device == "cpu"
-    for key, (gpu_default, cpu_default) in {"prompts": (64, 2), "n": (8, 2), "max_new_tokens": (256, 8),
-                                            "budget_s": (600.0, 20.0), "eval_every_s": (60.0, 10.0),
-                                            "n_train": (20000, 64), "n_val": (300, 4)}.items():
-        if getattr(a, key) is None:
-            setattr(a, key, cpu_default if cpu else gpu_default)
+    device_defaults(a, {**RACE_DEFAULTS, "budget_s": (600.0, 20.0), "eval_every_s": (60.0, 10.0)})
     if a.child:
         watch = None if cpu else DeviceMemoryWatch()
         result = (run_hybridflow if a.child == "hybridflow" else run_trl)(a)
@@ -349,13 +374,7 @@ def main() -> None:
             result["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         Path(a.result).write_text(json.dumps(result))
         return
-    from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
-    from hybridflow.utils.real_model import resolve_model
-
-    model_dir = resolve_model(a.model, "fp32", a.cache_dir)
-    work = Path(tempfile.mkdtemp(prefix="learn_vs_trl_"))
-    write_parquet(make_rows(a.n_train, "train", a.seed), work / "train.parquet")
-    write_parquet(make_rows(a.n_val, "test", a.seed), work / "val.parquet")
+    model_dir, work = race_inputs(a, "learn_vs_trl_")
     settings = ("device", "prompts", "n", "max_new_tokens", "max_prompt_length", "lr", "weight_decay", "budget_s",
                 "eval_every_s", "n_train", "n_val", "seed", "set")
     results = {}

@@ -46,7 +46,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_util import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
-from learn_vs_trl import train_race  # noqa: E402
+from learn_vs_trl import device_defaults, train_race, write_race_data  # noqa: E402
 
 MODES = {"sync": ["rollout.partial=false"],
          "partial": ["rollout.partial=true", "rollout.partial_unfinished=continue",
@@ -243,11 +243,9 @@ def main() -> None:
                       "runs": [run for r in reports for run in r["runs"]]}, a.out)
         return
     cpu = a.device == "cpu"
-    for key, (gpu_default, cpu_default) in {"prompts": (64, 2), "n": (8, 2), "max_response": ("4096,8192", "16,32"),
-                                            "budget_s": (300.0, 10.0), "eval_every_s": (60.0, 5.0),
-                                            "n_train": (20000, 64), "n_val": (128, 4)}.items():
-        if getattr(a, key) is None:
-            setattr(a, key, cpu_default if cpu else gpu_default)
+    device_defaults(a, {"prompts": (64, 2), "n": (8, 2), "max_response": ("4096,8192", "16,32"),
+                        "budget_s": (300.0, 10.0), "eval_every_s": (60.0, 5.0), "n_train": (20000, 64),
+                        "n_val": (128, 4)})
     if a.child:
         a.mode = a.child
         watch = None if cpu else DeviceMemoryWatch()
@@ -263,8 +261,6 @@ def main() -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"--modes: unknown {sorted(unknown)}; valid: {', '.join(MODES)}")
-    from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
-
     work = Path(tempfile.mkdtemp(prefix="long_rl_"))
     if a.model == "tiny" or (a.model is None and cpu):
         from hybridflow.utils.tiny_model import build_tiny_model
@@ -274,8 +270,7 @@ def main() -> None:
         from hybridflow.utils.real_model import resolve_model
 
         model_dir = resolve_model(a.model, "fp32", a.cache_dir)
-    write_parquet(make_rows(a.n_train, "train", a.seed), work / "train.parquet")
-    write_parquet(make_rows(a.n_val, "test", a.seed), work / "val.parquet")
+    write_race_data(a, work)
     settings = ("device", "prompts", "n", "max_prompt_length", "lr", "budget_s", "eval_every_s", "n_train", "n_val",
                 "seed", "set")
     runs = []

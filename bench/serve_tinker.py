@@ -30,7 +30,6 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from bench_util import DeviceMemoryWatch, git_commit, write_json  # noqa: E402
-from learn_vs_trl import RaceClock, add_race_arguments, race_hybridflow, score  # noqa: E402
+from learn_vs_trl import (RACE_DEFAULTS, RaceClock, add_race_arguments, device_defaults,  # noqa: E402
+                          race_hybridflow, race_inputs, score)
 
 API_KEY = "tml-bench"
 
@@ -225,22 +225,12 @@ def main() -> None:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args()
-    cpu = a.device == "cpu"
-    for key, (gpu_default, cpu_default) in {"prompts": (64, 2), "n": (8, 2), "max_new_tokens": (256, 8),
-                                            "budget_s": (120.0, 20.0), "eval_every_s": (30.0, 10.0),
-                                            "n_train": (20000, 64), "n_val": (300, 4), "concurrency": (64, 4)}.items():
-        if getattr(a, key) is None:
-            setattr(a, key, cpu_default if cpu else gpu_default)
+    device_defaults(a, {**RACE_DEFAULTS, "budget_s": (120.0, 20.0), "eval_every_s": (30.0, 10.0),
+                        "concurrency": (64, 4)})
     if a.child:
         Path(a.result).write_text(json.dumps(child(a)))
         return
-    from hybridflow.data.gsm8k_synthetic import make_rows, write_parquet
-    from hybridflow.utils.real_model import resolve_model
-
-    model_dir = resolve_model(a.model, "fp32", a.cache_dir)
-    work = Path(tempfile.mkdtemp(prefix="serve_tinker_"))
-    write_parquet(make_rows(a.n_train, "train", a.seed), work / "train.parquet")
-    write_parquet(make_rows(a.n_val, "test", a.seed), work / "val.parquet")
+    model_dir, work = race_inputs(a, "serve_tinker_")
     settings = ("device", "prompts", "n", "max_new_tokens", "max_prompt_length", "lr", "weight_decay", "budget_s",
                 "eval_every_s", "n_train", "n_val", "seed", "rank", "concurrency", "repeats")
     results = {}
@@ -271,7 +261,7 @@ def main() -> None:
         print(f"service / trainer steps per second: {summary['steps_per_s_ratio']:.2f}x (target >= 0.7)")
     import torch
 
-    report = {"device": torch.cuda.get_device_name() if not cpu else platform.processor() or "cpu",
+    report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "model": str(model_dir), "commit": git_commit(),
               "settings": {k: v for k, v in vars(a).items() if k in settings}, "summary": summary, "results": results}
     write_json(report, a.out or HERE / "results" / f"serve_tinker_{a.device}.json")
