@@ -48,16 +48,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare, do not write")
     args = parser.parse_args()
-    stale = [path for path, text in expected().items() if not path.is_file() or path.read_text() != text]
-    if args.check:
-        for path in stale:
+    stale = {path: text for path, text in expected().items() if not path.is_file() or path.read_text() != text}
+    for path, text in stale.items():
+        if args.check:
             print(f"{path} is stale; run: python scripts/gen_config_docs.py", file=sys.stderr)
-        return 1 if stale else 0
-    for path, text in expected().items():
-        if path in stale:
+        else:
             path.write_text(text)
             print(f"wrote {path}")
-    return 0
+    return 1 if args.check and stale else 0
 
 
 if __name__ == "__main__":
