@@ -59,12 +59,14 @@ def tiny_model_factory(tmp_path_factory):
     return factory
 
 
-@pytest.fixture(scope="session")
-def tiny_vlm(tmp_path_factory):
-    """A saved tiny random Qwen2.5-VL with its tokenizer and image processor (`hybridflow.utils.tiny_vlm`)."""
+@pytest.fixture(scope="session", params=["qwen2_5_vl", "qwen3_vl"])
+def tiny_vlm(request, tmp_path_factory):
+    """A saved tiny random vision-language model with its tokenizer and image processor (`hybridflow.utils.tiny_vlm`),
+    once per family: every test that takes it runs on Qwen2.5-VL and on Qwen3-VL."""
     from hybridflow.utils.tiny_vlm import build_tiny_vlm
 
-    return built_once(tmp_path_factory, "tiny_qwen2_5_vl", build_tiny_vlm)
+    family = request.param
+    return built_once(tmp_path_factory, f"tiny_{family}", lambda out: build_tiny_vlm(out, family=family))
 
 
 @pytest.fixture(scope="session")

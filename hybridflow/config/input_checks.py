@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
 from hybridflow.config.role_needs import ENDPOINT_WAYS, distills, needs_critic
-from hybridflow.utils.lm_class import vision_model_type
+from hybridflow.utils.lm_class import VISION_FAMILIES, vision_model_type
 
 
 def model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
@@ -98,11 +98,14 @@ def vision_rollout_problems(rollout: Any) -> list[str]:
 
 
 def vision_problems(cfg: Any) -> list[str]:
-    """What a vision-language model's run (`model.path` holds one) cannot do: prompts without images, a critic,
-    rollout options its engine lacks, multi-turn agents."""
+    """What a vision-language model's run (`model.path` holds one) cannot do: a family other than
+    `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks."""
     model_type = vision_model_type(cfg.model.path)
     if model_type is None:
         return []
+    if model_type not in VISION_FAMILIES:
+        return [f"model.path={cfg.model.path}: vision-language model_type {model_type!r} is not supported (its image "
+                f"inputs and rotary positions differ); supported: {', '.join(VISION_FAMILIES)}"]
     problems = vision_rollout_problems(cfg.rollout)
     if cfg.data.image_key is None:
         problems.append(f"data.image_key=null: model.path={cfg.model.path} is a vision-language model ({model_type}), "

@@ -1,10 +1,10 @@
-"""Images in prompts for vision-language models (Qwen2.5-VL): verl's geo3k layout to token ids and pixel values.
+"""Images in prompts for vision-language models (Qwen2.5-VL, Qwen3-VL): verl's geo3k layout to token ids and pixel values.
 
 A row holds its images under `data.image_key` (verl's `images` column): a list whose items are `{"bytes": ...}`
 mappings (as verl's parquet stores them), `{"path": ...}` mappings, path strings, raw bytes or PIL images. Its
 prompt says `<image>` where each image goes, in order. `VisionPrompts.encode` renders the prompt as text prompts are
 (`chat.render_prompt`), puts the model's vision tokens at each `<image>` (`<|vision_start|>`, one `<|image_pad|>`
-per merged patch, `<|vision_end|>`: what Qwen2.5-VL's processor and chat template make of an image part), and runs
+per merged patch, `<|vision_end|>`: what Qwen2.5-VL's and Qwen3-VL's processors and chat templates make of an image part), and runs
 the model's image processor (transformers', its PIL backend where torchvision is absent) for the pixel values.
 
 Every image is decoded and checked when the dataset is built; an image that does not decode, a prompt whose
@@ -127,7 +127,7 @@ class VisionPrompts:
         config = AutoConfig.from_pretrained(path)
         if not is_vision_config(config):
             raise ValueError(f"{path}: model_type {config.model_type!r} is not a vision-language model (its config "
-                             f"has no vision_config); data.image_key needs one such as Qwen2.5-VL")
+                             f"has no vision_config); data.image_key needs one such as Qwen2.5-VL or Qwen3-VL")
         return cls(tokenizer, AutoImageProcessor.from_pretrained(path), config)
 
     def process(self, images: list, where: str) -> VisionInputs:

@@ -1,5 +1,5 @@
 """Which transformers Auto class builds a model with its language-model head: a vision-language model's
-(`AutoModelForImageTextToText`: Qwen2.5-VL's vision tower, language model and head) or a causal LM's
+(`AutoModelForImageTextToText`: Qwen2.5-VL's or Qwen3-VL's vision tower, language model and head) or a causal LM's
 (`AutoModelForCausalLM`). Every place that loads, sizes, checkpoints or exports the policy asks here, so a
 vision-language model takes the same paths as a text one; `vision_model_type` tells a vision-language model's
 directory from its config.json alone (the config checks ask it before anything loads)."""
@@ -7,6 +7,11 @@ directory from its config.json alone (the config checks ask it before anything l
 from __future__ import annotations
 
 from typing import Any
+
+# the vision-language families whose image processor (Qwen2-VL's: `pixel_values` + `image_grid_thw`) and multimodal
+# rotary index (`get_rope_index`) the data, the vision rollout engine and the trainer use, each tested on a tiny
+# random model of its architecture (`tiny_vlm`); another vision-language model is refused by name before it loads
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
 def is_vision_config(config: Any) -> bool:

@@ -1,12 +1,15 @@
-"""A tiny, offline Qwen2.5-VL model directory: the real architecture (`Qwen2_5_VLForConditionalGeneration`: window
-attention vision tower, patch merger, multimodal rotary positions) at a debug size, with random weights.
+"""A tiny, offline vision-language model directory of a real architecture at a debug size, with random weights:
+Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`: window-attention vision tower, patch merger, multimodal rotary
+positions) or Qwen3-VL (`Qwen3VLForConditionalGeneration`: 16-pixel patches, learned position embeddings in the
+tower, DeepStack features added to the first language layers, interleaved multimodal rotary sections, q/k norms).
 
 Tests need a vision-language model that loads with no network. The directory holds the model, a byte-level
 tokenizer (`tiny_model.build_tokenizer`) with Qwen's vision tokens added (`<|vision_start|>`, `<|image_pad|>`,
 `<|vision_end|>`; `hybridflow.data.image_prompts` puts them where a prompt says `<image>`), and Qwen2-VL's image
-processor with a small pixel range (so a test image is a few dozen patches).
+processor (both families use it; Qwen3-VL's with 16-pixel patches) with a small pixel range (so a test image is a
+few dozen patches).
 
-    python -m hybridflow.utils.tiny_vlm /tmp/tiny_vl
+    python -m hybridflow.utils.tiny_vlm /tmp/tiny_vl [--family qwen3_vl]
 """
 
 from __future__ import annotations
@@ -16,56 +19,85 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.utils.lm_class import VISION_FAMILIES
 from hybridflow.utils.tiny_model import BOS, EOS, PAD, build_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-# pixels of the smallest / largest image after the processor's resize: 4 to 64 patches of 28 x 28
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
+# each family's patch side in pixels; a merged token covers 2 x 2 patches
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+# the smallest / largest image after the processor's resize, in merged tokens: 4 to 64
+MIN_TOKENS, MAX_TOKENS = 4, 64
 
 
-def build_tiny_vlm(path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                   vision_hidden: int = 32, vision_depth: int = 2, seed: int = 0,
-                   max_pixels: int = MAX_PIXELS) -> Path:
-    """Save a random tiny Qwen2.5-VL, its tokenizer, image processor and generation config under `path`."""
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def max_pixels(family: str = "qwen2_5_vl") -> int:
+    """The tiny image processor's pixel limit for `family` (64 merged tokens of 2 x 2 patches)."""
+    return (2 * PATCH[family]) ** 2 * MAX_TOKENS
+
+
+def _config(family: str, text: dict, vision_hidden: int, vision_depth: int, hidden: int, tokens: dict):
+    """The family's config: `text` the language model's sizes, `tokens` the vision token ids."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2,
+                  out_hidden_size=hidden)
+    head_dim = hidden // text["num_attention_heads"]
+    if family == "qwen2_5_vl":  # t/h/w rotary split 16/24/24 of 128, as released; the last tower block attends fully
+        section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+        return Qwen2_5_VLConfig(text_config={**text, "rope_parameters": rope},
+                                vision_config={**vision, "fullatt_block_indexes": [vision_depth - 1], "window_size": 56},
+                                tie_word_embeddings=True, **tokens)
+    # Qwen3-VL: 24/20/20 of 128 interleaved, DeepStack features from the first tower block, 8 x 8 learned positions
+    side = 5 * head_dim // 32
+    section = [head_dim // 2 - 2 * side, side, side]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section, "mrope_interleaved": True}
+    return Qwen3VLConfig(text_config={**text, "head_dim": head_dim, "rope_parameters": rope},
+                         vision_config={**vision, "patch_size": PATCH[family], "deepstack_visual_indexes": [0],
+                                        "num_position_embeddings": 64},
+                         tie_word_embeddings=True, **tokens)
+
+
+def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", hidden: int = 64, layers: int = 2, heads: int = 4,
+                   kv_heads: int = 2, vision_hidden: int = 32, vision_depth: int = 2, seed: int = 0) -> Path:
+    """Save a random tiny VLM of `family` (`VISION_FAMILIES`), its tokenizer, image processor and generation config
+    under `path`."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    if family not in VISION_FAMILIES:
+        raise ValueError(f"family {family!r}: expected one of {', '.join(VISION_FAMILIES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [BOS, *VISION_TOKENS]})
     start, image, end, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
     pad_id, eos_id = tok.convert_tokens_to_ids(PAD), tok.convert_tokens_to_ids(EOS)
-    head_dim = hidden // heads
-    section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # Qwen2.5-VL's t/h/w split (16/24/24 of 128)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=1024, rms_norm_eps=1e-6, pad_token_id=pad_id, eos_token_id=eos_id,
-                         bos_token_id=None, initializer_range=0.2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                             "mrope_section": section}),
-        vision_config=dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2,
-                           num_heads=2, out_hidden_size=hidden, fullatt_block_indexes=[vision_depth - 1],
-                           window_size=56),
-        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-        tie_word_embeddings=True)
+    text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                rms_norm_eps=1e-6, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None, initializer_range=0.2)
+    config = _config(family, text, vision_hidden, vision_depth, hidden,
+                     dict(image_token_id=image, video_token_id=video, vision_start_token_id=start,
+                          vision_end_token_id=end))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = AutoModelForImageTextToText.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=max_pixels).save_pretrained(path)
+    side = 2 * PATCH[family]
+    Qwen2VLImageProcessorPil(min_pixels=side * side * MIN_TOKENS, max_pixels=max_pixels(family),
+                             patch_size=PATCH[family]).save_pretrained(path)
     return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path")
+    parser.add_argument("--family", default="qwen2_5_vl", choices=VISION_FAMILIES)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
-    print(build_tiny_vlm(args.path, hidden=args.hidden, layers=args.layers))
+    print(build_tiny_vlm(args.path, family=args.family, hidden=args.hidden, layers=args.layers))
 
 
 if __name__ == "__main__":

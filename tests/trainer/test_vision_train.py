@@ -1,11 +1,14 @@
-"""GRPO on a tiny random Qwen2.5-VL with geo3k-format data (`recipes/geo3k_vl.yaml`): prompts as chat messages with
+"""GRPO on a tiny random Qwen2.5-VL and Qwen3-VL with geo3k-format data (`recipes/geo3k_vl.yaml`): prompts as chat messages with
 `<image>`, an `images` column of PNG bytes drawn with PIL, `reward_model.ground_truth`; bad image rows are refused
-before training with the row named."""
+before training with the row named; another vision family is refused by name."""
 
 from __future__ import annotations
 
 import io
+import json
 import math
+import re
+import shutil
 
 import pandas as pd
 import pytest
@@ -56,7 +59,7 @@ def test_grpo_trains_two_steps_on_geo3k_format_images(tiny_vlm, tmp_path):
                                 f"reward.function={reward_file(tmp_path)}"), "recipes/geo3k_vl.yaml")
     with pytest.raises(ConfigError, match="data.image_key=null: model.path=.* is a vision-language model"):
         train(cfg)
-    with pytest.raises(ConfigError, match="a critic for the vision-language model qwen2_5_vl is not supported"):
+    with pytest.raises(ConfigError, match="a critic for the vision-language model qwen(2_5|3)_vl is not supported"):
         train(load_config(overrides(tiny_vlm, train_file, out, "algorithm.adv_estimator=gae"), "recipes/geo3k_vl.yaml"))
     with pytest.raises(ConfigError, match=r"rollout.exact=True: a vision-language model's rollout .* has no such"):
         train(load_config(overrides(tiny_vlm, train_file, out, "rollout.exact=true"), "recipes/geo3k_vl.yaml"))
@@ -77,8 +80,18 @@ def test_image_key_follows_for_a_vision_model(tiny_vlm, tmp_path):
 
     cfg = load_config(overrides(tiny_vlm, tmp_path / "train.parquet", tmp_path / "run"), "recipes/grpo.yaml")
     assert cfg.data.image_key == "images"
-    assert any(line.startswith("data.image_key=images: model.path is a vision-language model (qwen2_5_vl)")
+    assert any(re.match(r"data.image_key=images: model.path is a vision-language model \(qwen(2_5|3)_vl\)", line)
                for line in followed_lines(cfg))
+
+
+def test_a_vision_family_without_a_path_is_refused_by_name(tiny_vlm, tmp_path):
+    other = tmp_path / "smolvlm"
+    shutil.copytree(tiny_vlm, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "smolvlm"}))
+    with pytest.raises(ConfigError, match=r"vision-language model_type 'smolvlm' is not supported .* supported: "
+                                          r"qwen2_5_vl, qwen3_vl"):
+        train(load_config(overrides(other, tmp_path / "train.parquet", tmp_path / "run"), "recipes/geo3k_vl.yaml"))
 
 
 @pytest.mark.parametrize("case,match", [

@@ -1,4 +1,4 @@
-"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL) with images in the prompts.
+"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL, Qwen3-VL) with images in the prompts.
 
     engine = VisionRolloutEngine(path, device, dtype, stop_ids, max_num_seqs=64, max_model_len=2048)
     outs = engine.generate(prompt_token_ids, SamplingParams(n=8), vision=[VisionInputs, ...])
@@ -9,11 +9,11 @@ and patch grids (None for a prompt without images). Prompts run in left-padded c
 tower encodes each prompt's images once and their embeddings take the place of the image tokens; the KV cache and
 the last position's logits are then repeated for the n samples of each prompt, so the samples share the prompt's
 one encoding and prefill. Decoding feeds one token per row over that cache with the multimodal rotary positions
-(mrope) of Qwen2.5-VL: the prompt's positions come from the model's `get_rope_index` (an image's tokens take
+(mrope) of Qwen2.5-VL and Qwen3-VL: the prompt's positions come from the model's `get_rope_index` (an image's tokens take
 temporal / height / width positions, text after it continues from the largest), and a generated token's three
 position components are all `its index + the prompt's rope delta`. Tokens are drawn by the fast engine's sampler
 (`sampler.sample`), so log-probs and greedy ties follow the same rules. Greedy output equals `transformers.generate`
-on the same prompt and image (tests/engine/test_vision_engine.py).
+on the same prompt and image, for both families (tests/engine/vision/test_vision_rollout.py).
 
 This is a correct path through the model's own modules, not our fused decoder: no varlen prefill, CUDA graphs or
 continuous batching (a chunk decodes until its last row stops). It inherits weight loading and sleep / wake from

@@ -1,4 +1,4 @@
-"""A vision-language model (Qwen2.5-VL) in the training engine: its vision tower, frozen or trained
+"""A vision-language model (Qwen2.5-VL, Qwen3-VL) in the training engine: its vision tower, frozen or trained
 (`model.freeze_vision`), and the inputs of its forward: each row's images and its multimodal rotary positions.
 
 `vision_tower(model)` names the tower (the module built from the config's `vision_config`). With `freeze_vision` the
@@ -11,7 +11,7 @@ repeated with their prompt for its samples), so the actor's, the reference's and
 the rollout engine prefilled with. `vision_kwargs` turns a micro-batch's rows into the model's keyword arguments: the
 images of its rows one after another, and the 3-D (temporal / height / width) position ids of the whole rows, prompt
 and response, from the model's own `get_rope_index` (what the rollout engine's prefill and decode used, so log-probs
-agree with it and with a transformers forward: tests/engine/test_vision_forward.py). Vision rows run in the padded
+agree with it and with a transformers forward: tests/engine/vision/test_vision_forward.py). Vision rows run in the padded
 layout: packed rows would need the multimodal positions of several sequences in one row.
 """
 
@@ -25,7 +25,7 @@ from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs
 
 
 def vision_tower(model: torch.nn.Module) -> str | None:
-    """The qualified name of a vision-language model's vision tower (`model.visual` in Qwen2.5-VL); None for a text
+    """The qualified name of a vision-language model's vision tower (`model.visual` in Qwen2.5-VL and Qwen3-VL); None for a text
     model."""
     vision_config = getattr(model.config, "vision_config", None)
     if vision_config is None:

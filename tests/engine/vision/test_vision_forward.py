@@ -1,4 +1,4 @@
-"""The training engine's forward on vision rows (tiny random Qwen2.5-VL): the log-probs of sampled responses agree
+"""The training engine's forward on vision rows (tiny random Qwen2.5-VL and Qwen3-VL): the log-probs of sampled responses agree
 with the rollout engine's and with a plain transformers forward of each row with its images."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""VisionRolloutEngine on a tiny random Qwen2.5-VL: greedy output equals `transformers.generate` on the same prompt
+"""VisionRolloutEngine on a tiny random Qwen2.5-VL and Qwen3-VL: greedy output equals `transformers.generate` on the same prompt
 and image; the vision tower encodes each prompt's images once for all its samples; sampled log-probs are the
 engine's; bad vision inputs are refused naming the prompt."""
 

@@ -1,4 +1,4 @@
-"""Prompts with images drawn by PIL, encoded for the tiny Qwen2.5-VL (`tiny_vlm` fixture)."""
+"""Prompts with images drawn by PIL, encoded for the tiny vision-language models (`tiny_vlm` fixture)."""
 
 from __future__ import annotations
 
