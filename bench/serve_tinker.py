@@ -59,7 +59,7 @@ class Server:
         from aiohttp import web
 
         from hybridflow.serve.http_api import make_app
-        from hybridflow.serve.tinker_service import ServeConfig
+        from hybridflow.serve.config import ServeConfig
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -74,8 +74,8 @@ def _view(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
+        from hybridflow.serve.config import ServeConfig, model_map
         from hybridflow.serve.http_api import serve
-        from hybridflow.serve.tinker_service import ServeConfig, model_map
     except ImportError as e:
         print(f"hybridflow serve needs tinker and aiohttp ({e}): pip install -c constraints.txt -e '.[serve]'",
               file=sys.stderr)
@@ -86,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir),
                              merged_exports=args.merged_exports, micro_batch_tokens=args.micro_batch_tokens,
-                             quantization=args.quantization)
+                             quantization=args.quantization, session_timeout_s=args.session_timeout_s)
         serve(config, args.host, args.port, args.api_key)
     except ValueError as e:
         print(f"hybridflow serve: {e}", file=sys.stderr)
@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="nf4: the bases' projections stored once in 4 bits (torchao NF4), shared by the LoRA clients "
                         "(QLoRA); full-parameter clients are then refused (default none: fp32)")
+    p.add_argument("--session-timeout-s", type=float, default=300.0,
+                   help="a session whose client sent no heartbeat (the SDK sends one every 10 s) for this long is "
+                        "finished and its training clients' weights released; 0: never (default 300)")
     p.set_defaults(fn=_serve)
 
     for name, fn, text, docs, recipe in (

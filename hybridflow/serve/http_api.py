@@ -23,7 +23,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from tinker import types
 
-from hybridflow.serve.tinker_service import Result, ServeConfig, TinkerService
+from hybridflow.serve.config import ServeConfig
+from hybridflow.serve.tinker_service import Result, TinkerService
 from hybridflow.serve.wire import PROTO_CONTENT_TYPE, WireError, read_forward_backward
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,30 @@ async def create_session(request: web.Request) -> web.Response:
     return web.json_response(types.CreateSessionResponse(session_id=session_id).model_dump(mode="json"))
 
 
+async def session_heartbeat(request: web.Request) -> web.Response:
+    req = await _body(request, types.SessionHeartbeatRequest)
+    if not request.app[SERVICE].sessions.heartbeat(req.session_id):  # 410: the SDK stops its heartbeat loop
+        raise _bad(f"session {req.session_id!r} is finished or expired", web.HTTPGone)
+    return web.json_response(types.SessionHeartbeatResponse().model_dump())
+
+
+async def _expire_sessions(app: web.Application) -> Any:
+    """While the app runs: finish the sessions whose clients stopped sending heartbeats (`Sessions`), looking a
+    few times per timeout."""
+    service = app[SERVICE]
+
+    async def loop(period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            service.expire_sessions()
+
+    timeout = service.config.session_timeout_s
+    task = asyncio.create_task(loop(min(timeout / 4, 10.0))) if timeout > 0 else None
+    yield
+    if task is not None:
+        task.cancel()
+
+
 async def finish_session(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     try:
@@ -203,6 +228,7 @@ def make_app(config: ServeConfig, api_key: str | None = None) -> web.Application
         service.close()
 
     app.on_cleanup.append(close)
+    app.cleanup_ctx.append(_expire_sessions)
     api = "/api/v1"
     app.add_routes([
         web.get(f"{api}/healthz", _constant(types.HealthResponse(status="ok").model_dump())),
@@ -211,7 +237,7 @@ def make_app(config: ServeConfig, api_key: str | None = None) -> web.Application
         web.post(f"{api}/client/dynamic_config", _constant(types.ClientDynamicConfigResponse().model_dump())),
         web.post(f"{api}/create_session", create_session),
         web.post(f"{api}/sessions/{{session_id}}/finish", finish_session),
-        web.post(f"{api}/session_heartbeat", _constant(types.SessionHeartbeatResponse().model_dump())),
+        web.post(f"{api}/session_heartbeat", session_heartbeat),
         web.post(f"{api}/telemetry", _constant(types.TelemetryResponse(status="accepted").model_dump())),
         web.post(f"{api}/create_model", _queued(types.CreateModelRequest, TinkerService.create_model)),
         web.post(f"{api}/get_info", get_info),

@@ -1,7 +1,7 @@
 """The Tinker service's state and operations, behind the HTTP layer (`http_api`).
 
 `TinkerService` holds the base models it serves (`BaseModels`: each loaded once, shared by its LoRA clients),
-the sessions, the training clients' `Trainee`s (LoRA or full-parameter), the weight snapshots
+the sessions (`Sessions`: a client silent past `session_timeout_s` has its session finished), the training clients' `Trainee`s (LoRA or full-parameter), the weight snapshots
 `save_weights_for_sampler` took, the sampling sessions, one `Sampler` per base model, and the `CheckpointStore`
 (saved states and Hugging Face exports under `checkpoint_dir`). Long operations (create_model,
 forward_backward, optim_step, saving, loading and exporting weights, sampling) run on one worker thread in
@@ -16,7 +16,6 @@ in the future as the SDK's `RequestFailedError` with category `user`.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import logging
@@ -26,68 +25,22 @@ from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable
 
 from tinker import types
 
-from hybridflow.config.model_schema import QUANTIZATIONS
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.serve.base_models import BaseModels
 from hybridflow.serve.checkpoints import CheckpointStore
+from hybridflow.serve.config import ServeConfig
 from hybridflow.serve.sampler import Sampler, Snapshot
+from hybridflow.serve.sessions import Sessions
 from hybridflow.serve.trainee import LossRequest, Trainee
 from hybridflow.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
 from hybridflow.serve.work_queue import Job, WorkQueue
 
 log = logging.getLogger(__name__)
 Result = dict[str, Any] | bytes
-
-
-@dataclass
-class ServeConfig:
-    """What `hybridflow serve` was started with.
-
-    models: served base-model name -> local Hugging Face directory.
-    device: where training and sampling run ("cpu", "cuda").
-    max_num_seqs: the rollout engine's concurrent sequences.
-    max_snapshots: sampler weight snapshots kept in memory (the oldest is dropped first).
-    checkpoint_dir: where `save_weights` and `save_weights_external` write (`MODEL_ID/...`).
-    merged_exports: `save_weights_external` of a LoRA client writes its merged model, not an adapter directory.
-    micro_batch_tokens: the most padded tokens (rows x longest row) a forward_backward pass holds at once; the
-        data of waiting requests are packed into micro-batches within it (0: one batch, bounded by memory only).
-    quantization: "nf4" stores the bases' projections in 4 bits for LoRA clients (`BaseModels`); "none" keeps fp32.
-    """
-
-    models: dict[str, Path]
-    device: str = "cpu"
-    max_num_seqs: int = 64
-    max_snapshots: int = 8
-    checkpoint_dir: Path = Path("tinker_checkpoints")
-    merged_exports: bool = False
-    micro_batch_tokens: int = 0
-    quantization: str = "none"
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_tokens < 0:
-            raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit)")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization {self.quantization}: valid: {', '.join(QUANTIZATIONS)}")
-        if self.quantization == "nf4" and importlib.util.find_spec("torchao") is None:
-            raise ValueError("--quantization nf4 needs torchao: pip install -c constraints.txt -e '.[memory]'")
-
-
-def model_map(specs: list[str]) -> dict[str, Path]:
-    """`--model` values, each `NAME=PATH` or `PATH` (served under the path as written), as name -> directory."""
-    models: dict[str, Path] = {}
-    for spec in specs:
-        name, _, path = spec.rpartition("=")
-        name = name or path
-        if not path or name in models:
-            raise ValueError(f"--model {spec!r}: give NAME=PATH or PATH, each name once (served so far: "
-                             f"{sorted(models)})")
-        models[name] = Path(path)
-    return models
 
 
 @dataclass
@@ -119,7 +72,7 @@ class TinkerService:
         self.config = config
         self.bases = BaseModels(config.models, config.device, config.quantization)
         self.store = CheckpointStore(config.checkpoint_dir, config.merged_exports)
-        self.sessions: set[str] = set()
+        self.sessions = Sessions(config.session_timeout_s)
         self.models: dict[str, _Model] = {}
         self.snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
         self.sampling_sessions: dict[str, tuple[str, str | None]] = {}
@@ -149,25 +102,34 @@ class TinkerService:
             for name in self.config.models]).model_dump(mode="json")
 
     def create_session(self) -> str:
-        session_id = f"session-{uuid.uuid4()}"
-        self.sessions.add(session_id)
-        return session_id
+        return self.sessions.open()
 
     def finish_session(self, session_id: str) -> Future[None]:
-        """The SDK's `ServiceClient.close`, queued behind the requests before it: the session ends and its training
-        clients with it, their weights and optimizer state released (checkpoints they saved stay listed and
-        loadable); a later request naming one of them is refused as an unknown model. The future raises
-        `ValueError` for a session this server does not hold open."""
+        """The SDK's `ServiceClient.close`: the session ends at once, and its training clients' weights and optimizer
+        state are released behind the requests queued before (checkpoints they saved stay listed and loadable); a
+        later request naming one of them is refused as an unknown model. An expired session finishes again
+        quietly; `ValueError` for a session this server never opened or already finished."""
+        if not self.sessions.finish(session_id) and session_id not in self.sessions.expired_ids:
+            raise ValueError(f"no open session {session_id!r} on this server")
+        return self.queue.submit(Job(self._release, session_id))
 
-        def finish(ids: list[str]) -> list[None]:
-            if ids[0] not in self.sessions:
-                raise ValueError(f"no open session {ids[0]!r} on this server")
-            self.sessions.discard(ids[0])
-            for model_id in [m for m in self.models if m.startswith(f"{ids[0]}:")]:
-                del self.models[model_id]
-            return [None]
+    def expire_sessions(self) -> list[str]:
+        """Finish the sessions whose clients stopped sending heartbeats (`Sessions.expired`), as `finish_session`
+        does; returns their ids."""
+        expired = self.sessions.expired()
+        for session_id in expired:
+            held = [m for m in self.models if m.startswith(f"{session_id}:")]
+            log.warning("session %s: no heartbeat for %.0f s (--session-timeout-s), so it is finished and its %d "
+                        "training client(s) released; their saved checkpoints stay", session_id,
+                        self.config.session_timeout_s, len(held))
+            self.queue.submit(Job(self._release, session_id))
+        return expired
 
-        return self.queue.submit(Job(finish, session_id))
+    def _release(self, ids: list[str]) -> list[None]:
+        """A queued job: drop the training clients of session `ids[0]`."""
+        for model_id in [m for m in self.models if m.startswith(f"{ids[0]}:")]:
+            del self.models[model_id]
+        return [None]
 
     def create_sampling_session(self, req: types.CreateSamplingSessionRequest) -> str:
         """A sampling session on a snapshot (`model_path`) or on a base model."""
@@ -216,6 +178,7 @@ class TinkerService:
             raise ValueError(f"optimizer_config.type={req.optimizer_config.type!r} is not served; valid: adamw")
         lora = req.lora_config
         self.bases.path(req.base_model)
+        self._check_session(req.session_id)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the SDK's own derivation (see load_weights)
         if lora is None or lora.rank == 0:
             trainee = Trainee.full(self.bases.full_model(req.base_model), self.bases.device,
@@ -375,8 +338,15 @@ class TinkerService:
         return outcomes
 
     # ---- lookups ----------------------------------------------------------------------------------
+    def _check_session(self, session_id: str) -> None:
+        if session_id in self.sessions.expired_ids:
+            raise ValueError(f"session {session_id!r} expired: its client sent no heartbeat for "
+                             f"{self.config.session_timeout_s:.0f} s (--session-timeout-s), and its training clients "
+                             f"were released; open a new ServiceClient (saved checkpoints load with load_state)")
+
     def _model(self, model_id: str) -> _Model:
         if model_id not in self.models:
+            self._check_session(model_id.split(":")[0])
             raise ValueError(f"model_id {model_id!r} is unknown; known: {sorted(self.models)}")
         return self.models[model_id]
 

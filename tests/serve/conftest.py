@@ -35,7 +35,7 @@ def start_server(model_dir, checkpoint_dir, **config: Any):
     from aiohttp import web
 
     from hybridflow.serve.http_api import SERVICE, make_app
-    from hybridflow.serve.tinker_service import ServeConfig
+    from hybridflow.serve.config import ServeConfig
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
