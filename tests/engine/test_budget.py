@@ -130,6 +130,22 @@ def test_generation_needs_room_for_a_sequence_in_the_kv_cache():
     assert "actor.ref_param_offload=true" in str(err.value)
 
 
+def test_a_hybrid_models_slot_is_counted_as_its_engine_holds_it(tiny_model_factory):
+    """Qwen3.5: K/V for the full-attention layers only, plus each linear layer's conv and recurrent states; the plan's
+    bytes per slot equal the rollout engine's own (`hybrid_cache`), where counting every layer's K/V did not."""
+    from hybridflow.engine.rollout.hybrid_decoder import hybrid_cache
+
+    config = AutoConfig.from_pretrained(tiny_model_factory("qwen3_5_text"))
+    shape = ModelShape.from_config(config)
+    assert shape.attention_layers == config.layer_types.count("full_attention") < shape.layers
+    role = RolloutRole(shape, compute_bytes=4, max_num_seqs=4, max_model_len=64)
+    cache = hybrid_cache(config, 64, 4, None, torch.float32, torch.device("cpu"))
+    assert role.kv_bytes_per_seq() == cache.token_bytes * 64 + cache.state_bytes
+    every_layer = RolloutRole(dataclasses.replace(shape, attention_layers=None, conv_state=0, recurrent_state=0),
+                              compute_bytes=4, max_num_seqs=4, max_model_len=64)
+    assert every_layer.kv_bytes_per_seq() == 64 * 2 * shape.layers * shape.kv_dim * 4 != role.kv_bytes_per_seq()
+
+
 def test_apply_plan_fills_only_what_was_left_to_it():
     p = plan(grpo_demand("7b", optimizer="adamw_8bit"), *H200)
     model = SimpleNamespace(gradient_checkpointing=None, master_dtype="fp32")

@@ -82,6 +82,20 @@ def count(n: int) -> str:
     return str(n)
 
 
+def _linear_attention(config: Any) -> dict[str, int]:
+    """`ModelShape`'s hybrid fields of a text config with Gated DeltaNet layers (`layer_types`); {} otherwise."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    linear = kinds.count("linear_attention")
+    if not linear:
+        return {}
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    channels = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
+    return dict(attention_layers=kinds.count("full_attention"),
+                conv_state=linear * channels * config.linear_conv_kernel_dim,
+                recurrent_state=linear * config.linear_num_value_heads * config.linear_key_head_dim
+                * config.linear_value_head_dim)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a transformer that the estimate needs."""
@@ -96,6 +110,12 @@ class ModelShape:
     active_params: int | None = None  # a mixture of experts' parameters one token uses (None: all of them)
     top_k: int = 0  # experts per token (0: dense)
     experts: int = 0
+    # a hybrid linear-attention model (Qwen3.5: `layer_types`): the layers that keep K/V (None: all of them), and
+    # per sequence its linear layers' conv states (elements, in the compute dtype) and recurrent states (fp32
+    # elements), which the rollout engine keeps per slot beside the K/V (`recurrent_state.StateCache`)
+    attention_layers: int | None = None
+    conv_state: int = 0
+    recurrent_state: int = 0
 
     @classmethod
     def from_config(cls, config: Any, head: str = "lm", trust_remote_code: bool = False) -> ModelShape:
@@ -126,7 +146,7 @@ class ModelShape:
                        top_k=spec.top_k, experts=spec.num_experts)
         return cls(**{**dict(params=params, layers=config.num_hidden_layers, hidden=config.hidden_size,
                              intermediate=config.intermediate_size, kv_dim=kv * head_dim, vocab=config.vocab_size,
-                             largest_param=max(numels)), **moe})
+                             largest_param=max(numels)), **moe, **_linear_attention(config)})
 
     @property
     def compute_params(self) -> int:
@@ -273,7 +293,14 @@ class RolloutRole:
         return rest * self.compute_bytes + projections + 4 * rows
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.shape.layers * self.shape.kv_dim * self.compute_bytes
+        s = self.shape
+        return 2 * (s.layers if s.attention_layers is None else s.attention_layers) * s.kv_dim * self.compute_bytes
+
+    def kv_bytes_per_seq(self) -> int:
+        """One slot: `max_model_len` tokens of K/V, and a hybrid model's linear layers' states."""
+        s = self.shape
+        return self.max_model_len * self.kv_bytes_per_token() + s.conv_state * self.compute_bytes \
+            + 4 * s.recurrent_state
 
     def workspace_bytes(self) -> int:
         """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step.

@@ -160,7 +160,7 @@ def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = 
                  "frozen models": sum(f.idle_bytes(w) for f in demand.frozen),
                  "rollout weights": ro.weight_bytes, "generation workspace": ro.workspace_bytes()}
     used = sum(breakdown.values()) + SLACK_BYTES
-    per_seq = ro.max_model_len * ro.kv_bytes_per_token()
+    per_seq = ro.kv_bytes_per_seq()
     wanted = (ro.max_num_seqs + 1) * per_seq  # the engine's slots plus its scratch slot
     if ro.kv_cache_fraction is not None:
         kv = int(ro.kv_cache_fraction * max(free - used, 0))
@@ -183,7 +183,7 @@ def _kept_reserve(demand: DeviceDemand, cap: int) -> int:
     the update's smallest micro-batch (one sequence, recomputed unless checkpointing is set off) would not fit.
     The updates' micro-batches and the cache compete for the rest; the cache also gets what they leave unused."""
     ro = _rollout(demand)
-    reserve = float((ro.max_num_seqs + 1) * ro.max_model_len * ro.kv_bytes_per_token())
+    reserve = float((ro.max_num_seqs + 1) * ro.kv_bytes_per_seq())
     for role in demand.trained:
         alone = _role_plan(demand, role, cap, 0)[0]
         left = cap - SLACK_BYTES - (alone.peak_bytes - alone.breakdown["activations"])
