@@ -77,7 +77,8 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
                           kv_cache_fraction=cfg.rollout.kv_cache_fraction,
                           shared_params=shareable_params(_config(cfg.model, cfg.model.path), cfg.actor.lora,
                                                          cfg.model.trust_remote_code)
-                          if facts.lend_frozen_weights else 0, fp8=cfg.rollout.quantization == "fp8")
+                          if facts.lend_frozen_weights else 0, fp8=cfg.rollout.quantization == "fp8",
+                          min_seqs=max(cfg.rollout.n, cfg.rollout.val_n))
     trained = [actor]
     frozen = []
     if facts.reference_copy:  # a LoRA actor's reference is its own base weights

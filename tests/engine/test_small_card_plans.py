@@ -37,8 +37,14 @@ def demand(name: str, cap: float, lora: bool = False, nf4: bool = False, master_
                        largest_quantized=largest, **{"optimizer": "auto", "optimizer_offload": None, **actor})
     shared = shareable_params(config, adapters) if lora and not actor.get("param_offload") else 0
     rollout = RolloutRole(shape, 2, max_num_seqs=256, max_model_len=1024, offload_weights=rollout_offload,
-                          shared_params=shared, fp8=fp8)
+                          shared_params=shared, fp8=fp8, min_seqs=8)
     return DeviceDemand(trained=(role,), rollout=rollout, longest_sequence=1024, memory_cap=int(cap * GIB))
+
+
+def p_demand_kv(d: DeviceDemand) -> int:
+    """One cached token's bytes in `d`'s rollout engine."""
+    assert d.rollout is not None
+    return d.rollout.kv_bytes_per_token()
 
 
 def test_nf4_weights_take_a_quarter_of_bf16_and_the_cap_is_the_budget():
@@ -67,15 +73,20 @@ def test_7b_nf4_lora_fits_24_gib_alone_but_not_16_beside_the_rollouts_bf16_copy(
     p = plan(demand("7b", 24, lora=True, nf4=True), *H100)
     actor = p.roles["actor"]
     assert actor.gradient_checkpointing and actor.max_tokens == 2240 and actor.optimizer == "adamw"
-    assert 0.1 * GIB < p.kv_cache_bytes < 0.25 * GIB  # what is left: far less than 256 slots of 1,024 tokens need
+    per_seq = 1024 * p_demand_kv(demand("7b", 24, lora=True, nf4=True))
+    assert p.kv_cache_bytes == 13 * per_seq  # what is left: 12 of the 256 slots (and the scratch slot), n = 8 fit
     with pytest.raises(DoesNotFit, match="rollout weights 12.2 GiB"):
         plan(demand("7b", 16, lora=True, nf4=True, rollout_offload=True), *H100)
 
 
 def test_1_5b_lora_plans_at_8_16_and_24_gib():
-    with pytest.raises(DoesNotFit) as err:  # the 8 GiB cap's 7 GiB: the rollout's bf16 copy leaves no KV cache
-        plan(demand("1.5b", 8, lora=True, nf4=True), *H100)
-    assert "rollout weights 2.4 GiB" in str(err.value) and "param_offload" not in str(err.value)  # nf4 refuses it
+    at8 = plan(demand("1.5b", 8, lora=True, nf4=True), *H100)  # the rollout's bf16 copy offloaded while training
+    assert at8.rollout_offload and at8.kv_cache_bytes == 11 * 1024 * p_demand_kv(demand("1.5b", 8))  # 10 slots
+    with pytest.raises(DoesNotFit) as err:  # 7 GiB: beside the bf16 copy, room for one sequence, not a prompt's 8
+        plan(demand("1.5b", 7, lora=True, nf4=True), *H100)
+    msg = str(err.value)
+    assert "a prompt's 8 samples (rollout.n) of 1,024 tokens and the scratch slot need 252 MiB" in msg
+    assert "rollout weights 2.4 GiB" in msg and "param_offload" not in msg  # nf4 refuses it
     at16 = plan(demand("1.5b", 16, lora=True), *H100).roles["actor"]
     assert at16.gradient_checkpointing and at16.max_tokens == 16384  # recomputation keeps the full budget
     at24 = plan(demand("1.5b", 24, lora=True), *H100).roles["actor"]
@@ -96,7 +107,7 @@ def test_an_fp8_rollout_of_a_4_bit_base_fits_where_the_bf16_copy_does_not():
     at8 = plan(fp8, *H100)
     assert at8.roles["actor"].max_tokens == 3918 and not at8.rollout_offload and 0.7 * GIB < at8.kv_cache_bytes
     at7 = plan(demand("1.5b", 7, lora=True, nf4=True, fp8=True), *H100)
-    assert at7.rollout_offload and at7.roles["actor"].optimizer_offload and at7.kv_cache_bytes > 0
+    assert at7.rollout_offload and at7.kv_cache_bytes == 12 * 1024 * p_demand_kv(fp8)  # 11 slots: a prompt's 8 fit
     with pytest.raises(DoesNotFit) as err:
         plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True), *H100)
     msg = str(err.value)
@@ -104,7 +115,7 @@ def test_an_fp8_rollout_of_a_4_bit_base_fits_where_the_bf16_copy_does_not():
     assert "Budget: 5.0 GiB (trainer.device_memory_gib=6 of the card's 80.0 GiB, less 1.0 GiB" in msg
     at24 = plan(demand("7b", 24, lora=True, nf4=True, fp8=True), *H100)
     assert at24.roles["actor"].max_tokens == 16384 and at24.kv_cache_bytes > 6 * GIB
-    with pytest.raises(DoesNotFit, match="rollout weights 6.1 GiB, generation workspace 2.8 GiB"):
+    with pytest.raises(DoesNotFit, match="rollout weights 6.1 GiB, generation workspace 2.2 GiB"):
         plan(demand("7b", 16, lora=True, nf4=True, fp8=True), *H100)
 
 

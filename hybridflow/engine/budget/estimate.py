@@ -279,6 +279,7 @@ class RolloutRole:
     kv_cache_fraction: float | None = None
     shared_params: int = 0  # a colocated LoRA trainer's frozen weights the engine holds instead of copies
     fp8: bool = False  # the decoder layers' projections in FP8 (`rollout.quantization=fp8`, engine/rollout/fp8.py)
+    min_seqs: int = 1  # sequences that must run at once: a prompt's n samples are admitted together (`rollout.n`)
 
     @property
     def weight_bytes(self) -> int:
@@ -302,14 +303,20 @@ class RolloutRole:
         return self.max_model_len * self.kv_bytes_per_token() + s.conv_state * self.compute_bytes \
             + 4 * s.recurrent_state
 
-    def workspace_bytes(self) -> int:
-        """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step.
-        A forward packs `max_prefill_tokens`, or holds one longer sequence alone: a sample prefilled again with
-        its tokens so far (partial rollouts) may be `max_model_len` long."""
+    def workspace_bytes(self, seqs: int | None = None) -> int:
+        """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step over
+        `seqs` running sequences (None: `max_num_seqs`). A forward packs `max_prefill_tokens`, or holds one longer
+        sequence alone: a sample prefilled again with its tokens so far (partial rollouts) may be `max_model_len`
+        long."""
         s = self.shape
         per_token = 4 * s.hidden + 3 * s.intermediate + 2 * s.top_k * s.hidden
         tokens = max(self.max_prefill_tokens, self.max_model_len)
-        return tokens * self.compute_bytes * per_token + 4 * 4 * self.max_num_seqs * s.vocab
+        running = self.max_num_seqs if seqs is None else seqs
+        return tokens * self.compute_bytes * per_token + running * self.logits_bytes_per_seq()
+
+    def logits_bytes_per_seq(self) -> int:
+        """A running sequence's share of a decode step's fp32 logits and sampling temporaries."""
+        return 4 * 4 * self.shape.vocab
 
 
 @dataclass(frozen=True)

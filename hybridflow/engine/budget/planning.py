@@ -166,8 +166,14 @@ def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = 
         kv = int(ro.kv_cache_fraction * max(free - used, 0))
     else:
         kv = min(wanted, max(int(cap - used), 0), wanted if room is None else max(int(room), 0))
+        if kv < wanted:  # fewer slots than max_num_seqs: only the sequences that run need decode logits
+            avail = max(int(cap - used + ro.logits_bytes_per_seq() * ro.max_num_seqs), 0)  # slots and their logits
+            slots = max(avail - per_seq, 0) // (per_seq + ro.logits_bytes_per_seq())
+            kv = min((min(slots, ro.max_num_seqs) + 1) * per_seq, avail, wanted if room is None else max(int(room), 0))
+            breakdown["generation workspace"] = ro.workspace_bytes(max(kv // per_seq - 1, 0))
+            used = sum(breakdown.values()) + SLACK_BYTES
     breakdown["KV cache"] = kv
-    return kv, used + kv, breakdown, max(0.0, 2 * per_seq - kv)
+    return kv, used + kv, breakdown, max(0.0, (ro.min_seqs + 1) * per_seq - kv)
 
 
 def _rollout(demand: DeviceDemand) -> RolloutRole:
@@ -221,8 +227,9 @@ def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, flo
             worst = max(worst, short)
             beside = (f", beside the update's {_gib(updates)}: rollout.free_cache_after_generate=false keeps it "
                       f"through training" if room is not None else "")
-            problems.append(f"generation: the KV cache gets {_gib(kv)}, one {ro.max_model_len:,}-token "
-                            f"sequence needs {_gib(short + kv)} ({_items(breakdown)}{beside})")
+            problems.append(f"generation: the KV cache gets {_gib(kv)}, where a prompt's {ro.min_seqs} samples "
+                            f"(rollout.n) of {ro.max_model_len:,} tokens and the scratch slot need {_gib(short + kv)} "
+                            f"({_items(breakdown)}{beside})")
     return out, worst, problems
 
 

@@ -74,5 +74,7 @@ def rotary_table(config, max_len: int, device: torch.device) -> tuple[torch.Tens
         return torch.cat([cos[0] for cos, _ in tables], -1), torch.cat([sin[0] for _, sin in tables], -1)
     classes = {"phi3": Phi3RotaryEmbedding, "qwen3_5_text": Qwen3_5TextRotaryEmbedding}
     rope = classes.get(config.model_type, LlamaRotaryEmbedding)(config).to(device)
+    if config.model_type == "qwen3_5_text":  # multimodal sections: positions [3, 1, L], a text token's t = h = w
+        positions = positions.expand(3, -1, -1)  # (some transformers 5.x versions index them as 3-D, others expand)
     cos, sin = (t[0] for t in rope(dummy, positions))
     return cos, sin
