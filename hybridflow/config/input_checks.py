@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
-from hybridflow.config.role_needs import ENDPOINT_WAYS, distills, needs_critic
+from hybridflow.config.role_needs import ENDPOINT_WAYS, agent_enabled, agent_setting, distills, needs_critic
 from hybridflow.utils.lm_class import VISION_FAMILIES, vision_model_type
 
 
@@ -99,7 +99,7 @@ def vision_rollout_problems(rollout: Any) -> list[str]:
 
 def vision_problems(cfg: Any) -> list[str]:
     """What a vision-language model's run (`model.path` holds one) cannot do: a family other than
-    `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks."""
+    `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks, multi-turn episodes."""
     model_type = vision_model_type(cfg.model.path)
     if model_type is None:
         return []
@@ -113,6 +113,10 @@ def vision_problems(cfg: Any) -> list[str]:
     if needs_critic(cfg):
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: a critic for the vision-language "
                         f"model {model_type} is not supported; use a critic-free estimator (grpo, rloo, ...)")
+    if agent_enabled(cfg.agent):
+        problems.append(f"{agent_setting(cfg.agent)}: multi-turn episodes of the vision-language model {model_type} "
+                        f"are not supported (its rollout engine keeps no live sequence between turns, and the "
+                        f"endpoint reads text only); leave the agent section unset for single-turn image prompts")
     return problems
 
 

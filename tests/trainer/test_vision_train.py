@@ -61,6 +61,8 @@ def test_grpo_trains_two_steps_on_geo3k_format_images(tiny_vlm, tmp_path):
         train(cfg)
     with pytest.raises(ConfigError, match="a critic for the vision-language model qwen(2_5|3)_vl is not supported"):
         train(load_config(overrides(tiny_vlm, train_file, out, "algorithm.adv_estimator=gae"), "recipes/geo3k_vl.yaml"))
+    with pytest.raises(ConfigError, match=r"agent.tools: multi-turn episodes of the vision-language model .* are not"):
+        train(load_config(overrides(tiny_vlm, train_file, out, "agent.tools=[calculator]"), "recipes/geo3k_vl.yaml"))
     with pytest.raises(ConfigError, match=r"rollout.exact=True: a vision-language model's rollout .* has no such"):
         train(load_config(overrides(tiny_vlm, train_file, out, "rollout.exact=true"), "recipes/geo3k_vl.yaml"))
     cfg = load_config(overrides(tiny_vlm, train_file, out, f"reward.function={reward_file(tmp_path)}"),
