@@ -66,6 +66,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return tokens, logprobs
 
 
+def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-probs `sample` reports, of given `tokens` [R] under `logits` [R, V] (not modified): at the sampling
+    temperature within top-k / top-p, or at temperature 1 when greedy."""
+    x = logits.float().clone()
+    if not params.greedy:
+        x = _truncate(x.div_(params.temperature), params.top_k, params.top_p)
+    return x.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+
+
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
           seed: torch.Tensor | None, inv_temp: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     if fused(logits, params):

@@ -12,8 +12,10 @@ one encoding and prefill. Decoding feeds one token per row over that cache with 
 (mrope) of Qwen2.5-VL and Qwen3-VL: the prompt's positions come from the model's `get_rope_index` (an image's tokens take
 temporal / height / width positions, text after it continues from the largest), and a generated token's three
 position components are all `its index + the prompt's rope delta`. Tokens are drawn by the fast engine's sampler
-(`sampler.sample`), so log-probs and greedy ties follow the same rules. Greedy output equals `transformers.generate`
-on the same prompt and image, for both families (tests/engine/vision/test_vision_rollout.py).
+(`sampler.sample`), so log-probs and greedy ties follow the same rules, except that the image and video placeholder
+tokens are never drawn (sampled into a response, the trainer's forward would take one for an image position); the
+log-probs stay the policy's over every token, as the trainer computes them. Greedy output equals
+`transformers.generate` on the same prompt and image, for both families (tests/engine/vision/test_vision_rollout.py).
 
 This is a correct path through the model's own modules, not our fused decoder: no varlen prefill, CUDA graphs or
 continuous batching (a chunk decodes until its last row stops). It inherits weight loading and sleep / wake from
@@ -29,7 +31,7 @@ import torch
 
 from hybridflow.data.image_prompts import VisionInputs
 from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
-from hybridflow.engine.rollout.sampler import sample
+from hybridflow.engine.rollout.sampler import log_probs_of, sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 
 
@@ -48,6 +50,10 @@ class VisionRolloutEngine(HFRolloutEngine):
         self.max_model_len = min(self.max_model_len, text.max_position_embeddings)
         self.image_token_id = int(self.config.image_token_id)
         self.vocab_size = int(text.vocab_size)
+        # never sampled: a response's image or video placeholder would be taken for an image position by the
+        # trainer's forward (its features scattered there, its rotary index shifted) and fail the update
+        placeholders = {self.image_token_id, int(getattr(self.config, "video_token_id", self.image_token_id))}
+        self.placeholders = torch.tensor(sorted(t for t in placeholders if t < self.vocab_size), device=self.device)
         self.encoded_images = 0  # images the vision tower has encoded (tests: once per prompt, not per sample)
 
     @torch.inference_mode()
@@ -113,7 +119,7 @@ class VisionRolloutEngine(HFRolloutEngine):
         stops = [t for t in stop_ids if t < self.vocab_size]
         if stops:
             is_stop[torch.tensor(stops, device=self.device)] = True
-        tokens, logprobs = sample(logits, params, generator)
+        tokens, logprobs = self._sample(logits, params, generator)
         out_tokens, out_logprobs = [tokens], [logprobs]
         done = is_stop[tokens] | (limits <= 1)
         for step in range(1, int(limits.max())):
@@ -125,11 +131,18 @@ class VisionRolloutEngine(HFRolloutEngine):
             out = self.model(input_ids=tokens[:, None], attention_mask=mask, cache=cache,
                              position_ids=position[None].expand(3, -1, -1), use_cache=True)
             cache = out.past_key_values
-            tokens, logprobs = sample(out.logits[:, -1], params, generator)
+            tokens, logprobs = self._sample(out.logits[:, -1], params, generator)
             out_tokens.append(tokens)
             out_logprobs.append(logprobs)
             done = done | is_stop[tokens] | (limits <= step + 1)
         return self._completions(torch.stack(out_tokens, 1), torch.stack(out_logprobs, 1), limits, is_stop, n)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draw by the fast engine's sampler with the vision placeholders left out; the log-probs are the policy's
+        own (`sample`'s over every token, what the trainer computes for the drawn ones)."""
+        tokens, _ = sample(logits.index_fill(-1, self.placeholders, float("-inf")), params, generator)
+        return tokens, log_probs_of(logits, tokens, params)
 
     def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: torch.Tensor, is_stop: torch.Tensor,
                      n: int) -> list[list[Completion]]:

@@ -49,9 +49,17 @@ def vision_kwargs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`pixel_values` (in `dtype`), `image_grid_thw` and the [3, B, L] `position_ids` of padded rows `input_ids` /
     `attention_mask` [B, L] (on the model's device) whose images are `mb`'s."""
-    rows = [v for v in VisionInputs.unpad_rows(mb["pixel_values"], mb["image_grid_thw"]) if v is not None]
+    per_row = VisionInputs.unpad_rows(mb["pixel_values"], mb["image_grid_thw"])
     inner = model.model  # the VLM's base model: vision tower, language model and the rope index
     config = model.config
+    merge = config.vision_config.spatial_merge_size ** 2
+    have = ((input_ids == config.image_token_id) & attention_mask.bool()).sum(-1).tolist()
+    for r, (count, images) in enumerate(zip(have, per_row)):
+        want = 0 if images is None else int(images.image_grid_thw.prod(-1).sum()) // merge
+        if count != want:  # e.g. a response holding an image placeholder (the vision engine never samples one)
+            raise ValueError(f"vision row {r}: {count} image tokens (id {config.image_token_id}) where its images "
+                             f"make {want}; a response must not hold the image placeholder")
+    rows = [v for v in per_row if v is not None]
     grid = torch.cat([v.image_grid_thw for v in rows]).to(input_ids.device) if rows else None
     positions, _ = inner.get_rope_index(input_ids, (input_ids == config.image_token_id).int(), grid,
                                         attention_mask=attention_mask)

@@ -70,3 +70,16 @@ def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_v
     engine.train_step(rows.tensors, lambda out, mb, ctx: ((out["log_probs"] * mb["response_mask"]).sum(), {}), 6)
     moved = {n for n, p in engine.model.named_parameters() if not torch.equal(p, before[n])}
     assert any(".visual." in n for n in moved) is not freeze and any(".language_model." in n for n in moved)
+
+
+def test_a_response_holding_the_image_placeholder_is_refused_naming_the_row(rows, tiny_vlm):
+    """The vision engine never samples the placeholder; a row that holds one anyway (another engine's data) is refused
+    by the trainer with its row named, not fed to the model's rotary index and feature scatter."""
+    engine = TrainEngine(FrozenModelConfig(path=str(tiny_vlm), dtype="fp32"), device=torch.device("cpu"))
+    tensors = {k: v.clone() for k, v in rows.tensors.items()}
+    image_id = engine.model.config.image_token_id
+    width = tensors["responses"].shape[1]
+    tensors["responses"][1, 0] = image_id
+    tensors["input_ids"][1, -width] = image_id
+    with pytest.raises(ValueError, match=rf"vision row 1: \d+ image tokens \(id {image_id}\) where its images make"):
+        engine.infer(tensors, micro_batch_size=6)

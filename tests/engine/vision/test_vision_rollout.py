@@ -31,7 +31,8 @@ def test_greedy_equals_transformers_generate(setup, tiny_vlm):
         prompt = torch.tensor([ids])
         expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                   mm_token_type_ids=(prompt == image_id).int(), max_new_tokens=16, do_sample=False,
-                                  eos_token_id=[3], **(vision.model_kwargs() if vision is not None else {}))
+                                  eos_token_id=[3], suppress_tokens=[image_id, model.config.video_token_id],
+                                  **(vision.model_kwargs() if vision is not None else {}))
         want = expected[0, len(ids):].tolist()
         assert len(set(want)) > 3  # the random model is not stuck on one token: the comparison means something
         assert [s.token_ids for s in samples] == [want, want]
@@ -51,6 +52,25 @@ def test_vision_tower_once_per_prompt_and_logprobs(setup):
     again = engine.generate([ids for ids, _ in rows], SamplingParams(temperature=1.0, max_tokens=8, n=4, seed=3),
                             vision=[v for _, v in rows])
     assert [[s.token_ids for s in row] for row in again] == [[s.token_ids for s in row] for row in outs]
+
+
+def test_vision_placeholders_are_never_drawn_and_log_probs_stay_the_policys(setup):
+    """With the image placeholder's logit made to dominate, no sample draws it (in a response the trainer's forward
+    would take it for an image position), and each drawn token's log-prob is the policy's over every token: about
+    -1e4 here, not the renormalized log-prob of the draw."""
+    engine, rows = setup
+    boost = torch.tensor([engine.image_token_id])
+    hook = engine.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: out.index_fill(-1, boost, 1e4))
+    try:
+        for params in (SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=0),
+                       SamplingParams(temperature=0.0, max_tokens=6)):
+            outs = engine.generate([ids for ids, _ in rows], params, vision=[v for _, v in rows])
+            samples = [s for row in outs for s in row]
+            assert all(engine.image_token_id not in s.token_ids for s in samples)
+            assert all(lp < -1e3 for s in samples for lp in s.logprobs)
+    finally:
+        hook.remove()
 
 
 def test_bad_vision_inputs_refused(setup):
