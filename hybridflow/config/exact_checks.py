@@ -49,9 +49,10 @@ def _model_problems(model: Any) -> list[str]:
     from transformers import AutoConfig
 
     from hybridflow.engine.invariant import unsupported
+    from hybridflow.utils.lm_class import text_view
 
     try:
         config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as err:  # the model checks report a missing directory; say why here
         return [f"rollout.exact=true: cannot read model.path={model.path}'s config ({err})"]
-    return [f"rollout.exact=true: model.path={model.path}: {problem}" for problem in unsupported(config)]
+    return [f"rollout.exact=true: model.path={model.path}: {problem}" for problem in unsupported(text_view(config))]

@@ -50,9 +50,10 @@ def _model_problems(model: Any) -> list[str]:
     from transformers import AutoConfig
 
     from hybridflow.engine.rollout.fp8 import model_problems
+    from hybridflow.utils.lm_class import text_view
 
     try:
         config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as err:  # the model checks report a missing directory; say why here
         return [f"{KEY}: cannot read model.path={model.path}'s config ({err})"]
-    return [f"{KEY}: model.path={model.path}: {problem}" for problem in model_problems(config)]
+    return [f"{KEY}: model.path={model.path}: {problem}" for problem in model_problems(text_view(config))]

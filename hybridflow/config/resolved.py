@@ -85,9 +85,10 @@ def _fast_architecture(model: Any) -> bool:
     from transformers import AutoConfig
 
     from hybridflow.engine.rollout.model import FAST_ARCHITECTURES
+    from hybridflow.utils.lm_class import text_view
 
     config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-    return config.model_type in FAST_ARCHITECTURES
+    return text_view(config).model_type in FAST_ARCHITECTURES
 
 
 def resolve_facts(cfg: Any) -> RunFacts:

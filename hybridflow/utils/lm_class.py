@@ -12,11 +12,33 @@ from typing import Any
 # rotary index (`get_rope_index`) the data, the vision rollout engine and the trainer use, each tested on a tiny
 # random model of its architecture (`tiny_vlm`); another vision-language model is refused by name before it loads
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+# published vision-language checkpoints whose language model trains alone, as a causal LM: transformers loads them
+# with their text class (Qwen3.5's `qwen3_5` as `Qwen3_5ForCausalLM`, the vision tower left out), and the rollout
+# engine reads the language model's weights, stored under `model.language_model.`, on the family's fast path
+TEXT_FIRST_FAMILIES = ("qwen3_5",)
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 
 
 def is_vision_config(config: Any) -> bool:
-    """Whether a transformers config is a vision-language model's (it has a `vision_config`)."""
-    return getattr(config, "vision_config", None) is not None
+    """Whether a transformers config is a vision-language model's (it has a `vision_config`) that trains as one
+    (not a `TEXT_FIRST_FAMILIES` checkpoint)."""
+    return getattr(config, "vision_config", None) is not None and \
+        getattr(config, "model_type", None) not in TEXT_FIRST_FAMILIES
+
+
+def text_view(config: Any) -> Any:
+    """A `TEXT_FIRST_FAMILIES` checkpoint's config as its language model's (`get_text_config()`); any other config
+    as it is."""
+    return config.get_text_config() if getattr(config, "model_type", None) in TEXT_FIRST_FAMILIES else config
+
+
+def language_model_name(name: str) -> str | None:
+    """A checkpoint's tensor name as a text model names it: a `TEXT_FIRST_FAMILIES` checkpoint's language model
+    (`model.language_model.x` -> `model.x`; transformers also saves its text class under those names), None for
+    what the text model leaves out (the vision tower, a multi-token-prediction head), any other name as it is."""
+    if name.startswith(LANGUAGE_MODEL_PREFIX):
+        return "model." + name[len(LANGUAGE_MODEL_PREFIX):]
+    return None if name.startswith(("model.visual.", "mtp.")) else name
 
 
 def lm_auto_class(config: Any) -> Any:
@@ -28,7 +50,8 @@ def lm_auto_class(config: Any) -> Any:
 
 def vision_model_type(path: str | None) -> str | None:
     """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
-    None for a text model, a hub id or a missing directory (the pre-load checks name a missing one)."""
+    None for a text model, a `TEXT_FIRST_FAMILIES` checkpoint, a hub id or a missing directory (the pre-load
+    checks name a missing one)."""
     import json
     from pathlib import Path
 
@@ -39,6 +62,6 @@ def vision_model_type(path: str | None) -> str | None:
         fields = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(fields, dict) and "vision_config" in fields:
+    if isinstance(fields, dict) and "vision_config" in fields and fields.get("model_type") not in TEXT_FIRST_FAMILIES:
         return str(fields.get("model_type"))
     return None

@@ -4,7 +4,8 @@ Tests, the demo and CPU benchmarks need a model directory that `AutoModelForCaus
 and `AutoTokenizer.from_pretrained` load with no network. This module builds one: a byte-level BPE
 tokenizer made with the `tokenizers` library (optionally with merges learnt from task text, plus chat
 special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
-Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) / Qwen3.5 (`qwen3_5_text`: hybrid linear attention) model, a mixture of
+Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) / Qwen3.5 (`qwen3_5_text`: hybrid linear attention; `qwen3_5`: the same
+language model in the published checkpoints' layout, a vision tower beside it) model, a mixture of
 experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert, OLMoE), or a GPT-2 (a family with no fast rollout
 path), of a chosen size, saved as a normal Hugging Face directory (experts saved one tensor per expert, as on the hub).
 
@@ -32,7 +33,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "olmo2", "phi3",
-                 "gemma3_text", "qwen3_5_text", "gpt2")
+                 "gemma3_text", "qwen3_5_text", "qwen3_5", "gpt2")
 
 
 def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:
@@ -107,6 +108,12 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHITECTURES)}")
+    if arch == "qwen3_5":  # as published: the text model's config nested, a (tiny) vision tower beside it
+        text = tiny_config("qwen3_5_text", vocab_size, hidden, layers, heads, kv_heads, intermediate, max_positions,
+                           pad_token_id, eos_token_id, tie_word_embeddings, head_dim=head_dim)
+        return AutoConfig.for_model("qwen3_5", text_config=text.to_dict(), tie_word_embeddings=tie_word_embeddings,
+                                    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                       out_hidden_size=hidden, num_position_embeddings=64))
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -150,7 +157,7 @@ def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, la
     151,936 rows for 151,665 tokens; benchmarks use it to get a real vocabulary's head on a small
     tokenizer). `dtype` / `device`: where the weights are initialised (a GPU builds billion-parameter
     shapes in seconds)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -164,7 +171,8 @@ def build_tiny_model(path: str | Path, arch: str = "qwen2", hidden: int = 64, la
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        auto = AutoModelForImageTextToText if arch == "qwen3_5" else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -19,6 +19,7 @@ from hybridflow.config.model_schema import ModelConfig
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine import budget
 from hybridflow.engine.train.model import resolve_precision
+from hybridflow.utils.lm_class import text_view
 from hybridflow.workers.base import Effective
 from hybridflow.workers.rollout_calls import RolloutCalls
 from hybridflow.workers.rollout_replica import RolloutReplica, pad_token_id
@@ -51,7 +52,7 @@ class RolloutWorker(RolloutCalls, Worker):
         model = config.model
         if model.path is None:
             raise ValueError("RolloutWorker.Config.model.path is null; set model.path")
-        hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        hf_config = text_view(AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code))
         dtype = resolve_precision(model.dtype, self.device).param
         replica = dataclasses.replace(config.replica,
                                       rollout=budget.apply_rollout_plan(self.plan, config.replica.rollout))

@@ -39,16 +39,28 @@ from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 from hybridflow.engine.rollout.sequence import Request, RunningBatch
 from hybridflow.engine.rollout.session import Session
+from hybridflow.utils.lm_class import language_model_name, text_view
 
 if TYPE_CHECKING:  # hf_fallback imports transformers' generation: loaded only when an engine needs it
     from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
 
-def checkpoint_tensors(path: str | Path, keep: Callable[[str], bool] | None = None
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(path: str | Path, keep: Callable[[str], bool] | None = None,
+                       rename: Callable[[str], str | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) for every tensor in a model directory's safetensors (or .bin) files; with `keep`
-    (name -> bool), safetensors files skip the others unread."""
+    (name -> bool), safetensors files skip the others unread. `rename`: each stored name as the model names it, None
+    to leave the tensor out (a published Qwen3.5's vision tower: `lm_class.language_model_name`)."""
     path = Path(path)
+    if rename is not None:
+        def kept(stored: str) -> bool:
+            new = rename(stored)
+            return new is not None and (keep is None or keep(new))
+
+        for name, tensor in checkpoint_tensors(path, kept):
+            new = rename(name)
+            if new is not None:  # (.bin files are read whole, `kept` or not)
+                yield new, tensor
+        return
     files = sorted(path.glob("*.safetensors"))
     if files:
         from safetensors import safe_open
@@ -186,6 +198,7 @@ class RolloutEngine:
         if engine not in ("auto", "fast", "hf"):
             raise ValueError(f"engine={engine!r} is invalid; valid: 'auto', 'fast', 'hf'")
         config = AutoConfig.from_pretrained(path)
+        config = text_view(config)  # a published Qwen3.5 checkpoint: its language model alone
         device = indexed_device(device)
         stop_ids = model_stop_ids(path, config)
         fast = config.model_type in FAST_ARCHITECTURES
@@ -212,7 +225,8 @@ class RolloutEngine:
                    f"model_type {config.model_type!r} has no fast path (fast: {', '.join(FAST_ARCHITECTURES)})")
             return HFRolloutEngine(path, device, dtype, stop_ids, max_num_seqs, max_model_len or 4096, why)
         shared = shared_weights or {}
-        tensors = checkpoint_tensors(path, keep=lambda name: weight_target(name)[0] not in shared)
+        tensors = checkpoint_tensors(path, keep=lambda name: weight_target(name)[0] not in shared,
+                                     rename=language_model_name)
         return cls.from_config(config, tensors, device, dtype, stop_ids, max_num_seqs, max_model_len,
                                kv_cache_memory, cuda_graphs, max_prefill_tokens, decode_steps_per_sync, exact,
                                record_routes, moe_kernel, shared, quantization)

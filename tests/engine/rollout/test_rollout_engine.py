@@ -66,8 +66,9 @@ def gemma3_softcap(spread_model, tmp_path_factory):
                        final_logit_softcapping=3.0)
 
 
+# qwen3_5: a published Qwen3.5 checkpoint (vision tower beside the language model), served from its language model
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", "qwen3_5_text",
-                                  "llama3-rope", "phi3-longrope", "gemma3-softcap"])
+                                  "qwen3_5", "llama3-rope", "phi3-longrope", "gemma3-softcap"])
 def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, gemma3_softcap, arch):
     path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope,
             "gemma3-softcap": gemma3_softcap}.get(arch) or spread_model(arch)
@@ -284,3 +285,28 @@ def test_bad_prompts_get_clear_errors(spread_model):
         engine.generate([[999]], GREEDY)
     with pytest.raises(ValueError, match="n=5 exceeds the engine's 4 KV slots"):
         engine.generate([[5]], SamplingParams(n=5))
+
+
+def test_a_published_qwen3_5_checkpoint_serves_its_language_model_on_the_fast_path(tiny_model_factory):
+    """A `qwen3_5` checkpoint as published (the text model's config under `text_config`, its weights under
+    `model.language_model.`, a vision tower beside them): the fast engine reads the language model alone, and the
+    log-probs of its samples equal the vision-language model's own forward on the text."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    path = tiny_model_factory("qwen3_5")
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert any(name.startswith("model.visual.") for name in f.keys())
+    engine = RolloutEngine.from_pretrained(path, max_num_seqs=4, max_model_len=96)
+    assert engine.kind == "fast"
+    outs = engine.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_tokens=12, seed=0, stop_token_ids=[]))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, (out,) in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logp = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        want = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-4, rtol=0)
