@@ -177,3 +177,15 @@ def test_rounds_with_different_image_sizes_concatenate_with_their_images():
     for got, want in zip(rows, (small, large)):
         assert got is not None and torch.equal(got.pixel_values, want.pixel_values)
         assert torch.equal(got.image_grid_thw, want.image_grid_thw)
+
+
+def test_images_with_a_checkpoint_that_trains_as_a_text_model_are_refused(tiny_model_factory):
+    """A published Qwen3.5 checkpoint trains its language model alone (docs/models.md): images for it are refused."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.data.image_prompts import VisionPrompts
+
+    path = tiny_model_factory("qwen3_5")
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_5' does not train as a vision-language model .* "
+                                         r"trains alone: qwen3_5\); data.image_key needs one of qwen2_5_vl, qwen3_vl"):
+        VisionPrompts.from_pretrained(str(path), AutoTokenizer.from_pretrained(path))
