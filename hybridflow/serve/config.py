@@ -37,6 +37,7 @@ class ServeConfig:
     session_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        self.checkpoint_dir = Path(self.checkpoint_dir)  # a str from a caller that is not the CLI
         if self.micro_batch_tokens < 0:
             raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit)")
         if not self.session_timeout_s >= 0:  # NaN fails too
