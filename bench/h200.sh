@@ -60,6 +60,10 @@ rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "
 families() { python3 bench/rollout.py --device cuda \
     --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
+# vision-language rollout (issue 59; docs/models.md#vision-language-models): VisionRolloutEngine against generate at
+# the Qwen2.5-VL-3B shape, one 448 x 448 image per prompt, 32 prompts x 8, 256 new tokens (target >= 10x)
+vision_rollout() { python3 bench/vision_rollout.py --device cuda --out "$OUT/vision_rollout_h200.json" 2>&1 \
+    | tee "$OUT/vision_rollout.log"; }
 # the decode attention kernel alone: tiles, warps and splits at the engine's shapes, and over SmolLM2's long slots with
 # spread contexts (issue 42: at 8,192 tokens a partial rollout's full buffer generated at a third of the rate of a
 # synchronous step's fewer rows)
