@@ -117,7 +117,8 @@ class ActorWorker(RolloutCalls, EngineWorker):
             self.rollout = RolloutReplica(replica, self.device, self.engine.precision.param,
                                           pad_token_id(self.engine.config),
                                           kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
-                                          shared_weights=shared, hold_allocator=self._hold_beside)
+                                          shared_weights=shared, hold_allocator=self._hold_beside,
+                                          max_prefill_tokens=self.plan.max_prefill_tokens if self.plan else None)
         self.channel: WeightChannel | None = None
         self.rendezvous: Rendezvous | None = None
         self._offload_idle()

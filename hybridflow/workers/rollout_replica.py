@@ -22,6 +22,7 @@ from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.config.input_checks import vision_rollout_problems
 from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
+from hybridflow.engine.rollout.engine import MAX_PREFILL_TOKENS
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
 from hybridflow.utils.lm_class import vision_model_type
 from hybridflow.workers.partial_rollout import PartialRollouts, groups_to_prompts
@@ -37,7 +38,8 @@ UNPLANNED_KV_FRACTION = 0.4
 
 def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype,
                   max_model_len: int, kv_cache_bytes: int | None = None, rows_in_flight: int | None = None,
-                  shared_weights: dict[str, torch.Tensor] | None = None) -> RolloutEngineContract:
+                  shared_weights: dict[str, torch.Tensor] | None = None,
+                  max_prefill_tokens: int | None = None) -> RolloutEngineContract:
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
     kernels when `rollout_cfg.exact`, FP8 weights with `rollout_cfg.quantization`), holding `shared_weights` (a
     colocated LoRA trainer's frozen ones) instead of copies (the fast engine). The KV cache on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
@@ -55,7 +57,8 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact,
-        record_routes=rollout_cfg.record_routes, shared_weights=shared_weights, quantization=rollout_cfg.quantization)
+        record_routes=rollout_cfg.record_routes, shared_weights=shared_weights, quantization=rollout_cfg.quantization,
+        max_prefill_tokens=max_prefill_tokens or MAX_PREFILL_TOKENS)
 
 
 def vision_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
@@ -88,8 +91,9 @@ class RolloutReplica:
     `rollout.free_cache_after_generate` (the KV cache is freed after each call, so training has its
     memory; with `rollout.offload_weights` the weights go to the CPU too), else allocated for the whole
     run; weights updated in place by `load_weights`. `kv_cache_bytes`: the device plan's KV cache (see
-    `build_rollout`). With `config.agent` set, `generate` runs multi-turn episodes (`build_episodes`), which
-    need the tokenizer. `shared_weights`: a colocated LoRA trainer's frozen weights, held instead of copies.
+    `build_rollout`), `max_prefill_tokens` its prefill forward where it shrank it (None: the engine's default).
+    With `config.agent` set, `generate` runs multi-turn episodes (`build_episodes`), which need the tokenizer.
+    `shared_weights`: a colocated LoRA trainer's frozen weights, held instead of copies.
     `hold_allocator`: told the bytes the KV cache holds outside PyTorch's allocator whenever that changes (a capped
     device plan holds the allocator to the cap less them: `budget.hold_beside`)."""
 
@@ -116,14 +120,15 @@ class RolloutReplica:
 
     def __init__(self, config: RolloutReplica.Config, device: torch.device, dtype: torch.dtype, pad_id: int,
                  kv_cache_bytes: int | None = None, shared_weights: dict[str, torch.Tensor] | None = None,
-                 hold_allocator: Callable[[int], None] | None = None) -> None:
+                 hold_allocator: Callable[[int], None] | None = None, max_prefill_tokens: int | None = None) -> None:
         self.config, self.cfg, self.pad_id = config, config.rollout, pad_id
         self.max_prompt_length, self.max_response_length = config.max_prompt_length, config.max_response_length
         self.max_num_seqs = cpu_max_num_seqs(self.cfg.max_num_seqs, config.rows_in_flight) if device.type == "cpu" \
             else self.cfg.max_num_seqs
         self.engine = build_rollout(config.model_path, config.rollout, device, dtype,
                                     config.max_prompt_length + config.max_response_length, kv_cache_bytes,
-                                    rows_in_flight=config.rows_in_flight, shared_weights=shared_weights)
+                                    rows_in_flight=config.rows_in_flight, shared_weights=shared_weights,
+                                    max_prefill_tokens=max_prefill_tokens)
         self.partial: PartialRollouts | None = None
         if self.cfg.partial:
             if not isinstance(self.engine, RolloutEngine):

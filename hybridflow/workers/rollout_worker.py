@@ -59,7 +59,8 @@ class RolloutWorker(RolloutCalls, Worker):
         self.rollout = RolloutReplica(replica, self.device, dtype, pad_token_id(hf_config),
                                       kv_cache_bytes=self.plan.kv_cache_bytes if self.plan else None,
                                       hold_allocator=lambda outside: budget.hold_beside(self.plan, self.device,
-                                                                                        outside))
+                                                                                        outside),
+                                      max_prefill_tokens=self.plan.max_prefill_tokens if self.plan else None)
         self.channel: WeightChannel | None = None
 
     @register(Dispatch.BROADCAST)

@@ -74,16 +74,19 @@ def test_7b_nf4_lora_fits_24_gib_alone_but_not_16_beside_the_rollouts_bf16_copy(
     actor = p.roles["actor"]
     assert actor.gradient_checkpointing and actor.max_tokens == 2240 and actor.optimizer == "adamw"
     per_seq = 1024 * p_demand_kv(demand("7b", 24, lora=True, nf4=True))
-    assert p.kv_cache_bytes == 13 * per_seq  # what is left: 12 of the 256 slots (and the scratch slot), n = 8 fit
+    # what is left: 45 of the 256 slots (and the scratch slot), the prefill forwards shrunk to 2,048 tokens for them
+    assert p.kv_cache_bytes == 46 * per_seq and p.max_prefill_tokens == 2048
     with pytest.raises(DoesNotFit, match="rollout weights 12.2 GiB"):
         plan(demand("7b", 16, lora=True, nf4=True, rollout_offload=True), *H100)
 
 
 def test_1_5b_lora_plans_at_8_16_and_24_gib():
     at8 = plan(demand("1.5b", 8, lora=True, nf4=True), *H100)  # the rollout's bf16 copy offloaded while training
-    assert at8.rollout_offload and at8.kv_cache_bytes == 11 * 1024 * p_demand_kv(demand("1.5b", 8))  # 10 slots
-    with pytest.raises(DoesNotFit) as err:  # 7 GiB: beside the bf16 copy, room for one sequence, not a prompt's 8
-        plan(demand("1.5b", 7, lora=True, nf4=True), *H100)
+    assert at8.rollout_offload and at8.kv_cache_bytes == 34 * 1024 * p_demand_kv(demand("1.5b", 8))  # 33 slots
+    at7 = plan(demand("1.5b", 7, lora=True, nf4=True), *H100)  # 2,048-token prefill forwards leave 9 slots
+    assert at7.max_prefill_tokens == 2048 and at7.kv_cache_bytes == 10 * 1024 * p_demand_kv(demand("1.5b", 7))
+    with pytest.raises(DoesNotFit) as err:  # 6.5 GiB: beside the bf16 copy, no room for a prompt's 8 samples
+        plan(demand("1.5b", 6.5, lora=True, nf4=True), *H100)
     msg = str(err.value)
     assert "a prompt's 8 samples (rollout.n) of 1,024 tokens and the scratch slot need 252 MiB" in msg
     assert "rollout weights 2.4 GiB" in msg and "param_offload" not in msg  # nf4 refuses it
@@ -98,25 +101,29 @@ def test_1_5b_lora_plans_at_8_16_and_24_gib():
 
 def test_an_fp8_rollout_of_a_4_bit_base_fits_where_the_bf16_copy_does_not():
     """`rollout.quantization=fp8` (what a 4-bit base under a cap follows to): the rollout's projections in a byte each
-    plus a scale per row, half the bf16 copy. 1.5B NF4 fits 8 GiB and 7 GiB again; 6 GiB is refused with its
-    arithmetic (the 1 GiB context, the 2 GiB allowance for fragmentation and the 1.5 GiB log-prob head chunk leave
-    the update 100 MiB); 7B NF4 fits 24 GiB with full 16,384-token micro-batches, and 16 GiB is short by one
-    sequence's KV cache."""
+    plus a scale per row, half the bf16 copy. 1.5B NF4 fits 8 GiB and 7 GiB again; at 6 GiB generation fits but
+    the update is refused with its arithmetic (the 1 GiB context, the 2 GiB allowance for fragmentation and the 1.5
+    GiB log-prob head chunk leave it 100 MiB) and fits with the CPU optimizer it names; 7B NF4 fits 24 GiB with full
+    16,384-token micro-batches, and 16 GiB with smaller prefill forwards."""
     bf16, fp8 = demand("1.5b", 8, lora=True, nf4=True), demand("1.5b", 8, lora=True, nf4=True, fp8=True)
     assert fp8.rollout.weight_bytes < 0.51 * bf16.rollout.weight_bytes  # 1.22 GiB against 2.44 GiB
     at8 = plan(fp8, *H100)
     assert at8.roles["actor"].max_tokens == 3918 and not at8.rollout_offload and 0.7 * GIB < at8.kv_cache_bytes
     at7 = plan(demand("1.5b", 7, lora=True, nf4=True, fp8=True), *H100)
-    assert at7.rollout_offload and at7.kv_cache_bytes == 12 * 1024 * p_demand_kv(fp8)  # 11 slots: a prompt's 8 fit
+    assert at7.rollout_offload and at7.kv_cache_bytes == 42 * 1024 * p_demand_kv(fp8)  # 41 slots
     with pytest.raises(DoesNotFit) as err:
         plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True), *H100)
-    msg = str(err.value)
-    assert "100 MiB is left beside weights 1.1 GiB" in msg and "rollout weights 1.2 GiB" in msg
+    msg = str(err.value)  # generation fits (2,048-token prefill forwards); the update names the key that fits it
+    assert "100 MiB is left beside weights 1.1 GiB" in msg and "generation" not in msg
     assert "Budget: 5.0 GiB (trainer.device_memory_gib=6 of the card's 80.0 GiB, less 1.0 GiB" in msg
+    assert "it fits with actor.optimizer=adamw_cpu_offload" in msg
+    at6 = plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True, optimizer="adamw_cpu_offload"), *H100)
+    assert at6.rollout_offload and at6.kv_cache_bytes == 17 * 1024 * p_demand_kv(fp8)  # 16 slots
     at24 = plan(demand("7b", 24, lora=True, nf4=True, fp8=True), *H100)
     assert at24.roles["actor"].max_tokens == 16384 and at24.kv_cache_bytes > 6 * GIB
-    with pytest.raises(DoesNotFit, match="rollout weights 6.1 GiB, generation workspace 2.2 GiB"):
-        plan(demand("7b", 16, lora=True, nf4=True, fp8=True), *H100)
+    at16 = plan(demand("7b", 16, lora=True, nf4=True, fp8=True), *H100)  # 2,048-token prefill forwards: 11 slots
+    assert at16.max_prefill_tokens == 2048 and at16.rollout_offload and at16.roles["actor"].max_tokens == 12891
+    assert at16.kv_cache_bytes == 12 * 1024 * p_demand_kv(demand("7b", 16, lora=True, fp8=True))
 
 
 def test_1_5b_full_chooses_8_bit_adamw_then_an_offload_where_adamw_would_not_fit():

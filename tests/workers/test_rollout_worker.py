@@ -136,3 +136,15 @@ def test_a_cpu_kv_cache_holds_one_training_step_of_rows_not_max_num_seqs(tiny_qw
     assert engine.kv.num_slots == 6
     out = engine.generate([[5, 6, 7]] * 4, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0))
     assert [len(row) for row in out] == [3] * 4  # 12 rows through 6 slots: the rest queue
+
+
+def test_the_plans_prefill_forward_reaches_the_engine(tiny_qwen2):
+    """A device plan that shrank the prefill forwards to leave the KV cache more slots (`DevicePlan.max_prefill_tokens`)
+    builds the engine with them; without one the engine keeps its default."""
+    from hybridflow.engine.rollout.engine import MAX_PREFILL_TOKENS
+    from hybridflow.workers.rollout_replica import build_rollout
+
+    shrunk = build_rollout(str(tiny_qwen2), RolloutConfig(), torch.device("cpu"), torch.float32, 64,
+                           rows_in_flight=4, max_prefill_tokens=2048)
+    kept = build_rollout(str(tiny_qwen2), RolloutConfig(), torch.device("cpu"), torch.float32, 64, rows_in_flight=4)
+    assert shrunk.max_prefill_tokens == 2048 and kept.max_prefill_tokens == MAX_PREFILL_TOKENS == 16384

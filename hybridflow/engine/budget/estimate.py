@@ -273,7 +273,7 @@ class RolloutRole:
     compute_bytes: int
     max_num_seqs: int
     max_model_len: int
-    max_prefill_tokens: int = 16384
+    max_prefill_tokens: int = 16384  # the engine's MAX_PREFILL_TOKENS; the plan may choose fewer (`PREFILL_CHOICES`)
     offload_weights: bool | None = False  # None: decide here
     cache_stays: bool = False
     kv_cache_fraction: float | None = None

@@ -75,6 +75,7 @@ class DevicePlan:
     held_bytes: int | None = None  # the cap this process's allocator is held to (`cap.hold`); None: not held
     generation_peak_bytes: float = 0.0
     generation_breakdown: dict[str, float] = field(default_factory=dict)
+    max_prefill_tokens: int | None = None  # the rollout engine's prefill forward (None: the engine's default)
 
     def describe(self) -> str:
         lines = [f"device budget {_gib(self.cap_bytes)} of {_gib(self.total_bytes)}"]
@@ -85,7 +86,8 @@ class DevicePlan:
                          f"{_gib(r.peak_bytes)} ({_items(r.breakdown)})")
         if self.kv_cache_bytes is not None:
             offload = ", rollout weights offloaded while training" if self.rollout_offload else ""
-            lines.append(f"generation: KV cache {_gib(self.kv_cache_bytes)}{offload}, estimated peak "
+            prefill = f", {self.max_prefill_tokens:,}-token prefill forwards" if self.max_prefill_tokens else ""
+            lines.append(f"generation: KV cache {_gib(self.kv_cache_bytes)}{offload}{prefill}, estimated peak "
                          f"{_gib(self.generation_peak_bytes)} ({_items(self.generation_breakdown)})")
         return "; ".join(lines)
 
@@ -151,10 +153,36 @@ def _role_plan(demand: DeviceDemand, role: TrainedRole, cap: int, kept_kv: int) 
             short, why if short else "")
 
 
+# the rollout engine's prefill forwards the plan may shrink to when its KV cache holds fewer slots than
+# `rollout.max_num_seqs`: their activations are the generation workspace's largest part (1 GiB at 1.5B and 16,384
+# tokens), and each GiB they give up holds 36 more 1,024-token sequences of 1.5B's K/V
+PREFILL_CHOICES = (8192, 4096, 2048)
+
+
 def _generation(demand: DeviceDemand, cap: int, free: int, room: float | None = None
-                ) -> tuple[int, float, dict[str, float], float]:
-    """(KV cache bytes, peak, breakdown, bytes it is short by) while the rollout engine generates; `room`: the
-    most a cache that stays through training may take beside the updates."""
+                ) -> tuple[int, float, dict[str, float], float, int | None]:
+    """(KV cache bytes, peak, breakdown, bytes it is short by, the prefill forward's tokens where the plan shrank
+    it) while the rollout engine generates; `room`: the most a cache that stays through training may take beside
+    the updates. Where the cache would hold fewer slots than `max_num_seqs`, smaller prefill forwards
+    (`PREFILL_CHOICES`) are tried and the one leaving the most cache is taken."""
+    ro = _rollout(demand)
+    best: tuple[int, float, dict[str, float], float, int | None] = (*_generation_at(demand, cap, free, room), None)
+    wanted = (ro.max_num_seqs + 1) * ro.kv_bytes_per_seq()
+    if ro.kv_cache_fraction is not None or best[0] >= wanted:
+        return best
+    for tokens in PREFILL_CHOICES:
+        if tokens >= ro.max_prefill_tokens or tokens < ro.max_model_len:  # no smaller workspace
+            continue
+        smaller = replace(demand, rollout=replace(ro, max_prefill_tokens=tokens))
+        out = (*_generation_at(smaller, cap, free, room), tokens)
+        if out[0] > best[0]:
+            best = out
+    return best
+
+
+def _generation_at(demand: DeviceDemand, cap: int, free: int, room: float | None = None
+                   ) -> tuple[int, float, dict[str, float], float]:
+    """`_generation`'s figures at the rollout's `max_prefill_tokens`."""
     ro, w = _rollout(demand), demand.world_size
     breakdown = {"trained models": sum(r.idle_bytes(w) for r in demand.trained),
                  "frozen models": sum(f.idle_bytes(w) for f in demand.frozen),
@@ -217,7 +245,7 @@ def _check(demand: DeviceDemand, free: int, total: int) -> tuple[DevicePlan, flo
     if ro is not None:
         updates = max((r.peak_bytes - reserve for r in out.roles.values()), default=0.0)
         room = cap - SLACK_BYTES - updates if planned else None
-        kv, peak, breakdown, short = _generation(demand, cap, free, room)
+        kv, peak, breakdown, short, out.max_prefill_tokens = _generation(demand, cap, free, room)
         out.kv_cache_bytes, out.generation_peak_bytes, out.generation_breakdown = kv, peak, breakdown
         if planned:  # the updates run beside the cache: its share grew by what they left
             for r in out.roles.values():

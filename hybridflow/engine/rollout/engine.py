@@ -45,6 +45,9 @@ if TYPE_CHECKING:  # hf_fallback imports transformers' generation: loaded only w
     from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 
 
+# prompt tokens one prefill forward packs, unless the caller (the device plan, under a memory cap) says fewer
+MAX_PREFILL_TOKENS = 16384
+
 def checkpoint_tensors(path: str | Path, keep: Callable[[str], bool] | None = None,
                        rename: Callable[[str], str | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) for every tensor in a model directory's safetensors (or .bin) files; with `keep`
@@ -167,7 +170,7 @@ class RolloutEngine:
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, max_num_seqs: int = 256,
                         max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
-                        cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = 16384,
+                        cuda_graphs: bool = True, engine: str = "auto", max_prefill_tokens: int = MAX_PREFILL_TOKENS,
                         decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
                         moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None,
                         quantization: str = "none") -> RolloutEngine | HFRolloutEngine:
@@ -236,7 +239,7 @@ class RolloutEngine:
                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     stop_token_ids: list[int] | None = None, max_num_seqs: int = 256,
                     max_model_len: int | None = None, kv_cache_memory: float | int | None = None,
-                    cuda_graphs: bool = True, max_prefill_tokens: int = 16384,
+                    cuda_graphs: bool = True, max_prefill_tokens: int = MAX_PREFILL_TOKENS,
                     decode_steps_per_sync: int = 8, exact: bool = False, record_routes: bool = False,
                     moe_kernel: str = "auto", shared_weights: dict[str, torch.Tensor] | None = None,
                     quantization: str = "none") -> RolloutEngine:
