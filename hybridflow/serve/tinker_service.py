@@ -1,8 +1,8 @@
 """The Tinker service's state and operations, behind the HTTP layer (`http_api`).
 
 `TinkerService` holds the base models it serves (`BaseModels`: each loaded once, shared by its LoRA clients),
-the sessions (`Sessions`: a client silent past `session_timeout_s` has its session finished), the training clients' `Trainee`s (LoRA or full-parameter), the weight snapshots
-`save_weights_for_sampler` took, the sampling sessions, one `Sampler` per base model, and the `CheckpointStore`
+the sessions (`Sessions`: a client silent past `session_timeout_s` has its session finished), the training
+clients' `Trainee`s (LoRA or full-parameter), the weight snapshots `save_weights_for_sampler` took, the sampling sessions, one `Sampler` per base model, and the `CheckpointStore`
 (saved states and Hugging Face exports under `checkpoint_dir`). Long operations (create_model,
 forward_backward, optim_step, saving, loading and exporting weights, sampling) run on one worker thread in
 arrival order (`WorkQueue`); waiting forward_backward requests of one model (with the same `forward_only`) are
@@ -104,11 +104,12 @@ class TinkerService:
     def create_session(self) -> str:
         return self.sessions.open()
 
-    def finish_session(self, session_id: str) -> Future[None]:
+    def finish_session(self, session_id: str) -> Future[int]:
         """The SDK's `ServiceClient.close`: the session ends at once, and its training clients' weights and optimizer
         state are released behind the requests queued before (checkpoints they saved stay listed and loadable); a
-        later request naming one of them is refused as an unknown model. An expired session finishes again
-        quietly; `ValueError` for a session this server never opened or already finished."""
+        later request naming one of them is refused as an unknown model. The future holds how many were released. An
+        expired session finishes again quietly; `ValueError` for a session this server never opened or already
+        finished."""
         if not self.sessions.finish(session_id) and session_id not in self.sessions.expired_ids:
             raise ValueError(f"no open session {session_id!r} on this server")
         return self.queue.submit(Job(self._release, session_id))
@@ -118,18 +119,24 @@ class TinkerService:
         does; returns their ids."""
         expired = self.sessions.expired()
         for session_id in expired:
-            held = [m for m in self.models if m.startswith(f"{session_id}:")]
-            log.warning("session %s: no heartbeat for %.0f s (--session-timeout-s), so it is finished and its %d "
-                        "training client(s) released; their saved checkpoints stay", session_id,
-                        self.config.session_timeout_s, len(held))
-            self.queue.submit(Job(self._release, session_id))
+            self.queue.submit(Job(self._release_expired, session_id))
         return expired
 
-    def _release(self, ids: list[str]) -> list[None]:
-        """A queued job: drop the training clients of session `ids[0]`."""
-        for model_id in [m for m in self.models if m.startswith(f"{ids[0]}:")]:
+    def _release(self, ids: list[str]) -> list[int]:
+        """A queued job (on the worker thread, which alone changes `models`): drop the training clients of session
+        `ids[0]`; how many there were."""
+        held = [m for m in self.models if m.startswith(f"{ids[0]}:")]
+        for model_id in held:
             del self.models[model_id]
-        return [None]
+        return [len(held)]
+
+    def _release_expired(self, ids: list[str]) -> list[int]:
+        """`_release` for a session `expire_sessions` finished, saying so."""
+        released = self._release(ids)
+        log.warning("session %s: no heartbeat for %.0f s (--session-timeout-s), so it is finished and its %d "
+                    "training client(s) released; their saved checkpoints stay", ids[0],
+                    self.config.session_timeout_s, released[0])
+        return released
 
     def create_sampling_session(self, req: types.CreateSamplingSessionRequest) -> str:
         """A sampling session on a snapshot (`model_path`) or on a base model."""
