@@ -72,6 +72,14 @@ class VisionInputs:
             out.append(VisionInputs(pixels[:int(grid.prod(-1).sum())], grid) if len(grid) else None)
         return out
 
+    @staticmethod
+    def token_count(images: VisionInputs | None, config: Any) -> int:
+        """The language-model tokens `images` (None: no images) take in a prompt of the model of `config`: each
+        image's patches, `spatial_merge_size`² of them merged into one token."""
+        if images is None:
+            return 0
+        return int(images.image_grid_thw.prod(-1).sum()) // config.vision_config.spatial_merge_size ** 2
+
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments of a transformers VLM forward that carry these images."""
         return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}

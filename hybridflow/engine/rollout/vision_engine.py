@@ -83,8 +83,7 @@ class VisionRolloutEngine(HFRolloutEngine):
     def _check_image_tokens(self, i: int, prompt: list[int], images: VisionInputs | None) -> None:
         """ValueError when prompt i's image tokens are not the merged patches of its images."""
         have = sum(1 for t in prompt if t == self.image_token_id)
-        merge = self.config.vision_config.spatial_merge_size ** 2
-        want = 0 if images is None else int(images.image_grid_thw.prod(-1).sum()) // merge
+        want = VisionInputs.token_count(images, self.config)
         if have != want:
             raise ValueError(f"prompt {i} has {have} image tokens (id {self.image_token_id}) but its images make "
                              f"{want}; encode prompts and images together (hybridflow.data.image_prompts.VisionPrompts)")

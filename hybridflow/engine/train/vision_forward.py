@@ -52,10 +52,9 @@ def vision_kwargs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     per_row = VisionInputs.unpad_rows(mb["pixel_values"], mb["image_grid_thw"])
     inner = model.model  # the VLM's base model: vision tower, language model and the rope index
     config = model.config
-    merge = config.vision_config.spatial_merge_size ** 2
     have = ((input_ids == config.image_token_id) & attention_mask.bool()).sum(-1).tolist()
     for r, (count, images) in enumerate(zip(have, per_row)):
-        want = 0 if images is None else int(images.image_grid_thw.prod(-1).sum()) // merge
+        want = VisionInputs.token_count(images, config)
         if count != want:  # e.g. a response holding an image placeholder (the vision engine never samples one)
             raise ValueError(f"vision row {r}: {count} image tokens (id {config.image_token_id}) where its images "
                              f"make {want}; a response must not hold the image placeholder")
