@@ -146,3 +146,11 @@ def packed_mixer(mixer: Any, x: torch.Tensor, cu: torch.Tensor, conv_initial: to
     q, k, v = split_heads(mixer, conv_out)
     o, final = delta_rule(q, k, v, g, beta, cu, initial)
     return mixer_output(mixer, o, z), conv_final, final
+
+
+def state_shapes(config: Any) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One sequence's states in one linear layer of a hybrid text config: conv (C, W) and recurrent (HV, K, V)."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    channels = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
+    return ((channels, config.linear_conv_kernel_dim),
+            (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))

@@ -28,12 +28,14 @@ Per device (P parameters, W data-parallel ranks, c compute-dtype bytes):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybridflow.engine.linear_attention import state_shapes
 from hybridflow.utils.model_shapes import QWEN_SHAPES
 from hybridflow.utils.moe_spec import moe_spec
 
@@ -88,12 +90,9 @@ def _linear_attention(config: Any) -> dict[str, int]:
     linear = kinds.count("linear_attention")
     if not linear:
         return {}
-    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
-    channels = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
-    return dict(attention_layers=kinds.count("full_attention"),
-                conv_state=linear * channels * config.linear_conv_kernel_dim,
-                recurrent_state=linear * config.linear_num_value_heads * config.linear_key_head_dim
-                * config.linear_value_head_dim)
+    conv, recurrent = state_shapes(config)
+    return dict(attention_layers=kinds.count("full_attention"), conv_state=linear * math.prod(conv),
+                recurrent_state=linear * math.prod(recurrent))
 
 
 @dataclass(frozen=True)

@@ -207,9 +207,5 @@ def hybrid_cache(config, max_len: int, max_num_seqs: int, budget_bytes: int | No
                  device: torch.device) -> StateCache:
     """The K/V of the config's full-attention layers and the states of its linear ones."""
     kinds = config.layer_types
-    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
-    channels = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
     return StateCache(kinds.count("full_attention"), kinds.count("linear_attention"), config.num_key_value_heads,
-                      config.head_dim, (channels, config.linear_conv_kernel_dim),
-                      (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
-                      max_len, max_num_seqs, budget_bytes, dtype, device)
+                      config.head_dim, *la.state_shapes(config), max_len, max_num_seqs, budget_bytes, dtype, device)
