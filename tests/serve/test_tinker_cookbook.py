@@ -30,7 +30,20 @@ def served(tiny_model_factory, tmp_path, monkeypatch):
     server, stop = start_server(model_dir, tmp_path / "checkpoints", name=NAME)
     tokenizer_utils.register_tokenizer(NAME, lambda: AutoTokenizer.from_pretrained(model_dir))
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)  # what the recipes' ServiceClient reads
+    made = []
+
+    class Recorded(tinker.ServiceClient):
+        """The SDK's client, remembered: the recipes never close theirs, whose telemetry threads would then post to
+        the stopped server until the interpreter exits."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(tinker, "ServiceClient", Recorded)
     yield server
+    for client in made:
+        client.close("success").result(30)
     stop()
 
 
