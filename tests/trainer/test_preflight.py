@@ -122,7 +122,8 @@ def test_a_good_train_config_passes_and_writes_nothing_even_over_another_runs_ch
 
 
 @pytest.mark.parametrize("command", ["sft", "dpo", "rm"])
-def test_sft_and_preference_configs_list_every_problem_at_once(command, tiny_qwen2, tmp_path, capsys):
+def test_sft_and_preference_configs_list_every_problem_at_once_and_pass_once_fixed(command, tiny_qwen2, tmp_path,
+                                                                                    capsys):
     if command == "sft":
         good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
         bad, bad_row = {"text_only": "oops"}, (
@@ -148,3 +149,10 @@ def test_sft_and_preference_configs_list_every_problem_at_once(command, tiny_qwe
         unwritable(blocker / "run", "Not a directory"), f"{rows}, row 1 (line 2): {bad_row}"])
     assert listed[-1] == f"{rows}, row 1 (line 2): {bad_row}"  # the data are read last, as the run reads them
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "rows.jsonl"]
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", [good, good])
+    out = tmp_path / "new" / "run"
+    assert cli.main(["config", "--command", command, f"model.path={tiny_qwen2}", f"data.train_files={rows}",
+                     "data.train_batch_size=1", f"trainer.output_dir={out}"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["output_dir"] == str(out)
+    assert not (tmp_path / "new").exists()
