@@ -17,6 +17,12 @@ or an environment that fails every row), printed as one line `hybridflow <comman
 to resume); 128 + the signal's number (130 SIGINT, 143 SIGTERM) stopped at once by a signal outside a
 training step (while starting) or by a second one during a step; 1 any other error (a traceback).
 docs/troubleshooting.md lists them.
+
+`config` makes every check its command (`--command`, default train) makes before any model loads, without
+writing anything: the config's, the output directory's (writable, room for a checkpoint, no live run holding
+it), the checkpoint to resume from, every data row and what the reward functions need of the data
+(`hybridflow.trainer.preflight`). It prints the resolved config and exits 0, or lists every problem at once
+(`hybridflow config: ...`) and exits 2; `--no-checks` checks only keys, types and choices.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    """The resolved config, once it passes the checks its command runs first (`check_config`)."""
-    from hybridflow.config.commands import check_config
+    """The resolved config, once it passes every check its command makes before any model loads (`check_config`)."""
     from hybridflow.config.follow import followed_comment
     from hybridflow.config.loader import to_yaml
+    from hybridflow.trainer.preflight import check_config
 
     cfg = check_config(args.command_checked, args.overrides, args.config, checks=not args.no_checks)
     print(followed_comment(cfg) + to_yaml(cfg), end="")
@@ -157,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     for name, fn, text in (("train", _train, "RL training (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO ...)"),
-                           ("config", _config, "check a train command's configuration with the checks train runs "
-                            "first, then print it resolved")):
+                           ("config", _config, "check a training command's configuration with every check the "
+                            "command makes before a model loads (data rows and output directory included), then "
+                            "print it resolved")):
         p = sub.add_parser(name, help=text, description=text + ". Options are dotted key=value overrides; "
                            "see docs/config.md for every key.")
         p.add_argument("--config", help="a YAML recipe (e.g. recipes/grpo.yaml)")

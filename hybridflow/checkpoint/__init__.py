@@ -17,7 +17,7 @@ and resumed with `manager.resolve(cfg.trainer.resume)` (every file checked again
 from hybridflow.checkpoint.bad_steps import BadStepCounter, TrainingDiverged, non_finite_parameter
 from hybridflow.checkpoint.compat import IncompatibleCheckpoint, check_compatible, check_model_config
 from hybridflow.checkpoint.export import export_hf, main_export, save_hf_assets
-from hybridflow.checkpoint.lock import RunLock
+from hybridflow.checkpoint.lock import RunLock, check_unlocked
 from hybridflow.checkpoint.manager import CheckpointManager, check_writable, find_checkpoint
 from hybridflow.checkpoint.manifest import CheckpointError, is_complete, verify
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -39,8 +39,8 @@ from hybridflow.checkpoint.state import (
 __all__ = [
     "PREEMPTED_EXIT_CODE", "BadStepCounter", "CheckpointError", "CheckpointManager", "ControllerState",
     "GracefulStop", "IncompatibleCheckpoint", "Interrupted", "Preempted", "RunLock", "StopAtOnce", "TrainingDiverged",
-    "capture_rng_state",
-    "check_compatible", "check_model_config", "check_writable", "estimate_checkpoint_bytes", "export_hf",
+    "capture_rng_state", "check_compatible", "check_model_config", "check_unlocked", "check_writable",
+    "estimate_checkpoint_bytes", "export_hf",
     "find_checkpoint", "is_complete", "load_controller_state", "load_model_state", "load_worker_state",
     "main_export", "non_finite_parameter", "read_config", "read_full_model_state", "read_meta", "restore_rng_state",
     "save_controller_state", "save_hf_assets", "save_model_state", "save_worker_state", "verify",

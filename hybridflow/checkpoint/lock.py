@@ -4,7 +4,8 @@ A run holds an exclusive `flock` on `<output_dir>/.hybridflow.lock` from before 
 ends, and writes who it is into the file (pid, host, start time, command line). A second run on the same
 directory fails at once with `CheckpointError` naming the running one. The kernel drops the lock when its
 process ends, however it ends (SIGKILL, a crash), so a lock file left behind by a dead run is stale by
-construction: the next run takes it over and says whose it was.
+construction: the next run takes it over and says whose it was. `check_unlocked` refuses a directory a live run
+holds without taking its lock (`hybridflow config`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,29 @@ def _holder(text: str) -> str:
         return "a process that left no details"
 
 
+def in_use(output_dir: Path, text: str) -> CheckpointError:
+    """The refusal of `output_dir`, whose lock a live run holds (`text`: its lock file's record)."""
+    return CheckpointError(f"trainer.output_dir={output_dir} is in use by another run: {_holder(text)}; wait for it "
+                           f"to end, stop it, or choose another trainer.output_dir")
+
+
+def check_unlocked(output_dir: str | Path) -> None:
+    """Refuses (`in_use`) an `output_dir` whose lock a live run holds, taking nothing and writing nothing: a flock can
+    only be asked by trying it, so a shared one is tried and let go at once (it conflicts only with a run taking the
+    lock in that same instant)."""
+    path = Path(output_dir).expanduser().resolve() / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):  # no lock file (or no directory): no run holds it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise in_use(path.parent, os.pread(fd, 4096, 0).decode(errors="replace")) from None
+    finally:
+        os.close(fd)  # drops the shared lock with it
+
+
 class RunLock:
     """Takes the lock of `output_dir` (see the module docstring); `release()` gives it back."""
 
@@ -46,9 +70,7 @@ class RunLock:
             except BlockingIOError:
                 text = os.pread(fd, 4096, 0).decode(errors="replace")
                 os.close(fd)
-                raise CheckpointError(
-                    f"trainer.output_dir={self.path.parent} is in use by another run: {_holder(text)}; wait for "
-                    f"it to end, stop it, or choose another trainer.output_dir") from None
+                raise in_use(self.path.parent, text) from None
             if not self._same_file(fd):  # the holder removed the file between our open and lock: retry
                 os.close(fd)
                 continue

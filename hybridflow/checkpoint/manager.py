@@ -132,12 +132,29 @@ def find_checkpoint(path: str | os.PathLike, checksums: bool = True) -> Path:
                           f"nor a dir holding some")
 
 
-def check_writable(output_dir: str | Path, min_free_bytes: int = 0) -> Path:
+def check_writable(output_dir: str | Path, min_free_bytes: int = 0, create: bool = True) -> Path:
     """Create `output_dir` if needed, prove a file can be written and fsynced there, and that at least
     `min_free_bytes` are free. Raise `CheckpointError` naming the path and the free space otherwise.
     Call it before any model loads, so a bad output directory costs seconds, not a training run.
+    `create=False` checks without writing anything (`hybridflow config`): the directory, or the nearest folder
+    above it that exists (where it would be made), must be a directory this process may write into.
     """
     root = Path(output_dir).expanduser().resolve()
+    why = _write_probe(root) if create else _cannot_write(root)
+    if why is not None:
+        raise CheckpointError(f"output directory {root} is not writable ({why}); choose another "
+                              f"trainer.output_dir or fix its permissions")
+    free = shutil.disk_usage(_nearest_existing(root)).free
+    if free < min_free_bytes:
+        raise CheckpointError(
+            f"output directory {root} has {human_bytes(free)} free, but a checkpoint needs about "
+            f"{human_bytes(min_free_bytes)}; free space, lower trainer.keep_checkpoints or choose "
+            f"another trainer.output_dir")
+    return root
+
+
+def _write_probe(root: Path) -> str | None:
+    """Makes `root` and writes, fsyncs and removes a file in it; None, or why that failed."""
     probe = root / f".write_probe_{socket.gethostname()}_{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -147,16 +164,28 @@ def check_writable(output_dir: str | Path, min_free_bytes: int = 0) -> Path:
             os.fsync(fh.fileno())
         probe.unlink()
     except OSError as exc:
-        raise CheckpointError(
-            f"output directory {root} is not writable ({exc.strerror or exc}); choose another "
-            f"trainer.output_dir or fix its permissions") from None
-    free = shutil.disk_usage(root).free
-    if free < min_free_bytes:
-        raise CheckpointError(
-            f"output directory {root} has {human_bytes(free)} free, but a checkpoint needs about "
-            f"{human_bytes(min_free_bytes)}; free space, lower trainer.keep_checkpoints or choose "
-            f"another trainer.output_dir")
-    return root
+        return exc.strerror or str(exc)
+    return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest folder above it that exists."""
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _cannot_write(root: Path) -> str | None:
+    """Why `check_writable` could not make `root` and write into it, in the words its `OSError` would have
+    (None: it could), found without writing."""
+    found = _nearest_existing(root)
+    if not found.is_dir():  # mkdir of the directory itself, or of a folder below a file
+        return os.strerror(errno.EEXIST if found == root else errno.ENOTDIR)
+    if os.statvfs(found).f_flag & os.ST_RDONLY:
+        return os.strerror(errno.EROFS)
+    if not os.access(found, os.W_OK | os.X_OK):
+        return os.strerror(errno.EACCES)
+    return None
 
 
 class CheckpointManager:
@@ -325,8 +354,9 @@ class CheckpointManager:
         complete = self.list()
         return complete[-1] if complete else None
 
-    def resolve(self, resume: str | os.PathLike | None) -> Path | None:
-        """What `trainer.resume` means, every checkpoint verified against its manifest's checksums:
+    def resolve(self, resume: str | os.PathLike | None, tidy: bool = True) -> Path | None:
+        """What `trainer.resume` means, every checkpoint verified against its manifest's checksums (`tidy=False`:
+        the same answer and warnings, but stale temp dirs and damaged checkpoints are left where they are):
 
         - "auto": the newest checkpoint that verifies, or None (fresh start). A damaged newer one is
           reported on stderr, naming the file that failed and the checkpoint used instead, and set aside
@@ -342,14 +372,14 @@ class CheckpointManager:
         if word in ("", "never", "none", "false"):
             return None
         if word == "auto":
-            if self._is_coordinator():
+            if tidy and self._is_coordinator():
                 self.clean_stale()
             good, damaged = newest_verified(self.existing())
             if damaged and good is None:
                 raise CheckpointError(f"trainer.resume=auto: every checkpoint in {self.root} is damaged: "
                                       + "; ".join(reason for _, reason in damaged))
             for path, reason in damaged:
-                moved = self.set_aside(path) if self._is_coordinator() else path
+                moved = self.set_aside(path) if tidy and self._is_coordinator() else path
                 warn(f"{reason}; resuming from the older checkpoint {good} instead ({path.name} is kept as "
                      f"{moved.name} for inspection)")
             return good

@@ -43,12 +43,17 @@ def data_file_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def run_problems(cfg: Any) -> list[str]:
-    """The run's resume checkpoint must exist; `trainer.device=cuda` on the local backend needs a visible GPU."""
-    problems = []
+def resume_problems(cfg: Any) -> list[str]:
+    """`trainer.resume` must be auto, never or a path that exists."""
     resume = cfg.trainer.resume
     if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
-        problems.append(f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path")
+        return [f"trainer.resume={resume!r}: no such checkpoint; valid: auto, never, or an existing path"]
+    return []
+
+
+def run_problems(cfg: Any) -> list[str]:
+    """The run's resume checkpoint must exist; `trainer.device=cuda` on the local backend needs a visible GPU."""
+    problems = resume_problems(cfg)
     if cfg.trainer.device == "cuda" and cfg.trainer.backend == "local":  # Ray's GPUs: `check_capacity`
         import torch
 

@@ -35,7 +35,13 @@ GSPO_CLIP_LIMIT = 0.01
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message names the key, the value and what would be valid."""
+    """A configuration problem; the message names the key, the value and what would be valid. `problems`: each
+    problem the message lists (`raise_if_any`), so that a caller gathering problems from several checks
+    (`hybridflow.trainer.preflight`) lists them once each, under one heading."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
 
 
 def _batch_problems(role: str, cfg: Any, n_workers: int) -> list[str]:
@@ -349,7 +355,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     `data.train_files` may then be unset), e.g. to check a recipe on its own.
     """
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
-    _raise_if_any(_non_finite(cfg))  # first: the range checks below compare, and NaN passes every comparison
+    raise_if_any(_non_finite(cfg))  # first: the range checks below compare, and NaN passes every comparison
     problems = (_range_problems(cfg) + _algorithm_problems(cfg) + placement_problems(cfg)
                 + off_policy_problems(cfg) + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg)
                 + package_problems(cfg) + moe_problems(cfg))
@@ -360,7 +366,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
         roles = ["actor", "critic"] if needs_critic(cfg) else ["actor"]
         for role in roles:
             problems += _batch_problems(role, cfg, n_workers)
-    _raise_if_any(problems)
+    raise_if_any(problems)
 
 
 def validate_sft(cfg: Any, rows_per_example: int = 1, more: list[str] | None = None) -> None:
@@ -369,7 +375,7 @@ def validate_sft(cfg: Any, rows_per_example: int = 1, more: list[str] | None = N
     sequences sharing a micro-batch; `more`: that program's own problems), before any model loads: the RL
     checks that apply to it (bounds, model and data paths, resume, device, the mini-batch relation) and its own."""
     data, optim, run = cfg.data, cfg.optim, cfg.trainer
-    _raise_if_any(_non_finite(cfg))  # first, as in `validate`
+    raise_if_any(_non_finite(cfg))  # first, as in `validate`
     problems = _bound_problems(cfg, {1: ["data.train_batch_size", "trainer.n_workers", "optim.passes_per_batch",
                                          "trainer.total_epochs"]},
                                {"optim.lr": (0.0, float("inf"), False, False),
@@ -389,10 +395,11 @@ def validate_sft(cfg: Any, rows_per_example: int = 1, more: list[str] | None = N
         limit = f"data.max_length={data.max_length}" if rows_per_example == 1 else \
             f"{rows_per_example} x data.max_length={data.max_length} (the sequences of one example share a forward)"
         problems.append(f"optim.max_tokens_per_micro_batch={budget} is below {limit}; use >= {need}")
-    _raise_if_any(problems + list(more or ()))
+    raise_if_any(problems + list(more or ()))
 
 
-def _raise_if_any(problems: list[str]) -> None:
+def raise_if_any(problems: list[str]) -> None:
+    """Raises one `ConfigError` listing `problems`, if there are any."""
     if problems:
         head = "invalid configuration:" if len(problems) == 1 else f"{len(problems)} problems in the configuration:"
-        raise ConfigError(head + "\n  - " + "\n  - ".join(problems))
+        raise ConfigError(head + "\n  - " + "\n  - ".join(problems), problems)

@@ -127,10 +127,12 @@ class RewardManager:
         self._finalizer = weakref.finalize(self, RewardManager._shutdown, self._pool, self._executor)
 
     @classmethod
-    def from_config(cls, reward_cfg: Any) -> RewardManager:
-        """The manager of a `reward` config section."""
+    def from_config(cls, reward_cfg: Any, num_workers: int | None = None) -> RewardManager:
+        """The manager of a `reward` config section; `num_workers` in place of its `num_workers` (0: a manager that
+        starts no process, to check what the functions need before any row is scored)."""
         spec = RewardSpec.from_config(reward_cfg)
-        return cls(list(spec.functions), reward_cfg.num_workers, reward_cfg.timeout_s, reward_cfg.fallback_score,
+        workers = reward_cfg.num_workers if num_workers is None else num_workers
+        return cls(list(spec.functions), workers, reward_cfg.timeout_s, reward_cfg.fallback_score,
                    dict(spec.kwargs), reward_cfg.max_failed_steps, list(spec.weights))
 
     def check_data_sources(self, data_sources: Sequence[str]) -> None:

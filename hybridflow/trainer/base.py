@@ -2,15 +2,19 @@
 
 `Trainer.__init__` builds, in order: the output directory (checked writable, with room for one
 checkpoint, and locked to this run: `RunLock`), the checkpoints (the one to resume from found, verified and
-checked against this config, before any model loads), the tokenizer, the train and validation loaders,
-the run's length, the bad-step counter, the worker groups (then loaded from the checkpoint) and the metric
-tracker. Once the workers run, the values they filled in where the config left them open (the device
-plan's micro-batch budget and checkpointing, compilation, the rollout engine) come back
-(`effective_values`): the run logs each device plan once and writes the config it runs with to
-`resolved_config.yaml` beside `metrics.jsonl`. If any of it fails, what was started is stopped and the lock released.
-A trainer says what is its own by overriding the methods under "what each trainer says": its loaders,
-its workers, what a checkpoint holds beyond the loader position and the bad-step counter, and
-`train_step` / `validate`, which `fit()` drives through `hybridflow.trainer.step_loop.run_steps`.
+checked against this config, before any model loads), the tokenizer, the train and validation loaders
+(every row read and checked) and the trainer's checks of the data (`check_data`), the run's length, the
+bad-step counter, the worker groups (then loaded from the checkpoint) and the metric tracker. What it checks
+before the worker groups start, `hybridflow config` checks with the same functions, without writing anything,
+reporting every problem at once (`hybridflow.trainer.preflight`); a run stops at the first. Once the workers
+run, the values they filled in where the config left them open (the device plan's micro-batch budget and
+checkpointing, compilation, the rollout engine) come back (`effective_values`): the run logs each device plan
+once and writes the config it runs with to `resolved_config.yaml` beside `metrics.jsonl`. If any of it fails,
+what was started is stopped and the lock released.
+A trainer says what is its own by overriding the class methods under "what each trainer checks before models
+load" (its checkpoint's size, its LoRA bases, its loaders, its checks of the data) and the methods under "what
+each trainer says": its workers, what a checkpoint holds beyond the loader position and the bad-step counter,
+and `train_step` / `validate`, which `fit()` drives through `hybridflow.trainer.step_loop.run_steps`.
 
 `optimizer_steps` turns the run's length in trainer steps into the length of a role's lr schedule, which
 steps once per optimizer step.
@@ -50,6 +54,14 @@ def device_type(setting: str, backend: str = "local", ray_address: str | None = 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def load_tokenizer(model_cfg: Any) -> Any:
+    """The run's tokenizer: `model.tokenizer_path`, else `model.path`'s."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path,
+                                         trust_remote_code=model_cfg.trust_remote_code)
+
+
 def optimizer_steps(trainer_steps: int, passes: int, mini_batch_size: int | None, batch_size: int) -> int:
     """Optimizer steps of `trainer_steps` steps that each make `passes` passes over a batch of `batch_size`
     prompts (or conversations), one optimizer step per mini-batch of `mini_batch_size` (None: the batch)."""
@@ -68,10 +80,9 @@ class Trainer(ABC):
     validates_at_end = False  # validate after the last step even with trainer.val_every=0
     model_head = "lm"  # that model's head (`hybridflow.engine.train.model`): a reward model's is "score"
 
-    def __init__(self, cfg: Any, checkpoint_bytes: int) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        checkpoint_bytes = self.checkpoint_size(cfg)
         self.output_dir = check_writable(cfg.trainer.output_dir, checkpoint_bytes)
         self.lock = RunLock(self.output_dir)
         if self.lock.stale_holder:
@@ -80,9 +91,9 @@ class Trainer(ABC):
         self.tracker: Tracker | None = None
         try:
             self.checkpoints = RunCheckpoints(self, checkpoint_bytes)
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
-                                                           trust_remote_code=cfg.model.trust_remote_code)
-            self.train_loader, self.val_loader = self.build_loaders()
+            self.tokenizer = load_tokenizer(cfg.model)
+            self.train_loader, self.val_loader = self.build_loaders(cfg, self.tokenizer)
+            self.check_data(cfg, self.train_loader, self.val_loader)
             self.total_steps = cfg.trainer.total_steps or len(self.train_loader) * cfg.trainer.total_epochs
             self.bad_steps = BadStepCounter(cfg.trainer.max_bad_steps)
             self.step = 0
@@ -97,11 +108,30 @@ class Trainer(ABC):
             self.close()
             raise
 
-    # ------------------------------------------------------------------ what each trainer says
+    # ------------------------------------------------------------------ what each trainer checks before models load
+    # Class methods of the config (and the tokenizer): `hybridflow config` runs them without a trainer
+    # (`hybridflow.trainer.preflight`).
+    @classmethod
     @abstractmethod
-    def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
-        """The train loader and the validation loader (None without validation data)."""
+    def checkpoint_size(cls, cfg: Any) -> int:
+        """One checkpoint's size in bytes, estimated from the configs of the models it trains (`checkpoint_bytes`)."""
 
+    @classmethod
+    def lora_bases(cls, cfg: Any) -> dict[str, str]:
+        """Role -> base model path of each role trained with LoRA (its checkpoint records the base's fingerprint)."""
+        return {}
+
+    @classmethod
+    @abstractmethod
+    def build_loaders(cls, cfg: Any, tokenizer: Any) -> tuple[BatchLoader, BatchLoader | None]:
+        """The train loader and the validation loader (None without validation data); building them reads and
+        checks every row."""
+
+    @classmethod
+    def check_data(cls, cfg: Any, train: BatchLoader, val: BatchLoader | None) -> None:
+        """What the trainer checks of the loaded data beyond its rows (nothing by default)."""
+
+    # ------------------------------------------------------------------ what each trainer says
     @abstractmethod
     def start_workers(self) -> None:
         """Starts the run's worker groups (listing them in `self.groups`) and what drives them."""
@@ -114,10 +144,6 @@ class Trainer(ABC):
         """Role name -> handle with `effective_values()`, for every group whose workers fill in config values
         (by default the trained roles)."""
         return dict(self.checkpointed_roles())
-
-    def lora_bases(self) -> dict[str, str]:
-        """Role -> base model path of each role trained with LoRA (its checkpoint records the base's fingerprint)."""
-        return {}
 
     def checkpointed_state(self) -> dict[str, Any]:
         """The controller's state a checkpoint keeps: the loader position and the bad-step counter, plus

@@ -71,37 +71,17 @@ class RunCheckpoints:
     were trained on other base weights than `model.path` holds now (each checkpoint records the fingerprint
     of its LoRA roles' bases, `hybridflow.checkpoint.fingerprint`), and refuses to start where this run
     would mix with checkpoints it does not continue from (`clashing`) unless `trainer.discard_checkpoints`
-    lets it delete them. `restore()` then loads the checkpoint into the started workers; `save()` writes
-    one per call, checking the free space first.
+    lets it delete them (`open_checkpoints`, which `hybridflow config` runs with nothing written). `restore()`
+    then loads the checkpoint into the started workers; `save()` writes one per call, checking the free space
+    first.
     """
 
     def __init__(self, trainer: Any, estimate_bytes: int) -> None:
         self.trainer = trainer
-        cfg = trainer.cfg
         self.estimate_bytes = estimate_bytes
-        self.manager = CheckpointManager(cfg.trainer.output_dir, keep=cfg.trainer.keep_checkpoints)
-        self.resume_from = self.manager.resolve(cfg.trainer.resume)
-        self.changed: list[str] = []
-        self.lora_bases = {role: {"path": path, "fingerprint": base_fingerprint(path)}
-                           for role, path in trainer.lora_bases().items()}
-        if self.resume_from is not None:
-            self.changed = check_compatible(read_config(self.resume_from), cfg)
-            check_hf_config(self.resume_from / trainer.model_role, cfg.model, trainer.model_head)
-            recorded = read_meta(self.resume_from).get("lora_bases", {})
-            problems = [base_changed(role, recorded.get(role), base["path"], base["fingerprint"])
-                        for role, base in self.lora_bases.items()]
-            if any(problems):
-                raise IncompatibleCheckpoint([p for p in problems if p])
-        clash = clashing(self.manager, self.resume_from)
-        if clash and not cfg.trainer.discard_checkpoints:
-            raise CheckpointError(clash_message(self.manager, self.resume_from, clash))
-        for path in clash:
-            self.manager.remove(path)
-        if clash:
-            print(f"trainer.discard_checkpoints=true: deleted {', '.join(p.name for p in clash)} from "
-                  f"{self.manager.root}")
-        if (newest := self.manager.latest()) is not None:  # the real size beats the estimate check_writable had
-            check_writable(cfg.trainer.output_dir, checkpoint_bytes_on_disk(newest))
+        self.lora_bases = base_fingerprints(trainer.lora_bases(trainer.cfg))
+        self.manager, self.resume_from, self.changed = open_checkpoints(trainer.cfg, trainer.model_role,
+                                                                        trainer.model_head, self.lora_bases)
 
     def save(self) -> Path:
         """Writes the checkpoint of the current step (atomic) and prunes old ones; returns it. The space
@@ -152,6 +132,46 @@ class RunCheckpoints:
         print(f"resumed from {path} at step {t.step}"
               + (f"; changed since the checkpoint (the new values apply): {'; '.join(self.changed)}"
                  if self.changed else ""))
+
+
+def base_fingerprints(bases: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Role -> {path, fingerprint} of each LoRA role's base model (`Trainer.lora_bases`), as a checkpoint records it."""
+    return {role: {"path": path, "fingerprint": base_fingerprint(path)} for role, path in bases.items()}
+
+
+def open_checkpoints(cfg: Any, model_role: str, model_head: str, lora_bases: dict[str, dict[str, Any]],
+                     dry: bool = False) -> tuple[CheckpointManager, Path | None, list[str]]:
+    """The output directory's checkpoints, the one a run resumes from (None: it starts fresh) and the keys changed
+    since it was saved, checked before any model loads (see `RunCheckpoints`): refuses (`CheckpointError`,
+    `IncompatibleCheckpoint`) a damaged or incompatible checkpoint, one whose LoRA bases changed (`lora_bases`:
+    `base_fingerprints`), checkpoints this run would mix with unless `trainer.discard_checkpoints` (which deletes
+    them), and a disk without room for a checkpoint as large as the newest kept one.
+    `dry=True` (`hybridflow config`): the same checks with nothing written: damaged checkpoints are not set aside,
+    stale temp dirs stay, discarded checkpoints are not deleted (and not counted)."""
+    manager = CheckpointManager(cfg.trainer.output_dir, keep=cfg.trainer.keep_checkpoints)
+    resume_from = manager.resolve(cfg.trainer.resume, tidy=not dry)
+    changed: list[str] = []
+    if resume_from is not None:
+        changed = check_compatible(read_config(resume_from), cfg)
+        check_hf_config(resume_from / model_role, cfg.model, model_head)
+        recorded = read_meta(resume_from).get("lora_bases", {})
+        problems = [base_changed(role, recorded.get(role), base["path"], base["fingerprint"])
+                    for role, base in lora_bases.items()]
+        if any(problems):
+            raise IncompatibleCheckpoint([p for p in problems if p])
+    clash = clashing(manager, resume_from)
+    if dry and str(cfg.trainer.resume).strip().lower() == "auto":
+        clash = []  # those newer than the checkpoint resumed are damaged, and the run sets them aside
+    if clash and not cfg.trainer.discard_checkpoints:
+        raise CheckpointError(clash_message(manager, resume_from, clash))
+    if clash and not dry:
+        for path in clash:
+            manager.remove(path)
+        print(f"trainer.discard_checkpoints=true: deleted {', '.join(p.name for p in clash)} from {manager.root}")
+    newest = next((p for p in reversed(manager.list()) if p not in clash), None) if dry else manager.latest()
+    if newest is not None:  # the real size beats the estimate check_writable had
+        check_writable(cfg.trainer.output_dir, checkpoint_bytes_on_disk(newest), create=not dry)
+    return manager, resume_from, changed
 
 
 def check_hf_config(role_dir: Path, model_cfg: Any, head: str = "lm") -> None:

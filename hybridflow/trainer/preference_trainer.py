@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,11 +34,11 @@ from hybridflow.algorithms import bradley_terry_loss, compute_preference_loss, p
 from hybridflow.batch import Batch
 from hybridflow.config.commands import validate_preference
 from hybridflow.controller import Remote
+from hybridflow.data.chat import pad_token_id
 from hybridflow.data.loader import BatchLoader
 from hybridflow.data.preference_data import (PreferenceDataset, collate_policy_pairs, collate_scored_pairs,
                                              encode_policy_pair, encode_scored_pair, pair_tokens)
 from hybridflow.tracking.metrics import timer
-from hybridflow.trainer.checkpointing import checkpoint_bytes
 from hybridflow.trainer.memory import sft_demand
 from hybridflow.trainer.role_configs import preference_config
 from hybridflow.trainer.single_model import SingleModelTrainer
@@ -86,37 +87,45 @@ class PreferenceTrainer(SingleModelTrainer[PreferenceWorker]):
 
     def __init__(self, cfg: Any) -> None:
         validate_preference(cfg)
-        super().__init__(cfg, checkpoint_bytes([(cfg.model.path, self.model_head, cfg.optim.lora)],
-                                               cfg.model.trust_remote_code))
+        super().__init__(cfg)
 
+    @classmethod
     @abstractmethod
-    def encode(self, prompt: Any, chosen: Any, rejected: Any) -> dict[str, list[int]]:
-        """A dataset item of one pair (`encode_policy_pair` or `encode_scored_pair` with this run's tokenizer)."""
+    def encode(cls, cfg: Any, tokenizer: Any, prompt: Any, chosen: Any, rejected: Any) -> dict[str, list[int]]:
+        """A dataset item of one pair (`encode_policy_pair` or `encode_scored_pair` with the run's tokenizer)."""
 
-    def collate(self, items: Sequence[Any], epoch: int) -> Batch:
-        collate = collate_policy_pairs if self.model_head == "lm" else collate_scored_pairs
-        return collate(items, self.pad_id, epoch)
+    @classmethod
+    def collate(cls, pad_id: int) -> Callable[[Sequence[Any], int], Batch]:
+        """The loaders' collate: a batch of pairs padded with `pad_id`."""
+        rows = collate_policy_pairs if cls.model_head == "lm" else collate_scored_pairs
+        return lambda items, epoch: rows(items, pad_id, epoch)
 
-    def dataset(self, files: list[str]) -> PreferenceDataset:
-        d = self.cfg.data
-        return PreferenceDataset(files, self.tokenizer, self.encode, d.prompt_key, d.chosen_key, d.rejected_key,
-                                 d.max_length, d.truncation)
-
-    def in_order(self, dataset: PreferenceDataset, batch_size: int) -> BatchLoader:
+    @classmethod
+    def in_order(cls, cfg: Any, dataset: PreferenceDataset, batch_size: int) -> BatchLoader:
         """Every pair of `dataset` once, in file order, `data.val_batch_size` at a time (null: `batch_size`)."""
-        return BatchLoader(dataset, self.cfg.data.val_batch_size or batch_size, shuffle=False, drop_last=False,
-                           collate=self.collate)
+        return BatchLoader(dataset, cfg.data.val_batch_size or batch_size, shuffle=False, drop_last=False,
+                           collate=cls.collate(dataset.pad_token_id))
 
-    def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
-        data = self.cfg.data
-        seed = data.seed if data.seed is not None else self.cfg.trainer.seed
-        train = self.dataset(data.train_files)
-        self.pad_id = train.pad_token_id
-        loader = BatchLoader(train, data.train_batch_size, seed, data.shuffle, collate=self.collate)
+    @classmethod
+    def build_loaders(cls, cfg: Any, tokenizer: Any) -> tuple[BatchLoader, BatchLoader | None]:
+        data = cfg.data
+        seed = data.seed if data.seed is not None else cfg.trainer.seed
+
+        def dataset(files: list[str]) -> PreferenceDataset:
+            return PreferenceDataset(files, tokenizer, partial(cls.encode, cfg, tokenizer), data.prompt_key,
+                                     data.chosen_key, data.rejected_key, data.max_length, data.truncation)
+
+        train = dataset(data.train_files)
+        loader = BatchLoader(train, data.train_batch_size, seed, data.shuffle, collate=cls.collate(train.pad_token_id))
         if not data.val_files:
             return loader, None
-        val = self.dataset(data.val_files)
-        return loader, self.in_order(val, len(val))
+        val = dataset(data.val_files)
+        return loader, cls.in_order(cfg, val, len(val))
+
+    @property
+    def pad_id(self) -> int:
+        """What pairs are padded with: the tokenizer's pad id (its eos id when it has none)."""
+        return pad_token_id(self.tokenizer)
 
     def start_workers(self) -> None:
         cfg = self.cfg
@@ -179,16 +188,18 @@ class DPOTrainer(PreferenceTrainer):
             self.close()
             raise
 
-    def encode(self, prompt: Any, chosen: Any, rejected: Any) -> dict[str, list[int]]:
-        return encode_policy_pair(prompt, chosen, rejected, self.tokenizer, self.cfg.data.apply_chat_template)
+    @classmethod
+    def encode(cls, cfg: Any, tokenizer: Any, prompt: Any, chosen: Any, rejected: Any) -> dict[str, list[int]]:
+        return encode_policy_pair(prompt, chosen, rejected, tokenizer, cfg.data.apply_chat_template)
 
-    def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
-        train, val = super().build_loaders()
+    def start_workers(self) -> None:
+        """The group, and a place for the reference's log-probs of each dataset when the loss compares with a
+        reference (made here, before a resumed checkpoint's values are loaded into it)."""
         if preference_needs_reference(self.cfg.dpo.loss_type):
-            self.reference = {"train": ReferenceLogps(len(train.dataset))}
-            if val is not None:
-                self.reference["val"] = ReferenceLogps(len(val.dataset))
-        return train, val
+            self.reference = {"train": ReferenceLogps(len(self.train_loader.dataset))}
+            if self.val_loader is not None:
+                self.reference["val"] = ReferenceLogps(len(self.val_loader.dataset))
+        super().start_workers()
 
     def checkpointed_state(self) -> dict[str, Any]:
         return {**super().checkpointed_state(), **{f"reference_{k}": v for k, v in self.reference.items()}}
@@ -199,7 +210,7 @@ class DPOTrainer(PreferenceTrainer):
             return
         start = time.perf_counter()
         for name, reference in self.reference.items():
-            reference.fill(self.in_order(self.train_loader.dataset, self.cfg.data.train_batch_size)
+            reference.fill(self.in_order(self.cfg, self.train_loader.dataset, self.cfg.data.train_batch_size)
                            if name == "train" else self.validation_batches(), self.workers)
         seconds = time.perf_counter() - start
         print(f"reference log-probs of {sum(len(r.values) for r in self.reference.values())} pairs in {seconds:.1f} s",
@@ -226,8 +237,9 @@ class RewardModelTrainer(PreferenceTrainer):
 
     model_role, model_head, kind = "reward_model", "score", "rm"
 
-    def encode(self, prompt: Any, chosen: Any, rejected: Any) -> dict[str, list[int]]:
-        return encode_scored_pair(prompt, chosen, rejected, self.tokenizer)
+    @classmethod
+    def encode(cls, cfg: Any, tokenizer: Any, prompt: Any, chosen: Any, rejected: Any) -> dict[str, list[int]]:
+        return encode_scored_pair(prompt, chosen, rejected, tokenizer)
 
     def pair_metrics(self, batch: Batch, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
         losses = bradley_terry_loss(chosen, rejected, center_coef=self.cfg.rm.center_coef)

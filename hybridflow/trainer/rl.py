@@ -64,24 +64,44 @@ class RLTrainer(Trainer):
         self.facts = resolve_facts(cfg)
         self.sampling = train_sampling(cfg)
         self.rewards: RewardManager | None = None
-        super().__init__(cfg, checkpoint_bytes_needed(cfg))
+        super().__init__(cfg)
         # the rollout engines were built from model.path: give them the resumed weights, or a 4-bit base's
         # dequantized ones (the policy the trainer computes with differs from the directory's bf16 weights)
         if self.step or cfg.model.quantization != "none":
             self.roles.sync_weights()
 
-    def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
-        tools = tool_schemas(self.cfg.agent) or None  # shown in every prompt of a tool-calling run
-        return build_prompt_loaders(self.cfg, self.tokenizer, tools)
+    @classmethod
+    def checkpoint_size(cls, cfg: Any) -> int:
+        return checkpoint_bytes_needed(cfg)
+
+    @classmethod
+    def lora_bases(cls, cfg: Any) -> dict[str, str]:
+        facts = resolve_facts(cfg)
+        bases: dict[str, str] = {}
+        if facts.actor_lora:
+            bases["actor"] = cfg.model.path
+        if facts.critic and facts.critic_lora:
+            bases["critic"] = cfg.critic.model.path or cfg.model.path
+        return bases
+
+    @classmethod
+    def build_loaders(cls, cfg: Any, tokenizer: Any) -> tuple[BatchLoader, BatchLoader | None]:
+        tools = tool_schemas(cfg.agent) or None  # shown in every prompt of a tool-calling run
+        return build_prompt_loaders(cfg, tokenizer, tools)
+
+    @classmethod
+    def check_data(cls, cfg: Any, train: BatchLoader, val: BatchLoader | None) -> None:
+        """The reward functions' inputs against each dataset (`check_reward_inputs`), with a manager that starts
+        no scoring process."""
+        rewards = RewardManager.from_config(cfg.reward, num_workers=0)
+        for loader in (train, val):
+            if loader is not None:
+                check_reward_inputs(rewards, loader.dataset)
 
     def start_workers(self) -> None:
-        """The reward function's pool (checked against the datasets' data sources first), the KL
-        controller and the role groups (`hybridflow.trainer.role_groups`)."""
+        """The reward function's pool, the KL controller and the role groups (`hybridflow.trainer.role_groups`)."""
         cfg = self.cfg
         self.rewards = RewardManager.from_config(cfg.reward)
-        for loader in (self.train_loader, self.val_loader):
-            if loader is not None:
-                check_reward_inputs(self.rewards, loader.dataset)
         self.env_failures = FailureStreak(f"environment {cfg.agent.environment!r}", cfg.reward.max_failed_steps,
                                           EnvironmentFailed, "trajectory")
         kl = cfg.algorithm.kl_ctrl
@@ -90,15 +110,6 @@ class RLTrainer(Trainer):
         self.groups = self.roles.groups
         self.stream = RolloutStream(cfg, self.facts, self.sampling, self.roles.rollout, self.train_loader,
                                     self.train_loader.dataset.pad_token_id)
-
-    def lora_bases(self) -> dict[str, str]:
-        cfg = self.cfg
-        bases: dict[str, str] = {}
-        if self.facts.actor_lora:
-            bases["actor"] = cfg.model.path
-        if self.facts.critic and self.facts.critic_lora:
-            bases["critic"] = cfg.critic.model.path or cfg.model.path
-        return bases
 
     def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
         roles: dict[str, TrainedRoleHandle] = {"actor": self.roles.actor}

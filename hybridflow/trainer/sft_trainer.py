@@ -22,7 +22,6 @@ from hybridflow.config.validate import validate_sft
 from hybridflow.data.loader import BatchLoader
 from hybridflow.data.sft_data import SFTDataset, collate_sft_rows
 from hybridflow.tracking.metrics import compute_throughput, timer
-from hybridflow.trainer.checkpointing import checkpoint_bytes
 from hybridflow.trainer.memory import sft_demand
 from hybridflow.trainer.single_model import SingleModelTrainer
 from hybridflow.workers.sft_worker import SFTWorker
@@ -36,12 +35,18 @@ class SFTTrainer(SingleModelTrainer[SFTWorker]):
 
     def __init__(self, cfg: Any) -> None:
         validate_sft(cfg)
-        super().__init__(cfg, checkpoint_bytes([(cfg.model.path, "lm", cfg.optim.lora)], cfg.model.trust_remote_code))
+        super().__init__(cfg)
 
-    def build_loaders(self) -> tuple[BatchLoader, BatchLoader | None]:
-        data = self.cfg.data
-        seed = data.seed if data.seed is not None else self.cfg.trainer.seed
-        train_ds = self.dataset(data.train_files)
+    @classmethod
+    def build_loaders(cls, cfg: Any, tokenizer: Any) -> tuple[BatchLoader, BatchLoader | None]:
+        data = cfg.data
+        seed = data.seed if data.seed is not None else cfg.trainer.seed
+
+        def dataset(files: list[str]) -> SFTDataset:
+            return SFTDataset(files, tokenizer, data.messages_key, data.prompt_key, data.response_key, data.max_length,
+                              data.truncation, data.text_key)
+
+        train_ds = dataset(data.train_files)
         pad_id = train_ds.pad_token_id
 
         def collate(items: Sequence[Any], epoch: int) -> Batch:
@@ -50,14 +55,9 @@ class SFTTrainer(SingleModelTrainer[SFTWorker]):
         train = BatchLoader(train_ds, data.train_batch_size, seed, data.shuffle, collate=collate)
         if not data.val_files:
             return train, None
-        val_ds = self.dataset(data.val_files)
+        val_ds = dataset(data.val_files)
         return train, BatchLoader(val_ds, data.val_batch_size or len(val_ds), seed, shuffle=False, drop_last=False,
                                   collate=collate)
-
-    def dataset(self, files: list[str]) -> SFTDataset:
-        d = self.cfg.data
-        return SFTDataset(files, self.tokenizer, d.messages_key, d.prompt_key, d.response_key, d.max_length,
-                          d.truncation, d.text_key)
 
     def start_workers(self) -> None:
         cfg = self.cfg

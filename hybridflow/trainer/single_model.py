@@ -1,6 +1,6 @@
 """`SingleModelTrainer`: a `Trainer` of one model in one worker group, what `hybridflow sft`, `dpo` and `rm` share
 (`hybridflow.trainer.sft_trainer`, `hybridflow.trainer.preference_trainer`): the group started from a worker class
-and its config, the checkpointed role and its LoRA base, the length of its lr schedule, and the export of a
+and its config, the checkpointed role, its size and its LoRA base, the length of its lr schedule, and the export of a
 finished run's model to `<trainer.output_dir>/hf` (a whole model: with LoRA the adapters merged into the base).
 """
 
@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 from hybridflow.checkpoint import export_hf
 from hybridflow.controller import Remote, WorkerGroup, remote
 from hybridflow.trainer.base import Trainer, device_type, optimizer_steps
+from hybridflow.trainer.checkpointing import checkpoint_bytes
 from hybridflow.workers.base import EngineWorker
 from hybridflow.workers.handles import TrainedRoleHandle
 
@@ -23,6 +24,14 @@ class SingleModelTrainer(Trainer, Generic[W]):
 
     validates_at_end = True  # the final validation says what the exported model is worth
     workers: Remote[W]
+
+    @classmethod
+    def checkpoint_size(cls, cfg: Any) -> int:
+        return checkpoint_bytes([(cfg.model.path, cls.model_head, cfg.optim.lora)], cfg.model.trust_remote_code)
+
+    @classmethod
+    def lora_bases(cls, cfg: Any) -> dict[str, str]:
+        return {cls.model_role: cfg.model.path} if cfg.optim.lora.rank > 0 else {}
 
     def schedule_steps(self) -> int:
         """The optimizer steps of the run (its lr schedule's length)."""
@@ -42,9 +51,6 @@ class SingleModelTrainer(Trainer, Generic[W]):
 
     def checkpointed_roles(self) -> dict[str, TrainedRoleHandle]:
         return {self.model_role: self.workers}
-
-    def lora_bases(self) -> dict[str, str]:
-        return {self.model_role: self.cfg.model.path} if self.cfg.optim.lora.rank > 0 else {}
 
     def fit(self) -> dict[str, float]:
         """Trains to `total_steps`, validating/checkpointing as configured, exports `<output_dir>/hf`; returns the

@@ -1,5 +1,6 @@
 """CheckpointManager: atomic commit, keep-last-k, resolve, stale temp dirs, SIGKILL mid-save, writability;
-a step is never saved twice, damaged checkpoints are named and skipped loudly, the run lock."""
+a step is never saved twice, damaged checkpoints are named and skipped loudly, the run lock; and the checks
+`hybridflow config` makes with nothing written (writability, resolve, the lock)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.checkpoint import CheckpointError, CheckpointManager, RunLock, check_writable, find_checkpoint, is_complete
+from hybridflow.checkpoint import (CheckpointError, CheckpointManager, RunLock, check_unlocked, check_writable,
+                                   find_checkpoint, is_complete)
 from hybridflow.checkpoint.manager import MANIFEST
 
 
@@ -110,6 +112,41 @@ def test_every_checkpoint_damaged_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged: .*sub/weights.bin is missing"):
         manager.resolve("auto")
     assert only.exists()
+
+
+def test_resolve_without_tidying_leaves_a_damaged_checkpoint_in_place(tmp_path, capsys):
+    manager = CheckpointManager(tmp_path, keep=3)
+    good, newest = _commit(manager, 1), _commit(manager, 2, b"y")
+    _flip_a_byte(newest / "sub" / "weights.bin")
+    assert manager.resolve("auto", tidy=False) == good
+    assert f"resuming from the older checkpoint {good} instead" in capsys.readouterr().err
+    assert sorted(p.name for p in manager.root.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_check_unlocked_refuses_a_live_runs_directory_and_takes_nothing(tmp_path):
+    check_unlocked(tmp_path)  # no lock file: free, and none is made
+    check_unlocked(tmp_path / "not_made_yet")
+    assert list(tmp_path.iterdir()) == []
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from hybridflow.checkpoint import RunLock
+        lock = RunLock(sys.argv[1])
+        print("locked", flush=True)
+        time.sleep(120)
+    """), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        record = (tmp_path / ".hybridflow.lock").read_text()
+        with pytest.raises(CheckpointError, match=rf"output_dir={tmp_path} is in use by another run: pid "
+                                                  rf"{holder.pid} on host {socket.gethostname()} since "):
+            check_unlocked(tmp_path)
+        assert (tmp_path / ".hybridflow.lock").read_text() == record  # the holder's record is untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    check_unlocked(tmp_path)  # the holder is gone: its lock file is stale, and stays as it was
+    assert (tmp_path / ".hybridflow.lock").read_text() == record
+    RunLock(tmp_path).release()  # the probe let go of the lock
 
 
 def test_run_lock_refuses_a_second_run_and_takes_over_a_dead_ones(tmp_path):
@@ -220,13 +257,29 @@ def test_check_writable(tmp_path):
         check_writable(tmp_path, min_free_bytes=2**62)
 
 
+def test_check_writable_without_creating_says_what_creating_would_and_writes_nothing(tmp_path):
+    assert check_writable(tmp_path / "new" / "out", create=False) == (tmp_path / "new" / "out").resolve()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a dir")
+    for target, why in ((blocker, "File exists"), (blocker / "out" / "deeper", "Not a directory")):
+        for create in (True, False):
+            with pytest.raises(CheckpointError) as refused:
+                check_writable(target, create=create)
+            assert str(refused.value) == (f"output directory {target} is not writable ({why}); choose another "
+                                          f"trainer.output_dir or fix its permissions")
+    with pytest.raises(CheckpointError, match=r"new/out has .* free, but a checkpoint needs about 4194304.0 TiB"):
+        check_writable(tmp_path / "new" / "out", min_free_bytes=2**62, create=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_check_writable_read_only_dir(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     try:
-        with pytest.raises(CheckpointError, match="not writable"):
-            check_writable(locked)
+        for create in (True, False):
+            with pytest.raises(CheckpointError, match=r"locked/out is not writable \(Permission denied\)"):
+                check_writable(locked / "out", create=create)
     finally:
         locked.chmod(0o700)
 
