@@ -86,8 +86,8 @@ class EngineOptimConfig:
     min_lr_ratio: float = opt(0.0, "cosine schedule floor, as a fraction of lr")
     optimizer: str = opt("auto", "adamw; adamw_8bit (torchao, 8-bit moments: a quarter of the state memory); "
                                   "adamw_cpu_offload (state and update on the CPU: none on the GPU); auto = adamw "
-                                  "(adamw_8bit with master_dtype=bf16), or adamw_8bit where the device plan needs "
-                                  "it to fit (docs/small_gpus.md)", OPTIMIZERS)
+                                  "(adamw_8bit with master_dtype=bf16), or where the device plan needs it to fit adamw_8bit, "
+                                  "then with fp32 master weights adamw_cpu_offload (docs/small_gpus.md)", OPTIMIZERS)
     weight_decay: float = opt(0.01, "AdamW weight decay")
     betas: tuple[float, float] = opt((0.9, 0.999), "AdamW betas")
     grad_clip: float = opt(1.0, "gradient-norm clipping threshold")

@@ -101,23 +101,25 @@ def test_1_5b_lora_plans_at_8_16_and_24_gib():
 
 def test_an_fp8_rollout_of_a_4_bit_base_fits_where_the_bf16_copy_does_not():
     """`rollout.quantization=fp8` (what a 4-bit base under a cap follows to): the rollout's projections in a byte each
-    plus a scale per row, half the bf16 copy. 1.5B NF4 fits 8 GiB and 7 GiB again; at 6 GiB generation fits but
-    the update is refused with its arithmetic (the 1 GiB context, the 2 GiB allowance for fragmentation and the 1.5
-    GiB log-prob head chunk leave it 100 MiB) and fits with the CPU optimizer it names; 7B NF4 fits 24 GiB with full
-    16,384-token micro-batches, and 16 GiB with smaller prefill forwards."""
+    plus a scale per row, half the bf16 copy. 1.5B NF4 fits 8 GiB and 7 GiB again; at 6 GiB generation fits, and the
+    update (the 1 GiB context, the 2 GiB allowance for fragmentation and the 1.5 GiB log-prob head chunk leave it
+    100 MiB beside AdamW) fits once `optimizer=auto` is the CPU AdamW, which the plan then chooses by itself; 7B NF4
+    fits 24 GiB with full 16,384-token micro-batches, and 16 GiB with smaller prefill forwards."""
     bf16, fp8 = demand("1.5b", 8, lora=True, nf4=True), demand("1.5b", 8, lora=True, nf4=True, fp8=True)
     assert fp8.rollout.weight_bytes < 0.51 * bf16.rollout.weight_bytes  # 1.22 GiB against 2.44 GiB
     at8 = plan(fp8, *H100)
     assert at8.roles["actor"].max_tokens == 3918 and not at8.rollout_offload and 0.7 * GIB < at8.kv_cache_bytes
+    assert at8.roles["actor"].optimizer == "adamw"  # the CPU AdamW only where nothing cheaper fits
     at7 = plan(demand("1.5b", 7, lora=True, nf4=True, fp8=True), *H100)
     assert at7.rollout_offload and at7.kv_cache_bytes == 42 * 1024 * p_demand_kv(fp8)  # 41 slots
-    with pytest.raises(DoesNotFit) as err:
-        plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True), *H100)
+    with pytest.raises(DoesNotFit) as err:  # the optimizer given: 8-bit AdamW on the device does not fit
+        plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True, optimizer="adamw_8bit"), *H100)
     msg = str(err.value)  # generation fits (2,048-token prefill forwards); the update names the key that fits it
     assert "100 MiB is left beside weights 1.1 GiB" in msg and "generation" not in msg
     assert "Budget: 5.0 GiB (trainer.device_memory_gib=6 of the card's 80.0 GiB, less 1.0 GiB" in msg
     assert "it fits with actor.optimizer=adamw_cpu_offload" in msg
-    at6 = plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True, optimizer="adamw_cpu_offload"), *H100)
+    at6 = plan(demand("1.5b", 6, lora=True, nf4=True, fp8=True), *H100)  # optimizer=auto: chosen by the plan
+    assert at6.roles["actor"].optimizer == "adamw_cpu_offload"
     assert at6.rollout_offload and at6.kv_cache_bytes == 17 * 1024 * p_demand_kv(fp8)  # 16 slots
     at24 = plan(demand("7b", 24, lora=True, nf4=True, fp8=True), *H100)
     assert at24.roles["actor"].max_tokens == 16384 and at24.kv_cache_bytes > 6 * GIB
@@ -126,7 +128,7 @@ def test_an_fp8_rollout_of_a_4_bit_base_fits_where_the_bf16_copy_does_not():
     assert at16.kv_cache_bytes == 12 * 1024 * p_demand_kv(demand("7b", 16, lora=True, fp8=True))
 
 
-def test_1_5b_full_chooses_8_bit_adamw_then_an_offload_where_adamw_would_not_fit():
+def test_1_5b_full_chooses_8_bit_adamw_then_offloads_then_the_cpu_adamw_where_adamw_would_not_fit():
     assert plan(demand("1.5b", 36), *H100).roles["actor"].optimizer == "adamw"
     for cap in (27, 32):
         p = plan(demand("1.5b", cap), *H100)
@@ -136,8 +138,10 @@ def test_1_5b_full_chooses_8_bit_adamw_then_an_offload_where_adamw_would_not_fit
     assert at24.rollout_offload and at24.roles["actor"].gradient_checkpointing
     at16 = plan(demand("1.5b", 16, master_bytes=2), *H100).roles["actor"]
     assert at16.optimizer == "adamw_8bit" and at16.gradient_checkpointing and at16.max_tokens == 6125
-    with pytest.raises(DoesNotFit) as err:
-        plan(demand("1.5b", 22), *H100)
+    at22 = plan(demand("1.5b", 22), *H100).roles["actor"]  # optimizer=auto: the CPU AdamW, chosen last
+    assert at22.optimizer == "adamw_cpu_offload" and at22.breakdown["optimizer state"] == 0
+    with pytest.raises(DoesNotFit) as err:  # 8-bit AdamW given: the plan names the CPU one and bf16 masters
+        plan(demand("1.5b", 22, optimizer="adamw_8bit"), *H100)
     assert "it fits with actor.optimizer=adamw_cpu_offload (or: model.master_dtype=bf16 actor.optimizer=" \
            "adamw_8bit)" in str(err.value)
     explicit = plan(demand("1.5b", 32, optimizer="adamw"), *H100)  # a key the user set is not the plan's to change
