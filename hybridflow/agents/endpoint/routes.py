@@ -18,10 +18,12 @@ from the headers, before the body is read (`http_server`); the body's shape and 
 length against the trajectory's limits from its characters, before anything is rendered (`stitching`). The
 decoding, the checks and the rendering and tokenizing run in the renderers' thread, off the event loop that
 drives the engine, so a large request does not hold up the other trajectories' requests or the engine's steps.
-A vision-language model's endpoint (`images`, served by `VisionDriver`) takes `image_url` content parts
-(`image_parts`); a text model's refuses them 400. A request for more samples than the engine admits without holding back others (`driver.max_group`: an eighth
+A request for more samples than the engine admits without holding back others (`driver.max_group`: an eighth
 of its KV slots) is refused: it would wait at the head of the engine's queue until that many slots are free,
 and every new trajectory behind it would wait too.
+
+A vision-language model's endpoint (`images`, served by `VisionDriver`) takes `image_url` content parts
+(`image_parts`); a text model's refuses them 400.
 """
 
 from __future__ import annotations

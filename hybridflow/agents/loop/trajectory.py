@@ -7,7 +7,8 @@ trajectory out like a single-turn completion, with holes in the mask. The in-pro
 batch's prompt; the OpenAI-compatible endpoint's trajectories bring their own (`prompt_ids`: the first
 request's rendering) and start a new segment (`start_segment`) when a request does not continue the
 last one. A vision-language model's trajectory (the endpoint's) keeps the images its ids hold (`vision`), in the
-order of their tokens, prompt and environment turns alike, for the trainer's forward. `dropped` says why a trajectory must not be trained on (its runner failed). `row_fields()` are
+order of their tokens, prompt and environment turns alike, for the trainer's forward. `dropped` says why a
+trajectory must not be trained on (its runner failed). `row_fields()` are
 the per-row statistics the trainer turns into `agent/...` metrics; `reward_info()` is what reward
 functions see in `extra_info`.
 """

@@ -55,22 +55,26 @@ def run(vlm, params, talk):
     return asyncio.run(main())
 
 
-def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm):
+@pytest.mark.parametrize("with_images", [True, False])
+def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm, with_images):
     """Turn 1 sends an image, turn 2 continues with a second one: the trajectory is prompt, answer, the new message
     with its image's tokens, answer; its images are both, in token order; the tower encoded them once per turn's
-    prefill (re-prefilled: 1, then 2); the trainer's forward of the row gives the sampled log-probs."""
+    prefill (re-prefilled: 1, then 2); the trainer's forward of the row gives the sampled log-probs. Without images
+    (a VLM's text-only conversation) the row has no pixels and the log-probs agree as well."""
     from hybridflow.config.model_schema import FrozenModelConfig
     from hybridflow.engine.train.engine import TrainEngine
 
     path, tokenizer, engine, images = vlm
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
-    first = [{"role": "user", "content": [{"type": "text", "text": "Which color?"}, image_part(data_uri((220, 30, 30)))]}]
+    pictures = [image_part(data_uri((220, 30, 30))), image_part(data_uri((30, 40, 230), (56, 112)))]
+    if not with_images:
+        pictures = [{"type": "text", "text": " (no picture)"}] * 2
+    first = [{"role": "user", "content": [{"type": "text", "text": "Which color?"}, pictures[0]]}]
 
     async def talk(api, endpoint):
         one = await api.chat.completions.create(model="policy", messages=first, logprobs=True)
-        follow = [*first, one.choices[0].message.model_dump(exclude_none=True),
-                  {"role": "user", "content": [image_part(data_uri((30, 40, 230), (56, 112))), {"type": "text",
-                                                                                             "text": "And this?"}]}]
+        second = [pictures[1], {"type": "text", "text": "And this?"}]
+        follow = [*first, one.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": second}]
         two = await api.chat.completions.create(model="policy", messages=follow, logprobs=True)
         return one, two
 
@@ -78,27 +82,48 @@ def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm)
     (one, two), endpoint = run(vlm, params, talk)
     trajectory = endpoint.lanes["k"].finish(endpoint.renderers)
     assert one.choices[0].message.content is not None and two.choices[0].model_extra["token_ids"]
-    assert engine.encoded_images - before == 3
+    assert engine.encoded_images - before == (3 if with_images else 0)
     assert trajectory.segments == 1 and trajectory.turns == 2 and trajectory.token_mismatch == 0
     counts = images.counts(trajectory.vision)
-    assert len(counts) == 2 and counts[0] != counts[1]  # two images of different sizes, in order
+    assert len(counts) == (2 if with_images else 0)
     image_id = images.pad_id
-    assert trajectory.prompt_ids.count(image_id) == counts[0]
     mask, ids = trajectory.response_mask, trajectory.token_ids
     context = [t for t, m in zip(ids, mask) if m == 0]
-    assert context.count(image_id) == counts[1] and mask[0] == 1 and mask[-1] == 1
+    assert mask[0] == 1 and mask[-1] == 1 and 0 in mask
+    if with_images:
+        assert counts[0] != counts[1]  # two images of different sizes, in order
+        assert trajectory.prompt_ids.count(image_id) == counts[0] and context.count(image_id) == counts[1]
 
-    batch = Batch({"prompts": torch.zeros(1, 1, dtype=torch.long), "attention_mask": torch.ones(1, 1, dtype=torch.long)})
+    batch = Batch({"prompts": torch.zeros(1, 1, dtype=torch.long),
+                   "attention_mask": torch.ones(1, 1, dtype=torch.long)})
     rows = completions_to_batch(batch, [[trajectory]], 1, len(ids), pad_id=0, prompt_width=300)
-    assert rows["image_grid_thw"].tolist() == [trajectory.vision.image_grid_thw.tolist()]
-    assert VisionInputs.unpad_rows(rows["pixel_values"], rows["image_grid_thw"])[0].pixel_values.equal(
-        trajectory.vision.pixel_values)
+    if with_images:
+        assert rows["image_grid_thw"].tolist() == [trajectory.vision.image_grid_thw.tolist()]
+        assert VisionInputs.unpad_rows(rows["pixel_values"], rows["image_grid_thw"])[0].pixel_values.equal(
+            trajectory.vision.pixel_values)
+    else:
+        assert "pixel_values" not in rows
     trainer = TrainEngine(FrozenModelConfig(path=str(path), dtype="fp32"), device=torch.device("cpu"))
     ours = trainer.infer(rows.tensors, micro_batch_size=1)["log_probs"][0]
     model = torch.tensor(mask).bool()
     sampled = [t.logprob for t in one.choices[0].logprobs.content + two.choices[0].logprobs.content]
     assert torch.tensor(trajectory.logprobs)[model].tolist() == pytest.approx(sampled)
     assert torch.allclose(ours[model], torch.tensor(sampled), atol=1e-4)
+
+
+def test_the_pages_image_agent_runs(vlm, tmp_path):
+    """docs/agents.md's `look_agent.py` sends its row's picture and is answered about it."""
+    from hybridflow.agents.endpoint.runner_child import load_runner
+    from test_docs_examples import examples
+
+    (tmp_path / "look_agent.py").write_text(examples()["look_agent.py"])
+    (tmp_path / "red.png").write_bytes(png((56, 84), (220, 30, 30)))
+    row = {"extra_info": {"image_path": str(tmp_path / "red.png")}, "ground_truth": "red"}
+    look = load_runner(f"{tmp_path}/look_agent.py:look")
+    reward, endpoint = run(vlm, SamplingParams(temperature=1.0, max_tokens=4),
+                           lambda api, endpoint: look(api, row))
+    trajectory = endpoint.lanes["k"].trajectory
+    assert reward in (0.0, 1.0) and trajectory.turns == 0 and trajectory.vision.image_grid_thw.tolist() == [[1, 6, 4]]
 
 
 def png(size, fill=(0, 0, 0)) -> bytes:
