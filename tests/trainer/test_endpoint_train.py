@@ -292,6 +292,21 @@ IMAGE_RUNNER = """
         return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
 """
 
+IMAGE_GYM = """
+    import numpy as np
+
+
+    class Shades:
+        def reset(self, seed=None):
+            self.turn = 0
+            return {"text": "Which shade?", "image": np.full((56, 84, 3), 40 * (seed or 0), np.uint8)}, {}
+
+        def step(self, action):
+            self.turn += 1
+            return np.full((56, 56, 3), 200, np.uint8), float(len(action) % 2), self.turn >= 2, False, {}
+"""
+
+
 def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(tiny_vlm, tmp_path, monkeypatch):
     """GRPO, 2 steps of a tiny VLM whose runner sends an image with its first request and another with its second:
     every training row carries both images (their grids, in token order), its ids hold their image tokens, and the
@@ -334,3 +349,27 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
             assert int(in_prompt.sum()) == int(grid[0].prod()) // merge
             assert int(in_context.sum()) == int(grid[1].prod()) // merge
 
+
+def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
+    """`agent.gym` observations that are images (a `{"text", "image"}` mapping, then a uint8 array) reach a VLM as
+    image parts: each trajectory holds both images in order, the reset's 56 x 84 one first."""
+    from hybridflow.config.schema import AgentConfig
+    from hybridflow.data.image_prompts import VisionPrompts
+    from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
+
+    env = write(tmp_path / "shades_env.py", IMAGE_GYM)
+    cfg = AgentConfig(gym=f"{env}:Shades", max_turns=3, max_tokens_per_turn=4, runner_processes=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
+    engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [tokenizer.eos_token_id], 4, 512)
+    rollout = EndpointRollout(cfg, tokenizer, 48, 200, *runner_of(cfg),
+                              images=VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer))
+    try:
+        (per_row,) = rollout.run(engine, [[1]], [{"index": 2, "raw_prompt": "Look.", "extra_info": {}}],
+                                 SamplingParams(n=2, temperature=1.0, seed=0))
+    finally:
+        rollout.close()
+    for trajectory in per_row:
+        assert trajectory.dropped is None and trajectory.turns == 2 and trajectory.segments == 1
+        grid = trajectory.vision.image_grid_thw
+        assert len(grid) == 2 and grid[0].prod() > grid[1].prod()
+        assert "Which shade?" in trajectory.messages[1]["content"] and len(trajectory.messages[1]["images"]) == 1
