@@ -155,7 +155,7 @@ class Endpoint:
             if room < 1:
                 lane.trajectory.cut()
                 raise budget_error(self.budget)
-            lane.continue_with(plan, self.driver.release)
+            lane.continue_with(plan, self.driver.release, cached=self.renderers.images is None)
             seqs, futures = [plan.seq], [self.driver.extend(plan.seq, plan.appended, min(cap, room), **images)]
         else:
             lane.start_segment(plan.prompt, self.driver.release, plan.vision)

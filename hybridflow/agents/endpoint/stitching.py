@@ -149,6 +149,8 @@ class Lane:
                 else:
                     appended, vision = self._text_continuation(request, last, c, renderers, room) or [], None
                 if appended:
+                    if len(appended) < room:  # else refused as over the budget (the contents may have been cut)
+                        check_image_tokens(renderers, appended, vision, "the continuation")
                     return Plan(seq=last.seqs[c], choice=c, appended=appended, vision=vision)
         if messages is not None:
             chars = sum(len(m["content"]) for m in messages)
@@ -170,12 +172,7 @@ class Lane:
             raise ValueError(f"trajectory {self.key}: a request with neither messages nor a prompt")
         if len(prompt) > max_prompt_length:
             raise prompt_error(max_prompt_length, f"this one has {len(prompt)}")
-        if renderers.images is not None:
-            have, want = prompt.count(renderers.images.pad_id), sum(renderers.images.counts(vision))
-            if have != want:  # a text writing the image token would be taken for an image position without pixels
-                raise APIError(400, f"the prompt holds {have} image tokens where its images make {want}: a text must "
-                                    f"not write the image token ({renderers.images.prompts.pad})", param="messages",
-                               code="invalid_value")
+        check_image_tokens(renderers, prompt, vision, "the prompt")
         return Plan(prompt=prompt, vision=vision)
 
     @staticmethod
@@ -224,14 +221,16 @@ class Lane:
             raise ValueError(f"trajectory {self.key} has no answered request to continue")
         return self.pending
 
-    def continue_with(self, plan: Plan, release: Any) -> None:
-        """Commit the continued choice and the appended ids; release the other held choices."""
+    def continue_with(self, plan: Plan, release: Any, cached: bool = True) -> None:
+        """Commit the continued choice and the appended ids; release the other held choices. cached: the engine
+        attends over the sequence's KV cache (a vision-language model's driver re-prefills it: nothing reused)."""
         last = self.answers()
         choice = last.choices[plan.choice]
         self.trajectory.add_model_turn(choice.completion())
         self.trajectory.add_env_turn(plan.appended, vision=plan.vision)
-        self.trajectory.kv_reused_tokens += len(self.segment_prompt()) + len(self.trajectory.token_ids) \
-            - len(plan.appended) - 1
+        if cached:
+            self.trajectory.kv_reused_tokens += len(self.segment_prompt()) + len(self.trajectory.token_ids) \
+                - len(plan.appended) - 1
         last.seqs[plan.choice] = None
         self.release(release)
 
@@ -302,6 +301,18 @@ class Lane:
                            "conversation at token %d of %d (%r...)", self.key, position, len(ids),
                            renderers.tokenizer.decode(ids[position:position + 12], skip_special_tokens=False))
         return trajectory
+
+
+def check_image_tokens(renderers: Renderers, ids: list[int], vision: VisionInputs | None, what: str) -> None:
+    """A vision-language model's `ids` must hold exactly the image tokens of their images `vision`: a text writing
+    the image token would be taken for an image position without pixels (the engine refuses it, failing the phase)."""
+    images = renderers.images
+    if images is None:
+        return
+    have, want = ids.count(images.pad_id), sum(images.counts(vision))
+    if have != want:
+        raise APIError(400, f"{what} has {have} image tokens where its images make {want}: a text must not write the "
+                            f"image token ({images.prompts.pad})", param="messages", code="invalid_value")
 
 
 def cut_at_stop(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[int, str] | None:

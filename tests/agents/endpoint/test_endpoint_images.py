@@ -84,6 +84,7 @@ def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm,
     assert one.choices[0].message.content is not None and two.choices[0].model_extra["token_ids"]
     assert engine.encoded_images - before == (3 if with_images else 0)
     assert trajectory.segments == 1 and trajectory.turns == 2 and trajectory.token_mismatch == 0
+    assert trajectory.kv_reused_tokens == 0  # each turn re-prefilled the conversation
     counts = images.counts(trajectory.vision)
     assert len(counts) == (2 if with_images else 0)
     image_id = images.pad_id
@@ -141,7 +142,8 @@ def png(size, fill=(0, 0, 0)) -> bytes:
     (image_part("file:///no/such/image.png"), r"messages\[0\]\.content\[1\]: image file '/no/such/image.png' does not"),
     (image_part("data:image/png;base64," + base64.b64encode(png((2000, 2000))).decode()),
      r"messages\[0\]\.content\[1\], image 0: 2000x2000 = 4000000 pixels, over the image processor's limit"),
-    ({"type": "text", "text": "<|image_pad|>"}, r"the prompt holds \d+ image tokens where its images make \d+"),
+    ({"type": "text", "text": "<|image_pad|>"}, r"the prompt has \d+ image tokens where its images make \d+: a text must "
+                                                r"not write the image token"),
 ])
 def test_bad_images_are_refused_naming_the_part(vlm, part, match):
     params = SamplingParams(temperature=1.0, max_tokens=4)
@@ -156,6 +158,23 @@ def test_bad_images_are_refused_naming_the_part(vlm, part, match):
     error, endpoint = run(vlm, params, talk)
     assert error.status_code == 400 and endpoint.stats["errors"] == 1
     assert endpoint.lanes["k"].trajectory.prompt_ids is None  # nothing of a refused request is kept
+
+
+def test_a_completion_continued_with_the_image_token_is_refused(vlm):
+    """A raw completion's text that writes the image token is refused 400 (the engine would fail the phase on an
+    image position without pixels), first request or continuation alike."""
+    params = SamplingParams(temperature=1.0, max_tokens=3, seed=0)
+
+    async def talk(api, endpoint):
+        first = await api.completions.create(model="policy", prompt="Say a color:")
+        with pytest.raises(openai.BadRequestError, match=r"has 1 image tokens where its images make 0"):
+            await api.completions.create(model="policy", prompt="Say a color:" + first.choices[0].text + "<|image_pad|>")
+        with pytest.raises(openai.BadRequestError, match=r"the prompt has 1 image tokens where its images make 0"):
+            await api.completions.create(model="policy", prompt="<|image_pad|> again")
+        return first
+
+    first, endpoint = run(vlm, params, talk)
+    assert first.choices[0].model_extra["token_ids"] and endpoint.stats["errors"] == 2
 
 
 def test_a_file_url_is_read(vlm, tmp_path):
