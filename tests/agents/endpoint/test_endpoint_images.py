@@ -142,8 +142,8 @@ def png(size, fill=(0, 0, 0)) -> bytes:
     (image_part("file:///no/such/image.png"), r"messages\[0\]\.content\[1\]: image file '/no/such/image.png' does not"),
     (image_part("data:image/png;base64," + base64.b64encode(png((2000, 2000))).decode()),
      r"messages\[0\]\.content\[1\], image 0: 2000x2000 = 4000000 pixels, over the image processor's limit"),
-    ({"type": "text", "text": "<|image_pad|>"}, r"the prompt has \d+ image tokens where its images make \d+: a text must "
-                                                r"not write the image token"),
+    ({"type": "text", "text": "<|image_pad|>"},
+     r"the prompt has \d+ image tokens where its images make \d+: a text must not write the image token"),
 ])
 def test_bad_images_are_refused_naming_the_part(vlm, part, match):
     params = SamplingParams(temperature=1.0, max_tokens=4)
@@ -168,7 +168,8 @@ def test_a_completion_continued_with_the_image_token_is_refused(vlm):
     async def talk(api, endpoint):
         first = await api.completions.create(model="policy", prompt="Say a color:")
         with pytest.raises(openai.BadRequestError, match=r"has 1 image tokens where its images make 0"):
-            await api.completions.create(model="policy", prompt="Say a color:" + first.choices[0].text + "<|image_pad|>")
+            await api.completions.create(model="policy",
+                                         prompt="Say a color:" + first.choices[0].text + "<|image_pad|>")
         with pytest.raises(openai.BadRequestError, match=r"the prompt has 1 image tokens where its images make 0"):
             await api.completions.create(model="policy", prompt="<|image_pad|> again")
         return first
