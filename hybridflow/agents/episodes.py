@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
 from hybridflow.agents.loop.agent_loop import AgentLoop
+from hybridflow.data.image_prompts import VisionPrompts
 
 
 def _kwargs(value: Any) -> dict[str, Any]:
@@ -50,9 +51,16 @@ def runner_of(agent_cfg: Any) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def build_episodes(agent_cfg: Any, tokenizer: Any, max_prompt_length: int, budget: int) -> AgentLoop | EndpointRollout:
-    """The multi-turn rollout of `agent_cfg`; budget: response tokens per trajectory (data.max_response_length)."""
+def build_episodes(agent_cfg: Any, tokenizer: Any, max_prompt_length: int, budget: int,
+                   images: VisionPrompts | None = None) -> AgentLoop | EndpointRollout:
+    """The multi-turn rollout of `agent_cfg`; budget: response tokens per trajectory (data.max_response_length);
+    images: a vision-language model's tokenizer and image processor, whose images only the endpoint reads (the
+    in-process loop continues live sequences, which the vision engine does not keep)."""
     runner = runner_of(agent_cfg)
     if runner is None:
+        if images is not None:
+            raise ValueError("agent.environment / agent.tools episodes continue live sequences in the fast engine, "
+                             "which a vision-language model does not run on; use an endpoint way in (agent.runner, "
+                             "agent.gym, ...)")
         return AgentLoop(agent_cfg, tokenizer, budget)
-    return EndpointRollout(agent_cfg, tokenizer, budget, max_prompt_length, *runner)
+    return EndpointRollout(agent_cfg, tokenizer, budget, max_prompt_length, *runner, images=images)

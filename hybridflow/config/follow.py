@@ -112,7 +112,10 @@ def _fp8_rollout(cfg: Any) -> str | None:
 
 def _vision_model(cfg: Any) -> str | None:
     model_type = vision_model_type(getattr(getattr(cfg, "model", None), "path", None))
-    return f"model.path is a vision-language model ({model_type}) whose prompts carry images" if model_type else None
+    agent = getattr(cfg, "agent", None)
+    if model_type is None or any(getattr(agent, way, None) for way in ENDPOINT_WAYS):  # an endpoint's runner sends
+        return None  # the images with its requests: the dataset's are not read
+    return f"model.path is a vision-language model ({model_type}) whose prompts carry images"
 
 
 def _nf4_under_cap(cfg: Any) -> str | None:
@@ -157,7 +160,9 @@ FOLLOWS: tuple[Follows, ...] = (
             "of sm_89 or newer, the fast engine, not exact mode, a dense model)"),
     Follows("actor.rollout_correction.mode", "token_tis", _fp8_rollout, "`rollout.quantization=fp8`"),
     Follows("actor.optimizer", "adamw_8bit", _bf16_master("model"), "`model.master_dtype=bf16`"),
-    Follows("data.image_key", "images", _vision_model, "`model.path` is a vision-language model (Qwen2.5-VL, Qwen3-VL)"),
+    Follows("data.image_key", "images", _vision_model,
+            "`model.path` is a vision-language model (Qwen2.5-VL, Qwen3-VL) and no endpoint way in (`agent.runner`, "
+            "...) is set"),
     Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model"), "`critic.model.master_dtype=bf16`"),
     Follows("optim.optimizer", "adamw_8bit", _bf16_master("model"),
             "`model.master_dtype=bf16` (`hybridflow sft`, `dpo`, `rm`)"),

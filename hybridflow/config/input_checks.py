@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
-from hybridflow.config.role_needs import ENDPOINT_WAYS, agent_enabled, agent_setting, distills, needs_critic
+from hybridflow.config.role_needs import ENDPOINT_WAYS, distills, needs_critic, rollout_workers
 from hybridflow.utils.lm_class import VISION_FAMILIES, vision_model_type
 
 
@@ -104,7 +104,8 @@ def vision_rollout_problems(rollout: Any) -> list[str]:
 
 def vision_problems(cfg: Any) -> list[str]:
     """What a vision-language model's run (`model.path` holds one) cannot do: a family other than
-    `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks, multi-turn episodes."""
+    `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks, the in-process agent loop,
+    and, through the endpoint, dataset images or more than one rollout rank (`endpoint_vision_problems`)."""
     model_type = vision_model_type(cfg.model.path)
     if model_type is None:
         return []
@@ -112,16 +113,39 @@ def vision_problems(cfg: Any) -> list[str]:
         return [f"model.path={cfg.model.path}: vision-language model_type {model_type!r} is not supported (its image "
                 f"inputs and rotary positions differ); supported: {', '.join(VISION_FAMILIES)}"]
     problems = vision_rollout_problems(cfg.rollout)
-    if cfg.data.image_key is None:
+    endpoint = [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(cfg.agent, way, None)]
+    if cfg.data.image_key is None and not endpoint:
         problems.append(f"data.image_key=null: model.path={cfg.model.path} is a vision-language model ({model_type}), "
                         f"whose prompts need images; set it to the column holding them (verl's geo3k: images)")
     if needs_critic(cfg):
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: a critic for the vision-language "
                         f"model {model_type} is not supported; use a critic-free estimator (grpo, rloo, ...)")
-    if agent_enabled(cfg.agent):
-        problems.append(f"{agent_setting(cfg.agent)}: multi-turn episodes of the vision-language model {model_type} "
-                        f"are not supported (its rollout engine keeps no live sequence between turns, and the "
-                        f"endpoint reads text only); leave the agent section unset for single-turn image prompts")
+    loop = [f"agent.{key}" for key in ("environment", "tools") if getattr(cfg.agent, key, None)]
+    if loop:
+        problems.append(f"{' and '.join(loop)}: multi-turn episodes of the vision-language model {model_type} in the "
+                        f"in-process agent loop are not supported (the loop continues live sequences, which its "
+                        f"rollout engine does not keep); drive it through the endpoint (agent.runner, agent.gym, "
+                        f"agent.verifiers, agent.openenv), whose requests carry images as image_url parts")
+    elif endpoint:
+        problems += endpoint_vision_problems(cfg, endpoint[0])
+    return problems
+
+
+def endpoint_vision_problems(cfg: Any, way: str) -> list[str]:
+    """A vision-language model through the endpoint (`way`, e.g. agent.runner): the runner writes the prompts with
+    their images, so the dataset's images are not read; and one rollout rank, whose rows' images are padded to their
+    own widths (another rank's would not concatenate with them)."""
+    problems = []
+    if cfg.data.image_key is not None:
+        problems.append(f"data.image_key={cfg.data.image_key} with {way}: the runner writes the prompts and sends "
+                        f"their images as image_url parts, so the dataset's images are not encoded; set "
+                        f"data.image_key=null (a row's image column then reaches the runner as it is, in "
+                        f"row['columns'])")
+    ranks = rollout_workers(cfg) if cfg.rollout.placement == "separate" else cfg.trainer.n_workers
+    if ranks > 1:
+        key = "rollout.n_workers" if cfg.rollout.placement == "separate" else "trainer.n_workers"
+        problems.append(f"{key}={ranks} with {way} and a vision-language model: its trajectories' images are padded "
+                        f"per rollout rank, which do not concatenate across ranks yet; use one rollout rank")
     return problems
 
 

@@ -43,7 +43,8 @@ class DataConfig:
     apply_chat_template: bool = opt(True, "render prompts with the tokenizer's chat template")
     image_key: Optional[str] = opt(None, "column of each row's images (verl's `images`: a list of {bytes}/{path} "
                                          "mappings or paths), placed where the prompt says `<image>`; null = no "
-                                         "images, or `images` when model.path is a vision-language model (followed; "
+                                         "images, or `images` when model.path is a vision-language model and no "
+                                         "endpoint way in (agent.runner, ...) sends the images (followed; "
                                          "docs/models.md#vision-language-models)")
     shuffle: bool = opt(True, "shuffle training prompts each epoch (seeded)")
     seed: Optional[int] = opt(None, "shuffling seed; null = trainer.seed")

@@ -20,7 +20,7 @@ from hybridflow.config.schema import AgentConfig, RolloutConfig
 from hybridflow.data.loader import PROMPT_FIELDS
 from hybridflow.engine.contracts import RolloutEngineContract
 from hybridflow.config.input_checks import vision_rollout_problems
-from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs
+from hybridflow.data.image_prompts import VISION_KEYS, VisionInputs, VisionPrompts
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.engine import MAX_PREFILL_TOKENS
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
@@ -142,14 +142,17 @@ class RolloutReplica:
             if self.cfg.record_routes:
                 raise ValueError("rollout.record_routes records single-turn generations; agent.environment / "
                                  "agent.tools episodes are not supported with it")
-            if self.engine.kind != "fast":
+            vision = isinstance(self.engine, VisionRolloutEngine)  # served through the endpoint only
+            if self.engine.kind != "fast" and not vision:
                 raise ValueError(f"agent.environment / agent.tools need the fast rollout engine, which continues "
                                  f"live sequences; {config.model_path} runs on the {self.engine.kind!r} engine (its "
                                  f"architecture has no fast path, or rollout.engine=hf)")
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
-            self.agent = build_episodes(config.agent, tokenizer, config.max_prompt_length, config.max_response_length)
+            images = VisionPrompts.from_pretrained(config.model_path, tokenizer) if vision else None
+            self.agent = build_episodes(config.agent, tokenizer, config.max_prompt_length, config.max_response_length,
+                                        images)
         self.awake = True
         self.hold_allocator = hold_allocator
         if self.cfg.free_cache_after_generate:
@@ -311,7 +314,7 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     whose `response_mask` (1 on model tokens, 0 on environment tokens) becomes the row's response_mask
     while attention_mask covers all its tokens; a trajectory with its own `prompt_ids` (the endpoint's)
     replaces its row's prompt, the prompts then left-padded to at least `prompt_width` (the same on every
-    rank, so the ranks' rows concatenate)."""
+    rank, so the ranks' rows concatenate), and its images (`vision`, a vision-language model's) the row's."""
     rows = len(outs) * n
     responses = torch.full((rows, response_width), pad_id, dtype=torch.long)
     logprobs = torch.zeros(rows, response_width, dtype=torch.float32)
@@ -335,6 +338,7 @@ def completions_to_batch(batch: Batch, outs: list, n: int, response_width: int, 
     own = [getattr(c, "prompt_ids", None) for samples in outs for c in samples]
     if any(p is not None for p in own):
         set_prompts(out, own, pad_id, prompt_width)
+        set_images(out, own, [getattr(c, "vision", None) for samples in outs for c in samples])
     attention_mask = torch.cat([out["attention_mask"].long(), real], dim=1)
     out["responses"] = responses
     out["input_ids"] = torch.cat([out["prompts"], responses], dim=1)
@@ -376,6 +380,19 @@ def set_prompts(out: Batch, prompts: list[list[int] | None], pad_id: int, width:
         ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
         real[r, width - len(row):] = 1
     out["prompts"], out["attention_mask"] = ids, real
+
+
+def set_images(out: Batch, prompts: list[list[int] | None], vision: list[VisionInputs | None]) -> None:
+    """Rows whose trajectory brought its own prompt get its images (`vision`: those its prompt and context turns
+    hold, in token order; None: none) as their `pixel_values` / `image_grid_thw`; the others keep theirs."""
+    old = VisionInputs.unpad_rows(out["pixel_values"], out["image_grid_thw"]) if VISION_KEYS[0] in out \
+        else [None] * len(prompts)
+    rows = [images if prompt is not None else before for prompt, images, before in zip(prompts, vision, old)]
+    if any(row is not None for row in rows):
+        for key, tensor in VisionInputs.pad_rows(rows).items():
+            out[key] = tensor
+    elif VISION_KEYS[0] in out:
+        out.pop(*VISION_KEYS)
 
 
 def add_trajectory_fields(out: Batch, trajectories: list) -> None:

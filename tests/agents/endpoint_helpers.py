@@ -18,11 +18,12 @@ TOKEN = "test-token"
 
 @contextlib.asynccontextmanager
 async def serving(tokenizer, driver, params: SamplingParams, budget: int = 64, max_prompt_length: int = 200,
-                  vocab_size: int = 10**6, max_concurrent: int = 64,
+                  vocab_size: int = 10**6, max_concurrent: int = 64, images=None,
                   **server_args) -> AsyncIterator[tuple[Endpoint, int]]:
-    """(endpoint, port) served on 127.0.0.1 while the block runs; `driver.serve()` runs beside it. server_args:
-    `JSONServer`'s limits."""
-    endpoint = Endpoint(tokenizer, driver, params, budget, max_prompt_length, vocab_size, max_concurrent, TOKEN)
+    """(endpoint, port) served on 127.0.0.1 while the block runs; `driver.serve()` runs beside it. images: a
+    vision-language model's `RequestImages`; server_args: `JSONServer`'s limits."""
+    endpoint = Endpoint(tokenizer, driver, params, budget, max_prompt_length, vocab_size, max_concurrent, TOKEN,
+                        images)
     server = JSONServer(endpoint.handle, **server_args)
     port = await server.start()
     task = asyncio.create_task(driver.serve())

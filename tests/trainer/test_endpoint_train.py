@@ -6,6 +6,7 @@ spaces is played through the same adapter. The batch the trainer sees and the `a
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import textwrap
 import time
 
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoConfig, AutoTokenizer
 
 from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
 from hybridflow.agents.episodes import runner_of
@@ -261,3 +263,113 @@ def test_a_gymnasium_env_with_text_spaces_is_played_turn_by_turn(tiny_qwen2, tmp
         assert trajectory.messages[1]["content"] == "Count to 2 (game 7)."  # reset with the row's index as seed
         answers = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
         assert trajectory.env_reward == sum(len(a) % 2 for a in answers)
+
+
+IMAGE_RUNNER = """
+    import base64
+    import io
+
+    from PIL import Image
+
+
+    def picture(color, size):
+        buf = io.BytesIO()
+        Image.new("RGB", size, color).save(buf, "PNG")
+        return {"type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+
+    async def play(client, row):
+        shade = 60 * int(row["index"])
+        question = [picture((200, shade, 30), (56, 84)), {"type": "text", "text": row["raw_prompt"][-1]["content"]}]
+        messages = [{"role": "user", "content": question}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        first = reply.choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": first},
+                     {"role": "user", "content": [{"type": "text", "text": "And now?"},
+                                                  picture((30, shade, 200), (56, 56))]}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
+"""
+
+IMAGE_GYM = """
+    import numpy as np
+
+
+    class Shades:
+        def reset(self, seed=None):
+            self.turn = 0
+            return {"text": "Which shade?", "image": np.full((56, 84, 3), 40 * (seed or 0), np.uint8)}, {}
+
+        def step(self, action):
+            self.turn += 1
+            return np.full((56, 56, 3), 200, np.uint8), float(len(action) % 2), self.turn >= 2, False, {}
+"""
+
+
+def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(tiny_vlm, tmp_path, monkeypatch):
+    """GRPO, 2 steps of a tiny VLM whose runner sends an image with its first request and another with its second:
+    every training row carries both images (their grids, in token order), its ids hold their image tokens, and the
+    steps train with finite losses. What the endpoint does not serve for a VLM is refused by name before loading."""
+    from hybridflow.config.validate import ConfigError
+    from hybridflow.data.image_prompts import VisionInputs
+
+    runner = write(tmp_path / "agent.py", IMAGE_RUNNER)
+    data = write_rows(tmp_path / "train.jsonl", 2)
+    out = tmp_path / "out"
+    args = [f"agent.runner={runner}:play", "agent.runner_processes=1", "data.max_response_length=48",
+            "agent.max_tokens_per_turn=4"]
+    for extra, match in ((["data.image_key=images"], r"data.image_key=images with agent.runner: the runner writes"),
+                         (["trainer.n_workers=2"], r"trainer.n_workers=2 with agent.runner and a vision-language"),
+                         (["agent.tools=[calculator]"], r"agent.tools: multi-turn episodes of the vision-language "
+                                                        r"model .* in the in-process agent loop are not supported")):
+        with pytest.raises(ConfigError, match=match):
+            train(load_config(overrides(tiny_vlm, data, out, *args, *extra), "recipes/grpo.yaml"))
+    seen = capture_batches(monkeypatch)
+    train(load_config(overrides(tiny_vlm, data, out, *args), "recipes/grpo.yaml"))
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+        assert m["agent/dropped"] == 0 and m["agent/runner_errors"] == 0 and m["agent/segments/mean"] == 1
+        assert m["agent/turns/mean"] == 2
+    image_id = AutoConfig.from_pretrained(tiny_vlm).image_token_id
+    merge = AutoConfig.from_pretrained(tiny_vlm).vision_config.spatial_merge_size ** 2
+    for batch in seen:
+        assert len(batch) == 4
+        rows = VisionInputs.unpad_rows(batch["pixel_values"], batch["image_grid_thw"])
+        for r, vision in enumerate(rows):
+            grid = vision.image_grid_thw
+            assert len(grid) == 2 and not torch.equal(grid[0], grid[1])  # the 56 x 84 picture, then the 56 x 56 one
+            assert vision.pixel_values.shape[0] == int(grid.prod(-1).sum())
+            real = batch["attention_mask"][r].bool()
+            prompt_width = batch["prompts"].shape[1]
+            in_prompt = (batch["prompts"][r] == image_id) & real[:prompt_width]
+            in_context = (batch["responses"][r] == image_id) & real[prompt_width:] & (batch["response_mask"][r] == 0)
+            assert int(in_prompt.sum()) == int(grid[0].prod()) // merge
+            assert int(in_context.sum()) == int(grid[1].prod()) // merge
+
+
+def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
+    """`agent.gym` observations that are images (a `{"text", "image"}` mapping, then a uint8 array) reach a VLM as
+    image parts: each trajectory holds both images in order, the reset's 56 x 84 one first."""
+    from hybridflow.config.schema import AgentConfig
+    from hybridflow.data.image_prompts import VisionPrompts
+    from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
+
+    env = write(tmp_path / "shades_env.py", IMAGE_GYM)
+    cfg = AgentConfig(gym=f"{env}:Shades", max_turns=3, max_tokens_per_turn=4, runner_processes=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
+    engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [tokenizer.eos_token_id], 4, 512)
+    rollout = EndpointRollout(cfg, tokenizer, 48, 200, *runner_of(cfg),
+                              images=VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer))
+    try:
+        (per_row,) = rollout.run(engine, [[1]], [{"index": 2, "raw_prompt": "Look.", "extra_info": {}}],
+                                 SamplingParams(n=2, temperature=1.0, seed=0))
+    finally:
+        rollout.close()
+    for trajectory in per_row:
+        assert trajectory.dropped is None and trajectory.turns == 2 and trajectory.segments == 1
+        grid = trajectory.vision.image_grid_thw
+        assert len(grid) == 2 and grid[0].prod() > grid[1].prod()
+        assert "Which shade?" in trajectory.messages[1]["content"] and len(trajectory.messages[1]["images"]) == 1

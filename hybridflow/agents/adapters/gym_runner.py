@@ -5,9 +5,12 @@
 
 The environment is Gymnasium's protocol with text spaces: `reset(seed=...) -> (observation, info)` and
 `step(action) -> (observation, reward, terminated, truncated, info)`, where the action is the model's
-answer and observations are text (a `gymnasium.Env` subclass, or any class with these methods). A
-`textarena:<env id>` spec makes that textarena game (`textarena.make`) for one player through
-`TextArenaGym`, whose observations are what the game added since the last one.
+answer and observations are text (a `gymnasium.Env` subclass, or any class with these methods). For a
+vision-language model an observation may also be an image (a PIL image, or an H x W x 3 uint8 array as
+Gymnasium's image spaces give) or a `{"text": ..., "image": ...}` mapping: the user message then carries the
+image as an `image_url` part (a PNG data URI), the text after it. A `textarena:<env id>` spec makes that
+textarena game (`textarena.make`) for one player through `TextArenaGym`, whose observations are what the game
+added since the last one.
 
 Per trajectory: one environment, reset with the row's `extra_info.seed` (else its index); the
 conversation is the row's prompt (a string is a system message), then the observation as a user message;
@@ -20,7 +23,9 @@ This module runs in the runner process (`runner_child`); Gymnasium itself is not
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib
+import io
 from typing import Any
 
 from hybridflow.agents.endpoint.openai_wire import MODEL_NAME
@@ -72,7 +77,7 @@ def environment_class(spec: str) -> Any:
     return _classes[spec]
 
 
-async def answer(client: Any, messages: list[dict[str, str]]) -> str | None:
+async def answer(client: Any, messages: list[dict[str, Any]]) -> str | None:
     """The model's answer to `messages`; None when the trajectory's context is used up (the episode ends)."""
     import openai
 
@@ -85,7 +90,37 @@ async def answer(client: Any, messages: list[dict[str, str]]) -> str | None:
     return reply.choices[0].message.content or ""
 
 
-def conversation(prompt: Any) -> list[dict[str, str]]:
+def _image_url(image: Any) -> dict[str, Any]:
+    """A PIL image or an H x W x 3 uint8 array as an `image_url` part holding a PNG data URI."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(image)
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _is_image(value: Any) -> bool:
+    if type(value).__module__.startswith("PIL."):
+        return True
+    shape = getattr(value, "shape", None)  # a numpy image, without importing numpy for text environments
+    return shape is not None and len(shape) == 3 and shape[-1] == 3 and str(getattr(value, "dtype", "")) == "uint8"
+
+
+def observation_message(observation: Any) -> dict[str, Any]:
+    """An observation as a user message: text, or an image (alone or as `{"text", "image"}`) as an image part."""
+    if _is_image(observation):
+        return {"role": "user", "content": [_image_url(observation)]}
+    if isinstance(observation, dict) and _is_image(observation.get("image")):
+        text = observation.get("text")
+        parts = [_image_url(observation["image"])] + ([{"type": "text", "text": str(text)}] if text else [])
+        return {"role": "user", "content": parts}
+    return {"role": "user", "content": str(observation)}
+
+
+def conversation(prompt: Any) -> list[dict[str, Any]]:
     if isinstance(prompt, str):
         return [{"role": "system", "content": prompt}] if prompt else []
     return [{"role": m["role"], "content": m["content"]} for m in prompt or []]
@@ -97,7 +132,7 @@ async def run(client: Any, row: dict[str, Any], env: str, env_kwargs: dict[str, 
     instance = environment_class(env)(**(env_kwargs or {}))
     seed = (row.get("extra_info") or {}).get("seed", row.get("index"))
     observation, _ = await asyncio.to_thread(instance.reset, seed=None if seed is None else int(seed))
-    messages = [*conversation(row.get("raw_prompt")), {"role": "user", "content": str(observation)}]
+    messages = [*conversation(row.get("raw_prompt")), observation_message(observation)]
     total, turns = 0.0, 0
     try:
         while turns < max_turns:
@@ -110,7 +145,7 @@ async def run(client: Any, row: dict[str, Any], env: str, env_kwargs: dict[str, 
             total += float(reward)
             if terminated or truncated:
                 break
-            messages.append({"role": "user", "content": str(observation)})
+            messages.append(observation_message(observation))
     finally:
         if callable(getattr(instance, "close", None)) and not isinstance(instance, TextArenaGym):
             instance.close()

@@ -4,7 +4,8 @@ endpoint, with the same interface as `AgentLoop` (`run(engine, prompts, rows, pa
     rollout = EndpointRollout(cfg.agent, tokenizer, budget=1024, max_prompt_length=512)
     trajectories = rollout.run(engine, prompt_ids, rows, SamplingParams(n=8, temperature=1.0))  # [prompt][sample]
 
-One phase: a held session on the engine (`EngineDriver`), the endpoint serving it on a free port of
+One phase: a held session on the engine (`EngineDriver`; a vision-language model's engine through `VisionDriver`,
+which re-prefills each turn, its requests' images read by `image_parts`), the endpoint serving it on a free port of
 127.0.0.1 with a new random token, and one runner call per trajectory (each row's n samples are n calls),
 each given its own base URL. The calls are dealt round-robin over `agent.runner_processes` child processes
 (`RunnerHost` each): an OpenAI client spends milliseconds of CPU on every request (its request building and
@@ -37,11 +38,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hybridflow.agents.endpoint.image_parts import RequestImages
 from hybridflow.agents.endpoint.routes import Endpoint
 from hybridflow.agents.endpoint.runner_host import RunnerFailed, RunnerHost
 from hybridflow.agents.endpoint.stitching import Lane, Renderers
+from hybridflow.agents.endpoint.vision_driver import VisionDriver
 from hybridflow.agents.loop.engine_driver import EngineDriver
 from hybridflow.agents.loop.trajectory import Trajectory
+from hybridflow.data.image_prompts import VisionPrompts
 from hybridflow.engine.rollout import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,14 +53,16 @@ logger = logging.getLogger(__name__)
 
 class EndpointRollout:
     """Runner-driven trajectories over the endpoint (see the module docstring). runner: the runner spec
-    (`agent.runner`, or a built-in adapter's `package.module:fn`); kwargs: its keyword arguments."""
+    (`agent.runner`, or a built-in adapter's `package.module:fn`); kwargs: its keyword arguments; images: a
+    vision-language model's tokenizer and image processor (its engine is then a `VisionRolloutEngine`)."""
 
     def __init__(self, agent_cfg: Any, tokenizer: Any, budget: int, max_prompt_length: int, runner: str,
-                 kwargs: dict[str, Any]) -> None:
+                 kwargs: dict[str, Any], images: VisionPrompts | None = None) -> None:
         if importlib.util.find_spec("aiohttp") is None:
             raise RuntimeError("the OpenAI-compatible endpoint (agent.runner, agent.verifiers, agent.gym, "
                                "agent.openenv) is served by aiohttp: pip install 'hybridflow[agents]'")
         self.cfg, self.tokenizer, self.budget, self.max_prompt_length = agent_cfg, tokenizer, budget, max_prompt_length
+        self.images = images
         self.turn_tokens = min(agent_cfg.max_tokens_per_turn or budget, budget)
         processes = agent_cfg.runner_processes or min(16, os.cpu_count() or 1)
         self.hosts = [RunnerHost(runner, kwargs) for _ in range(processes)]
@@ -77,10 +83,15 @@ class EndpointRollout:
         from hybridflow.agents.endpoint.http_server import JSONServer  # aiohttp: imported where the endpoint runs only
 
         session_params = dataclasses.replace(params, n=1, max_tokens=self.turn_tokens)
-        driver = EngineDriver(engine.session(session_params, hold=True))
+        driver: EngineDriver | VisionDriver
+        if self.images is not None:
+            driver, vocab_size = VisionDriver(engine, session_params), engine.vocab_size
+        else:
+            driver, vocab_size = EngineDriver(engine.session(session_params, hold=True)), engine.config.vocab_size
         serving = asyncio.create_task(driver.serve())
-        endpoint = Endpoint(self.tokenizer, driver, session_params, self.budget, self.max_prompt_length,
-                            engine.config.vocab_size, self.cfg.max_concurrent_requests, secrets.token_urlsafe(24))
+        endpoint = Endpoint(self.tokenizer, driver, session_params, self.budget, self.max_prompt_length, vocab_size,
+                            self.cfg.max_concurrent_requests, secrets.token_urlsafe(24),
+                            RequestImages(self.images) if self.images is not None else None)
         server = JSONServer(endpoint.handle)
         port = await server.start()
         lanes = [[endpoint.open(secrets.token_urlsafe(12)) for _ in range(params.n)] for _ in rows]
@@ -119,7 +130,7 @@ class EndpointRollout:
         finally:
             endpoint.close()
 
-    async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]], driver: EngineDriver,
+    async def _wait(self, jobs: dict[asyncio.Future, tuple[Lane, RunnerHost]], driver: EngineDriver | VisionDriver,
                     renderers: Renderers) -> set[RunnerHost]:
         """Until every runner (future -> its trajectory's lane and process) has returned or failed; the processes
         of those that outlived their time limit. A lane whose runner ends frees its KV slots (`Lane.end` with

@@ -9,11 +9,15 @@ with an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}
 only), `seed`, penalties, `logit_bias`, a JSON `response_format`. Keys the endpoint does not know are
 ignored, as vLLM does with its own extensions. The body is checked before anything is rendered: JSON nested
 deeper than `MAX_DEPTH` levels, a value of the wrong type (`temperature: true`, `tools: [1]`, `stop: 5`), `n` < 1 or
-above what the engine admits without holding back other trajectories (`max_n`) are refused 400.
+above what the engine admits without holding back other trajectories (`max_n`) are refused 400. Message contents are
+text, or lists of text parts and, for a vision-language model (`image_mark` given), `image_url` parts (`ImagePart`;
+decoded by `image_parts`): a text model, a remote URL or an image in an assistant message is refused 400 naming the
+part.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -58,6 +62,32 @@ class Request:
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = True
     prompt: str | list[int] | None = None
+    images: list[ImagePart] = field(default_factory=list)  # the messages' image parts, in order
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """One `image_url` part of a request: `where` names it (`messages[1].content[0]`), `url` a data URI or file URL."""
+
+    where: str
+    url: str
+
+    @property
+    def digest(self) -> str:
+        """What a message keeps of the image (the URL itself may be megabytes of base64)."""
+        return hashlib.sha256(self.url.encode()).hexdigest()[:32]
+
+
+def image_part(part: dict[str, Any], where: str) -> ImagePart:
+    """The checked `image_url` part at `where`; APIError 400 for a missing or remote URL."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise _bad(where, "an image_url part needs image_url.url (a data: URI or a file:// URL)")
+    if not url.startswith(("data:", "file://")):
+        raise _bad(where, f"only data: URIs and file:// URLs are read (the run is offline: a remote image is never "
+                          f"fetched); got {url[:40]!r}", "invalid_image_url")
+    return ImagePart(where, url)
 
 
 def decode_body(body: bytes) -> Any:
@@ -87,15 +117,31 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _text(content: Any, where: str) -> str:
-    """A message content as text: a string, None, or a list of text parts."""
+def _content(content: Any, where: str, image_mark: str | None, images: list[ImagePart]) -> str:
+    """A message content as text: a string, None, or a list of text parts and (`image_mark` given: a vision-language
+    model) `image_url` parts, each becoming `image_mark` in the text and an `ImagePart` appended to `images`."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise _bad(where, "must be a string or a list of {type: text, text} parts (this model reads text only)")
+    if not isinstance(content, list):
+        raise _bad(where, "must be a string or a list of {type: text, text} parts (and image_url parts for a "
+                          "vision-language model)")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("text", "")))
+        elif kind == "image_url":
+            if image_mark is None:
+                raise _bad(f"{where}[{k}]", "this model takes no images (a text model): send text parts only",
+                           "unsupported_value")
+            images.append(image_part(part, f"{where}[{k}]"))
+            texts.append(image_mark)
+        else:
+            raise _bad(f"{where}[{k}]", "must be a {type: text, text} part" + (
+                " or a {type: image_url, image_url: {url}} part" if image_mark is not None else ""))
+    return "".join(texts)
 
 
 def _arguments(value: Any, where: str) -> dict[str, Any]:
@@ -109,17 +155,27 @@ def _arguments(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def normalize_messages(messages: Any, image_mark: str | None = None,
+                       images: list[ImagePart] | None = None) -> list[dict[str, Any]]:
     """Chat messages as the chat template and the stitching compare them: text contents, tool calls as
-    `{type: function, function: {name, arguments: dict}}` (arguments parsed from their JSON string)."""
+    `{type: function, function: {name, arguments: dict}}` (arguments parsed from their JSON string). With
+    `image_mark` (a vision-language model), image parts become that mark in the content, their `ImagePart`s are
+    appended to `images` and their digests kept under the message's `images`."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of messages")
+    images = [] if images is None else images
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise _bad(where, f"must be a mapping with a role in {list(ROLES)}")
-        message: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), f"{where}.content")}
+        before = len(images)
+        message: dict[str, Any] = {"role": m["role"],
+                                   "content": _content(m.get("content"), f"{where}.content", image_mark, images)}
+        if len(images) > before:
+            if m["role"] == "assistant":  # compared with what the endpoint returned, which is text
+                raise _bad(f"{where}.content", "an assistant message holds text only, not images")
+            message["images"] = [part.digest for part in images[before:]]
         for key in ("name", "tool_call_id", "reasoning_content"):
             if isinstance(m.get(key), str):
                 message[key] = m[key]
@@ -179,9 +235,11 @@ def _check_sampling(body: dict[str, Any], temperature: float, top_p: float) -> N
                    "unsupported_value")
 
 
-def parse_request(body: Any, chat: bool, temperature: float, top_p: float, max_n: int) -> Request:
+def parse_request(body: Any, chat: bool, temperature: float, top_p: float, max_n: int,
+                  image_mark: str | None = None) -> Request:
     """A checked `Request` from a chat or completion request body; `APIError` naming the parameter else. max_n:
-    the most samples a request may ask for."""
+    the most samples a request may ask for; image_mark: a vision-language model's (`normalize_messages`), None for
+    a text model."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -209,7 +267,7 @@ def parse_request(body: Any, chat: bool, temperature: float, top_p: float, max_n
     request = Request(n=n, max_tokens=max_tokens, stop=stop)
     if chat:
         request.logprobs = bool(body.get("logprobs"))
-        request.messages = normalize_messages(body.get("messages"))
+        request.messages = normalize_messages(body.get("messages"), image_mark, request.images)
         request.tools = _check_tools(body.get("tools"))
         choice = body.get("tool_choice")
         if choice not in (None, "auto", "none"):

@@ -21,6 +21,9 @@ drives the engine, so a large request does not hold up the other trajectories' r
 A request for more samples than the engine admits without holding back others (`driver.max_group`: an eighth
 of its KV slots) is refused: it would wait at the head of the engine's queue until that many slots are free,
 and every new trajectory behind it would wait too.
+
+A vision-language model's endpoint (`images`, served by `VisionDriver`) takes `image_url` content parts
+(`image_parts`); a text model's refuses them 400.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from jinja2 import TemplateError
 
 from hybridflow.agents.endpoint.openai_wire import (APIError, Choice, Request, decode_body, models_body, parse_request,
                                                     response_body)
+from hybridflow.agents.endpoint.image_parts import RequestImages
 from hybridflow.agents.endpoint.stitching import Lane, Plan, Renderers, budget_error, cut_at_stop
 from hybridflow.agents.tools.parsing import OPEN, parse_tool_calls
 from hybridflow.engine.rollout import Completion, SamplingParams
@@ -50,13 +54,14 @@ class Endpoint:
     """The routes (see the module docstring). driver: an `EngineDriver` over a held session sampling with
     `params` (its max_tokens caps a turn; its `max_group` caps a request's n); budget: response tokens of a
     trajectory over all its turns; max_prompt_length: tokens of a trajectory's prompt; vocab_size: bound of
-    prompt ids."""
+    prompt ids; images: a vision-language model's (its driver's `start` and `extend` then take each plan's
+    `vision`), None for a text model."""
 
     def __init__(self, tokenizer: Any, driver: Any, params: SamplingParams, budget: int, max_prompt_length: int,
-                 vocab_size: int, max_concurrent: int, token: str) -> None:
+                 vocab_size: int, max_concurrent: int, token: str, images: RequestImages | None = None) -> None:
         self.tokenizer, self.driver, self.params, self.budget = tokenizer, driver, params, budget
         self.max_prompt_length, self.vocab_size, self.token = max_prompt_length, vocab_size, token
-        self.renderers = Renderers(tokenizer)
+        self.renderers = Renderers(tokenizer, images)
         self.lanes: dict[str, Lane] = {}
         self.slots = asyncio.Semaphore(max_concurrent)
         self.active = 0
@@ -128,8 +133,9 @@ class Endpoint:
 
     def _prepare(self, lane: Lane, body: bytes, chat: bool) -> tuple[Request, Plan]:
         """The checked request and its plan on the lane (in the renderers' thread)."""
+        images = self.renderers.images
         request = parse_request(decode_body(body), chat, self.params.temperature, self.params.top_p,
-                                self.driver.max_group)
+                                self.driver.max_group, images.mark if images is not None else None)
         try:
             plan = lane.plan(request, self.renderers, self.budget, self.max_prompt_length)
         except TemplateError as e:  # the template's own refusal (e.g. roles that do not alternate)
@@ -142,17 +148,18 @@ class Endpoint:
     async def _turn(self, lane: Lane, request: Request, plan: Plan) -> dict[str, Any]:
         """Run the request's plan on the engine, record and answer it."""
         cap = min(request.max_tokens or self.params.max_tokens, self.params.max_tokens)
+        images = {} if self.renderers.images is None else {"vision": plan.vision}  # a VLM's driver takes them
         if plan.seq is not None:
             held = lane.answers().choices[plan.choice]
             room = self.budget - len(lane.trajectory.token_ids) - len(held.ids) - len(plan.appended)
             if room < 1:
                 lane.trajectory.cut()
                 raise budget_error(self.budget)
-            lane.continue_with(plan, self.driver.release)
-            seqs, futures = [plan.seq], [self.driver.extend(plan.seq, plan.appended, min(cap, room))]
+            lane.continue_with(plan, self.driver.release, cached=self.renderers.images is None)
+            seqs, futures = [plan.seq], [self.driver.extend(plan.seq, plan.appended, min(cap, room), **images)]
         else:
-            lane.start_segment(plan.prompt, self.driver.release)
-            pairs = self.driver.start(plan.prompt, request.n, min(cap, self.budget))
+            lane.start_segment(plan.prompt, self.driver.release, plan.vision)
+            pairs = self.driver.start(plan.prompt, request.n, min(cap, self.budget), **images)
             seqs, futures = [seq for seq, _ in pairs], [future for _, future in pairs]
         prompt_tokens = len(lane.segment_prompt()) + len(lane.trajectory.token_ids)
         completions = await asyncio.gather(*futures)

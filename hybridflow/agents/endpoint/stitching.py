@@ -11,6 +11,11 @@ released and the request is rendered and prefilled whole; only the last segment 
 completions stitch the same way on text (or ids): a prompt that is the previous prompt plus a returned
 text plus more continues it, unless that choice ended on a stop token the text does not show.
 
+A vision-language model's requests carry images (`image_parts`): a new segment's are decoded and processed with
+its prompt, each image mark expanded to its vision tokens; a continuation's new messages bring theirs, whose vision
+tokens take the marks' places in the appended ids (`ImageSlots`). The lane's trajectory keeps its segment's images
+in token order (`Trajectory.vision`), and the plan hands the new ones to the driver.
+
 The recorded ids and log-probs are always the engine's; `finish` commits the last request's first choice
 and runs the token-exact check (`token_check`) against the template's rendering of the final conversation.
 
@@ -35,11 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from hybridflow.agents.endpoint.image_parts import RequestImages
 from hybridflow.agents.endpoint.openai_wire import APIError, Choice, Request, same_message
 from hybridflow.agents.endpoint.token_check import first_mismatch
-from hybridflow.agents.loop.rendering import TurnRenderer
+from hybridflow.agents.loop.rendering import ImageSlots, TurnRenderer
 from hybridflow.agents.loop.trajectory import Trajectory
 from hybridflow.data.chat import with_tools
+from hybridflow.data.image_prompts import VisionInputs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,10 +54,10 @@ T = TypeVar("T")
 
 class Renderers:
     """The chat template's renderings for one tokenizer, a `TurnRenderer` per tool list (cached), and the thread
-    they run in (`call`; `close` ends it)."""
+    they run in (`call`; `close` ends it); a vision-language model's `images` (None for a text model)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, images: RequestImages | None = None) -> None:
+        self.tokenizer, self.images = tokenizer, images
         self.cache: dict[str, TurnRenderer] = {}
         self.max_token_chars = self.turn(None).max_token_chars
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-render")
@@ -102,12 +109,13 @@ class Pending:
 @dataclass
 class Plan:
     """What a request does: continue `seq` (choice `choice`) with `appended` ids, or start a segment from
-    `prompt` ids with n samples."""
+    `prompt` ids with n samples; `vision`: the images of the appended ids or of the prompt (None: none)."""
 
     seq: int | None = None
     choice: int = 0
     appended: list[int] = field(default_factory=list)
     prompt: list[int] = field(default_factory=list)  # empty for a continuation
+    vision: VisionInputs | None = None
 
 
 class Lane:
@@ -136,10 +144,14 @@ class Lane:
                 if last.seqs[c] is None:
                     continue
                 room = budget - len(self.trajectory.token_ids) - len(choice.ids)
-                appended = (self._chat_continuation(request, last, c, renderers, room) if chat
-                            else self._text_continuation(request, last, c, renderers, room))
+                if chat:
+                    appended, vision = self._chat_continuation(request, last, c, renderers, room) or ([], None)
+                else:
+                    appended, vision = self._text_continuation(request, last, c, renderers, room) or [], None
                 if appended:
-                    return Plan(seq=last.seqs[c], choice=c, appended=appended)
+                    if len(appended) < room:  # else refused as over the budget (the contents may have been cut)
+                        check_image_tokens(renderers, appended, vision, "the continuation")
+                    return Plan(seq=last.seqs[c], choice=c, appended=appended, vision=vision)
         if messages is not None:
             chars = sum(len(m["content"]) for m in messages)
         elif isinstance(request.prompt, str):
@@ -148,8 +160,10 @@ class Lane:
             chars = 0
         if chars > renderers.most_chars(max_prompt_length):
             raise prompt_error(max_prompt_length, f"its message contents hold {chars} characters")
+        vision = renderers.images.load(request.images) if renderers.images is not None else None
         if messages is not None:
-            prompt = renderers.ids(renderers.render(messages, request.tools, generation_prompt=True))
+            text = renderers.render(messages, request.tools, generation_prompt=True)
+            prompt = renderers.ids(renderers.images.expand(text, vision) if renderers.images is not None else text)
         elif isinstance(request.prompt, list):
             prompt = list(request.prompt)
         elif isinstance(request.prompt, str):
@@ -158,11 +172,14 @@ class Lane:
             raise ValueError(f"trajectory {self.key}: a request with neither messages nor a prompt")
         if len(prompt) > max_prompt_length:
             raise prompt_error(max_prompt_length, f"this one has {len(prompt)}")
-        return Plan(prompt=prompt)
+        check_image_tokens(renderers, prompt, vision, "the prompt")
+        return Plan(prompt=prompt, vision=vision)
 
     @staticmethod
     def _chat_continuation(request: Request, last: Pending, c: int, renderers: Renderers,
-                           room: int) -> list[int] | None:
+                           room: int) -> tuple[list[int], VisionInputs | None] | None:
+        """The ids choice c's continuation appends and the images they hold, None when the request does not
+        continue it."""
         messages, sent, returned = request.messages, last.messages, last.choices[c].message
         if messages is None or sent is None or returned is None:  # not a chat request or not a chat answer
             return None
@@ -170,10 +187,15 @@ class Lane:
         if (request.tools != last.tools or len(messages) <= before + 1 or messages[:before] != sent
                 or not same_message(messages[before], returned)):
             return None
+        images, vision = renderers.images, None
+        slots = None
+        if images is not None:  # the images of the new messages: the request's last ones
+            vision = images.load(request.images[sum(len(m.get("images", ())) for m in sent):])
+            slots = ImageSlots(images.mark, images.token_ids(vision))
         try:
             return renderers.turn(request.tools).render(messages[before + 1:],
                                                         last.choices[c].ids[-1] if last.stopped[c] else None,
-                                                        limit=max(room, 0))
+                                                        limit=max(room, 0), images=slots), vision
         except ValueError:  # the template renders the conversation differently once these messages follow
             return None
 
@@ -199,20 +221,22 @@ class Lane:
             raise ValueError(f"trajectory {self.key} has no answered request to continue")
         return self.pending
 
-    def continue_with(self, plan: Plan, release: Any) -> None:
-        """Commit the continued choice and the appended ids; release the other held choices."""
+    def continue_with(self, plan: Plan, release: Any, cached: bool = True) -> None:
+        """Commit the continued choice and the appended ids; release the other held choices. cached: the engine
+        attends over the sequence's KV cache (a vision-language model's driver re-prefills it: nothing reused)."""
         last = self.answers()
         choice = last.choices[plan.choice]
         self.trajectory.add_model_turn(choice.completion())
-        self.trajectory.add_env_turn(plan.appended)
-        self.trajectory.kv_reused_tokens += len(self.segment_prompt()) + len(self.trajectory.token_ids) \
-            - len(plan.appended) - 1
+        self.trajectory.add_env_turn(plan.appended, vision=plan.vision)
+        if cached:
+            self.trajectory.kv_reused_tokens += len(self.segment_prompt()) + len(self.trajectory.token_ids) \
+                - len(plan.appended) - 1
         last.seqs[plan.choice] = None
         self.release(release)
 
-    def start_segment(self, prompt: list[int], release: Any) -> None:
+    def start_segment(self, prompt: list[int], release: Any, vision: VisionInputs | None = None) -> None:
         self.release(release)
-        self.trajectory.start_segment(prompt)
+        self.trajectory.start_segment(prompt, vision)
 
     def segment_prompt(self) -> list[int]:
         """The current segment's prompt ids (an endpoint trajectory has them once its first request started)."""
@@ -264,6 +288,8 @@ class Lane:
             return trajectory
         trajectory.messages = [*last.messages, first.message]
         expected = renderers.render(trajectory.messages, last.tools, generation_prompt=False)
+        if renderers.images is not None:  # the marks of the segment's images, as its ids hold them
+            expected = renderers.images.expand(expected, trajectory.vision)
         closing = renderers.turn(last.tools).closing(first.ids[-1] if last.stopped[0] else None)
         prompt_ids = self.segment_prompt()
         position = first_mismatch(renderers.tokenizer, prompt_ids, trajectory.token_ids,
@@ -275,6 +301,18 @@ class Lane:
                            "conversation at token %d of %d (%r...)", self.key, position, len(ids),
                            renderers.tokenizer.decode(ids[position:position + 12], skip_special_tokens=False))
         return trajectory
+
+
+def check_image_tokens(renderers: Renderers, ids: list[int], vision: VisionInputs | None, what: str) -> None:
+    """A vision-language model's `ids` must hold exactly the image tokens of their images `vision`: a text writing
+    the image token would be taken for an image position without pixels (the engine refuses it, failing the phase)."""
+    images = renderers.images
+    if images is None:
+        return
+    have, want = ids.count(images.pad_id), sum(images.counts(vision))
+    if have != want:
+        raise APIError(400, f"{what} has {have} image tokens where its images make {want}: a text must not write the "
+                            f"image token ({images.prompts.pad})", param="messages", code="invalid_value")
 
 
 def cut_at_stop(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[int, str] | None:

@@ -17,6 +17,10 @@ what could still fit before it is rendered or tokenized (no token spans more cha
 longest vocabulary entry), so a huge message costs no more than a fitting one: its ids then exceed
 `limit` and the caller ends the episode.
 
+A vision-language model's messages hold an image mark in their content where each image goes (the endpoint's
+`image_url` parts): given the images' vision token ids (`ImageSlots`), each mark is replaced by the next image's
+ids, so the appended ids carry the images as the prompt's do.
+
 Each environment turn is on the engine's thread, so it is kept cheap: the placeholder rendering is kept per
 message shape, and the pieces are encoded by a fast tokenizer's Rust backend directly wherever that gives the
 wrapper's ids (`Encoder`).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.data.chat import with_tools
@@ -35,6 +40,15 @@ logger = logging.getLogger(__name__)
 _MARK = "HYBRIDFLOW-TURN-MARK"
 _SLOT = "HYBRIDFLOW-CONTENT-{}-SLOT"
 _SKELETONS = 64  # placeholder renderings kept per renderer
+
+
+@dataclass
+class ImageSlots:
+    """The images of new messages: each `mark` in their text stands for the next image, whose vision token ids are
+    the next of `ids`."""
+
+    mark: str
+    ids: list[list[int]]
 
 
 class TurnRenderer:
@@ -104,12 +118,14 @@ class TurnRenderer:
                     return pieces
         return None
 
-    def render(self, messages: list[dict[str, str]], last_token: int | None, limit: int | None = None) -> list[int]:
+    def render(self, messages: list[dict[str, str]], last_token: int | None, limit: int | None = None,
+               images: ImageSlots | None = None) -> list[int]:
         """Ids to append after a model turn for `messages` ({role, content}) and the next generation prompt.
 
         last_token: the stop token that ended the model turn, or None when the turn was cut at its limit
         (then the template's whole end-of-turn text is added first). limit: the tokens the trajectory can
-        still take (None: no limit); longer contents are cut first, and the ids then exceed it.
+        still take (None: no limit); longer contents are cut first, and the ids then exceed it. images: the
+        vision token ids of the images the messages' marks stand for (ValueError when they hold more marks).
         """
         if limit is not None:
             cap = (limit + 1) * self.max_token_chars
@@ -117,15 +133,30 @@ class TurnRenderer:
         lead = self.closing(last_token)
         after = self._after(messages)
         pieces = self._pieces(messages, after)
+        slots = iter(images.ids if images is not None else [])
+        mark = images.mark if images is not None else None
         if pieces is None:
             if not self.warned:
                 logger.warning("the chat template changes message contents beyond trimming them; environment and "
                                "tool messages are tokenized with the template, special-token text included")
                 self.warned = True
-            return self._encode(lead + after)
+            return self._marked(lead + after, False, mark, slots)
         ids = self._encode(lead + pieces[0][0])
         for text, is_content in pieces[1:]:
-            ids += self._encode(text, plain=is_content)
+            ids += self._marked(text, is_content, mark, slots)
+        return ids
+
+    def _marked(self, text: str, plain: bool, mark: str | None, slots: Any) -> list[int]:
+        """`_encode(text, plain)` with each image `mark` replaced by the next image's ids from `slots`."""
+        if mark is None or mark not in text:
+            return self._encode(text, plain)
+        first, *rest = text.split(mark)
+        ids = self._encode(first, plain)
+        for piece in rest:
+            image = next(slots, None)
+            if image is None:
+                raise ValueError("the messages hold more image marks than images")
+            ids += image + self._encode(piece, plain)
         return ids
 
     def closing(self, last_token: int | None) -> str:

@@ -6,7 +6,9 @@ environment / tool turns (the chat template's rendering of the new messages only
 trajectory out like a single-turn completion, with holes in the mask. The in-process loop continues the
 batch's prompt; the OpenAI-compatible endpoint's trajectories bring their own (`prompt_ids`: the first
 request's rendering) and start a new segment (`start_segment`) when a request does not continue the
-last one. `dropped` says why a trajectory must not be trained on (its runner failed). `row_fields()` are
+last one. A vision-language model's trajectory (the endpoint's) keeps the images its ids hold (`vision`), in the
+order of their tokens, prompt and environment turns alike, for the trainer's forward. `dropped` says why a
+trajectory must not be trained on (its runner failed). `row_fields()` are
 the per-row statistics the trainer turns into `agent/...` metrics; `reward_info()` is what reward
 functions see in `extra_info`.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.data.image_prompts import VisionInputs
 from hybridflow.engine.rollout import Completion
 
 STAT_FIELDS = ("turns", "tool_calls", "tool_errors", "env_errors", "env_seconds", "env_reward", "cut_by_budget",
@@ -33,7 +36,8 @@ class Trajectory:
     started; only the last is kept), token_mismatch (1 when the ids differ from the chat template's
     rendering of the final conversation), runner_errors / late_requests (the runner failed; a request
     came after it returned), dropped (why it must not be trained on, None when it may) and metrics
-    (what the runner returned beside the reward)."""
+    (what the runner returned beside the reward); a vision-language model's also vision (the images of its
+    current segment, None when it holds none)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -56,6 +60,7 @@ class Trajectory:
     dropped: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     env_error: str | None = None
+    vision: VisionInputs | None = None
 
     def env_failed(self, message: str) -> None:
         """The environment failed (its constructor or a step raised or timed out): counted, the first
@@ -64,9 +69,11 @@ class Trajectory:
         if self.env_error is None:
             self.env_error = message
 
-    def start_segment(self, prompt_ids: list[int]) -> None:
-        """A new token sequence from `prompt_ids` (what came before is no longer its prefix)."""
+    def start_segment(self, prompt_ids: list[int], vision: VisionInputs | None = None) -> None:
+        """A new token sequence from `prompt_ids`, whose images are `vision` (what came before is no longer its
+        prefix)."""
         self.prompt_ids, self.token_ids, self.logprobs, self.response_mask = list(prompt_ids), [], [], []
+        self.vision = vision
         self.segments += 1
 
     def drop(self, reason: str) -> None:
@@ -83,7 +90,11 @@ class Trajectory:
         self.finish_reason = completion.finish_reason
         self.turns += 1
 
-    def add_env_turn(self, token_ids: list[int], messages: list[dict[str, Any]] | None = None) -> None:
+    def add_env_turn(self, token_ids: list[int], messages: list[dict[str, Any]] | None = None,
+                     vision: VisionInputs | None = None) -> None:
+        """Context ids (masked out of training), their messages and the images they hold."""
+        if vision is not None:
+            self.vision = vision if self.vision is None else VisionInputs.concat([self.vision, vision])
         self.token_ids += token_ids
         self.logprobs += [0.0] * len(token_ids)
         self.response_mask += [0] * len(token_ids)
