@@ -37,11 +37,15 @@ from pathlib import Path
 from hybridflow import cli
 from hybridflow.config.migrate import read_verl
 
+STAND_IN_ROWS = 4096
 STAND_IN_KEYS = ("model.path", "model.tokenizer_path", "critic.model.path", "reward.reward_model.path")
 
 
 def _stand_ins(root: Path) -> tuple[Path, Path]:
-    """A tiny model and a tiny verl-format parquet file (gsm8k-shaped rows)."""
+    """A tiny model and a folder of two verl-format parquet files, as many rows each as the largest batch the examples
+    ask for (`data.train_batch_size=4096`: `hybridflow config` reads every row and refuses data with fewer rows
+    than a batch, as `train` does): `train.parquet`, short gsm8k-shaped rows (with the nested fields verl's gsm8k
+    SFT scripts read), and `chats.parquet`, a conversation a row (verl's multi-turn SFT scripts')."""
     import pandas as pd
 
     from hybridflow.utils.tiny_model import build_tiny_model
@@ -49,12 +53,14 @@ def _stand_ins(root: Path) -> tuple[Path, Path]:
     model = build_tiny_model(root / "model")
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
-             "extra_info": {"index": i, "interaction_kwargs": {"name": "gsm8k", "query": "q",
-                                                                                    "ground_truth": str(2 * i)}}}
-            for i in range(8)]
-    data = root / "train.parquet"
-    pd.DataFrame(rows).to_parquet(data)
-    return model, data
+             "extra_info": {"index": i, "question": f"What is {i} + {i}?", "answer": f"#### {2 * i}",
+                            "interaction_kwargs": {"name": "gsm8k", "query": "q", "ground_truth": str(2 * i)}}}
+            for i in range(STAND_IN_ROWS)]
+    pd.DataFrame(rows).to_parquet(root / "train.parquet")
+    chats = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                           {"role": "assistant", "content": f"#### {2 * i}"}]} for i in range(STAND_IN_ROWS)]
+    pd.DataFrame(chats).to_parquet(root / "chats.parquet")
+    return model, root
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
@@ -69,7 +75,7 @@ def _run(argv: list[str]) -> tuple[int, str]:
 
 
 def check(script: Path, work: Path, model: Path, data: Path) -> dict[str, object]:
-    """One script: migrate, then config with the stand-ins; the outcome and its reason."""
+    """One script: migrate, then config with the stand-ins (`data`: their folder); the outcome and its reason."""
     recipe = work / (script.stem + ".yaml")
     code, err = _run(["migrate", str(script), "--out", str(recipe)])
     warnings = [line for line in err.splitlines() if ": warning: " in line]
@@ -83,6 +89,7 @@ def check(script: Path, work: Path, model: Path, data: Path) -> dict[str, object
     carried = [line.split(":")[0].strip() for line in text.splitlines() if "  # " in line and not line.startswith("#")]
     not_carried = sum(1 for line in text.splitlines() if line.startswith("#   "))
     overrides = [f"{key}={model}" for key in STAND_IN_KEYS if key == "model.path" or _sets(text, key)]
+    data = data / ("chats.parquet" if _sets(text, "data.messages_key") else "train.parquet")
     overrides += [f"data.train_files=[{data}]"] + ([f"data.val_files=[{data}]"] if _sets(text, "data.val_files") else [])
     command = "sft" if "a recipe for `hybridflow sft`" in text.splitlines()[0] else "train"
     code, err = _run(["config", "--command", command, "--config", str(recipe), *overrides])

@@ -24,7 +24,8 @@ class SFTDataConfig:
     train_files: list[str] = opt([], "training conversation files: one path or a list (parquet or jsonl)")
     val_files: list[str] = opt([], "validation conversation files (val/loss); [] = no validation")
     messages_key: str = opt("messages", "column holding a conversation (a list of {role, content})")
-    prompt_key: str = opt("prompt", "without messages_key: column of the prompt (a string, or messages)")
+    prompt_key: str = opt("prompt", "without messages_key: column of the prompt (a string, or messages); a dotted "
+                                    "path reads a field of a dict column (extra_info.question: verl's gsm8k SFT data)")
     response_key: str = opt("completion", "without messages_key: column of the completion learnt (a string, or "
                                           "messages continuing the prompt's: TRL's prompt/completion)")
     text_key: str = opt("text", "without messages_key or prompt_key: column of plain text learnt whole (TRL's "

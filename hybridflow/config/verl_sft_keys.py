@@ -30,6 +30,18 @@ def _messages(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     return {"data.messages_key": given.get("data.multiturn.messages_key", "messages")} if truthy(value) else {}
 
 
+def _nested(side: str) -> Any:
+    """verl's `data.{side}_key` with its `data.{side}_dict_keys` (the fields to walk into a dict column, in order) as one
+    dotted path, which our data reads through nested mappings (`Record.require`): `extra_info` with `[question]` is
+    `extra_info.question`."""
+    def convert(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+        column = given.get(f"data.{side}_key", VERL_SFT_DEFAULTS[f"data.{side}_key"])
+        fields = given.get(f"data.{side}_dict_keys") or []
+        fields = [fields] if isinstance(fields, str) else list(fields)
+        return {f"data.{side}_key": ".".join([str(column), *map(str, fields)])}
+    return convert
+
+
 def _truncation(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     if value not in ("error", "right"):
         raise ValueError(f"truncation={value!r}: hybridflow sft has error, filter, right")
@@ -37,7 +49,7 @@ def _truncation(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
 
 
 VERL_SFT_KEYS: dict[str, VerlKey] = {
-    **same({k: k for k in ("data.train_files", "data.val_files", "data.prompt_key", "data.response_key",
+    **same({k: k for k in ("data.train_files", "data.val_files",
                             "data.max_length", "data.train_batch_size", "optim.lr", "optim.betas",
                             "optim.weight_decay", "optim.min_lr_ratio", "trainer.project_name",
                             "trainer.experiment_name", "trainer.total_epochs", "trainer.seed")}),
@@ -57,10 +69,9 @@ VERL_SFT_KEYS: dict[str, VerlKey] = {
     "data.multiturn.enable": VerlKey("data.messages_key", "True reads each row's conversation from "
                                      "multiturn.messages_key", _messages),
     "data.multiturn.messages_key": VerlKey("data.messages_key", "with multiturn.enable=True", lambda v, g: {}),
-    "data.prompt_dict_keys": VerlKey(None, "prompt_key and response_key are top-level columns here: write the "
-                                     "nested field out as a column"),
-    "data.response_dict_keys": VerlKey(None, "prompt_key and response_key are top-level columns here: write the "
-                                       "nested field out as a column"),
+    **{f"data.{side}{suffix}": VerlKey(f"data.{side}_key", f"with data.{side}_dict_keys: a dotted path into the "
+                                       "dict column", _nested(side))
+       for side in ("prompt", "response") for suffix in ("_key", "_dict_keys")},
     "data.truncation": VerlKey("data.truncation", "error or right", _truncation),
     "ulysses_sequence_parallel_size": VerlKey(None, "no sequence parallelism: each rank holds whole sequences"),
     "trainer.logger": VerlKey("trainer.loggers", "console, jsonl, tensorboard and wandb are carried", loggers),

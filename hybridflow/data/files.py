@@ -43,14 +43,33 @@ class Record:
             got = f", got {type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
         return DataError(f"{self.where}, column '{column}': expected {expected}{got}")
 
+    def has(self, column: str) -> bool:
+        """Whether the row holds `column`: a top-level column, or a dotted path into nested mappings
+        (``extra_info.question``: verl's SFT ``prompt_dict_keys``)."""
+        return self._walk(column) is not _MISSING
+
     def require(self, column: str, key: str = "") -> Any:
-        """The value of `column`, or a `DataError` naming the columns this row has and the config `key` that
-        names the column (``data.prompt_key``), if any."""
-        if column not in self.data:
+        """The value of `column` (or of a dotted path, as `has`), or a `DataError` naming the columns this row has
+        and the config `key` that names the column (``data.prompt_key``), if any."""
+        value = self._walk(column)
+        if value is _MISSING:
             have = ", ".join(self.data) or "none"
             mapped = f"set {key} to the column holding it; " if key else ""
             raise DataError(f"{self.where}: missing column '{column}' ({mapped}columns: {have})")
-        return self.data[column]
+        return value
+
+    def _walk(self, column: str) -> Any:
+        if column in self.data or "." not in column:
+            return self.data.get(column, _MISSING)
+        node: Any = self.data
+        for part in column.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+
+
+_MISSING = object()
 
 
 def as_path_list(files: str | Path | Sequence[str | Path]) -> list[str]:

@@ -6,7 +6,8 @@ A row is in one of TRL's formats, found by its columns, in this order:
 - a prompt and a completion under `prompt_key` / `response_key` (default `prompt` / `completion`), both
   strings (a user and an assistant message) or both message lists (TRL's conversational prompt/completion:
   the completion continues the prompt's messages), rendered with the chat template, the loss on the
-  completion's assistant tokens only (TRL's completion-only loss; the prompt's turns are context);
+  completion's assistant tokens only (TRL's completion-only loss; the prompt's turns are context); either key
+  may be a dotted path to a field of a dict column (`extra_info.question`, verl's `prompt_dict_keys`);
 - plain text under `text_key` (TRL's language-modeling format), tokenized as it is (the tokenizer's BOS
   included) and followed by the eos token, the loss on every token.
 `loss_mask[t] = 1` on the tokens trained as targets (token t is predicted from t-1).
@@ -64,7 +65,7 @@ def encode_row(record: Record, tokenizer: Any, messages_key: str, prompt_key: st
         if not any(m["role"] == "assistant" for m in messages):
             raise record.error(messages_key, "at least one assistant message to learn from", show_value=False)
         return encode_conversation([{"role": m["role"], "content": m["content"]} for m in messages], tokenizer)
-    if prompt_key in data or response_key in data:
+    if record.has(prompt_key) or record.has(response_key):
         record.require(prompt_key, "data.prompt_key")
         record.require(response_key, "data.response_key")
         _has_template(tokenizer, record)

@@ -115,11 +115,14 @@ def test_an_sft_script_becomes_a_recipe_for_hybridflow_sft(project, tiny_qwen2, 
     text = recipe.read_text()
     assert text.startswith("# Migrated from verl") and "a recipe for `hybridflow sft`" in text.splitlines()[0]
     cfg = load_config([], recipe, schema=SFTConfig)
-    assert cfg.data.prompt_key == "question" and cfg.optim.micro_batch_size == 2 and cfg.trainer.n_workers == 1
+    assert cfg.data.prompt_key == "extra_info.question" and cfg.data.response_key == "extra_info.answer"
+    assert "prompt_key: extra_info.question  # data.prompt_key, data.prompt_dict_keys" in text
+    assert cfg.optim.micro_batch_size == 2 and cfg.trainer.n_workers == 1
     assert cfg.optim.use_packing is True and cfg.optim.lr == 1e-4 and cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
     assert "#   trainer.default_local_dir=$2: holds a shell variable neither the script nor the environment sets" in text
     data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    data.write_text("".join(json.dumps({"extra_info": {"index": i, "question": f"{i} + {i}?", "answer": str(2 * i)}})
+                            + "\n" for i in range(4)))
     stand_ins = [f"model.path={tiny_qwen2}", f"data.train_files=[{data}]"]
     assert cli.main(["config", "--command", "sft", "--config", str(recipe), *stand_ins]) == 0
     assert cli.main(["sft", "--config", str(recipe), *stand_ins, "trainer.total_steps=1", "trainer.device=cpu",

@@ -44,6 +44,20 @@ def test_prompt_response_columns(write_jsonl, tokenizer):
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == f"A{tokenizer.eos_token}"
 
 
+def test_prompt_response_as_dotted_paths_into_a_dict_column(write_jsonl, tokenizer):
+    """verl's gsm8k SFT data keeps the question and answer in `extra_info` (its `prompt_dict_keys`): the keys are
+    dotted paths; a row without the nested field is named with the path."""
+    rows = [{"extra_info": {"question": "Q", "answer": "A", "index": 0}}]
+    ds = SFTDataset(write_jsonl(rows, "n.jsonl"), tokenizer, prompt_key="extra_info.question",
+                    response_key="extra_info.answer")
+    flat = SFTDataset(write_jsonl([{"prompt": "Q", "completion": "A"}], "f.jsonl"), tokenizer)
+    assert ds[0]["input_ids"] == flat[0]["input_ids"] and ds[0]["loss_mask"] == flat[0]["loss_mask"]
+    missing = write_jsonl([{"extra_info": {"question": "Q"}}], "m.jsonl")
+    with pytest.raises(DataError, match=r"row 0 \(line 1\): missing column 'extra_info.answer' \(set data.response_key "
+                                        r"to the column holding it; columns: extra_info\)"):
+        SFTDataset(missing, tokenizer, prompt_key="extra_info.question", response_key="extra_info.answer")
+
+
 def test_sft_errors_and_truncation(write_jsonl, tokenizer):
     no_assistant = write_jsonl([{"messages": [{"role": "user", "content": "hi"}]}], "a.jsonl")
     with pytest.raises(DataError, match=r"row 0 \(line 1\), column 'messages': expected at least one assistant"):

@@ -1,4 +1,5 @@
-# verl's SFT trainer under torchrun, with the world size from the arguments as verl's SFT examples take it.
+# verl's SFT trainer under torchrun, with the world size from the arguments as verl's SFT examples take it,
+# reading the question and answer from the gsm8k parquet's extra_info dict as verl's gsm8k SFT examples do.
 set -x
 
 if [ "$#" -lt 2 ]; then
@@ -11,8 +12,10 @@ save_path=$2
 torchrun --standalone --nnodes=1 --nproc_per_node=$nproc_per_node \
     -m verl.trainer.fsdp_sft_trainer \
     data.train_files=$HOME/data/sft/train.parquet \
-    data.prompt_key=question \
-    data.response_key=answer \
+    data.prompt_key=extra_info \
+    data.response_key=extra_info \
+    +data.prompt_dict_keys=['question'] \
+    +data.response_dict_keys=['answer'] \
     data.micro_batch_size_per_gpu=2 \
     data.train_batch_size=4 \
     optim.lr=1e-4 \
