@@ -36,7 +36,7 @@ from hybridflow.config.shell_lexer import ShellSyntaxError
 from hybridflow.config.validate import ConfigError
 from hybridflow.config.verl_hydra import VERL_BASES, compose, find, verl_config_dir
 from hybridflow.config.verl_keys import VERL_DEFAULTS, VERL_KEYS, VERL_PREFIXES, VerlKey
-from hybridflow.config.verl_sft_keys import VERL_SFT_DEFAULTS, VERL_SFT_KEYS
+from hybridflow.config.verl_sft_keys import VERL_SFT_DEFAULTS, VERL_SFT_ENGINE_DEFAULTS, VERL_SFT_KEYS
 
 # Each command's table of verl keys, verl's defaults that differ from ours, and dict-valued key prefixes.
 TABLES: dict[str, tuple[dict[str, VerlKey], dict[str, Any], dict[str, str]]] = {
@@ -45,6 +45,7 @@ TABLES: dict[str, tuple[dict[str, VerlKey], dict[str, Any], dict[str, str]]] = {
 KEY = re.compile(r"^\+{0,2}[A-Za-z_][\w]*(\.[\w-]+)*$")
 ENTRIES = {"train": re.compile(r"(^|[./])main_ppo\w*(\.py)?$"),
            "sft": re.compile(r"(^|[./])(fsdp_sft_trainer|sft_trainer)(\.py)?$")}
+ENGINE_SFT = re.compile(r"(^|[./])sft_trainer(\.py)?$")  # verl's engine SFT trainer: its own defaults
 OTHER_ENTRY = re.compile(r"(^|[./])(main_generation|main_eval)(\.py)?$")
 TORCHRUN = re.compile(r"^--(nproc[_-]per[_-]node|nnodes)(=(.*))?$")
 SECRET_KEY = re.compile(r"(api_key|token|secret|password)$", re.I)
@@ -70,6 +71,7 @@ class VerlRun:
     variable (and which), what was read but cannot be carried (what, value, why), and reading notes."""
 
     command: str = "train"  # the hybridflow command the recipe is for: train, or sft for verl's SFT trainer
+    defaults: dict[str, Any] | None = None  # verl's defaults of the trainer it runs (None: its command's table's)
     settings: dict[str, Any] = field(default_factory=dict)
     secrets: dict[str, frozenset[str]] = field(default_factory=dict)
     skipped: list[tuple[str, Any, str]] = field(default_factory=list)
@@ -105,14 +107,14 @@ def _parse(key: str, raw: str) -> Any:
         return raw
 
 
-def _command(words: list[list[Word]], path: Path) -> tuple[str, list[Word], list[Word]]:
-    """The script's verl command: which of ours it becomes, the words before the one naming verl's trainer
+def _command(words: list[list[Word]], path: Path) -> tuple[str, Word, list[Word], list[Word]]:
+    """The script's verl command: which of ours it becomes, the word naming verl's trainer, the words before it
     (a launcher's: torchrun, ray job submit) and its arguments after it."""
     for command in words:
         for i, word in enumerate(command):
             kind = next((k for k, entry in ENTRIES.items() if entry.search(word.text)), None)
             if kind is not None:
-                return kind, command[:i], command[i + 1:]
+                return kind, word, command[:i], command[i + 1:]
     other = next((w.text for c in words for w in c if OTHER_ENTRY.search(w.text)), None)
     if other is not None:
         raise ConfigError(f"{path}: runs {other}, which hybridflow has no equivalent of (`hybridflow migrate` reads "
@@ -135,7 +137,9 @@ def _read_script(path: Path, text: str) -> VerlRun:
         run.skipped.append((f"export {name}", value, "a secret: set it in the environment of the run, never in a "
                             "recipe" if secret else "an environment variable the script exports: set it in the "
                             "shell that runs hybridflow"))
-    run.command, launcher, args = _command([c for _, c in script.commands], path)
+    run.command, trainer, launcher, args = _command([c for _, c in script.commands], path)
+    if ENGINE_SFT.search(trainer.text):
+        run.defaults = VERL_SFT_ENGINE_DEFAULTS
     for i, word in enumerate(launcher):  # torchrun's world size is verl SFT's
         match = TORCHRUN.match(word.text)
         if match:
@@ -233,6 +237,7 @@ def translate(run: VerlRun) -> tuple[dict[str, tuple[Any, str]], Entries, Entrie
     settings; the last are keys another key carries (``kl_loss_coef`` with ``use_kl_loss``) or whose value
     writes nothing (``use_dynamic_bsz=False``), each with its note."""
     keys, defaults, prefixes = TABLES[run.command]
+    defaults = run.defaults if run.defaults is not None else defaults
     settings = run.settings
     given = {**defaults, **settings}
     ours: dict[str, tuple[Any, str]] = {}

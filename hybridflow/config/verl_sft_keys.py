@@ -65,6 +65,9 @@ VERL_SFT_KEYS: dict[str, VerlKey] = {
              "trainer.max_ckpt_to_keep": "trainer.keep_checkpoints"}),
     "optim.warmup_style": VerlKey("optim.lr_schedule", "constant or cosine", map_values("optim.lr_schedule", SCHEDULES)),
     "optim.lr_scheduler": VerlKey("optim.lr_schedule", "constant or cosine", map_values("optim.lr_schedule", SCHEDULES)),
+    "optim.lr_scheduler_type": VerlKey("optim.lr_schedule", "constant or cosine",
+                                       map_values("optim.lr_schedule", SCHEDULES)),
+    "data.messages_key": VerlKey("data.messages_key", "verl's engine SFT trainer: each row's conversation"),
     "optim.lr_warmup_steps_ratio": VerlKey(None, "give the warm-up in optimizer steps: optim.lr_warmup_steps"),
     "data.multiturn.enable": VerlKey("data.messages_key", "True reads each row's conversation from "
                                      "multiturn.messages_key", _messages),
@@ -88,6 +91,11 @@ VERL_SFT_KEYS: dict[str, VerlKey] = {
 }
 
 # verl's SFT defaults that differ from hybridflow sft's: a migrated recipe sets them unless the script does.
+# verl's FSDP SFT trainer (`fsdp_sft_trainer`, sft_trainer.yaml), and its engine SFT trainer (`sft_trainer`,
+# sft_trainer_engine.yaml), whose rows are conversations under `messages`
 VERL_SFT_DEFAULTS = {"data.train_batch_size": 256, "data.micro_batch_size_per_gpu": 4, "trainer.total_epochs": 4,
                      "data.prompt_key": "question", "data.response_key": "answer", "optim.weight_decay": 0.01,
                      "optim.betas": [0.9, 0.95], "optim.lr_scheduler": "cosine"}
+VERL_SFT_ENGINE_DEFAULTS = {"data.train_batch_size": 256, "data.micro_batch_size_per_gpu": 4, "trainer.total_epochs": 4,
+                            "data.messages_key": "messages", "optim.weight_decay": 0.01, "optim.lr": 1e-3,
+                            "optim.lr_scheduler_type": "constant"}

@@ -124,3 +124,25 @@ def test_a_verl_yaml_config_becomes_a_recipe_and_values_ours_lack_are_listed(tmp
                  "#   trainer.default_local_dir=${trainer.project_name}/ckpt: an interpolation of verl's config",
                  "#   algorithm.adv_estimator=grpo_passk: algorithm.adv_estimator: invalid value 'grpo_passk'"):
         assert line in text, line
+
+
+def test_verl_engine_sft_trainer_reads_conversations_with_its_own_defaults(tmp_path):
+    """verl's engine SFT trainer (`verl.trainer.sft_trainer`) reads `messages` and has defaults of its own (lr 1e-3,
+    a constant schedule), unlike its FSDP SFT trainer (`question` / `answer`, cosine): each script gets its
+    trainer's."""
+    from hybridflow.config.sft_schema import SFTConfig
+
+    recipes = {}
+    for trainer in ("sft_trainer", "fsdp_sft_trainer"):
+        script = tmp_path / f"{trainer}.sh"
+        script.write_text(f"torchrun --nproc_per_node=1 -m verl.trainer.{trainer} data.train_files=/d/t.parquet "
+                          f"model.path=Qwen/Qwen2.5-0.5B-Instruct\n")
+        recipes[trainer] = tmp_path / f"{trainer}.yaml"
+        assert cli.main(["migrate", str(script), "--out", str(recipes[trainer])]) == 0
+    engine = load_config([], recipes["sft_trainer"], schema=SFTConfig)
+    assert engine.data.messages_key == "messages" and engine.optim.lr == 1e-3 and engine.optim.lr_schedule == "constant"
+    assert "messages_key: messages  # verl's default data.messages_key=messages" in recipes["sft_trainer"].read_text()
+    assert "prompt_key" not in recipes["sft_trainer"].read_text()
+    fsdp = load_config([], recipes["fsdp_sft_trainer"], schema=SFTConfig)
+    assert fsdp.data.prompt_key == "question" and fsdp.data.response_key == "answer"
+    assert fsdp.optim.lr_schedule == "cosine"
