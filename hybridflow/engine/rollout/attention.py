@@ -63,6 +63,8 @@ class AttnMeta:
     windowed: SDPA's masks narrowed to a sliding window, by window, made by the first layer of that window.
     live: decode, [B] bool the rows that have not finished (a hybrid model's recurrent states take in only
         their tokens: `recurrent_state.py`); None: every row.
+    rope_shifted: decode, the rows' rotary positions are not their cache positions (a per-row offset,
+        `RunningBatch.rope_offsets`), so the one-kernel decode, which rotates at the cache position, is not taken.
     """
 
     write_index: torch.Tensor
@@ -77,6 +79,7 @@ class AttnMeta:
     padding: tuple | None = None
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)
     live: torch.Tensor | None = None
+    rope_shifted: bool = False
 
     @property
     def reads_cache(self) -> bool:

@@ -44,7 +44,7 @@ def fused(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            seed: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None,
-           exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           exact: bool = False, never: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row.
 
     logits: [R, V], any float dtype (converted to fp32; may be modified in place when already fp32).
@@ -52,11 +52,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     CDF, one Philox uniform per row) draws from the same distribution, seeded by `seed` ([1] int64 on
     the device; None: drawn from `generator`) at the inverse temperature `inv_temp` ([1] fp32 on the
     device; None: from params). `exact`: the log-probs come from `invariant.token_log_probs` (at temperature
-    1 when greedy), the arithmetic the training engine's log-prob head runs.
+    1 when greedy), the arithmetic the training engine's log-prob head runs. `never`: [K] token ids that are never
+    drawn (a vision-language model's image placeholders); the log-probs stay the policy's over every token
+    (`log_probs_of` the unmasked logits), what the trainer computes for the drawn ones.
     """
     # the torch path scales fp32 logits in place; the exact log-probs read them afterwards
     source = logits.clone() if exact and logits.dtype == torch.float32 else logits
+    if never is not None:  # out of place: the log-probs below read the logits as they were
+        source = source.index_fill(-1, never, float("-inf"))
     tokens, logprobs = _draw(source, params, generator, seed, inv_temp)
+    if never is not None and not exact:
+        logprobs = log_probs_of(logits, tokens, params)
     if exact:
         if params.greedy:
             inv_temp = None
