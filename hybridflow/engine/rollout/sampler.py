@@ -56,6 +56,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     drawn (a vision-language model's image placeholders); the log-probs stay the policy's over every token
     (`log_probs_of` the unmasked logits), what the trainer computes for the drawn ones.
     """
+    if never is not None and not exact and not fused(logits, params):
+        return _draw_except(logits, params, generator, never)
     # the torch path scales fp32 logits in place; the exact log-probs read them afterwards
     source = logits.clone() if exact and logits.dtype == torch.float32 else logits
     if never is not None:  # out of place: the log-probs below read the logits as they were
@@ -99,10 +101,29 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
         x = x.div_(params.temperature)
     x = _truncate(x, params.top_k, params.top_p)
     lse = torch.logsumexp(x, dim=-1)
+    tokens = _gumbel_argmax(x, generator)
+    logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse
+    return tokens, logprobs
+
+
+def _draw_except(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 never: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch sampler's draw with the `never` ids left out, the log-prob the policy's over every token (as
+    `log_probs_of`): the normaliser is taken before the ids are masked, and the drawn token is never one of them, so
+    its logit is the same masked or not. One pass over the logits where a masked draw and `log_probs_of` took two."""
+    x = logits.float()
+    if not params.greedy:
+        x = _truncate(x.div_(params.temperature), params.top_k, params.top_p)
+    lse = torch.logsumexp(x, dim=-1)
+    x = x.index_fill_(-1, never, float("-inf"))
+    tokens = x.argmax(dim=-1) if params.greedy else _gumbel_argmax(x, generator)
+    return tokens, x.gather(-1, tokens[:, None])[:, 0] - lse
+
+
+def _gumbel_argmax(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """argmax(x + Gumbel noise) per row of x [R, V] fp32: a draw from softmax(x). The noise buffer is reused."""
     # E = -log(U) with U uniform is Exponential(1); drawn this way because `exponential_` costs several
     # times a uniform draw on a CPU (docs/benchmarks.md). E == 0 would give a +inf Gumbel and a NaN on
     # a -inf (truncated) logit; clamp it away.
     noise = torch.rand(x.shape, generator=generator, device=x.device).log_().neg_().clamp_min_(1e-30).log_()
-    tokens = torch.sub(x, noise, out=noise).argmax(dim=-1)
-    logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse
-    return tokens, logprobs
+    return torch.sub(x, noise, out=noise).argmax(dim=-1)

@@ -42,8 +42,9 @@ _DROPPED = ("model_type", "architectures", "transformers_version", "_name_or_pat
             "sliding_window", "use_sliding_window", "max_window_layers")
 
 
-def text_config(config: Any) -> Any:
-    """A Qwen2.5-VL / Qwen3-VL config's language model as a Qwen2 / Qwen3 text config (the fast decoder's families)."""
+def text_config(config: Any, tied: bool) -> Any:
+    """A Qwen2.5-VL / Qwen3-VL config's language model as a Qwen2 / Qwen3 text config (the fast decoder's families);
+    tied: whether the model's head is its embedding (the VLM config or its text config may say so)."""
     import transformers
 
     family = _TEXT_FAMILY.get(config.model_type)
@@ -51,12 +52,12 @@ def text_config(config: Any) -> Any:
         raise ValueError(f"model_type {config.model_type!r} has no fast language model; vision families: "
                          f"{sorted(_TEXT_FAMILY)}")
     fields = {k: v for k, v in config.get_text_config().to_dict().items() if k not in _DROPPED}
+    fields["tie_word_embeddings"] = tied
     rope = dict(fields.get("rope_parameters") or {})
     for key in ("mrope_section", "mrope_interleaved"):
         rope.pop(key, None)
     fields["rope_parameters"] = rope
-    return getattr(transformers, family)(**fields, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings",
-                                                                                    False)))
+    return getattr(transformers, family)(**fields)
 
 
 class SharedWeights:
@@ -74,8 +75,8 @@ class SharedWeights:
     @classmethod
     def build(cls, hf_model: nn.Module, max_len: int) -> SharedWeights:
         """A fast model of the VLM's language model holding its weights, rotary tables for `max_len` positions."""
-        config = text_config(hf_model.config)
         named = language_model_parameters(hf_model)
+        config = text_config(hf_model.config, tied="lm_head.weight" not in dict(named))  # a tied head is listed once
         weight = dict(named)["model.embed_tokens.weight"]
         device, dtype = weight.device, weight.dtype
         shared = {weight_target(name)[0]: p.data for name, p in named if weight_target(name)[1] is None}
