@@ -4,22 +4,31 @@
     outs = engine.generate(prompt_token_ids, SamplingParams(n=8), vision=[VisionInputs, ...])
 
 Each prompt's token ids already hold its vision tokens (`hybridflow.data.image_prompts`); `vision[i]` holds its pixel values
-and patch grids (None for a prompt without images). Prompts run in left-padded chunks of up to max_num_seqs rows
-(prompts x n). A chunk is prefilled once: one forward of the transformers model over its prompts, where the vision
-tower encodes each prompt's images once and their embeddings take the place of the image tokens; the KV cache and
-the last position's logits are then repeated for the n samples of each prompt, so the samples share the prompt's
-one encoding and prefill. Decoding feeds one token per row over that cache with the multimodal rotary positions
-(mrope) of Qwen2.5-VL and Qwen3-VL: the prompt's positions come from the model's `get_rope_index` (an image's tokens take
-temporal / height / width positions, text after it continues from the largest), and a generated token's three
-position components are all `its index + the prompt's rope delta`. Tokens are drawn by the fast engine's sampler
-(`sampler.sample`), so log-probs and greedy ties follow the same rules, except that the image and video placeholder
-tokens are never drawn (sampled into a response, the trainer's forward would take one for an image position); the
-log-probs stay the policy's over every token, as the trainer computes them. Greedy output equals
-`transformers.generate` on the same prompt and image, for both families (tests/engine/vision/test_vision_rollout.py).
+and patch grids (None for a prompt without images).
 
-This is a correct path through the model's own modules, not our fused decoder: no varlen prefill, CUDA graphs or
-continuous batching (a chunk decodes until its last row stops). It inherits weight loading and sleep / wake from
-`HFRolloutEngine`, and its warning that generation runs on the slow path.
+The prefill runs in the model's own transformers modules, the decode on the fast engine (`vision_lm`):
+
+- **Prefill**, once per prompt, as many prompts at a time as have free KV slots for their n samples (within
+  `max_prefill_tokens` padded tokens; once an eighth of the slots is free, as the fast scheduler admits): one
+  forward of the transformers model over the left-padded prompts, where the vision tower encodes each prompt's
+  images once and their embeddings take the place of the image tokens, with the multimodal rotary positions (mrope)
+  of `get_rope_index` (an image's tokens take temporal / height / width positions, text after it continues from the
+  largest).
+- **Hand-off**: each prompt's K/V, already rotated by those positions, go from transformers' cache into the fast
+  engine's slots of its n samples (`vision_lm.write_prompts`), and the samples' first tokens are drawn from the
+  prompt's last logits (`Session.place`).
+- **Decode**: the fast engine's, with continuous batching (a finished row's slot takes the next waiting prompt), CUDA
+  graphs and its sampler. A generated token's three mrope components all equal `its index + the prompt's rope
+  delta`, so its rotation is the text family's plain rope at that position: each row's rotary position is shifted
+  by its prompt's delta (`RunningBatch.rope_offsets`), its cache position stays its index.
+
+The language model is the fast decoder's Qwen2 (Qwen2.5-VL) or Qwen3 (Qwen3-VL) over one copy of the weights
+(`vision_lm.SharedWeights`), so `load_weights` (HF names, into the transformers model in place) reaches the decode
+too, and `sleep` / `wake` free and re-make the fast engine's KV cache (with offload, every weight to the CPU and back,
+still one copy). The image and video placeholder tokens are never drawn (sampled into a response, the trainer's
+forward would take one for an image position); the log-probs stay the policy's over every token, as the trainer
+computes them (`sampler.sample`'s `never`). Greedy output equals `transformers.generate` on the same prompts and
+images, for both families, with prompts joining as slots free (tests/engine/vision/test_vision_rollout.py).
 """
 
 from __future__ import annotations
