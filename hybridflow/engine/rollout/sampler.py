@@ -54,7 +54,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     device; None: from params). `exact`: the log-probs come from `invariant.token_log_probs` (at temperature
     1 when greedy), the arithmetic the training engine's log-prob head runs. `never`: [K] token ids that are never
     drawn (a vision-language model's image placeholders); the log-probs stay the policy's over every token
-    (`log_probs_of` the unmasked logits), what the trainer computes for the drawn ones.
+    (as `log_probs_of` the unmasked logits), what the trainer computes for the drawn ones.
     """
     if never is not None and not exact and not fused(logits, params):
         return _draw_except(logits, params, generator, never)
@@ -63,8 +63,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if never is not None:  # out of place: the log-probs below read the logits as they were
         source = source.index_fill(-1, never, float("-inf"))
     tokens, logprobs = _draw(source, params, generator, seed, inv_temp)
-    if never is not None and not exact:
-        logprobs = log_probs_of(logits, tokens, params)
+    if never is not None and not exact:  # fused, so no truncation: log_softmax at the temperature
+        x = logits.float()
+        if not params.greedy:  # the device's inverse temperature where given, as the draw's (a CUDA graph replays it)
+            x = x * (inv_temp if inv_temp is not None else 1.0 / params.temperature)
+        logprobs = x.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
     if exact:
         if params.greedy:
             inv_temp = None
