@@ -49,7 +49,7 @@ def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, po
                     cu_seqlens=torch.cat([starts, starts[-1:] + kv.max_len]).to(torch.int32),
                     cu_seqlens_q=torch.arange(tokens.shape[0] + 1, dtype=torch.int32, device=tokens.device),
                     max_seqlen=max_context, context_lens=(positions + 1).to(torch.int32), slots=slots, live=live,
-                    rope_shifted=rope_offsets is not None)
+                    rope_offsets=rope_offsets)
     return model(tokens, positions if rope_offsets is None else positions + rope_offsets, meta, kv)
 
 

@@ -144,7 +144,7 @@ class Attention(nn.Module):
         if not fused:
             rotary_(qk[..., :self.rotary_dim], positions, *rope)
         k_cache, v_cache = kv.layer(self.layer_index)
-        if fused and decodes_in_triton(meta, self.backend, self.head_dim) and not meta.rope_shifted:
+        if fused and decodes_in_triton(meta, self.backend, self.head_dim):
             out = rotary_decode_attention(qkv, rope, k_cache, v_cache, meta, self.heads, self.scale, self.window)
         else:
             if fused:  # rotates q and k in place too
