@@ -8,7 +8,8 @@ left-padded chunks of up to max_num_seqs rows (prompts x n).
 
 A run on this path says so once when the engine is built (why: an architecture without a fast path, or
 `rollout.engine=hf`), and once more after its first generation, with the tokens per second it reached: on one
-H100 the fast engine decoded 29x `generate`'s rate at the 0.5B shape (docs/benchmarks.md).
+H100 the fast engine decoded 29x `generate`'s rate at the 0.5B shape (docs/benchmarks.md). A subclass that decodes on
+the fast engine (`VisionRolloutEngine`) sets `slow_path` false and says neither.
 """
 
 from __future__ import annotations
