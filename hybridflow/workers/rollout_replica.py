@@ -72,7 +72,7 @@ def vision_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, 
     from hybridflow.engine.rollout.engine import model_stop_ids
 
     return VisionRolloutEngine(path, device, dtype, model_stop_ids(path, AutoConfig.from_pretrained(path)),
-                               max_num_seqs, max_model_len)
+                               max_num_seqs, max_model_len, cuda_graphs=rollout_cfg.cuda_graphs)
 
 
 def cpu_max_num_seqs(max_num_seqs: int, rows_in_flight: int | None) -> int:

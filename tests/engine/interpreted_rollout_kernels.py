@@ -112,7 +112,8 @@ def test_decode_attention_whole_and_split_equals_a_softmax_over_the_slot():
 
 def test_rotary_store_then_the_fused_decode_step():
     """Prefill's rotary_store_ rotates q and k in place and writes k and v at their flat positions; the fused
-    decode kernel rotates in registers, writes the new k and v at context_lens - 1, and attends over them."""
+    decode kernel rotates in registers (at context_lens - 1, or shifted by per-row rope offsets), writes the new k and
+    v at context_lens - 1, and attends over them."""
     max_len, width = 24, (HEADS + 2 * KV_HEADS) * DIM
     cos, sin = _rope_tables(max_len, DIM)
     qkv, positions = _randn(4, width, seed=1), torch.tensor([0, 5, 23, 9])
@@ -129,18 +130,21 @@ def test_rotary_store_then_the_fused_decode_step():
     k_cache, v_cache = _cache(3, max_len, seed=2)
     slots, context_lens = torch.tensor([1, 3, 0]), torch.tensor([1, 20, 24], dtype=torch.int32)
     step = _randn(3, width, seed=3)
-    new = _rotated(_heads(step)[:, :HEADS + KV_HEADS], context_lens.long() - 1, cos, sin)
-    k_want, v_want = k_cache.clone(), v_cache.clone()
-    k_want[slots, context_lens.long() - 1] = new[:, HEADS:]
-    v_want[slots, context_lens.long() - 1] = _heads(step)[:, HEADS + KV_HEADS:]
-    for window, splits in ((None, 1), (None, 2), (6, 1), (6, 2)):  # 6: a sliding window shorter than two rows
-        want = _softmax_attention(new[:, :HEADS], k_want, v_want, slots, context_lens, 0.25, window)
-        k_got, v_got = k_cache.clone(), v_cache.clone()
-        out = decode_attention.rotary_decode_attention(step, cos, sin, k_got, v_got, slots, context_lens, 0.25,
-                                                       splits, HEADS, window)
-        _close(out, want)
-        _close(k_got, k_want)
-        _close(v_got, v_want)
+    # rope_offsets (a vision prompt's rope delta): rotated at the cache position + offset, stored at the cache position
+    for offsets in (None, torch.tensor([0, -7, -20])):
+        turns = context_lens.long() - 1 + (0 if offsets is None else offsets)
+        new = _rotated(_heads(step)[:, :HEADS + KV_HEADS], turns, cos, sin)
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        k_want[slots, context_lens.long() - 1] = new[:, HEADS:]
+        v_want[slots, context_lens.long() - 1] = _heads(step)[:, HEADS + KV_HEADS:]
+        for window, splits in ((None, 1), (None, 2), (6, 1), (6, 2)):  # 6: a sliding window shorter than two rows
+            want = _softmax_attention(new[:, :HEADS], k_want, v_want, slots, context_lens, 0.25, window)
+            k_got, v_got = k_cache.clone(), v_cache.clone()
+            out = decode_attention.rotary_decode_attention(step, cos, sin, k_got, v_got, slots, context_lens, 0.25,
+                                                           splits, HEADS, window, offsets)
+            _close(out, want)
+            _close(k_got, k_want)
+            _close(v_got, v_want)
 
 
 def test_moe_grouped_gemm_equals_the_gather_path():

@@ -63,6 +63,8 @@ class AttnMeta:
     windowed: SDPA's masks narrowed to a sliding window, by window, made by the first layer of that window.
     live: decode, [B] bool the rows that have not finished (a hybrid model's recurrent states take in only
         their tokens: `recurrent_state.py`); None: every row.
+    rope_offsets: decode, [B] int64 added to the rows' cache positions for their rotary embedding alone
+        (`RunningBatch.rope_offsets`: the fused decode kernel rotates at context_lens - 1 + offset); None: no offset.
     """
 
     write_index: torch.Tensor
@@ -77,6 +79,7 @@ class AttnMeta:
     padding: tuple | None = None
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)
     live: torch.Tensor | None = None
+    rope_offsets: torch.Tensor | None = None
 
     @property
     def reads_cache(self) -> bool:
@@ -224,7 +227,8 @@ def rotary_decode_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     kernel (`decode_attention`'s `rotary_decode_attention`; CUDA, a power-of-two head dim) -> [B, H, D]."""
     return decode_attention.rotary_decode_attention(qkv, *rope, k_cache, v_cache, _needed(meta.slots, "slots"),
                                                     _needed(meta.context_lens, "context_lens"), scale,
-                                                    _splits(qkv.shape[0], k_cache, meta), heads, window)
+                                                    _splits(qkv.shape[0], k_cache, meta), heads, window,
+                                                    meta.rope_offsets)
 
 
 def _splits(rows: int, k_cache: torch.Tensor, meta: AttnMeta) -> int:

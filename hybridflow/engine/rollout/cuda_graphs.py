@@ -34,32 +34,36 @@ _Out = TypeVar("_Out")
 
 
 def decode_forward(model: torch.nn.Module, kv: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor, max_context: int, live: torch.Tensor | None = None) -> torch.Tensor:
+                   slots: torch.Tensor, max_context: int, live: torch.Tensor | None = None,
+                   rope_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per row. tokens/positions/slots [B] int64 (rows sorted by slot) -> logits [B, V] in the
     model's dtype (the sampler computes in fp32).
 
     max_context: an upper bound on any row's context length (the flash kernel's max_seqlen_k, and the
     width of the gathered cache on the SDPA path). live: [B] bool, the rows not finished (`AttnMeta.live`).
+    rope_offsets: [B] int64 added to the positions for the rotary embedding alone (the cache positions stay);
+    None: no offset.
     """
     starts = slots * kv.max_len
     meta = AttnMeta(write_index=starts + positions,
                     cu_seqlens=torch.cat([starts, starts[-1:] + kv.max_len]).to(torch.int32),
                     cu_seqlens_q=torch.arange(tokens.shape[0] + 1, dtype=torch.int32, device=tokens.device),
-                    max_seqlen=max_context, context_lens=(positions + 1).to(torch.int32), slots=slots, live=live)
-    return model(tokens, positions, meta, kv)
+                    max_seqlen=max_context, context_lens=(positions + 1).to(torch.int32), slots=slots, live=live,
+                    rope_offsets=rope_offsets)
+    return model(tokens, positions if rope_offsets is None else positions + rope_offsets, meta, kv)
 
 
 def sample_and_record(batch: RunningBatch, size: int, logits: torch.Tensor, params: SamplingParams,
-                      generator: torch.Generator | None, exact: bool = False) -> None:
+                      generator: torch.Generator | None, exact: bool = False,
+                      never: torch.Tensor | None = None) -> None:
     """Sample a token for the batch's rows [0, size) from logits [size, V] and record it. The fused
     sampler reads the batch's seed and inverse temperature and the seed advances on the device (so this
-    is capturable); otherwise the torch sampler draws from `generator`. `exact`: the log-probs are the
-    invariant ones (`sampler.sample`)."""
+    is capturable); otherwise the torch sampler draws from `generator`. `exact`, `never`: see `sampler.sample`."""
     if fused(logits, params):
-        tokens, logprobs = sample(logits, params, None, batch.seed, batch.inv_temp, exact)
+        tokens, logprobs = sample(logits, params, None, batch.seed, batch.inv_temp, exact, never)
         batch.seed.add_(1)
     else:
-        tokens, logprobs = sample(logits, params, generator, exact=exact)
+        tokens, logprobs = sample(logits, params, generator, exact=exact, never=never)
     batch.record(size, tokens, logprobs)
 
 
@@ -73,8 +77,11 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Decode captured per bucket over the batch's buffers (one memory pool for all graphs)."""
 
-    def __init__(self, model: CausalLM, kv: KVCache, batch: RunningBatch) -> None:
-        self.sizes, self.exact = bucket_sizes(batch.capacity), model.exact
+    def __init__(self, model: CausalLM, kv: KVCache, batch: RunningBatch, rope_offsets: bool = False,
+                 never: torch.Tensor | None = None) -> None:
+        """rope_offsets: the forward shifts the rotary positions by the batch's `rope_offsets`; never: see
+        `sampler.sample` (both as the engine decodes eagerly: `RolloutEngine`)."""
+        self.sizes, self.exact, self.never = bucket_sizes(batch.capacity), model.exact, never
         batch.clear()  # every row padding: the warm-up runs touch only the scratch slot and scratch row
         self.forwards: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -83,13 +90,13 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self.forwards[size], self.logits[size] = _capture(pool, lambda: decode_forward(
                 model, kv, batch.tokens[:size], batch.positions[:size], batch.slots[:size], kv.max_len,
-                ~batch.done(size)))
+                ~batch.done(size), batch.rope_offsets[:size] if rope_offsets else None))
             self.forwards[size].replay()  # real logits (of padding rows) for the sampler's warm-up
             for greedy in (False, True):
                 params = SamplingParams(temperature=0.0 if greedy else 1.0)
                 if fused(self.logits[size], params):
                     self.tails[size, greedy] = _capture(pool, lambda: sample_and_record(
-                        batch, size, self.logits[size], params, None, self.exact))[0]
+                        batch, size, self.logits[size], params, None, self.exact, never))[0]
         batch.clear()
         torch.cuda.synchronize()
 
@@ -106,7 +113,7 @@ class DecodeGraphs:
         if tail is not None:
             tail.replay()
         else:
-            sample_and_record(batch, size, self.logits[size], params, generator, self.exact)
+            sample_and_record(batch, size, self.logits[size], params, generator, self.exact, self.never)
 
 
 def _capture(pool, fn: Callable[[], _Out]) -> tuple[torch.cuda.CUDAGraph, _Out]:

@@ -90,21 +90,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            splits: int, heads: int, window: int | None = None) -> torch.Tensor:
+                            splits: int, heads: int, window: int | None = None,
+                            rope_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention from the fused projection output qkv [B, (H + 2 Hkv) * D] as it left the
     GEMM: each row's token sits at position context_lens - 1; its q and k are rotated in registers (cos/sin
     [max_len, D] fp32 tables, any row stride), its k and v written to the slot's cache at that position, and its
     q attends over the cached positions before it (the last `window` - 1 where given) and over its own k and v
-    -> [B, H, D]. One kernel does what `rotary_store_` and `decode_attention` do in two; qkv is left as it was."""
+    -> [B, H, D]. One kernel does what `rotary_store_` and `decode_attention` do in two; qkv is left as it was.
+    rope_offsets: [B] int64 added to each row's position for its rotation alone (a vision-language prompt's rope delta:
+    `RunningBatch.rope_offsets`); the cache position stays context_lens - 1."""
     dim = qkv.shape[1] // (heads + 2 * k_cache.shape[2])
     if qkv.stride(1) != 1:
         raise ValueError(f"rotary_decode_attention reads rows of contiguous heads: qkv strides {qkv.stride()}")
     return _attend(qkv, (cos, sin), k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, None, WARPS,
-                   window)
+                   window, rope_offsets)
 
 
 def _attend(q, rope_tables, k_cache, v_cache, slots, context_lens, scale, splits, heads, dim, block, warps,
-            window):
+            window, rope_offsets=None):
     """Both entry points' launch: q is a row-strided tensor whose rows start with the heads' queries (and,
     with rope_tables, continue with the new k and v heads)."""
     rows, kv_heads = q.shape[0], k_cache.shape[2]
@@ -119,11 +122,12 @@ def _attend(q, rope_tables, k_cache, v_cache, slots, context_lens, scale, splits
         part_o = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
     cos, sin = rope_tables or (q, q)  # unread without rotation
+    offsets = rope_offsets if rope_offsets is not None else slots  # unread without offsets
     _decode_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, cos, sin, q.stride(0), k_cache.stride(0),
-        k_cache.stride(1), cos.stride(0), scale, HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
+        q, k_cache, v_cache, slots, context_lens, out, part_o, part_lse, cos, sin, offsets, q.stride(0),
+        k_cache.stride(0), k_cache.stride(1), cos.stride(0), scale, HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, SPLITS=splits, BLOCK=block or block_for(dim),
-        ROTATE=rope_tables is not None, WINDOW=window or 0, num_warps=warps)
+        ROTATE=rope_tables is not None, SHIFT=rope_offsets is not None, WINDOW=window or 0, num_warps=warps)
     if splits > 1:
         _merge_kernel[(rows * heads,)](part_o, part_lse, out, SPLITS=splits,
                                        SPLITS_PAD=triton.next_power_of_2(splits), D=dim)
@@ -152,9 +156,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, cos_ptr, sin_ptr,
-                       stride_q, stride_slot, stride_pos, stride_c, scale, HEADS: tl.constexpr,
+                       offset_ptr, stride_q, stride_slot, stride_pos, stride_c, scale, HEADS: tl.constexpr,
                        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr, WINDOW: tl.constexpr):
+                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr, SHIFT: tl.constexpr,
+                       WINDOW: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -173,9 +178,12 @@ if triton is not None:
         cache = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * D
         if ROTATE:  # the row's new token (position length - 1) comes from the projection, not the cache
             pos = length - 1
-            q = rope(q_row + head[:, None] * D, d[None, :], cos_ptr, sin_ptr, pos, stride_c, in_group[:, None],
+            turn = pos  # the rotary position: the cache position, shifted by the row's offset where given
+            if SHIFT:
+                turn = pos + tl.load(offset_ptr + row).to(tl.int32)
+            q = rope(q_row + head[:, None] * D, d[None, :], cos_ptr, sin_ptr, turn, stride_c, in_group[:, None],
                      D // 2)
-            k_new = rope(q_row + (HEADS + kv_head) * D, d, cos_ptr, sin_ptr, pos, stride_c, d < D, D // 2)
+            k_new = rope(q_row + (HEADS + kv_head) * D, d, cos_ptr, sin_ptr, turn, stride_c, d < D, D // 2)
             v_new = tl.load(q_row + (HEADS + KV_HEADS + kv_head) * D + d)
             owner = (pos >= start) & (pos < end)  # the one piece holding the new position writes it
             if owner:

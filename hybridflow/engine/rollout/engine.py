@@ -135,7 +135,9 @@ class RolloutEngine:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, stop_ids: list[int],
                  max_num_seqs: int, max_model_len: int, kv_cache_memory: float | int | None,
                  cuda_graphs: bool, max_prefill_tokens: int, decode_steps_per_sync: int = 8,
-                 record_routes: bool = False) -> None:
+                 record_routes: bool = False, rope_offsets: bool = False, never_sample: list[int] | None = None) -> None:
+        """rope_offsets: decode rotates each row at its position plus its `RunningBatch.rope_offsets` (sequences a
+        vision-language model prefilled: `vision_lm`); never_sample: token ids never drawn (`sampler.sample`'s never)."""
         if not isinstance(decode_steps_per_sync, int) or decode_steps_per_sync < 1:
             raise ValueError(f"decode_steps_per_sync={decode_steps_per_sync!r} is invalid; it must be an int >= 1")
         self.model, self.config, self.device, self.dtype = model, model.config, device, dtype
@@ -143,6 +145,8 @@ class RolloutEngine:
         self.max_prefill_tokens, self.decode_steps_per_sync = max_prefill_tokens, decode_steps_per_sync
         self.backend = pick_backend(device, dtype, model.exact)
         self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.rope_offsets = rope_offsets
+        self.never_sample = torch.tensor(never_sample, device=device) if never_sample else None
         self.kv = model.kv_cache(max_model_len, max_num_seqs, resolve_budget(kv_cache_memory, device))
         # one session decodes at a time (sessions share the slots): the engine owns the running rows'
         # buffers, so the CUDA graphs are captured over them
@@ -332,7 +336,7 @@ class RolloutEngine:
         logits = self.model(ids.to(dev), positions.to(dev), meta, self.kv, (cu[1:] - 1).to(dev))
         if bool((counts > 1).any()):
             logits = logits.repeat_interleave(counts.to(dev), dim=0)
-        return sample(logits, params, generator, exact=self.model.exact)
+        return sample(logits, params, generator, exact=self.model.exact, never=self.never_sample)
 
     def decode(self, batch: RunningBatch, params: SamplingParams, generator: torch.Generator, steps: int) -> None:
         """`steps` new tokens for every running row of `batch` (rows that finish on the way record no more),
@@ -346,8 +350,9 @@ class RolloutEngine:
             # the SDPA path gathers the cache up to the longest context; flash reads each row's own length
             width = min(last + step + 1, self.max_model_len) if self.backend == "sdpa" else self.max_model_len
             logits = decode_forward(self.model, self.kv, batch.tokens[:size], batch.positions[:size],
-                                    batch.slots[:size], width, ~batch.done(size))
-            sample_and_record(batch, size, logits, params, generator, self.model.exact)
+                                    batch.slots[:size], width, ~batch.done(size),
+                                    batch.rope_offsets[:size] if self.rope_offsets else None)
+            sample_and_record(batch, size, logits, params, generator, self.model.exact, self.never_sample)
         batch.advanced(steps)
 
     # ---- weights and memory -----------------------------------------------------------------------
@@ -409,5 +414,5 @@ class RolloutEngine:
     def _capture(self) -> None:
         if self.use_graphs and self.graphs is None:
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, self.kv, self.batch)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.batch, self.rope_offsets, self.never_sample)
             self.stats["graph_capture_s"] = time.perf_counter() - start

@@ -8,7 +8,8 @@ left-padded chunks of up to max_num_seqs rows (prompts x n).
 
 A run on this path says so once when the engine is built (why: an architecture without a fast path, or
 `rollout.engine=hf`), and once more after its first generation, with the tokens per second it reached: on one
-H100 the fast engine decoded 29x `generate`'s rate at the 0.5B shape (docs/benchmarks.md).
+H100 the fast engine decoded 29x `generate`'s rate at the 0.5B shape (docs/benchmarks.md). A subclass that decodes on
+the fast engine (`VisionRolloutEngine`) sets `slow_path` false and says neither.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class HFRolloutEngine:
     kind = "hf"
     auto_class = "AutoModelForCausalLM"  # the transformers Auto class that loads the model (a VLM's subclass: its own)
     path_name = "transformers.generate"  # what generates, as the warnings name it
+    slow_path = True  # say so when built and after the first generation (a subclass on a fast path: False)
 
     def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, stop_ids: list[int],
                  max_num_seqs: int, max_model_len: int, why: str = "rollout.engine=hf") -> None:
@@ -46,11 +48,12 @@ class HFRolloutEngine:
         self.max_num_seqs = max_num_seqs
         self.weight_version = 0  # recorded with every token, as the fast engine does
         self.stats: dict[str, float] = {}
-        self.rate_reported = False
-        logger.warning("rollout: %s, so generation runs through %s, the slow path (the fast "
-                       "engine decoded 29x its tokens per second at the 0.5B shape on one H100; "
-                       "docs/models.md lists the fast architectures); its rate follows the first generation",
-                       why, self.path_name)
+        self.rate_reported = not self.slow_path
+        if self.slow_path:
+            logger.warning("rollout: %s, so generation runs through %s, the slow path (the fast "
+                           "engine decoded 29x its tokens per second at the 0.5B shape on one H100; "
+                           "docs/models.md lists the fast architectures); its rate follows the first generation",
+                           why, self.path_name)
 
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]],

@@ -44,7 +44,7 @@ def fused(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            seed: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None,
-           exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           exact: bool = False, never: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row.
 
     logits: [R, V], any float dtype (converted to fp32; may be modified in place when already fp32).
@@ -52,11 +52,22 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     CDF, one Philox uniform per row) draws from the same distribution, seeded by `seed` ([1] int64 on
     the device; None: drawn from `generator`) at the inverse temperature `inv_temp` ([1] fp32 on the
     device; None: from params). `exact`: the log-probs come from `invariant.token_log_probs` (at temperature
-    1 when greedy), the arithmetic the training engine's log-prob head runs.
+    1 when greedy), the arithmetic the training engine's log-prob head runs. `never`: [K] token ids that are never
+    drawn (a vision-language model's image placeholders); the log-probs stay the policy's over every token
+    (as `log_probs_of` the unmasked logits), what the trainer computes for the drawn ones.
     """
+    if never is not None and not exact and not fused(logits, params):
+        return _draw_except(logits, params, generator, never)
     # the torch path scales fp32 logits in place; the exact log-probs read them afterwards
     source = logits.clone() if exact and logits.dtype == torch.float32 else logits
+    if never is not None:  # out of place: the log-probs below read the logits as they were
+        source = source.index_fill(-1, never, float("-inf"))
     tokens, logprobs = _draw(source, params, generator, seed, inv_temp)
+    if never is not None and not exact:  # fused, so no truncation: log_softmax at the temperature
+        x = logits.float()
+        if not params.greedy:  # the device's inverse temperature where given, as the draw's (a CUDA graph replays it)
+            x = x * (inv_temp if inv_temp is not None else 1.0 / params.temperature)
+        logprobs = x.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
     if exact:
         if params.greedy:
             inv_temp = None
@@ -93,10 +104,29 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
         x = x.div_(params.temperature)
     x = _truncate(x, params.top_k, params.top_p)
     lse = torch.logsumexp(x, dim=-1)
+    tokens = _gumbel_argmax(x, generator)
+    logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse
+    return tokens, logprobs
+
+
+def _draw_except(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 never: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch sampler's draw with the `never` ids left out, the log-prob the policy's over every token (as
+    `log_probs_of`): the normaliser is taken before the ids are masked, and the drawn token is never one of them, so
+    its logit is the same masked or not. One pass over the logits where a masked draw and `log_probs_of` took two."""
+    x = logits.float()
+    if not params.greedy:
+        x = _truncate(x.div_(params.temperature), params.top_k, params.top_p)
+    lse = torch.logsumexp(x, dim=-1)
+    x = x.index_fill_(-1, never, float("-inf"))
+    tokens = x.argmax(dim=-1) if params.greedy else _gumbel_argmax(x, generator)
+    return tokens, x.gather(-1, tokens[:, None])[:, 0] - lse
+
+
+def _gumbel_argmax(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """argmax(x + Gumbel noise) per row of x [R, V] fp32: a draw from softmax(x). The noise buffer is reused."""
     # E = -log(U) with U uniform is Exponential(1); drawn this way because `exponential_` costs several
     # times a uniform draw on a CPU (docs/benchmarks.md). E == 0 would give a +inf Gumbel and a NaN on
     # a -inf (truncated) logit; clamp it away.
     noise = torch.rand(x.shape, generator=generator, device=x.device).log_().neg_().clamp_min_(1e-30).log_()
-    tokens = torch.sub(x, noise, out=noise).argmax(dim=-1)
-    logprobs = x.gather(-1, tokens[:, None])[:, 0] - lse
-    return tokens, logprobs
+    return torch.sub(x, noise, out=noise).argmax(dim=-1)

@@ -92,6 +92,10 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
+    def take(self, count: int) -> list[int]:
+        """The `count` lowest free slots, for sequences started outside the queue (`Session.place`)."""
+        return [heapq.heappop(self.free_slots) for _ in range(count)]
+
     def withdraw(self, seqs: set[int] | None) -> list[Request]:
         """Take the waiting new prompts of sequences `seqs` (None: all) out of the queue, whole: a request's
         samples share one prefill, so withdrawing some of them alone is refused."""

@@ -57,7 +57,8 @@ class Finished:
 class RunningBatch:
     """The decoding rows, in fixed buffers of `capacity` rows. Per row: slots, positions (where the next
     input token goes; context length - 1), tokens (the last sampled token, the next input), generated
-    (tokens so far), max_gen (the row's limit). Per session (`reset`): is_stop [V] (the stop ids as a
+    (tokens so far), max_gen (the row's limit), rope_offsets (added to the row's positions for its rotary
+    embedding alone: a vision-language prompt's rope delta, `vision_lm`; 0 otherwise). Per session (`reset`): is_stop [V] (the stop ids as a
     mask), inv_temp [1] and seed [1] (the fused sampler's, advanced by one per decode step on the device).
     version [1]: the weight version each sampled token is recorded with (set by the session between steps).
     Output buffers [slots + 1, width]: the last row is the scratch row finished rows write to.
@@ -73,7 +74,7 @@ class RunningBatch:
             return torch.full((capacity,), fill, dtype=torch.long, device=device)
 
         self.slots, self.positions, self.tokens = longs(scratch_slot), longs(), longs()
-        self.generated, self.max_gen = longs(), longs()
+        self.generated, self.max_gen, self.rope_offsets = longs(), longs(), longs()
         self.out_tokens = torch.zeros(scratch_slot + 1, width, dtype=torch.long, device=device)
         self.out_logprobs = torch.zeros(scratch_slot + 1, width, dtype=torch.float32, device=device)
         self.out_versions = torch.zeros(scratch_slot + 1, width, dtype=torch.int32, device=device)
@@ -106,8 +107,9 @@ class RunningBatch:
         self.host_slots, self.host_positions, self.host_left = [], [], []
 
     def add(self, slots: list[int], positions: list[int], max_gen: list[int], tokens: torch.Tensor,
-            logprobs: torch.Tensor) -> None:
-        """Join rows whose first token ([R] tokens/logprobs) was sampled from their prompt's prefill."""
+            logprobs: torch.Tensor, rope_offsets: list[int] | None = None) -> None:
+        """Join rows whose first token ([R] tokens/logprobs) was sampled from their prompt's prefill (rope_offsets:
+        per row, None for 0)."""
         def as_long(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -120,7 +122,8 @@ class RunningBatch:
         index = torch.tensor(order, device=self.device)
         for buffer, new in ((self.slots, new_slots), (self.positions, as_long(positions)),
                             (self.tokens, tokens), (self.generated, torch.ones_like(new_slots)),
-                            (self.max_gen, as_long(max_gen))):
+                            (self.max_gen, as_long(max_gen)),
+                            (self.rope_offsets, as_long(rope_offsets or [0] * len(slots)))):
             buffer[:len(order)] = torch.cat([buffer[:size], new])[index]
         positions_all = self.host_positions + list(positions)
         left_all = self.host_left + [g - 1 for g in max_gen]
@@ -182,7 +185,7 @@ class RunningBatch:
                             self.is_stop[self.tokens[idx]].tolist())
         keep = sorted(set(range(size)) - set(gone))
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        for buffer in (self.slots, self.positions, self.tokens, self.generated, self.max_gen):
+        for buffer in (self.slots, self.positions, self.tokens, self.generated, self.max_gen, self.rope_offsets):
             buffer[:len(keep)] = buffer[index]
         self._pad(len(keep), size)
         self.host_slots = [self.host_slots[i] for i in keep]
@@ -193,5 +196,5 @@ class RunningBatch:
     def _pad(self, start: int, end: int | None = None) -> None:
         """Make rows [start, end) padding: the scratch slot, position 0, finished (max_gen 0)."""
         self.slots[start:end] = self.scratch_slot
-        for buffer in (self.positions, self.tokens, self.generated, self.max_gen):
+        for buffer in (self.positions, self.tokens, self.generated, self.max_gen, self.rope_offsets):
             buffer[start:end] = 0

@@ -23,6 +23,9 @@ back (log-probs and the weight version of each token included) and their slots a
 carry them across a step boundary or a checkpoint and prefill them again later (partial rollouts,
 `hybridflow.workers.partial_rollout`). Each token records the engine's `weight_version` when it was sampled,
 so a sequence that runs on across an in-place weight update knows which tokens which weights produced.
+`place` starts sequences whose prompts another model prefilled into their slots (a vision-language model through
+its own modules, `vision_lm`): their first tokens come from the logits it gives, and the session decodes them as
+any other, each row's rotary position shifted by its offset where the engine takes `rope_offsets`.
 `reseed` restarts the session's random streams from a seed, so what a session samples next depends on that
 seed and its rows alone, not on what it sampled before.
 
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridflow.engine.rollout.sampler import sample
 from hybridflow.engine.rollout.types import Completion, SamplingParams
 from hybridflow.engine.rollout.scheduler import Scheduler
 from hybridflow.engine.rollout.sequence import Request
@@ -166,6 +170,38 @@ class Session:
         self.scheduler.release(taken.slots)
         return out
 
+    @property
+    def free_slots(self) -> int:
+        """Slots no sequence runs in, holds or waits for: what `place` may take now."""
+        return len(self.scheduler.free_slots)
+
+    @torch.inference_mode()
+    def place(self, lengths: list[int], n: int, logits: torch.Tensor,
+              rope_offsets: list[int] | None = None) -> list[tuple[list[int], list[int]]]:
+        """Start n samples of each of the prompts another model prefilled: prompt i, of lengths[i] tokens, takes n
+        free slots now and its samples' first tokens are drawn from its last position's logits[i] (logits [P, V]).
+        The caller writes prompt i's K/V to positions [0, lengths[i]) of its slots before the next `step`.
+        rope_offsets: per prompt, added to its rows' positions for the rotary embedding alone (an engine built with
+        `rope_offsets`); None: 0. -> per prompt, (its sequence ids, their slots)."""
+        need = n * len(lengths)
+        if need > self.free_slots:
+            raise ValueError(f"{len(lengths)} prompts x {n} samples need {need} slots; {self.free_slots} are free")
+        self._sync_version()
+        slots = self.scheduler.take(need)
+        tokens, logprobs = sample(logits.repeat_interleave(n, dim=0), self.params, self.generator,
+                                  never=self.engine.never_sample)
+        placed, max_gen = [], []
+        for i, length in enumerate(lengths):
+            seqs, mine = list(range(self.next_seq, self.next_seq + n)), slots[i * n:(i + 1) * n]
+            self.next_seq += n
+            for seq, slot in zip(seqs, mine):
+                self.running[slot] = (seq, length)
+            max_gen += [min(self.params.max_tokens, self.engine.max_model_len - length)] * n
+            placed.append((seqs, mine))
+        offsets = [o for o in (rope_offsets or [0] * len(lengths)) for _ in range(n)]
+        self.batch.add(slots, [length for length in lengths for _ in range(n)], max_gen, tokens, logprobs, offsets)
+        return placed
+
     def started(self) -> set[int]:
         """The sequences admitted and decoding: their prefill has sampled their first tokens."""
         return {seq for seq, _ in self.running.values()}
@@ -190,9 +226,7 @@ class Session:
         Until `collect`, the caller may do host work beside the GPU's (`hybridflow.agents.loop.engine_driver` serves
         HTTP requests) and `add`, `extend`, `shorten` or `release` sequences, which touch only the queue and
         the held slots; the next `launch` admits what they queued."""
-        if self.version != self.engine.weight_version:
-            self.version = self.engine.weight_version
-            self.batch.version.fill_(self.version)
+        self._sync_version()
         admitted = self.scheduler.admit(len(self.batch))
         if not admitted and not len(self.batch):
             return None
@@ -241,6 +275,12 @@ class Session:
         if not self.hold:
             self.scheduler.release(finished.slots)
         return done
+
+    def _sync_version(self) -> None:
+        """The batch records tokens with the engine's current weight version."""
+        if self.version != self.engine.weight_version:
+            self.version = self.engine.weight_version
+            self.batch.version.fill_(self.version)
 
     def run(self) -> dict[int, Completion]:
         """Step until nothing can run; the completion of each sequence's turn that ended meanwhile."""

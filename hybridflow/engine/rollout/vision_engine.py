@@ -4,35 +4,48 @@
     outs = engine.generate(prompt_token_ids, SamplingParams(n=8), vision=[VisionInputs, ...])
 
 Each prompt's token ids already hold its vision tokens (`hybridflow.data.image_prompts`); `vision[i]` holds its pixel values
-and patch grids (None for a prompt without images). Prompts run in left-padded chunks of up to max_num_seqs rows
-(prompts x n). A chunk is prefilled once: one forward of the transformers model over its prompts, where the vision
-tower encodes each prompt's images once and their embeddings take the place of the image tokens; the KV cache and
-the last position's logits are then repeated for the n samples of each prompt, so the samples share the prompt's
-one encoding and prefill. Decoding feeds one token per row over that cache with the multimodal rotary positions
-(mrope) of Qwen2.5-VL and Qwen3-VL: the prompt's positions come from the model's `get_rope_index` (an image's tokens take
-temporal / height / width positions, text after it continues from the largest), and a generated token's three
-position components are all `its index + the prompt's rope delta`. Tokens are drawn by the fast engine's sampler
-(`sampler.sample`), so log-probs and greedy ties follow the same rules, except that the image and video placeholder
-tokens are never drawn (sampled into a response, the trainer's forward would take one for an image position); the
-log-probs stay the policy's over every token, as the trainer computes them. Greedy output equals
-`transformers.generate` on the same prompt and image, for both families (tests/engine/vision/test_vision_rollout.py).
+and patch grids (None for a prompt without images).
 
-This is a correct path through the model's own modules, not our fused decoder: no varlen prefill, CUDA graphs or
-continuous batching (a chunk decodes until its last row stops). It inherits weight loading and sleep / wake from
-`HFRolloutEngine`, and its warning that generation runs on the slow path.
+The prefill runs in the model's own transformers modules, the decode on the fast engine (`vision_lm`):
+
+- **Prefill**, once per prompt, as many prompts at a time as have free KV slots for their n samples (within
+  `max_prefill_tokens` padded tokens; once an eighth of the slots is free, as the fast scheduler admits): one
+  forward of the transformers model over the left-padded prompts, where the vision tower encodes each prompt's
+  images once and their embeddings take the place of the image tokens, with the multimodal rotary positions (mrope)
+  of `get_rope_index` (an image's tokens take temporal / height / width positions, text after it continues from the
+  largest).
+- **Hand-off**: each prompt's K/V, already rotated by those positions, go from transformers' cache into the fast
+  engine's slots of its n samples (`vision_lm.write_prompts`), and the samples' first tokens are drawn from the
+  prompt's last logits (`Session.place`).
+- **Decode**: the fast engine's, with continuous batching (a finished row's slot takes the next waiting prompt), CUDA
+  graphs and its sampler. A generated token's three mrope components all equal `its index + the prompt's rope
+  delta`, so its rotation is the text family's plain rope at that position: each row's rotary position is shifted
+  by its prompt's delta (`RunningBatch.rope_offsets`), its cache position stays its index.
+
+The language model is the fast decoder's Qwen2 (Qwen2.5-VL) or Qwen3 (Qwen3-VL) over one copy of the weights
+(`vision_lm.SharedWeights`), so `load_weights` (HF names, into the transformers model in place) reaches the decode
+too, and `sleep` / `wake` free and re-make the fast engine's KV cache (with offload, every weight to the CPU and back,
+still one copy). The image and video placeholder tokens are never drawn (sampled into a response, the trainer's
+forward would take one for an image position); the log-probs stay the policy's over every token, as the trainer
+computes them (`sampler.sample`'s `never`). Greedy output equals `transformers.generate` on the same prompts and
+images, for both families, with prompts joining as slots free (tests/engine/vision/test_vision_rollout.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from hybridflow.data.image_prompts import VisionInputs
+from hybridflow.engine.rollout.engine import MAX_PREFILL_TOKENS, RolloutEngine
 from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
-from hybridflow.engine.rollout.sampler import log_probs_of, sample
+from hybridflow.engine.rollout.session import Session
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
+from hybridflow.engine.rollout.vision_lm import SharedWeights, write_prompts
 
 
 class VisionRolloutEngine(HFRolloutEngine):
@@ -40,20 +53,28 @@ class VisionRolloutEngine(HFRolloutEngine):
 
     kind = "vision"
     auto_class = "AutoModelForImageTextToText"
-    path_name = "the transformers model's own modules (VisionRolloutEngine)"
+    path_name = "the transformers model's prefill and the fast engine's decode (VisionRolloutEngine)"
+    slow_path = False
 
     def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, stop_ids: list[int],
-                 max_num_seqs: int, max_model_len: int) -> None:
-        super().__init__(path, device, dtype, stop_ids, max_num_seqs, max_model_len,
-                         why="a vision-language model has no path in the fast engine")
+                 max_num_seqs: int, max_model_len: int, kv_cache_memory: float | int | None = None,
+                 cuda_graphs: bool = True, max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> None:
+        """kv_cache_memory, cuda_graphs: the fast engine's (`RolloutEngine.from_pretrained`); max_prefill_tokens: the
+        padded prompt tokens (prompts x the longest) one prefill forward takes, where more than one prompt waits."""
+        super().__init__(path, device, dtype, stop_ids, max_num_seqs, max_model_len)
         text = self.config.get_text_config()  # a VLM config keeps the language model's sizes in its text config
         self.max_model_len = min(self.max_model_len, text.max_position_embeddings)
+        self.max_prefill_tokens = max_prefill_tokens
         self.image_token_id = int(self.config.image_token_id)
         self.vocab_size = int(text.vocab_size)
         # never sampled: a response's image or video placeholder would be taken for an image position by the
         # trainer's forward (its features scattered there, its rotary index shifted) and fail the update
         placeholders = {self.image_token_id, int(getattr(self.config, "video_token_id", self.image_token_id))}
-        self.placeholders = torch.tensor(sorted(t for t in placeholders if t < self.vocab_size), device=self.device)
+        self.weights = SharedWeights.build(self.model, self.max_model_len)
+        self.fast = RolloutEngine(self.weights.fast, device, dtype, stop_ids, max_num_seqs, self.max_model_len,
+                                  kv_cache_memory, cuda_graphs, max_prefill_tokens, rope_offsets=True,
+                                  never_sample=sorted(t for t in placeholders if t < self.vocab_size))
+        self.max_num_seqs = self.fast.kv.num_slots  # the KV budget may hold fewer rows than asked for
         self.encoded_images = 0  # images the vision tower has encoded (tests: once per prompt, not per sample)
 
     @torch.inference_mode()
@@ -68,17 +89,57 @@ class VisionRolloutEngine(HFRolloutEngine):
                              f"per prompt")
         for i, (prompt, images) in enumerate(zip(prompt_token_ids, vision)):
             self._check_image_tokens(i, prompt, images)
-        stop_ids = self.default_stop_ids if params.stop_token_ids is None else params.stop_token_ids
-        generator = torch.Generator(self.device)
-        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
-        per_chunk = max(1, self.max_num_seqs // params.n)
-        outs: list[list[Completion]] = []
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds the engine's {self.max_num_seqs} KV slots; build "
+                             f"it with max_num_seqs >= n")
+        self.fast.weight_version = self.weight_version  # its owner sets ours; the fast engine records the tokens
+        session = self.fast.session(params)
+        waiting = deque(range(len(prompt_token_ids)))
+        seqs: list[list[int]] = [[] for _ in prompt_token_ids]
+        done: dict[int, Completion] = {}
         start_s = time.perf_counter()
-        for start in range(0, len(prompt_token_ids), per_chunk):
-            end = start + per_chunk
-            outs += self._generate_images(prompt_token_ids[start:end], vision[start:end], params, stop_ids, generator)
+        while waiting or session.has_work:
+            chunk = self._admit(waiting, prompt_token_ids, session, params.n)
+            if not chunk:
+                done.update(session.step())
+                continue
+            placed = self._start(session, [prompt_token_ids[i] for i in chunk], [vision[i] for i in chunk], params.n)
+            for i, ids in zip(chunk, placed):
+                seqs[i] = ids
+        outs = [[done[seq] for seq in row] for row in seqs]
         self.report_rate(outs, start_s)
         return outs
+
+    def _admit(self, waiting: deque[int], prompts: list[list[int]], session: Session, n: int) -> list[int]:
+        """The waiting prompts to prefill now (popped): as many as have n free slots each and fit one prefill of
+        `max_prefill_tokens` padded tokens, once they fill an eighth of the slots (or all that wait, or nothing
+        runs), as the fast engine's scheduler admits; [] to decode instead."""
+        fit = min(len(waiting), session.free_slots // n)
+        width = count = 0
+        while count < fit:
+            width = max(width, len(prompts[waiting[count]]))
+            if count and (count + 1) * width > self.max_prefill_tokens:
+                break
+            count += 1
+        wanted = min(max(1, self.max_num_seqs // 8), len(waiting) * n)
+        if not count or (count * n < wanted and len(session.batch)):
+            return []
+        return [waiting.popleft() for _ in range(count)]
+
+    def _start(self, session: Session, prompts: list[list[int]], vision: list[VisionInputs | None],
+               n: int) -> list[list[int]]:
+        """Prefill the prompts through the transformers modules, draw their samples' first tokens and hand their
+        K/V to the fast engine's slots; the sequence ids of each prompt's samples."""
+        logits, cache, deltas = self._prefill(prompts, vision)
+        lengths = [len(p) for p in prompts]
+        offsets = [int(d) for d in deltas[:, 0].tolist()]
+        for length, delta in zip(lengths, offsets):
+            if delta > 0:  # images only ever lower a prompt's largest position below its length
+                raise ValueError(f"a prompt of {length} tokens has rope delta {delta} > 0 (video timestamps?); the "
+                                 f"fast decode's rotary table holds positions up to max_model_len only")
+        placed = session.place(lengths, n, logits, offsets)
+        write_prompts(self.fast.kv, cache, lengths, [slots for _, slots in placed])
+        return [ids for ids, _ in placed]
 
     def _check_image_tokens(self, i: int, prompt: list[int], images: VisionInputs | None) -> None:
         """ValueError when prompt i's image tokens are not the merged patches of its images."""
@@ -89,8 +150,8 @@ class VisionRolloutEngine(HFRolloutEngine):
                              f"{want}; encode prompts and images together (hybridflow.data.image_prompts.VisionPrompts)")
 
     def _prefill(self, prompts: list[list[int]], vision: list[VisionInputs | None]):
-        """One forward over the left-padded prompts and their images -> (last logits [B, V], KV cache,
-        attention mask [B, P], rope deltas [B, 1])."""
+        """One forward over the left-padded prompts and their images -> (last logits [B, V], transformers' KV cache,
+        rope deltas [B, 1])."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
@@ -102,56 +163,34 @@ class VisionRolloutEngine(HFRolloutEngine):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                          **(images.model_kwargs() if images is not None else {}))
         self.encoded_images += 0 if grid is None else len(grid)
-        return out.logits[:, -1], out.past_key_values, mask, deltas
+        return out.logits[:, -1], out.past_key_values, deltas
 
-    def _generate_images(self, prompts: list[list[int]], vision: list[VisionInputs | None], params: SamplingParams,
-                        stop_ids: list[int], generator: torch.Generator) -> list[list[Completion]]:
-        logits, cache, mask, deltas = self._prefill(prompts, vision)
-        n = params.n
-        if n > 1:  # the samples of a prompt share its prefill: its cache rows repeated, nothing recomputed
-            cache.batch_repeat_interleave(n)
-            logits, mask, deltas = (t.repeat_interleave(n, dim=0) for t in (logits, mask, deltas))
-        limits = torch.tensor([min(params.max_tokens, self.max_model_len - len(p)) for p in prompts
-                               for _ in range(n)], device=self.device)
-        lengths = mask.sum(-1)
-        is_stop = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-        stops = [t for t in stop_ids if t < self.vocab_size]
-        if stops:
-            is_stop[torch.tensor(stops, device=self.device)] = True
-        tokens, logprobs = self._sample(logits, params, generator)
-        out_tokens, out_logprobs = [tokens], [logprobs]
-        done = is_stop[tokens] | (limits <= 1)
-        for step in range(1, int(limits.max())):
-            if bool(done.all()):
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            # a generated token's t/h/w positions are equal: its index in the sequence shifted by the rope delta
-            position = (lengths + step - 1)[:, None] + deltas
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, cache=cache,
-                             position_ids=position[None].expand(3, -1, -1), use_cache=True)
-            cache = out.past_key_values
-            tokens, logprobs = self._sample(out.logits[:, -1], params, generator)
-            out_tokens.append(tokens)
-            out_logprobs.append(logprobs)
-            done = done | is_stop[tokens] | (limits <= step + 1)
-        return self._completions(torch.stack(out_tokens, 1), torch.stack(out_logprobs, 1), limits, is_stop, n)
+    # ---- weights and memory: one copy of the language model, two sets of modules over it (`vision_lm`) ---------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the transformers model in place, which the fast engine's weights share."""
+        if self.fast.weights_offloaded:
+            self.fast.load_weights(())  # brings its offloaded weights back, as a load into it would
+            self._follow_fast()
+        return super().load_weights(named_tensors)
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draw by the fast engine's sampler with the vision placeholders left out; the log-probs are the policy's
-        own (`sample`'s over every token, what the trainer computes for the drawn ones)."""
-        tokens, _ = sample(logits.index_fill(-1, self.placeholders, float("-inf")), params, generator)
-        return tokens, log_probs_of(logits, tokens, params)
+    def sleep(self, offload_weights: bool = False) -> None:
+        """Free the fast engine's KV cache; with offload_weights, move every weight to the CPU."""
+        self.fast.sleep(offload_weights)
+        if offload_weights:
+            self._follow_fast()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
-    def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: torch.Tensor, is_stop: torch.Tensor,
-                     n: int) -> list[list[Completion]]:
-        """Rows [B*n, steps] -> per prompt its n `Completion`s, each cut after its first stop token or its limit."""
-        stopped = is_stop[tokens].tolist()
-        token_rows, logprob_rows, limit_list = tokens.tolist(), logprobs.tolist(), limits.tolist()
-        rows = []
-        for r, (ids, lps, limit, stop) in enumerate(zip(token_rows, logprob_rows, limit_list, stopped)):
-            end = next((k + 1 for k, s in enumerate(stop[:limit]) if s), None)
-            length = end or limit
-            rows.append(Completion(ids[:length], lps[:length], "stop" if end else "length",
-                                   versions=[self.weight_version] * length))
-        return [rows[i:i + n] for i in range(0, len(rows), n)]
+    def wake(self) -> None:
+        if self.fast.weights_offloaded:
+            self.fast.load_weights(())
+            self._follow_fast()
+        self.fast.wake()
+
+    def _follow_fast(self) -> None:
+        """After the fast engine moved its weights: the transformers model's views follow its fused projections, the
+        model moves the rest (its tower, the tensors the fast model holds) to where they went, and the fast model
+        holds those moved tensors again; still one copy."""
+        self.weights.views_into_fast()
+        self.model.to("cpu" if self.fast.weights_offloaded else self.device)
+        self.weights.fast_holds_hf()

@@ -9,7 +9,7 @@ import torch
 
 from hybridflow.engine.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.cuda_graphs import bucket_sizes
-from hybridflow.engine.rollout.sampler import sample
+from hybridflow.engine.rollout.sampler import log_probs_of, sample
 from hybridflow.engine.rollout.scheduler import Scheduler
 from hybridflow.engine.rollout.sequence import Request
 
@@ -41,6 +41,21 @@ def test_sampler_truncation_and_logprobs():
     assert torch.allclose(logprobs, (logits[0] / 2.0).log_softmax(-1)[tokens], atol=1e-6)
     tokens, logprobs = sample(logits.clone(), SamplingParams(temperature=0.0), None)
     assert (tokens == 0).all() and torch.allclose(logprobs, logits[0].log_softmax(-1)[0].expand(4000))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.3, top_k=3), SamplingParams(top_p=0.9)])
+def test_ids_never_drawn_keep_the_policys_log_probs(params):
+    """`never` (a vision model's placeholders): the ids are never drawn, even when most likely, and each drawn token's
+    log-prob is `log_probs_of` the unmasked logits, what the trainer computes for it; the rest follow softmax."""
+    logits = torch.tensor([[6.0, 4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(4000, 1)
+    tokens, logprobs = sample(logits.clone(), params, torch.Generator().manual_seed(0), never=torch.tensor([0, 2]))
+    assert not {0, 2} & set(tokens.tolist())
+    assert torch.allclose(logprobs, log_probs_of(logits, tokens, params), atol=1e-6)
+    if params == SamplingParams(temperature=0.7):
+        freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+        allowed = (logits[0] / 0.7).index_fill(0, torch.tensor([0, 2]), float("-inf")).softmax(-1)
+        assert torch.allclose(freq, allowed, atol=0.03)
 
 
 def test_scheduler_fills_free_slots_in_order_within_the_token_budget():

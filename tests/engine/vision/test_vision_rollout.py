@@ -1,6 +1,7 @@
 """VisionRolloutEngine on a tiny random Qwen2.5-VL and Qwen3-VL: greedy output equals `transformers.generate` on the same prompt
-and image; the vision tower encodes each prompt's images once for all its samples; sampled log-probs are the
-engine's; bad vision inputs are refused naming the prompt."""
+and image, prompts joining the fast engine's decode as slots free; the vision tower encodes each prompt's images once
+for all its samples; one copy of the language model's weights serves the prefill and the decode, updates included;
+sampled log-probs are the engine's; placeholders are never drawn; bad vision inputs are refused naming the prompt."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def setup(tiny_vlm):
     return engine, rows
 
 
+def generated(model, ids, vision, max_new_tokens):
+    """transformers.generate's greedy tokens for one prompt and its images (the placeholders suppressed, as ours)."""
+    image_id = model.config.image_token_id
+    prompt = torch.tensor([ids])
+    expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                              mm_token_type_ids=(prompt == image_id).int(), max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=[3], suppress_tokens=[image_id, model.config.video_token_id],
+                              **(vision.model_kwargs() if vision is not None else {}))
+    return expected[0, len(ids):].tolist()
+
+
 def test_greedy_equals_transformers_generate(setup, tiny_vlm):
     from transformers import AutoModelForImageTextToText
 
@@ -26,16 +38,58 @@ def test_greedy_equals_transformers_generate(setup, tiny_vlm):
     outs = engine.generate([ids for ids, _ in rows], SamplingParams(temperature=0.0, max_tokens=16, n=2),
                            vision=[v for _, v in rows])
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
-    image_id = model.config.image_token_id
     for (ids, vision), samples in zip(rows, outs):
-        prompt = torch.tensor([ids])
-        expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                  mm_token_type_ids=(prompt == image_id).int(), max_new_tokens=16, do_sample=False,
-                                  eos_token_id=[3], suppress_tokens=[image_id, model.config.video_token_id],
-                                  **(vision.model_kwargs() if vision is not None else {}))
-        want = expected[0, len(ids):].tolist()
+        want = generated(model, ids, vision, 16)
         assert len(set(want)) > 3  # the random model is not stuck on one token: the comparison means something
         assert [s.token_ids for s in samples] == [want, want]
+
+
+def test_prompts_join_as_slots_free_and_still_equal_generate(tiny_vlm):
+    """Four slots for 4 prompts x 2 samples: prompts are prefilled (through the transformers modules) while earlier
+    rows decode on the fast engine, into slots finished rows gave back, beside rows of other rope deltas; each row
+    still equals `generate`. The context limit gives the longer prompts fewer tokens, so rows finish at different
+    steps."""
+    from transformers import AutoModelForImageTextToText
+
+    _, rows = encoded_prompts(tiny_vlm)
+    rows = rows + [(rows[0][0][:-3], rows[0][1])]  # a shorter prompt with the same image: another length and delta
+    context = max(len(ids) for ids, _ in rows) + 5
+    engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [3], 4, context)
+    prefills, running = [], []
+    forward, start = engine.model.forward, engine._start
+    engine.model.forward = lambda *a, **k: prefills.append(k["input_ids"].shape[0]) or forward(*a, **k)
+    engine._start = lambda *a: running.append(len(engine.fast.batch)) or start(*a)
+    outs = engine.generate([ids for ids, _ in rows], SamplingParams(temperature=0.0, max_tokens=12, n=2),
+                           vision=[v for _, v in rows])
+    assert sum(prefills) == len(rows) and max(running) > 0  # each prompt prefilled once, some beside running rows
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    for (ids, vision), samples in zip(rows, outs):
+        want = generated(model, ids, vision, min(12, context - len(ids)))
+        assert [s.token_ids for s in samples] == [want, want]
+
+
+def test_one_copy_of_the_language_model_and_weight_updates_reach_the_decode(tiny_vlm):
+    """The fast engine holds the transformers model's tensors (q/k/v as views of its fused projection): a weight
+    update copied into the engine is what both the prefill and the decode run, and greedy output equals `generate`
+    of the updated model; sleep with offload and wake keep one copy."""
+    engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [3], 8, 512)
+    language = engine.model.model.language_model
+    fused = engine.fast.model.model.layers[0].self_attn.qkv_proj.weight
+    q_proj = language.layers[0].self_attn.q_proj.weight
+    assert q_proj.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert engine.fast.model.model.embed_tokens.weight.data_ptr() == language.embed_tokens.weight.data_ptr()
+    update = {name: p.detach() * 1.5 for name, p in engine.model.named_parameters()
+              if name.startswith("model.language_model.layers.") and "proj" in name}
+    engine.load_weights(update.items())
+    assert torch.equal(fused[:q_proj.shape[0]], update["model.language_model.layers.0.self_attn.q_proj.weight"])
+    engine.sleep(offload_weights=True)
+    engine.wake()
+    assert q_proj.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    _, rows = encoded_prompts(tiny_vlm)
+    outs = engine.generate([ids for ids, _ in rows], SamplingParams(temperature=0.0, max_tokens=10),
+                           vision=[v for _, v in rows])
+    for (ids, vision), samples in zip(rows, outs):
+        assert samples[0].token_ids == generated(engine.model, ids, vision, 10)
 
 
 def test_vision_tower_once_per_prompt_and_logprobs(setup):
@@ -60,8 +114,9 @@ def test_vision_placeholders_are_never_drawn_and_log_probs_stay_the_policys(setu
     -1e4 here, not the renormalized log-prob of the draw."""
     engine, rows = setup
     boost = torch.tensor([engine.image_token_id])
-    hook = engine.model.get_output_embeddings().register_forward_hook(
-        lambda module, args, out: out.index_fill(-1, boost, 1e4))
+    # the first token comes from the transformers model's prefill, the others from the fast engine's decode
+    hooks = [head.register_forward_hook(lambda module, args, out: out.index_fill(-1, boost, 1e4))
+             for head in (engine.model.get_output_embeddings(), engine.fast.model.lm_head)]
     try:
         for params in (SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=0),
                        SamplingParams(temperature=0.0, max_tokens=6)):
@@ -70,7 +125,8 @@ def test_vision_placeholders_are_never_drawn_and_log_probs_stay_the_policys(setu
             assert all(engine.image_token_id not in s.token_ids for s in samples)
             assert all(lp < -1e3 for s in samples for lp in s.logprobs)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def test_bad_vision_inputs_refused(setup):

@@ -1,0 +1,139 @@
+"""A vision-language model's language model on the fast engine, holding the transformers model's own weights: the
+decode half of `VisionRolloutEngine`.
+
+Qwen2.5-VL's language model is Qwen2's decoder (q/k/v biases) and Qwen3-VL's is Qwen3's (per-head q/k norms); what
+makes them multimodal is the input (image features in place of the image tokens, Qwen3-VL's DeepStack features added
+at those positions) and the rotary positions. `get_rope_index` gives an image's tokens temporal / height / width
+positions, and every token after the prompt has all three components at `its index + the prompt's rope delta`. With
+the three equal, the mrope sections (Qwen2.5-VL's contiguous, Qwen3-VL's interleaved) all rotate by one position, so
+a generated token's rotation is the text family's plain rope at that position: the same `inv_freq` from the same
+`rope_theta`. Once the prompt's K/V are in the cache (prefilled by the transformers modules with the 3-D positions),
+decoding is the text family's decode with each row's rotary position shifted by its prompt's delta
+(`RunningBatch.rope_offsets`), while its cache position stays its index.
+
+- `text_config`: the VLM's text config as its family's (`qwen2` / `qwen3`), for `CausalLM.build`.
+- `SharedWeights`: one copy of the language model's weights. The fast model holds the transformers model's own
+  tensors for what it does not fuse (embeddings, norms, o_proj, down_proj, the head); the transformers model's q/k/v
+  and gate/up projections become views into the fast model's fused `qkv_proj` / `gate_up_proj`. A weight update
+  copied into the transformers model in place is the fast model's too. A move of the weights (sleep with offload,
+  wake) gives tensors new storage: `views_into_fast` and `fast_holds_hf` make them one again.
+- `write_prompts`: the prompts' K/V from transformers' cache (left-padded rows) into the fast engine's slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridflow.engine.rollout.attention import pick_backend
+from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.linear import FusedLinear, Shard
+from hybridflow.engine.rollout.model import CausalLM, weight_target
+from hybridflow.utils.lm_class import language_model_name
+
+# the vision-language family -> the transformers config class of its language model's text family
+_TEXT_FAMILY = {"qwen2_5_vl": "Qwen2Config", "qwen3_vl": "Qwen3Config"}
+# text-config fields the text family reads differently or not at all: the mrope sections (decode rotates all three
+# components by one position) and Qwen2.5-VL's sliding-window fields (unused by its checkpoints: `use_sliding_window`
+# false), left at the text family's defaults
+_DROPPED = ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype", "layer_types",
+            "sliding_window", "use_sliding_window", "max_window_layers")
+
+
+def text_config(config: Any, tied: bool) -> Any:
+    """A Qwen2.5-VL / Qwen3-VL config's language model as a Qwen2 / Qwen3 text config (the fast decoder's families);
+    tied: whether the model's head is its embedding (the VLM config or its text config may say so)."""
+    import transformers
+
+    family = _TEXT_FAMILY.get(config.model_type)
+    if family is None:
+        raise ValueError(f"model_type {config.model_type!r} has no fast language model; vision families: "
+                         f"{sorted(_TEXT_FAMILY)}")
+    fields = {k: v for k, v in config.get_text_config().to_dict().items() if k not in _DROPPED}
+    fields["tie_word_embeddings"] = tied
+    rope = dict(fields.get("rope_parameters") or {})
+    for key in ("mrope_section", "mrope_interleaved"):
+        rope.pop(key, None)
+    fields["rope_parameters"] = rope
+    return getattr(transformers, family)(**fields)
+
+
+class SharedWeights:
+    """The language model's parameters of a transformers VLM and of the fast `CausalLM` made from them (`build`),
+    one copy between them (see the module docstring)."""
+
+    def __init__(self, hf_model: nn.Module, fast: CausalLM) -> None:
+        self.fast = fast
+        # (transformers parameter, fast parameter name, shard) for the language model and head, the tower left out
+        self.pairs: list[tuple[nn.Parameter, str, Shard]] = []
+        for name, param in language_model_parameters(hf_model):
+            target, shard = weight_target(name)
+            self.pairs.append((param, target, shard))
+
+    @classmethod
+    def build(cls, hf_model: nn.Module, max_len: int) -> SharedWeights:
+        """A fast model of the VLM's language model holding its weights, rotary tables for `max_len` positions."""
+        named = language_model_parameters(hf_model)
+        config = text_config(hf_model.config, tied="lm_head.weight" not in dict(named))  # a tied head is listed once
+        weight = dict(named)["model.embed_tokens.weight"]
+        device, dtype = weight.device, weight.dtype
+        shared = {weight_target(name)[0]: p.data for name, p in named if weight_target(name)[1] is None}
+        fast = CausalLM.build(config, max_len, device, dtype, pick_backend(device, dtype), shared=shared)
+        loaded = fast.load_weights((name, p.data) for name, p in named if weight_target(name)[0] not in fast.shared)
+        missing = fast.expected_weights() - fast.covered(loaded + [(name, None) for name in fast.shared])
+        if missing:
+            raise ValueError(f"the vision-language model's language model lacks {len(missing)} tensors the fast "
+                             f"model needs, e.g. {sorted(str(m) for m in missing)[:4]}")
+        weights = cls(hf_model, fast)
+        weights.views_into_fast()
+        return weights
+
+    def views_into_fast(self) -> None:
+        """The transformers model's q/k/v and gate/up parameters become views of the fast model's fused ones (where
+        their values are: loaded there, or moved there by the fast engine)."""
+        params = dict(self.fast.named_parameters(remove_duplicate=False))
+        for param, target, shard in self.pairs:
+            if shard is not None:
+                owner = self.fast.get_submodule(target.rsplit(".", 1)[0])
+                assert isinstance(owner, FusedLinear) and isinstance(shard, str)
+                start, size = owner.offsets[shard]
+                param.data = params[target].data[start:start + size]
+
+    def fast_holds_hf(self) -> None:
+        """The fast model's unfused parameters become the transformers model's tensors again (after it moved them)."""
+        params = dict(self.fast.named_parameters(remove_duplicate=False))
+        for param, target, shard in self.pairs:
+            if shard is None:
+                params[target].data = param.data
+
+
+def language_model_parameters(hf_model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name as the text model names it, parameter) for a VLM's language model and head (a tied head once, as the
+    embeddings)."""
+    out = []
+    for name, param in hf_model.named_parameters():
+        text_name = language_model_name(name)
+        if text_name is not None:
+            out.append((text_name, param))
+    return out
+
+
+def write_prompts(kv: KVCache, cache: Any, lengths: list[int], slots: list[list[int]]) -> None:
+    """Prompt b's K/V, the last `lengths[b]` positions of row b of transformers' left-padded cache (per layer
+    [B, kv_heads, width, head_dim], rotated by the prompt's 3-D positions as the model computed them), to positions
+    [0, lengths[b]) of each of its `slots[b]`."""
+    layers = cache.layers
+    width, device = layers[0].keys.shape[2], layers[0].keys.device
+    rows, columns, index = [], [], []
+    for b, (length, mine) in enumerate(zip(lengths, slots)):
+        steps = torch.arange(length)
+        rows.append(torch.full((len(mine) * length,), b))
+        columns.append((width - length + steps).repeat(len(mine)))
+        index.append((torch.tensor(mine)[:, None] * kv.max_len + steps[None, :]).reshape(-1))
+    row, column, target = (torch.cat(t).to(device) for t in (rows, columns, index))
+    for i, layer in enumerate(layers):
+        k_cache, v_cache = kv.layer(i)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, layer.keys[row, :, column])
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, layer.values[row, :, column])
