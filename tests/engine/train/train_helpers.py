@@ -49,6 +49,12 @@ def optim_cfg(**kw) -> OptimConfig:
     return OptimConfig(**{"lr": 1e-3, "weight_decay": 0.0, **kw})
 
 
+# What every rank imports, imported once by the fork server instead of once per rank: torch, the train engine, the
+# transformers model code a tiny Qwen2 loads through, and the worker roles (~1.5 s of imports a rank)
+FORKSERVER_PRELOAD = ["torch", "hybridflow.engine.train", "transformers.modeling_utils",
+                      "transformers.models.qwen2.modeling_qwen2", "hybridflow.workers"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,13 +79,13 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
 def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     """`fn(rank, *args)` on `world` processes in one gloo group; their results by rank.
 
-    Children come from a fork server (a clean process that has imported torch once), so each start
-    costs a fraction of a second, and no state of this process — such as the default process group an
+    Children come from a fork server (a clean process that has imported torch, transformers and hybridflow's
+    engine and workers once: `FORKSERVER_PRELOAD`), so each start costs a fraction of a second, and no state of this process — such as the default process group an
     inline worker group made — leaks into them (a plain fork inherits it and cannot join a new group).
     A child that dies without reporting (a crash, a signal) fails the call with its exit code at once.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hybridflow.engine.train"])
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
