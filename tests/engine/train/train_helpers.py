@@ -11,7 +11,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import forkserver_context
 
 from hybridflow.config.model_schema import ModelConfig, OptimConfig
 
@@ -49,12 +49,6 @@ def optim_cfg(**kw) -> OptimConfig:
     return OptimConfig(**{"lr": 1e-3, "weight_decay": 0.0, **kw})
 
 
-# What every rank imports, imported once by the fork server instead of once per rank: torch, the train engine, the
-# transformers model code a tiny Qwen2 loads through, and the worker roles (~1.5 s of imports a rank)
-FORKSERVER_PRELOAD = ["torch", "hybridflow.engine.train", "transformers.modeling_utils",
-                      "transformers.models.qwen2.modeling_qwen2", "hybridflow.workers"]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,12 +74,11 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     """`fn(rank, *args)` on `world` processes in one gloo group; their results by rank.
 
     Children come from a fork server (a clean process that has imported torch, transformers and hybridflow's
-    engine and workers once: `FORKSERVER_PRELOAD`), so each start costs a fraction of a second, and no state of this process — such as the default process group an
+    engine and workers once: `rank_processes`), so each start costs a fraction of a second, and no state of this process — such as the default process group an
     inline worker group made — leaks into them (a plain fork inherits it and cannot join a new group).
     A child that dies without reporting (a crash, a signal) fails the call with its exit code at once.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    ctx = forkserver_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
