@@ -89,15 +89,16 @@ def test_lora_checkpoint_exports_an_adapter_directory_and_a_merged_model(tiny_qw
     model_cfg = ModelConfig(path=str(tiny_qwen2), dtype="fp32")
     engine = TrainEngine(model_cfg, ActorConfig(lora=LoraConfig(rank=8, alpha=16)))
     load_worker_state(role, engine.model, trainable_only=True)
-    ids = torch.randint(4, 260, (2, 12))
+    ids = torch.randint(4, 260, (2, 12), generator=torch.Generator().manual_seed(0))  # not the order-dependent global
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(2, 6)}
     trained = engine.infer(batch)["log_probs"]
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen2), tmp_path / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    for model in (peft_model, merged):
+    # peft adds B(Ax) as we do; the merged model multiplies by W + BA, rounded once more in fp32 (up to 1.9e-5 seen)
+    for model, atol in ((peft_model, 1e-5), (merged, 1e-4)):
         with torch.no_grad():
             logp = model(input_ids=ids).logits[:, 5:-1].float().log_softmax(-1).gather(-1, ids[:, 6:, None])[..., 0]
-        torch.testing.assert_close(logp, trained, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logp, trained, atol=atol, rtol=0)
     assert (trained - TrainEngine(model_cfg).infer(batch)["log_probs"]).abs().max() > 1e-3  # it did train
 
     shutil.rmtree(base)
