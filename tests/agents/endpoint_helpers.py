@@ -59,9 +59,14 @@ def launch_as_on_a_gpu(monkeypatch) -> None:
     monkeypatch.setattr(Session, "launch", launched_with_an_event)
 
 
+# how many `client`s the running test made (`tests/agents/conftest.py` collects them once the test has ended)
+CLIENTS_MADE = [0]
+
+
 def client(port: int, key: str, api_key: str = TOKEN):
     import openai
 
+    CLIENTS_MADE[0] += 1
     return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/t/{key}/v1", api_key=api_key, max_retries=0)
 
 
