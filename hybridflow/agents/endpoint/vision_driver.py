@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from hybridflow.agents.loop.engine_driver import TurnFutures
 from hybridflow.data.image_prompts import VisionInputs
 from hybridflow.engine.rollout.types import Completion, SamplingParams
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
@@ -44,18 +45,14 @@ class _Turn:
     max_tokens: int
 
 
-class VisionDriver:
+class VisionDriver(TurnFutures):
     """Futures over a `VisionRolloutEngine` sampling with `params` (see the module docstring)."""
 
     def __init__(self, engine: VisionRolloutEngine, params: SamplingParams) -> None:
+        super().__init__()
         self.engine, self.params = engine, params
         self.sequences: dict[int, _Sequence] = {}
         self.queue: list[_Turn] = []
-        self.pending: dict[int, asyncio.Future] = {}
-        self.wake = asyncio.Event()
-        self.stopped = False
-        self.error: Exception | None = None
-        self.last_step = time.monotonic()
         self.next_seq = self.calls = 0
         self.prefilled_tokens = 0  # prompt tokens of every call: what continuing a KV cache would have saved
 
@@ -66,15 +63,8 @@ class VisionDriver:
         return self.engine.max_num_seqs
 
     def _queue(self, turn: _Turn) -> list[asyncio.Future]:
-        futures = []
-        for seq in turn.seqs:
-            self.pending[seq] = future = asyncio.get_running_loop().create_future()
-            if self.error is not None:
-                future.set_exception(self.error)
-            futures.append(future)
         self.queue.append(turn)
-        self.wake.set()
-        return futures
+        return [self._future(seq) for seq in turn.seqs]
 
     def start(self, prompt: list[int], n: int, max_tokens: int,
               vision: VisionInputs | None = None) -> list[tuple[int, asyncio.Future]]:
@@ -102,10 +92,6 @@ class VisionDriver:
     def release(self, seq: int) -> None:
         self.sequences.pop(seq, None)
 
-    def stop(self) -> None:
-        self.stopped = True
-        self.wake.set()
-
     def describe(self) -> str:
         return (f"{len(self.pending)} turns waiting, {len(self.queue)} prompts queued, {len(self.sequences)} "
                 f"sequences held between turns (on the host: the vision engine re-prefills each turn)")
@@ -124,9 +110,7 @@ class VisionDriver:
             for seq, completion in zip(turn.seqs, completions):
                 if seq in self.sequences:  # else released while it ran (its runner ended)
                     self.sequences[seq].ids += completion.token_ids
-                future = self.pending.pop(seq)
-                if not future.cancelled():
-                    future.set_result(completion)
+                self._settle(seq, completion)
 
     async def serve(self) -> None:
         """Generate what waits until `stop`; an engine error fails every waiting future, then is raised."""
@@ -144,8 +128,5 @@ class VisionDriver:
                     self.last_step = time.monotonic()
                     self._resolve(turns, await asyncio.to_thread(self._generate, turns, n, max_tokens))
         except Exception as error:
-            self.error = error
-            for future in self.pending.values():
-                if not future.done():
-                    future.set_exception(error)
+            self._fail(error)
             raise

@@ -30,12 +30,13 @@ from hybridflow.engine.rollout.session import Launched, Session
 from hybridflow.engine.rollout.types import Completion
 
 
-class EngineDriver:
-    """Futures over a held `Session` (see the module docstring)."""
+class TurnFutures:
+    """What a driver's callers wait on: each sequence's current turn is a future in `pending`, resolved when the turn
+    ends (`_settle`) or failed with the error that ended `serve` (`_fail`; a turn asked for later fails at once);
+    `wake` rouses `serve` when a turn is queued or `stop` is called. `EngineDriver` and the vision engine's
+    `VisionDriver` both keep their turns so."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self.lock = threading.Lock()  # the session's: the event loop and the worker thread both call into it
+    def __init__(self) -> None:
         self.pending: dict[int, asyncio.Future] = {}
         self.wake = asyncio.Event()
         self.stopped = False
@@ -48,6 +49,30 @@ class EngineDriver:
             future.set_exception(self.error)
         self.wake.set()
         return future
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+
+    def _settle(self, seq: int, completion: Completion) -> None:
+        future = self.pending.pop(seq)
+        if not future.cancelled():  # its request's handler was cancelled (the server closing): nobody waits
+            future.set_result(completion)
+
+    def _fail(self, error: Exception) -> None:
+        self.error = error
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+class EngineDriver(TurnFutures):
+    """Futures over a held `Session` (see the module docstring)."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__()
+        self.session = session
+        self.lock = threading.Lock()  # the session's: the event loop and the worker thread both call into it
 
     @property
     def max_group(self) -> int:
@@ -81,10 +106,6 @@ class EngineDriver:
             self.session.release(seq)
         self.wake.set()
 
-    def stop(self) -> None:
-        self.stopped = True
-        self.wake.set()
-
     def describe(self) -> str:
         """What the session holds, for a message about a stall."""
         with self.lock:
@@ -95,9 +116,7 @@ class EngineDriver:
     def _resolve(self, finished: list[tuple[int, Completion]]) -> None:
         self.last_step = time.monotonic()
         for seq, completion in finished:
-            future = self.pending.pop(seq)
-            if not future.cancelled():  # its request's handler was cancelled (the server closing): nobody waits
-                future.set_result(completion)
+            self._settle(seq, completion)
 
     def _collect(self, launched: Launched) -> None:
         """On the event loop: read `launched`'s rows and resolve their turns."""
@@ -142,8 +161,5 @@ class EngineDriver:
                 await asyncio.to_thread(launched.done.synchronize)
                 self._collect(launched)
         except Exception as error:
-            self.error = error
-            for future in self.pending.values():
-                if not future.done():
-                    future.set_exception(error)
+            self._fail(error)
             raise
