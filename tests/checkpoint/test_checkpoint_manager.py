@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from lock_holder import another_run_holding
 
 from hybridflow.checkpoint import (CheckpointError, CheckpointManager, RunLock, check_unlocked, check_writable,
                                    find_checkpoint, is_complete)
@@ -127,44 +128,22 @@ def test_check_unlocked_refuses_a_live_runs_directory_and_takes_nothing(tmp_path
     check_unlocked(tmp_path)  # no lock file: free, and none is made
     check_unlocked(tmp_path / "not_made_yet")
     assert list(tmp_path.iterdir()) == []
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import sys, time
-        from hybridflow.checkpoint import RunLock
-        lock = RunLock(sys.argv[1])
-        print("locked", flush=True)
-        time.sleep(120)
-    """), str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with another_run_holding(tmp_path) as holder:
         record = (tmp_path / ".hybridflow.lock").read_text()
         with pytest.raises(CheckpointError, match=rf"output_dir={tmp_path} is in use by another run: pid "
                                                   rf"{holder.pid} on host {socket.gethostname()} since "):
             check_unlocked(tmp_path)
         assert (tmp_path / ".hybridflow.lock").read_text() == record  # the holder's record is untouched
-    finally:
-        holder.kill()
-        holder.wait()
     check_unlocked(tmp_path)  # the holder is gone: its lock file is stale, and stays as it was
     assert (tmp_path / ".hybridflow.lock").read_text() == record
     RunLock(tmp_path).release()  # the probe let go of the lock
 
 
 def test_run_lock_refuses_a_second_run_and_takes_over_a_dead_ones(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import sys, time
-        from hybridflow.checkpoint import RunLock
-        lock = RunLock(sys.argv[1])
-        print("locked", flush=True)
-        time.sleep(120)
-    """), str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with another_run_holding(tmp_path) as holder:
         with pytest.raises(CheckpointError, match=rf"output_dir={tmp_path} is in use by another run: pid "
                                                   rf"{holder.pid} on host {socket.gethostname()} since "):
             RunLock(tmp_path)
-    finally:
-        holder.kill()
-        holder.wait()
     lock = RunLock(tmp_path)  # the holder died without removing its file: the lock is stale
     assert lock.stale_holder.startswith(f"pid {holder.pid} on host ")
     lock.release()

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 
 import pytest
 import yaml
+from lock_holder import another_run_holding
 
 from hybridflow import cli
 from hybridflow.checkpoint.manifest import write_manifest
@@ -75,11 +74,7 @@ def test_train_config_names_a_live_run_holding_the_dir_beside_the_reward_functio
                                                      "data_source": "my/riddles"} for i in range(2)])
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hybridflow.checkpoint import RunLock; "
-                               "RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(120)", str(out)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with another_run_holding(out) as holder:
         record = (out / ".hybridflow.lock").read_text()
         assert cli.main(["config", *RL, f"model.path={tiny_qwen2}", f"data.train_files={rows}",
                          f"trainer.output_dir={out}"]) == 2
@@ -91,8 +86,6 @@ def test_train_config_names_a_live_run_holding_the_dir_beside_the_reward_functio
                                  f"for data_source 'my/riddles'; known data sources: openai/gsm8k -> gsm8k")
         assert (out / ".hybridflow.lock").read_text() == record  # the live run's lock is as it was
         assert holder.poll() is None
-    finally:
-        holder.kill()
         holder.wait()
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
+from lock_holder import another_run_holding
 from rl_helpers import base_overrides, read_metrics
 
 from hybridflow import cli
@@ -57,16 +56,9 @@ def test_an_output_dir_in_use_or_holding_another_runs_checkpoints_is_refused(tin
         err = capsys.readouterr().err
         assert f"hybridflow train: {out}/checkpoints holds checkpoints of another run (step_00000001) and this " \
                f"run starts fresh (trainer.resume=never)" in err and "trainer.discard_checkpoints=true" in err
-        holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hybridflow.checkpoint import "
-                                   "RunLock; RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(120)",
-                                   str(out)], stdout=subprocess.PIPE, text=True)
-        try:
-            assert holder.stdout.readline().strip() == "locked"
+        with another_run_holding(out) as holder:
             assert train(tiny_qwen2, data_dir, out, "trainer.total_steps=2") == 2
             assert f"output_dir={out} is in use by another run: pid {holder.pid} on host " in capsys.readouterr().err
-        finally:
-            holder.kill()
-            holder.wait()
     assert (out / "checkpoints" / "step_00000001" / "config.yaml").read_text() == first
 
     # Starting over is said with a key; the old checkpoints go, the new run's are its own.
