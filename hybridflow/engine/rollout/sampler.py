@@ -54,7 +54,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     device; None: from params). `exact`: the log-probs come from `invariant.token_log_probs` (at temperature
     1 when greedy), the arithmetic the training engine's log-prob head runs. `never`: [K] token ids that are never
     drawn (a vision-language model's image placeholders); the log-probs stay the policy's over every token
-    (as `log_probs_of` the unmasked logits), what the trainer computes for the drawn ones.
+    (of the unmasked logits, at the sampling temperature within top-k / top-p), what the trainer computes for the
+    drawn ones.
     """
     if never is not None and not exact and not fused(logits, params):
         return _draw_except(logits, params, generator, never)
@@ -75,15 +76,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
             inv_temp = invariant.inverse_temperature(params.temperature, logits.device)
         logprobs = invariant.token_log_probs(logits, tokens, inv_temp)[0]
     return tokens, logprobs
-
-
-def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The log-probs `sample` reports, of given `tokens` [R] under `logits` [R, V] (not modified): at the sampling
-    temperature within top-k / top-p, or at temperature 1 when greedy."""
-    x = logits.float().clone()
-    if not params.greedy:
-        x = _truncate(x.div_(params.temperature), params.top_k, params.top_p)
-    return x.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -111,9 +103,9 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
 
 def _draw_except(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                  never: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch sampler's draw with the `never` ids left out, the log-prob the policy's over every token (as
-    `log_probs_of`): the normaliser is taken before the ids are masked, and the drawn token is never one of them, so
-    its logit is the same masked or not. One pass over the logits where a masked draw and `log_probs_of` took two."""
+    """The torch sampler's draw with the `never` ids left out, the log-prob the policy's over every token: the
+    normaliser is taken before the ids are masked, and the drawn token is never one of them, so its logit is the
+    same masked or not. One pass over the logits, where a masked draw and the unmasked log-probs took two."""
     x = logits.float()
     if not params.greedy:
         x = _truncate(x.div_(params.temperature), params.top_k, params.top_p)

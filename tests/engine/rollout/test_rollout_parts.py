@@ -9,7 +9,7 @@ import torch
 
 from hybridflow.engine.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.cuda_graphs import bucket_sizes
-from hybridflow.engine.rollout.sampler import log_probs_of, sample
+from hybridflow.engine.rollout.sampler import _truncate, sample
 from hybridflow.engine.rollout.scheduler import Scheduler
 from hybridflow.engine.rollout.sequence import Request
 
@@ -43,15 +43,24 @@ def test_sampler_truncation_and_logprobs():
     assert (tokens == 0).all() and torch.allclose(logprobs, logits[0].log_softmax(-1)[0].expand(4000))
 
 
+def policy_log_probs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-probs of `tokens` under the unmasked logits: at the sampling temperature within top-k / top-p, at
+    temperature 1 when greedy (what the trainer computes for them)."""
+    x = logits.float().clone()
+    if not params.greedy:
+        x = _truncate(x.div_(params.temperature), params.top_k, params.top_p)
+    return x.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=1.3, top_k=3), SamplingParams(top_p=0.9)])
 def test_ids_never_drawn_keep_the_policys_log_probs(params):
     """`never` (a vision model's placeholders): the ids are never drawn, even when most likely, and each drawn token's
-    log-prob is `log_probs_of` the unmasked logits, what the trainer computes for it; the rest follow softmax."""
+    log-prob is `policy_log_probs` of the unmasked logits, what the trainer computes for it; the rest follow softmax."""
     logits = torch.tensor([[6.0, 4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(4000, 1)
     tokens, logprobs = sample(logits.clone(), params, torch.Generator().manual_seed(0), never=torch.tensor([0, 2]))
     assert not {0, 2} & set(tokens.tolist())
-    assert torch.allclose(logprobs, log_probs_of(logits, tokens, params), atol=1e-6)
+    assert torch.allclose(logprobs, policy_log_probs(logits, tokens, params), atol=1e-6)
     if params == SamplingParams(temperature=0.7):
         freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
         allowed = (logits[0] / 0.7).index_fill(0, torch.tensor([0, 2]), float("-inf")).softmax(-1)
