@@ -121,7 +121,7 @@ class VisionRolloutEngine(HFRolloutEngine):
             if count and (count + 1) * width > self.max_prefill_tokens:
                 break
             count += 1
-        wanted = min(max(1, self.max_num_seqs // 8), len(waiting) * n)
+        wanted = min(session.scheduler.admit_batch, len(waiting) * n)
         if not count or (count * n < wanted and len(session.batch)):
             return []
         return [waiting.popleft() for _ in range(count)]
