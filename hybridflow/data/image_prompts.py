@@ -153,6 +153,16 @@ class VisionPrompts:
             raise ValueError(f"{where}: the image processor refused an image: {e}") from None
         return VisionInputs(out["pixel_values"], out["image_grid_thw"].long())
 
+    def image_tokens(self, vision: VisionInputs | None) -> list[int]:
+        """The language-model tokens each image of `vision` takes (its patches merged; [] for None)."""
+        return [] if vision is None else (vision.image_grid_thw.prod(-1) // self.merge).tolist()
+
+    def expand(self, pieces: list[str], vision: VisionInputs | None) -> str:
+        """The text of `pieces` (split where each image goes, one more piece than images) with image i's vision
+        tokens (start, a pad per merged patch, end) between piece i and piece i + 1."""
+        return pieces[0] + "".join(self.start + self.pad * n + self.end + piece
+                                   for n, piece in zip(self.image_tokens(vision), pieces[1:]))
+
     def encode(self, prompt: Any, images: Any, where: str, apply_chat_template: bool = True
                ) -> tuple[list[int], VisionInputs]:
         """Token ids of the rendered prompt (each `<image>` expanded to its vision tokens) and its images."""
@@ -167,8 +177,7 @@ class VisionPrompts:
             raise ValueError(f"{where}: the prompt has {len(pieces) - 1} '{IMAGE_PLACEHOLDER}' placeholder(s) for "
                              f"{len(decoded)} image(s); each image needs one '{IMAGE_PLACEHOLDER}' where it goes")
         vision = self.process(decoded, where)
-        counts = (vision.image_grid_thw.prod(-1) // self.merge).tolist()
-        text = pieces[0] + "".join(self.start + self.pad * n + self.end + piece for n, piece in zip(counts, pieces[1:]))
+        text = self.expand(pieces, vision)
         templated = as_messages(prompt, self.tokenizer, apply_chat_template) is not None
         ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
         return list(ids), vision

@@ -71,7 +71,7 @@ class RequestImages:
 
     def counts(self, vision: VisionInputs | None) -> list[int]:
         """The image tokens each image takes (its patches merged)."""
-        return [] if vision is None else (vision.image_grid_thw.prod(-1) // self.prompts.merge).tolist()
+        return self.prompts.image_tokens(vision)
 
     def expand(self, text: str, vision: VisionInputs | None) -> str:
         """`text` with the i-th image mark holding one image token per merged patch of image i."""
@@ -79,8 +79,7 @@ class RequestImages:
         if len(pieces) - 1 != len(counts):
             raise APIError(400, f"the rendered messages hold {len(pieces) - 1} image marks for {len(counts)} images",
                            param="messages", code="invalid_value")
-        return pieces[0] + "".join(self.prompts.start + self.prompts.pad * n + self.prompts.end + piece
-                                   for n, piece in zip(counts, pieces[1:]))
+        return self.prompts.expand(pieces, vision)
 
     def token_ids(self, vision: VisionInputs | None) -> list[list[int]]:
         """Each image's vision token ids, in order (what `expand` puts at its mark)."""
