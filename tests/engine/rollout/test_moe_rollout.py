@@ -1,5 +1,5 @@
-"""The fast engine on mixtures of experts (CPU, tiny random Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE with spread
-weights): greedy parity with transformers in fp32 (OLMoE with and without its q/k/v clamp), the recorded routes,
+"""The fast engine on mixtures of experts (CPU, tiny random Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE / Qwen3-Next with
+spread weights): greedy parity with transformers in fp32 (OLMoE with and without its q/k/v clamp), the recorded routes,
 both weight layouts, bf16 log-probs, the experts' kernels."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hybridflow.engine.rollout.kernels import silu_mul
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 17, [40, 41], [7] * 30]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
-ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "qwen3_next"]
 
 
 def hf_model(path, dtype=torch.float32):
