@@ -132,7 +132,7 @@ def ungroup(mixer: Any, qkvz: torch.Tensor, ba: torch.Tensor
 def mixer_inputs(mixer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mixer's projections of x [T, D]: (conv input [T, C], output gate z [T, HV * V], beta [T, HV],
     g [T, HV] the log decay, fp32)."""
-    if hasattr(mixer, "in_proj_qkvz"):
+    if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next's fused projections
         conv_in, z, b, a = ungroup(mixer, mixer.in_proj_qkvz(x), mixer.in_proj_ba(x))
     else:
         conv_in, z, b, a = mixer.in_proj_qkv(x), mixer.in_proj_z(x), mixer.in_proj_b(x), mixer.in_proj_a(x)

@@ -59,6 +59,9 @@ class GatedDeltaNet(nn.Module):
         if config.hidden_act != "silu":  # the conv's activation is the config's, and ours is silu's
             raise ValueError(f"hidden_act={config.hidden_act!r}: the fast path's linear-attention conv is silu's")
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if self.num_v_heads % self.num_k_heads:  # each key head serves a whole group of value heads
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         channels, hidden = 2 * key_dim + value_dim, config.hidden_size

@@ -9,7 +9,8 @@ parametrized tests of `test_rollout_engine.py` and `test_rollout_session.py`).
 - a finished row idling in the batch until the host looks does not fold its last token in again;
 - a held sequence cut short cannot be continued (its states cannot go back), and says so;
 - sleep frees the states with the K/V, wake makes them again;
-- exact mode and FP8 weights are refused, naming why.
+- exact mode and FP8 weights are refused, naming why, and so is a config whose value heads do not group evenly
+  under its key heads.
 """
 
 from __future__ import annotations
@@ -133,3 +134,13 @@ def test_exact_mode_and_fp8_weights_are_refused_by_name(hybrid, hybrid_arch):
     with pytest.raises(ValueError, match=f"'{hybrid_arch}' mixes linear-attention layers in, whose projections have "
                                          "no FP8 path"):
         RolloutEngine.from_pretrained(hybrid, max_num_seqs=2, max_model_len=64, quantization="fp8")
+
+
+def test_value_heads_that_do_not_group_under_the_key_heads_are_refused_by_name(hybrid_arch):
+    from hybridflow.engine.rollout.model import CausalLM
+    from hybridflow.utils.tiny_model import tiny_config
+
+    config = tiny_config(hybrid_arch, 300, layers=4)
+    config.linear_num_value_heads = 3  # over 2 key heads
+    with pytest.raises(ValueError, match="linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"):
+        CausalLM(config, "sdpa")
