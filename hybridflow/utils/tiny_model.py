@@ -50,8 +50,8 @@ def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermedi
         return dict(num_local_experts=experts, num_experts_per_tok=experts_per_token,
                     intermediate_size=expert_intermediate)
     if arch in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
-        out = dict(num_experts=experts, num_experts_per_tok=experts_per_token,
-                   moe_intermediate_size=expert_intermediate, norm_topk_prob=arch != "qwen2_moe")
+        out: dict[str, Any] = dict(num_experts=experts, num_experts_per_tok=experts_per_token,
+                                   moe_intermediate_size=expert_intermediate, norm_topk_prob=arch != "qwen2_moe")
         if arch == "qwen2_moe":
             out["shared_expert_intermediate_size"] = 4 * expert_intermediate
         if arch == "qwen3_next":
