@@ -73,11 +73,12 @@ def test_olmoe_clamping_q_k_and_v_matches_transformers(spread_model, tmp_path):
     assert differs  # the clamp changed what the model says
 
 
-def test_stacked_and_per_expert_layouts_load_the_same(spread_model):
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_next"])
+def test_stacked_and_per_expert_layouts_load_the_same(spread_model, arch):
     """A trainer's state dict (stacked experts, `mlp.experts.gate_up_proj`) builds the engine the checkpoint's
     per-expert tensors do; `load_weights` takes either layout in place, and a bad expert index or shape is
-    refused with the name."""
-    path = spread_model("qwen2_moe")
+    refused with the name (layer 1: sparse in both; Qwen3-Next's tiny layer 0 is dense)."""
+    path = spread_model(arch)
     model = hf_model(path)
     disk = RolloutEngine.from_pretrained(path, max_num_seqs=4)
     stacked = RolloutEngine.from_config(model.config, model.named_parameters(), max_num_seqs=4, stop_token_ids=[])
@@ -92,9 +93,9 @@ def test_stacked_and_per_expert_layouts_load_the_same(spread_model):
     for engine in (disk, stacked):
         torch.testing.assert_close(engine.model.model.layers[1].mlp.experts.gate_up_proj, gate_up, atol=0, rtol=0)
     with pytest.raises(ValueError, match="experts.9.up_proj.*out of range"):
-        disk.load_weights([("model.layers.0.mlp.experts.9.up_proj.weight", gate_up[0, inter:])])
+        disk.load_weights([("model.layers.1.mlp.experts.9.up_proj.weight", gate_up[0, inter:])])
     with pytest.raises(ValueError, match="experts.0.down_proj.*shape"):
-        disk.load_weights([("model.layers.0.mlp.experts.0.down_proj.weight", gate_up[0])])
+        disk.load_weights([("model.layers.1.mlp.experts.0.down_proj.weight", gate_up[0])])
 
 
 def test_mixtral_hub_names_load(spread_model):
