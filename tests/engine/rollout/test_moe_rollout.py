@@ -136,10 +136,12 @@ def test_bf16_log_probs_within_tolerance(spread_model, arch):
     assert diffs.mean() < max(5e-3, bf16_error.mean() / 4) and diffs.max() < max(5e-2, bf16_error.max() / 4)
 
 
-def test_routes_of_n_samples_and_decode_windows(spread_model):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_routes_of_n_samples_and_decode_windows(spread_model, arch):
     """1 or 8 decode steps per host sync record the same routes (rows stopping inside a window); the n samples
-    of a prompt share its prompt's routes; a dense model cannot record."""
-    path = spread_model("qwen3_moe")
+    of a prompt share its prompt's routes (Qwen3-Next: prefilled once, its states copied to the n slots); a dense
+    model cannot record."""
+    path = spread_model(arch)
     engines = {steps: RolloutEngine.from_pretrained(path, max_num_seqs=6, record_routes=True,
                                                     decode_steps_per_sync=steps) for steps in (1, 8)}
     greedy = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[5, 9, 116])
