@@ -53,12 +53,13 @@ dpo_bf16() { python3 bench/dpo_vs_trl.py --device cuda --trl-ref precompute --se
 rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "$OUT/rollout_h200.json" 2>&1 \
     | tee "$OUT/rollout.log"; }
 # the other families' fast paths at their real shapes (issue 59, docs/models.md): OLMo 2 1B, Phi-3-mini, Phi-4-mini
-# (partial rotary), Gemma 3 4B (text) and Qwen3.5-0.8B (hybrid linear attention) against generate at batch 256;
+# (partial rotary), Gemma 3 4B (text), Qwen3.5-0.8B (hybrid linear attention) and Qwen3-Next-80B-A3B's first 4 layers
+# (hybrid, 512 experts) against generate at batch 256;
 # FAMILY_SHAPES picks fewer where one call cannot hold them all. Qwen3.5's kernels on both sides (ours and
 # transformers') are flash-linear-attention's: its wheels go into .whl/ with the others
 # (pip download --no-deps -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2)
 families() { python3 bench/rollout.py --device cuda \
-    --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b} \
+    --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b qwen3-next-80b-a3b-4l} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
 # vision-language rollout (issue 59; docs/models.md#vision-language-models): VisionRolloutEngine against generate at
 # the Qwen2.5-VL-3B shape, one 448 x 448 image per prompt, 32 prompts x 8, 256 new tokens (target >= 10x)

@@ -44,6 +44,17 @@ SHAPES = {
                          linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                           "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6),
+    # Qwen3-Next-80B-A3B cut to its first 4 layers (3 Gated DeltaNet, 1 gated full attention), each with its 512
+    # experts (10 a token) and shared expert: the whole 48 layers (80B) do not fit one GPU beside generate's copy
+    "qwen3-next-80b-a3b-4l": dict(model_type="qwen3_next", hidden_size=2048, intermediate_size=5120,
+                                  num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                  vocab_size=151936, tie_word_embeddings=False, linear_conv_kernel_dim=4,
+                                  linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                                  linear_num_value_heads=32, num_experts=512, num_experts_per_tok=10,
+                                  moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                   "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6),
 }
 
 

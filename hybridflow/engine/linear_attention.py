@@ -1,10 +1,13 @@
-"""Gated DeltaNet, the linear attention of the hybrid families (Qwen3.5), over packed sequences with their states.
+"""Gated DeltaNet, the linear attention of the hybrid families (Qwen3.5, Qwen3-Next), over packed sequences with
+their states.
 
 Both engines run a Gated DeltaNet mixer here: the rollout engine's prefill and decode (each sequence's short-conv
 and recurrent states kept per slot) and the training engine's packed rows (each sequence starts from zero states,
 so nothing leaks across a row boundary). A mixer is any module with Hugging Face's `Qwen3_5GatedDeltaNet` parameter
 names: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`, `A_log`, `dt_bias`, `norm` (the gated
-RMSNorm) and `out_proj`, and its head counts (`num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`).
+RMSNorm) and `out_proj`, and its head counts (`num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`); or
+`Qwen3NextGatedDeltaNet`'s, whose four input projections are two, `in_proj_qkvz` and `in_proj_ba`, with their
+outputs grouped by key head (`ungroup`). The mixers compute the same once their inputs are in Qwen3.5's order.
 
 Kernels: on CUDA with flash-linear-attention installed (the `linear` extra), its chunked gated delta rule and causal
 conv1d over `cu_seqlens` (one launch for all sequences) and its fused recurrent step; elsewhere (CPU, or CUDA without
@@ -112,13 +115,30 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return o[:, 0], final
 
 
+def ungroup(mixer: Any, qkvz: torch.Tensor, ba: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's fused projections in Qwen3.5's order. Its `in_proj_qkvz` output [T, 2 * key dim + 2 * value dim]
+    holds, per key head, that head's q, its k, then the v and the z of the value heads that share it; `in_proj_ba`
+    [T, 2 * HV] holds, per key head, its value heads' b then their a -> (conv input [T, C] as q | k | v over all heads,
+    z [T, HV * V], b [T, HV], a [T, HV])."""
+    tokens, groups = qkvz.shape[0], mixer.num_k_heads
+    shared = mixer.num_v_heads // groups * mixer.head_v_dim  # the v (and z) width of one key head's value heads
+    q, k, v, z = qkvz.view(tokens, groups, -1).split([mixer.head_k_dim, mixer.head_k_dim, shared, shared], dim=-1)
+    b, a = ba.view(tokens, groups, -1).chunk(2, dim=-1)
+    conv_in = torch.cat([part.reshape(tokens, -1) for part in (q, k, v)], dim=-1)
+    return conv_in, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1)
+
+
 def mixer_inputs(mixer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mixer's projections of x [T, D]: (conv input [T, C], output gate z [T, HV * V], beta [T, HV],
     g [T, HV] the log decay, fp32)."""
-    beta = mixer.in_proj_b(x).sigmoid()
+    if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next's fused projections
+        conv_in, z, b, a = ungroup(mixer, mixer.in_proj_qkvz(x), mixer.in_proj_ba(x))
+    else:
+        conv_in, z, b, a = mixer.in_proj_qkv(x), mixer.in_proj_z(x), mixer.in_proj_b(x), mixer.in_proj_a(x)
     # fp32 before exp: in half precision -exp(A_log) may overflow (transformers does the same)
-    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
-    return mixer.in_proj_qkv(x), mixer.in_proj_z(x), beta, g
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    return conv_in, z, b.sigmoid(), g
 
 
 def split_heads(mixer: Any, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,8 @@ Supported architectures (`MOE_ARCHITECTURES`) and how their routers differ:
   `mlp_only_layers` or off the `decoder_sparse_step` grid (those layers have a dense MLP of
   `intermediate_size`). Qwen2-MoE adds a shared expert (`shared_expert_intermediate_size`) scaled by
   sigmoid(`shared_expert_gate`).
+- Qwen3-Next: Qwen3-MoE's router and sparse-layer grid with Qwen2-MoE's gated shared expert (its attention is
+  hybrid: `engine.rollout.hybrid_decoder`).
 - Mixtral: every layer sparse, top-k always renormalised, the routing weights kept in fp32 (the expert
   outputs are weighted and summed in fp32, then cast back).
 - OLMoE: Qwen3-MoE's router (`norm_topk_prob`, false in OLMoE-1B-7B), every layer sparse, experts of
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next")
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,10 @@ def moe_spec(config: Any) -> MoESpec | None:
     if kind == "olmoe":
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.intermediate_size,
                        bool(config.norm_topk_prob), tuple(layers), config.intermediate_size)
-    if kind in ("qwen3_moe", "qwen2_moe"):
+    if kind in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
         sparse = tuple(i for i in layers if config.num_experts > 0 and i not in dense and (i + 1) % step == 0)
-        shared = getattr(config, "shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
+        shared = getattr(config, "shared_expert_intermediate_size", 0) if kind != "qwen3_moe" else 0
         return MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                        bool(config.norm_topk_prob), sparse, config.intermediate_size, shared)
     return None

@@ -6,8 +6,9 @@ tokenizer made with the `tokenizers` library (optionally with merges learnt from
 special tokens and a ChatML-style chat template), and a randomly initialised Qwen2 / Llama / Qwen3 /
 Mistral / OLMo 2 / Phi-3 / Gemma 3 (text) / Qwen3.5 (`qwen3_5_text`: hybrid linear attention; `qwen3_5`: the same
 language model in the published checkpoints' layout, a vision tower beside it) model, a mixture of
-experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert, OLMoE), or a GPT-2 (a family with no fast rollout
-path), of a chosen size, saved as a normal Hugging Face directory (experts saved one tensor per expert, as on the hub).
+experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert, OLMoE; Qwen3-Next: hybrid linear attention too), or a
+GPT-2 (a family with no fast rollout path), of a chosen size, saved as a normal Hugging Face directory (experts saved
+one tensor per expert, as on the hub).
 
     python -m hybridflow.utils.tiny_model /tmp/tiny --arch qwen2 --hidden 64 --layers 2
     python -m hybridflow.utils.tiny_model /tmp/tiny_moe --arch qwen3_moe --experts 8 --experts-per-token 2
@@ -33,24 +34,28 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "olmo2", "phi3",
-                 "gemma3_text", "qwen3_5_text", "qwen3_5", "gpt2")
+                 "gemma3_text", "qwen3_5_text", "qwen3_5", "qwen3_next", "gpt2")
 
 
 def moe_kwargs(arch: str, experts: int, experts_per_token: int, expert_intermediate: int) -> dict:
     """The config keywords of a mixture of experts of `arch` (empty for a dense one), with the routing of
     the real models: Qwen3-30B-A3B renormalises its top-k weights, Qwen1.5-MoE (Qwen2-MoE) does not and
-    has a shared expert 4x an expert's width, Mixtral always renormalises, OLMoE-1B-7B does not."""
+    has a shared expert 4x an expert's width, Qwen3-Next-80B-A3B renormalises and has a shared expert of an expert's
+    width (its first layer dense here, `mlp_only_layers`, so that both kinds of MLP run), Mixtral always renormalises,
+    OLMoE-1B-7B does not."""
     if arch == "olmoe":
         return dict(num_experts=experts, num_experts_per_tok=experts_per_token,
                     intermediate_size=expert_intermediate, norm_topk_prob=False)
     if arch == "mixtral":
         return dict(num_local_experts=experts, num_experts_per_tok=experts_per_token,
                     intermediate_size=expert_intermediate)
-    if arch in ("qwen3_moe", "qwen2_moe"):
-        out = dict(num_experts=experts, num_experts_per_tok=experts_per_token,
-                   moe_intermediate_size=expert_intermediate, norm_topk_prob=arch == "qwen3_moe")
+    if arch in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+        out: dict[str, Any] = dict(num_experts=experts, num_experts_per_tok=experts_per_token,
+                                   moe_intermediate_size=expert_intermediate, norm_topk_prob=arch != "qwen2_moe")
         if arch == "qwen2_moe":
             out["shared_expert_intermediate_size"] = 4 * expert_intermediate
+        if arch == "qwen3_next":
+            out.update(shared_expert_intermediate_size=expert_intermediate, mlp_only_layers=[0])
         return out
     return {}
 
@@ -128,12 +133,12 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
         tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=1e-6,
     )
-    if arch in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_5_text"):
+    if arch in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_5_text", "qwen3_next"):
         kwargs["head_dim"] = head_dim or hidden // heads
     if arch == "gemma3_text":
         kwargs.update(gemma3_kwargs(layers, head_dim or hidden // heads))
-    if arch == "qwen3_5_text":  # Qwen3.5: linear attention with twice the value heads as key heads, every 4th layer
-        # full (the last one, with fewer than 4 layers)
+    if arch in ("qwen3_5_text", "qwen3_next"):  # linear attention with twice the value heads as key heads (which
+        # Qwen3-Next's projections group by key head), every 4th layer full (the last one, with fewer than 4 layers)
         every = min(4, layers)
         kwargs.update(linear_num_key_heads=kv_heads, linear_num_value_heads=2 * kv_heads,
                       linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,

@@ -130,14 +130,17 @@ def test_generation_needs_room_for_a_sequence_in_the_kv_cache():
     assert "actor.ref_param_offload=true" in str(err.value)
 
 
-def test_a_hybrid_models_slot_is_counted_as_its_engine_holds_it(tiny_model_factory):
-    """Qwen3.5: K/V for the full-attention layers only, plus each linear layer's conv and recurrent states; the plan's
-    bytes per slot equal the rollout engine's own (`hybrid_cache`), where counting every layer's K/V did not."""
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_a_hybrid_models_slot_is_counted_as_its_engine_holds_it(tiny_model_factory, arch):
+    """Qwen3.5, Qwen3-Next: K/V for the full-attention layers only, plus each linear layer's conv and recurrent
+    states; the plan's bytes per slot equal the rollout engine's own (`hybrid_cache`), where counting every layer's
+    K/V did not. Qwen3-Next's experts are counted as a mixture of experts' (its active parameters)."""
     from hybridflow.engine.rollout.hybrid_decoder import hybrid_cache
 
-    config = AutoConfig.from_pretrained(tiny_model_factory("qwen3_5_text"))
+    config = AutoConfig.from_pretrained(tiny_model_factory(arch))
     shape = ModelShape.from_config(config)
     assert shape.attention_layers == config.layer_types.count("full_attention") < shape.layers
+    assert shape.experts == getattr(config, "num_experts", 0)
     role = RolloutRole(shape, compute_bytes=4, max_num_seqs=4, max_model_len=64)
     cache = hybrid_cache(config, 64, 4, None, torch.float32, torch.device("cpu"))
     assert role.kv_bytes_per_seq() == cache.token_bytes * 64 + cache.state_bytes

@@ -1,4 +1,4 @@
-"""GRPO on a tiny mixture of experts (Qwen3-MoE; OLMoE) through `hybridflow train`: LoRA on the attention and on
+"""GRPO on a tiny mixture of experts (Qwen3-MoE; OLMoE; Qwen3-Next, hybrid) through `hybridflow train`: LoRA on the attention and on
 the routed experts, routes recorded by the rollout engine and replayed in the trainer's forwards, the router aux
 loss; and the config checks of the MoE keys."""
 
@@ -21,7 +21,7 @@ def moe_model(tiny_model_factory):
     return tiny_model_factory("qwen3_moe", experts=8, experts_per_token=2)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen3_next"])
 def test_lora_grpo_with_router_replay_trains(tiny_model_factory, data_dir, tmp_path, arch):
     model = tiny_model_factory(arch, experts=8, experts_per_token=2)
     rows = run(model, data_dir, tmp_path / "run", *MOE, "actor.router_replay=rollout",

@@ -33,13 +33,14 @@ def test_grpo_end_to_end_writes_standard_metrics(tiny_qwen2, data_dir, tmp_path)
 
 
 @pytest.mark.parametrize("arch,engine", [("olmo2", "fast"), ("phi3", "fast"), ("gemma3_text", "fast"),
-                                         ("qwen3_5_text", "fast"), ("qwen3_5", "fast"), ("gpt2", "hf")])
+                                         ("qwen3_5_text", "fast"), ("qwen3_5", "fast"), ("qwen3_next", "fast"),
+                                         ("gpt2", "hf")])
 def test_a_family_trains_on_its_rollout_path(arch, engine, tiny_model_factory, data_dir, tmp_path):
-    """OLMo 2, Phi-3, Gemma 3 (its prompts longer than its 8-token sliding window) and Qwen3.5 (hybrid linear
-    attention: its packed rows restart the states at each sequence; `qwen3_5`: a checkpoint as published, its
-    language model trained alone) generate on the fast path; GPT-2 has none, so its
-    generation runs through transformers.generate (which says so, with its rate: tests/engine/rollout/test_rollout_parts.py)
-    and the step trains the same."""
+    """OLMo 2, Phi-3, Gemma 3 (its prompts longer than its 8-token sliding window), Qwen3.5 and Qwen3-Next (hybrid
+    linear attention: their packed rows restart the states at each sequence; `qwen3_5`: a checkpoint as published,
+    its language model trained alone; Qwen3-Next's MLPs mixtures of experts) generate on the fast path; GPT-2 has
+    none, so its generation runs through transformers.generate (which says so, with its rate:
+    tests/engine/rollout/test_rollout_parts.py) and the step trains the same."""
     import yaml
 
     forced = ["rollout.engine=fast"] if engine == "fast" else []  # the fallback's family keeps auto, which falls back

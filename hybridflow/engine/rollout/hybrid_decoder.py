@@ -1,5 +1,10 @@
-"""Qwen3.5's hybrid decoder layers (`qwen3_5_text`): Gated DeltaNet linear attention in most layers, gated full
-attention in every `full_attention_interval`-th, as HF's `Qwen3_5DecoderLayer` lays them out (`config.layer_types`).
+"""The hybrid decoder layers of Qwen3.5 (`qwen3_5_text`) and Qwen3-Next (`qwen3_next`): Gated DeltaNet linear
+attention in most layers, gated full attention in every `full_attention_interval`-th, as HF's `Qwen3_5DecoderLayer`
+and `Qwen3NextDecoderLayer` lay them out (`config.layer_types`). The two families differ in two places: Qwen3-Next
+fuses the linear layers' four input projections into two whose outputs are grouped by key head (`in_proj_qkvz`,
+`in_proj_ba`, loaded as the checkpoint holds them and put in Qwen3.5's order by `linear_attention.ungroup`), and its
+MLP is a mixture of experts with a gated shared expert in its sparse layers (`model.layer_mlp`: `sparse_moe`, with
+routing capture).
 
 - `GatedDeltaNet` (HF's `linear_attn`): the mixer of `engine.linear_attention`, its conv and recurrent states per
   slot in the engine's `StateCache` (`recurrent_state.py`). Prefill runs each packed sequence chunked from its
@@ -26,13 +31,14 @@ from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, prefi
 from hybridflow.engine.rollout.kernels import rotary_
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.linear import FusedLinear, Linear
-from hybridflow.engine.rollout.model import MLP, family_norm
+from hybridflow.engine.rollout.model import family_norm, layer_mlp
 from hybridflow.engine.rollout.recurrent_state import StateCache
 from hybridflow.engine.rollout.rope import rotary_dim
 
 
 class GatedRMSNorm(nn.Module):
-    """HF's `Qwen3_5RMSNormGated`: weight * (x / rms(x)) rounded to x's dtype, times silu(gate) in fp32."""
+    """HF's `Qwen3_5RMSNormGated` (and Qwen3-Next's): weight * (x / rms(x)) rounded to x's dtype, times silu(gate)
+    in fp32."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -53,14 +59,21 @@ class GatedDeltaNet(nn.Module):
         if config.hidden_act != "silu":  # the conv's activation is the config's, and ours is silu's
             raise ValueError(f"hidden_act={config.hidden_act!r}: the fast path's linear-attention conv is silu's")
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if self.num_v_heads % self.num_k_heads:  # each key head serves a whole group of value heads
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         channels, hidden = 2 * key_dim + value_dim, config.hidden_size
         self.state_index = state_index
-        self.in_proj_qkv = Linear(hidden, channels, False, False)
-        self.in_proj_z = Linear(hidden, value_dim, False, False)
-        self.in_proj_b = Linear(hidden, self.num_v_heads, False, False)
-        self.in_proj_a = Linear(hidden, self.num_v_heads, False, False)
+        if config.model_type == "qwen3_next":  # grouped by key head as the checkpoint holds them (`la.ungroup`)
+            self.in_proj_qkvz = Linear(hidden, channels + value_dim, False, False)
+            self.in_proj_ba = Linear(hidden, 2 * self.num_v_heads, False, False)
+        else:
+            self.in_proj_qkv = Linear(hidden, channels, False, False)
+            self.in_proj_z = Linear(hidden, value_dim, False, False)
+            self.in_proj_b = Linear(hidden, self.num_v_heads, False, False)
+            self.in_proj_a = Linear(hidden, self.num_v_heads, False, False)
         self.conv1d = nn.Conv1d(channels, channels, config.linear_conv_kernel_dim, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -133,7 +146,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """Qwen3.5's full attention: per-head output gates, per-head q/k norms (1 + weight), partial rotary."""
+    """The hybrid families' full attention: per-head output gates, per-head q/k norms (1 + weight), partial rotary."""
 
     def __init__(self, config, kv_index: int, backend: str) -> None:
         super().__init__()
@@ -170,16 +183,17 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    """A pre-norm Qwen3.5 layer: `linear_attn` or `self_attn` by `config.layer_types`, then the MLP."""
+    """A pre-norm hybrid layer: `linear_attn` or `self_attn` by `config.layer_types`, then the MLP (Qwen3-Next's
+    sparse layers: a `SparseMoE` block)."""
 
     def __init__(self, config, layer_index: int, backend: str, moe_kernel: str = "grouped_mm") -> None:
         super().__init__()
         if backend == "exact":
-            raise ValueError("exact mode has no path for the hybrid linear-attention family (qwen3_5_text)")
+            raise ValueError(f"exact mode has no path for the hybrid linear-attention family ({config.model_type})")
         kinds = config.layer_types
         self.input_layernorm = family_norm(config.hidden_size, config, False)
         self.post_attention_layernorm = family_norm(config.hidden_size, config, False)
-        self.mlp = MLP(config, False)
+        self.mlp = layer_mlp(config, layer_index, False, moe_kernel)
         rank = sum(kind == kinds[layer_index] for kind in kinds[:layer_index])
         self.linear = kinds[layer_index] == "linear_attention"
         if self.linear:
@@ -200,7 +214,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(x, positions, rope, meta, kv)
         x, h = self.post_attention_layernorm(h, mixed)
-        return h, self.mlp(x)
+        return h, self.mlp(x, meta)
 
 
 def hybrid_cache(config, max_len: int, max_num_seqs: int, budget_bytes: int | None, dtype: torch.dtype,

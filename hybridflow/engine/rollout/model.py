@@ -1,5 +1,5 @@
-"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral, OLMo 2, Phi-3 and Gemma 3 families and the mixtures of
-experts built on them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), with Hugging Face parameter names.
+"""One fast decoder for the Llama, Qwen2, Qwen3, Mistral, OLMo 2, Phi-3, Gemma 3 and hybrid (Qwen3.5, Qwen3-Next)
+families and the mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, Qwen3-Next), with HF parameter names.
 
 The differences between the families are config flags: Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q
 and k per head, OLMoE and OLMo 2 over the whole q and k projections, OLMo 2 normalises each block's output
@@ -44,9 +44,9 @@ from hybridflow.engine.rollout.scope import layer_window
 from hybridflow.engine.rollout.sparse_moe import SparseMoE, expert_target
 from hybridflow.utils.moe_spec import MOE_ARCHITECTURES, moe_spec
 
-HYBRID_ARCHITECTURES = ("qwen3_5_text",)  # linear and full attention layers (`hybrid_decoder`)
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", *MOE_ARCHITECTURES,
-                      *HYBRID_ARCHITECTURES)
+HYBRID_ARCHITECTURES = ("qwen3_5_text", "qwen3_next")  # linear and full attention layers (`hybrid_decoder`)
+FAST_ARCHITECTURES = tuple(dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text",
+                                          *MOE_ARCHITECTURES, *HYBRID_ARCHITECTURES)))  # Qwen3-Next: in both
 
 # HF name piece -> (our fused parameter's name piece, shard id)
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -89,9 +89,9 @@ class RMSNorm(nn.Module):
 
 
 def family_norm(dim: int, config, exact: bool) -> RMSNorm:
-    """The family's RMSNorm of rows of `dim`: OLMo 2's scales before it rounds, Gemma 3's and Qwen3.5's by
-    1 + weight, the others' round the normalised row before their scale."""
-    kind, plus_one = config.model_type, config.model_type in ("gemma3_text", "qwen3_5_text")
+    """The family's RMSNorm of rows of `dim`: OLMo 2's scales before it rounds, Gemma 3's and the hybrid families'
+    by 1 + weight, the others' round the normalised row before their scale."""
+    kind, plus_one = config.model_type, config.model_type in ("gemma3_text", *HYBRID_ARCHITECTURES)
     return RMSNorm(dim, config.rms_norm_eps, exact, kind != "olmo2" and not plus_one, plus_one)
 
 

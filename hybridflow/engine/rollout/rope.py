@@ -14,7 +14,7 @@ Its table holds them side by side, [max_len, types x head_dim] in `Gemma3RotaryE
 types; each layer reads its own columns (`rope_columns`), a strided view the kernels take by its row stride.
 
 Qwen3.5's (`Qwen3_5TextRotaryEmbedding`) rotates a quarter of each head, its multimodal sections all at the text
-position.
+position; Qwen3-Next's (`Qwen3NextRotaryEmbedding`) a quarter too, with plain positions.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def rotary_table(config, max_len: int, device: torch.device) -> tuple[torch.Tens
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
 
     dummy, positions = torch.zeros(1, dtype=torch.float32, device=device), torch.arange(max_len, device=device)[None]
     types = layer_rope_types(config)
@@ -72,7 +73,8 @@ def rotary_table(config, max_len: int, device: torch.device) -> tuple[torch.Tens
         gemma = Gemma3RotaryEmbedding(config).to(device)
         tables = [gemma(dummy, positions, layer_type) for layer_type in types]
         return torch.cat([cos[0] for cos, _ in tables], -1), torch.cat([sin[0] for _, sin in tables], -1)
-    classes = {"phi3": Phi3RotaryEmbedding, "qwen3_5_text": Qwen3_5TextRotaryEmbedding}
+    classes = {"phi3": Phi3RotaryEmbedding, "qwen3_5_text": Qwen3_5TextRotaryEmbedding,
+               "qwen3_next": Qwen3NextRotaryEmbedding}  # Llama's would rotate whole heads
     rope = classes.get(config.model_type, LlamaRotaryEmbedding)(config).to(device)
     if config.model_type == "qwen3_5_text":  # multimodal sections: positions [3, 1, L], a text token's t = h = w
         positions = positions.expand(3, -1, -1)  # (some transformers 5.x versions index them as 3-D, others expand)

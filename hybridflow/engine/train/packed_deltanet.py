@@ -2,9 +2,9 @@
 
 The training engine packs several sequences into one row `[1, T]` and marks their starts with `cu_seq_lens_q`
 (`packing.py`); attention layers keep them apart by varlen attention (`attention.py`). A Gated DeltaNet layer
-(Qwen3.5's `linear_attn`) carries a short-conv and a recurrent state along the row instead, which must restart at
-each sequence. transformers' own layer cannot: on CPU it refuses `cu_seqlens` without flash-linear-attention, and
-its short conv runs over the whole row either way. `install_packed_deltanet` gives each such layer a forward that,
+(Qwen3.5's and Qwen3-Next's `linear_attn`) carries a short-conv and a recurrent state along the row instead, which
+must restart at each sequence. transformers' own layer cannot: on CPU it refuses `cu_seqlens` without
+flash-linear-attention, and its short conv runs over the whole row either way. `install_packed_deltanet` gives each such layer a forward that,
 for packed rows, runs the same mixer through `engine.linear_attention` with the row's boundaries (fla's kernels over
 `cu_seqlens` on CUDA, a loop over the sequences elsewhere); padded rows keep transformers' forward.
 """
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 # transformers' Gated DeltaNet layers whose parameters and maths `linear_attention.packed_mixer` runs
-DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet",)
+DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3NextGatedDeltaNet")
 
 
 def _forward(layer: torch.nn.Module, hf_forward: Any, hidden_states: torch.Tensor, *args: Any,

@@ -1,5 +1,6 @@
-"""The hybrid linear-attention family (Qwen3.5, `qwen3_5_text`) on the fast engine, on CPU in fp32: what its
-per-slot recurrent states must keep (greedy parity, sampled log-probs, continuations and weight sync are in the
+"""The hybrid linear-attention families (Qwen3.5, `qwen3_5_text`; Qwen3-Next, `qwen3_next`, its MLPs mixtures of
+experts) on the fast engine, on CPU in fp32, every test once per family: what their per-slot recurrent states must
+keep (greedy parity, sampled log-probs, continuations and weight sync are in the
 parametrized tests of `test_rollout_engine.py` and `test_rollout_session.py`).
 
 - prefill then decode gives the logits one full forward gives (transformers#46190 found them apart), ours and
@@ -8,7 +9,8 @@ parametrized tests of `test_rollout_engine.py` and `test_rollout_session.py`).
 - a finished row idling in the batch until the host looks does not fold its last token in again;
 - a held sequence cut short cannot be continued (its states cannot go back), and says so;
 - sleep frees the states with the K/V, wake makes them again;
-- exact mode and FP8 weights are refused, naming why.
+- exact mode and FP8 weights are refused, naming why, and so is a config whose value heads do not group evenly
+  under its key heads.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from hybridflow.engine.rollout.cuda_graphs import decode_forward
 from hybridflow.engine.rollout.recurrent_state import StateCache
 from tests.engine.rollout.test_rollout_engine import GREEDY, full_logits, hf_greedy, hf_model
 
-ARCH = "qwen3_5_text"
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+def hybrid_arch(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def hybrid(spread_model):
-    """Four layers: linear, linear, linear, full (Qwen3.5's pattern)."""
-    return spread_model(ARCH, layers=4)
+def hybrid(spread_model, hybrid_arch):
+    """Four layers: linear, linear, linear, full (the families' pattern)."""
+    return spread_model(hybrid_arch, layers=4)
 
 
 def test_prefill_then_decode_gives_the_full_forwards_logits(hybrid):
@@ -71,10 +76,14 @@ def test_a_finished_row_does_not_fold_its_last_token_in_twice(hybrid):
     """With many decode steps per host look, a row that stops early idles in the batch, fed its stop token again
     until the host looks; its continuation still equals a one-shot prefill of the whole sequence."""
     engine = RolloutEngine.from_pretrained(hybrid, max_num_seqs=4, max_model_len=64, decode_steps_per_sync=8)
-    prompt, other = [5, 6, 7, 8, 9], [10, 11, 12]
+    prompt = [5, 6, 7, 8, 9]
     (plain,), = engine.generate([prompt], GREEDY)
     stop = plain.token_ids[1]  # the short row stops at its second token
     assert stop != plain.token_ids[0]
+    # the other row is one whose greedy tokens do not stop as soon (each family's random weights differ)
+    candidates = [[10, 11, 12], [30, 31], [50, 51, 52, 53]]
+    other = next(c for c, (out,) in zip(candidates, engine.generate(candidates, GREEDY))
+                 if stop not in out.token_ids[:6])
     params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])
     session = engine.session(params, hold=True)
     short, = session.add(prompt, 1, 12)
@@ -119,9 +128,19 @@ def test_sleep_frees_the_states_and_wake_makes_them_again(hybrid):
     assert [o[0].token_ids for o in after] == [o[0].token_ids for o in before]
 
 
-def test_exact_mode_and_fp8_weights_are_refused_by_name(hybrid):
-    with pytest.raises(ValueError, match="exact mode cannot run this model: model_type 'qwen3_5_text' has no exact"):
+def test_exact_mode_and_fp8_weights_are_refused_by_name(hybrid, hybrid_arch):
+    with pytest.raises(ValueError, match=f"exact mode cannot run this model: model_type '{hybrid_arch}' has no exact"):
         RolloutEngine.from_pretrained(hybrid, max_num_seqs=2, max_model_len=64, exact=True)
-    with pytest.raises(ValueError, match="'qwen3_5_text' mixes linear-attention layers in, whose projections have no "
-                                         "FP8 path"):
+    with pytest.raises(ValueError, match=f"'{hybrid_arch}' mixes linear-attention layers in, whose projections have "
+                                         "no FP8 path"):
         RolloutEngine.from_pretrained(hybrid, max_num_seqs=2, max_model_len=64, quantization="fp8")
+
+
+def test_value_heads_that_do_not_group_under_the_key_heads_are_refused_by_name(hybrid_arch):
+    from hybridflow.engine.rollout.model import CausalLM
+    from hybridflow.utils.tiny_model import tiny_config
+
+    config = tiny_config(hybrid_arch, 300, layers=4)
+    config.linear_num_value_heads = 3  # over 2 key heads
+    with pytest.raises(ValueError, match="linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"):
+        CausalLM(config, "sdpa")

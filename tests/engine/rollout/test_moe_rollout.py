@@ -1,5 +1,5 @@
-"""The fast engine on mixtures of experts (CPU, tiny random Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE with spread
-weights): greedy parity with transformers in fp32 (OLMoE with and without its q/k/v clamp), the recorded routes,
+"""The fast engine on mixtures of experts (CPU, tiny random Qwen3-MoE / Mixtral / Qwen2-MoE / OLMoE / Qwen3-Next with
+spread weights): greedy parity with transformers in fp32 (OLMoE with and without its q/k/v clamp), the recorded routes,
 both weight layouts, bf16 log-probs, the experts' kernels."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hybridflow.engine.rollout.kernels import silu_mul
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 17, [40, 41], [7] * 30]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
-ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "qwen3_next"]
 
 
 def hf_model(path, dtype=torch.float32):
@@ -73,11 +73,12 @@ def test_olmoe_clamping_q_k_and_v_matches_transformers(spread_model, tmp_path):
     assert differs  # the clamp changed what the model says
 
 
-def test_stacked_and_per_expert_layouts_load_the_same(spread_model):
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_next"])
+def test_stacked_and_per_expert_layouts_load_the_same(spread_model, arch):
     """A trainer's state dict (stacked experts, `mlp.experts.gate_up_proj`) builds the engine the checkpoint's
     per-expert tensors do; `load_weights` takes either layout in place, and a bad expert index or shape is
-    refused with the name."""
-    path = spread_model("qwen2_moe")
+    refused with the name (layer 1: sparse in both; Qwen3-Next's tiny layer 0 is dense)."""
+    path = spread_model(arch)
     model = hf_model(path)
     disk = RolloutEngine.from_pretrained(path, max_num_seqs=4)
     stacked = RolloutEngine.from_config(model.config, model.named_parameters(), max_num_seqs=4, stop_token_ids=[])
@@ -92,9 +93,9 @@ def test_stacked_and_per_expert_layouts_load_the_same(spread_model):
     for engine in (disk, stacked):
         torch.testing.assert_close(engine.model.model.layers[1].mlp.experts.gate_up_proj, gate_up, atol=0, rtol=0)
     with pytest.raises(ValueError, match="experts.9.up_proj.*out of range"):
-        disk.load_weights([("model.layers.0.mlp.experts.9.up_proj.weight", gate_up[0, inter:])])
+        disk.load_weights([("model.layers.1.mlp.experts.9.up_proj.weight", gate_up[0, inter:])])
     with pytest.raises(ValueError, match="experts.0.down_proj.*shape"):
-        disk.load_weights([("model.layers.0.mlp.experts.0.down_proj.weight", gate_up[0])])
+        disk.load_weights([("model.layers.1.mlp.experts.0.down_proj.weight", gate_up[0])])
 
 
 def test_mixtral_hub_names_load(spread_model):
@@ -135,10 +136,12 @@ def test_bf16_log_probs_within_tolerance(spread_model, arch):
     assert diffs.mean() < max(5e-3, bf16_error.mean() / 4) and diffs.max() < max(5e-2, bf16_error.max() / 4)
 
 
-def test_routes_of_n_samples_and_decode_windows(spread_model):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_routes_of_n_samples_and_decode_windows(spread_model, arch):
     """1 or 8 decode steps per host sync record the same routes (rows stopping inside a window); the n samples
-    of a prompt share its prompt's routes; a dense model cannot record."""
-    path = spread_model("qwen3_moe")
+    of a prompt share its prompt's routes (Qwen3-Next: prefilled once, its states copied to the n slots); a dense
+    model cannot record."""
+    path = spread_model(arch)
     engines = {steps: RolloutEngine.from_pretrained(path, max_num_seqs=6, record_routes=True,
                                                     decode_steps_per_sync=steps) for steps in (1, 8)}
     greedy = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[5, 9, 116])

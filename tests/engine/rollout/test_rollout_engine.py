@@ -1,5 +1,5 @@
 """The fast rollout engine on CPU (fp32, tiny random Qwen2 / Llama / Qwen3 / Mistral / OLMo 2 / Phi-3 / Gemma 3 /
-Qwen3.5):
+Qwen3.5 / Qwen3-Next):
 parity with HF, the sampling contract, continuous batching, n > 1, stop ids, weight sync, sleep / wake and input
 errors."""
 
@@ -68,12 +68,13 @@ def gemma3_softcap(spread_model, tmp_path_factory):
 
 # qwen3_5: a published Qwen3.5 checkpoint (vision tower beside the language model), served from its language model
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "olmo2", "phi3", "gemma3_text", "qwen3_5_text",
-                                  "qwen3_5", "llama3-rope", "phi3-longrope", "gemma3-softcap"])
+                                  "qwen3_5", "qwen3_next", "llama3-rope", "phi3-longrope", "gemma3-softcap"])
 def test_greedy_matches_transformers_generate(spread_model, llama3_rope, phi3_longrope, gemma3_softcap, arch):
     path = {"llama3-rope": llama3_rope, "phi3-longrope": phi3_longrope,
             "gemma3-softcap": gemma3_softcap}.get(arch) or spread_model(arch)
     # fewer slots than prompts; longrope's short factors hold within its original 128 positions
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=3, max_model_len=128 if arch == "phi3-longrope" else None)
+    assert isinstance(engine, RolloutEngine)  # the fast path: the fallback would pass the comparison too
     outs = engine.generate(PROMPTS, GREEDY)
     model = hf_model(path)
     for prompt, (out,) in zip(PROMPTS, outs):
@@ -128,7 +129,7 @@ def test_gemma3_windows_in_prefill_one_prompt_at_a_time_equal_the_padded_prefill
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "gemma3_text", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "phi3", "gemma3_text", "qwen3_5_text", "qwen3_next"])
 def test_logprobs_equal_full_forward_at_temperature(spread_model, arch):
     path = spread_model(arch)
     engine = RolloutEngine.from_pretrained(path, max_num_seqs=8)
@@ -222,7 +223,7 @@ def test_length_is_capped_by_the_context(spread_model):
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3", "gemma3_text", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3", "gemma3_text", "qwen3_5_text", "qwen3_next"])
 def test_load_weights_gives_the_same_outputs_as_a_fresh_engine(spread_model, arch):
     from safetensors.torch import load_file
 

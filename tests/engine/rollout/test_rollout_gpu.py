@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu
 
 # qwen3: per-head q/k norms in place, then the fused kernels; olmo2: norms over the whole q and k and after each block;
 # gemma3_text: sliding-window layers (8 tokens, shorter than the generations) in the decode kernels and flash;
-# qwen3_5_text: linear-attention layers (flash-linear-attention's kernels) whose states the graphs update in place
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "qwen3_5_text"])
+# qwen3_5_text: linear-attention layers (flash-linear-attention's kernels) whose states the graphs update in place;
+# qwen3_next: the same with its grouped projections and its experts' grouped GEMMs in the graphs
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "qwen3_5_text", "qwen3_next"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_equals_eager(spread_model, dtype, arch):
     path = spread_model(arch)

@@ -1,17 +1,20 @@
-"""The training engine's forward of a hybrid linear-attention model (Qwen3.5, `qwen3_5_text`): packed rows restart
-each sequence's recurrent and conv states (`packed_deltanet`), so the log-probs of a packed row equal each sequence's
-own forward, and their gradients those of padded rows."""
+"""The training engine's forward of a hybrid linear-attention model (Qwen3.5, `qwen3_5_text`; Qwen3-Next, `qwen3_next`,
+whose linear layers' projections are grouped by key head): packed rows restart each sequence's recurrent and conv
+states (`packed_deltanet`), so the log-probs of a packed row equal each sequence's own forward, and their gradients
+those of padded rows."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from train_helpers import model_cfg, rl_batch
 
 from hybridflow.engine.linear_attention import packed_mixer
 from hybridflow.engine.train import TrainEngine
+from hybridflow.engine.train.packed_deltanet import DELTANET_CLASSES
 
-ARCH = "qwen3_5_text"
+HYBRID = pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
 
 
 def _own_forwards(model, batch, temperature):
@@ -28,15 +31,16 @@ def _own_forwards(model, batch, temperature):
     return out * batch["response_mask"]
 
 
-def test_packed_rows_equal_each_sequences_own_forward(tiny_model_factory):
-    path = tiny_model_factory(ARCH, layers=4)
+@HYBRID
+def test_packed_rows_equal_each_sequences_own_forward(tiny_model_factory, arch):
+    path = tiny_model_factory(arch, layers=4)
     engine = TrainEngine(model_cfg(path), None, head="lm", pack_on_cpu=True)
     batch = rl_batch(rows=5, prompt_width=7, response_width=6, seed=1)
     expected = _own_forwards(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), batch, 0.7)
     packed = engine.infer(batch, micro_batch_size=5, temperature=0.7, pack=True)["log_probs"]
     torch.testing.assert_close(packed * batch["response_mask"], expected, atol=1e-5, rtol=1e-5)
     # the states would otherwise run on across the row: its sequences as one sequence give other outputs
-    mixer = next(m for m in engine.model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+    mixer = next(m for m in engine.model.modules() if type(m).__name__ in DELTANET_CLASSES)
     x = torch.randn(12, engine.model.config.hidden_size)
     with torch.no_grad():
         apart = packed_mixer(mixer, x, torch.tensor([0, 5, 12], dtype=torch.int32))[0]
@@ -45,8 +49,9 @@ def test_packed_rows_equal_each_sequences_own_forward(tiny_model_factory):
     assert not torch.allclose(apart[5:], joined[5:], atol=1e-3)
 
 
-def test_packed_gradients_equal_padded(tiny_model_factory):
-    engine = TrainEngine(model_cfg(tiny_model_factory(ARCH, layers=4)), None, head="lm", pack_on_cpu=True)
+@HYBRID
+def test_packed_gradients_equal_padded(tiny_model_factory, arch):
+    engine = TrainEngine(model_cfg(tiny_model_factory(arch, layers=4)), None, head="lm", pack_on_cpu=True)
     engine.model.requires_grad_(True)
     batch = rl_batch(rows=4, prompt_width=6, response_width=5, seed=2)
     grads = []
