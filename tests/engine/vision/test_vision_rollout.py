@@ -138,3 +138,23 @@ def test_bad_vision_inputs_refused(setup):
         engine.generate([ids], SamplingParams(max_tokens=2))  # images left out
     with pytest.raises(ValueError, match="2 vision inputs for 1 prompts"):
         engine.generate([ids], SamplingParams(max_tokens=2), vision=[vision, vision])
+
+
+def test_the_device_plans_kv_cache_and_prefill_size_the_vision_engine(tiny_vlm):
+    """The device plan's KV cache bytes and prefill forward (what `build_rollout` gets from it) size the vision
+    engine as they size the text engine: 5 slots' bytes hold 4 slots and the scratch one, under the plan's figure,
+    where taking a share of free memory would give every one of `max_num_seqs`."""
+    from hybridflow.config.schema import RolloutConfig
+    from hybridflow.workers.rollout_replica import build_rollout
+
+    context = 256
+    probe = build_rollout(str(tiny_vlm), RolloutConfig(max_num_seqs=2), torch.device("cpu"), torch.float32, context)
+    slot = probe.fast.kv.bytes // (probe.fast.kv.num_slots + 1)
+    engine = build_rollout(str(tiny_vlm), RolloutConfig(max_num_seqs=64), torch.device("cpu"), torch.float32, context,
+                           kv_cache_bytes=5 * slot, max_prefill_tokens=2048)
+    assert engine.fast.kv.num_slots == engine.max_num_seqs == 4 and engine.fast.kv.bytes == 5 * slot
+    assert engine.max_prefill_tokens == engine.fast.max_prefill_tokens == 2048
+    _, rows = encoded_prompts(tiny_vlm)
+    outs = engine.generate([ids for ids, _ in rows], SamplingParams(temperature=1.0, max_tokens=4, n=2, seed=0),
+                           vision=[v for _, v in rows])
+    assert [len(samples) for samples in outs] == [2, 2, 2]  # 6 rows through 4 slots: the rest wait
