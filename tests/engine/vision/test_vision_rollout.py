@@ -1,4 +1,4 @@
-"""VisionRolloutEngine on a tiny random Qwen2.5-VL and Qwen3-VL: greedy output equals `transformers.generate` on the same prompt
+"""VisionRolloutEngine on a tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3: greedy output equals `transformers.generate` on the same prompt
 and image, prompts joining the fast engine's decode as slots free; the vision tower encodes each prompt's images once
 for all its samples; one copy of the language model's weights serves the prefill and the decode, updates included;
 sampled log-probs are the engine's; placeholders are never drawn; bad vision inputs are refused naming the prompt."""
@@ -9,6 +9,7 @@ import pytest
 import torch
 from vision_helpers import encoded_prompts
 
+from hybridflow.data.vision_family import vision_family
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
 
@@ -22,12 +23,11 @@ def setup(tiny_vlm):
 
 def generated(model, ids, vision, max_new_tokens):
     """transformers.generate's greedy tokens for one prompt and its images (the placeholders suppressed, as ours)."""
-    image_id = model.config.image_token_id
+    family = vision_family(model.config)
     prompt = torch.tensor([ids])
-    expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                              mm_token_type_ids=(prompt == image_id).int(), max_new_tokens=max_new_tokens,
-                              do_sample=False, eos_token_id=[3], suppress_tokens=[image_id, model.config.video_token_id],
-                              **(vision.model_kwargs() if vision is not None else {}))
+    expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=[3], suppress_tokens=family.placeholders,
+                              **family.model_inputs(prompt, vision))
     return expected[0, len(ids):].tolist()
 
 
