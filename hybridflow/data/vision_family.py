@@ -32,6 +32,9 @@ class MropeFamily:
     """Qwen2.5-VL's and Qwen3-VL's image layout (see the module docstring)."""
 
     rope_delta = True  # decoded tokens rotate at their index plus the prompt's delta
+    # the OpenAI-compatible endpoint (`agents/endpoint/image_parts.py`) finds, counts and checks an image in rendered
+    # messages by its start / pad / end marks alone; Gemma 3's image text has more around them, not served there yet
+    endpoint = True
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -85,6 +88,7 @@ class Gemma3Family(MropeFamily):
     """Gemma 3's image layout (see the module docstring)."""
 
     rope_delta = False
+    endpoint = False
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -131,6 +135,7 @@ class Gemma3Family(MropeFamily):
 
 # model_type -> its family's layout; lm_class.VISION_FAMILIES names the same families
 FAMILIES = {"qwen2_5_vl": MropeFamily, "qwen3_vl": MropeFamily, "gemma3": Gemma3Family}
+ENDPOINT_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.endpoint)
 
 
 def vision_family(config: Any) -> MropeFamily:
