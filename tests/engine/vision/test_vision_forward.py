@@ -56,6 +56,7 @@ def test_trainer_log_probs_agree_with_rollout_and_transformers(rows, tiny_vlm):
         targets = rows["responses"][r, :k]
         want = logits[-k - 1:-1].gather(-1, targets[:, None])[:, 0]
         assert torch.allclose(ours[r, :k], want, atol=1e-4), r
+        assert torch.allclose(rows["rollout_log_probs"][r, :k], want, atol=1e-4), r  # the sampled ones, directly
 
 
 @pytest.mark.parametrize("freeze", [True, False])
