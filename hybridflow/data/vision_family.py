@@ -2,8 +2,8 @@
 image appears in a prompt's text, how its pixels travel with a row, and the positions and masks of a forward.
 
     family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL (`MropeFamily`), Gemma 3 (`Gemma3Family`)
-    family.image_text(tokens)                          # the text one image of `tokens` language-model tokens becomes
-    family.image_inputs(processed)                     # the image processor's output -> `VisionInputs`
+    family.image_text(start, pad, end, tokens)         # the text one image of `tokens` language-model tokens becomes
+    family.image_inputs(processed, where)              # the image processor's output -> `VisionInputs`
     kwargs, deltas = family.forward_kwargs(model, ids, mask, images)   # a padded forward's positions, masks, pixels
 
 - **Qwen2.5-VL, Qwen3-VL** (`MropeFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged patch

@@ -148,7 +148,7 @@ class VisionRolloutEngine(HFRolloutEngine):
         return [ids for ids, _ in placed]
 
     def _check_image_tokens(self, i: int, prompt: list[int], images: VisionInputs | None) -> None:
-        """ValueError when prompt i's image tokens are not the merged patches of its images."""
+        """ValueError when prompt i's image tokens are not as many as its images take."""
         have = sum(1 for t in prompt if t == self.image_token_id)
         want = self.family.token_count(images)
         if have != want:
@@ -167,10 +167,10 @@ class VisionRolloutEngine(HFRolloutEngine):
         images = VisionInputs.concat(present).to(self.device, self.model.dtype) if present else None
         kwargs, deltas = self.family.forward_kwargs(self.model, ids, mask, images)
         # a cache without the config's layer types: full layers, so a sliding-window layer keeps every position too
-        out = self.model(input_ids=ids, attention_mask=mask, cache=DynamicCache(), use_cache=True, logits_to_keep=1,
-                         **kwargs)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
         self.encoded_images += 0 if images is None else len(images.image_grid_thw)
-        return out.logits[:, -1], out.past_key_values, deltas
+        return out.logits[:, -1], cache, deltas
 
     # ---- weights and memory: one copy of the language model, two sets of modules over it (`vision_lm`) ---------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
