@@ -36,6 +36,7 @@ from hybridflow.engine.rollout.attention import pick_backend
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.linear import FusedLinear, Shard
 from hybridflow.engine.rollout.model import CausalLM, weight_target
+from hybridflow.engine.rollout.scope import model_problems
 from hybridflow.utils.lm_class import language_model_name
 
 # the vision-language family -> the transformers config class of its language model's text family, and the
@@ -87,6 +88,10 @@ class SharedWeights:
         """A fast model of the VLM's language model holding its weights, rotary tables for `max_len` positions."""
         named = language_model_parameters(hf_model)
         config = text_config(hf_model.config, tied="lm_head.weight" not in dict(named))  # a tied head is listed once
+        problems = model_problems(config)
+        if problems:  # the vision engine has no transformers.generate path to fall back to
+            raise ValueError(f"the vision-language model's language model ({config.model_type}) is not served by the "
+                             f"fast decode: {'; '.join(problems)}")
         weight = dict(named)["model.embed_tokens.weight"]
         device, dtype = weight.device, weight.dtype
         shared = {weight_target(name)[0]: p.data for name, p in named if weight_target(name)[1] is None}
