@@ -140,8 +140,7 @@ ENDPOINT_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.en
 
 def vision_family(config: Any) -> MropeFamily:
     """The image layout of a vision-language model of `config`; ValueError naming its model_type otherwise."""
-    family = FAMILIES.get(getattr(config, "model_type", None))
-    if family is None:
-        raise ValueError(f"model_type {getattr(config, 'model_type', None)!r} has no vision path here; vision "
-                         f"families: {', '.join(FAMILIES)}")
-    return family(config)
+    model_type = str(getattr(config, "model_type", None))
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} has no vision path here; vision families: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type](config)
