@@ -89,6 +89,9 @@ class SharedWeights:
         named = language_model_parameters(hf_model)
         config = text_config(hf_model.config, tied="lm_head.weight" not in dict(named))  # a tied head is listed once
         problems = model_problems(config)
+        if getattr(config, "final_logit_softcapping", None):  # the fast model caps where its text config says so
+            problems.append(f"final_logit_softcapping={config.final_logit_softcapping} is set in the text config, "
+                            f"which {type(hf_model).__name__}'s forward and the trainer's log-prob head do not apply")
         if problems:  # the vision engine has no transformers.generate path to fall back to
             raise ValueError(f"the vision-language model's language model ({config.model_type}) is not served by the "
                              f"fast decode: {'; '.join(problems)}")

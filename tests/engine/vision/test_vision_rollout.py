@@ -160,19 +160,23 @@ def test_the_device_plans_kv_cache_and_prefill_size_the_vision_engine(tiny_vlm):
     assert [len(samples) for samples in outs] == [2, 2, 2]  # 6 rows through 4 slots: the rest wait
 
 
-def test_a_language_model_the_fast_decode_does_not_serve_is_refused_by_name(tiny_vlm, tmp_path):
+@pytest.mark.parametrize("key,why", [("attn_logit_softcapping", "is set"),
+                                     ("final_logit_softcapping", "is set in the text config, which "
+                                                                 "Gemma3ForConditionalGeneration's forward")])
+def test_a_language_model_the_fast_decode_does_not_serve_is_refused_by_name(key, why, tiny_vlm, tmp_path):
     """Gemma 3's text model with attention-logit soft-capping (Gemma 2's; the released Gemma 3 configs leave it unset):
-    the fast decode does not apply it, and the vision engine has no transformers.generate path, so it is refused."""
+    the fast decode does not apply it, and the vision engine has no transformers.generate path, so it is refused;
+    final-logit soft-capping, which the fast decode would apply and transformers' multimodal forward does not."""
     if "gemma3" not in str(tiny_vlm):
-        pytest.skip("Qwen's language models have no such option")
+        pytest.skip("Qwen's language models have no such options")
     import json
     import shutil
 
     capped = tmp_path / "capped"
     shutil.copytree(tiny_vlm, capped)
     config = json.loads((capped / "config.json").read_text())
-    config["text_config"]["attn_logit_softcapping"] = 50.0
+    config["text_config"][key] = 50.0
     (capped / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"language model \(gemma3_text\) is not served by the fast decode: "
-                                         r"attn_logit_softcapping=50.0 is set"):
+    with pytest.raises(ValueError, match=rf"language model \(gemma3_text\) is not served by the fast decode: "
+                                         rf"{key}=50.0 {why}"):
         VisionRolloutEngine(capped, torch.device("cpu"), torch.float32, [3], 4, 256)
