@@ -82,8 +82,7 @@ def warm_up(model_dir: Path, train_rows: list[dict], steps: int, lr: float, batc
         for ids, answer, vision in rng.sample(encoded, batch):
             tokens = torch.tensor([ids + answer])
             labels = torch.tensor([[-100] * len(ids) + answer])
-            mm = (tokens == model.config.image_token_id).int()
-            loss = model(input_ids=tokens, labels=labels, mm_token_type_ids=mm, **vision.model_kwargs()).loss / batch
+            loss = model(input_ids=tokens, labels=labels, **prompts.family.model_inputs(tokens, vision)).loss / batch
             loss.backward()
             total += loss.item()
         optimizer.step()

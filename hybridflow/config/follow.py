@@ -161,7 +161,7 @@ FOLLOWS: tuple[Follows, ...] = (
     Follows("actor.rollout_correction.mode", "token_tis", _fp8_rollout, "`rollout.quantization=fp8`"),
     Follows("actor.optimizer", "adamw_8bit", _bf16_master("model"), "`model.master_dtype=bf16`"),
     Follows("data.image_key", "images", _vision_model,
-            "`model.path` is a vision-language model (Qwen2.5-VL, Qwen3-VL) and no endpoint way in (`agent.runner`, "
+            "`model.path` is a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3) and no endpoint way in (`agent.runner`, "
             "...) is set"),
     Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model"), "`critic.model.master_dtype=bf16`"),
     Follows("optim.optimizer", "adamw_8bit", _bf16_master("model"),

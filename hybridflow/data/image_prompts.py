@@ -1,11 +1,13 @@
-"""Images in prompts for vision-language models (Qwen2.5-VL, Qwen3-VL): verl's geo3k layout to token ids and pixel values.
+"""Images in prompts for vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3): verl's geo3k layout to token ids and
+pixel values.
 
 A row holds its images under `data.image_key` (verl's `images` column): a list whose items are `{"bytes": ...}`
 mappings (as verl's parquet stores them), `{"path": ...}` mappings, path strings, raw bytes or PIL images. Its
 prompt says `<image>` where each image goes, in order. `VisionPrompts.encode` renders the prompt as text prompts are
-(`chat.render_prompt`), puts the model's vision tokens at each `<image>` (`<|vision_start|>`, one `<|image_pad|>`
-per merged patch, `<|vision_end|>`: what Qwen2.5-VL's and Qwen3-VL's processors and chat templates make of an image part), and runs
-the model's image processor (transformers', its PIL backend where torchvision is absent) for the pixel values.
+(`chat.render_prompt`), puts the model's vision tokens at each `<image>` (Qwen's `<|vision_start|>`, one
+`<|image_pad|>` per merged patch, `<|vision_end|>`; Gemma 3's `<start_of_image>`, its soft tokens and `<end_of_image>`:
+what each family's processor makes of an image part, `vision_family`), and runs the model's image processor
+(transformers', its PIL backend where torchvision is absent) for the pixel values.
 
 Every image is decoded and checked when the dataset is built; an image that does not decode, a prompt whose
 `<image>` count differs from its images, or an image over the processor's pixel limit (`max_pixels`) is refused
@@ -72,18 +74,6 @@ class VisionInputs:
             out.append(VisionInputs(pixels[:int(grid.prod(-1).sum())], grid) if len(grid) else None)
         return out
 
-    @staticmethod
-    def token_count(images: VisionInputs | None, config: Any) -> int:
-        """The language-model tokens `images` (None: no images) take in a prompt of the model of `config`: each
-        image's patches, `spatial_merge_size`² of them merged into one token."""
-        if images is None:
-            return 0
-        return int(images.image_grid_thw.prod(-1).sum()) // config.vision_config.spatial_merge_size ** 2
-
-    def model_kwargs(self) -> dict[str, torch.Tensor]:
-        """The keyword arguments of a transformers VLM forward that carry these images."""
-        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
-
 
 def decode_image(value: Any, where: str):
     """A PIL RGB image from one item of an `images` column; ValueError naming `where` when it does not decode."""
@@ -119,11 +109,11 @@ class VisionPrompts:
     naming `where` (a file and row) for bad input."""
 
     def __init__(self, tokenizer: Any, image_processor: Any, config: Any) -> None:
+        from hybridflow.data.vision_family import vision_family  # it builds this module's VisionInputs
+
         self.tokenizer, self.image_processor = tokenizer, image_processor
-        names = tokenizer.convert_ids_to_tokens([config.vision_start_token_id, config.image_token_id,
-                                                 config.vision_end_token_id])
-        self.start, self.pad, self.end = names
-        self.merge = int(image_processor.merge_size) ** 2  # patches merged into one language-model token
+        self.family = vision_family(config)
+        self.start, self.pad, self.end = tokenizer.convert_ids_to_tokens(list(self.family.marks()))
         size = getattr(image_processor, "size", None) or {}
         limit = getattr(image_processor, "max_pixels", None) or size.get("longest_edge")
         self.max_pixels = int(limit) if limit else None
@@ -151,16 +141,16 @@ class VisionPrompts:
             out = self.image_processor(images=images, return_tensors="pt")
         except ValueError as e:  # e.g. an aspect ratio past the processor's bound
             raise ValueError(f"{where}: the image processor refused an image: {e}") from None
-        return VisionInputs(out["pixel_values"], out["image_grid_thw"].long())
+        return self.family.image_inputs(out, where)
 
     def image_tokens(self, vision: VisionInputs | None) -> list[int]:
-        """The language-model tokens each image of `vision` takes (its patches merged; [] for None)."""
-        return [] if vision is None else (vision.image_grid_thw.prod(-1) // self.merge).tolist()
+        """The language-model tokens each image of `vision` takes ([] for None)."""
+        return self.family.image_tokens(vision)
 
     def expand(self, pieces: list[str], vision: VisionInputs | None) -> str:
         """The text of `pieces` (split where each image goes, one more piece than images) with image i's vision
-        tokens (start, a pad per merged patch, end) between piece i and piece i + 1."""
-        return pieces[0] + "".join(self.start + self.pad * n + self.end + piece
+        tokens (start, a pad per language-model token, end: `vision_family`) between piece i and piece i + 1."""
+        return pieces[0] + "".join(self.family.image_text(self.start, self.pad, self.end, n) + piece
                                    for n, piece in zip(self.image_tokens(vision), pieces[1:]))
 
     def encode(self, prompt: Any, images: Any, where: str, apply_chat_template: bool = True

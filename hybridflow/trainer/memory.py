@@ -21,6 +21,7 @@ from hybridflow.engine.budget import (GIB, DeviceDemand, FrozenRole, ModelShape,
                                       check_weights_fit)
 from hybridflow.engine.train.lora import adapted_expert_params, shareable_params, trainable_params
 from hybridflow.engine.train.quantized_base import quantized_params
+from hybridflow.utils.lm_class import vision_model_type
 
 
 def _compute_bytes(dtype: str) -> int:
@@ -78,7 +79,8 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
                           shared_params=shareable_params(_config(cfg.model, cfg.model.path), cfg.actor.lora,
                                                          cfg.model.trust_remote_code)
                           if facts.lend_frozen_weights else 0, fp8=cfg.rollout.quantization == "fp8",
-                          min_seqs=max(cfg.rollout.n, cfg.rollout.val_n))
+                          min_seqs=max(cfg.rollout.n, cfg.rollout.val_n),
+                          prefill_keeps_cache=vision_model_type(cfg.model.path) is not None)
     trained = [actor]
     frozen = []
     if facts.reference_copy:  # a LoRA actor's reference is its own base weights

@@ -1,5 +1,5 @@
 """Which transformers Auto class builds a model with its language-model head: a vision-language model's
-(`AutoModelForImageTextToText`: Qwen2.5-VL's or Qwen3-VL's vision tower, language model and head) or a causal LM's
+(`AutoModelForImageTextToText`: Qwen2.5-VL's, Qwen3-VL's or Gemma 3's vision tower, language model and head) or a causal LM's
 (`AutoModelForCausalLM`). Every place that loads, sizes, checkpoints or exports the policy asks here, so a
 vision-language model takes the same paths as a text one; `vision_model_type` tells a vision-language model's
 directory from its config.json alone (the config checks ask it before anything loads)."""
@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-# the vision-language families whose image processor (Qwen2-VL's: `pixel_values` + `image_grid_thw`) and multimodal
-# rotary index (`get_rope_index`) the data, the vision rollout engine and the trainer use, each tested on a tiny
-# random model of its architecture (`tiny_vlm`); another vision-language model is refused by name before it loads
-VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+# the vision-language families whose image layout (`data.vision_family`) the data, the vision rollout engine and
+# the trainer serve, each tested on a tiny random model of its architecture (`tiny_vlm`); another vision-language
+# model is refused by name before it loads
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3")
 # published vision-language checkpoints whose language model trains alone, as a causal LM: transformers loads them
 # with their text class (Qwen3.5's `qwen3_5` as `Qwen3_5ForCausalLM`, the vision tower left out), and the rollout
 # engine reads the language model's weights, stored under `model.language_model.`, on the family's fast path
 TEXT_FIRST_FAMILIES = ("qwen3_5",)
 LANGUAGE_MODEL_PREFIX = "model.language_model."
+# a vision-language model's tensors outside its language model: Qwen's tower (with its merger), Gemma 3's tower and
+# the projector that feeds it to the language model
+VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def is_vision_config(config: Any) -> bool:
@@ -38,7 +41,7 @@ def language_model_name(name: str) -> str | None:
     what the text model leaves out (the vision tower, a multi-token-prediction head), any other name as it is."""
     if name.startswith(LANGUAGE_MODEL_PREFIX):
         return "model." + name[len(LANGUAGE_MODEL_PREFIX):]
-    return None if name.startswith(("model.visual.", "mtp.")) else name
+    return None if name.startswith(VISION_PREFIXES + ("mtp.",)) else name
 
 
 def lm_auto_class(config: Any) -> Any:

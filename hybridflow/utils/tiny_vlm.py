@@ -1,13 +1,18 @@
 """A tiny, offline vision-language model directory of a real architecture at a debug size, with random weights:
 Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`: window-attention vision tower, patch merger, multimodal rotary
-positions) or Qwen3-VL (`Qwen3VLForConditionalGeneration`: 16-pixel patches, learned position embeddings in the
-tower, DeepStack features added to the first language layers, interleaved multimodal rotary sections, q/k norms).
+positions), Qwen3-VL (`Qwen3VLForConditionalGeneration`: 16-pixel patches, learned position embeddings in the
+tower, DeepStack features added to the first language layers, interleaved multimodal rotary sections, q/k norms) or
+Gemma 3 (`Gemma3ForConditionalGeneration`: a SigLIP tower over 32 x 32 images of 8-pixel patches, pooled to 4
+soft tokens an image by the multimodal projector; Gemma 3's text model with a sliding layer of an 8-token window and
+a global one, `tiny_model.gemma3_kwargs`).
 
 Tests need a vision-language model that loads with no network. The directory holds the model, a byte-level
 tokenizer (`tiny_model.build_tokenizer`) with Qwen's vision tokens added (`<|vision_start|>`, `<|image_pad|>`,
 `<|vision_end|>`; `hybridflow.data.image_prompts` puts them where a prompt says `<image>`), and Qwen2-VL's image
 processor (both families use it; Qwen3-VL's with 16-pixel patches) with a small pixel range (so a test image is a
-few dozen patches).
+few dozen patches). Gemma 3's directory has its image tokens instead (`<start_of_image>`, `<image_soft_token>`,
+`<end_of_image>`) and Gemma 3's image processor at the tower's 32 x 32. transformers initialises Gemma 3's projector
+to zeros and its (1 + weight) norms to ones; they are drawn at random here so images and norms change the outputs.
 
     python -m hybridflow.utils.tiny_vlm /tmp/tiny_vl [--family qwen3_vl]
 """
@@ -20,9 +25,11 @@ from pathlib import Path
 import torch
 
 from hybridflow.utils.lm_class import VISION_FAMILIES
-from hybridflow.utils.tiny_model import BOS, EOS, PAD, build_tokenizer
+from hybridflow.utils.tiny_model import BOS, EOS, PAD, build_tokenizer, gemma3_kwargs
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+GEMMA3_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+GEMMA3_SIDE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS = 32, 8, 4  # 4 x 4 patches pooled 2 x 2 into 4 soft tokens
 # each family's patch side in pixels; a merged token covers 2 x 2 patches
 PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
 # the smallest / largest image after the processor's resize, in merged tokens: 4 to 64
@@ -57,37 +64,72 @@ def _config(family: str, text: dict, vision_hidden: int, vision_depth: int, hidd
                          tie_word_embeddings=True, **tokens)
 
 
+def _gemma3_config(text: dict, vision_hidden: int, vision_depth: int, heads: int, tokens: dict):
+    """Gemma 3's config: `text` the language model's sizes, `tokens` the image token ids."""
+    from transformers import Gemma3Config
+
+    head_dim = text["hidden_size"] // heads
+    # Qwen's 0.2 initialisation, times the embedding's sqrt(hidden) scale, fixes a random Gemma 3 on one token
+    text = {**text, "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh", "initializer_range": 0.02,
+            **gemma3_kwargs(text["num_hidden_layers"], head_dim)}
+    vision = dict(hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_hidden_layers=vision_depth,
+                  num_attention_heads=2, image_size=GEMMA3_SIDE, patch_size=GEMMA3_PATCH)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+                        tie_word_embeddings=True, initializer_range=0.02, **tokens)
+
+
 def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", hidden: int = 64, layers: int = 2, heads: int = 4,
                    kv_heads: int = 2, vision_hidden: int = 32, vision_depth: int = 2, seed: int = 0) -> Path:
     """Save a random tiny VLM of `family` (`VISION_FAMILIES`), its tokenizer, image processor and generation config
     under `path`."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if family not in VISION_FAMILIES:
         raise ValueError(f"family {family!r}: expected one of {', '.join(VISION_FAMILIES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": [BOS, *VISION_TOKENS]})
-    start, image, end, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    gemma = family == "gemma3"
+    tok.add_special_tokens({"additional_special_tokens": [BOS, *(GEMMA3_TOKENS if gemma else VISION_TOKENS)]})
     pad_id, eos_id = tok.convert_tokens_to_ids(PAD), tok.convert_tokens_to_ids(EOS)
     text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                 rms_norm_eps=1e-6, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None, initializer_range=0.2)
-    config = _config(family, text, vision_hidden, vision_depth, hidden,
-                     dict(image_token_id=image, video_token_id=video, vision_start_token_id=start,
-                          vision_end_token_id=end))
+    if gemma:
+        start, image, end = tok.convert_tokens_to_ids(list(GEMMA3_TOKENS))
+        config = _gemma3_config(text, vision_hidden, vision_depth, heads,
+                                dict(boi_token_index=start, image_token_index=image, eoi_token_index=end))
+    else:
+        start, image, end, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+        config = _config(family, text, vision_hidden, vision_depth, hidden,
+                         dict(image_token_id=image, video_token_id=video, vision_start_token_id=start,
+                              vision_end_token_id=end))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
+        if gemma:  # zeros and ones as transformers initialises them would hide the images and the norms
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name or "mm_input_projection" in name:
+                        param.normal_(0.0, 0.2)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    side = 2 * PATCH[family]
-    Qwen2VLImageProcessorPil(min_pixels=side * side * MIN_TOKENS, max_pixels=max_pixels(family),
-                             patch_size=PATCH[family]).save_pretrained(path)
+    _image_processor(family).save_pretrained(path)
     return path
+
+
+def _image_processor(family: str):
+    """The family's image processor at the tiny sizes."""
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        return Gemma3ImageProcessorPil(size={"height": GEMMA3_SIDE, "width": GEMMA3_SIDE})
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    side = 2 * PATCH[family]
+    return Qwen2VLImageProcessorPil(min_pixels=side * side * MIN_TOKENS, max_pixels=max_pixels(family),
+                                    patch_size=PATCH[family])
 
 
 def main() -> None:

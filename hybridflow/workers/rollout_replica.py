@@ -42,28 +42,39 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
                   max_prefill_tokens: int | None = None) -> RolloutEngineContract:
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
     kernels when `rollout_cfg.exact`, FP8 weights with `rollout_cfg.quantization`), holding `shared_weights` (a
-    colocated LoRA trainer's frozen ones) instead of copies (the fast engine). The KV cache on a GPU: `rollout.kv_cache_fraction` of the free memory if set, else `kv_cache_bytes` (the device
-    plan's), else `UNPLANNED_KV_FRACTION`. On a CPU, where nothing plans the memory and the cache is
-    zero-filled RAM, it holds at most `rows_in_flight` sequences (the rows generated at once; more queue)."""
-    kv: float | int | None = None
+    colocated LoRA trainer's frozen ones) instead of copies (the fast engine). The KV cache, the text engine's and
+    the vision engine's alike: `rollout.kv_cache_fraction` of the free GPU memory if set, else `kv_cache_bytes` (the
+    device plan's, so a capped run stays under `trainer.device_memory_gib`), else on a GPU `UNPLANNED_KV_FRACTION`.
+    On a CPU, where nothing plans the memory and the cache is zero-filled RAM, it holds at most `rows_in_flight`
+    sequences (the rows generated at once; more queue)."""
     max_num_seqs = cpu_max_num_seqs(rollout_cfg.max_num_seqs, rows_in_flight) if device.type == "cpu" \
         else rollout_cfg.max_num_seqs
-    if device.type == "cuda":
-        kv = rollout_cfg.kv_cache_fraction
-        if kv is None:
-            kv = kv_cache_bytes if kv_cache_bytes is not None else UNPLANNED_KV_FRACTION
+    kv = kv_budget(rollout_cfg, device, kv_cache_bytes)
+    prefill = max_prefill_tokens or MAX_PREFILL_TOKENS
     if vision_model_type(path) is not None:  # images in the prompts: the vision engine (`vision_engine`)
-        return vision_rollout(path, rollout_cfg, device, dtype, max_num_seqs, max_model_len)
+        return vision_rollout(path, rollout_cfg, device, dtype, max_num_seqs, max_model_len, kv, prefill)
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         kv_cache_memory=kv, cuda_graphs=rollout_cfg.cuda_graphs, engine=rollout_cfg.engine, exact=rollout_cfg.exact,
         record_routes=rollout_cfg.record_routes, shared_weights=shared_weights, quantization=rollout_cfg.quantization,
-        max_prefill_tokens=max_prefill_tokens or MAX_PREFILL_TOKENS)
+        max_prefill_tokens=prefill)
+
+
+def kv_budget(rollout_cfg: RolloutConfig, device: torch.device, kv_cache_bytes: int | None
+                    ) -> float | int | None:
+    """The engine's `kv_cache_memory` (see `build_rollout`); None: the slots alone decide (a CPU's)."""
+    if device.type == "cuda" and rollout_cfg.kv_cache_fraction is not None:
+        return rollout_cfg.kv_cache_fraction
+    if kv_cache_bytes is not None:  # a plan exists only on an accelerator (`budget.plan_for_device`)
+        return kv_cache_bytes
+    return UNPLANNED_KV_FRACTION if device.type == "cuda" else None
 
 
 def vision_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
-                   max_model_len: int) -> VisionRolloutEngine:
-    """The vision-language model's engine; the fast engine's options it has no path for are refused by name."""
+                   max_model_len: int, kv_cache_memory: float | int | None,
+                   max_prefill_tokens: int) -> VisionRolloutEngine:
+    """The vision-language model's engine, its KV cache and prefill forwards as `build_rollout` sized them; the fast
+    engine's options it has no path for are refused by name."""
     problems = vision_rollout_problems(rollout_cfg)
     if problems:
         raise ValueError(f"{path}: {'; '.join(problems)}")
@@ -72,7 +83,8 @@ def vision_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, 
     from hybridflow.engine.rollout.engine import model_stop_ids
 
     return VisionRolloutEngine(path, device, dtype, model_stop_ids(path, AutoConfig.from_pretrained(path)),
-                               max_num_seqs, max_model_len, cuda_graphs=rollout_cfg.cuda_graphs)
+                               max_num_seqs, max_model_len, kv_cache_memory, cuda_graphs=rollout_cfg.cuda_graphs,
+                               max_prefill_tokens=max_prefill_tokens)
 
 
 def cpu_max_num_seqs(max_num_seqs: int, rows_in_flight: int | None) -> int:

@@ -70,6 +70,20 @@ def test_default_plan_bounds_micro_batches_and_keeps_checkpointing_off_where_it_
     assert p.kv_cache_bytes == 257 * kv_per_seq
 
 
+def test_the_vision_engines_prefill_counts_its_own_cache_in_the_plan():
+    """The vision engine's prefill (a transformers forward) keeps its own K/V of the prompts it prefills until they
+    are copied into the slots: the plan's generation workspace counts them, so a capped rollout device's KV cache is
+    smaller and generation still peaks under the cap (what the engine then takes:
+    `test_the_device_plans_kv_cache_and_prefill_size_the_vision_engine`)."""
+    text = RolloutRole(shape("3b"), 2, max_num_seqs=256, max_model_len=1024)
+    vision = dataclasses.replace(text, prefill_keeps_cache=True)
+    assert vision.workspace_bytes() - text.workspace_bytes() == 16384 * text.kv_bytes_per_token()
+    plans = [plan(DeviceDemand(rollout=role, longest_sequence=1024, memory_cap=12 * GIB), *H200)
+             for role in (text, vision)]
+    assert plans[1].kv_cache_bytes < plans[0].kv_cache_bytes < 256 * text.kv_bytes_per_seq()
+    assert all(p.generation_peak_bytes <= p.cap_bytes for p in plans)
+
+
 def test_host_bound_models_checkpoint_longer_micro_batches_by_default():
     """Under HOST_BOUND_PARAMS recomputation is cheaper than more micro-batches (docs/benchmarks.md): the
     0.5B shape gets checkpointed 32k-token micro-batches, 1.5B the plain 16k ones; explicit settings win."""

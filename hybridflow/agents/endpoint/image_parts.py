@@ -13,6 +13,7 @@ the same ones.
 `RequestImages` then decodes the parts (PIL), runs the model's image processor (`VisionPrompts.process`, the
 dataset's own path) and expands each mark to one `<|image_pad|>` per merged patch, as the model's processor does.
 An image that does not decode, or is over the processor's pixel limit, is refused 400 naming the message and part.
+Gemma 3's images are not served here yet (`vision_family.ENDPOINT_FAMILIES`; refused by name before a run loads).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from urllib.parse import unquote, urlparse
 
 from hybridflow.agents.endpoint.openai_wire import APIError, ImagePart
 from hybridflow.data.image_prompts import VisionInputs, VisionPrompts, decode_image
+from hybridflow.data.vision_family import ENDPOINT_FAMILIES
 
 
 def read_image(part: ImagePart) -> Any:
@@ -51,6 +53,10 @@ class RequestImages:
     """A vision-language model's images in endpoint requests (see the module docstring)."""
 
     def __init__(self, prompts: VisionPrompts) -> None:
+        if not prompts.family.endpoint:
+            raise ValueError(f"images through the endpoint are not served for the vision-language model_type "
+                             f"{prompts.family.config.model_type!r} yet (its image text is not the start / pad / end "
+                             f"marks the endpoint reads); supported: {', '.join(ENDPOINT_FAMILIES)}")
         self.prompts = prompts
         self.mark = prompts.start + prompts.pad + prompts.end
         tokenizer = prompts.tokenizer

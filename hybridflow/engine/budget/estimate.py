@@ -279,6 +279,9 @@ class RolloutRole:
     shared_params: int = 0  # a colocated LoRA trainer's frozen weights the engine holds instead of copies
     fp8: bool = False  # the decoder layers' projections in FP8 (`rollout.quantization=fp8`, engine/rollout/fp8.py)
     min_seqs: int = 1  # sequences that must run at once: a prompt's n samples are admitted together (`rollout.n`)
+    # the vision engine's prefill (`vision_engine`): a transformers forward that keeps its own K/V of the padded
+    # prompts until they are copied into the slots, beside the activations
+    prefill_keeps_cache: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -306,9 +309,10 @@ class RolloutRole:
         """Prefill activations of one packed forward, and fp32 logits + sampling temporaries of a decode step over
         `seqs` running sequences (None: `max_num_seqs`). A forward packs `max_prefill_tokens`, or holds one longer
         sequence alone: a sample prefilled again with its tokens so far (partial rollouts) may be `max_model_len`
-        long."""
+        long. The vision engine's prefill holds its forward's own K/V of those tokens too."""
         s = self.shape
         per_token = 4 * s.hidden + 3 * s.intermediate + 2 * s.top_k * s.hidden
+        per_token += self.kv_bytes_per_token() // self.compute_bytes if self.prefill_keeps_cache else 0
         tokens = max(self.max_prefill_tokens, self.max_model_len)
         running = self.max_num_seqs if seqs is None else seqs
         return tokens * self.compute_bytes * per_token + running * self.logits_bytes_per_seq()

@@ -42,10 +42,15 @@ def gemma3_problems(config) -> list[str]:
     return problems
 
 
+def model_problems(config) -> list[str]:
+    """What of a config the fast model does not implement at any context length ([] when it serves it all)."""
+    return gemma3_problems(config) if config.model_type == "gemma3_text" else []
+
+
 def context_problems(config, max_model_len: int) -> list[str]:
     """Why the fast path cannot serve sequences of `max_model_len` tokens of this config ([] when it can)."""
     if config.model_type == "gemma3_text":
-        return [f"{why}; use engine='hf'" for why in gemma3_problems(config)]
+        return [f"{why}; use engine='hf'" for why in model_problems(config)]
     window = getattr(config, "sliding_window", None)
     uses_window = (config.model_type in ("llama", "mistral", "mixtral", "phi3")
                    or getattr(config, "use_sliding_window", False))

@@ -1,28 +1,33 @@
-"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL, Qwen3-VL) with images in the prompts.
+"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3) with images in the
+prompts.
 
     engine = VisionRolloutEngine(path, device, dtype, stop_ids, max_num_seqs=64, max_model_len=2048)
     outs = engine.generate(prompt_token_ids, SamplingParams(n=8), vision=[VisionInputs, ...])
 
 Each prompt's token ids already hold its vision tokens (`hybridflow.data.image_prompts`); `vision[i]` holds its pixel values
-and patch grids (None for a prompt without images).
+and patch grids (None for a prompt without images). What differs by family (the image tokens, the pixels' layout,
+the positions and masks of the prefill) is `data.vision_family`'s.
 
 The prefill runs in the model's own transformers modules, the decode on the fast engine (`vision_lm`):
 
 - **Prefill**, once per prompt, as many prompts at a time as have free KV slots for their n samples (within
   `max_prefill_tokens` padded tokens; once an eighth of the slots is free, as the fast scheduler admits): one
   forward of the transformers model over the left-padded prompts, where the vision tower encodes each prompt's
-  images once and their embeddings take the place of the image tokens, with the multimodal rotary positions (mrope)
-  of `get_rope_index` (an image's tokens take temporal / height / width positions, text after it continues from the
-  largest).
+  images once and their embeddings take the place of the image tokens. Qwen's take the multimodal rotary positions
+  (mrope) of `get_rope_index` (an image's tokens take temporal / height / width positions, text after it continues
+  from the largest); Gemma 3's take plain positions and `token_type_ids`, with which an image's tokens attend to
+  each other both ways. The forward keeps every position's K/V, a sliding-window layer's too (transformers' own
+  cache for Gemma 3 would keep only the window): the fast engine's cache holds every position.
 - **Hand-off**: each prompt's K/V, already rotated by those positions, go from transformers' cache into the fast
   engine's slots of its n samples (`vision_lm.write_prompts`), and the samples' first tokens are drawn from the
   prompt's last logits (`Session.place`).
 - **Decode**: the fast engine's, with continuous batching (a finished row's slot takes the next waiting prompt), CUDA
   graphs and its sampler. A generated token's three mrope components all equal `its index + the prompt's rope
   delta`, so its rotation is the text family's plain rope at that position: each row's rotary position is shifted
-  by its prompt's delta (`RunningBatch.rope_offsets`), its cache position stays its index.
+  by its prompt's delta (`RunningBatch.rope_offsets`), its cache position stays its index. Gemma 3 has no delta.
 
-The language model is the fast decoder's Qwen2 (Qwen2.5-VL) or Qwen3 (Qwen3-VL) over one copy of the weights
+The language model is the fast decoder's Qwen2 (Qwen2.5-VL), Qwen3 (Qwen3-VL) or Gemma 3 text model (its sliding and
+global layers, `gemma3.py`) over one copy of the weights
 (`vision_lm.SharedWeights`), so `load_weights` (HF names, into the transformers model in place) reaches the decode
 too, and `sleep` / `wake` free and re-make the fast engine's KV cache (with offload, every weight to the CPU and back,
 still one copy). The image and video placeholder tokens are never drawn (sampled into a response, the trainer's
@@ -33,6 +38,7 @@ images, for both families, with prompts joining as slots free (tests/engine/visi
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -41,6 +47,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.data.image_prompts import VisionInputs
+from hybridflow.data.vision_family import vision_family
 from hybridflow.engine.rollout.engine import MAX_PREFILL_TOKENS, RolloutEngine
 from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
 from hybridflow.engine.rollout.session import Session
@@ -65,15 +72,15 @@ class VisionRolloutEngine(HFRolloutEngine):
         text = self.config.get_text_config()  # a VLM config keeps the language model's sizes in its text config
         self.max_model_len = min(self.max_model_len, text.max_position_embeddings)
         self.max_prefill_tokens = max_prefill_tokens
-        self.image_token_id = int(self.config.image_token_id)
+        self.family = vision_family(self.config)
+        self.image_token_id = self.family.image_token_id
         self.vocab_size = int(text.vocab_size)
+        self.weights = SharedWeights.build(self.model, self.max_model_len)
         # never sampled: a response's image or video placeholder would be taken for an image position by the
         # trainer's forward (its features scattered there, its rotary index shifted) and fail the update
-        placeholders = {self.image_token_id, int(getattr(self.config, "video_token_id", self.image_token_id))}
-        self.weights = SharedWeights.build(self.model, self.max_model_len)
         self.fast = RolloutEngine(self.weights.fast, device, dtype, stop_ids, max_num_seqs, self.max_model_len,
-                                  kv_cache_memory, cuda_graphs, max_prefill_tokens, rope_offsets=True,
-                                  never_sample=sorted(t for t in placeholders if t < self.vocab_size))
+                                  kv_cache_memory, cuda_graphs, max_prefill_tokens, rope_offsets=self.family.rope_delta,
+                                  never_sample=[t for t in self.family.placeholders if t < self.vocab_size])
         self.max_num_seqs = self.fast.kv.num_slots  # the KV budget may hold fewer rows than asked for
         self.encoded_images = 0  # images the vision tower has encoded (tests: once per prompt, not per sample)
 
@@ -132,7 +139,7 @@ class VisionRolloutEngine(HFRolloutEngine):
         K/V to the fast engine's slots; the sequence ids of each prompt's samples."""
         logits, cache, deltas = self._prefill(prompts, vision)
         lengths = [len(p) for p in prompts]
-        offsets = [int(d) for d in deltas[:, 0].tolist()]
+        offsets = [int(d) for d in deltas.tolist()]
         for length, delta in zip(lengths, offsets):
             if delta > 0:  # images only ever lower a prompt's largest position below its length
                 raise ValueError(f"a prompt of {length} tokens has rope delta {delta} > 0 (video timestamps?); the "
@@ -142,28 +149,33 @@ class VisionRolloutEngine(HFRolloutEngine):
         return [ids for ids, _ in placed]
 
     def _check_image_tokens(self, i: int, prompt: list[int], images: VisionInputs | None) -> None:
-        """ValueError when prompt i's image tokens are not the merged patches of its images."""
+        """ValueError when prompt i's image tokens are not as many as its images take."""
         have = sum(1 for t in prompt if t == self.image_token_id)
-        want = VisionInputs.token_count(images, self.config)
+        want = self.family.token_count(images)
         if have != want:
             raise ValueError(f"prompt {i} has {have} image tokens (id {self.image_token_id}) but its images make "
                              f"{want}; encode prompts and images together (hybridflow.data.image_prompts.VisionPrompts)")
 
     def _prefill(self, prompts: list[list[int]], vision: list[VisionInputs | None]):
-        """One forward over the left-padded prompts and their images -> (last logits [B, V], transformers' KV cache,
-        rope deltas [B, 1])."""
+        """One forward over the left-padded prompts and their images -> (last logits [B, V], transformers' KV cache
+        of every position, rope deltas [B])."""
+        from transformers import DynamicCache
+
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         present = [v for v in vision if v is not None]
         images = VisionInputs.concat(present).to(self.device, self.model.dtype) if present else None
-        grid = images.image_grid_thw if images is not None else None
-        positions, deltas = self.model.model.get_rope_index(ids, (ids == self.image_token_id).int(), grid,
-                                                            attention_mask=mask)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                         **(images.model_kwargs() if images is not None else {}))
-        self.encoded_images += 0 if grid is None else len(grid)
-        return out.logits[:, -1], out.past_key_values, deltas
+        kwargs, deltas = self.family.forward_kwargs(self.model, ids, mask, images)
+        # a cache without the config's layer types: full layers, so a sliding-window layer keeps every position too
+        cache = DynamicCache()
+        # `past_key_values` until a transformers 5.x release renamed it `cache` (the old name an alias until 5.40): the GPU
+        # machine's 5.x takes only the old one, and a name a forward does not take would be dropped silently
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **{name: cache},
+                         **kwargs)
+        self.encoded_images += 0 if images is None else len(images.image_grid_thw)
+        return out.logits[:, -1], cache, deltas
 
     # ---- weights and memory: one copy of the language model, two sets of modules over it (`vision_lm`) ---------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -11,6 +11,11 @@ a generated token's rotation is the text family's plain rope at that position: t
 decoding is the text family's decode with each row's rotary position shifted by its prompt's delta
 (`RunningBatch.rope_offsets`), while its cache position stays its index.
 
+Gemma 3's language model is Gemma 3's text model (`gemma3.py`: sliding-window and global layers, scaled embedding);
+its image tokens take plain 1-D positions, so decoding is the text family's decode with no shift. The image tokens'
+bidirectional attention is the prefill's alone (their K/V come computed); decoded tokens attend causally, within
+the window on the sliding layers, as transformers' decode does.
+
 - `text_config`: the VLM's text config as its family's (`qwen2` / `qwen3`), for `CausalLM.build`.
 - `SharedWeights`: one copy of the language model's weights. The fast model holds the transformers model's own
   tensors for what it does not fuse (embeddings, norms, o_proj, down_proj, the head); the transformers model's q/k/v
@@ -31,27 +36,33 @@ from hybridflow.engine.rollout.attention import pick_backend
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.linear import FusedLinear, Shard
 from hybridflow.engine.rollout.model import CausalLM, weight_target
+from hybridflow.engine.rollout.scope import model_problems
 from hybridflow.utils.lm_class import language_model_name
 
-# the vision-language family -> the transformers config class of its language model's text family
-_TEXT_FAMILY = {"qwen2_5_vl": "Qwen2Config", "qwen3_vl": "Qwen3Config"}
-# text-config fields the text family reads differently or not at all: the mrope sections (decode rotates all three
-# components by one position) and Qwen2.5-VL's sliding-window fields (unused by its checkpoints: `use_sliding_window`
-# false), left at the text family's defaults
-_DROPPED = ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype", "layer_types",
-            "sliding_window", "use_sliding_window", "max_window_layers")
+# the vision-language family -> the transformers config class of its language model's text family, and the
+# text-config fields that family reads differently or not at all. Qwen's: the mrope sections (decode rotates all
+# three components by one position) and Qwen2.5-VL's sliding-window fields (unused by its checkpoints:
+# `use_sliding_window` false), left at the text family's defaults. Gemma 3's text config is its text family's own:
+# its layer types and sliding window stay.
+_COMMON = ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype")
+_TEXT_FAMILY = {"qwen2_5_vl": ("Qwen2Config", _COMMON + ("layer_types", "sliding_window", "use_sliding_window",
+                                                         "max_window_layers")),
+                "qwen3_vl": ("Qwen3Config", _COMMON + ("layer_types", "sliding_window", "use_sliding_window",
+                                                       "max_window_layers")),
+                "gemma3": ("Gemma3TextConfig", _COMMON)}
 
 
 def text_config(config: Any, tied: bool) -> Any:
-    """A Qwen2.5-VL / Qwen3-VL config's language model as a Qwen2 / Qwen3 text config (the fast decoder's families);
-    tied: whether the model's head is its embedding (the VLM config or its text config may say so)."""
+    """A vision-language config's language model as its text family's config (Qwen2 / Qwen3 / Gemma 3 text: the fast
+    decoder's families); tied: whether the model's head is its embedding (the VLM config or its text config may say
+    so)."""
     import transformers
 
-    family = _TEXT_FAMILY.get(config.model_type)
-    if family is None:
+    if config.model_type not in _TEXT_FAMILY:
         raise ValueError(f"model_type {config.model_type!r} has no fast language model; vision families: "
                          f"{sorted(_TEXT_FAMILY)}")
-    fields = {k: v for k, v in config.get_text_config().to_dict().items() if k not in _DROPPED}
+    family, dropped = _TEXT_FAMILY[config.model_type]
+    fields = {k: v for k, v in config.get_text_config().to_dict().items() if k not in dropped}
     fields["tie_word_embeddings"] = tied
     rope = dict(fields.get("rope_parameters") or {})
     for key in ("mrope_section", "mrope_interleaved"):
@@ -77,6 +88,13 @@ class SharedWeights:
         """A fast model of the VLM's language model holding its weights, rotary tables for `max_len` positions."""
         named = language_model_parameters(hf_model)
         config = text_config(hf_model.config, tied="lm_head.weight" not in dict(named))  # a tied head is listed once
+        problems = model_problems(config)
+        if getattr(config, "final_logit_softcapping", None):  # the fast model caps where its text config says so
+            problems.append(f"final_logit_softcapping={config.final_logit_softcapping} is set in the text config, "
+                            f"which {type(hf_model).__name__}'s forward and the trainer's log-prob head do not apply")
+        if problems:  # the vision engine has no transformers.generate path to fall back to
+            raise ValueError(f"the vision-language model's language model ({config.model_type}) is not served by the "
+                             f"fast decode: {'; '.join(problems)}")
         weight = dict(named)["model.embed_tokens.weight"]
         device, dtype = weight.device, weight.dtype
         shared = {weight_target(name)[0]: p.data for name, p in named if weight_target(name)[1] is None}
@@ -126,6 +144,10 @@ def write_prompts(kv: KVCache, cache: Any, lengths: list[int], slots: list[list[
     [0, lengths[b]) of each of its `slots[b]`."""
     layers = cache.layers
     width, device = layers[0].keys.shape[2], layers[0].keys.device
+    short = [i for i, layer in enumerate(layers) if layer.keys.shape[2] != width]
+    if short:  # e.g. a sliding-window layer of a cache built from the config: it keeps only the window
+        raise ValueError(f"transformers' cache keeps {layers[short[0]].keys.shape[2]} positions in layer {short[0]} "
+                         f"and {width} in layer 0; the prefill must keep every position in every layer")
     rows, columns, index = [], [], []
     for b, (length, mine) in enumerate(zip(lengths, slots)):
         steps = torch.arange(length)

@@ -1,4 +1,4 @@
-"""The training engine's forward on vision rows (tiny random Qwen2.5-VL and Qwen3-VL): the log-probs of sampled responses agree
+"""The training engine's forward on vision rows (tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3): the log-probs of sampled responses agree
 with the rollout engine's and with a plain transformers forward of each row with its images."""
 
 from __future__ import annotations
@@ -11,10 +11,17 @@ from hybridflow.batch import Batch
 from hybridflow.config.model_schema import FrozenModelConfig
 from hybridflow.data.image_prompts import VisionInputs
 from hybridflow.data.loader import left_pad
+from hybridflow.data.vision_family import vision_family
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
 from hybridflow.engine.train.engine import TrainEngine
 from hybridflow.workers.rollout_replica import completions_to_batch
+
+TOWERS = (".visual.", ".vision_tower.")  # Qwen's vision tower, Gemma 3's
+
+
+def in_tower(name: str) -> bool:
+    return any(t in name for t in TOWERS)
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +45,18 @@ def test_trainer_log_probs_agree_with_rollout_and_transformers(rows, tiny_vlm):
     assert torch.allclose(ours[mask], rows["rollout_log_probs"][mask], atol=1e-4)
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
-    image_id = model.config.image_token_id
+    family = vision_family(model.config)
     for r, vision in enumerate(VisionInputs.unpad_rows(rows["pixel_values"], rows["image_grid_thw"])):
         real = rows["attention_mask"][r].bool()
         ids = rows["input_ids"][r][real][None]
-        kwargs = vision.model_kwargs() if vision is not None else {}
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_id).int(),
-                           **kwargs).logits[0].float().log_softmax(-1)
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           **family.model_inputs(ids, vision)).logits[0].float().log_softmax(-1)
         k = int(mask[r].sum())
         targets = rows["responses"][r, :k]
         want = logits[-k - 1:-1].gather(-1, targets[:, None])[:, 0]
         assert torch.allclose(ours[r, :k], want, atol=1e-4), r
+        assert torch.allclose(rows["rollout_log_probs"][r, :k], want, atol=1e-4), r  # the sampled ones, directly
 
 
 @pytest.mark.parametrize("freeze", [True, False])
@@ -63,13 +70,13 @@ def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_v
                          device=torch.device("cpu"))
     trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
     assert any(".language_model." in n for n in trained)
-    assert any(".visual." in n for n in trained) is not freeze
+    assert any(in_tower(n) for n in trained) is not freeze
     optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in engine.model.parameters() if p.requires_grad}
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     engine.train_step(rows.tensors, lambda out, mb, ctx: ((out["log_probs"] * mb["response_mask"]).sum(), {}), 6)
     moved = {n for n, p in engine.model.named_parameters() if not torch.equal(p, before[n])}
-    assert any(".visual." in n for n in moved) is not freeze and any(".language_model." in n for n in moved)
+    assert any(in_tower(n) for n in moved) is not freeze and any(".language_model." in n for n in moved)
 
 
 def test_a_response_holding_the_image_placeholder_is_refused_naming_the_row(rows, tiny_vlm):

@@ -1,4 +1,4 @@
-"""VisionRolloutEngine on a tiny random Qwen2.5-VL and Qwen3-VL: greedy output equals `transformers.generate` on the same prompt
+"""VisionRolloutEngine on a tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3: greedy output equals `transformers.generate` on the same prompt
 and image, prompts joining the fast engine's decode as slots free; the vision tower encodes each prompt's images once
 for all its samples; one copy of the language model's weights serves the prefill and the decode, updates included;
 sampled log-probs are the engine's; placeholders are never drawn; bad vision inputs are refused naming the prompt."""
@@ -9,6 +9,7 @@ import pytest
 import torch
 from vision_helpers import encoded_prompts
 
+from hybridflow.data.vision_family import vision_family
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
 
@@ -22,12 +23,11 @@ def setup(tiny_vlm):
 
 def generated(model, ids, vision, max_new_tokens):
     """transformers.generate's greedy tokens for one prompt and its images (the placeholders suppressed, as ours)."""
-    image_id = model.config.image_token_id
+    family = vision_family(model.config)
     prompt = torch.tensor([ids])
-    expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                              mm_token_type_ids=(prompt == image_id).int(), max_new_tokens=max_new_tokens,
-                              do_sample=False, eos_token_id=[3], suppress_tokens=[image_id, model.config.video_token_id],
-                              **(vision.model_kwargs() if vision is not None else {}))
+    expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=[3], suppress_tokens=family.placeholders,
+                              **family.model_inputs(prompt, vision))
     return expected[0, len(ids):].tolist()
 
 
@@ -138,3 +138,45 @@ def test_bad_vision_inputs_refused(setup):
         engine.generate([ids], SamplingParams(max_tokens=2))  # images left out
     with pytest.raises(ValueError, match="2 vision inputs for 1 prompts"):
         engine.generate([ids], SamplingParams(max_tokens=2), vision=[vision, vision])
+
+
+def test_the_device_plans_kv_cache_and_prefill_size_the_vision_engine(tiny_vlm):
+    """The device plan's KV cache bytes and prefill forward (what `build_rollout` gets from it) size the vision
+    engine as they size the text engine: 5 slots' bytes hold 4 slots and the scratch one, under the plan's figure,
+    where taking a share of free memory would give every one of `max_num_seqs`."""
+    from hybridflow.config.schema import RolloutConfig
+    from hybridflow.workers.rollout_replica import build_rollout
+
+    context = 256
+    probe = build_rollout(str(tiny_vlm), RolloutConfig(max_num_seqs=2), torch.device("cpu"), torch.float32, context)
+    slot = probe.fast.kv.bytes // (probe.fast.kv.num_slots + 1)
+    engine = build_rollout(str(tiny_vlm), RolloutConfig(max_num_seqs=64), torch.device("cpu"), torch.float32, context,
+                           kv_cache_bytes=5 * slot, max_prefill_tokens=2048)
+    assert engine.fast.kv.num_slots == engine.max_num_seqs == 4 and engine.fast.kv.bytes == 5 * slot
+    assert engine.max_prefill_tokens == engine.fast.max_prefill_tokens == 2048
+    _, rows = encoded_prompts(tiny_vlm)
+    outs = engine.generate([ids for ids, _ in rows], SamplingParams(temperature=1.0, max_tokens=4, n=2, seed=0),
+                           vision=[v for _, v in rows])
+    assert [len(samples) for samples in outs] == [2, 2, 2]  # 6 rows through 4 slots: the rest wait
+
+
+@pytest.mark.parametrize("key,why", [("attn_logit_softcapping", "is set"),
+                                     ("final_logit_softcapping", "is set in the text config, which "
+                                                                 "Gemma3ForConditionalGeneration's forward")])
+def test_a_language_model_the_fast_decode_does_not_serve_is_refused_by_name(key, why, tiny_vlm, tmp_path):
+    """Gemma 3's text model with attention-logit soft-capping (Gemma 2's; the released Gemma 3 configs leave it unset):
+    the fast decode does not apply it, and the vision engine has no transformers.generate path, so it is refused;
+    final-logit soft-capping, which the fast decode would apply and transformers' multimodal forward does not."""
+    if "gemma3" not in str(tiny_vlm):
+        pytest.skip("Qwen's language models have no such options")
+    import json
+    import shutil
+
+    capped = tmp_path / "capped"
+    shutil.copytree(tiny_vlm, capped)
+    config = json.loads((capped / "config.json").read_text())
+    config["text_config"][key] = 50.0
+    (capped / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"language model \(gemma3_text\) is not served by the fast decode: "
+                                         rf"{key}=50.0 {why}"):
+        VisionRolloutEngine(capped, torch.device("cpu"), torch.float32, [3], 4, 256)

@@ -1,0 +1,146 @@
+"""What differs between the vision-language families the data, the vision rollout engine and the trainer serve: how an
+image appears in a prompt's text, how its pixels travel with a row, and the positions and masks of a forward.
+
+    family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL (`MropeFamily`), Gemma 3 (`Gemma3Family`)
+    family.image_text(start, pad, end, tokens)         # the text one image of `tokens` language-model tokens becomes
+    family.image_inputs(processed, where)              # the image processor's output -> `VisionInputs`
+    kwargs, deltas = family.forward_kwargs(model, ids, mask, images)   # a padded forward's positions, masks, pixels
+
+- **Qwen2.5-VL, Qwen3-VL** (`MropeFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged patch
+  (its size decides how many) and `<|vision_end|>`; its pixels are the processor's flattened patches and their grid
+  (`image_grid_thw`); a forward takes the 3-D multimodal rotary positions of `get_rope_index`, whose rope delta
+  (text after an image continues from the image's largest position) shifts each decoded token's rotation.
+- **Gemma 3** (`Gemma3Family`, `Gemma3ForConditionalGeneration`): an image is `\\n\\n<start_of_image>`,
+  `mm_tokens_per_image` `<image_soft_token>`s (256 in the released models, whatever its size: the processor
+  resizes it to the tower's square) and `<end_of_image>\\n\\n`, what Gemma 3's processor makes of it. Its pixels
+  travel in `VisionInputs`' row layout as one row per pixel (its channels), the grid `[1, side, side]`, and go
+  back to `[images, channels, side, side]` for the forward. Positions are plain 1-D (no rope delta); the forward
+  takes `token_type_ids` (1 on image tokens), from which transformers lets an image's tokens attend to each other
+  both ways in the prefill. Pan and scan (extra crops per image) is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.data.image_prompts import VisionInputs
+
+
+class MropeFamily:
+    """Qwen2.5-VL's and Qwen3-VL's image layout (see the module docstring)."""
+
+    rope_delta = True  # decoded tokens rotate at their index plus the prompt's delta
+    # the OpenAI-compatible endpoint (`agents/endpoint/image_parts.py`) finds, counts and checks an image in rendered
+    # messages by its start / pad / end marks alone; Gemma 3's image text has more around them, not served there yet
+    endpoint = True
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.image_token_id = int(config.image_token_id)
+        # never sampled: the image and video placeholders (a response's would be taken for an image position)
+        self.placeholders = sorted({self.image_token_id, int(getattr(config, "video_token_id", self.image_token_id))})
+
+    def marks(self) -> tuple[int, int, int]:
+        """The ids an image's text opens with, repeats per token and closes with."""
+        return self.config.vision_start_token_id, self.image_token_id, self.config.vision_end_token_id
+
+    def image_text(self, start: str, pad: str, end: str, tokens: int) -> str:
+        """The text one image of `tokens` language-model tokens becomes, given the marks' token strings."""
+        return start + pad * tokens + end
+
+    def image_tokens(self, images: VisionInputs | None) -> list[int]:
+        """The language-model tokens each image of `images` takes ([] for None): its patches, merged."""
+        if images is None:
+            return []
+        return (images.image_grid_thw.prod(-1) // self.config.vision_config.spatial_merge_size ** 2).tolist()
+
+    def token_count(self, images: VisionInputs | None) -> int:
+        return sum(self.image_tokens(images))
+
+    def image_inputs(self, processed: Any, where: str) -> VisionInputs:
+        """The image processor's output as `VisionInputs`."""
+        return VisionInputs(processed["pixel_values"], processed["image_grid_thw"].long())
+
+    def pixel_kwargs(self, images: VisionInputs) -> dict[str, torch.Tensor]:
+        """The keyword arguments of a transformers forward that carry `images`."""
+        return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+
+    def model_inputs(self, ids: torch.Tensor, images: VisionInputs | None) -> dict[str, torch.Tensor]:
+        """What a plain transformers forward or `generate` of the rows `ids` takes beside them (positions left to
+        transformers): the image tokens' types and the pixels."""
+        return {"mm_token_type_ids": (ids == self.image_token_id).int(),
+                **(self.pixel_kwargs(images) if images is not None else {})}
+
+    def forward_kwargs(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, images: VisionInputs | None
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(The keyword arguments of a forward of padded rows `ids` / `mask` [B, L] whose images, one row's after
+        another, are `images`: positions, pixels; each row's rope delta [B])."""
+        grid = images.image_grid_thw if images is not None else None
+        positions, deltas = model.model.get_rope_index(ids, (ids == self.image_token_id).int(), grid,
+                                                       attention_mask=mask)
+        kwargs = {"position_ids": positions, **(self.pixel_kwargs(images) if images is not None else {})}
+        return kwargs, deltas[:, 0]
+
+
+class Gemma3Family(MropeFamily):
+    """Gemma 3's image layout (see the module docstring)."""
+
+    rope_delta = False
+    endpoint = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.tokens_per_image = int(config.mm_tokens_per_image)
+
+    def marks(self) -> tuple[int, int, int]:
+        return self.config.boi_token_id, self.image_token_id, self.config.eoi_token_id
+
+    def image_text(self, start: str, pad: str, end: str, tokens: int) -> str:
+        return "\n\n" + start + pad * tokens + end + "\n\n"
+
+    def image_tokens(self, images: VisionInputs | None) -> list[int]:
+        return [] if images is None else [self.tokens_per_image] * len(images.image_grid_thw)
+
+    def image_inputs(self, processed: Any, where: str) -> VisionInputs:
+        crops = processed.get("num_crops")
+        if crops is not None and any(int(c) for c in torch.as_tensor(crops).reshape(-1)):
+            raise ValueError(f"{where}: the image processor cut crops from an image (do_pan_and_scan); Gemma 3's "
+                             f"pan and scan is not served here: set do_pan_and_scan false in the model's "
+                             f"preprocessor_config.json")
+        pixels = processed["pixel_values"]  # [images, channels, side, side]
+        count, channels, side = pixels.shape[0], pixels.shape[1], pixels.shape[-1]
+        rows = pixels.reshape(count, channels, side * side).transpose(1, 2).reshape(-1, channels)
+        return VisionInputs(rows, torch.tensor([[1, side, side]] * count))
+
+    def pixel_kwargs(self, images: VisionInputs) -> dict[str, torch.Tensor]:
+        count, side = len(images.image_grid_thw), int(images.image_grid_thw[0, 1])
+        channels = images.pixel_values.shape[-1]
+        pixels = images.pixel_values.reshape(count, side * side, channels).transpose(1, 2)
+        return {"pixel_values": pixels.reshape(count, channels, side, side)}
+
+    def model_inputs(self, ids: torch.Tensor, images: VisionInputs | None) -> dict[str, torch.Tensor]:
+        return {"token_type_ids": (ids == self.image_token_id).long(),
+                **(self.pixel_kwargs(images) if images is not None else {})}
+
+    def forward_kwargs(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, images: VisionInputs | None
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        # left- or right-padded rows: each real token's position is its index among the row's real tokens
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        kwargs = {"position_ids": positions, "token_type_ids": ((ids == self.image_token_id) & mask.bool()).long(),
+                  **(self.pixel_kwargs(images) if images is not None else {})}
+        return kwargs, torch.zeros(len(ids), dtype=torch.long, device=ids.device)
+
+
+# model_type -> its family's layout; lm_class.VISION_FAMILIES names the same families
+FAMILIES = {"qwen2_5_vl": MropeFamily, "qwen3_vl": MropeFamily, "gemma3": Gemma3Family}
+ENDPOINT_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.endpoint)
+
+
+def vision_family(config: Any) -> MropeFamily:
+    """The image layout of a vision-language model of `config`; ValueError naming its model_type otherwise."""
+    model_type = str(getattr(config, "model_type", None))
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} has no vision path here; vision families: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type](config)
