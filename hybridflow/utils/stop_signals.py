@@ -12,9 +12,10 @@
 Inside `GracefulStop` the first signal only sets `requested` (and `signal_name`), so the current step
 finishes and a checkpoint can be written; a second signal raises `Interrupted` at once for a user who
 really wants out. Outside it (loading models, starting workers, the last save's aftermath) `StopAtOnce`
-raises `Interrupted` on the first signal. Either way a copy of the signal just handled, arriving within
-`DUPLICATE_WINDOW_S`, is one signal: a wrapper such as `timeout --foreground` forwards the Ctrl-C its
-process group already got, so the run sees every Ctrl-C twice. Leaving a block puts the previous
+raises `Interrupted` on the first signal. Either way a copy of the signal just handled, by either block,
+arriving within `DUPLICATE_WINDOW_S`, is one signal: a wrapper such as `timeout --foreground` forwards the
+Ctrl-C its process group already got, so the run sees every Ctrl-C twice (the copy may reach `StopAtOnce`
+after `GracefulStop` saved and left: the stop stays the clean one). Leaving a block puts the previous
 handlers back. Signal handlers can only be installed from the main thread; elsewhere both raise a
 clear error.
 
@@ -49,6 +50,9 @@ from types import FrameType
 PREEMPTED_EXIT_CODE = 75
 DUPLICATE_WINDOW_S = 0.5  # a forwarded copy arrives within milliseconds; a person's second Ctrl-C later
 _held: list | None = None  # inside `held_signals`: the (handler, signal number) pairs that arrived
+# the last signal any handler took (signal number, when): a copy may reach the next handler, e.g. `StopAtOnce` once
+# `GracefulStop`'s block ended by saving and raising `Preempted`, and must not turn that clean stop into `Interrupted`
+_last: tuple[int, float] | None = None
 
 
 class Preempted(Exception):
@@ -79,11 +83,12 @@ class _Handler:
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
         self.signals = signals
         self._previous: dict[signal.Signals, signal._HANDLER] = {}
-        self._last: tuple[int, float] | None = None  # (signal number, when handled)
 
-    def _is_copy(self, signum: int) -> bool:
-        now, last = time.monotonic(), self._last
-        self._last = (signum, now)
+    @staticmethod
+    def _is_copy(signum: int) -> bool:
+        global _last
+        now, last = time.monotonic(), _last
+        _last = (signum, now)
         return last is not None and last[0] == signum and now - last[1] < DUPLICATE_WINDOW_S
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -134,7 +139,7 @@ class GracefulStop(_Handler):
         self.signal_name = signal.Signals(signum).name
 
     def __enter__(self) -> GracefulStop:
-        self.requested, self.signal_name, self._last = False, None, None
+        self.requested, self.signal_name = False, None
         return super().__enter__()
 
     def __bool__(self) -> bool:

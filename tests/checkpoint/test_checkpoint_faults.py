@@ -33,6 +33,21 @@ def test_second_signal_interrupts_at_once():
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def test_a_copy_that_arrives_after_the_graceful_block_is_still_one_signal():
+    """`timeout --foreground`'s forwarded copy may land after the step saved and `Preempted` left the block."""
+    from hybridflow.checkpoint import Interrupted, StopAtOnce
+    from hybridflow.utils.stop_signals import DUPLICATE_WINDOW_S
+
+    with StopAtOnce():
+        with GracefulStop() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        os.kill(os.getpid(), signal.SIGINT)  # the copy, now StopAtOnce's: ignored
+        time.sleep(DUPLICATE_WINDOW_S)
+        with pytest.raises(Interrupted):  # a person's next Ctrl-C stops at once
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_bad_steps_skip_then_stop():
     guard = BadStepCounter(max_in_row=3)
     assert guard.update(1, loss=1.0, grad_norm=torch.tensor(2.0))
