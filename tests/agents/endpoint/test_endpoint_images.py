@@ -22,7 +22,7 @@ from hybridflow.batch import Batch
 from hybridflow.data.image_prompts import VisionInputs, VisionPrompts
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
-from hybridflow.workers.rollout_replica import completions_to_batch
+from hybridflow.workers.rollout_layout import completions_to_batch
 
 
 def data_uri(color, size=(60, 90)) -> str:

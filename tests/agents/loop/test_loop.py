@@ -16,7 +16,7 @@ from hybridflow.batch import Batch
 from hybridflow.data.chat import render_prompt
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.session import Session
-from hybridflow.workers.rollout_replica import add_trajectory_fields, completions_to_batch
+from hybridflow.workers.rollout_layout import add_trajectory_fields, completions_to_batch
 
 FEEDBACK = """
     from hybridflow.agents import Environment, EnvStep

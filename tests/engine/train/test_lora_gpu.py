@@ -14,7 +14,7 @@ from hybridflow.config.model_schema import LoraConfig
 from hybridflow.controller.runtime import ensure_single_process_group
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.train import TrainEngine
-from hybridflow.workers.rollout_replica import completions_to_batch
+from hybridflow.workers.rollout_layout import completions_to_batch
 
 pytestmark = pytest.mark.gpu
 LORA = LoraConfig(rank=8, alpha=16.0, dropout=0.0, target_modules=[], init="default")

@@ -14,7 +14,7 @@ from hybridflow.batch import Batch
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.router_replay import RouterHooks
-from hybridflow.workers.rollout_replica import completions_to_batch
+from hybridflow.workers.rollout_layout import completions_to_batch
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
 PROMPT_WIDTH, RESPONSE_WIDTH = 8, 10

@@ -15,7 +15,7 @@ from hybridflow.data.vision_family import vision_family
 from hybridflow.engine.rollout import SamplingParams
 from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
 from hybridflow.engine.train.engine import TrainEngine
-from hybridflow.workers.rollout_replica import completions_to_batch
+from hybridflow.workers.rollout_layout import completions_to_batch
 
 TOWERS = (".visual.", ".vision_tower.")  # Qwen's vision tower, Gemma 3's
 
