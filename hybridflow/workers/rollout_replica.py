@@ -200,8 +200,7 @@ class RolloutReplica:
         if self.hold_allocator is None:
             return
         kv = getattr(self.engine, "kv", None)  # the fast engine's cache (the transformers fallback keeps none)
-        mapped = kv is not None and kv.keeps_address and (self.awake or waking)
-        self.hold_allocator(kv.bytes if kv is not None and mapped else 0)
+        self.hold_allocator(kv.mapped_bytes if kv is not None and (self.awake or waking) else 0)
 
     def generate(self, batch: Batch, params: SamplingParams, step: int, rank: int,
                  version: int | None = None) -> Batch:

@@ -223,7 +223,7 @@ def test_the_allocator_gets_the_cap_less_the_kv_cache_mapped_outside_it(monkeypa
     capped = plan(demand("1.5b", 16, lora=True), *H100)
     capped.held_bytes = 16 * GIB
     replica = RolloutReplica.__new__(RolloutReplica)  # its memory bookkeeping alone, no engine built
-    replica.engine = SimpleNamespace(kv=SimpleNamespace(keeps_address=True, bytes=4 * GIB), wake=lambda: None,
+    replica.engine = SimpleNamespace(kv=SimpleNamespace(mapped_bytes=4 * GIB), wake=lambda: None,
                                      sleep=lambda offload_weights: None, device=card)
     replica.cfg, replica.awake = SimpleNamespace(offload_weights=False), True
     replica.hold_allocator = lambda outside: hold_beside(capped, card, outside)

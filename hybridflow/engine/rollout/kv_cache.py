@@ -69,16 +69,23 @@ class KVCache:
                              f"kv_cache_memory or lower max_model_len")
         self.num_slots = min(max_num_seqs, fit)
         self.token_bytes, self.state_bytes = kv_bytes // max_len, state_bytes
-        self.bytes = kv_bytes * (self.num_slots + 1)
+        self.kv_bytes = kv_bytes * (self.num_slots + 1)  # K and V of every slot: the stable buffer, when there is one
+        self.bytes = per_slot * (self.num_slots + 1)  # with the states beside them (`recurrent_state`), allocated apart
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self._buffer = StableBuffer(self.bytes, device) if StableBuffer.supported(device) else None
+        self._buffer = StableBuffer(self.kv_bytes, device) if StableBuffer.supported(device) else None
         self.allocate()
 
     @property
     def keeps_address(self) -> bool:
         """True when `free()` + `allocate()` give the tensors their old addresses back."""
         return self._buffer is not None
+
+    @property
+    def mapped_bytes(self) -> int:
+        """What the cache maps outside PyTorch's allocator while allocated: its K/V in the stable buffer (CUDA virtual
+        memory; a hybrid model's states are ordinary allocations), 0 without one."""
+        return self.kv_bytes if self._buffer is not None else 0
 
     @property
     def scratch_slot(self) -> int:
@@ -99,10 +106,10 @@ class KVCache:
         except RuntimeError:  # the memory may sit in the caching allocator's pool: hand it back, retry
             torch.cuda.empty_cache()
             self._buffer.map()
-        half = self.bytes // 2
+        half = self.kv_bytes // 2
         raw = self._buffer.tensor
         self.k, self.v = (raw[i * half:(i + 1) * half].view(self.dtype).view(shape) for i in range(2))
-        raw[:self.bytes].zero_()
+        raw[:self.kv_bytes].zero_()
 
     def free(self) -> None:
         self.k = self.v = None

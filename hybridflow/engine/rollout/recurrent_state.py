@@ -40,7 +40,6 @@ class StateCache(KVCache):
         self.lengths: torch.Tensor | None = None
         super().__init__(attention_layers, kv_heads, head_dim, max_len, max_num_seqs, budget_bytes, dtype, device,
                          linear_layers * (conv_bytes + state_bytes))
-        self.bytes += linear_layers * (conv_bytes + state_bytes) * (self.num_slots + 1)
 
     @property
     def keeps_address(self) -> bool:

@@ -255,6 +255,23 @@ def test_split_sampler_draws_from_the_softmax_across_pieces():
     torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_a_hybrid_engine_sleeps_and_wakes_on_cuda(spread_model, arch):
+    """A hybrid model's K/V sit in the stable buffer (CUDA virtual memory) and its states beside it: wake maps the
+    buffer again as K and V alone (it once split K/V plus the states' bytes, and failed), and generation is as before."""
+    engine = RolloutEngine.from_pretrained(spread_model(arch, layers=4), device="cuda", dtype=torch.float32,
+                                           max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[])
+    prompts = [[5, 6, 7], [8] * 9]
+    before = [o[0].token_ids for o in engine.generate(prompts, params)]
+    engine.sleep()
+    engine.wake()
+    kv = engine.kv
+    assert kv.keeps_address is False and kv.mapped_bytes == kv.k.nbytes + kv.v.nbytes
+    assert kv.bytes == kv.mapped_bytes + kv.conv.nbytes + kv.recurrent.nbytes
+    assert [o[0].token_ids for o in engine.generate(prompts, params)] == before
+
+
 def test_hybrid_linear_attention_on_cuda_tracks_transformers(spread_model):
     """Qwen3.5's pattern (three linear-attention layers, then a full one) on CUDA, where both engines run
     flash-linear-attention's chunked and recurrent kernels: fp32 greedy equals transformers' greedy, and the logits
