@@ -127,23 +127,15 @@ def vision_problems(cfg: Any) -> list[str]:
                         f"rollout engine does not keep); drive it through the endpoint (agent.runner, agent.gym, "
                         f"agent.verifiers, agent.openenv), whose requests carry images as image_url parts")
     elif endpoint:
-        problems += endpoint_vision_problems(cfg, endpoint[0], model_type)
+        problems += endpoint_vision_problems(cfg, endpoint[0])
     return problems
 
 
-def endpoint_vision_problems(cfg: Any, way: str, model_type: str) -> list[str]:
-    """A vision-language model of `model_type` through the endpoint (`way`, e.g. agent.runner): a family whose image
-    marks the endpoint reads (`ENDPOINT_FAMILIES`); the runner writes the prompts with their images, so the dataset's
-    images are not read; and one rollout rank, whose rows' images are padded to their own widths (another rank's
-    would not concatenate with them)."""
-    # imported here: it imports torch, which the config checks otherwise never load
-    from hybridflow.data.vision_family import ENDPOINT_FAMILIES
-
+def endpoint_vision_problems(cfg: Any, way: str) -> list[str]:
+    """A vision-language model through the endpoint (`way`, e.g. agent.runner): the runner writes the prompts with
+    their images, so the dataset's images are not read; and one rollout rank, whose rows' images are padded to their
+    own widths (another rank's would not concatenate with them)."""
     problems = []
-    if model_type not in ENDPOINT_FAMILIES:
-        problems.append(f"{way} with the vision-language model {model_type}: images through the endpoint are "
-                        f"served for {', '.join(ENDPOINT_FAMILIES)} only (its image text is not the start / pad / "
-                        f"end marks the endpoint reads); train it on dataset images (data.image_key)")
     if cfg.data.image_key is not None:
         problems.append(f"data.image_key={cfg.data.image_key} with {way}: the runner writes the prompts and sends "
                         f"their images as image_url parts, so the dataset's images are not encoded; set "

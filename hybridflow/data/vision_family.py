@@ -3,20 +3,23 @@ image appears in a prompt's text, how its pixels travel with a row, and the posi
 
     family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL (`MropeFamily`), Gemma 3 (`Gemma3Family`)
     family.image_text(start, pad, end, tokens)         # the text one image of `tokens` language-model tokens becomes
+    family.chat_mark(start, pad, end)                  # what the chat template makes of an image part
     family.image_inputs(processed, where)              # the image processor's output -> `VisionInputs`
     kwargs, deltas = family.forward_kwargs(model, ids, mask, images)   # a padded forward's positions, masks, pixels
 
 - **Qwen2.5-VL, Qwen3-VL** (`MropeFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged patch
-  (its size decides how many) and `<|vision_end|>`; its pixels are the processor's flattened patches and their grid
+  (its size decides how many) and `<|vision_end|>` (the chat template writes an image part as the three marks with
+  one pad, which the processor widens); its pixels are the processor's flattened patches and their grid
   (`image_grid_thw`); a forward takes the 3-D multimodal rotary positions of `get_rope_index`, whose rope delta
   (text after an image continues from the image's largest position) shifts each decoded token's rotation.
 - **Gemma 3** (`Gemma3Family`, `Gemma3ForConditionalGeneration`): an image is `\\n\\n<start_of_image>`,
   `mm_tokens_per_image` `<image_soft_token>`s (256 in the released models, whatever its size: the processor
-  resizes it to the tower's square) and `<end_of_image>\\n\\n`, what Gemma 3's processor makes of it. Its pixels
-  travel in `VisionInputs`' row layout as one row per pixel (its channels), the grid `[1, side, side]`, and go
-  back to `[images, channels, side, side]` for the forward. Positions are plain 1-D (no rope delta); the forward
-  takes `token_type_ids` (1 on image tokens), from which transformers lets an image's tokens attend to each other
-  both ways in the prefill. Pan and scan (extra crops per image) is refused by name.
+  resizes it to the tower's square) and `<end_of_image>\\n\\n` (its `margins`: plain text), what Gemma 3's
+  processor makes of the `<start_of_image>` its chat template writes for an image part. Its pixels travel in
+  `VisionInputs`' row layout as one row per pixel (its channels), the grid `[1, side, side]`, and go back to
+  `[images, channels, side, side]` for the forward. Positions are plain 1-D (no rope delta); the forward takes
+  `token_type_ids` (1 on image tokens), from which transformers lets an image's tokens attend to each other both
+  ways in the prefill. Pan and scan (extra crops per image) is refused by name.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ class MropeFamily:
     """Qwen2.5-VL's and Qwen3-VL's image layout (see the module docstring)."""
 
     rope_delta = True  # decoded tokens rotate at their index plus the prompt's delta
-    # the OpenAI-compatible endpoint (`agents/endpoint/image_parts.py`) finds, counts and checks an image in rendered
-    # messages by its start / pad / end marks alone; Gemma 3's image text has more around them, not served there yet
-    endpoint = True
+    # plain text the processor puts before and after an image's marks: text, not special tokens, so a tokenizer
+    # reads it together with the text beside the image (the endpoint's spliced ids encode it with that text)
+    margins = ("", "")
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -48,7 +51,11 @@ class MropeFamily:
 
     def image_text(self, start: str, pad: str, end: str, tokens: int) -> str:
         """The text one image of `tokens` language-model tokens becomes, given the marks' token strings."""
-        return start + pad * tokens + end
+        return self.margins[0] + start + pad * tokens + end + self.margins[1]
+
+    def chat_mark(self, start: str, pad: str, end: str) -> str:
+        """What the chat template writes for one image part, which `image_text` replaces (the processor's way)."""
+        return start + pad + end
 
     def image_tokens(self, images: VisionInputs | None) -> list[int]:
         """The language-model tokens each image of `images` takes ([] for None): its patches, merged."""
@@ -88,7 +95,7 @@ class Gemma3Family(MropeFamily):
     """Gemma 3's image layout (see the module docstring)."""
 
     rope_delta = False
-    endpoint = False
+    margins = ("\n\n", "\n\n")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -97,8 +104,8 @@ class Gemma3Family(MropeFamily):
     def marks(self) -> tuple[int, int, int]:
         return self.config.boi_token_id, self.image_token_id, self.config.eoi_token_id
 
-    def image_text(self, start: str, pad: str, end: str, tokens: int) -> str:
-        return "\n\n" + start + pad * tokens + end + "\n\n"
+    def chat_mark(self, start: str, pad: str, end: str) -> str:
+        return start
 
     def image_tokens(self, images: VisionInputs | None) -> list[int]:
         return [] if images is None else [self.tokens_per_image] * len(images.image_grid_thw)
@@ -135,7 +142,6 @@ class Gemma3Family(MropeFamily):
 
 # model_type -> its family's layout; lm_class.VISION_FAMILIES names the same families
 FAMILIES = {"qwen2_5_vl": MropeFamily, "qwen3_vl": MropeFamily, "gemma3": Gemma3Family}
-ENDPOINT_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.endpoint)
 
 
 def vision_family(config: Any) -> MropeFamily:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
 from hybridflow.agents.episodes import runner_of
@@ -309,21 +309,19 @@ IMAGE_GYM = """
 
 def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(tiny_vlm, tmp_path, monkeypatch):
     """GRPO, 2 steps of a tiny VLM whose runner sends an image with its first request and another with its second:
-    every training row carries both images (their grids, in token order), its ids hold their image tokens, and the
-    steps train with finite losses. What the endpoint does not serve for a VLM is refused by name before loading."""
+    every training row carries both images (in token order), its ids hold their image tokens (as many as the
+    family's processor makes of each: Qwen's merged patches, Gemma 3's fixed count), and the steps train with finite
+    losses. What the endpoint does not serve for a VLM is refused by name before loading."""
+    from PIL import Image
+
     from hybridflow.config.validate import ConfigError
-    from hybridflow.data.image_prompts import VisionInputs
+    from hybridflow.data.image_prompts import VisionInputs, VisionPrompts
 
     runner = write(tmp_path / "agent.py", IMAGE_RUNNER)
     data = write_rows(tmp_path / "train.jsonl", 2)
     out = tmp_path / "out"
     args = [f"agent.runner={runner}:play", "agent.runner_processes=1", "data.max_response_length=48",
             "agent.max_tokens_per_turn=4"]
-    if "gemma3" in str(tiny_vlm):
-        with pytest.raises(ConfigError, match=r"agent.runner with the vision-language model gemma3: images through "
-                                              r"the endpoint are served for qwen2_5_vl, qwen3_vl only"):
-            train(load_config(overrides(tiny_vlm, data, out, *args), "recipes/grpo.yaml"))
-        return
     for extra, match in ((["data.image_key=images"], r"data.image_key=images with agent.runner: the runner writes"),
                          (["trainer.n_workers=2"], r"trainer.n_workers=2 with agent.runner and a vision-language"),
                          (["agent.tools=[calculator]"], r"agent.tools: multi-turn episodes of the vision-language "
@@ -338,28 +336,31 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
         assert m["agent/dropped"] == 0 and m["agent/runner_errors"] == 0 and m["agent/segments/mean"] == 1
         assert m["agent/turns/mean"] == 2
-    image_id = AutoConfig.from_pretrained(tiny_vlm).image_token_id
-    merge = AutoConfig.from_pretrained(tiny_vlm).vision_config.spatial_merge_size ** 2
+    prompts = VisionPrompts.from_pretrained(str(tiny_vlm), AutoTokenizer.from_pretrained(tiny_vlm))
+    image_id = prompts.family.image_token_id
+    sent = prompts.image_tokens(prompts.process([Image.new("RGB", (56, 84)), Image.new("RGB", (56, 56))], "sent"))
     for batch in seen:
         assert len(batch) == 4
         rows = VisionInputs.unpad_rows(batch["pixel_values"], batch["image_grid_thw"])
         for r, vision in enumerate(rows):
             grid = vision.image_grid_thw
-            assert len(grid) == 2 and not torch.equal(grid[0], grid[1])  # the 56 x 84 picture, then the 56 x 56 one
+            first, second = prompts.image_tokens(vision)
+            assert [first, second] == sent  # the 56 x 84 picture, then the 56 x 56 one (Gemma 3: the same count)
             assert vision.pixel_values.shape[0] == int(grid.prod(-1).sum())
+            pixels = vision.pixel_values.split(grid.prod(-1).tolist())
+            assert not torch.equal(pixels[0].mean(0), pixels[1].mean(0))  # two pictures, not one twice
             real = batch["attention_mask"][r].bool()
             prompt_width = batch["prompts"].shape[1]
             in_prompt = (batch["prompts"][r] == image_id) & real[:prompt_width]
             in_context = (batch["responses"][r] == image_id) & real[prompt_width:] & (batch["response_mask"][r] == 0)
-            assert int(in_prompt.sum()) == int(grid[0].prod()) // merge
-            assert int(in_context.sum()) == int(grid[1].prod()) // merge
+            assert int(in_prompt.sum()) == first and int(in_context.sum()) == second
 
 
 def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
     """`agent.gym` observations that are images (a `{"text", "image"}` mapping, then a uint8 array) reach a VLM as
     image parts: each trajectory holds both images in order, the reset's 56 x 84 one first."""
-    if "gemma3" in str(tiny_vlm):
-        pytest.skip("Gemma 3's images through the endpoint are refused by name (the test above)")
+    from PIL import Image
+
     from hybridflow.config.schema import AgentConfig
     from hybridflow.data.image_prompts import VisionPrompts
     from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
@@ -368,8 +369,8 @@ def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
     cfg = AgentConfig(gym=f"{env}:Shades", max_turns=3, max_tokens_per_turn=4, runner_processes=1)
     tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
     engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [tokenizer.eos_token_id], 4, 512)
-    rollout = EndpointRollout(cfg, tokenizer, 48, 200, *runner_of(cfg),
-                              images=VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer))
+    prompts = VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer)
+    rollout = EndpointRollout(cfg, tokenizer, 48, 200, *runner_of(cfg), images=prompts)
     try:
         (per_row,) = rollout.run(engine, [[1]], [{"index": 2, "raw_prompt": "Look.", "extra_info": {}}],
                                  SamplingParams(n=2, temperature=1.0, seed=0))
@@ -377,6 +378,6 @@ def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
         rollout.close()
     for trajectory in per_row:
         assert trajectory.dropped is None and trajectory.turns == 2 and trajectory.segments == 1
-        grid = trajectory.vision.image_grid_thw
-        assert len(grid) == 2 and grid[0].prod() > grid[1].prod()
+        shown = [Image.new("RGB", (84, 56), (80,) * 3), Image.new("RGB", (56, 56), (200,) * 3)]  # reset(seed=2), step
+        assert trajectory.vision.pixel_values.equal(prompts.process(shown, "shown").pixel_values)
         assert "Which shade?" in trajectory.messages[1]["content"] and len(trajectory.messages[1]["images"]) == 1

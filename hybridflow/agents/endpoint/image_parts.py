@@ -4,16 +4,18 @@
                                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR..."}}]}
 
 `openai_wire.normalize_messages` turns such a content into text with the model's image mark where each image goes
-(`<|vision_start|><|image_pad|><|vision_end|>`: what Qwen2.5-VL's and Qwen3-VL's chat templates make of an image
-part) and collects the parts (`ImagePart`, checked there: a data URI or a `file://` URL; a remote URL is refused,
-since a run is offline and its rollout must not wait on the network; a text model refuses every image part). The
-message keeps a digest of each image's URL under `images`, so a later request continues it only when its images are
-the same ones.
+(`vision_family`'s `chat_mark`, what the model's chat template makes of an image part: Qwen2.5-VL's and Qwen3-VL's
+`<|vision_start|><|image_pad|><|vision_end|>`, Gemma 3's `<start_of_image>`) and collects the parts (`ImagePart`,
+checked there: a data URI or a `file://` URL; a remote URL is refused, since a run is offline and its rollout must
+not wait on the network; a text model refuses every image part). The message keeps a digest of each image's URL
+under `images`, so a later request continues it only when its images are the same ones.
 
 `RequestImages` then decodes the parts (PIL), runs the model's image processor (`VisionPrompts.process`, the
-dataset's own path) and expands each mark to one `<|image_pad|>` per merged patch, as the model's processor does.
-An image that does not decode, or is over the processor's pixel limit, is refused 400 naming the message and part.
-Gemma 3's images are not served here yet (`vision_family.ENDPOINT_FAMILIES`; refused by name before a run loads).
+dataset's own path) and replaces each mark by its image's text (`image_text`), as the model's processor does: Qwen's
+marks with one `<|image_pad|>` per merged patch, Gemma 3's `\\n\\n<start_of_image>`, its `mm_tokens_per_image`
+soft tokens and `<end_of_image>\\n\\n`. A continuation's new images are spliced into its appended ids the same way
+(`slots`). An image that does not decode, or is over the processor's pixel limit, is refused 400 naming the message
+and part.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from hybridflow.agents.endpoint.openai_wire import APIError, ImagePart
+from hybridflow.agents.loop.rendering import ImageSlots
 from hybridflow.data.image_prompts import VisionInputs, VisionPrompts, decode_image
-from hybridflow.data.vision_family import ENDPOINT_FAMILIES
 
 
 def read_image(part: ImagePart) -> Any:
@@ -53,12 +55,8 @@ class RequestImages:
     """A vision-language model's images in endpoint requests (see the module docstring)."""
 
     def __init__(self, prompts: VisionPrompts) -> None:
-        if not prompts.family.endpoint:
-            raise ValueError(f"images through the endpoint are not served for the vision-language model_type "
-                             f"{prompts.family.config.model_type!r} yet (its image text is not the start / pad / end "
-                             f"marks the endpoint reads); supported: {', '.join(ENDPOINT_FAMILIES)}")
         self.prompts = prompts
-        self.mark = prompts.start + prompts.pad + prompts.end
+        self.mark = prompts.family.chat_mark(prompts.start, prompts.pad, prompts.end)
         tokenizer = prompts.tokenizer
         self.start_id, self.pad_id, self.end_id = tokenizer.convert_tokens_to_ids([prompts.start, prompts.pad,
                                                                                    prompts.end])
@@ -76,17 +74,19 @@ class RequestImages:
         return VisionInputs.concat(loaded)
 
     def counts(self, vision: VisionInputs | None) -> list[int]:
-        """The image tokens each image takes (its patches merged)."""
+        """The image tokens each image takes (Qwen: its patches merged; Gemma 3: `mm_tokens_per_image`)."""
         return self.prompts.image_tokens(vision)
 
     def expand(self, text: str, vision: VisionInputs | None) -> str:
-        """`text` with the i-th image mark holding one image token per merged patch of image i."""
+        """`text` with the i-th image mark replaced by image i's text (its image tokens between its marks)."""
         pieces, counts = text.split(self.mark), self.counts(vision)
         if len(pieces) - 1 != len(counts):
             raise APIError(400, f"the rendered messages hold {len(pieces) - 1} image marks for {len(counts)} images",
                            param="messages", code="invalid_value")
         return self.prompts.expand(pieces, vision)
 
-    def token_ids(self, vision: VisionInputs | None) -> list[list[int]]:
-        """Each image's vision token ids, in order (what `expand` puts at its mark)."""
-        return [[self.start_id] + [self.pad_id] * n + [self.end_id] for n in self.counts(vision)]
+    def slots(self, vision: VisionInputs | None) -> ImageSlots:
+        """The images of a continuation's new messages as `TurnRenderer` splices them at their marks: each one's
+        vision token ids, in order, and the plain text around them (what `expand` puts at a mark, tokenized)."""
+        ids = [[self.start_id] + [self.pad_id] * n + [self.end_id] for n in self.counts(vision)]
+        return ImageSlots(self.mark, ids, self.prompts.family.margins)

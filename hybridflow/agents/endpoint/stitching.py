@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from hybridflow.agents.endpoint.image_parts import RequestImages
 from hybridflow.agents.endpoint.openai_wire import APIError, Choice, Request, same_message
 from hybridflow.agents.endpoint.token_check import first_mismatch
-from hybridflow.agents.loop.rendering import ImageSlots, TurnRenderer
+from hybridflow.agents.loop.rendering import TurnRenderer
 from hybridflow.agents.loop.trajectory import Trajectory
 from hybridflow.data.chat import with_tools
 from hybridflow.data.image_prompts import VisionInputs
@@ -191,7 +191,7 @@ class Lane:
         slots = None
         if images is not None:  # the images of the new messages: the request's last ones
             vision = images.load(request.images[sum(len(m.get("images", ())) for m in sent):])
-            slots = ImageSlots(images.mark, images.token_ids(vision))
+            slots = images.slots(vision)
         try:
             return renderers.turn(request.tools).render(messages[before + 1:],
                                                         last.choices[c].ids[-1] if last.stopped[c] else None,

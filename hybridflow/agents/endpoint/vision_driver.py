@@ -6,8 +6,8 @@ The vision engine keeps no live sequence between calls: its `generate` prefills 
 keeps each sequence on the host instead: its ids (prompt, sampled turns, appended context) and its images in the
 order of their tokens. `extend` appends to them, and the next turn is a new prompt of the whole conversation so far:
 the tower encodes the conversation's images again and the prefill covers every earlier turn. That is correct (the
-engine attends over exactly the ids and pixels the trainer's forward sees, at the positions `get_rope_index` gives
-the whole row) and slower than continuing a KV cache: turn k costs a prefill of the conversation's length.
+engine attends over exactly the ids and pixels the trainer's forward sees, at the positions the family gives the
+whole row: `vision_family.forward_kwargs`) and slower than continuing a KV cache: turn k costs a prefill of the conversation's length.
 
 `serve` gathers what waits (new prompts and continued sequences alike) into one `generate` call per (n, max_tokens)
 group, run in a worker thread so the event loop goes on reading and rendering requests meanwhile; each call draws

@@ -19,7 +19,9 @@ longest vocabulary entry), so a huge message costs no more than a fitting one: i
 
 A vision-language model's messages hold an image mark in their content where each image goes (the endpoint's
 `image_url` parts): given the images' vision token ids (`ImageSlots`), each mark is replaced by the next image's
-ids, so the appended ids carry the images as the prompt's do.
+ids, so the appended ids carry the images as the prompt's do. Plain text the processor puts around an image
+(Gemma 3's blank lines, `margins`) is encoded with the text beside it, as tokenizing the whole text would: a special
+token ends the text before it, plain text does not (a tokenizer may merge a content's trailing newline with them).
 
 Each environment turn is on the engine's thread, so it is kept cheap: the placeholder rendering is kept per
 message shape, and the pieces are encoded by a fast tokenizer's Rust backend directly wherever that gives the
@@ -45,10 +47,11 @@ _SKELETONS = 64  # placeholder renderings kept per renderer
 @dataclass
 class ImageSlots:
     """The images of new messages: each `mark` in their text stands for the next image, whose vision token ids are
-    the next of `ids`."""
+    the next of `ids`, with the plain text `margins` (before, after) around them."""
 
     mark: str
     ids: list[list[int]]
+    margins: tuple[str, str] = ("", "")
 
 
 class TurnRenderer:
@@ -134,29 +137,32 @@ class TurnRenderer:
         after = self._after(messages)
         pieces = self._pieces(messages, after)
         slots = iter(images.ids if images is not None else [])
-        mark = images.mark if images is not None else None
         if pieces is None:
             if not self.warned:
                 logger.warning("the chat template changes message contents beyond trimming them; environment and "
                                "tool messages are tokenized with the template, special-token text included")
                 self.warned = True
-            return self._marked(lead + after, False, mark, slots)
+            return self._marked(lead + after, False, images, slots)
         ids = self._encode(lead + pieces[0][0])
         for text, is_content in pieces[1:]:
-            ids += self._marked(text, is_content, mark, slots)
+            ids += self._marked(text, is_content, images, slots)
         return ids
 
-    def _marked(self, text: str, plain: bool, mark: str | None, slots: Any) -> list[int]:
-        """`_encode(text, plain)` with each image `mark` replaced by the next image's ids from `slots`."""
-        if mark is None or mark not in text:
+    def _marked(self, text: str, plain: bool, images: ImageSlots | None, slots: Any) -> list[int]:
+        """`_encode(text, plain)` with each image mark replaced by the next image's ids from `slots`, its margins
+        encoded with the text beside it."""
+        if images is None or images.mark not in text:
             return self._encode(text, plain)
-        first, *rest = text.split(mark)
-        ids = self._encode(first, plain)
-        for piece in rest:
-            image = next(slots, None)
-            if image is None:
-                raise ValueError("the messages hold more image marks than images")
-            ids += image + self._encode(piece, plain)
+        pieces = text.split(images.mark)
+        before, after = images.margins
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k:
+                image = next(slots, None)
+                if image is None:
+                    raise ValueError("the messages hold more image marks than images")
+                ids += image
+            ids += self._encode((after if k else "") + piece + (before if k < len(pieces) - 1 else ""), plain)
         return ids
 
     def closing(self, last_token: int | None) -> str:

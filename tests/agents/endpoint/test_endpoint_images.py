@@ -1,7 +1,8 @@
-"""Images through the OpenAI-compatible endpoint (tiny random Qwen2.5-VL and Qwen3-VL, the real `openai` client):
-`image_url` parts reach the vision engine with their prompt, a continuation's new image joins the re-prefilled
-sequence, and the trainer's forward of the stitched row gives the log-probs that were sampled; bad images, remote
-URLs, forged image tokens and images sent to a text model are 400s naming what is wrong."""
+"""Images through the OpenAI-compatible endpoint (tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3, the real `openai`
+client): `image_url` parts reach the vision engine with their prompt as the family's processor writes them, a
+continuation's new image joins the re-prefilled sequence, and the trainer's forward of the stitched row gives the
+log-probs that were sampled; bad images, remote URLs, forged image marks and tokens and images sent to a text model
+are 400s naming what is wrong."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 
 from endpoint_helpers import ScriptedDriver, client, serving
 from hybridflow.agents.endpoint.image_parts import RequestImages
+from hybridflow.agents.endpoint.openai_wire import ImagePart
 from hybridflow.agents.endpoint.vision_driver import VisionDriver
 from hybridflow.batch import Batch
 from hybridflow.data.image_prompts import VisionInputs, VisionPrompts
@@ -37,8 +39,6 @@ def image_part(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def vlm(tiny_vlm):
-    if "gemma3" in str(tiny_vlm):
-        pytest.skip("Gemma 3's images through the endpoint are refused by name: test_gemma3_images_are_refused_by_name")
     tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
     engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [tokenizer.eos_token_id], 8, 512)
     return tiny_vlm, tokenizer, engine, RequestImages(VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer))
@@ -67,8 +67,9 @@ def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm,
     from hybridflow.engine.train.engine import TrainEngine
 
     path, tokenizer, engine, images = vlm
-    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
-    pictures = [image_part(data_uri((220, 30, 30))), image_part(data_uri((30, 40, 230), (56, 112)))]
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=1)  # no family samples a special token mid-turn
+    colors = [((220, 30, 30), (60, 90)), ((30, 40, 230), (56, 112))]
+    pictures = [image_part(data_uri(*color)) for color in colors]
     if not with_images:
         pictures = [{"type": "text", "text": " (no picture)"}] * 2
     first = [{"role": "user", "content": [{"type": "text", "text": "Which color?"}, pictures[0]]}]
@@ -93,9 +94,15 @@ def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm,
     mask, ids = trajectory.response_mask, trajectory.token_ids
     context = [t for t, m in zip(ids, mask) if m == 0]
     assert mask[0] == 1 and mask[-1] == 1 and 0 in mask
-    if with_images:
-        assert counts[0] != counts[1]  # two images of different sizes, in order
+    if with_images:  # both images, in order, each as the family's processor writes it (Gemma 3: blank lines around)
+        sent = images.prompts.process([Image.new("RGB", size, color) for color, size in colors], "sent")
+        assert trajectory.vision.pixel_values.equal(sent.pixel_values)
+        assert trajectory.vision.image_grid_thw.equal(sent.image_grid_thw)
         assert trajectory.prompt_ids.count(image_id) == counts[0] and context.count(image_id) == counts[1]
+        family, prompts = images.prompts.family, images.prompts
+        for part, n in ((trajectory.prompt_ids, counts[0]), (context, counts[1])):
+            written = family.image_text(prompts.start, prompts.pad, prompts.end, n)
+            assert written in tokenizer.decode(part, skip_special_tokens=False)
 
     batch = Batch({"prompts": torch.zeros(1, 1, dtype=torch.long),
                    "attention_mask": torch.ones(1, 1, dtype=torch.long)})
@@ -126,7 +133,8 @@ def test_the_pages_image_agent_runs(vlm, tmp_path):
     reward, endpoint = run(vlm, SamplingParams(temperature=1.0, max_tokens=4),
                            lambda api, endpoint: look(api, row))
     trajectory = endpoint.lanes["k"].trajectory
-    assert reward in (0.0, 1.0) and trajectory.turns == 0 and trajectory.vision.image_grid_thw.tolist() == [[1, 6, 4]]
+    grid = endpoint.renderers.images.prompts.process([Image.new("RGB", (56, 84))], "red").image_grid_thw
+    assert reward in (0.0, 1.0) and trajectory.turns == 0 and trajectory.vision.image_grid_thw.equal(grid)
 
 
 def png(size, fill=(0, 0, 0)) -> bytes:
@@ -144,10 +152,16 @@ def png(size, fill=(0, 0, 0)) -> bytes:
     (image_part("file:///no/such/image.png"), r"messages\[0\]\.content\[1\]: image file '/no/such/image.png' does not"),
     (image_part("data:image/png;base64," + base64.b64encode(png((2000, 2000))).decode()),
      r"messages\[0\]\.content\[1\], image 0: 2000x2000 = 4000000 pixels, over the image processor's limit"),
-    ({"type": "text", "text": "<|image_pad|>"},
+    ({"type": "text", "text": "{pad}"},
      r"the prompt has \d+ image tokens where its images make \d+: a text must not write the image token"),
+    ({"type": "text", "text": "{mark}"}, r"the rendered messages hold 2 image marks for 1 images"),
 ])
 def test_bad_images_are_refused_naming_the_part(vlm, part, match):
+    images = vlm[3]
+    if "over the image processor's limit" in match and images.prompts.max_pixels is None:
+        pytest.skip("Gemma 3's processor resizes every image to the tower's square: no pixel limit to pass")
+    if part["type"] == "text":  # the family's own image token, or what its chat template writes for an image part
+        part = {"type": "text", "text": part["text"].format(pad=images.prompts.pad, mark=images.mark)}
     params = SamplingParams(temperature=1.0, max_tokens=4)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, part,
                                              image_part(data_uri((30, 200, 40)))]}]
@@ -166,14 +180,14 @@ def test_a_completion_continued_with_the_image_token_is_refused(vlm):
     """A raw completion's text that writes the image token is refused 400 (the engine would fail the phase on an
     image position without pixels), first request or continuation alike."""
     params = SamplingParams(temperature=1.0, max_tokens=3, seed=0)
+    pad = vlm[3].prompts.pad
 
     async def talk(api, endpoint):
         first = await api.completions.create(model="policy", prompt="Say a color:")
         with pytest.raises(openai.BadRequestError, match=r"has 1 image tokens where its images make 0"):
-            await api.completions.create(model="policy",
-                                         prompt="Say a color:" + first.choices[0].text + "<|image_pad|>")
+            await api.completions.create(model="policy", prompt="Say a color:" + first.choices[0].text + pad)
         with pytest.raises(openai.BadRequestError, match=r"the prompt has 1 image tokens where its images make 0"):
-            await api.completions.create(model="policy", prompt="<|image_pad|> again")
+            await api.completions.create(model="policy", prompt=f"{pad} again")
         return first
 
     first, endpoint = run(vlm, params, talk)
@@ -189,7 +203,8 @@ def test_a_file_url_is_read(vlm, tmp_path):
         return await api.chat.completions.create(model="policy", messages=messages)
 
     _, endpoint = run(vlm, params, talk)
-    assert endpoint.lanes["k"].trajectory.vision.image_grid_thw.tolist() == [[1, 4, 4]]
+    sent = vlm[3].prompts.process([Image.new("RGB", (56, 56), (30, 200, 40))], "green")
+    assert endpoint.lanes["k"].trajectory.vision.pixel_values.equal(sent.pixel_values)
 
 
 def test_a_text_model_refuses_images_by_name(tiny_qwen2):
@@ -209,14 +224,29 @@ def test_a_text_model_refuses_images_by_name(tiny_qwen2):
     assert asyncio.run(main()).status_code == 400 and driver.calls == []
 
 
-def test_gemma3_images_are_refused_by_name(tiny_vlm):
-    """The endpoint reads an image as Qwen's start / pad / end marks; Gemma 3's image text differs, so its images are
-    refused by name (a run through the endpoint is refused before it loads: test_endpoint_train.py)."""
+def test_an_image_part_is_what_the_models_processor_makes_of_it(tiny_vlm):
+    """An image part becomes what the model's chat template writes for it (`chat_mark`), expanded as the model's
+    transformers processor expands it: Gemma 3's blank lines around `<start_of_image>`, its soft tokens and
+    `<end_of_image>` (the same ids, the same pixels). Qwen's processors need torchvision, absent here; their image
+    text is the dataset path's (`tests/data/`)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
-    prompts = VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer)
+    images = RequestImages(VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer))
+    prompts = images.prompts
     if "gemma3" not in str(tiny_vlm):
-        assert RequestImages(prompts).mark == prompts.start + prompts.pad + prompts.end
-        return
-    with pytest.raises(ValueError, match=r"images through the endpoint are not served for the vision-language "
-                                         r"model_type 'gemma3' yet .* supported: qwen2_5_vl, qwen3_vl"):
-        RequestImages(prompts)
+        assert images.mark == prompts.start + prompts.pad + prompts.end
+        pytest.skip("Qwen2.5-VL's and Qwen3-VL's processors need torchvision (their video processor)")
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    marked = AutoTokenizer.from_pretrained(tiny_vlm, extra_special_tokens={
+        "boi_token": prompts.start, "image_token": prompts.pad, "eoi_token": prompts.end})
+    processor = Gemma3Processor(prompts.image_processor, marked,
+                                image_seq_length=prompts.family.config.mm_tokens_per_image)
+    assert images.mark == "<start_of_image>"
+    text = f"Look:\n{images.mark} and{images.mark}what?"
+    pictures = [Image.new("RGB", (60, 90), (220, 30, 30)), Image.new("RGB", (56, 112), (30, 40, 230))]
+    theirs = processor(text=[text], images=[pictures], return_tensors="pt")
+    vision = images.load([ImagePart(f"messages[0].content[{i}]", data_uri(p.getpixel((0, 0)), p.size))
+                          for i, p in enumerate(pictures)])
+    ours = tokenizer(images.expand(text, vision), add_special_tokens=False)["input_ids"]
+    assert ours == theirs["input_ids"][0].tolist()
+    assert prompts.family.pixel_kwargs(vision)["pixel_values"].equal(theirs["pixel_values"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.agents.loop.rendering import TurnRenderer
+from hybridflow.agents.loop.rendering import ImageSlots, TurnRenderer
 from hybridflow.data.chat import render_prompt
 from hybridflow.utils.tiny_model import build_tokenizer
 
@@ -91,6 +91,26 @@ def test_special_token_text_in_a_message_stays_text(tokenizer):
                                                  add_generation_prompt=True, **renderer.template_args)
         whole = render_prompt(prompt, tokenizer, tools=TOOLS) + tokenizer.decode(model_ids + ids)
         assert whole == expected  # the same text, as text
+
+
+def test_an_images_margins_are_tokenized_with_the_text_beside_it():
+    """Gemma 3's blank lines around an image are plain text, which a tokenizer merges with a content's own newlines
+    (here `\\n\\n\\n` is one token): the appended ids splice only the image's special tokens and encode each
+    margin with the text beside it, so they are the ids of the whole text, as its processor tokenizes it."""
+    tok = build_tokenizer(["Look:\n\n\nthen\n\n\n"] * 20, vocab_size=300)
+    marks = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    tok.add_tokens(marks, special_tokens=True)
+    assert len(tok("\n\n\n", add_special_tokens=False)["input_ids"]) == 1
+    start, pad, end = tok.convert_tokens_to_ids(marks)
+    image = "\n\n" + marks[0] + marks[1] * 2 + marks[2] + "\n\n"
+    renderer = TurnRenderer(tok)
+    content = f"Look:\n{marks[0]}\nthen{marks[0]}"
+    ids = renderer.render([{"role": "user", "content": content}], tok.eos_token_id,
+                          images=ImageSlots(marks[0], [[start, pad, pad, end]] * 2, ("\n\n", "\n\n")))
+    expanded = [{"role": "user", "content": content.replace(marks[0], image)}]
+    after = tok.apply_chat_template(renderer.base + expanded, tokenize=False, add_generation_prompt=True)
+    whole = renderer.closing(tok.eos_token_id) + after[len(renderer.before):]
+    assert ids == tok(whole, add_special_tokens=False)["input_ids"]
 
 
 def test_a_trimming_template_is_split_too():
