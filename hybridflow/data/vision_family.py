@@ -1,13 +1,13 @@
 """What differs between the vision-language families the data, the vision rollout engine and the trainer serve: how an
 image appears in a prompt's text, how its pixels travel with a row, and the positions and masks of a forward.
 
-    family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL (`MropeFamily`), Gemma 3 (`Gemma3Family`)
+    family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL (`VisionFamily`), Gemma 3 (`Gemma3Family`)
     family.image_text(start, pad, end, tokens)         # the text one image of `tokens` language-model tokens becomes
     family.chat_mark(start, pad, end)                  # what the chat template makes of an image part
     family.image_inputs(processed, where)              # the image processor's output -> `VisionInputs`
     kwargs, deltas = family.forward_kwargs(model, ids, mask, images)   # a padded forward's positions, masks, pixels
 
-- **Qwen2.5-VL, Qwen3-VL** (`MropeFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged patch
+- **Qwen2.5-VL, Qwen3-VL** (`VisionFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged patch
   (its size decides how many) and `<|vision_end|>` (the chat template writes an image part as the three marks with
   one pad, which the processor widens); its pixels are the processor's flattened patches and their grid
   (`image_grid_thw`); a forward takes the 3-D multimodal rotary positions of `get_rope_index`, whose rope delta
@@ -31,8 +31,9 @@ import torch
 from hybridflow.data.image_prompts import VisionInputs
 
 
-class MropeFamily:
-    """Qwen2.5-VL's and Qwen3-VL's image layout (see the module docstring)."""
+class VisionFamily:
+    """A vision-language family's image layout, as Qwen2.5-VL and Qwen3-VL have it (see the module docstring); the
+    other families (`Gemma3Family`) override what differs."""
 
     rope_delta = True  # decoded tokens rotate at their index plus the prompt's delta
     # plain text the processor puts before and after an image's marks: text, not special tokens, so a tokenizer
@@ -91,7 +92,7 @@ class MropeFamily:
         return kwargs, deltas[:, 0]
 
 
-class Gemma3Family(MropeFamily):
+class Gemma3Family(VisionFamily):
     """Gemma 3's image layout (see the module docstring)."""
 
     rope_delta = False
@@ -141,10 +142,10 @@ class Gemma3Family(MropeFamily):
 
 
 # model_type -> its family's layout; lm_class.VISION_FAMILIES names the same families
-FAMILIES = {"qwen2_5_vl": MropeFamily, "qwen3_vl": MropeFamily, "gemma3": Gemma3Family}
+FAMILIES = {"qwen2_5_vl": VisionFamily, "qwen3_vl": VisionFamily, "gemma3": Gemma3Family}
 
 
-def vision_family(config: Any) -> MropeFamily:
+def vision_family(config: Any) -> VisionFamily:
     """The image layout of a vision-language model of `config`; ValueError naming its model_type otherwise."""
     model_type = str(getattr(config, "model_type", None))
     if model_type not in FAMILIES:
