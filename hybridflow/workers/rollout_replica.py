@@ -60,8 +60,7 @@ def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, d
         max_prefill_tokens=prefill)
 
 
-def kv_budget(rollout_cfg: RolloutConfig, device: torch.device, kv_cache_bytes: int | None
-                    ) -> float | int | None:
+def kv_budget(rollout_cfg: RolloutConfig, device: torch.device, kv_cache_bytes: int | None) -> float | int | None:
     """The engine's `kv_cache_memory` (see `build_rollout`); None: the slots alone decide (a CPU's)."""
     if device.type == "cuda" and rollout_cfg.kv_cache_fraction is not None:
         return rollout_cfg.kv_cache_fraction
