@@ -64,20 +64,23 @@ def head_config(model_path: str | Path, head: str = "lm", trust_remote_code: boo
     return config
 
 
-def _auto_class(config):
-    """The `transformers` auto class of a saved config: a sequence classifier (a reward model) or a causal LM."""
+def _auto_class(config, images: bool):
+    """The `transformers` auto class of a saved config: a sequence classifier (a reward model) or a causal LM (of a
+    run with or without `images`: `lm_class.lm_auto_class`)."""
     from transformers import AutoModelForSequenceClassification
 
     from hybridflow.utils.lm_class import lm_auto_class
 
     if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         return AutoModelForSequenceClassification
-    return lm_auto_class(config)
+    return lm_auto_class(config, images)
 
 
-def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm", quantization: str = "none") -> Path:
+def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm", quantization: str = "none",
+                   images: bool = False) -> Path:
     """Store config (`head_config`), generation config and tokenizer of `model_path` under `<role_dir>/hf/`, and
-    the base's storage (`model.quantization`) beside its path."""
+    the base's storage (`model.quantization`) and whether the run's prompts carried `images` (a Qwen3.5 checkpoint
+    then trained with its tower: `lm_class.TEXT_FIRST_FAMILIES`) beside its path."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     dest = Path(role_dir) / HF_DIR
@@ -89,11 +92,12 @@ def save_hf_assets(role_dir: str | Path, model_path: str | Path, head: str = "lm
         pass  # the model has no generation_config.json; transformers derives one from the config
     AutoTokenizer.from_pretrained(model_path).save_pretrained(dest)
     config = AutoConfig.from_pretrained(model_path)
-    if is_vision_config(config):  # a vision-language model's images need its processor
+    if is_vision_config(config, images):  # a vision-language model's images need its processor
         from transformers import AutoImageProcessor
 
         AutoImageProcessor.from_pretrained(model_path).save_pretrained(dest)
-    (dest / SOURCE_FILE).write_text(json.dumps({"model_path": str(model_path), "quantization": quantization}))
+    (dest / SOURCE_FILE).write_text(json.dumps({"model_path": str(model_path), "quantization": quantization,
+                                                "images": images}))
     return dest
 
 
@@ -136,6 +140,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
         dtype = DTYPES[dtype]
     source = model_path_or_config if model_path_or_config is not None else role_dir / HF_DIR
     image_processor = None  # a vision-language model's, written beside its tokenizer
+    recorded = _source(role_dir)
+    images = bool(recorded.get("images", False))
     if isinstance(source, PretrainedConfig):
         config, tokenizer, generation = source, None, None
     else:
@@ -148,7 +154,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
             generation = GenerationConfig.from_pretrained(source)
         except OSError:
             generation = None
-        if is_vision_config(config):
+        if is_vision_config(config, images):
             from transformers import AutoImageProcessor
 
             image_processor = AutoImageProcessor.from_pretrained(source)
@@ -156,9 +162,10 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_path_or_con
     if (role_dir / ADAPTER_CONFIG).is_file():
         base_path = _base_path(role_dir, model_path_or_config, merge)
         _check_base(checkpoint, role, base_path, isinstance(model_path_or_config, (str, Path)), merge)
-        model = _lora_model(role_dir, state, config, base_path, dtype, merge, _quantization(role_dir))
+        model = _lora_model(role_dir, state, config, base_path, dtype, merge, recorded.get("quantization", "none"),
+                            images)
     else:
-        model = _full_model(role, state, config, dtype)
+        model = _full_model(role, state, config, dtype, images)
     if generation is not None and isinstance(model, PreTrainedModel):  # not a peft adapter directory
         model.generation_config = generation
 
@@ -202,12 +209,12 @@ def _write_whole(out_dir: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _full_model(role: str, state: dict[str, torch.Tensor], config, dtype: torch.dtype | None):
-    """Every weight of the checkpoint in a meta-initialised model of `config` (a causal LM, or a reward model's
-    sequence classifier)."""
+def _full_model(role: str, state: dict[str, torch.Tensor], config, dtype: torch.dtype | None, images: bool):
+    """Every weight of the checkpoint in a meta-initialised model of `config` (a causal LM of a run with or without
+    `images`, or a reward model's sequence classifier)."""
     saved_dtype = dtype or next(v.dtype for v in state.values() if v.is_floating_point())
     with torch.device("meta"):
-        model = _auto_class(config).from_config(config, dtype=saved_dtype)
+        model = _auto_class(config, images).from_config(config, dtype=saved_dtype)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -224,18 +231,18 @@ def _base_path(role_dir: Path, model_path_or_config, merge: bool) -> str | None:
     if isinstance(model_path_or_config, (str, Path)):
         path = str(model_path_or_config)
     else:
-        source = role_dir / HF_DIR / SOURCE_FILE
-        path = json.loads(source.read_text())["model_path"] if source.is_file() else None
+        path = _source(role_dir).get("model_path")
     if merge and (path is None or not Path(path).exists()):
         raise CheckpointError(f"merging the LoRA adapters of {role_dir} needs the base model's weights; the run "
                               f"started from {path!r}, which is not there: pass its path (--model)")
     return path
 
 
-def _quantization(role_dir: Path) -> str:
-    """The base's storage the run trained on (`model.quantization`; `none` where the checkpoint predates it)."""
+def _source(role_dir: Path) -> dict:
+    """What `save_hf_assets` recorded of the run (`hf/source.json`: its model path, the base's storage, whether its
+    prompts carried images); {} where the checkpoint has none, a key missing where the checkpoint predates it."""
     source = role_dir / HF_DIR / SOURCE_FILE
-    return json.loads(source.read_text()).get("quantization", "none") if source.is_file() else "none"
+    return json.loads(source.read_text()) if source.is_file() else {}
 
 
 def _check_base(checkpoint: Path, role: str, base_path: str | None, given: bool, merge: bool) -> None:
@@ -257,15 +264,15 @@ def _check_base(checkpoint: Path, role: str, base_path: str | None, given: bool,
 
 
 def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_path: str | None,
-                dtype: torch.dtype | None, merge: bool, quantization: str = "none"):
-    """The adapters in `config`'s model wrapped by peft, on the meta device (its `save_pretrained` writes
-    an adapter directory); with `merge`, in the base model loaded from `base_path` (its adapted weights rounded
-    as a 4-bit base's were, with `quantization=nf4`), merged into it."""
+                dtype: torch.dtype | None, merge: bool, quantization: str = "none", images: bool = False):
+    """The adapters in `config`'s model (of a run with or without `images`) wrapped by peft, on the meta device
+    (its `save_pretrained` writes an adapter directory); with `merge`, in the base model loaded from `base_path`
+    (its adapted weights rounded as a 4-bit base's were, with `quantization=nf4`), merged into it."""
     from peft import LoraConfig, get_peft_model
     from hybridflow.utils.lm_class import lm_auto_class
 
     lora = LoraConfig.from_pretrained(str(role_dir))
-    auto = lm_auto_class(config)
+    auto = lm_auto_class(config, images)
     if merge:
         assert base_path is not None  # _base_path refuses a merge without one
         base = auto.from_pretrained(base_path, dtype=dtype or "auto")

@@ -106,7 +106,7 @@ def vision_problems(cfg: Any) -> list[str]:
     """What a vision-language model's run (`model.path` holds one) cannot do: a family other than
     `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks, the in-process agent loop,
     and, through the endpoint, dataset images or more than one rollout rank (`endpoint_vision_problems`)."""
-    model_type = vision_model_type(cfg.model.path)
+    model_type = vision_model_type(cfg.model.path, images=cfg.data.image_key is not None)
     if model_type is None:
         return []
     if model_type not in VISION_FAMILIES:

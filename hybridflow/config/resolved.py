@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridflow.config.role_needs import (agent_enabled, distills, needs_critic, needs_greedy_baseline, needs_reference,
                                           rollout_workers, run_groups, uses_task_advantage)
+from hybridflow.utils.lm_class import vision_model_type
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +50,9 @@ class RunFacts:
         its weights) lends its frozen weights to the colocated fast rollout engine, which holds them instead of
         copies; the device plan counts the engine's copy without them. Read from the model's config: its
         architecture must have a fast path (`rollout.engine` not hf).
+    vision: the run trains a vision-language model with its images (`lm_class.vision_model_type`): a
+        `VISION_FAMILIES` checkpoint, Qwen3.5's as published only with `data.image_key` (without, it trains as its
+        language model alone).
     """
 
     critic: bool
@@ -72,14 +76,16 @@ class RunFacts:
     groups: dict[str, int]
     router_hooks: bool
     lend_frozen_weights: bool
+    vision: bool
 
 
 def _rows(mini_batch_size: int | None, n: int) -> int | None:
     return None if mini_batch_size is None else mini_batch_size * n
 
 
-def _fast_architecture(model: Any) -> bool:
-    """The model at `model.path` has a fast rollout engine path (False without a path)."""
+def _fast_architecture(model: Any, images: bool) -> bool:
+    """The model at `model.path`, in a run with or without `images`, has a fast rollout engine path (False without
+    a path)."""
     if model.path is None:
         return False
     from transformers import AutoConfig
@@ -88,7 +94,7 @@ def _fast_architecture(model: Any) -> bool:
     from hybridflow.utils.lm_class import text_view
 
     config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-    return text_view(config).model_type in FAST_ARCHITECTURES
+    return text_view(config, images).model_type in FAST_ARCHITECTURES
 
 
 def resolve_facts(cfg: Any) -> RunFacts:
@@ -99,6 +105,7 @@ def resolve_facts(cfg: Any) -> RunFacts:
     actor_lora = actor.lora.rank > 0
     critic = needs_critic(cfg)
     reference = needs_reference(cfg)
+    images = cfg.data.image_key is not None
     one_step = actor.ppo_epochs == 1 and (actor.mini_batch_size is None
                                           or actor.mini_batch_size >= cfg.data.train_batch_size)
     return RunFacts(
@@ -119,4 +126,5 @@ def resolve_facts(cfg: Any) -> RunFacts:
         router_hooks=(cfg.rollout.record_routes or actor.router_replay != "none" or actor.router_aux_loss_coef > 0),
         lend_frozen_weights=(actor_lora and cfg.trainer.n_workers == 1 and not actor.param_offload
                              and cfg.rollout.placement == "colocate" and cfg.rollout.engine != "hf"
-                             and _fast_architecture(cfg.model)))
+                             and _fast_architecture(cfg.model, images)),
+        vision=vision_model_type(cfg.model.path, images) is not None)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, VISION_FAMILIES, is_vision_config
+from hybridflow.utils.lm_class import VISION_FAMILIES, is_vision_config
 
 IMAGE_PLACEHOLDER = "<image>"
 # the batch tensors that carry each row's images (`VisionInputs.pad_rows`): a prompt batch's, and the RL rows made
@@ -123,10 +123,9 @@ class VisionPrompts:
         from transformers import AutoConfig, AutoImageProcessor
 
         config = AutoConfig.from_pretrained(path)
-        if not is_vision_config(config):
-            raise ValueError(f"{path}: model_type {config.model_type!r} does not train as a vision-language model "
-                             f"(no vision_config, or a checkpoint whose language model trains alone: "
-                             f"{', '.join(TEXT_FIRST_FAMILIES)}); data.image_key needs one of {', '.join(VISION_FAMILIES)}")
+        if not is_vision_config(config, images=True):
+            raise ValueError(f"{path}: model_type {config.model_type!r} is not a vision-language model (no "
+                             f"vision_config); data.image_key needs one of {', '.join(VISION_FAMILIES)}")
         return cls(tokenizer, AutoImageProcessor.from_pretrained(path), config)
 
     def process(self, images: list, where: str) -> VisionInputs:

@@ -1,15 +1,15 @@
 """What differs between the vision-language families the data, the vision rollout engine and the trainer serve: how an
 image appears in a prompt's text, how its pixels travel with a row, and the positions and masks of a forward.
 
-    family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL (`VisionFamily`), Gemma 3 (`Gemma3Family`)
+    family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL / Qwen3.5 (`VisionFamily`), Gemma 3
     family.image_text(start, pad, end, tokens)         # the text one image of `tokens` language-model tokens becomes
     family.chat_mark(start, pad, end)                  # what the chat template makes of an image part
     family.image_inputs(processed, where)              # the image processor's output -> `VisionInputs`
     kwargs, deltas = family.forward_kwargs(model, ids, mask, images)   # a padded forward's positions, masks, pixels
 
-- **Qwen2.5-VL, Qwen3-VL** (`VisionFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged patch
-  (its size decides how many) and `<|vision_end|>` (the chat template writes an image part as the three marks with
-  one pad, which the processor widens); its pixels are the processor's flattened patches and their grid
+- **Qwen2.5-VL, Qwen3-VL, Qwen3.5** (`VisionFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged
+  patch (its size decides how many) and `<|vision_end|>` (the chat template writes an image part as the three marks
+  with one pad, which the processor widens); its pixels are the processor's flattened patches and their grid
   (`image_grid_thw`); a forward takes the 3-D multimodal rotary positions of `get_rope_index`, whose rope delta
   (text after an image continues from the image's largest position) shifts each decoded token's rotation.
 - **Gemma 3** (`Gemma3Family`, `Gemma3ForConditionalGeneration`): an image is `\\n\\n<start_of_image>`,
@@ -32,8 +32,8 @@ from hybridflow.data.image_prompts import VisionInputs
 
 
 class VisionFamily:
-    """A vision-language family's image layout, as Qwen2.5-VL and Qwen3-VL have it (see the module docstring); the
-    other families (`Gemma3Family`) override what differs."""
+    """A vision-language family's image layout, as Qwen2.5-VL, Qwen3-VL and Qwen3.5 have it (see the module
+    docstring); the other families (`Gemma3Family`) override what differs."""
 
     rope_delta = True  # decoded tokens rotate at their index plus the prompt's delta
     # plain text the processor puts before and after an image's marks: text, not special tokens, so a tokenizer
@@ -142,7 +142,7 @@ class Gemma3Family(VisionFamily):
 
 
 # model_type -> its family's layout; lm_class.VISION_FAMILIES names the same families
-FAMILIES = {"qwen2_5_vl": VisionFamily, "qwen3_vl": VisionFamily, "gemma3": Gemma3Family}
+FAMILIES = {"qwen2_5_vl": VisionFamily, "qwen3_vl": VisionFamily, "gemma3": Gemma3Family, "qwen3_5": VisionFamily}
 
 
 def vision_family(config: Any) -> VisionFamily:

@@ -29,11 +29,12 @@ from hybridflow.config.role_needs import needs_critic
 from hybridflow.controller import per_rank
 
 
-def checkpoint_bytes(models: list[tuple[str, str, Any]], trust_remote_code: bool = False) -> int:
+def checkpoint_bytes(models: list[tuple[str, str, Any]], trust_remote_code: bool = False, images: bool = False) -> int:
     """One checkpoint's size, before any weights load: each trained model's fp32 master weights plus AdamW's
     two moments, counted by `estimate_checkpoint_bytes` on a meta-device copy built from its config (with
     LoRA, of its trained parameters alone). `models`: (path, head, lora section) triples, head "lm" (a causal
-    LM) or "value" (a critic: a one-label token classifier)."""
+    LM) or "value" (a critic: a one-label token classifier); `images`: the run's prompts carry images (a Qwen3.5
+    checkpoint then trains with its tower: `lm_class.TEXT_FIRST_FAMILIES`)."""
     import torch
     from transformers import AutoConfig, AutoModelForTokenClassification
 
@@ -44,9 +45,9 @@ def checkpoint_bytes(models: list[tuple[str, str, Any]], trust_remote_code: bool
     for path, head, lora in models:
         overrides = {} if head == "lm" else {"num_labels": 1}
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
-        auto_class = lm_auto_class(config) if head == "lm" else AutoModelForTokenClassification
+        auto_class = lm_auto_class(config, images) if head == "lm" else AutoModelForTokenClassification
         if lora.rank > 0:  # fp32 adapters and their two moments
-            total += 3 * 4 * trainable_params(config, lora, head, trust_remote_code)
+            total += 3 * 4 * trainable_params(config, lora, head, trust_remote_code, images)
             continue
         with torch.device("meta"):
             model = auto_class.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -59,7 +60,7 @@ def checkpoint_bytes_needed(cfg: Any) -> int:
     models = [(cfg.model.path, "lm", cfg.actor.lora)]
     if needs_critic(cfg):
         models.append((cfg.critic.model.path or cfg.model.path, "value", cfg.critic.lora))
-    return checkpoint_bytes(models, cfg.model.trust_remote_code)
+    return checkpoint_bytes(models, cfg.model.trust_remote_code, cfg.data.image_key is not None)
 
 
 class RunCheckpoints:
@@ -93,7 +94,9 @@ class RunCheckpoints:
         try:
             for name, role in t.checkpointed_roles().items():
                 role.save_checkpoint(str(tmp / name))
-            save_hf_assets(tmp / t.model_role, t.cfg.model.path, t.model_head, t.cfg.model.quantization)
+            # the SFT and preference programs' `data` has no image key: their prompts carry no images
+            images = getattr(t.cfg.data, "image_key", None) is not None
+            save_hf_assets(tmp / t.model_role, t.cfg.model.path, t.model_head, t.cfg.model.quantization, images)
             save_controller_state(tmp, t.step, t.cfg, t.checkpointed_state(),
                                   meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path,
                                         "lora_bases": self.lora_bases})

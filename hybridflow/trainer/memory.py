@@ -21,7 +21,6 @@ from hybridflow.engine.budget import (GIB, DeviceDemand, FrozenRole, ModelShape,
                                       check_weights_fit)
 from hybridflow.engine.train.lora import adapted_expert_params, shareable_params, trainable_params
 from hybridflow.engine.train.quantized_base import quantized_params
-from hybridflow.utils.lm_class import vision_model_type
 
 
 def _compute_bytes(dtype: str) -> int:
@@ -39,20 +38,20 @@ def _shape(model_cfg: Any, path: str, head: str) -> ModelShape:
 
 
 def _trained(keys: str, model_keys: str, model_cfg: Any, role_cfg: Any, path: str, head: str,
-             lora: bool) -> TrainedRole:
+             lora: bool, images: bool = False) -> TrainedRole:
     """The role of config section `keys` training the model at `path` (with `lora`: its adapters, counted
-    here; with a 4-bit base, the weights it quantizes)."""
+    here; with a 4-bit base, the weights it quantizes; `images`: the run's prompts carry images, `RunFacts.vision`)."""
     config = _config(model_cfg, path)
     quantized, largest = quantized_params(config, role_cfg.lora, head, model_cfg.trust_remote_code) \
         if lora and model_cfg.quantization == "nf4" else (0, 0)
     return TrainedRole(keys=keys, model_keys=model_keys,
-                       shape=ModelShape.from_config(config, head, model_cfg.trust_remote_code),
+                       shape=ModelShape.from_config(config, head, model_cfg.trust_remote_code, images),
                        compute_bytes=_compute_bytes(model_cfg.dtype),
                        master_bytes=4 if model_cfg.master_dtype == "fp32" else 2, optimizer=role_cfg.optimizer,
                        param_offload=role_cfg.param_offload, optimizer_offload=role_cfg.optimizer_offload,
                        gradient_checkpointing=model_cfg.gradient_checkpointing,
                        max_tokens=role_cfg.max_tokens_per_micro_batch, micro_batch_rows=role_cfg.micro_batch_size,
-                       lora_params=trainable_params(config, role_cfg.lora, head, model_cfg.trust_remote_code)
+                       lora_params=trainable_params(config, role_cfg.lora, head, model_cfg.trust_remote_code, images)
                        if lora else None,
                        expert_lora_params=adapted_expert_params(config, role_cfg.lora, model_cfg.trust_remote_code)
                        if lora else 0, quantized_params=quantized, largest_quantized=largest)
@@ -66,7 +65,7 @@ def _cap(cfg: Any) -> int | None:
 
 def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
     """{group name: its per-device demand} for the groups `build_roles` starts."""
-    actor = _trained("actor", "model", cfg.model, cfg.actor, cfg.model.path, "lm", facts.actor_lora)
+    actor = _trained("actor", "model", cfg.model, cfg.actor, cfg.model.path, "lm", facts.actor_lora, facts.vision)
     actor_shape = actor.shape
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     common = dict(world_size=cfg.trainer.n_workers, longest_sequence=longest,
@@ -80,7 +79,7 @@ def device_demands(cfg: Any, facts: RunFacts) -> dict[str, DeviceDemand]:
                                                          cfg.model.trust_remote_code)
                           if facts.lend_frozen_weights else 0, fp8=cfg.rollout.quantization == "fp8",
                           min_seqs=max(cfg.rollout.n, cfg.rollout.val_n),
-                          prefill_keeps_cache=vision_model_type(cfg.model.path) is not None)
+                          prefill_keeps_cache=facts.vision)
     trained = [actor]
     frozen = []
     if facts.reference_copy:  # a LoRA actor's reference is its own base weights

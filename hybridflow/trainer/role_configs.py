@@ -24,11 +24,11 @@ from hybridflow.workers.rollout_replica import RolloutReplica
 
 def replica_config(cfg: Any, facts: RunFacts) -> RolloutReplica.Config:
     """The rollout engine's config: the `rollout` section, the model directory, the `data` lengths, the rows
-    generated at once and, when episodes are on, the `agent` section."""
+    generated at once, when episodes are on the `agent` section, and whether its prompts carry images."""
     return RolloutReplica.Config(model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
                                  rollout=cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
                                  max_response_length=cfg.data.max_response_length, rows_in_flight=facts.rows_in_flight,
-                                 agent=cfg.agent if facts.agent else None)
+                                 agent=cfg.agent if facts.agent else None, images=facts.vision)
 
 
 def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,
@@ -47,7 +47,7 @@ def actor_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None 
                               total_steps=total_steps, memory=memory, seed=cfg.trainer.seed, exact_len=exact_len,
                               router=router, lend_frozen_weights=facts.lend_frozen_weights,
                               topk_coef=cfg.teacher.topk_coef if facts.teacher and cfg.teacher.topk else 0.0,
-                              topk_beta=cfg.teacher.topk_beta)
+                              topk_beta=cfg.teacher.topk_beta, images=facts.vision)
 
 
 def critic_config(cfg: Any, total_steps: int, memory: budget.DeviceDemand | None = None,

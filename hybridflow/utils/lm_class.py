@@ -1,8 +1,13 @@
 """Which transformers Auto class builds a model with its language-model head: a vision-language model's
-(`AutoModelForImageTextToText`: Qwen2.5-VL's, Qwen3-VL's or Gemma 3's vision tower, language model and head) or a causal LM's
-(`AutoModelForCausalLM`). Every place that loads, sizes, checkpoints or exports the policy asks here, so a
-vision-language model takes the same paths as a text one; `vision_model_type` tells a vision-language model's
-directory from its config.json alone (the config checks ask it before anything loads)."""
+(`AutoModelForImageTextToText`: Qwen2.5-VL's, Qwen3-VL's, Gemma 3's or Qwen3.5's vision tower, language model and
+head) or a causal LM's (`AutoModelForCausalLM`). Every place that loads, sizes, checkpoints or exports the policy asks
+here, so a vision-language model takes the same paths as a text one; `vision_model_type` tells a vision-language
+model's directory from its config.json alone (the config checks ask it before anything loads).
+
+A `TEXT_FIRST_FAMILIES` checkpoint (Qwen3.5 as published) is a vision-language model that a run without images
+trains as its language model alone; `images=True` (the run's prompts carry images: `data.image_key`,
+`RunFacts.vision`) makes it a vision-language model like the others.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from typing import Any
 # the vision-language families whose image layout (`data.vision_family`) the data, the vision rollout engine and
 # the trainer serve, each tested on a tiny random model of its architecture (`tiny_vlm`); another vision-language
 # model is refused by name before it loads
-VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3")
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5")
 # published vision-language checkpoints whose language model trains alone, as a causal LM: transformers loads them
 # with their text class (Qwen3.5's `qwen3_5` as `Qwen3_5ForCausalLM`, the vision tower left out), and the rollout
 # engine reads the language model's weights, stored under `model.language_model.`, on the family's fast path
@@ -22,17 +27,19 @@ LANGUAGE_MODEL_PREFIX = "model.language_model."
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def is_vision_config(config: Any) -> bool:
-    """Whether a transformers config is a vision-language model's (it has a `vision_config`) that trains as one
-    (not a `TEXT_FIRST_FAMILIES` checkpoint)."""
+def is_vision_config(config: Any, images: bool = False) -> bool:
+    """Whether a transformers config is a vision-language model's (it has a `vision_config`) that trains as one: not
+    a `TEXT_FIRST_FAMILIES` checkpoint, unless the run has `images`."""
     return getattr(config, "vision_config", None) is not None and \
-        getattr(config, "model_type", None) not in TEXT_FIRST_FAMILIES
+        (images or getattr(config, "model_type", None) not in TEXT_FIRST_FAMILIES)
 
 
-def text_view(config: Any) -> Any:
-    """A `TEXT_FIRST_FAMILIES` checkpoint's config as its language model's (`get_text_config()`); any other config
-    as it is."""
-    return config.get_text_config() if getattr(config, "model_type", None) in TEXT_FIRST_FAMILIES else config
+def text_view(config: Any, images: bool = False) -> Any:
+    """A `TEXT_FIRST_FAMILIES` checkpoint's config, in a run without `images`, as its language model's
+    (`get_text_config()`); any other config as it is."""
+    if getattr(config, "model_type", None) in TEXT_FIRST_FAMILIES and not images:
+        return config.get_text_config()
+    return config
 
 
 def language_model_name(name: str) -> str | None:
@@ -44,17 +51,18 @@ def language_model_name(name: str) -> str | None:
     return None if name.startswith(VISION_PREFIXES + ("mtp.",)) else name
 
 
-def lm_auto_class(config: Any) -> Any:
-    """The Auto class of `config`'s model with its language-model head."""
+def lm_auto_class(config: Any, images: bool = False) -> Any:
+    """The Auto class of `config`'s model with its language-model head (in a run with or without `images`)."""
     import transformers
 
-    return transformers.AutoModelForImageTextToText if is_vision_config(config) else transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText if is_vision_config(config, images) \
+        else transformers.AutoModelForCausalLM
 
 
-def vision_model_type(path: str | None) -> str | None:
+def vision_model_type(path: str | None, images: bool = False) -> str | None:
     """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
-    None for a text model, a `TEXT_FIRST_FAMILIES` checkpoint, a hub id or a missing directory (the pre-load
-    checks name a missing one)."""
+    None for a text model, a `TEXT_FIRST_FAMILIES` checkpoint in a run without `images`, a hub id or a missing
+    directory (the pre-load checks name a missing one)."""
     import json
     from pathlib import Path
 
@@ -65,6 +73,7 @@ def vision_model_type(path: str | None) -> str | None:
         fields = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(fields, dict) and "vision_config" in fields and fields.get("model_type") not in TEXT_FIRST_FAMILIES:
+    if isinstance(fields, dict) and "vision_config" in fields and \
+            (images or fields.get("model_type") not in TEXT_FIRST_FAMILIES):
         return str(fields.get("model_type"))
     return None

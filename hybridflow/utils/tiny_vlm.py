@@ -4,7 +4,9 @@ positions), Qwen3-VL (`Qwen3VLForConditionalGeneration`: 16-pixel patches, learn
 tower, DeepStack features added to the first language layers, interleaved multimodal rotary sections, q/k norms) or
 Gemma 3 (`Gemma3ForConditionalGeneration`: a SigLIP tower over 32 x 32 images of 8-pixel patches, pooled to 4
 soft tokens an image by the multimodal projector; Gemma 3's text model with a sliding layer of an 8-token window and
-a global one, `tiny_model.gemma3_kwargs`).
+a global one, `tiny_model.gemma3_kwargs`) or Qwen3.5 as published (`Qwen3_5ForConditionalGeneration`: Qwen3-VL's
+tower without DeepStack beside the hybrid Gated DeltaNet text model of `tiny_model`, three linear layers and a full
+one, interleaved multimodal rotary sections over half of each head).
 
 Tests need a vision-language model that loads with no network. The directory holds the model, a byte-level
 tokenizer (`tiny_model.build_tokenizer`) with Qwen's vision tokens added (`<|vision_start|>`, `<|image_pad|>`,
@@ -25,13 +27,13 @@ from pathlib import Path
 import torch
 
 from hybridflow.utils.lm_class import VISION_FAMILIES
-from hybridflow.utils.tiny_model import BOS, EOS, PAD, build_tokenizer, gemma3_kwargs
+from hybridflow.utils.tiny_model import BOS, EOS, PAD, build_tokenizer, gemma3_kwargs, tiny_config
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 GEMMA3_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 GEMMA3_SIDE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS = 32, 8, 4  # 4 x 4 patches pooled 2 x 2 into 4 soft tokens
 # each family's patch side in pixels; a merged token covers 2 x 2 patches
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16}
 # the smallest / largest image after the processor's resize, in merged tokens: 4 to 64
 MIN_TOKENS, MAX_TOKENS = 4, 64
 
@@ -43,7 +45,7 @@ def max_pixels(family: str = "qwen2_5_vl") -> int:
 
 def _config(family: str, text: dict, vision_hidden: int, vision_depth: int, hidden: int, tokens: dict):
     """The family's config: `text` the language model's sizes, `tokens` the vision token ids."""
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
 
     vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2,
                   out_hidden_size=hidden)
@@ -54,6 +56,20 @@ def _config(family: str, text: dict, vision_hidden: int, vision_depth: int, hidd
         return Qwen2_5_VLConfig(text_config={**text, "rope_parameters": rope},
                                 vision_config={**vision, "fullatt_block_indexes": [vision_depth - 1], "window_size": 56},
                                 tie_word_embeddings=True, **tokens)
+    if family == "qwen3_5":
+        # the hybrid text model of `tiny_model`, at least 4 layers so that three linear ones precede a full one (the
+        # released pattern); half of each head rotated (the released quarter of 16 would leave the height and width
+        # sections empty), interleaved sections 2/1/1 of its 4 frequencies (the released 11/11/10 of 32)
+        fields = tiny_config("qwen3_5_text", text["vocab_size"], hidden, max(4, text["num_hidden_layers"]),
+                             text["num_attention_heads"], text["num_key_value_heads"],
+                             pad_token_id=text["pad_token_id"], eos_token_id=text["eos_token_id"]).to_dict()
+        fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": 0.5,
+                                     "mrope_section": [head_dim // 8, head_dim // 16, head_dim // 16],
+                                     "mrope_interleaved": True}
+        fields["initializer_range"] = text["initializer_range"]
+        return Qwen3_5Config(text_config=fields, vision_config={**vision, "patch_size": PATCH[family],
+                                                                "num_position_embeddings": 64},
+                             tie_word_embeddings=True, **tokens)
     # Qwen3-VL: 24/20/20 of 128 interleaved, DeepStack features from the first tower block, 8 x 8 learned positions
     side = 5 * head_dim // 32
     section = [head_dim // 2 - 2 * side, side, side]

@@ -79,6 +79,8 @@ class ActorWorker(RolloutCalls, EngineWorker):
         topk_coef / topk_beta: the weight of the divergence from the distillation teacher's top-k in the loss, and
             its beta (`teacher.topk_coef`, `teacher.topk_beta` when `teacher.topk` > 0: the batch then carries
             `teacher_topk_*`); 0 = none.
+        images: the prompts carry images (`RunFacts.vision`): the actor and its reference load a Qwen3.5
+            checkpoint with its vision tower (`TrainEngine`'s `images`).
         """
 
         model: ModelConfig
@@ -94,6 +96,7 @@ class ActorWorker(RolloutCalls, EngineWorker):
         lend_frozen_weights: bool = False
         topk_coef: float = 0.0
         topk_beta: float = 1.0
+        images: bool = False
 
     keys, model_keys = "actor", "model"
     cfg: ActorConfig
@@ -105,8 +108,8 @@ class ActorWorker(RolloutCalls, EngineWorker):
         # exact mode: the trainer's forward runs the rollout's invariant kernels, for rows as long as it generates
         self.engine = TrainEngine(model_cfg, actor_cfg, head="lm", total_steps=config.total_steps,
                                   device=self.device, seed=config.seed, exact_len=config.exact_len,
-                                  router=config.router)
-        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device, actor_cfg.ref_param_offload) \
+                                  router=config.router, images=config.images)
+        self.ref = ReferenceModel(model_cfg, actor_cfg, self.device, actor_cfg.ref_param_offload, config.images) \
             if config.reference_copy else None
         self.rollout = None
         if config.rollout is not None:

@@ -20,12 +20,13 @@ from hybridflow.engine.train import TrainEngine
 
 class ReferenceModel:
     """A frozen causal LM on `device`: `model_cfg` its model section, `batching_cfg` the (actor's) section whose
-    `micro_batch_size`, `max_tokens_per_micro_batch` and `use_packing` its forwards use."""
+    `micro_batch_size`, `max_tokens_per_micro_batch` and `use_packing` its forwards use; `images`: the actor's
+    prompts carry images (`TrainEngine`'s)."""
 
     def __init__(self, model_cfg: FrozenModelConfig, batching_cfg: EngineOptimConfig, device: torch.device,
-                 offload: bool = False) -> None:
+                 offload: bool = False, images: bool = False) -> None:
         self.batching_cfg, self.offload = batching_cfg, offload
-        self.engine = TrainEngine(model_cfg, None, head="lm", device=device)
+        self.engine = TrainEngine(model_cfg, None, head="lm", device=device, images=images)
         if self.offload:
             self.engine.offload(params=True, optimizer=False)
 

@@ -39,19 +39,20 @@ UNPLANNED_KV_FRACTION = 0.4
 def build_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, dtype: torch.dtype,
                   max_model_len: int, kv_cache_bytes: int | None = None, rows_in_flight: int | None = None,
                   shared_weights: dict[str, torch.Tensor] | None = None,
-                  max_prefill_tokens: int | None = None) -> RolloutEngineContract:
+                  max_prefill_tokens: int | None = None, images: bool = False) -> RolloutEngineContract:
     """The rollout engine of `rollout_cfg.engine` (auto | fast | hf) over the model at `path` (with the invariant
     kernels when `rollout_cfg.exact`, FP8 weights with `rollout_cfg.quantization`), holding `shared_weights` (a
     colocated LoRA trainer's frozen ones) instead of copies (the fast engine). The KV cache, the text engine's and
     the vision engine's alike: `rollout.kv_cache_fraction` of the free GPU memory if set, else `kv_cache_bytes` (the
     device plan's, so a capped run stays under `trainer.device_memory_gib`), else on a GPU `UNPLANNED_KV_FRACTION`.
     On a CPU, where nothing plans the memory and the cache is zero-filled RAM, it holds at most `rows_in_flight`
-    sequences (the rows generated at once; more queue)."""
+    sequences (the rows generated at once; more queue). `images`: the prompts carry images (a Qwen3.5 checkpoint then
+    takes the vision engine too: `lm_class.TEXT_FIRST_FAMILIES`)."""
     max_num_seqs = cpu_max_num_seqs(rollout_cfg.max_num_seqs, rows_in_flight) if device.type == "cpu" \
         else rollout_cfg.max_num_seqs
     kv = kv_budget(rollout_cfg, device, kv_cache_bytes)
     prefill = max_prefill_tokens or MAX_PREFILL_TOKENS
-    if vision_model_type(path) is not None:  # images in the prompts: the vision engine (`vision_engine`)
+    if vision_model_type(path, images) is not None:  # images in the prompts: the vision engine (`vision_engine`)
         return vision_rollout(path, rollout_cfg, device, dtype, max_num_seqs, max_model_len, kv, prefill)
     return RolloutEngine.from_pretrained(
         path, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -119,6 +120,7 @@ class RolloutReplica:
         rows_in_flight: rows generated at once (a step's, with partial rollouts its extra prompt batches'
             too; `RunFacts.rows_in_flight`): bounds a CPU engine's slots; None = no bound.
         agent: the `agent` section when multi-turn episodes are on, else None.
+        images: the prompts carry images (`RunFacts.vision`).
         """
 
         model_path: str
@@ -128,6 +130,7 @@ class RolloutReplica:
         max_response_length: int
         rows_in_flight: int | None = None
         agent: AgentConfig | None = None
+        images: bool = False
 
     def __init__(self, config: RolloutReplica.Config, device: torch.device, dtype: torch.dtype, pad_id: int,
                  kv_cache_bytes: int | None = None, shared_weights: dict[str, torch.Tensor] | None = None,
@@ -139,7 +142,7 @@ class RolloutReplica:
         self.engine = build_rollout(config.model_path, config.rollout, device, dtype,
                                     config.max_prompt_length + config.max_response_length, kv_cache_bytes,
                                     rows_in_flight=config.rows_in_flight, shared_weights=shared_weights,
-                                    max_prefill_tokens=max_prefill_tokens)
+                                    max_prefill_tokens=max_prefill_tokens, images=config.images)
         self.partial: PartialRollouts | None = None
         if self.cfg.partial:
             if not isinstance(self.engine, RolloutEngine):

@@ -312,6 +312,9 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
     every training row carries both images (in token order), its ids hold their image tokens (as many as the
     family's processor makes of each: Qwen's merged patches, Gemma 3's fixed count), and the steps train with finite
     losses. What the endpoint does not serve for a VLM is refused by name before loading."""
+    if "qwen3_5" in str(tiny_vlm):
+        pytest.skip("a Qwen3.5 run takes the vision path with data.image_key, which an endpoint run leaves null: it "
+                    "trains as a text model (docs/models.md, 'Not yet here')")
     from PIL import Image
 
     from hybridflow.config.validate import ConfigError

@@ -1,6 +1,6 @@
-"""GRPO on a tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3 with geo3k-format data (`recipes/geo3k_vl.yaml`): prompts as chat messages with
-`<image>`, an `images` column of PNG bytes drawn with PIL, `reward_model.ground_truth`; bad image rows are refused
-before training with the row named; another vision family is refused by name."""
+"""GRPO on a tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5 with geo3k-format data (`recipes/geo3k_vl.yaml`):
+prompts as chat messages with `<image>`, an `images` column of PNG bytes drawn with PIL, `reward_model.ground_truth`;
+bad image rows are refused before training with the row named; another vision family is refused by name."""
 
 from __future__ import annotations
 
@@ -55,11 +55,13 @@ def overrides(model, train_file, out, *extra):
 def test_grpo_trains_two_steps_on_geo3k_format_images(tiny_vlm, tmp_path):
     train_file = write(geo3k_rows(["red", "green", "blue", "yellow"]), tmp_path / "train.parquet")
     out = tmp_path / "run"
-    cfg = load_config(overrides(tiny_vlm, train_file, out, "data.image_key=null",
-                                f"reward.function={reward_file(tmp_path)}"), "recipes/geo3k_vl.yaml")
-    with pytest.raises(ConfigError, match="data.image_key=null: model.path=.* is a vision-language model"):
-        train(cfg)
-    with pytest.raises(ConfigError, match="a critic for the vision-language model (qwen(2_5|3)_vl|gemma3) is not supported"):
+    if "qwen3_5" not in str(tiny_vlm):  # a Qwen3.5 checkpoint without images trains as a text model
+        cfg = load_config(overrides(tiny_vlm, train_file, out, "data.image_key=null",
+                                    f"reward.function={reward_file(tmp_path)}"), "recipes/geo3k_vl.yaml")
+        with pytest.raises(ConfigError, match="data.image_key=null: model.path=.* is a vision-language model"):
+            train(cfg)
+    with pytest.raises(ConfigError, match="a critic for the vision-language model "
+                                          "(qwen(2_5|3)_vl|gemma3|qwen3_5) is not supported"):
         train(load_config(overrides(tiny_vlm, train_file, out, "algorithm.adv_estimator=gae"), "recipes/geo3k_vl.yaml"))
     with pytest.raises(ConfigError, match=r"agent.tools: multi-turn episodes of the vision-language model .* are not"):
         train(load_config(overrides(tiny_vlm, train_file, out, "agent.tools=[calculator]"), "recipes/geo3k_vl.yaml"))
@@ -81,6 +83,9 @@ def test_image_key_follows_for_a_vision_model(tiny_vlm, tmp_path):
     from hybridflow.config.follow import followed_lines
 
     cfg = load_config(overrides(tiny_vlm, tmp_path / "train.parquet", tmp_path / "run"), "recipes/grpo.yaml")
+    if "qwen3_5" in str(tiny_vlm):  # a published Qwen3.5 checkpoint trains as a text model unless given images
+        assert cfg.data.image_key is None
+        return
     assert cfg.data.image_key == "images"
     assert any(re.match(r"data.image_key=images: model.path is a vision-language model \((qwen(2_5|3)_vl|gemma3)\)", line)
                for line in followed_lines(cfg))
@@ -152,8 +157,11 @@ def test_lora_grpo_on_a_vlm_exports_an_adapter_and_a_merged_model(freeze, tiny_v
     inputs = dict(input_ids=torch.tensor([ids]), **prompts.family.model_inputs(torch.tensor([ids]), vision))
     with torch.no_grad():
         logp = [m(**inputs).logits.log_softmax(-1) for m in (peft_model, merged, base)]
-    torch.testing.assert_close(logp[0], logp[1], atol=1e-4, rtol=0)
-    assert (logp[1] - logp[2]).abs().max() > 1e-3  # the exported policy is the trained one, not the base
+    # the tiny random Qwen3.5's chunked delta rule magnifies rounding: peft's own in-memory merge differs from the
+    # adapters by 2.5e-4, as much as scaling every weight by 1 + 1e-7 moves it (the export equals that merge exactly)
+    atol = 1e-3 if "qwen3_5" in str(tiny_vlm) else 1e-4
+    torch.testing.assert_close(logp[0], logp[1], atol=atol, rtol=0)
+    assert (logp[1] - logp[2]).abs().max() > 10 * atol  # the exported policy is the trained one, not the base
 
 
 def test_rounds_with_different_image_sizes_concatenate_with_their_images():
@@ -180,13 +188,20 @@ def test_rounds_with_different_image_sizes_concatenate_with_their_images():
         assert torch.equal(got.image_grid_thw, want.image_grid_thw)
 
 
-def test_images_with_a_checkpoint_that_trains_as_a_text_model_are_refused(tiny_model_factory):
-    """A published Qwen3.5 checkpoint trains its language model alone (docs/models.md): images for it are refused."""
-    from transformers import AutoTokenizer
+def test_a_qwen3_5_checkpoint_is_a_vision_language_model_only_in_a_run_with_images(tiny_model_factory):
+    """A published Qwen3.5 checkpoint trains its language model alone in a run without images (docs/models.md), and
+    as the vision-language model it is with them; images for a text model are refused by name."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from hybridflow.data.image_prompts import VisionPrompts
+    from hybridflow.utils.lm_class import lm_auto_class, vision_model_type
 
     path = tiny_model_factory("qwen3_5")
-    with pytest.raises(ValueError, match=r"model_type 'qwen3_5' does not train as a vision-language model .* "
-                                         r"trains alone: qwen3_5\); data.image_key needs one of qwen2_5_vl, qwen3_vl"):
-        VisionPrompts.from_pretrained(str(path), AutoTokenizer.from_pretrained(path))
+    config = AutoConfig.from_pretrained(path)
+    assert lm_auto_class(config) is AutoModelForCausalLM and vision_model_type(str(path)) is None
+    assert lm_auto_class(config, images=True) is AutoModelForImageTextToText
+    assert vision_model_type(str(path), images=True) == "qwen3_5"
+    text = tiny_model_factory("qwen2")
+    with pytest.raises(ValueError, match=r"model_type 'qwen2' is not a vision-language model \(no vision_config\); "
+                                         r"data.image_key needs one of qwen2_5_vl, qwen3_vl, gemma3, qwen3_5"):
+        VisionPrompts.from_pretrained(str(text), AutoTokenizer.from_pretrained(text))

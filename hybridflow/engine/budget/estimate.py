@@ -117,16 +117,18 @@ class ModelShape:
     recurrent_state: int = 0
 
     @classmethod
-    def from_config(cls, config: Any, head: str = "lm", trust_remote_code: bool = False) -> ModelShape:
+    def from_config(cls, config: Any, head: str = "lm", trust_remote_code: bool = False,
+                    images: bool = False) -> ModelShape:
         """From a Hugging Face config; parameters counted on the meta device (no memory, exact). `head`:
         ``"lm"`` (a causal LM) or ``"value"`` (the backbone and a one-output score head, as the critic and
-        reward models are, whatever classification class an architecture has)."""
+        reward models are, whatever classification class an architecture has); `images`: the run's prompts carry
+        images (a Qwen3.5 checkpoint then counts its tower: `lm_class.TEXT_FIRST_FAMILIES`)."""
         from transformers import AutoModel
 
         from hybridflow.utils.lm_class import lm_auto_class
 
         with torch.device("meta"):
-            auto = lm_auto_class(config) if head == "lm" else AutoModel
+            auto = lm_auto_class(config, images) if head == "lm" else AutoModel
             model = auto.from_config(config, trust_remote_code=trust_remote_code)
         numels = [p.numel() for p in model.parameters()]  # a vision-language model's vision tower included
         config = config.get_text_config()  # the language model's shape (a text model's config is its own)

@@ -1,5 +1,5 @@
-"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3) with images in the
-prompts.
+"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5) with images
+in the prompts.
 
     engine = VisionRolloutEngine(path, device, dtype, stop_ids, max_num_seqs=64, max_model_len=2048)
     outs = engine.generate(prompt_token_ids, SamplingParams(n=8), vision=[VisionInputs, ...])
@@ -19,21 +19,22 @@ The prefill runs in the model's own transformers modules, the decode on the fast
   each other both ways. The forward keeps every position's K/V, a sliding-window layer's too (transformers' own
   cache for Gemma 3 would keep only the window): the fast engine's cache holds every position.
 - **Hand-off**: each prompt's K/V, already rotated by those positions, go from transformers' cache into the fast
-  engine's slots of its n samples (`vision_lm.write_prompts`), and the samples' first tokens are drawn from the
+  engine's slots of its n samples (`vision_lm.write_prompts`; Qwen3.5's linear-attention layers: their conv and
+  recurrent states after the prompt's last token, `write_states`), and the samples' first tokens are drawn from the
   prompt's last logits (`Session.place`).
 - **Decode**: the fast engine's, with continuous batching (a finished row's slot takes the next waiting prompt), CUDA
   graphs and its sampler. A generated token's three mrope components all equal `its index + the prompt's rope
   delta`, so its rotation is the text family's plain rope at that position: each row's rotary position is shifted
   by its prompt's delta (`RunningBatch.rope_offsets`), its cache position stays its index. Gemma 3 has no delta.
 
-The language model is the fast decoder's Qwen2 (Qwen2.5-VL), Qwen3 (Qwen3-VL) or Gemma 3 text model (its sliding and
-global layers, `gemma3.py`) over one copy of the weights
+The language model is the fast decoder's Qwen2 (Qwen2.5-VL), Qwen3 (Qwen3-VL), Gemma 3 text model (its sliding and
+global layers, `gemma3.py`) or Qwen3.5 text model (`hybrid_decoder.py`) over one copy of the weights
 (`vision_lm.SharedWeights`), so `load_weights` (HF names, into the transformers model in place) reaches the decode
 too, and `sleep` / `wake` free and re-make the fast engine's KV cache (with offload, every weight to the CPU and back,
 still one copy). The image and video placeholder tokens are never drawn (sampled into a response, the trainer's
 forward would take one for an image position); the log-probs stay the policy's over every token, as the trainer
 computes them (`sampler.sample`'s `never`). Greedy output equals `transformers.generate` on the same prompts and
-images, for both families, with prompts joining as slots free (tests/engine/vision/test_vision_rollout.py).
+images, for every family, with prompts joining as slots free (tests/engine/vision/test_vision_rollout.py).
 """
 
 from __future__ import annotations
@@ -167,8 +168,11 @@ class VisionRolloutEngine(HFRolloutEngine):
         present = [v for v in vision if v is not None]
         images = VisionInputs.concat(present).to(self.device, self.model.dtype) if present else None
         kwargs, deltas = self.family.forward_kwargs(self.model, ids, mask, images)
-        # a cache without the config's layer types: full layers, so a sliding-window layer keeps every position too
-        cache = DynamicCache()
+        # a cache without the config's layer types: full layers, so a sliding-window layer keeps every position too;
+        # a hybrid model's (Qwen3.5: no sliding layers) from its config, which gives its linear layers state layers
+        text = self.config.get_text_config()
+        hybrid = "linear_attention" in (getattr(text, "layer_types", None) or [])
+        cache = DynamicCache(config=text) if hybrid else DynamicCache()
         # `past_key_values` until a transformers 5.x release renamed it `cache` (the old name an alias until 5.40): the GPU
         # machine's 5.x takes only the old one, and a name a forward does not take would be dropped silently
         name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"

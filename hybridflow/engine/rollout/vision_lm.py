@@ -11,18 +11,26 @@ a generated token's rotation is the text family's plain rope at that position: t
 decoding is the text family's decode with each row's rotary position shifted by its prompt's delta
 (`RunningBatch.rope_offsets`), while its cache position stays its index.
 
+Qwen3.5's language model (`qwen3_5`) is its hybrid text model (`hybrid_decoder.py`: Gated DeltaNet layers beside gated
+full attention with partial rotary over interleaved mrope sections). Its full-attention layers take K/V as Qwen3-VL's;
+its linear layers keep no K/V but a conv window and a recurrent state per sequence, the state after the prompt's last
+token, which the hand-off copies into the slots of the prompt's samples beside the K/V (`write_states`). Its rotary
+table reads the mrope sections itself (a text token's three components equal), so they stay in its text config.
+
 Gemma 3's language model is Gemma 3's text model (`gemma3.py`: sliding-window and global layers, scaled embedding);
 its image tokens take plain 1-D positions, so decoding is the text family's decode with no shift. The image tokens'
 bidirectional attention is the prefill's alone (their K/V come computed); decoded tokens attend causally, within
 the window on the sliding layers, as transformers' decode does.
 
-- `text_config`: the VLM's text config as its family's (`qwen2` / `qwen3`), for `CausalLM.build`.
+- `text_config`: the VLM's text config as its family's (`qwen2` / `qwen3` / `gemma3_text` / `qwen3_5_text`), for
+  `CausalLM.build`.
 - `SharedWeights`: one copy of the language model's weights. The fast model holds the transformers model's own
   tensors for what it does not fuse (embeddings, norms, o_proj, down_proj, the head); the transformers model's q/k/v
   and gate/up projections become views into the fast model's fused `qkv_proj` / `gate_up_proj`. A weight update
   copied into the transformers model in place is the fast model's too. A move of the weights (sleep with offload,
   wake) gives tensors new storage: `views_into_fast` and `fast_holds_hf` make them one again.
-- `write_prompts`: the prompts' K/V from transformers' cache (left-padded rows) into the fast engine's slots.
+- `write_prompts`: the prompts' K/V from transformers' cache (left-padded rows) into the fast engine's slots, and a
+  hybrid model's linear-attention states (`write_states`).
 """
 
 from __future__ import annotations
@@ -36,25 +44,28 @@ from hybridflow.engine.rollout.attention import pick_backend
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.linear import FusedLinear, Shard
 from hybridflow.engine.rollout.model import CausalLM, weight_target
+from hybridflow.engine.rollout.recurrent_state import StateCache
 from hybridflow.engine.rollout.scope import model_problems
 from hybridflow.utils.lm_class import language_model_name
 
 # the vision-language family -> the transformers config class of its language model's text family, and the
 # text-config fields that family reads differently or not at all. Qwen's: the mrope sections (decode rotates all
 # three components by one position) and Qwen2.5-VL's sliding-window fields (unused by its checkpoints:
-# `use_sliding_window` false), left at the text family's defaults. Gemma 3's text config is its text family's own:
-# its layer types and sliding window stay.
+# `use_sliding_window` false), left at the text family's defaults. Gemma 3's and Qwen3.5's text configs are their
+# text families' own: Gemma 3's layer types and sliding window stay, and Qwen3.5's layer types (linear and full).
 _COMMON = ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype")
 _TEXT_FAMILY = {"qwen2_5_vl": ("Qwen2Config", _COMMON + ("layer_types", "sliding_window", "use_sliding_window",
                                                          "max_window_layers")),
                 "qwen3_vl": ("Qwen3Config", _COMMON + ("layer_types", "sliding_window", "use_sliding_window",
                                                        "max_window_layers")),
-                "gemma3": ("Gemma3TextConfig", _COMMON)}
+                "gemma3": ("Gemma3TextConfig", _COMMON), "qwen3_5": ("Qwen3_5TextConfig", _COMMON)}
+# the families whose text family reads the mrope sections itself (Qwen3.5's rotary table: `rope.rotary_table`)
+_KEEPS_MROPE = ("qwen3_5",)
 
 
 def text_config(config: Any, tied: bool) -> Any:
-    """A vision-language config's language model as its text family's config (Qwen2 / Qwen3 / Gemma 3 text: the fast
-    decoder's families); tied: whether the model's head is its embedding (the VLM config or its text config may say
+    """A vision-language config's language model as its text family's config (Qwen2 / Qwen3 / Gemma 3 text / Qwen3.5
+    text: the fast decoder's families); tied: whether the model's head is its embedding (the VLM config or its text config may say
     so)."""
     import transformers
 
@@ -65,8 +76,9 @@ def text_config(config: Any, tied: bool) -> Any:
     fields = {k: v for k, v in config.get_text_config().to_dict().items() if k not in dropped}
     fields["tie_word_embeddings"] = tied
     rope = dict(fields.get("rope_parameters") or {})
-    for key in ("mrope_section", "mrope_interleaved"):
-        rope.pop(key, None)
+    if config.model_type not in _KEEPS_MROPE:
+        for key in ("mrope_section", "mrope_interleaved"):
+            rope.pop(key, None)
     fields["rope_parameters"] = rope
     return getattr(transformers, family)(**fields)
 
@@ -141,8 +153,12 @@ def language_model_parameters(hf_model: nn.Module) -> list[tuple[str, nn.Paramet
 def write_prompts(kv: KVCache, cache: Any, lengths: list[int], slots: list[list[int]]) -> None:
     """Prompt b's K/V, the last `lengths[b]` positions of row b of transformers' left-padded cache (per layer
     [B, kv_heads, width, head_dim], rotated by the prompt's 3-D positions as the model computed them), to positions
-    [0, lengths[b]) of each of its `slots[b]`."""
-    layers = cache.layers
+    [0, lengths[b]) of each of its `slots[b]`; a hybrid model's linear-attention states too (`write_states`)."""
+    # transformers' linear-attention cache layers hold states, not K/V (their own class in each 5.x release)
+    linear = [layer for layer in cache.layers if getattr(layer, "recurrent_states", None) is not None]
+    layers = [layer for layer in cache.layers if getattr(layer, "recurrent_states", None) is None]
+    if linear:
+        write_states(kv, linear, lengths, slots)
     width, device = layers[0].keys.shape[2], layers[0].keys.device
     short = [i for i, layer in enumerate(layers) if layer.keys.shape[2] != width]
     if short:  # e.g. a sliding-window layer of a cache built from the config: it keeps only the window
@@ -159,3 +175,27 @@ def write_prompts(kv: KVCache, cache: Any, lengths: list[int], slots: list[list[
         k_cache, v_cache = kv.layer(i)
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, layer.keys[row, :, column])
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, layer.values[row, :, column])
+
+
+def write_states(kv: KVCache, layers: list[Any], lengths: list[int], slots: list[list[int]]) -> None:
+    """Each Gated DeltaNet layer's conv and recurrent states after prompt b's last token (row b of transformers'
+    linear-attention cache `layers`, in order) to each of its `slots[b]`, which then count `lengths[b]` tokens.
+
+    The rows were left-padded: transformers zeroes a padding position's input to its linear layers
+    (`apply_mask_to_padding_states`), and from zero states a zero input leaves the conv window and the recurrent
+    state zero (its key and value are zero), so a row's states are its prompt's alone."""
+    if not isinstance(kv, StateCache):
+        raise ValueError(f"transformers' cache holds {len(layers)} linear-attention layers, but the fast engine's "
+                         f"cache ({type(kv).__name__}) holds no states: its text config is not a hybrid one")
+    if len(layers) != kv.linear_layers:
+        raise ValueError(f"transformers' cache holds {len(layers)} linear-attention layers, the fast engine's "
+                         f"{kv.linear_layers}")
+    counts = kv.states(0)[2]  # tokens each slot's states have taken in, one count for all layers
+    device = counts.device
+    row = torch.tensor([b for b, mine in enumerate(slots) for _ in mine], device=device)
+    target = torch.tensor([slot for mine in slots for slot in mine], device=device)
+    for i, layer in enumerate(layers):
+        conv, recurrent, _ = kv.states(i)
+        conv[target] = layer.conv_states[0][row].to(conv.dtype)
+        recurrent[target] = layer.recurrent_states[0][row].float()
+    counts[target] = torch.tensor(lengths, device=device)[row]

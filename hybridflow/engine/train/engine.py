@@ -79,12 +79,14 @@ class TrainEngine:
             `rollout_routes` are replayed (`router.replay`) and compared with the experts used, and
             `router.aux_loss_coef` > 0 adds that multiple of the routers' load-balancing loss to each update's
             loss; None = no hooks.
+        images: the rows carry images (`RunFacts.vision`): a Qwen3.5 checkpoint loads with its vision tower
+            (`load_model`).
     """
 
     def __init__(self, model_cfg: FrozenModelConfig, optim_cfg: EngineOptimConfig | None = None, *,
                  head: str = "lm", total_steps: int = 1, device: torch.device | None = None,
                  pack_on_cpu: bool = False, seed: int = 0, exact_len: int | None = None,
-                 router: RouterHooks.Config | None = None) -> None:
+                 router: RouterHooks.Config | None = None, images: bool = False) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
         # Packing pays on CUDA (varlen flash attention, no padded work). On a CPU the padded forward
         # is faster (docs/benchmarks.md, "Measurements behind choices in the code"), so `pack` is
@@ -117,7 +119,7 @@ class TrainEngine:
             model = load_model(model_cfg.path, head, self.precision.param if lora else self.precision.master,
                                model_cfg.attn_implementation, model_cfg.trust_remote_code,
                                self.trainable and trained is not None and bool(trained.gradient_checkpointing),
-                               recompute_contexts if self.exact else None)
+                               recompute_contexts if self.exact else None, images)
             # a vision-language model's tower stays as loaded unless `model.freeze_vision=false` (`vision_forward`)
             frozen_tower = vision_tower(model) if trained is not None and trained.freeze_vision else None
             self.adapters = apply_lora(model, lora_cfg, head, self.precision.master, skip=frozen_tower) \

@@ -292,11 +292,12 @@ def frozen_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in _outside_linear_layers(model).items() if not p.requires_grad}
 
 
-def trainable_params(config: Any, cfg: LoraConfig, head: str = "lm", trust_remote_code: bool = False) -> int:
-    """Parameters a LoRA run of `cfg` trains on the model of Hugging Face `config`: rank x (in + out) per
-    adapted linear layer, rank x experts x (in + out) per adapted expert weight, plus a value model's score
-    head; counted on the meta device."""
-    model = meta_model(config, head, trust_remote_code)
+def trainable_params(config: Any, cfg: LoraConfig, head: str = "lm", trust_remote_code: bool = False,
+                     images: bool = False) -> int:
+    """Parameters a LoRA run of `cfg` trains on the model of Hugging Face `config` (in a run with or without
+    `images`: `meta_model`): rank x (in + out) per adapted linear layer, rank x experts x (in + out) per adapted
+    expert weight, plus a value model's score head; counted on the meta device."""
+    model = meta_model(config, head, trust_remote_code, images)
     targets = resolve_targets(model, list(cfg.target_modules)).values()
     adapters = sum(cfg.rank * (m.in_features + m.out_features) for m in targets)
     stacked = resolve_parameters(model, list(cfg.target_parameters)).values()
@@ -304,8 +305,10 @@ def trainable_params(config: Any, cfg: LoraConfig, head: str = "lm", trust_remot
     return adapters + (sum(p.numel() for p in _head_params(model)) if head == "value" else 0)
 
 
-def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -> PreTrainedModel:
-    """The model of Hugging Face `config` on the meta device (no memory): a causal LM, or a value model."""
+def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False,
+               images: bool = False) -> PreTrainedModel:
+    """The model of Hugging Face `config` on the meta device (no memory): a causal LM (a vision-language model's,
+    `lm_class.lm_auto_class`, in a run with or without `images`), or a value model."""
     import copy
 
     from transformers import AutoModelForTokenClassification
@@ -316,7 +319,7 @@ def meta_model(config: Any, head: str = "lm", trust_remote_code: bool = False) -
         config = copy.copy(config)
         config.num_labels = 1
     with torch.device("meta"):
-        auto = lm_auto_class(config) if head == "lm" else AutoModelForTokenClassification
+        auto = lm_auto_class(config, images) if head == "lm" else AutoModelForTokenClassification
         return auto.from_config(config, trust_remote_code=trust_remote_code)
 
 

@@ -71,11 +71,13 @@ def resolve_precision(dtype: str, device: torch.device, trainable: bool = True,
 def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                gradient_checkpointing: bool = False,
-               recompute_contexts: Callable[[], tuple[Any, Any]] | None = None) -> PreTrainedModel:
+               recompute_contexts: Callable[[], tuple[Any, Any]] | None = None,
+               images: bool = False) -> PreTrainedModel:
     """The model at `path` on CPU in `dtype`: a causal LM (`head="lm"`), a critic (`head="value"`, outputs
     `[*, 1]` logits per position) or a reward model (`head="score"`: the critic's outputs, no bias).
     With `gradient_checkpointing` each decoder layer recomputes its activations in the backward (non-reentrant
-    `torch.utils.checkpoint`), under `recompute_contexts` (its `context_fn`) where given."""
+    `torch.utils.checkpoint`), under `recompute_contexts` (its `context_fn`) where given. `images`: the rows carry
+    images, so a `lm_class.TEXT_FIRST_FAMILIES` checkpoint (Qwen3.5) loads as the vision-language model it is."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     from hybridflow.engine.train import attention
@@ -94,7 +96,7 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
     if head == "lm":
         # a vision-language model's vision tower comes with it (its inputs: `vision_forward`)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = lm_auto_class(config).from_pretrained(path, **kwargs)
+        model = lm_auto_class(config, images).from_pretrained(path, **kwargs)
     else:
         config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
         config.token_classification_bias = head == "value"

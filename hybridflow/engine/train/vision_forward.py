@@ -1,5 +1,6 @@
-"""A vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3) in the training engine: its vision tower, frozen or trained
-(`model.freeze_vision`), and the inputs of its forward: each row's images and its multimodal rotary positions.
+"""A vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 with `images`) in the training engine: its vision
+tower, frozen or trained (`model.freeze_vision`), and the inputs of its forward: each row's images and its multimodal
+rotary positions.
 
 `vision_tower(model)` names the tower (the module built from the config's `vision_config`). With `freeze_vision` the
 trainer trains the language model alone: a full fine-tune leaves the tower's weights without gradients or optimizer

@@ -1,7 +1,7 @@
-"""Images through the OpenAI-compatible endpoint (tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3, the real `openai`
-client): `image_url` parts reach the vision engine with their prompt as the family's processor writes them, a
-continuation's new image joins the re-prefilled sequence, and the trainer's forward of the stitched row gives the
-log-probs that were sampled; bad images, remote URLs, forged image marks and tokens and images sent to a text model
+"""Images through the OpenAI-compatible endpoint (tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5's engines, the
+real `openai` client): `image_url` parts reach the vision engine with their prompt as the family's processor writes
+them, a continuation's new image joins the re-prefilled sequence, and the trainer's forward of the stitched row gives
+the log-probs that were sampled; bad images, remote URLs, forged image marks and tokens and images sent to a text model
 are 400s naming what is wrong."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm,
             trajectory.vision.pixel_values)
     else:
         assert "pixel_values" not in rows
-    trainer = TrainEngine(FrozenModelConfig(path=str(path), dtype="fp32"), device=torch.device("cpu"))
+    trainer = TrainEngine(FrozenModelConfig(path=str(path), dtype="fp32"), device=torch.device("cpu"), images=True)
     ours = trainer.infer(rows.tensors, micro_batch_size=1)["log_probs"][0]
     model = torch.tensor(mask).bool()
     sampled = [t.logprob for t in one.choices[0].logprobs.content + two.choices[0].logprobs.content]

@@ -1,5 +1,6 @@
-"""The training engine's forward on vision rows (tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3): the log-probs of sampled responses agree
-with the rollout engine's and with a plain transformers forward of each row with its images."""
+"""The training engine's forward on vision rows (tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5; `images=True`:
+the rows carry images, so a Qwen3.5 checkpoint loads with its tower): the log-probs of sampled responses agree with
+the rollout engine's and with a plain transformers forward of each row with its images."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def rows(tiny_vlm):
 def test_trainer_log_probs_agree_with_rollout_and_transformers(rows, tiny_vlm):
     from transformers import AutoModelForImageTextToText
 
-    engine = TrainEngine(FrozenModelConfig(path=str(tiny_vlm), dtype="fp32"), device=torch.device("cpu"))
+    engine = TrainEngine(FrozenModelConfig(path=str(tiny_vlm), dtype="fp32"), device=torch.device("cpu"), images=True)
     ours = engine.infer(rows.tensors, micro_batch_size=4)["log_probs"]
     mask = rows["response_mask"].bool()
     assert torch.allclose(ours[mask], rows["rollout_log_probs"][mask], atol=1e-4)
@@ -67,7 +68,7 @@ def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_v
     from hybridflow.config.schema import ActorConfig
 
     engine = TrainEngine(ModelConfig(path=str(tiny_vlm), dtype="fp32", freeze_vision=freeze), ActorConfig(lr=1e-2),
-                         device=torch.device("cpu"))
+                         device=torch.device("cpu"), images=True)
     trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
     assert any(".language_model." in n for n in trained)
     assert any(in_tower(n) for n in trained) is not freeze
@@ -82,7 +83,7 @@ def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_v
 def test_a_response_holding_the_image_placeholder_is_refused_naming_the_row(rows, tiny_vlm):
     """The vision engine never samples the placeholder; a row that holds one anyway (another engine's data) is refused
     by the trainer with its row named, not fed to the model's rotary index and feature scatter."""
-    engine = TrainEngine(FrozenModelConfig(path=str(tiny_vlm), dtype="fp32"), device=torch.device("cpu"))
+    engine = TrainEngine(FrozenModelConfig(path=str(tiny_vlm), dtype="fp32"), device=torch.device("cpu"), images=True)
     tensors = {k: v.clone() for k, v in rows.tensors.items()}
     image_id = engine.model.config.image_token_id
     width = tensors["responses"].shape[1]

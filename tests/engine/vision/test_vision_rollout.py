@@ -1,7 +1,9 @@
-"""VisionRolloutEngine on a tiny random Qwen2.5-VL, Qwen3-VL and Gemma 3: greedy output equals `transformers.generate` on the same prompt
-and image, prompts joining the fast engine's decode as slots free; the vision tower encodes each prompt's images once
-for all its samples; one copy of the language model's weights serves the prefill and the decode, updates included;
-sampled log-probs are the engine's; placeholders are never drawn; bad vision inputs are refused naming the prompt."""
+"""VisionRolloutEngine on a tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5: greedy output equals
+`transformers.generate` on the same prompt and image, prompts of different lengths prefilled together (left-padded;
+Qwen3.5's linear-attention states handed off beside the K/V) and joining the fast engine's decode as slots free; the
+vision tower encodes each prompt's images once for all its samples; one copy of the language model's weights serves the
+prefill and the decode, updates included; sampled log-probs are the engine's; placeholders are never drawn; bad vision
+inputs are refused naming the prompt."""
 
 from __future__ import annotations
 
@@ -74,14 +76,15 @@ def test_one_copy_of_the_language_model_and_weight_updates_reach_the_decode(tiny
     of the updated model; sleep with offload and wake keep one copy."""
     engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [3], 8, 512)
     language = engine.model.model.language_model
-    fused = engine.fast.model.model.layers[0].self_attn.qkv_proj.weight
-    q_proj = language.layers[0].self_attn.q_proj.weight
+    full = next(i for i, layer in enumerate(language.layers) if hasattr(layer, "self_attn"))  # Qwen3.5's 4th
+    fused = engine.fast.model.model.layers[full].self_attn.qkv_proj.weight
+    q_proj = language.layers[full].self_attn.q_proj.weight
     assert q_proj.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert engine.fast.model.model.embed_tokens.weight.data_ptr() == language.embed_tokens.weight.data_ptr()
     update = {name: p.detach() * 1.5 for name, p in engine.model.named_parameters()
               if name.startswith("model.language_model.layers.") and "proj" in name}
     engine.load_weights(update.items())
-    assert torch.equal(fused[:q_proj.shape[0]], update["model.language_model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(fused[:q_proj.shape[0]], update[f"model.language_model.layers.{full}.self_attn.q_proj.weight"])
     engine.sleep(offload_weights=True)
     engine.wake()
     assert q_proj.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
@@ -148,10 +151,12 @@ def test_the_device_plans_kv_cache_and_prefill_size_the_vision_engine(tiny_vlm):
     from hybridflow.workers.rollout_replica import build_rollout
 
     context = 256
-    probe = build_rollout(str(tiny_vlm), RolloutConfig(max_num_seqs=2), torch.device("cpu"), torch.float32, context)
+    # images: the run's prompts carry them (a Qwen3.5 checkpoint takes the vision engine then alone)
+    probe = build_rollout(str(tiny_vlm), RolloutConfig(max_num_seqs=2), torch.device("cpu"), torch.float32, context,
+                          images=True)
     slot = probe.fast.kv.bytes // (probe.fast.kv.num_slots + 1)
     engine = build_rollout(str(tiny_vlm), RolloutConfig(max_num_seqs=64), torch.device("cpu"), torch.float32, context,
-                           kv_cache_bytes=5 * slot, max_prefill_tokens=2048)
+                           kv_cache_bytes=5 * slot, max_prefill_tokens=2048, images=True)
     assert engine.fast.kv.num_slots == engine.max_num_seqs == 4 and engine.fast.kv.bytes == 5 * slot
     assert engine.max_prefill_tokens == engine.fast.max_prefill_tokens == 2048
     _, rows = encoded_prompts(tiny_vlm)
