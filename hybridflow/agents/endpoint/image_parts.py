@@ -57,9 +57,7 @@ class RequestImages:
     def __init__(self, prompts: VisionPrompts) -> None:
         self.prompts = prompts
         self.mark = prompts.family.chat_mark(prompts.start, prompts.pad, prompts.end)
-        tokenizer = prompts.tokenizer
-        self.start_id, self.pad_id, self.end_id = tokenizer.convert_tokens_to_ids([prompts.start, prompts.pad,
-                                                                                   prompts.end])
+        self.start_id, self.pad_id, self.end_id = prompts.family.marks()
 
     def load(self, parts: list[ImagePart]) -> VisionInputs | None:
         """The parts' pixel values and patch grids, in order (None for no parts)."""

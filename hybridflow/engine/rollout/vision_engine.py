@@ -51,6 +51,7 @@ from hybridflow.data.image_prompts import VisionInputs
 from hybridflow.data.vision_family import vision_family
 from hybridflow.engine.rollout.engine import MAX_PREFILL_TOKENS, RolloutEngine
 from hybridflow.engine.rollout.hf_fallback import HFRolloutEngine
+from hybridflow.engine.rollout.recurrent_state import StateCache
 from hybridflow.engine.rollout.session import Session
 from hybridflow.engine.rollout.types import Completion, SamplingParams, check_prompts
 from hybridflow.engine.rollout.vision_lm import SharedWeights, write_prompts
@@ -84,6 +85,14 @@ class VisionRolloutEngine(HFRolloutEngine):
                                   never_sample=[t for t in self.family.placeholders if t < self.vocab_size])
         self.max_num_seqs = self.fast.kv.num_slots  # the KV budget may hold fewer rows than asked for
         self.encoded_images = 0  # images the vision tower has encoded (tests: once per prompt, not per sample)
+        # the prefill's cache: without the config's layer types (full layers, so a sliding-window layer keeps every
+        # position too), but a hybrid model's (Qwen3.5: no sliding layers), whose states the hand-off copies into the
+        # fast engine's state cache, from its text config, which gives its linear layers state layers
+        self.prefill_cache_config = text if isinstance(self.fast.kv, StateCache) else None
+        # `past_key_values` until a transformers 5.x release renamed it `cache` (the old name an alias until 5.40): the
+        # GPU machine's 5.x takes only the old one, and a name a forward does not take would be dropped silently
+        self.cache_keyword = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
 
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None,
@@ -168,16 +177,10 @@ class VisionRolloutEngine(HFRolloutEngine):
         present = [v for v in vision if v is not None]
         images = VisionInputs.concat(present).to(self.device, self.model.dtype) if present else None
         kwargs, deltas = self.family.forward_kwargs(self.model, ids, mask, images)
-        # a cache without the config's layer types: full layers, so a sliding-window layer keeps every position too;
-        # a hybrid model's (Qwen3.5: no sliding layers) from its config, which gives its linear layers state layers
-        text = self.config.get_text_config()
-        hybrid = "linear_attention" in (getattr(text, "layer_types", None) or [])
-        cache = DynamicCache(config=text) if hybrid else DynamicCache()
-        # `past_key_values` until a transformers 5.x release renamed it `cache` (the old name an alias until 5.40): the GPU
-        # machine's 5.x takes only the old one, and a name a forward does not take would be dropped silently
-        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **{name: cache},
-                         **kwargs)
+        cache = DynamicCache(config=self.prefill_cache_config) if self.prefill_cache_config is not None \
+            else DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                         **{self.cache_keyword: cache}, **kwargs)
         self.encoded_images += 0 if images is None else len(images.image_grid_thw)
         return out.logits[:, -1], cache, deltas
 
