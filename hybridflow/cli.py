@@ -30,6 +30,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridflow.utils.stop_signals import Interrupted
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -262,6 +266,16 @@ def _passthrough(name: str):
     raise KeyError(name)
 
 
+def _stopped(command: str, e: Interrupted) -> int:
+    """What a run stopped at once by a signal (`e`) says; its exit code."""
+    what = ("the step under way was not saved, the run resumes from its last checkpoint" if e.second else
+            "outside a training step, so nothing in progress was lost; the same command resumes from the "
+            "last checkpoint, if there is one")
+    print(f"hybridflow {command}: stopped at once by {'a second ' if e.second else ''}{e.signal_name}; {what}",
+          file=sys.stderr)
+    return e.exit_code
+
+
 def _run(args: argparse.Namespace) -> int:
     """The command; the errors that mean "fix this first" are printed as one line and exit 2."""
     from hybridflow.checkpoint import CheckpointError, IncompatibleCheckpoint
@@ -291,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 0
-    from hybridflow.utils.stop_signals import Interrupted, Preempted, StopAtOnce  # light: before any heavy import
+    # light: before any heavy import
+    from hybridflow.utils.stop_signals import Interrupted, Preempted, StopAtOnce, interruption
 
     try:
         with StopAtOnce():
@@ -300,12 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hybridflow {args.command}: {e}", file=sys.stderr)
         return e.exit_code
     except Interrupted as e:
-        what = ("the step under way was not saved, the run resumes from its last checkpoint" if e.second else
-                "outside a training step, so nothing in progress was lost; the same command resumes from the "
-                "last checkpoint, if there is one")
-        print(f"hybridflow {args.command}: stopped at once by {'a second ' if e.second else ''}{e.signal_name}; "
-              f"{what}", file=sys.stderr)
-        return e.exit_code
+        return _stopped(args.command, e)
+    except Exception as e:  # noqa: BLE001 - re-raised unless a stop signal's unwinding caused it
+        stop = interruption(e)
+        if stop is None:
+            raise
+        return _stopped(args.command, stop)
     except KeyboardInterrupt:
         print(f"hybridflow {args.command}: interrupted; the run resumes from its last checkpoint", file=sys.stderr)
         return 130

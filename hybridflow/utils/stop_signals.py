@@ -77,6 +77,21 @@ class Interrupted(KeyboardInterrupt):
                          f"{self.signal_name} outside a training step: stopping immediately")
 
 
+def interruption(error: BaseException) -> Interrupted | None:
+    """The `Interrupted` that `error` was raised while unwinding (through `__cause__` and `__context__`), or None: a
+    signal's stop can land inside a library's context managers, whose cleanup then fails on its half-made state
+    (transformers' loading contexts over torch's mode stack: "trying to pop from empty mode stack"), and that error,
+    wrapped on its way out (a worker's start), would hide the stop."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, Interrupted):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ if current.__cause__ is not None else current.__context__
+    return None
+
+
 class _Handler:
     """Installs `_handle` for `signals` while the block runs; tells a copy of the last signal from a new one."""
 

@@ -48,6 +48,33 @@ def test_a_copy_that_arrives_after_the_graceful_block_is_still_one_signal():
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_a_library_cleanup_that_fails_as_a_stop_unwinds_it_is_still_that_stop(monkeypatch, capsys):
+    """A Ctrl-C inside transformers' loading contexts made their cleanup fail ("trying to pop from empty mode
+    stack"), and the worker's start wrapped that error: the run exited 1 with a traceback instead of 130."""
+    from hybridflow import cli
+    from hybridflow.checkpoint import Interrupted
+
+    def run(args):
+        try:
+            try:
+                raise Interrupted(signal.SIGINT, second=False)
+            finally:
+                raise RuntimeError("trying to pop from empty mode stack")
+        except RuntimeError as cleanup:
+            raise ValueError("worker actor rank 0 failed in __init__") from cleanup
+
+    monkeypatch.setattr(cli, "_run", run)
+    assert cli.main(["train", "--config", "recipes/grpo.yaml"]) == 128 + signal.SIGINT
+    assert "stopped at once by SIGINT; outside a training step" in capsys.readouterr().err
+
+    def fails(args):
+        raise ValueError("a plain error")
+
+    monkeypatch.setattr(cli, "_run", fails)
+    with pytest.raises(ValueError, match="a plain error"):  # an error no stop caused is not taken for one
+        cli.main(["train", "--config", "recipes/grpo.yaml"])
+
+
 def test_bad_steps_skip_then_stop():
     guard = BadStepCounter(max_in_row=3)
     assert guard.update(1, loss=1.0, grad_norm=torch.tensor(2.0))
