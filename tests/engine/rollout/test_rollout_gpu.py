@@ -274,8 +274,12 @@ def test_a_hybrid_engine_sleeps_and_wakes_on_cuda(spread_model, arch):
 
 def test_hybrid_linear_attention_on_cuda_tracks_transformers(spread_model):
     """Qwen3.5's pattern (three linear-attention layers, then a full one) on CUDA, where both engines run
-    flash-linear-attention's chunked and recurrent kernels: fp32 greedy equals transformers' greedy, and the logits
-    that chose each token equal transformers' full forward's."""
+    flash-linear-attention's chunked kernel over a prompt and its recurrent kernel over each decoded token: fp32
+    greedy equals transformers' greedy, and each chosen token's log-prob equals the one transformers' own
+    prefill + decode gives it. Against transformers' full forward (the chunked kernel over every token) the bound is
+    looser: fla's chunked kernels multiply in TF32 (`tl.dot` without `allow_tf32=False`, 10-bit mantissas) where the
+    recurrent one multiplies in fp32, so the two ways differ by TF32's rounding in both engines alike (8.9e-3 seen
+    on an H100)."""
     pytest.importorskip("fla", reason="flash-linear-attention (the `linear` extra) runs Qwen3.5 on CUDA")
     from transformers import AutoModelForCausalLM
 
@@ -288,7 +292,12 @@ def test_hybrid_linear_attention_on_cuda_tracks_transformers(spread_model):
     for prompt, out in zip(prompts, outs):
         tokens = out[0].token_ids
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
-        chosen = logits[len(prompt) - 1:-1].log_softmax(-1).gather(1, torch.tensor(tokens, device="cuda")[:, None])
-        assert tokens == logits[len(prompt) - 1:-1].argmax(-1).tolist()
-        torch.testing.assert_close(torch.tensor(out[0].logprobs), chosen[:, 0].cpu(), atol=2e-3, rtol=0)
+            steps = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=len(tokens), do_sample=False,
+                                   min_new_tokens=len(tokens), output_logits=True, return_dict_in_generate=True)
+            full = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        assert steps.sequences[0, len(prompt):].tolist() == tokens
+        chosen = torch.tensor(tokens, device="cuda")[:, None]
+        incremental = torch.cat(steps.logits).float().log_softmax(-1).gather(1, chosen)[:, 0].cpu()
+        torch.testing.assert_close(torch.tensor(out[0].logprobs), incremental, atol=2e-3, rtol=0)
+        torch.testing.assert_close(torch.tensor(out[0].logprobs), full.log_softmax(-1).gather(1, chosen)[:, 0].cpu(),
+                                   atol=2e-2, rtol=0)
