@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
-from hybridflow.config.role_needs import ENDPOINT_WAYS, distills, needs_critic, rollout_workers
-from hybridflow.utils.lm_class import VISION_FAMILIES, vision_model_type
+from hybridflow.config.role_needs import ENDPOINT_WAYS, carries_images, distills, needs_critic, rollout_workers
+from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, VISION_FAMILIES, vision_model_type
 
 
 def model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
@@ -106,7 +106,7 @@ def vision_problems(cfg: Any) -> list[str]:
     """What a vision-language model's run (`model.path` holds one) cannot do: a family other than
     `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks, the in-process agent loop,
     and, through the endpoint, dataset images or more than one rollout rank (`endpoint_vision_problems`)."""
-    model_type = vision_model_type(cfg.model.path, images=cfg.data.image_key is not None)
+    model_type = vision_model_type(cfg.model.path, images=carries_images(cfg))
     if model_type is None:
         return []
     if model_type not in VISION_FAMILIES:
@@ -128,6 +128,12 @@ def vision_problems(cfg: Any) -> list[str]:
                         f"agent.verifiers, agent.openenv), whose requests carry images as image_url parts")
     elif endpoint:
         problems += endpoint_vision_problems(cfg, endpoint[0])
+    if problems and model_type in TEXT_FIRST_FAMILIES and cfg.data.image_key is None:
+        # the endpoint alone made this checkpoint a vision-language model: say how its text model runs instead
+        problems.append(f"model.path={cfg.model.path}: a {model_type} checkpoint with its vision tower is a "
+                        f"vision-language model in a run whose endpoint may receive images ({endpoint[0]}); to train "
+                        f"its language model alone, point model.path at it saved without the tower "
+                        f"(transformers' AutoModelForCausalLM.from_pretrained(path).save_pretrained(out))")
     return problems
 
 

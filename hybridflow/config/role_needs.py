@@ -1,6 +1,6 @@
 """Which roles and worker groups a run's config asks for: a critic, a reference model, a distillation teacher,
-ReMax's greedy baseline, multi-turn episodes, and the worker groups (with their process counts) the trainer
-starts. `validate` checks a config with these; the trainer builds its roles from them."""
+ReMax's greedy baseline, multi-turn episodes, whether its prompts can carry images, and the worker groups (with
+their process counts) the trainer starts. `validate` checks a config with these; the trainer builds its roles from them."""
 
 from __future__ import annotations
 
@@ -52,6 +52,17 @@ def agent_enabled(agent: Any) -> bool:
 def agent_setting(agent: Any) -> str:
     """The keys of `agent_keys` that are set, for a message: "agent.runner", "agent.environment and agent.tools"."""
     return " and ".join(agent_keys(agent))
+
+
+def carries_images(cfg: Any) -> bool:
+    """The run's prompts can carry images: the dataset's (`data.image_key`), or an endpoint request's `image_url`
+    parts (an endpoint way in: `agent.runner`, ...). The one place that decides it: with a vision tower, a checkpoint
+    is then the vision-language model it is (`lm_class`'s `images`; a Qwen3.5 checkpoint as published trains as its
+    language model alone only in a run that can receive no image). Any training program's config: the SFT and
+    preference programs' have neither key (their prompts carry no images)."""
+    agent = getattr(cfg, "agent", None)
+    return getattr(getattr(cfg, "data", None), "image_key", None) is not None or \
+        any(getattr(agent, way, None) for way in ENDPOINT_WAYS)
 
 
 def rollout_workers(cfg: Any) -> int:

@@ -5,17 +5,19 @@ here, so a vision-language model takes the same paths as a text one; `vision_mod
 model's directory from its config.json alone (the config checks ask it before anything loads).
 
 A `TEXT_FIRST_FAMILIES` checkpoint (Qwen3.5 as published) is a vision-language model that a run without images
-trains as its language model alone; `images=True` (the run's prompts carry images: `data.image_key`,
-`RunFacts.vision`) makes it a vision-language model like the others.
+trains as its language model alone; `images=True` (the run's prompts can carry images, as
+`config.role_needs.carries_images` decides: `data.image_key`, or an endpoint way in; `RunFacts.vision`) makes it a
+vision-language model like the others. This module imports no torch: the config checks read it before anything
+loads.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# the vision-language families whose image layout (`data.vision_family`) the data, the vision rollout engine and
-# the trainer serve, each tested on a tiny random model of its architecture (`tiny_vlm`); another vision-language
-# model is refused by name before it loads
+# the vision-language families whose image layout (`data.vision_family`, which reads this list) the data, the vision
+# rollout engine and the trainer serve, each tested on a tiny random model of its architecture (`tiny_vlm`); another
+# vision-language model is refused by name before it loads
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5")
 # published vision-language checkpoints whose language model trains alone, as a causal LM: transformers loads them
 # with their text class (Qwen3.5's `qwen3_5` as `Qwen3_5ForCausalLM`, the vision tower left out), and the rollout

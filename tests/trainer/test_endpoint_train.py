@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
@@ -292,6 +293,16 @@ IMAGE_RUNNER = """
         return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
 """
 
+TEXT_PARTS_RUNNER = """
+    async def play(client, row):
+        messages = [{"role": "user", "content": [{"type": "text", "text": row["raw_prompt"][-1]["content"]}]}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        first = reply.choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And now?"}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
+"""
+
 IMAGE_GYM = """
     import numpy as np
 
@@ -312,9 +323,6 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
     every training row carries both images (in token order), its ids hold their image tokens (as many as the
     family's processor makes of each: Qwen's merged patches, Gemma 3's fixed count), and the steps train with finite
     losses. What the endpoint does not serve for a VLM is refused by name before loading."""
-    if "qwen3_5" in str(tiny_vlm):
-        pytest.skip("a Qwen3.5 run takes the vision path with data.image_key, which an endpoint run leaves null: it "
-                    "trains as a text model (docs/models.md, 'Not yet here')")
     from PIL import Image
 
     from hybridflow.config.validate import ConfigError
@@ -357,6 +365,22 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
             in_prompt = (batch["prompts"][r] == image_id) & real[:prompt_width]
             in_context = (batch["responses"][r] == image_id) & real[prompt_width:] & (batch["response_mask"][r] == 0)
             assert int(in_prompt.sum()) == first and int(in_context.sum()) == second
+
+
+@pytest.mark.parametrize("tiny_vlm", ["qwen3_5"], indirect=True)
+def test_a_qwen3_5_endpoint_run_whose_runner_sends_no_images_trains(tiny_vlm, tmp_path):
+    """A published Qwen3.5 checkpoint through the endpoint is the vision-language model it is (its requests may carry
+    images: `role_needs.carries_images`), so a runner that sends text alone trains on the vision path all the same,
+    each turn re-prefilled."""
+    runner = write(tmp_path / "agent.py", TEXT_PARTS_RUNNER)
+    data = write_rows(tmp_path / "train.jsonl", 2)
+    out = tmp_path / "out"
+    train(load_config(overrides(tiny_vlm, data, out, f"agent.runner={runner}:play", "agent.runner_processes=1",
+                                "trainer.total_steps=1"), "recipes/grpo.yaml"))
+    (metrics,) = read_metrics(out)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    assert metrics["agent/turns/mean"] == 2 and metrics["agent/runner_errors"] == 0 and metrics["agent/dropped"] == 0
+    assert yaml.safe_load((out / "resolved_config.yaml").read_text())["rollout"]["engine"] == "vision"
 
 
 def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):

@@ -205,3 +205,32 @@ def test_a_qwen3_5_checkpoint_is_a_vision_language_model_only_in_a_run_with_imag
     with pytest.raises(ValueError, match=r"model_type 'qwen2' is not a vision-language model \(no vision_config\); "
                                          r"data.image_key needs one of qwen2_5_vl, qwen3_vl, gemma3, qwen3_5"):
         VisionPrompts.from_pretrained(str(text), AutoTokenizer.from_pretrained(text))
+
+
+def test_a_qwen3_5_run_is_a_vision_run_where_its_prompts_can_carry_images(tiny_model_factory, tmp_path):
+    """One rule (`role_needs.carries_images`) decides whether a run's prompts can carry images: `data.image_key`, or
+    an endpoint way in, whose requests may send `image_url` parts. A published Qwen3.5 checkpoint is then the
+    vision-language model it is (`RunFacts.vision`), and its language model alone otherwise; saved without its
+    tower it stays a text model through the endpoint too. An endpoint run that the vision path cannot serve says
+    how to train the language model alone."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config.resolved import resolve_facts
+    from hybridflow.config.role_needs import carries_images
+
+    path = tiny_model_factory("qwen3_5")
+    text = tmp_path / "text"
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(text)  # model_type qwen3_5_text, no vision_config
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def play(client, row):\n    return 0.0\n")
+    runner = f"agent.runner={agent}:play"
+    for model, extra, vision in ((path, [], False), (path, ["data.image_key=images"], True), (path, [runner], True),
+                                 (text, [runner], False)):
+        cfg = load_config(overrides(model, tmp_path / "train.parquet", tmp_path / "run", *extra), "recipes/grpo.yaml")
+        assert carries_images(cfg) is bool(extra) and resolve_facts(cfg).vision is vision, (model, extra)
+    with pytest.raises(ConfigError, match=r"(?s)trainer.n_workers=2 with agent.runner and a vision-language model.*"
+                                          r"a qwen3_5 checkpoint with its vision tower is a vision-language model in "
+                                          r"a run whose endpoint may receive images \(agent.runner\); to train its "
+                                          r"language model alone"):
+        train(load_config(overrides(path, tmp_path / "train.parquet", tmp_path / "run", runner,
+                                    "trainer.n_workers=2"), "recipes/grpo.yaml"))
