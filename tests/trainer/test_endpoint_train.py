@@ -371,16 +371,24 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
 def test_a_qwen3_5_endpoint_run_whose_runner_sends_no_images_trains(tiny_vlm, tmp_path):
     """A published Qwen3.5 checkpoint through the endpoint is the vision-language model it is (its requests may carry
     images: `role_needs.carries_images`), so a runner that sends text alone trains on the vision path all the same,
-    each turn re-prefilled."""
+    each turn re-prefilled; its language model saved without the tower trains through the endpoint on the fast
+    engine, as a text model."""
+    from transformers import AutoModelForCausalLM
+
+    text = tmp_path / "text"
+    AutoModelForCausalLM.from_pretrained(tiny_vlm).save_pretrained(text)
+    AutoTokenizer.from_pretrained(tiny_vlm).save_pretrained(text)
     runner = write(tmp_path / "agent.py", TEXT_PARTS_RUNNER)
     data = write_rows(tmp_path / "train.jsonl", 2)
-    out = tmp_path / "out"
-    train(load_config(overrides(tiny_vlm, data, out, f"agent.runner={runner}:play", "agent.runner_processes=1",
-                                "trainer.total_steps=1"), "recipes/grpo.yaml"))
-    (metrics,) = read_metrics(out)
-    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
-    assert metrics["agent/turns/mean"] == 2 and metrics["agent/runner_errors"] == 0 and metrics["agent/dropped"] == 0
-    assert yaml.safe_load((out / "resolved_config.yaml").read_text())["rollout"]["engine"] == "vision"
+    for model, engine in ((tiny_vlm, "vision"), (text, "fast")):
+        out = tmp_path / engine
+        train(load_config(overrides(model, data, out, f"agent.runner={runner}:play", "agent.runner_processes=1",
+                                    "trainer.total_steps=1"), "recipes/grpo.yaml"))
+        (metrics,) = read_metrics(out)
+        assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+        assert metrics["agent/turns/mean"] == 2 and metrics["agent/runner_errors"] == 0
+        assert metrics["agent/dropped"] == 0
+        assert yaml.safe_load((out / "resolved_config.yaml").read_text())["rollout"]["engine"] == engine
 
 
 def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
