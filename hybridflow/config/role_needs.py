@@ -1,6 +1,7 @@
 """Which roles and worker groups a run's config asks for: a critic, a reference model, a distillation teacher,
 ReMax's greedy baseline, multi-turn episodes, whether its prompts can carry images, and the worker groups (with
-their process counts) the trainer starts. `validate` checks a config with these; the trainer builds its roles from them."""
+their process counts) the trainer starts. `validate` checks a config with these; the trainer builds its roles from
+them."""
 
 from __future__ import annotations
 
