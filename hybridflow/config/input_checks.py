@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
 from hybridflow.config.role_needs import ENDPOINT_WAYS, carries_images, distills, needs_critic, rollout_workers
-from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, VISION_FAMILIES, vision_model_type
+from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, VISION_FAMILIES, config_fields, vision_model_type
 
 
 def model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
@@ -129,12 +129,29 @@ def vision_problems(cfg: Any) -> list[str]:
     elif endpoint:
         problems += endpoint_vision_problems(cfg, endpoint[0])
     if problems and model_type in TEXT_FIRST_FAMILIES and cfg.data.image_key is None:
-        # the endpoint alone made this checkpoint a vision-language model: say how its text model runs instead
-        problems.append(f"model.path={cfg.model.path}: a {model_type} checkpoint with its vision tower is a "
-                        f"vision-language model in a run whose endpoint may receive images ({endpoint[0]}); to train "
-                        f"its language model alone, point model.path at it saved without the tower "
-                        f"(transformers' AutoModelForCausalLM.from_pretrained(path).save_pretrained(out))")
+        # agent.images=true alone made this checkpoint a vision-language model: say how its text model runs instead
+        problems.append(f"agent.images=true: the {model_type} checkpoint at model.path={cfg.model.path} is the "
+                        f"vision-language model; with agent.images unset (or false), {endpoint[0]} trains its "
+                        f"language model alone, as text, on the fast engine")
     return problems
+
+
+def agent_images_problems(cfg: Any) -> list[str]:
+    """`agent.images` set against what `model.path` is (read from its config.json): true for a model without a vision
+    tower, false for a vision-language model that trains only as one (not a `TEXT_FIRST_FAMILIES` checkpoint)."""
+    images, fields = cfg.agent.images, config_fields(cfg.model.path)
+    if images is None or fields is None or not any(getattr(cfg.agent, way, None) for way in ENDPOINT_WAYS):
+        return []
+    model_type = fields.get("model_type")
+    if images and "vision_config" not in fields:
+        return [f"agent.images=true: model.path={cfg.model.path} (model_type {model_type!r}) has no vision tower (no "
+                f"vision_config in its config.json), so it cannot read images; leave agent.images unset for a text "
+                f"model"]
+    if not images and "vision_config" in fields and model_type not in TEXT_FIRST_FAMILIES:
+        return [f"agent.images=false: model.path={cfg.model.path} is a vision-language model ({model_type}), which "
+                f"trains only as one, its requests carrying images or not (a language model trains alone only for "
+                f"{', '.join(TEXT_FIRST_FAMILIES)}); unset, it follows true"]
+    return []
 
 
 def endpoint_vision_problems(cfg: Any, way: str) -> list[str]:
@@ -186,4 +203,4 @@ def path_problems(cfg: Any) -> list[str]:
         tool_schemas(cfg.agent)
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
-    return problems + teacher_problems(cfg) + run_problems(cfg) + vision_problems(cfg)
+    return problems + teacher_problems(cfg) + run_problems(cfg) + agent_images_problems(cfg) + vision_problems(cfg)

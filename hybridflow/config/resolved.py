@@ -52,8 +52,8 @@ class RunFacts:
         architecture must have a fast path (`rollout.engine` not hf).
     vision: the run trains a vision-language model with its images (`lm_class.vision_model_type`): a
         `VISION_FAMILIES` checkpoint, Qwen3.5's as published only where the run's prompts can carry images
-        (`role_needs.carries_images`: `data.image_key`, or an endpoint way in, whose requests may send `image_url`
-        parts; without either it trains as its language model alone).
+        (`role_needs.carries_images`: `data.image_key`, or an endpoint way in with `agent.images=true`, whose
+        requests may send `image_url` parts; without either it trains as its language model alone).
     """
 
     critic: bool

@@ -6,9 +6,9 @@ model's directory from its config.json alone (the config checks ask it before an
 
 A `TEXT_FIRST_FAMILIES` checkpoint (Qwen3.5 as published) is a vision-language model that a run without images
 trains as its language model alone; `images=True` (the run's prompts can carry images, as
-`config.role_needs.carries_images` decides: `data.image_key`, or an endpoint way in; `RunFacts.vision`) makes it a
-vision-language model like the others. This module imports no torch: the config checks read it before anything
-loads.
+`config.role_needs.carries_images` decides: `data.image_key`, or an endpoint way in with `agent.images=true`;
+`RunFacts.vision`) makes it a vision-language model like the others. This module imports no torch: the config
+checks read it before anything loads.
 """
 
 from __future__ import annotations
@@ -61,10 +61,9 @@ def lm_auto_class(config: Any, images: bool = False) -> Any:
         else transformers.AutoModelForCausalLM
 
 
-def vision_model_type(path: str | None, images: bool = False) -> str | None:
-    """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
-    None for a text model, a `TEXT_FIRST_FAMILIES` checkpoint in a run without `images`, a hub id or a missing
-    directory (the pre-load checks name a missing one)."""
+def config_fields(path: str | None) -> dict[str, Any] | None:
+    """The fields of the config.json in directory `path`; None for a hub id, a missing directory or an unreadable
+    file (the pre-load checks name a missing one)."""
     import json
     from pathlib import Path
 
@@ -75,7 +74,15 @@ def vision_model_type(path: str | None, images: bool = False) -> str | None:
         fields = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(fields, dict) and "vision_config" in fields and \
+    return fields if isinstance(fields, dict) else None
+
+
+def vision_model_type(path: str | None, images: bool = False) -> str | None:
+    """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
+    None for a text model, a `TEXT_FIRST_FAMILIES` checkpoint in a run without `images`, a hub id or a missing
+    directory (the pre-load checks name a missing one)."""
+    fields = config_fields(path)
+    if fields is not None and "vision_config" in fields and \
             (images or fields.get("model_type") not in TEXT_FIRST_FAMILIES):
         return str(fields.get("model_type"))
     return None
