@@ -333,6 +333,8 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
     out = tmp_path / "out"
     args = [f"agent.runner={runner}:play", "agent.runner_processes=1", "data.max_response_length=48",
             "agent.max_tokens_per_turn=4"]
+    if "qwen3_5" in str(tiny_vlm):  # a Qwen3.5 checkpoint as published: the vision-language model by this key alone
+        args.append("agent.images=true")
     for extra, match in ((["data.image_key=images"], r"data.image_key=images with agent.runner: the runner writes"),
                          (["trainer.n_workers=2"], r"trainer.n_workers=2 with agent.runner and a vision-language"),
                          (["agent.tools=[calculator]"], r"agent.tools: multi-turn episodes of the vision-language "
@@ -368,27 +370,22 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
 
 
 @pytest.mark.parametrize("tiny_vlm", ["qwen3_5"], indirect=True)
-def test_a_qwen3_5_endpoint_run_whose_runner_sends_no_images_trains(tiny_vlm, tmp_path):
-    """A published Qwen3.5 checkpoint through the endpoint is the vision-language model it is (its requests may carry
-    images: `role_needs.carries_images`), so a runner that sends text alone trains on the vision path all the same,
-    each turn re-prefilled; its language model saved without the tower trains through the endpoint on the fast
-    engine, as a text model."""
-    from transformers import AutoModelForCausalLM
-
-    text = tmp_path / "text"
-    AutoModelForCausalLM.from_pretrained(tiny_vlm).save_pretrained(text)
-    AutoTokenizer.from_pretrained(tiny_vlm).save_pretrained(text)
+def test_a_qwen3_5_endpoint_run_without_agent_images_trains_as_text_on_the_fast_engine(tiny_vlm, tmp_path):
+    """A published Qwen3.5 checkpoint (its vision tower beside the language model) through the endpoint with
+    `agent.images` unset: the key follows to false, and the language model trains alone on the fast engine, its
+    runner's text parts served as text (the previous test sets `agent.images=true`: the vision path, an image in each
+    request)."""
     runner = write(tmp_path / "agent.py", TEXT_PARTS_RUNNER)
     data = write_rows(tmp_path / "train.jsonl", 2)
-    for model, engine in ((tiny_vlm, "vision"), (text, "fast")):
-        out = tmp_path / engine
-        train(load_config(overrides(model, data, out, f"agent.runner={runner}:play", "agent.runner_processes=1",
-                                    "trainer.total_steps=1"), "recipes/grpo.yaml"))
-        (metrics,) = read_metrics(out)
-        assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
-        assert metrics["agent/turns/mean"] == 2 and metrics["agent/runner_errors"] == 0
-        assert metrics["agent/dropped"] == 0
-        assert yaml.safe_load((out / "resolved_config.yaml").read_text())["rollout"]["engine"] == engine
+    out = tmp_path / "out"
+    train(load_config(overrides(tiny_vlm, data, out, f"agent.runner={runner}:play", "agent.runner_processes=1",
+                                "trainer.total_steps=1"), "recipes/grpo.yaml"))
+    (metrics,) = read_metrics(out)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    assert metrics["agent/turns/mean"] == 2 and metrics["agent/runner_errors"] == 0
+    assert metrics["agent/dropped"] == 0
+    resolved = yaml.safe_load((out / "resolved_config.yaml").read_text())
+    assert resolved["rollout"]["engine"] == "fast" and resolved["agent"]["images"] is False
 
 
 def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
