@@ -40,6 +40,14 @@ class AgentConfig:
     openenv: Optional[str] = opt(None, "an OpenEnv environment played through the endpoint, by its HTTP client: "
                                        "module:ClientClass or path/to/file.py:ClientClass (env_kwargs: base_url "
                                        "and the action's text field); null = none")
+    images: Optional[bool] = opt(None, "the endpoint's requests may carry images (image_url parts): the model "
+                                       "runs as the vision-language model it is, on the vision engine; needs an "
+                                       "endpoint way in (agent.runner, agent.verifiers, agent.gym, agent.openenv); "
+                                       "null = follows the model: true for a vision-language model (Qwen2.5-VL, "
+                                       "Qwen3-VL, Gemma 3), false for a text model and for a Qwen3.5 checkpoint as "
+                                       "published (its language model trains alone, on the fast engine; true "
+                                       "makes it the vision-language model: "
+                                       "docs/agents.md#images-vision-language-models)")
     max_concurrent_requests: int = opt(1024, "requests the endpoint serves at once (more wait their turn); a "
                                              "trajectory holding a KV slot is served past it")
     runner_processes: Optional[int] = opt(None, "processes the endpoint's agent code runs in, trajectories dealt "

@@ -25,7 +25,7 @@ from hybridflow.config.fp8_checks import fp8_problems
 from hybridflow.config.ray_schema import PoolConfig, RayConfig
 from hybridflow.config.role_needs import ENDPOINT_WAYS
 from hybridflow.config.validate import changed_keys
-from hybridflow.utils.lm_class import vision_model_type
+from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, vision_model_type
 
 __all__ = ["FOLLOWS", "Follows", "follow_defaults", "followed_comment", "followed_lines"]
 
@@ -118,6 +118,26 @@ def _vision_model(cfg: Any) -> str | None:
     return f"model.path is a vision-language model ({model_type}) whose prompts carry images"
 
 
+def _endpoint_way(cfg: Any) -> str | None:
+    return next((f"agent.{way}" for way in ENDPOINT_WAYS if getattr(cfg.agent, way)), None)
+
+
+def _vision_endpoint(cfg: Any) -> str | None:
+    way, model_type = _endpoint_way(cfg), vision_model_type(cfg.model.path)
+    if way is None or model_type is None:
+        return None
+    return f"model.path is a vision-language model ({model_type}): the requests of {way} may carry images"
+
+
+def _text_first_endpoint(cfg: Any) -> str | None:
+    way, model_type = _endpoint_way(cfg), vision_model_type(cfg.model.path, images=True)
+    if way is None or model_type not in TEXT_FIRST_FAMILIES:
+        return None
+    return (f"model.path is a {model_type} checkpoint as published: through {way} its language model trains alone, "
+            f"as text, on the fast engine (agent.images=true: the vision-language model, its requests carrying "
+            f"images)")
+
+
 def _nf4_under_cap(cfg: Any) -> str | None:
     """A 4-bit base on a capped card samples from FP8 weights, where the FP8 rollout can run (`fp8_checks` finds no
     problem with it: a CUDA GPU of sm_89+, the fast engine, no exact mode, a dense model)."""
@@ -163,6 +183,12 @@ FOLLOWS: tuple[Follows, ...] = (
     Follows("data.image_key", "images", _vision_model,
             "`model.path` is a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3) and no endpoint way in (`agent.runner`, "
             "...) is set"),
+    Follows("agent.images", True, _vision_endpoint,
+            "an endpoint way in (`agent.runner`, ...) is set and `model.path` is a vision-language model (Qwen2.5-VL, "
+            "Qwen3-VL, Gemma 3)"),
+    Follows("agent.images", False, _text_first_endpoint,
+            "an endpoint way in (`agent.runner`, ...) is set and `model.path` is a Qwen3.5 checkpoint as published "
+            "(`qwen3_5`, with its vision tower)"),
     Follows("critic.optimizer", "adamw_8bit", _bf16_master("critic.model"), "`critic.model.master_dtype=bf16`"),
     Follows("optim.optimizer", "adamw_8bit", _bf16_master("model"),
             "`model.master_dtype=bf16` (`hybridflow sft`, `dpo`, `rm`)"),

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
-from hybridflow.config.role_needs import ENDPOINT_WAYS, distills, needs_critic, rollout_workers
-from hybridflow.utils.lm_class import VISION_FAMILIES, vision_model_type
+from hybridflow.config.role_needs import ENDPOINT_WAYS, carries_images, distills, needs_critic, rollout_workers
+from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, VISION_FAMILIES, config_fields, vision_model_type
 
 
 def model_problems(cfg: Any, keys: tuple[str, ...]) -> list[str]:
@@ -106,7 +106,7 @@ def vision_problems(cfg: Any) -> list[str]:
     """What a vision-language model's run (`model.path` holds one) cannot do: a family other than
     `VISION_FAMILIES`, prompts without images, a critic, rollout options its engine lacks, the in-process agent loop,
     and, through the endpoint, dataset images or more than one rollout rank (`endpoint_vision_problems`)."""
-    model_type = vision_model_type(cfg.model.path, images=cfg.data.image_key is not None)
+    model_type = vision_model_type(cfg.model.path, images=carries_images(cfg))
     if model_type is None:
         return []
     if model_type not in VISION_FAMILIES:
@@ -128,7 +128,30 @@ def vision_problems(cfg: Any) -> list[str]:
                         f"agent.verifiers, agent.openenv), whose requests carry images as image_url parts")
     elif endpoint:
         problems += endpoint_vision_problems(cfg, endpoint[0])
+    if problems and model_type in TEXT_FIRST_FAMILIES and cfg.data.image_key is None:
+        # agent.images=true alone made this checkpoint a vision-language model: say how its text model runs instead
+        problems.append(f"agent.images=true: the {model_type} checkpoint at model.path={cfg.model.path} is the "
+                        f"vision-language model; with agent.images unset (or false), {endpoint[0]} trains its "
+                        f"language model alone, as text, on the fast engine")
     return problems
+
+
+def agent_images_problems(cfg: Any) -> list[str]:
+    """`agent.images` set against what `model.path` is (read from its config.json): true for a model without a vision
+    tower, false for a vision-language model that trains only as one (not a `TEXT_FIRST_FAMILIES` checkpoint)."""
+    images, fields = cfg.agent.images, config_fields(cfg.model.path)
+    if images is None or fields is None or not any(getattr(cfg.agent, way, None) for way in ENDPOINT_WAYS):
+        return []
+    model_type = fields.get("model_type")
+    if images and "vision_config" not in fields:
+        return [f"agent.images=true: model.path={cfg.model.path} (model_type {model_type!r}) has no vision tower (no "
+                f"vision_config in its config.json), so it cannot read images; leave agent.images unset for a text "
+                f"model"]
+    if not images and "vision_config" in fields and model_type not in TEXT_FIRST_FAMILIES:
+        return [f"agent.images=false: model.path={cfg.model.path} is a vision-language model ({model_type}), which "
+                f"trains only as one, its requests carrying images or not (a language model trains alone only for "
+                f"{', '.join(TEXT_FIRST_FAMILIES)}); unset, it follows true"]
+    return []
 
 
 def endpoint_vision_problems(cfg: Any, way: str) -> list[str]:
@@ -180,4 +203,4 @@ def path_problems(cfg: Any) -> list[str]:
         tool_schemas(cfg.agent)
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
-    return problems + teacher_problems(cfg) + run_problems(cfg) + vision_problems(cfg)
+    return problems + teacher_problems(cfg) + run_problems(cfg) + agent_images_problems(cfg) + vision_problems(cfg)

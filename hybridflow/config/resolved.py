@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.config.role_needs import (agent_enabled, distills, needs_critic, needs_greedy_baseline, needs_reference,
-                                          rollout_workers, run_groups, uses_task_advantage)
+from hybridflow.config.role_needs import (agent_enabled, carries_images, distills, needs_critic, needs_greedy_baseline,
+                                          needs_reference, rollout_workers, run_groups, uses_task_advantage)
 from hybridflow.utils.lm_class import vision_model_type
 
 
@@ -51,8 +51,9 @@ class RunFacts:
         copies; the device plan counts the engine's copy without them. Read from the model's config: its
         architecture must have a fast path (`rollout.engine` not hf).
     vision: the run trains a vision-language model with its images (`lm_class.vision_model_type`): a
-        `VISION_FAMILIES` checkpoint, Qwen3.5's as published only with `data.image_key` (without, it trains as its
-        language model alone).
+        `VISION_FAMILIES` checkpoint, Qwen3.5's as published only where the run's prompts can carry images
+        (`role_needs.carries_images`: `data.image_key`, or an endpoint way in with `agent.images=true`, whose
+        requests may send `image_url` parts; without either it trains as its language model alone).
     """
 
     critic: bool
@@ -105,7 +106,7 @@ def resolve_facts(cfg: Any) -> RunFacts:
     actor_lora = actor.lora.rank > 0
     critic = needs_critic(cfg)
     reference = needs_reference(cfg)
-    images = cfg.data.image_key is not None
+    images = carries_images(cfg)
     one_step = actor.ppo_epochs == 1 and (actor.mini_batch_size is None
                                           or actor.mini_batch_size >= cfg.data.train_batch_size)
     return RunFacts(

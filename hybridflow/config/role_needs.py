@@ -1,10 +1,13 @@
 """Which roles and worker groups a run's config asks for: a critic, a reference model, a distillation teacher,
-ReMax's greedy baseline, multi-turn episodes, and the worker groups (with their process counts) the trainer
-starts. `validate` checks a config with these; the trainer builds its roles from them."""
+ReMax's greedy baseline, multi-turn episodes, whether its prompts can carry images, and the worker groups (with
+their process counts) the trainer starts. `validate` checks a config with these; the trainer builds its roles from
+them."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from hybridflow.utils.lm_class import vision_model_type
 
 
 def distills(cfg: Any) -> bool:
@@ -52,6 +55,29 @@ def agent_enabled(agent: Any) -> bool:
 def agent_setting(agent: Any) -> str:
     """The keys of `agent_keys` that are set, for a message: "agent.runner", "agent.environment and agent.tools"."""
     return " and ".join(agent_keys(agent))
+
+
+def endpoint_images(cfg: Any) -> bool:
+    """The endpoint's requests may carry images (`agent.images`): as set, or, unset (null), whether `model.path` is
+    only a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3: `lm_class.vision_model_type`), not a text model nor
+    a `TEXT_FIRST_FAMILIES` checkpoint (Qwen3.5 as published, whose language model then trains alone). The loader
+    writes the value it follows to (`config.follow`); a config built in Python leaves it null, resolved here."""
+    images = getattr(getattr(cfg, "agent", None), "images", None)
+    if images is not None:
+        return bool(images)
+    return vision_model_type(getattr(getattr(cfg, "model", None), "path", None)) is not None
+
+
+def carries_images(cfg: Any) -> bool:
+    """The run's prompts can carry images: the dataset's (`data.image_key`), or an endpoint request's `image_url`
+    parts (an endpoint way in: `agent.runner`, ..., with `endpoint_images`). The one place that decides it: with a
+    vision tower, a checkpoint is then the vision-language model it is (`lm_class`'s `images`; a Qwen3.5 checkpoint
+    as published trains as its language model alone otherwise). Any training program's config: the SFT and
+    preference programs' have neither key (their prompts carry no images)."""
+    if getattr(getattr(cfg, "data", None), "image_key", None) is not None:
+        return True
+    agent = getattr(cfg, "agent", None)
+    return any(getattr(agent, way, None) for way in ENDPOINT_WAYS) and endpoint_images(cfg)
 
 
 def rollout_workers(cfg: Any) -> int:

@@ -284,6 +284,10 @@ def _agent_problems(cfg: Any) -> list[str]:
         if way != "agent.verifiers" and ":" not in spec:
             problems.append(f"{way}={spec!r} must name what to load: path/to/file.py:Name or package.module:Name"
                             + (" (or textarena:<env id>)" if way == "agent.gym" else ""))
+    if agent.images is not None and not ways:
+        problems.append(f"agent.images={str(agent.images).lower()}: it says whether an endpoint's requests may carry "
+                        f"images, and no endpoint way in is set (agent.runner, agent.verifiers, agent.gym, "
+                        f"agent.openenv); leave it unset (a dataset's images: data.image_key)")
     if agent.max_concurrent_requests < 1:
         problems.append(f"agent.max_concurrent_requests={agent.max_concurrent_requests} must be >= 1")
     if agent.runner_processes is not None and agent.runner_processes < 1:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from hybridflow.data.image_prompts import VisionInputs
+from hybridflow.utils.lm_class import VISION_FAMILIES
 
 
 class VisionFamily:
@@ -141,13 +142,15 @@ class Gemma3Family(VisionFamily):
         return kwargs, torch.zeros(len(ids), dtype=torch.long, device=ids.device)
 
 
-# model_type -> its family's layout; lm_class.VISION_FAMILIES names the same families
-FAMILIES = {"qwen2_5_vl": VisionFamily, "qwen3_vl": VisionFamily, "gemma3": Gemma3Family, "qwen3_5": VisionFamily}
+# the families of `lm_class.VISION_FAMILIES` (the one list of them, importable without torch) whose layout is not
+# Qwen's
+OTHER_LAYOUTS: dict[str, type[VisionFamily]] = {"gemma3": Gemma3Family}
 
 
 def vision_family(config: Any) -> VisionFamily:
     """The image layout of a vision-language model of `config`; ValueError naming its model_type otherwise."""
     model_type = str(getattr(config, "model_type", None))
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} has no vision path here; vision families: {', '.join(FAMILIES)}")
-    return FAMILIES[model_type](config)
+    if model_type not in VISION_FAMILIES:
+        raise ValueError(f"model_type {model_type!r} has no vision path here; vision families: "
+                         f"{', '.join(VISION_FAMILIES)}")
+    return OTHER_LAYOUTS.get(model_type, VisionFamily)(config)

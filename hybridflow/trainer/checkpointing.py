@@ -25,7 +25,7 @@ from hybridflow.checkpoint.export import HF_DIR, head_config
 from hybridflow.checkpoint.fingerprint import base_changed, base_fingerprint
 from hybridflow.checkpoint.manager import disk_full, human_bytes
 from hybridflow.checkpoint.manifest import checkpoint_bytes_on_disk
-from hybridflow.config.role_needs import needs_critic
+from hybridflow.config.role_needs import carries_images, needs_critic
 from hybridflow.controller import per_rank
 
 
@@ -60,7 +60,7 @@ def checkpoint_bytes_needed(cfg: Any) -> int:
     models = [(cfg.model.path, "lm", cfg.actor.lora)]
     if needs_critic(cfg):
         models.append((cfg.critic.model.path or cfg.model.path, "value", cfg.critic.lora))
-    return checkpoint_bytes(models, cfg.model.trust_remote_code, cfg.data.image_key is not None)
+    return checkpoint_bytes(models, cfg.model.trust_remote_code, carries_images(cfg))
 
 
 class RunCheckpoints:
@@ -94,9 +94,8 @@ class RunCheckpoints:
         try:
             for name, role in t.checkpointed_roles().items():
                 role.save_checkpoint(str(tmp / name))
-            # the SFT and preference programs' `data` has no image key: their prompts carry no images
-            images = getattr(t.cfg.data, "image_key", None) is not None
-            save_hf_assets(tmp / t.model_role, t.cfg.model.path, t.model_head, t.cfg.model.quantization, images)
+            save_hf_assets(tmp / t.model_role, t.cfg.model.path, t.model_head, t.cfg.model.quantization,
+                           carries_images(t.cfg))
             save_controller_state(tmp, t.step, t.cfg, t.checkpointed_state(),
                                   meta={"n_workers": t.cfg.trainer.n_workers, "model_path": t.cfg.model.path,
                                         "lora_bases": self.lora_bases})

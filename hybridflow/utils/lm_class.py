@@ -5,17 +5,19 @@ here, so a vision-language model takes the same paths as a text one; `vision_mod
 model's directory from its config.json alone (the config checks ask it before anything loads).
 
 A `TEXT_FIRST_FAMILIES` checkpoint (Qwen3.5 as published) is a vision-language model that a run without images
-trains as its language model alone; `images=True` (the run's prompts carry images: `data.image_key`,
-`RunFacts.vision`) makes it a vision-language model like the others.
+trains as its language model alone; `images=True` (the run's prompts can carry images, as
+`config.role_needs.carries_images` decides: `data.image_key`, or an endpoint way in with `agent.images=true`;
+`RunFacts.vision`) makes it a vision-language model like the others. This module imports no torch: the config
+checks read it before anything loads.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# the vision-language families whose image layout (`data.vision_family`) the data, the vision rollout engine and
-# the trainer serve, each tested on a tiny random model of its architecture (`tiny_vlm`); another vision-language
-# model is refused by name before it loads
+# the vision-language families whose image layout (`data.vision_family`, which reads this list) the data, the vision
+# rollout engine and the trainer serve, each tested on a tiny random model of its architecture (`tiny_vlm`); another
+# vision-language model is refused by name before it loads
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5")
 # published vision-language checkpoints whose language model trains alone, as a causal LM: transformers loads them
 # with their text class (Qwen3.5's `qwen3_5` as `Qwen3_5ForCausalLM`, the vision tower left out), and the rollout
@@ -59,10 +61,9 @@ def lm_auto_class(config: Any, images: bool = False) -> Any:
         else transformers.AutoModelForCausalLM
 
 
-def vision_model_type(path: str | None, images: bool = False) -> str | None:
-    """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
-    None for a text model, a `TEXT_FIRST_FAMILIES` checkpoint in a run without `images`, a hub id or a missing
-    directory (the pre-load checks name a missing one)."""
+def config_fields(path: str | None) -> dict[str, Any] | None:
+    """The fields of the config.json in directory `path`; None for a hub id, a missing directory or an unreadable
+    file (the pre-load checks name a missing one)."""
     import json
     from pathlib import Path
 
@@ -73,7 +74,15 @@ def vision_model_type(path: str | None, images: bool = False) -> str | None:
         fields = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(fields, dict) and "vision_config" in fields and \
+    return fields if isinstance(fields, dict) else None
+
+
+def vision_model_type(path: str | None, images: bool = False) -> str | None:
+    """The model_type of the vision-language model in directory `path` (its config.json has a `vision_config`);
+    None for a text model, a `TEXT_FIRST_FAMILIES` checkpoint in a run without `images`, a hub id or a missing
+    directory (the pre-load checks name a missing one)."""
+    fields = config_fields(path)
+    if fields is not None and "vision_config" in fields and \
             (images or fields.get("model_type") not in TEXT_FIRST_FAMILIES):
         return str(fields.get("model_type"))
     return None

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from hybridflow.agents.endpoint.endpoint_rollout import EndpointRollout
@@ -292,6 +293,16 @@ IMAGE_RUNNER = """
         return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
 """
 
+TEXT_PARTS_RUNNER = """
+    async def play(client, row):
+        messages = [{"role": "user", "content": [{"type": "text", "text": row["raw_prompt"][-1]["content"]}]}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        first = reply.choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And now?"}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
+"""
+
 IMAGE_GYM = """
     import numpy as np
 
@@ -312,9 +323,6 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
     every training row carries both images (in token order), its ids hold their image tokens (as many as the
     family's processor makes of each: Qwen's merged patches, Gemma 3's fixed count), and the steps train with finite
     losses. What the endpoint does not serve for a VLM is refused by name before loading."""
-    if "qwen3_5" in str(tiny_vlm):
-        pytest.skip("a Qwen3.5 run takes the vision path with data.image_key, which an endpoint run leaves null: it "
-                    "trains as a text model (docs/models.md, 'Not yet here')")
     from PIL import Image
 
     from hybridflow.config.validate import ConfigError
@@ -325,6 +333,8 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
     out = tmp_path / "out"
     args = [f"agent.runner={runner}:play", "agent.runner_processes=1", "data.max_response_length=48",
             "agent.max_tokens_per_turn=4"]
+    if "qwen3_5" in str(tiny_vlm):  # a Qwen3.5 checkpoint as published: the vision-language model by this key alone
+        args.append("agent.images=true")
     for extra, match in ((["data.image_key=images"], r"data.image_key=images with agent.runner: the runner writes"),
                          (["trainer.n_workers=2"], r"trainer.n_workers=2 with agent.runner and a vision-language"),
                          (["agent.tools=[calculator]"], r"agent.tools: multi-turn episodes of the vision-language "
@@ -357,6 +367,25 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
             in_prompt = (batch["prompts"][r] == image_id) & real[:prompt_width]
             in_context = (batch["responses"][r] == image_id) & real[prompt_width:] & (batch["response_mask"][r] == 0)
             assert int(in_prompt.sum()) == first and int(in_context.sum()) == second
+
+
+@pytest.mark.parametrize("tiny_vlm", ["qwen3_5"], indirect=True)
+def test_a_qwen3_5_endpoint_run_without_agent_images_trains_as_text_on_the_fast_engine(tiny_vlm, tmp_path):
+    """A published Qwen3.5 checkpoint (its vision tower beside the language model) through the endpoint with
+    `agent.images` unset: the key follows to false, and the language model trains alone on the fast engine, its
+    runner's text parts served as text (the previous test sets `agent.images=true`: the vision path, an image in each
+    request)."""
+    runner = write(tmp_path / "agent.py", TEXT_PARTS_RUNNER)
+    data = write_rows(tmp_path / "train.jsonl", 2)
+    out = tmp_path / "out"
+    train(load_config(overrides(tiny_vlm, data, out, f"agent.runner={runner}:play", "agent.runner_processes=1",
+                                "trainer.total_steps=1"), "recipes/grpo.yaml"))
+    (metrics,) = read_metrics(out)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    assert metrics["agent/turns/mean"] == 2 and metrics["agent/runner_errors"] == 0
+    assert metrics["agent/dropped"] == 0
+    resolved = yaml.safe_load((out / "resolved_config.yaml").read_text())
+    assert resolved["rollout"]["engine"] == "fast" and resolved["agent"]["images"] is False
 
 
 def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):

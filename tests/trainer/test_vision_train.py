@@ -16,7 +16,7 @@ import yaml
 from PIL import Image, ImageDraw
 
 from hybridflow.config.loader import load_config
-from hybridflow.config.validate import ConfigError
+from hybridflow.config.validate import ConfigError, validate
 from hybridflow.data.files import DataError
 from hybridflow.trainer.rl import train
 from rl_helpers import read_metrics, reward_file
@@ -205,3 +205,74 @@ def test_a_qwen3_5_checkpoint_is_a_vision_language_model_only_in_a_run_with_imag
     with pytest.raises(ValueError, match=r"model_type 'qwen2' is not a vision-language model \(no vision_config\); "
                                          r"data.image_key needs one of qwen2_5_vl, qwen3_vl, gemma3, qwen3_5"):
         VisionPrompts.from_pretrained(str(text), AutoTokenizer.from_pretrained(text))
+
+
+def endpoint_runner(tmp_path) -> str:
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def play(client, row):\n    return 0.0\n")
+    return f"agent.runner={agent}:play"
+
+
+@pytest.mark.parametrize("tiny_vlm", ["qwen2_5_vl"], indirect=True)
+def test_agent_images_follows_the_model_in_an_endpoint_run(tiny_vlm, tiny_model_factory, tmp_path, capsys):
+    """One rule (`role_needs.carries_images`) decides whether a run's prompts can carry images: `data.image_key`, or
+    an endpoint way in with `agent.images` true. Unset, `agent.images` follows the model: true for a vision-language
+    model (Qwen2.5-VL here), false for a Qwen3.5 checkpoint as published (its language model trains alone, as text),
+    null for a text model; `hybridflow config` says what it became and why. `agent.images=true` makes the Qwen3.5
+    checkpoint the vision-language model it is (`RunFacts.vision`), as `data.image_key` does without an endpoint."""
+    from hybridflow.cli import main as cli_main
+    from hybridflow.config.resolved import resolve_facts
+    from hybridflow.config.role_needs import carries_images
+
+    published, text = tiny_model_factory("qwen3_5"), tiny_model_factory("qwen2")
+    runner = endpoint_runner(tmp_path)
+    for model, extra, images, vision in ((published, [], None, False),
+                                         (published, ["data.image_key=images"], None, True),
+                                         (published, [runner], False, False),
+                                         (published, [runner, "agent.images=true"], True, True),
+                                         (tiny_vlm, [runner], True, True),
+                                         (text, [runner], None, False)):
+        cfg = load_config(overrides(model, tmp_path / "train.parquet", tmp_path / "run", *extra),
+                          "recipes/grpo.yaml")
+        assert cfg.agent.images is images, (model, extra)
+        assert carries_images(cfg) is vision and resolve_facts(cfg).vision is vision, (model, extra)
+    for model, line in ((published, "#   agent.images=false: model.path is a qwen3_5 checkpoint as published: "
+                                     "through agent.runner its language model trains alone, as text, on the fast "
+                                     "engine (agent.images=true: the vision-language model"),
+                        (tiny_vlm, "#   agent.images=true: model.path is a vision-language model (qwen2_5_vl): the "
+                                   "requests of agent.runner may carry images")):
+        assert cli_main(["config", "--no-checks", f"model.path={model}", runner]) == 0
+        assert any(printed.startswith(line) for printed in capsys.readouterr().out.splitlines()), line
+
+
+@pytest.mark.parametrize("tiny_vlm", ["qwen2_5_vl"], indirect=True)
+def test_agent_images_against_the_model_or_without_an_endpoint_is_refused_by_name(tiny_vlm, tiny_model_factory,
+                                                                                   tmp_path):
+    """Before any model loads: `agent.images=true` for a model without a vision tower (a text model, or a Qwen3.5
+    checkpoint's language model saved alone), `agent.images=false` for a vision-language model that trains only as
+    one, `agent.images` set without an endpoint way in; and a Qwen3.5 run that `agent.images=true` made a vision run
+    the vision path cannot serve says that unset, its language model trains alone."""
+    from transformers import AutoModelForCausalLM
+
+    published, text = tiny_model_factory("qwen3_5"), tiny_model_factory("qwen2")
+    alone = tmp_path / "alone"
+    AutoModelForCausalLM.from_pretrained(published).save_pretrained(alone)  # model_type qwen3_5_text, no tower
+    runner = endpoint_runner(tmp_path)
+    no_way = (r"agent.images={}: it says whether an endpoint's requests may carry images, and no endpoint way in is "
+              r"set \(agent.runner, agent.verifiers, agent.gym, agent.openenv\)")
+    for model, extra, match in (
+            (text, [runner, "agent.images=true"], r"agent.images=true: model.path=\S+ \(model_type 'qwen2'\) has no "
+                                                  r"vision tower \(no vision_config in its config.json\)"),
+            (alone, [runner, "agent.images=true"], r"model.path=\S+ \(model_type 'qwen3_5_text'\) has no vision"),
+            (tiny_vlm, [runner, "agent.images=false"], r"agent.images=false: model.path=\S+ is a vision-language "
+                                                       r"model \(qwen2_5_vl\), which trains only as one.*unset, it "
+                                                       r"follows true"),
+            (published, ["agent.images=true"], no_way.format("true")),
+            (published, ["agent.images=false"], no_way.format("false")),
+            (published, [runner, "agent.images=true", "trainer.n_workers=2"],
+             r"(?s)trainer.n_workers=2 with agent.runner and a vision-language model.*agent.images=true: the qwen3_5 "
+             r"checkpoint at model.path=\S+ is the vision-language model; with agent.images unset \(or false\), "
+             r"agent.runner trains its language model alone, as text, on the fast engine")):
+        cfg = load_config(overrides(model, tmp_path / "train.parquet", tmp_path / "run", *extra), "recipes/grpo.yaml")
+        with pytest.raises(ConfigError, match=match):
+            validate(cfg)

@@ -134,8 +134,9 @@ def _content(content: Any, where: str, image_mark: str | None, images: list[Imag
             texts.append(str(part.get("text", "")))
         elif kind == "image_url":
             if image_mark is None:
-                raise _bad(f"{where}[{k}]", "this model takes no images (a text model): send text parts only",
-                           "unsupported_value")
+                raise _bad(f"{where}[{k}]", "this model takes no images (a text model, or a Qwen3.5 checkpoint's "
+                                            "language model: agent.images=true makes it the vision-language "
+                                            "model): send text parts only", "unsupported_value")
             images.append(image_part(part, f"{where}[{k}]"))
             texts.append(image_mark)
         else:

@@ -217,7 +217,9 @@ def test_a_text_model_refuses_images_by_name(tiny_qwen2):
         async with serving(tokenizer, driver, params) as (endpoint, port):
             endpoint.open("k")
             with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: this model takes no "
-                                                              r"images \(a text model\)") as refused:
+                                                              r"images \(a text model, or a Qwen3.5 checkpoint's "
+                                                              r"language model: agent.images=true makes it the "
+                                                              r"vision-language model\)") as refused:
                 await client(port, "k").chat.completions.create(model="policy", messages=messages)
             return refused.value
 
