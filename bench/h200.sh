@@ -25,10 +25,13 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
 
-# the SmolLM2 tests need the GGUF (model_part1 / model_part2 first); without it they are left to exact_tests
+# the SmolLM2 tests need the GGUF (model_part1 / model_part2 first); without it they are left to exact_tests.
+# GPU_TESTS: the paths to run (default tests); GPU_K: a -k expression (a variable of its own: GPU_TESTS is split at
+# spaces, so a quoted expression inside it would not survive)
 gpu_tests() {
     local real=(-k "not smollm2")
     [ -f "$GGUF" ] && real=()
+    [ -n "${GPU_K:-}" ] && real=(-k "$GPU_K")
     SMOLLM2_GGUF="$GGUF" python3 -m pytest -q -m gpu "${real[@]}" ${GPU_TESTS:-tests} -p no:cacheprovider --durations=20 2>&1 \
         | tee "$OUT/gpu_tests.log"
 }
