@@ -186,8 +186,9 @@ def test_block_layout_sorts_the_pairs_by_expert_without_a_sort():
 
 
 def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkeypatch, tiny_model_factory):
-    """Whole generations of a tiny Qwen2, Qwen3, OLMo 2, Phi-3 (whole and partial rotary) and Gemma 3 (spread weights)
-    through every Triton path the engine takes on a GPU: the norms (Qwen3's per-head q/k norms in place in the fused
+    """Whole generations of a tiny Qwen2, Qwen3, OLMo 2, Phi-3 (whole and partial rotary), Gemma 3 and Qwen3.5 (spread
+    weights) through every Triton path the engine takes on a GPU (Qwen3.5's linear layers stepping their slots'
+    states in place, `delta_step`): the norms (Qwen3's per-head q/k norms in place in the fused
     projection, OLMo 2's scaled before their rounding, over the whole q and k and after each block, Gemma 3's by
     1 + weight), rotary with the cache write in prefill, the fused rotary-and-decode attention (Gemma 3's sliding
     layers within their 8-token window, each layer reading its columns of the local and global tables side by
@@ -199,6 +200,8 @@ def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkey
                                                                                 stop_token_ids=[])
     paths = {arch: spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
              for arch in ("qwen2", "qwen3", "olmo2", "phi3")}
+    paths["qwen3_5_text"] = spread_weights(tiny_model_factory("qwen3_5_text"),
+                                           tiny_model_factory("qwen3_5_text").parent / "spread_qwen3_5_text")
     untied = tiny_model_factory("gemma3_text", **SPREAD_SIZES["gemma3_text"])
     paths["gemma3_text"] = spread_weights(untied, untied.parent / "spread_gemma3_text")
     partial = paths["phi3"].parent / "partial_phi3"
@@ -245,3 +248,26 @@ def test_fp8_row_quantization_computes_the_torch_path(monkeypatch):
         carry_lost = power_of_two & (got * q_want > 0) & (got.abs() < q_want.abs()) & (2 * got.abs() >= q_want.abs())
         assert ((got == q_want) | carry_lost).all()
         assert carry_lost.float().mean() < 0.05
+
+
+def test_the_delta_rule_step_over_slots_equals_the_torch_path(monkeypatch):
+    """The Gated DeltaNet decode step in place over the cache's slots (`delta_step.step_`): key heads shared by two
+    value heads each, K and V not powers of two (masked blocks), a fresh row (zero states), a finished row (its slot
+    keeps its state) and a slot no row reads (untouched): outputs and every slot's state as the torch path has them."""
+    from hybridflow.engine.rollout import delta_step
+
+    rows, heads, value_heads, key_dim, value_dim, slots_n = 4, 2, 4, 24, 40, 6
+    q, k = _randn(rows, heads, key_dim, seed=1), _randn(rows, heads, key_dim, seed=2)
+    v = _randn(rows, value_heads, value_dim, seed=3)
+    g = -torch.rand(rows, value_heads, generator=torch.Generator().manual_seed(4))
+    beta = torch.rand(rows, value_heads, generator=torch.Generator().manual_seed(5))
+    states = _randn(slots_n, value_heads, key_dim, value_dim, seed=6)
+    slots, fresh = torch.tensor([4, 0, 2, 5]), torch.tensor([False, True, False, False])
+    live = torch.tensor([True, True, False, True])
+    want_states = states.clone()
+    want = delta_step.step_(q, k, v, g, beta, want_states, slots, fresh, live)
+    assert torch.equal(want_states[2], states[2]) and torch.equal(want_states[1], states[1])  # finished; unread
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    got_states = states.clone()
+    _close(delta_step.step_(q, k, v, g, beta, got_states, slots, fresh, live), want)
+    _close(got_states, want_states)

@@ -21,11 +21,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from hybridflow.engine.invariant import triton_attention, triton_gemm, triton_rows  # noqa: E402
-from hybridflow.engine.rollout import decode_attention, fp8, grouped_gemm, kernels  # noqa: E402
+from hybridflow.engine.rollout import decode_attention, delta_step, fp8, grouped_gemm, kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-MODULES = (kernels, decode_attention, fp8, grouped_gemm, triton_rows, triton_gemm, triton_attention)
+MODULES = (kernels, decode_attention, delta_step, fp8, grouped_gemm, triton_rows, triton_gemm, triton_attention)
 BF16 = torch.bfloat16
 
 
@@ -139,6 +139,18 @@ def _gemma3_launches() -> None:
         decode_attention.rotary_decode_attention(qkv, cos, cos, cache, cache, slot_ids, lens, 0.1, splits, heads, 1024)
 
 
+def _hybrid_launches() -> None:
+    """The Gated DeltaNet's decode step in place over slots (`delta_step`) at Qwen3.5-0.8B's heads (16 key and 16
+    value heads of 128) and Qwen3-Next's (16 key heads, 32 value heads), q, k and v views of the conv's output."""
+    rows = 256
+    for heads, value_heads, dim in ((16, 16, 128), (16, 32, 128)):
+        q, k, v = _meta(rows, (2 * heads + value_heads) * dim).split([heads * dim, heads * dim, value_heads * dim], -1)
+        delta_step.step_(q.reshape(rows, heads, dim), k.reshape(rows, heads, dim), v.reshape(rows, value_heads, dim),
+                         _meta(rows, value_heads, dtype=torch.float32), _meta(rows, value_heads),
+                         _meta(9, value_heads, dim, dim, dtype=torch.float32), _meta(rows, dtype=torch.long),
+                         _meta(rows, dtype=torch.bool), _meta(rows, dtype=torch.bool))
+
+
 def _invariant_launches() -> None:
     """Exact mode's kernels as both engines call them, decode rows and a packed prefill."""
     for hidden, inter, heads, kv_heads, dim in ((576, 1536, 9, 3, 64), (896, 4864, 14, 2, 64),
@@ -166,6 +178,7 @@ def _invariant_launches() -> None:
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="Triton without its CUDA tools")
 def test_every_kernel_compiles_for_sm90_without_spilling(launches):
     _rollout_launches()
+    _hybrid_launches()
     _invariant_launches()
     kernels_found = {f"{module.__name__}.{name}" for module in MODULES for name, value in vars(module).items()
                      if isinstance(value, JITFunction) and name.endswith("_kernel")}

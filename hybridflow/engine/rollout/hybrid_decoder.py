@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine import linear_attention as la
+from hybridflow.engine.rollout import delta_step
 from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, prefill_attention, write_kv
 from hybridflow.engine.rollout.kernels import rotary_
 from hybridflow.engine.rollout.kv_cache import KVCache
@@ -97,11 +98,9 @@ class GatedDeltaNet(nn.Module):
         conv_before = conv[slots].masked_fill(fresh[:, None, None], 0)
         conv_out, conv_after = la.conv_step(conv_in, self.conv1d.weight[:, 0], conv_before)
         q, k, v = la.split_heads(self, conv_out)
-        state_before = recurrent[slots].masked_fill(fresh[:, None, None, None], 0)
-        o, state_after = la.delta_rule_step(q, k, v, g, beta, state_before)
         live = meta.live if meta.live is not None else torch.ones_like(slots, dtype=torch.bool)
+        o = delta_step.step_(q, k, v, g, beta, recurrent, slots, fresh, live)
         conv[slots] = torch.where(live[:, None, None], conv_after.to(conv.dtype), conv[slots])
-        recurrent[slots] = torch.where(live[:, None, None, None], state_after, recurrent[slots])
         if self.state_index == 0:  # the slots' lengths are the sequences', one count for all layers
             lengths[slots] = torch.where(live, meta.context_lens.long() if meta.context_lens is not None
                                          else lengths[slots] + 1, lengths[slots])
