@@ -175,7 +175,7 @@ class WorkerGroup(Generic[W]):
     Args:
         worker_cls: a `Worker` subclass, or a class made by `colocate(...)`.
         n_workers: processes (ranks) in the group.
-        backend: ``"local"`` (spawned processes; in-process for one worker) or ``"ray"``.
+        backend: ``"local"`` (processes on this machine; in-process for one worker) or ``"ray"``.
         device: ``"cpu"`` or ``"cuda"``; defaults to the pool's device, else ``"cpu"``.
         name: the role name used in worker prefixes, errors and ``Worker.role``.
         init_kwargs: keyword arguments of ``worker_cls.__init__`` (for colocated classes: a dict

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from rank_processes import forkserver_context
 
 from hybridflow.checkpoint import CheckpointManager, load_worker_state, read_full_model_state, save_worker_state
 from hybridflow.checkpoint.manager import read_manifest
+from hybridflow.controller.backends.process_start import fork_server_context
 
 
 def _full_state(model, optimizer) -> dict:
@@ -78,13 +78,13 @@ def test_fsdp2_reshard_one_to_two_to_one(tmp_path, tiny_qwen2, trained):
     # fork: the children inherit the imported torch/transformers instead of importing them again (not once
     # CUDA is initialised in this process, as after the GPU tests: a forked CUDA context breaks; nor once an
     # inline worker group of an earlier test made this process's default process group, which a forked
-    # child would inherit and then refuse to initialise again): then the clean fork server of `rank_processes`,
+    # child would inherit and then refuse to initialise again): then the local backend's clean fork server,
     # which has imported them too (a spawned child imported them again: ~10 s of this test in a full run)
     import torch.distributed as dist
 
     method = "fork"
     if torch.cuda.is_initialized() or dist.is_initialized():
-        forkserver_context()
+        fork_server_context()
         method = "forkserver"
     context = mp.start_processes(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tiny_qwen2), str(tmp_path)),
                                  nprocs=2, start_method=method, join=False)

@@ -52,6 +52,11 @@ class ToyWorker(Worker):
             "env": os.environ.get("HYBRIDFLOW_TEST_ENV"),
         }
 
+    @register(Dispatch.BROADCAST, collect="all")
+    def environment(self) -> tuple[dict[str, str], int]:
+        """This process's environment and its parent's pid."""
+        return dict(os.environ), os.getppid()
+
     @register(Dispatch.BROADCAST)
     def allreduce_sum(self, x: float) -> float:
         t = torch.tensor([x * (self.rank + 1)])

@@ -1,5 +1,5 @@
 """No orphan workers: a controller that exits without shutdown() (atexit) or is SIGKILLed (the
-workers' parent watchdog) leaves no worker process behind. Local backend."""
+workers' watchdog) leaves no worker process behind, nor the fork server they came from. Local backend."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from controller_workers import BrokenInit, alive
 CONTROLLER = """
 import sys, time
 from hybridflow.controller import WorkerGroup
+from hybridflow.controller.backends import process_start
 from controller_workers import ToyWorker
 
+process_start.PRELOAD.append("hybridflow_no_such_module")  # multiprocessing skips it: the server still starts
 group = WorkerGroup(ToyWorker, 1, inline=False, name="orphan")
 print("PIDS", *group.pids(), flush=True)
 if sys.argv[1] == "hang":
@@ -42,6 +44,11 @@ def _worker_pids(proc: subprocess.Popen) -> list[int]:
     raise AssertionError(f"controller ended (rc={proc.wait()}) before reporting its workers")
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(") ")[1].split()[1])
+
+
 def _wait_gone(pids: list[int], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -58,9 +65,12 @@ def test_controller_exit_and_death_leave_no_orphans():
         assert exiting.wait(timeout=60) == 0
         assert _wait_gone(exit_pids, 10), "atexit did not stop the workers"
         assert all(alive(p) for p in hang_pids)
+        server = _parent(hang_pids[0])
+        assert server != hanging.pid and _parent(server) == hanging.pid  # forked from the controller's fork server
         hanging.send_signal(signal.SIGKILL)
         hanging.wait(timeout=10)
         assert _wait_gone(hang_pids, 10), "workers outlived their SIGKILLed controller"
+        assert _wait_gone([server], 10), "the fork server outlived its SIGKILLed controller"
     finally:
         for proc in (exiting, hanging):
             if proc.poll() is None:
@@ -89,8 +99,8 @@ def test_a_stop_signal_between_two_worker_starts_leaves_no_process(monkeypatch):
     started = []
     spawn = local.LocalBackend._spawn
 
-    def spawn_then_signal(self, rank):
-        ready = spawn(self, rank)
+    def spawn_then_signal(self, ctx, rank, env):
+        ready = spawn(self, ctx, rank, env)
         started.append(self.procs[rank])
         if rank == 0:
             raise Interrupted(signal.SIGTERM, second=False)  # as held_signals delivers it

@@ -1,12 +1,13 @@
-"""The local backend: one spawned process per rank (torch.multiprocessing), a gloo/NCCL process
-group per worker group, calls over pipes.
+"""The local backend: one process per rank, a gloo/NCCL process group per worker group, calls over pipes.
 
-Each process talks to the controller over one duplex pipe: the controller's sender thread writes
-pickled calls, its reader thread matches replies to futures by call id and notices a dead process
-(the pipe closes) at once. Workers exit when the controller goes away (a parent watchdog), on
-`shutdown()`, and at controller exit (atexit, see `group.py`). They ignore SIGINT and SIGTERM: a Ctrl-C,
-`scancel` or `systemctl stop` signals the whole process group, and the controller, which gets the signal
-too, decides how the run stops (`hybridflow.trainer.step_loop`); a worker killed mid-step would lose it.
+A CPU group's processes are forked from a fork server that has imported torch, transformers and hybridflow once; a
+GPU group's are spawned (`process_start` says why, and what a forked process is handed that a spawned one
+inherits: its environment). Each process talks to the controller over one duplex pipe: the controller's sender
+thread writes pickled calls, its reader thread matches replies to futures by call id and notices a dead process
+(the pipe closes) at once. Workers exit when the controller goes away (a watchdog thread), on `shutdown()`, and
+at controller exit (atexit, see `group.py`). They ignore SIGINT and SIGTERM: a Ctrl-C, `scancel` or `systemctl
+stop` signals the whole process group, and the controller, which gets the signal too, decides how the run stops
+(`hybridflow.trainer.step_loop`); a worker killed mid-step would lose it.
 """
 
 from __future__ import annotations
@@ -22,27 +23,41 @@ import time
 import traceback
 import uuid
 from typing import Any
-from collections.abc import Iterator
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hybridflow.controller.backends import Backend, settle, wait_all
+from hybridflow.controller.backends.process_start import environ, start_context
 from hybridflow.controller.errors import WorkerDiedError, describe_exit
 from hybridflow.controller.liveness import Liveness, fail
 from hybridflow.controller.logs import forward_output, log_server, mark_synced, prefix
 from hybridflow.controller.runtime import Reply, WorkerRuntime, join_process_group, load_spec
 from hybridflow.utils.stop_signals import held_signals, ignore_stop_signals
 
-_env_lock = threading.Lock()
 GRACEFUL_EXIT_S = 5.0
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Ends this worker as soon as the controller process is gone (no orphans)."""
-    while os.getppid() == parent_pid:
+def _exists(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process took the number
+        return True
+    return True
+
+
+def _watch_controller(controller_pid: int) -> None:
+    """Ends this worker as soon as the controller process is gone (no orphans).
+
+    The parent is the controller (spawned) or the fork server, which exits when the controller does: either way it
+    changes at the controller's death, even while the controller is a zombie nobody has reaped. The controller's pid
+    is looked at too, for a server gone before this thread first asked for its parent."""
+    parent = os.getppid()
+    while os.getppid() == parent and _exists(controller_pid):
         time.sleep(0.5)
     os._exit(1)
 
@@ -62,11 +77,17 @@ def _dump_reply(reply: Reply) -> bytes:
 
 def _worker_main(
     conn, sys_path: list[str], blob: bytes, rank: int, store_port: int, log_addr: tuple, log_key: str,
-    parent_pid: int,
+    controller_pid: int, env: dict[str, str],
 ) -> None:
-    """Entry point of a worker process: output forwarding, process group, worker, then the call loop."""
+    """Entry point of a worker process: its environment, output forwarding, process group, worker, then the call
+    loop. `env` is the whole environment it should have: a process forked from the fork server has the server's.
+
+    The OpenMP thread count, which torch read from the server's environment at import, needs nothing here: a CPU
+    group's ranks set theirs in `join_process_group`, and GPU groups are spawned with `env` in place."""
+    os.environ.clear()
+    os.environ.update(env)
     ignore_stop_signals()
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_controller, args=(controller_pid,), daemon=True).start()
     spec = load_spec(sys_path, blob)
     forward_output(log_addr, prefix(spec.role, rank), log_key)
     try:
@@ -101,22 +122,6 @@ def _worker_main(
     sys.stderr.flush()
 
 
-@contextlib.contextmanager
-def _environ(updates: dict[str, str]) -> Iterator[None]:
-    """Sets `updates` in os.environ while processes are spawned (they copy it), then restores it."""
-    with _env_lock:
-        saved = {k: os.environ.get(k) for k in updates}
-        os.environ.update(updates)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
 def _visible_devices(gpu_ids: list[int]) -> str:
     """CUDA_VISIBLE_DEVICES for the pool's GPUs, which index the controller's own visible list."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -125,7 +130,7 @@ def _visible_devices(gpu_ids: list[int]) -> str:
 
 
 class LocalBackend(Backend):
-    """A group of `world_size` spawned worker processes on this machine."""
+    """A group of `world_size` worker processes on this machine."""
 
     def start(self) -> None:
         spec = self.spec
@@ -142,15 +147,18 @@ class LocalBackend(Backend):
         env = dict(self.env)
         if spec.device_type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = _visible_devices(self.pool.gpu_ids[: self.world_size])
-        self.procs: list[Any] = []  # the spawned processes
+        self.procs: list[Any] = []  # the started processes
         self._conns: list[Any] = []  # their pipe ends
         self._outboxes: list[Any] = []  # their send queues
         # a stop signal can land anywhere in here (after each process start, `held_signals` delivers one that
         # arrived meanwhile): the processes started so far are shut down, or the interpreter's exit would wait for
         # them (multiprocessing joins its children) while they wait for work that never comes
         try:
-            with _environ(env):
-                ready = [self._spawn(rank) for rank in range(self.world_size)]
+            ctx = start_context(spec.device_type)
+            # a spawned interpreter reads CUDA_VISIBLE_DEVICES at exec, before `_worker_main` puts `env` in place
+            spawned = ctx.get_start_method() == "spawn"
+            with environ(env) if spawned else contextlib.nullcontext():
+                ready = [self._spawn(ctx, rank, {**os.environ, **env}) for rank in range(self.world_size)]
             for rank in range(self.world_size):
                 for loop, tag in ((self._read_loop, "rx"), (self._send_loop, "tx")):
                     threading.Thread(target=loop, args=(rank,), daemon=True,
@@ -172,18 +180,19 @@ class LocalBackend(Backend):
     def _log_key(self, rank: int) -> str:
         return f"{self._uid}-{rank}"
 
-    def _spawn(self, rank: int) -> Future:
-        """Starts rank `rank`'s process; returns the Future of its start-up reply (its pid)."""
+    def _spawn(self, ctx: Any, rank: int, env: dict[str, str]) -> Future:
+        """Starts rank `rank`'s process in multiprocessing context `ctx`, with environment `env`; returns the Future
+        of its start-up reply (its pid)."""
         store = self._store
         if store is None:
             raise RuntimeError(f"group '{self.spec.role}' is shut down: rank {rank} cannot start")
-        parent, child = mp.get_context("spawn").Pipe(duplex=True)
+        parent, child = ctx.Pipe(duplex=True)
         sys_path, blob = self.spec.dumps()
-        proc = mp.get_context("spawn").Process(
+        proc = ctx.Process(
             target=_worker_main,
             args=(
                 child, sys_path, blob, rank, store.port, log_server().address, self._log_key(rank),
-                os.getpid(),
+                os.getpid(), env,
             ),
             name=f"hybridflow-{self.spec.role}-{rank}",
         )

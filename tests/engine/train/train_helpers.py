@@ -11,9 +11,9 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from rank_processes import forkserver_context
 
 from hybridflow.config.model_schema import ModelConfig, OptimConfig
+from hybridflow.controller.backends.process_start import fork_server_context
 
 
 def rl_batch(rows: int, prompt_width: int, response_width: int, vocab: int = 200, seed: int = 0
@@ -73,12 +73,12 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
 def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     """`fn(rank, *args)` on `world` processes in one gloo group; their results by rank.
 
-    Children come from a fork server (a clean process that has imported torch, transformers and hybridflow's
-    engine and workers once: `rank_processes`), so each start costs a fraction of a second, and no state of this process — such as the default process group an
+    Children come from the local backend's fork server (a clean process that has imported torch, transformers and
+    hybridflow's engine and workers once: `process_start`), so each start costs a fraction of a second, and no state of this process — such as the default process group an
     inline worker group made — leaks into them (a plain fork inherits it and cannot join a new group).
     A child that dies without reporting (a crash, a signal) fails the call with its exit code at once.
     """
-    ctx = forkserver_context()
+    ctx = fork_server_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]

@@ -1,0 +1,79 @@
+"""How the local backend starts a rank's process: forked from a fork server for CPU groups, spawned for GPU groups.
+
+A spawned interpreter imports torch, transformers and hybridflow again (~2.5 s of CPU a process). The fork
+server is a clean interpreter (exec'd, not forked from the controller, so it holds no process group, no CUDA
+context and none of the controller's threads) that has imported `PRELOAD` once; each process is forked from it
+and starts in a fraction of a second. multiprocessing keeps one server per controller, started by the first
+group that needs it; it exits when the controller does (its "alive" pipe closes), however the controller ends.
+
+What a forked process does not get from its `Process.start()`, and how it gets it instead:
+- the environment: it has the server's (the controller's when the server started), so the local backend hands
+  each process the whole environment it should have and the process puts it in place first thing. What the
+  preloaded modules read at import (huggingface_hub's HF_HOME and HF_HUB_OFFLINE, OpenMP's thread count, which a
+  CPU group's ranks set anyway) comes from the controller's environment when the first CPU group started;
+- SIGINT and SIGTERM ignored: the server is started with both ignored (`held_signals`: an ignored disposition
+  survives exec, and multiprocessing's children restore what the server started with), so a Ctrl-C to the process
+  group reaches neither it, half-way through its imports, nor a child before it calls `ignore_stop_signals`, and a
+  SIGTERM leaves the server to end with the controller (from the main thread, where groups are started: elsewhere
+  signal dispositions cannot be changed);
+- its parent is the server, not the controller: the parent watch of `local.py` looks at both.
+sys.path and the working directory are the controller's at `Process.start()` (multiprocessing sends them).
+
+GPU groups are spawned as before: `transformers.modeling_utils` imports torchao where it is installed, which asks
+CUDA about the devices at import (`torch.utils._triton.has_triton`); in the server that would initialize CUDA,
+which a forked child can no longer use, and hiding the GPUs from the server would leave every child with a cached
+"no GPU, no Triton". The server therefore starts with no GPU visible and serves CPU groups only; a GPU worker's
+start is dominated by loading its model anyway. Where there is no fork server (Windows) every group is spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from multiprocessing import forkserver
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from hybridflow.utils.stop_signals import held_signals
+
+# what every rank imports anyway (the worker classes and both engines); multiprocessing skips one that raises
+# ImportError, so a package missing here costs only the time saved
+PRELOAD = ["torch", "transformers.modeling_utils", "hybridflow.engine.train", "hybridflow.workers"]
+
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def environ(updates: dict[str, str]) -> Iterator[None]:
+    """Sets `updates` in os.environ while a process is started (it copies it at exec), then restores it."""
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in updates}
+        os.environ.update(updates)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def fork_server_context() -> Any:
+    """multiprocessing's forkserver context with its server running (started here, with `PRELOAD`, no GPU
+    visible and the stop signals ignored, if it is not yet); the spawn context where there is no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read only when the server starts
+    with held_signals(), environ({"CUDA_VISIBLE_DEVICES": ""}):
+        forkserver.ensure_running()
+    return ctx
+
+
+def start_context(device_type: str) -> Any:
+    """The multiprocessing context a group on `device_type` starts its ranks with (module docstring)."""
+    return fork_server_context() if device_type == "cpu" else mp.get_context("spawn")
