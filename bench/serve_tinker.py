@@ -100,7 +100,9 @@ def sampling(a: argparse.Namespace) -> dict:
     server = Server(a.model_dir, a.device, a.concurrency, Path(a.work) / "checkpoints")
     try:
         sampler = server.client().create_sampling_client(base_model="m").result()
-        params = types.SamplingParams(max_tokens=a.max_new_tokens, temperature=1.0, seed=a.seed)
+        # no seed, as tinker-cookbook's completers send: the server runs a seeded request alone (its draws must not
+        # depend on the requests beside it), so seeded requests would be 64 engine batches, not one
+        params = types.SamplingParams(max_tokens=a.max_new_tokens, temperature=1.0)
 
         async def burst() -> tuple[float, int]:
             start = time.perf_counter()
@@ -144,7 +146,7 @@ def race_service(a: argparse.Namespace) -> dict:
     setup_s = time.perf_counter() - started
 
     async def generate(sampler, prompts: list[list[int]], n: int, temperature: float):
-        params = types.SamplingParams(max_tokens=a.max_new_tokens, temperature=temperature, seed=a.seed)
+        params = types.SamplingParams(max_tokens=a.max_new_tokens, temperature=temperature)  # unseeded: see sampling
         return await asyncio.gather(*(sampler.sample(types.ModelInput.from_ints(p), n, params)
                                       for p in prompts))
 
@@ -178,8 +180,11 @@ def race_service(a: argparse.Namespace) -> dict:
         if data:
             trainer.forward_backward(data, "importance_sampling").result()
             trainer.optim_step(types.AdamParams(learning_rate=a.lr)).result()
-        return {"reward/mean": sum(rewards) / len(rewards), "timing_s/generate": t1 - t0,
-                "timing_s/step": time.perf_counter() - t0, "trained_sequences": len(data)}
+        row = {"reward/mean": sum(rewards) / len(rewards), "timing_s/generate": t1 - t0,
+               "timing_s/step": time.perf_counter() - t0, "trained_sequences": len(data)}
+        print(f"  service step {index + 1}: {row['timing_s/step']:.2f}s (sampling {row['timing_s/generate']:.2f}s), "
+              f"{len(data)} sequences trained", flush=True)
+        return row
 
     clock, steps = RaceClock(a.budget_s, a.eval_every_s), []
     try:
@@ -233,7 +238,7 @@ def main() -> None:
     model_dir, work = race_inputs(a, "serve_tinker_")
     settings = ("device", "prompts", "n", "max_new_tokens", "max_prompt_length", "lr", "weight_decay", "budget_s",
                 "eval_every_s", "n_train", "n_val", "seed", "rank", "concurrency", "repeats")
-    results = {}
+    results: dict[str, dict] = {}
     for name in a.only:
         print(f"{name}:", flush=True)
         res = work / f"{name}.json"
@@ -242,25 +247,37 @@ def main() -> None:
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in settings]
         subprocess.run(cmd, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         results[name] = json.loads(res.read_text())
-    summary = {}
-    if "sampling" in results:
-        s = results["sampling"]
-        summary["sampling_ratio"] = s["ratio"]
-        print(f"sampling, {a.concurrency} requests at once: service {s['service']['tokens_per_s']:,.0f} tok/s, "
-              f"engine {s['engine']['tokens_per_s']:,.0f} tok/s: {s['ratio']:.2f}x (target >= 0.8)")
-    for name in ("service", "trainer"):
-        if name in results:
-            r = results[name]
-            r["steps_done"] = r["points"][-1]["step"]
-            r["steps_per_s"] = r["steps_done"] / r["points"][-1]["train_s"]
-            print(f"{name:<8} setup {r['setup_s']:.1f}s, {r['steps_done']} steps ({r['steps_per_s']:.3f}/s), accuracy "
-                  + " -> ".join(f"{p['accuracy']:.1%}@{p['train_s']:.0f}s" for p in r["points"])
-                  + (f", device peak {r['peak_device_memory_gb']:.2f} GiB" if "peak_device_memory_gb" in r else ""))
+        # each measurement is printed and written as soon as it ends: a device call cut short keeps the finished ones
+        summarize(a, name, results)
+        write_report(a, model_dir, settings, results)
+
+
+def summarize(a: argparse.Namespace, name: str, results: dict[str, dict]) -> None:
+    """Prints the measurement `name` just finished (with the service / trainer ratio once both are in)."""
+    r = results[name]
+    if name == "sampling":
+        print(f"sampling, {a.concurrency} requests at once: service {r['service']['tokens_per_s']:,.0f} tok/s, "
+              f"engine {r['engine']['tokens_per_s']:,.0f} tok/s: {r['ratio']:.2f}x (target >= 0.8)", flush=True)
+        return
+    r["steps_done"] = r["points"][-1]["step"]
+    r["steps_per_s"] = r["steps_done"] / r["points"][-1]["train_s"]
+    print(f"{name:<8} setup {r['setup_s']:.1f}s, {r['steps_done']} steps ({r['steps_per_s']:.3f}/s), accuracy "
+          + " -> ".join(f"{p['accuracy']:.1%}@{p['train_s']:.0f}s" for p in r["points"])
+          + (f", device peak {r['peak_device_memory_gb']:.2f} GiB" if "peak_device_memory_gb" in r else ""),
+          flush=True)
     if {"service", "trainer"} <= set(results):
-        summary["steps_per_s_ratio"] = results["service"]["steps_per_s"] / results["trainer"]["steps_per_s"]
-        print(f"service / trainer steps per second: {summary['steps_per_s_ratio']:.2f}x (target >= 0.7)")
+        ratio = results["service"]["steps_per_s"] / results["trainer"]["steps_per_s"]
+        print(f"service / trainer steps per second: {ratio:.2f}x (target >= 0.7)", flush=True)
+
+
+def write_report(a: argparse.Namespace, model_dir: Path, settings: tuple[str, ...], results: dict[str, dict]) -> None:
     import torch
 
+    summary = {}
+    if "sampling" in results:
+        summary["sampling_ratio"] = results["sampling"]["ratio"]
+    if {"service", "trainer"} <= set(results):
+        summary["steps_per_s_ratio"] = results["service"]["steps_per_s"] / results["trainer"]["steps_per_s"]
     report = {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "model": str(model_dir), "commit": git_commit(),
               "settings": {k: v for k, v in vars(a).items() if k in settings}, "summary": summary, "results": results}
