@@ -61,7 +61,8 @@ rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "
 # FAMILY_SHAPES picks fewer where one call cannot hold them all. Qwen3.5's kernels on both sides (ours and
 # transformers') are flash-linear-attention's: its wheels go into .whl/ with the others
 # (pip download --no-deps -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2)
-families() { python3 bench/rollout.py --device cuda \
+# (`generate` timed over 64 new tokens, FAMILY_HF_TOKENS: at 256 the 512-expert Qwen3-Next shape's did not end in 240 s)
+families() { python3 bench/rollout.py --device cuda --hf-new-tokens "${FAMILY_HF_TOKENS:-64}" \
     --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b qwen3-next-80b-a3b-4l} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
 # vision-language rollout (issue 59; docs/models.md#vision-language-models): VisionRolloutEngine against generate at

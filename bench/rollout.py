@@ -205,7 +205,9 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip_hf, bandwidth,
-                repeats: int = 1) -> dict:
+                repeats: int = 1, hf_new_tokens: int | None = None) -> dict:
+    """Ours against `generate` at `shape`; `hf_new_tokens`: fewer new tokens for `generate` (its rate is per token;
+    a sparse MoE's `generate` loops over its experts, minutes at 256 tokens and 512 experts), default `new_tokens`."""
     model = make_model(shape, dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
     engine = engine_from(model, device, dtype, max_num_seqs=max(batches),
@@ -241,7 +243,7 @@ def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip
             outs, seconds = ours_generate(engine, prompts.tolist(), params)
             ours_runs.append(sum(len(o[0].token_ids) for o in outs) / seconds)
             if not skip_hf:
-                hf_tokens, hf_seconds = hf_generate(model, prompts.to(device), new_tokens)
+                hf_tokens, hf_seconds = hf_generate(model, prompts.to(device), hf_new_tokens or new_tokens)
                 hf_runs.append(hf_tokens.numel() / hf_seconds)
         stats = engine.stats
         step_ms = 1e3 * stats["decode_s"] / max(stats["decode_steps"], 1)
@@ -257,7 +259,8 @@ def bench_shape(shape: str, device, dtype, batches, prompt_len, new_tokens, skip
         if repeats > 1:
             entry.update(ours_runs_tok_s=ours_runs, hf_runs_tok_s=hf_runs)
         if not skip_hf:
-            entry.update(hf_tok_s=median(hf_runs), hf_s=batch * new_tokens / median(hf_runs))
+            entry.update(hf_tok_s=median(hf_runs), hf_s=batch * new_tokens / median(hf_runs),
+                         hf_new_tokens=hf_new_tokens or new_tokens)
             entry["speedup"] = entry["ours_tok_s"] / entry["hf_tok_s"]
         row["batches"][batch] = entry
         print(shape, batch, {k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()},
@@ -338,6 +341,8 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="only the long-response regime and shared prefill")
     parser.add_argument("--skip-long", action="store_true", help="leave out the long-response regime")
     parser.add_argument("--long-max", type=int, default=4096, help="most new tokens in the long regime (CUDA)")
+    parser.add_argument("--hf-new-tokens", type=int, default=None,
+                        help="--shapes: new tokens `generate` is timed for (default: as ours, 256)")
     parser.add_argument("--hf-long-tokens", type=int, default=512,
                         help="new tokens `generate` is timed for in the long regime")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over a decode run, into the JSON "
@@ -361,7 +366,8 @@ def main() -> None:
     if args.shapes:
         batches, bandwidth = [256] if not cpu else [16], None if cpu else copy_bandwidth(device)
         result["shapes"] = {s: bench_shape(s, device, torch.float32 if cpu else torch.bfloat16, batches, 128, 256,
-                                           args.skip_hf, bandwidth) for s in args.shapes}
+                                           args.skip_hf, bandwidth, hf_new_tokens=args.hf_new_tokens)
+                            for s in args.shapes}
     elif args.exact:
         result["exact"] = bench_exact(device, torch.float32 if cpu else torch.bfloat16, 8 if cpu else 128,
                                       8 if cpu else 256, 1 if cpu else 3)
