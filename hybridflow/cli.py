@@ -267,7 +267,10 @@ def _passthrough(name: str):
 
 
 def _stopped(command: str, e: Interrupted) -> int:
-    """What a run stopped at once by a signal (`e`) says; its exit code."""
+    """What a run stopped at once by a signal (`e`) says, as its last line; its exit code."""
+    from hybridflow.controller.backends.process_start import stop_fork_server
+
+    stop_fork_server()  # a fork server started just before the signal may still be importing, and printing
     what = ("the step under way was not saved, the run resumes from its last checkpoint" if e.second else
             "outside a training step, so nothing in progress was lost; the same command resumes from the "
             "last checkpoint, if there is one")

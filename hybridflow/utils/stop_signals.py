@@ -29,7 +29,8 @@ while Python is still starting in it. `held_signals` closes both windows, in the
 handlers' answer to a signal already caught waits for the block's end, and the two signals are ignored
 while the block runs, so the child starts ignoring them (an ignored disposition survives exec; a
 blocked mask does not survive Python's process start); `ignore_stop_signals` keeps them so in it. A
-signal that arrives during the block itself (the few milliseconds a process start takes) is lost.
+signal that arrives during the block itself (the few milliseconds a process start takes) is lost; a start from a
+fork server that ignores them already (`held_signals(ignore=False)`) keeps the handlers and loses none.
 Processes the run starts ignore SIGINT and SIGTERM: a terminal, Slurm or systemd send them to every
 process of the run; the controller gets them too and coordinates the stop (it finishes the step and
 saves), then shuts the processes down.
@@ -162,16 +163,19 @@ class GracefulStop(_Handler):
 
 
 @contextlib.contextmanager
-def held_signals() -> Iterator[None]:
+def held_signals(ignore: bool = True) -> Iterator[None]:
     """Around starting a process (see the module docstring): SIGINT and SIGTERM ignored, and the stop handlers'
-    answer to one already caught deferred to the block's end. Nested blocks wait for the outermost; outside
-    the main thread (where handlers do not run and cannot be changed) nothing is held."""
+    answer to one already caught deferred to the block's end. `ignore=False` leaves the handlers in place, so a
+    signal arriving in the block is answered at its end too, none lost: for a child forked from a process that
+    ignores them already (the local backend's fork server), whose start can wait seconds for the server's imports.
+    Nested blocks wait for the outermost; outside the main thread (where handlers do not run and cannot be changed)
+    nothing is held."""
     global _held
     if _held is not None or threading.current_thread() is not threading.main_thread():
         yield
         return
     _held = []
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if ignore else {}
     try:
         yield
     finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from hybridflow.controller import WorkerGroup
 from hybridflow.controller.backends.process_start import fork_server_context
 
@@ -48,5 +50,27 @@ def test_a_worker_class_on_a_path_added_after_the_server_started_is_found(tmp_pa
         places = group.where()
         assert {f for f, _ in places} == {str(tmp_path / "late_added_workers.py")}
         assert len({pid for _, pid in places} | {os.getpid()}) == 3
+    finally:
+        group.shutdown()
+
+
+def test_stopping_the_fork_server_ends_it_at_once_and_a_later_group_starts_another():
+    """A run stopped by a signal ends the fork server before its last line (`cli._stopped`), even one still importing
+    its preload; the next CPU group starts a new one."""
+    from multiprocessing import forkserver
+
+    from hybridflow.controller.backends.process_start import stop_fork_server
+
+    fork_server_context()
+    pid = forkserver._forkserver._forkserver_pid
+    stop_fork_server()
+    assert forkserver._forkserver._forkserver_pid is None
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(pid, 0)
+    stop_fork_server()  # none runs: nothing to do
+    group = WorkerGroup(ToyWorker, 2, inline=False, name="after-stop")
+    try:
+        assert all(parent != os.getpid() for _, parent in group.environment())
+        assert forkserver._forkserver._forkserver_pid not in (None, pid)
     finally:
         group.shutdown()

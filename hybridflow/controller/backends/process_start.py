@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from multiprocessing import forkserver
@@ -72,6 +73,21 @@ def fork_server_context() -> Any:
     with held_signals(), environ({"CUDA_VISIBLE_DEVICES": ""}):
         forkserver.ensure_running()
     return ctx
+
+
+def stop_fork_server() -> None:
+    """Ends this process's fork server now, if one runs (killed: it may be half-way through `PRELOAD`, which it
+    would finish first, printing what the imports print). A run stopped by a signal calls it before its last line,
+    so nothing of the run's prints after that line nor outlives it; its ranks are shut down by then. A later CPU
+    group starts a new server. multiprocessing keeps the server in its module (`_forkserver`, whose `_stop` closes
+    the alive pipe, reaps the process and removes its socket): the only handle there is to it."""
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is None or pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    server._stop()
 
 
 def start_context(device_type: str) -> Any:
