@@ -17,6 +17,10 @@ What a forked process does not get from its `Process.start()`, and how it gets i
   SIGTERM leaves the server to end with the controller (from the main thread, where groups are started: elsewhere
   signal dispositions cannot be changed);
 - its parent is the server, not the controller: the parent watch of `local.py` looks at both.
+The first start from a new server waits for its imports (seconds): the controller's stop handlers stay in place
+around it (`held_signals(ignore=False)`), so a signal then is answered when the start returns, not lost; and a run
+stopped by a signal ends the server before its last line (`stop_fork_server`), which a server still importing would
+otherwise print after.
 sys.path and the working directory are the controller's at `Process.start()` (multiprocessing sends them).
 
 GPU groups are spawned as before: `transformers.modeling_utils` imports torchao where it is installed, which asks
