@@ -38,6 +38,10 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
         return model.model_validate(await request.json())
     except (ValidationError, ValueError) as e:
         raise _bad(str(e)) from e
+    except ConnectionResetError as e:
+        # the client went away before its body arrived (an SDK closing at exit, its heartbeat in flight): an answer
+        # nobody reads, not a server fault with a traceback in the log
+        raise _bad("the client closed the connection before the request's body arrived") from e
 
 
 def _bad(detail: str, error: type[web.HTTPException] = web.HTTPBadRequest) -> web.HTTPException:

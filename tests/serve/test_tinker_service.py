@@ -183,3 +183,25 @@ def test_serve_command_refuses_a_directory_without_a_model(tmp_path, capsys):
     assert f"--model tiny={tmp_path}: no config.json there" in capsys.readouterr().err
     assert main(["serve", "--model", f"a={tmp_path}", "--model", f"a={tmp_path}"]) == 2
     assert "each name once" in capsys.readouterr().err
+
+
+def test_a_client_gone_before_its_body_arrived_costs_no_traceback(server, caplog):
+    """A client that closes its connection half-way through a request's body (the SDK closing at exit with a
+    heartbeat in flight) is no server fault: nothing is logged as an error, and the server goes on."""
+    import logging
+    import socket
+    import time
+    import urllib.request
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+        with socket.create_connection((url.hostname, url.port)) as s:
+            s.sendall(b"POST /api/v1/session_heartbeat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"X-API-Key: " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"session_id\":")
+            time.sleep(0.2)  # the handler is reading the body
+        time.sleep(0.5)  # the server notices the closed connection
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    health = urllib.request.Request(f"{server.url}/api/v1/healthz", headers={"X-API-Key": API_KEY})
+    with urllib.request.urlopen(health, timeout=10) as response:
+        assert response.status == 200
