@@ -18,9 +18,12 @@ from tests.serve.conftest import TOKENS, datum, logprobs  # noqa: E402
 
 
 def _hold(service) -> threading.Event:
-    """Keep the worker busy until the returned event is set (requests queue up meanwhile)."""
-    release = threading.Event()
-    service.queue.submit(Job(lambda requests: [release.wait(60)], None))
+    """Keep the worker busy until the returned event is set (requests queue up meanwhile). Returns once the worker
+    holds: a hold job still waiting would count among the requests `_until_waiting` waits for, and the release could
+    come before the last request arrived (seen once under load: each request then ran alone)."""
+    release, holding = threading.Event(), threading.Event()
+    service.queue.submit(Job(lambda requests: [holding.set(), release.wait(60)][1:], None))
+    assert holding.wait(30), "the worker did not take the hold job"
     return release
 
 
