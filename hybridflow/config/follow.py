@@ -23,7 +23,7 @@ from typing import Any
 
 from hybridflow.config.fp8_checks import fp8_problems
 from hybridflow.config.ray_schema import PoolConfig, RayConfig
-from hybridflow.config.role_needs import ENDPOINT_WAYS
+from hybridflow.config.role_needs import endpoint_ways
 from hybridflow.config.validate import changed_keys
 from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, vision_model_type
 
@@ -68,7 +68,7 @@ def _partial_continues(cfg: Any) -> str | None:
 
 
 def _endpoint_reward(cfg: Any) -> str | None:
-    ways = [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(cfg.agent, way)]
+    ways = endpoint_ways(cfg.agent)
     if ways and not cfg.reward.functions:
         return f"{ways[0]} returns each trajectory's reward"
     return None
@@ -112,14 +112,13 @@ def _fp8_rollout(cfg: Any) -> str | None:
 
 def _vision_model(cfg: Any) -> str | None:
     model_type = vision_model_type(getattr(getattr(cfg, "model", None), "path", None))
-    agent = getattr(cfg, "agent", None)
-    if model_type is None or any(getattr(agent, way, None) for way in ENDPOINT_WAYS):  # an endpoint's runner sends
+    if model_type is None or endpoint_ways(getattr(cfg, "agent", None)):  # an endpoint's runner sends
         return None  # the images with its requests: the dataset's are not read
     return f"model.path is a vision-language model ({model_type}) whose prompts carry images"
 
 
 def _endpoint_way(cfg: Any) -> str | None:
-    return next((f"agent.{way}" for way in ENDPOINT_WAYS if getattr(cfg.agent, way)), None)
+    return next(iter(endpoint_ways(cfg.agent)), None)
 
 
 def _vision_endpoint(cfg: Any) -> str | None:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.extras import config_value, lora_target_problems
-from hybridflow.config.role_needs import ENDPOINT_WAYS, carries_images, distills, needs_critic, rollout_workers
+from hybridflow.config.role_needs import (ENDPOINT_WAYS, carries_images, distills, endpoint_ways, needs_critic,
+                                          rollout_workers)
 from hybridflow.utils.lm_class import TEXT_FIRST_FAMILIES, VISION_FAMILIES, config_fields, vision_model_type
 
 
@@ -113,7 +114,7 @@ def vision_problems(cfg: Any) -> list[str]:
         return [f"model.path={cfg.model.path}: vision-language model_type {model_type!r} is not supported (its image "
                 f"inputs and rotary positions differ); supported: {', '.join(VISION_FAMILIES)}"]
     problems = vision_rollout_problems(cfg.rollout)
-    endpoint = [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(cfg.agent, way, None)]
+    endpoint = endpoint_ways(cfg.agent)
     if cfg.data.image_key is None and not endpoint:
         problems.append(f"data.image_key=null: model.path={cfg.model.path} is a vision-language model ({model_type}), "
                         f"whose prompts need images; set it to the column holding them (verl's geo3k: images)")
@@ -140,7 +141,7 @@ def agent_images_problems(cfg: Any) -> list[str]:
     """`agent.images` set against what `model.path` is (read from its config.json): true for a model without a vision
     tower, false for a vision-language model that trains only as one (not a `TEXT_FIRST_FAMILIES` checkpoint)."""
     images, fields = cfg.agent.images, config_fields(cfg.model.path)
-    if images is None or fields is None or not any(getattr(cfg.agent, way, None) for way in ENDPOINT_WAYS):
+    if images is None or fields is None or not endpoint_ways(cfg.agent):
         return []
     model_type = fields.get("model_type")
     if images and "vision_config" not in fields:

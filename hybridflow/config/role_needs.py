@@ -47,6 +47,11 @@ def agent_keys(agent: Any) -> list[str]:
     return [f"agent.{key}" for key in ("environment", "tools", *ENDPOINT_WAYS) if getattr(agent, key, None)]
 
 
+def endpoint_ways(agent: Any) -> list[str]:
+    """The ways in through the OpenAI-compatible endpoint that are set (`ENDPOINT_WAYS`), as keys: "agent.runner"."""
+    return [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(agent, way, None)]
+
+
 def agent_enabled(agent: Any) -> bool:
     """Multi-turn episodes are on (`agent_keys`)."""
     return bool(agent_keys(agent))
@@ -76,8 +81,7 @@ def carries_images(cfg: Any) -> bool:
     preference programs' have neither key (their prompts carry no images)."""
     if getattr(getattr(cfg, "data", None), "image_key", None) is not None:
         return True
-    agent = getattr(cfg, "agent", None)
-    return any(getattr(agent, way, None) for way in ENDPOINT_WAYS) and endpoint_images(cfg)
+    return bool(endpoint_ways(getattr(cfg, "agent", None))) and endpoint_images(cfg)
 
 
 def rollout_workers(cfg: Any) -> int:

@@ -26,7 +26,7 @@ from hybridflow.config.extras import config_value, lora_target_problems, moe_mod
 from hybridflow.config.input_checks import data_file_problems, model_problems, path_problems, run_problems
 from hybridflow.config.rollout_checks import (divisors, join_values, moe_problems, off_policy_problems,
                                               placement_problems)
-from hybridflow.config.role_needs import (ENDPOINT_WAYS, GROUP_KEYS, agent_enabled, agent_setting, distills,
+from hybridflow.config.role_needs import (GROUP_KEYS, agent_enabled, agent_setting, distills, endpoint_ways,
                                           needs_critic, needs_greedy_baseline, run_groups, uses_task_advantage)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
@@ -272,7 +272,7 @@ def _agent_problems(cfg: Any) -> list[str]:
         problems.append(f"{agent_setting(agent)}: multi-turn episodes "
                         f"continue live sequences turn by turn, which the fast engine does and rollout.engine=hf "
                         f"(transformers.generate) does not; use rollout.engine=auto or fast")
-    ways = [f"agent.{way}" for way in ENDPOINT_WAYS if getattr(agent, way)]
+    ways = endpoint_ways(agent)
     if len(ways) > 1 or ways and (agent.environment or agent.tools):
         problems.append(f"{', '.join(ways)} drive the model through the endpoint and exclude each other and agent."
                         f"environment / agent.tools: set one of them")
