@@ -55,7 +55,7 @@ def rows(path: Path) -> list[dict]:
 class Server:
     """`hybridflow serve`'s app on a free port of 127.0.0.1, its event loop in a background thread."""
 
-    def __init__(self, model_dir: str, device: str, max_num_seqs: int, checkpoints: Path) -> None:
+    def __init__(self, model_dir: str, device: str, max_num_seqs: int, max_model_len: int, checkpoints: Path) -> None:
         from aiohttp import web
 
         from hybridflow.serve.http_api import make_app
@@ -65,8 +65,10 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.loop = asyncio.new_event_loop()
-        config = ServeConfig({"m": Path(model_dir)}, device=device, max_num_seqs=max_num_seqs, checkpoint_dir=checkpoints)
-        self.runner = web.AppRunner(make_app(config, api_key=API_KEY))
+        # the service's defaults, with slots as long as the task's sequences (as `hybridflow train` sizes its engine)
+        self.config = ServeConfig({"m": Path(model_dir)}, device=device, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len, checkpoint_dir=checkpoints)
+        self.runner = web.AppRunner(make_app(self.config, api_key=API_KEY))
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -97,7 +99,8 @@ def sampling(a: argparse.Namespace) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
     prompts = chat_prompts(tokenizer, rows(Path(a.work) / "train.parquet")[:a.concurrency])
-    server = Server(a.model_dir, a.device, a.concurrency, Path(a.work) / "checkpoints")
+    server = Server(a.model_dir, a.device, a.concurrency, a.max_prompt_length + a.max_new_tokens,
+                    Path(a.work) / "checkpoints")
     try:
         sampler = server.client().create_sampling_client(base_model="m").result()
         # no seed, as tinker-cookbook's completers send: the server runs a seeded request alone (its draws must not
@@ -114,7 +117,10 @@ def sampling(a: argparse.Namespace) -> dict:
         service_runs = [asyncio.run(burst()) for _ in range(a.repeats)]
     finally:
         server.close()
-    engine = RolloutEngine.from_pretrained(a.model_dir, device=a.device, max_num_seqs=a.concurrency)
+    # the engine as the service builds it (precision, slots), driven directly
+    engine = RolloutEngine.from_pretrained(a.model_dir, device=a.device, max_num_seqs=a.concurrency,
+                                           dtype=server.config.sampler_torch_dtype(),
+                                           max_model_len=server.config.max_model_len)
     own = SamplingParams(n=1, temperature=1.0, max_tokens=a.max_new_tokens, seed=a.seed)
     engine.generate(prompts, own)
     engine_runs = []
@@ -140,7 +146,8 @@ def race_service(a: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
     train, val = rows(Path(a.work) / "train.parquet"), rows(Path(a.work) / "val.parquet")
     train_prompts, val_prompts = chat_prompts(tokenizer, train), chat_prompts(tokenizer, val)
-    server = Server(a.model_dir, a.device, max(a.prompts * a.n, len(val)), Path(a.work) / "checkpoints")
+    server = Server(a.model_dir, a.device, max(a.prompts * a.n, len(val)), a.max_prompt_length + a.max_new_tokens,
+                    Path(a.work) / "checkpoints")
     service = server.client()
     trainer = service.create_lora_training_client(base_model="m", rank=a.rank, seed=a.seed).result()
     setup_s = time.perf_counter() - started

@@ -96,7 +96,9 @@ def _serve(args: argparse.Namespace) -> int:
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         config = ServeConfig(model_map(args.model), device=device, checkpoint_dir=Path(args.checkpoint_dir),
                              merged_exports=args.merged_exports, micro_batch_tokens=args.micro_batch_tokens,
-                             quantization=args.quantization, session_timeout_s=args.session_timeout_s)
+                             quantization=args.quantization, session_timeout_s=args.session_timeout_s,
+                             max_num_seqs=args.max_num_seqs, sampler_dtype=args.sampler_dtype,
+                             kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
         serve(config, args.host, args.port, args.api_key)
     except ValueError as e:
         print(f"hybridflow serve: {e}", file=sys.stderr)
@@ -160,6 +162,7 @@ PASSTHROUGH_HELP = {"export": "write a checkpoint as a Hugging Face model direct
 
 def build_parser() -> argparse.ArgumentParser:
     from hybridflow.config.model_schema import QUANTIZATIONS
+    from hybridflow.serve.config import SAMPLER_DTYPES
 
     parser = argparse.ArgumentParser(prog="hybridflow",
                                      description="Reinforcement-learning post-training of language models.")
@@ -223,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-timeout-s", type=float, default=300.0,
                    help="a session whose client sent no heartbeat (the SDK sends one every 10 s) for this long is "
                         "finished and its training clients' weights released; 0: never (default 300)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="sequences the sampling engine runs at once, across clients (default 64)")
+    p.add_argument("--sampler-dtype", choices=SAMPLER_DTYPES, default="auto",
+                   help="the sampling engine's precision: bf16, fp32, or auto (default: bf16 on CUDA, fp32 on CPU, "
+                        "where sampled log-probs equal the fp32 trainer's); training stays fp32")
+    p.add_argument("--kv-cache-memory", type=float, default=0.3,
+                   help="the fraction of free device memory the sampling engine's KV cache takes when it starts; "
+                        "the rest is the training clients' (default 0.3)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="the sampling engine's tokens per sequence, prompt + sampled: a shorter one fits more "
+                        "sequences in the cache (default 0: min(the model's context, 4096))")
     p.set_defaults(fn=_serve)
 
     for name, fn, text, docs, recipe in (

@@ -6,7 +6,14 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from hybridflow.config.model_schema import QUANTIZATIONS
+
+if TYPE_CHECKING:
+    import torch
+
+SAMPLER_DTYPES = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -24,6 +31,14 @@ class ServeConfig:
     quantization: "nf4" stores the bases' projections in 4 bits for LoRA clients (`BaseModels`); "none" keeps fp32.
     session_timeout_s: a session whose client sent no heartbeat for this long is finished and its training clients
         released (`Sessions`); 0: never.
+    sampler_dtype: the sampling engine's weights and KV cache: "bf16", "fp32", or "auto" (bf16 on CUDA, where the
+        engine's flash attention and decode kernels need half precision; fp32 elsewhere, where its log-probs equal
+        the fp32 trainer's). The training clients stay in fp32 either way.
+    max_model_len: the sampling engine's tokens per sequence, prompt + sampled (0: the engine's default,
+        min(max_position_embeddings, 4096)); its KV cache holds slots of this length, so a shorter one holds more
+        sequences in the same memory.
+    kv_cache_memory: the fraction of free device memory the sampling engine's KV cache may take when it is built
+        (the first sample request of a base); the rest stays for the training clients' weights and activations.
     """
 
     models: dict[str, Path]
@@ -35,6 +50,9 @@ class ServeConfig:
     micro_batch_tokens: int = 0
     quantization: str = "none"
     session_timeout_s: float = 300.0
+    sampler_dtype: str = "auto"
+    max_model_len: int = 0
+    kv_cache_memory: float = 0.3
 
     def __post_init__(self) -> None:
         self.checkpoint_dir = Path(self.checkpoint_dir)  # a str from a caller that is not the CLI
@@ -44,8 +62,26 @@ class ServeConfig:
             raise ValueError(f"--session-timeout-s={self.session_timeout_s} must be >= 0 (0: sessions never expire)")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization {self.quantization}: valid: {', '.join(QUANTIZATIONS)}")
+        if self.sampler_dtype not in SAMPLER_DTYPES:
+            raise ValueError(f"--sampler-dtype {self.sampler_dtype}: valid: {', '.join(SAMPLER_DTYPES)}")
+        if not 0.0 < self.kv_cache_memory < 1.0:  # NaN fails too
+            raise ValueError(f"--kv-cache-memory={self.kv_cache_memory} must be a fraction of free memory in (0, 1)")
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len={self.max_model_len} must be >= 0 (0: the engine's default)")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs={self.max_num_seqs} must be >= 1")
         if self.quantization == "nf4" and importlib.util.find_spec("torchao") is None:
             raise ValueError("--quantization nf4 needs torchao: pip install -c constraints.txt -e '.[memory]'")
+
+
+    def sampler_torch_dtype(self) -> torch.dtype:
+        """The sampling engine's dtype: `sampler_dtype` with "auto" resolved by the device."""
+        import torch  # here: the CLI reads this module's choices before any torch import
+
+        name = self.sampler_dtype
+        if name == "auto":
+            name = "bf16" if torch.device(self.device).type == "cuda" else "fp32"
+        return torch.bfloat16 if name == "bf16" else torch.float32
 
 
 def model_map(specs: list[str]) -> dict[str, Path]:

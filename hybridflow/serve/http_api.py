@@ -19,6 +19,7 @@ import logging
 from functools import partial
 from typing import Any, Awaitable, Callable
 
+import torch
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from tinker import types
@@ -79,6 +80,13 @@ async def retrieve_future(request: web.Request) -> web.Response:
     except ValueError as e:  # the caller's mistake (unknown model or loss, bad shapes...)
         service.futures.pop(req.request_id, None)
         return _fail(str(e), types.RequestErrorCategory.User)
+    except torch.OutOfMemoryError as e:  # the server goes on; what would make the request fit is named
+        log.exception("request %s ran out of device memory", req.request_id)
+        service.futures.pop(req.request_id, None)
+        return _fail(f"the device ran out of memory ({str(e).splitlines()[0]}); send fewer or shorter data per "
+                     f"request, or restart hybridflow serve with a smaller --micro-batch-tokens (forward_backward "
+                     f"passes), --kv-cache-memory or --max-num-seqs (the sampling engine), or --quantization nf4 "
+                     f"(LoRA clients' bases in 4 bits)", types.RequestErrorCategory.Server)
     except Exception as e:  # a fault of the server: logged with its traceback, reported to the caller
         log.exception("request %s failed", req.request_id)
         service.futures.pop(req.request_id, None)

@@ -23,9 +23,11 @@ Snapshot = list[tuple[str, torch.Tensor]]
 class Sampler:
     """The rollout engine of one base model and which weights it holds now (a snapshot's path, or None: base)."""
 
-    def __init__(self, path: str | Path, device: str, max_num_seqs: int) -> None:
+    def __init__(self, path: str | Path, device: str, max_num_seqs: int, dtype: torch.dtype = torch.float32,
+                 kv_cache_memory: float | None = None, max_model_len: int | None = None) -> None:
         self.path = Path(path)
-        self.engine = RolloutEngine.from_pretrained(path, device=device, max_num_seqs=max_num_seqs)
+        self.engine = RolloutEngine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                                    kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
         self.loaded: str | None = None
         self.adapted: set[str] = set()  # weights a snapshot replaced, reloaded from disk to go back to the base
 
@@ -43,6 +45,11 @@ class Sampler:
                params: SamplingParams) -> list[list[tuple[list[int], list[float], str]]]:
         """`params.n` samples of each prompt under the snapshot `key` (None: the base), all in one engine batch:
         per prompt, (tokens, log-probs, finish reason) per sample."""
+        slots = self.engine.kv.num_slots
+        if params.n > slots:  # a prompt's samples run side by side (they share its prefill)
+            raise ValueError(f"num_samples={params.n} is more than the sampling engine's {slots} sequences at once; "
+                             f"ask for at most {slots}, or restart hybridflow serve with a larger --max-num-seqs "
+                             f"or --kv-cache-memory")
         self._load(key, snapshot)
         return [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in completions]
                 for completions in self.engine.generate(prompts, params)]

@@ -370,5 +370,7 @@ class TinkerService:
 
     def _sampler(self, base: str) -> Sampler:
         if base not in self.samplers:
-            self.samplers[base] = Sampler(self.bases.path(base), self.config.device, self.config.max_num_seqs)
+            self.samplers[base] = Sampler(self.bases.path(base), self.config.device, self.config.max_num_seqs,
+                                          self.config.sampler_torch_dtype(), self.config.kv_cache_memory,
+                                          self.config.max_model_len or None)
         return self.samplers[base]
