@@ -45,8 +45,9 @@ class Sampler:
                params: SamplingParams) -> list[list[tuple[list[int], list[float], str]]]:
         """`params.n` samples of each prompt under the snapshot `key` (None: the base), all in one engine batch:
         per prompt, (tokens, log-probs, finish reason) per sample."""
-        slots = self.engine.kv.num_slots
-        if params.n > slots:  # a prompt's samples run side by side (they share its prefill)
+        # the fast engine runs a prompt's samples side by side (they share its prefill); the fallback takes any n
+        slots = self.engine.kv.num_slots if isinstance(self.engine, RolloutEngine) else params.n
+        if params.n > slots:
             raise ValueError(f"num_samples={params.n} is more than the sampling engine's {slots} sequences at once; "
                              f"ask for at most {slots}, or restart hybridflow serve with a larger --max-num-seqs "
                              f"or --kv-cache-memory")
