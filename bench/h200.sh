@@ -65,6 +65,10 @@ rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "
 families() { python3 bench/rollout.py --device cuda --hf-new-tokens "${FAMILY_HF_TOKENS:-64}" \
     --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b qwen3-next-80b-a3b-4l} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
+# where the prefill's time goes at one shape (issue 59: Qwen3.5-0.8B's took 10.3 s of a 13.0 s generation on an H100):
+# 256 prompts x 128 tokens, one new token each, a torch.profiler table; PREFILL_SHAPE picks another shape
+prefill_profile() { python3 bench/prefill_profile.py --device cuda --shape "${PREFILL_SHAPE:-qwen3.5-0.8b}" \
+    --out "$OUT/prefill_profile_h200.json" 2>&1 | tee "$OUT/prefill_profile.log"; }
 # vision-language rollout (issue 59; docs/models.md#vision-language-models): VisionRolloutEngine against generate at
 # the Qwen2.5-VL-3B shape, one 448 x 448 image per prompt, 32 prompts x 8, 256 new tokens (target >= 10x)
 vision_rollout() { python3 bench/vision_rollout.py --device cuda --out "$OUT/vision_rollout_h200.json" 2>&1 \
