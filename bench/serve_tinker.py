@@ -52,6 +52,9 @@ def rows(path: Path) -> list[dict]:
     return pd.read_parquet(path).to_dict("records")
 
 
+MICRO_BATCH_TOKENS = 16384
+
+
 class Server:
     """`hybridflow serve`'s app on a free port of 127.0.0.1, its event loop in a background thread."""
 
@@ -66,8 +69,11 @@ class Server:
             self.port = s.getsockname()[1]
         self.loop = asyncio.new_event_loop()
         # the service's defaults, with slots as long as the task's sequences (as `hybridflow train` sizes its engine)
+        # and forward_backward in micro-batches of MICRO_BATCH_TOKENS (one pass over a step's 512 rows would hold
+        # their fp32 logits over the 49,152-token vocabulary at once: tens of GiB)
         self.config = ServeConfig({"m": Path(model_dir)}, device=device, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len, checkpoint_dir=checkpoints)
+                                  max_model_len=max_model_len, checkpoint_dir=checkpoints,
+                                  micro_batch_tokens=MICRO_BATCH_TOKENS)
         self.runner = web.AppRunner(make_app(self.config, api_key=API_KEY))
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
