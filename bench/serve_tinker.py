@@ -52,7 +52,7 @@ def rows(path: Path) -> list[dict]:
     return pd.read_parquet(path).to_dict("records")
 
 
-MICRO_BATCH_TOKENS = 16384
+MICRO_BATCH_TOKENS = 8192
 
 
 class Server:
@@ -68,9 +68,10 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.loop = asyncio.new_event_loop()
-        # the service's defaults, with slots as long as the task's sequences (as `hybridflow train` sizes its engine)
-        # and forward_backward in micro-batches of MICRO_BATCH_TOKENS (one pass over a step's 512 rows would hold
-        # their fp32 logits over the 49,152-token vocabulary at once: tens of GiB)
+        # the service's defaults, with slots as long as the task's sequences (as `hybridflow train` sizes its engine),
+        # and forward_backward in micro-batches of MICRO_BATCH_TOKENS: the service trains in fp32 without
+        # recomputation, about 2 MB of activations and logits a token at SmolLM2-135M by count, so one pass over a
+        # step's 512 rows would need several hundred GiB
         self.config = ServeConfig({"m": Path(model_dir)}, device=device, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, checkpoint_dir=checkpoints,
                                   micro_batch_tokens=MICRO_BATCH_TOKENS)
