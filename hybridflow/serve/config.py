@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from hybridflow.config.model_schema import QUANTIZATIONS
@@ -72,7 +71,6 @@ class ServeConfig:
             raise ValueError(f"--max-num-seqs={self.max_num_seqs} must be >= 1")
         if self.quantization == "nf4" and importlib.util.find_spec("torchao") is None:
             raise ValueError("--quantization nf4 needs torchao: pip install -c constraints.txt -e '.[memory]'")
-
 
     def sampler_torch_dtype(self) -> torch.dtype:
         """The sampling engine's dtype: `sampler_dtype` with "auto" resolved by the device."""
