@@ -8,7 +8,8 @@
 #
 # The device machine has torch, transformers, peft and pandas but not our other dependencies: they travel
 # as wheels in .whl/ (omegaconf, trl, datasets, dill, multiprocess, gguf, torchao, fla, aiohttp), installed into
-# /tmp/site by every stage run; `bash bench/wheels.sh` builds .whl/, .whl2/ and the GGUF's pieces from .venv/'s versions. The real model's GGUF (98 MB) travels as .gguf1/part and .gguf2/part (49 MB
+# /tmp/site by every stage run; `bash bench/wheels.sh` builds .whl/, .whl2/ and the GGUF's pieces from .venv/'s
+# versions. The real model's GGUF (98 MB) travels as .gguf1/part and .gguf2/part (49 MB
 # each: a call carries 64 MiB with the tracked tree, so with the agents' wheels in .whl/ the first call carries
 # .whl alone, then one call per piece, back to back: the machine is given back after 30 s idle).
 # Results (JSON, PNG, logs) go to $OUT when set (the device tool's output folder), else bench/results; the
