@@ -44,6 +44,17 @@ def test_a_bf16_sampler_in_a_bounded_cache_samples_near_the_fp32_trainer(tiny_qw
         trained = logprobs(trainer, TOKENS[:5] + list(seq.tokens))[4:]
         gap = (torch.tensor(seq.logprobs) - trained).abs().max().item()
         assert 0 < gap < 0.1, gap  # bf16 weights and cache: close to the fp32 trainer, and not the same numbers
+        # a trained client's fp32 snapshot, loaded into the bf16 engine in place
+        trainer.forward_backward([datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        snapshot = trainer.save_weights_and_get_sampling_client().result()
+        tuned = snapshot.sample(types.ModelInput.from_ints(TOKENS[:5]), 1,
+                                types.SamplingParams(max_tokens=6, temperature=0.0)).result().sequences[0]
+        assert engine.dtype == torch.bfloat16 and served.service.samplers["tiny"].engine is engine
+        moved = logprobs(trainer, TOKENS[:5] + list(seq.tokens))[4:]
+        assert (moved - trained).abs().max().item() > 0.3  # far past bf16's gap: stale base weights would show
+        after = logprobs(trainer, TOKENS[:5] + list(tuned.tokens))[4:]
+        assert (torch.tensor(tuned.logprobs) - after).abs().max().item() < 0.1
         sampler = served.client.create_sampling_client(base_model="tiny").result()
         asked = [sampler.sample(types.ModelInput.from_ints(TOKENS[:5 + i]), 3, types.SamplingParams(max_tokens=4))
                  for i in range(3)]  # 9 sequences at once through 3 slots
