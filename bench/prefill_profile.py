@@ -11,21 +11,18 @@ CPU time per op). Prints and writes JSON.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from bench_util import git_commit, write_json
 from hybridflow.engine.rollout import SamplingParams
-from rollout_util import SHAPES, engine_from, make_model, sync
+from rollout_util import SHAPES, engine_from, make_model, ours_generate
+
+ONE_TOKEN = SamplingParams(max_tokens=1, stop_token_ids=[])  # the prefill, and one sampled token a prompt
 
 
-def timed(engine, prompts: list[list[int]], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=1, stop_token_ids=[]))
-    sync(device)
-    return time.perf_counter() - start
+def timed(engine, prompts: list[list[int]]) -> float:
+    return ours_generate(engine, prompts, ONE_TOKEN)[1]
 
 
 def main() -> None:
@@ -44,13 +41,13 @@ def main() -> None:
     engine = engine_from(model, device, dtype, max_num_seqs=a.batch, max_model_len=a.prompt_len + 8)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, model.config.vocab_size, (a.batch, a.prompt_len), generator=gen).tolist()
-    first = timed(engine, prompts, device)
-    later = sorted(timed(engine, prompts, device) for _ in range(a.repeats))
+    first = timed(engine, prompts)
+    later = sorted(timed(engine, prompts) for _ in range(a.repeats))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        profiled = timed(engine, prompts, device)
+        profiled = timed(engine, prompts)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=a.rows)
     cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows)
