@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from bench_util import git_commit, write_json
+from bench_util import DeviceMemoryWatch, git_commit, write_json
 from hybridflow.engine.rollout import SamplingParams
 from rollout_util import SHAPES, engine_from, make_model, ours_generate
 
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default bench/results/prefill_profile_<device>.json)")
     a = p.parse_args()
     device = torch.device(a.device)
+    watch = DeviceMemoryWatch() if device.type == "cuda" else None  # the KV cache is mapped outside the allocator
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = make_model(a.shape, dtype, device)
     engine = engine_from(model, device, dtype, max_num_seqs=a.batch, max_model_len=a.prompt_len + 8)
@@ -59,7 +60,8 @@ def main() -> None:
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "first_s": first, "later_s": later, "median_s": median, "profiled_s": profiled,
               "prompt_tokens": tokens, "tokens_per_s": tokens / median, "engine_prefill_s": engine.stats["prefill_s"],
-              "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+              "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30 if watch else None,
+              "peak_device_memory_gb": watch.stop() if watch else None,
               "profile": table, "profile_by_cpu": cpu_table}
     out = write_json(report, a.out or f"bench/results/prefill_profile_{a.device}.json")
     print(f"{a.shape}: {tokens} prompt tokens, first run {first:.2f} s, then {median:.3f} s (median of {a.repeats}) "
