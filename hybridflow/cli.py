@@ -98,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
                              merged_exports=args.merged_exports, micro_batch_tokens=args.micro_batch_tokens,
                              quantization=args.quantization, session_timeout_s=args.session_timeout_s,
                              max_num_seqs=args.max_num_seqs, sampler_dtype=args.sampler_dtype,
+                             train_dtype=args.train_dtype,
                              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
         serve(config, args.host, args.port, args.api_key)
     except ValueError as e:
@@ -162,7 +163,7 @@ PASSTHROUGH_HELP = {"export": "write a checkpoint as a Hugging Face model direct
 
 def build_parser() -> argparse.ArgumentParser:
     from hybridflow.config.model_schema import QUANTIZATIONS
-    from hybridflow.serve.config import SAMPLER_DTYPES
+    from hybridflow.serve.config import DTYPES
 
     parser = argparse.ArgumentParser(prog="hybridflow",
                                      description="Reinforcement-learning post-training of language models.")
@@ -228,9 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "finished and its training clients' weights released; 0: never (default 300)")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="sequences the sampling engine runs at once, across clients (default 64)")
-    p.add_argument("--sampler-dtype", choices=SAMPLER_DTYPES, default="auto",
+    p.add_argument("--sampler-dtype", choices=DTYPES, default="auto",
                    help="the sampling engine's precision: bf16, fp32, or auto (default: bf16 on CUDA, fp32 on CPU, "
-                        "where sampled log-probs equal the fp32 trainer's); training stays fp32")
+                        "where sampled log-probs equal the fp32 trainer's)")
+    p.add_argument("--train-dtype", choices=DTYPES, default="auto",
+                   help="the training clients' compute precision: bf16 (autocast over fp32 weights and optimizer "
+                        "state), fp32, or auto (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--kv-cache-memory", type=float, default=0.3,
                    help="the fraction of free device memory the sampling engine's KV cache takes when it starts; "
                         "the rest is the training clients' (default 0.3)")

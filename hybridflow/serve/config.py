@@ -12,7 +12,7 @@ from hybridflow.config.model_schema import QUANTIZATIONS
 if TYPE_CHECKING:
     import torch
 
-SAMPLER_DTYPES = ("auto", "bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")  # `--sampler-dtype` and `--train-dtype`
 
 
 @dataclass
@@ -32,7 +32,10 @@ class ServeConfig:
         released (`Sessions`); 0: never.
     sampler_dtype: the sampling engine's weights and KV cache: "bf16", "fp32", or "auto" (bf16 on CUDA, where the
         engine's flash attention and decode kernels need half precision; fp32 elsewhere, where its log-probs equal
-        the fp32 trainer's). The training clients stay in fp32 either way.
+        the fp32 trainer's).
+    train_dtype: the training clients' compute precision: "bf16" (forward and backward under bf16 autocast over
+        fp32 weights and optimizer state, as `hybridflow train` runs on CUDA), "fp32", or "auto" (bf16 on CUDA, fp32
+        elsewhere, where the CPU tests hold the service's log-probs and losses to our fp32 algorithms').
     max_model_len: the sampling engine's tokens per sequence, prompt + sampled (0: the engine's default,
         min(max_position_embeddings, 4096)); its KV cache holds slots of this length, so a shorter one holds more
         sequences in the same memory.
@@ -50,6 +53,7 @@ class ServeConfig:
     quantization: str = "none"
     session_timeout_s: float = 300.0
     sampler_dtype: str = "auto"
+    train_dtype: str = "auto"
     max_model_len: int = 0
     kv_cache_memory: float = 0.3
 
@@ -61,8 +65,9 @@ class ServeConfig:
             raise ValueError(f"--session-timeout-s={self.session_timeout_s} must be >= 0 (0: sessions never expire)")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization {self.quantization}: valid: {', '.join(QUANTIZATIONS)}")
-        if self.sampler_dtype not in SAMPLER_DTYPES:
-            raise ValueError(f"--sampler-dtype {self.sampler_dtype}: valid: {', '.join(SAMPLER_DTYPES)}")
+        for flag, value in (("--sampler-dtype", self.sampler_dtype), ("--train-dtype", self.train_dtype)):
+            if value not in DTYPES:
+                raise ValueError(f"{flag} {value}: valid: {', '.join(DTYPES)}")
         if not 0.0 < self.kv_cache_memory < 1.0:  # NaN fails too
             raise ValueError(f"--kv-cache-memory={self.kv_cache_memory} must be a fraction of free memory in (0, 1)")
         if self.max_model_len < 0:
@@ -74,9 +79,15 @@ class ServeConfig:
 
     def sampler_torch_dtype(self) -> torch.dtype:
         """The sampling engine's dtype: `sampler_dtype` with "auto" resolved by the device."""
+        return self._torch_dtype(self.sampler_dtype)
+
+    def train_torch_dtype(self) -> torch.dtype:
+        """The training clients' compute dtype: `train_dtype` with "auto" resolved by the device."""
+        return self._torch_dtype(self.train_dtype)
+
+    def _torch_dtype(self, name: str) -> torch.dtype:
         import torch  # here: the CLI reads this module's choices before any torch import
 
-        name = self.sampler_dtype
         if name == "auto":
             name = "bf16" if torch.device(self.device).type == "cuda" else "fp32"
         return torch.bfloat16 if name == "bf16" else torch.float32

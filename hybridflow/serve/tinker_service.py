@@ -189,7 +189,7 @@ class TinkerService:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the SDK's own derivation (see load_weights)
         if lora is None or lora.rank == 0:
             trainee = Trainee.full(self.bases.full_model(req.base_model), self.bases.device,
-                                   self.config.micro_batch_tokens)
+                                   self.config.micro_batch_tokens, self.config.train_torch_dtype())
         else:
             if not (lora.train_attn and lora.train_mlp):
                 raise ValueError(f"lora_config train_attn={lora.train_attn}, train_mlp={lora.train_mlp}: adapters "
@@ -198,7 +198,7 @@ class TinkerService:
                 log.warning("lora_config.train_unembed=True: this server adapts the decoder layers' projections "
                             "only; the unembedding stays frozen")
             trainee = Trainee.lora(self.bases.lora_model(req.base_model), lora.rank, lora.seed, self.bases.device,
-                                   self.config.micro_batch_tokens)
+                                   self.config.micro_batch_tokens, self.config.train_torch_dtype())
         self.models[model_id] = _Model(req.base_model, trainee)
         return types.CreateModelResponse(model_id=model_id).model_dump(mode="json")
 

@@ -6,7 +6,10 @@ the first policy is the base model. `Trainee.full(model, device)` trains every w
 `forward_backward` computes each datum's log-probs of its `target_tokens` and, per request, the Tinker loss
 (`tinker_losses`); several requests of one client are packed together into micro-batches of at most
 `micro_batch_tokens` padded tokens (one forward and backward each), each request getting its own outputs and
-loss. `optim_step` applies AdamW with the parameters the SDK sent,
+loss. A forward computes its targets' log-probs with the training engine's log-prob head (`head.LogProbHead`: chunks
+of the output projection, so `[tokens, vocabulary]` logits never exist; architectures that transform their logits
+after the head, `model.LOGIT_TRANSFORMS`, take the plain logits), in `compute_dtype`: bf16 runs the forward and
+backward under autocast over the fp32 weights (mixed precision, `hybridflow serve --train-dtype`). `optim_step` applies AdamW with the parameters the SDK sent,
 then clears the gradients; `state` / `load_state` are the training state `save_weights` / `load_weights` keep
 (the trained tensors and the optimizer's moments); `sampler_weights` gives what the sampler loads: for LoRA
 W + scale · B·A of every adapted weight (the only tensors that differ from the base directory's), in full
@@ -21,7 +24,9 @@ from typing import Any
 import torch
 
 from hybridflow.config.model_schema import LoraConfig
+from hybridflow.engine.train.head import LogProbHead, install_log_prob_head
 from hybridflow.engine.train.lora import Adapters, apply_lora
+from hybridflow.engine.train.model import LOGIT_TRANSFORMS
 from hybridflow.serve.tinker_losses import check_loss, tinker_loss
 from hybridflow.serve.wire import FwdBwdDatum
 
@@ -49,10 +54,13 @@ class Trainee:
     """A model being trained, its AdamW optimizer and its accumulated gradients."""
 
     def __init__(self, model: Any, adapters: Adapters | None, device: str | torch.device,
-                 micro_batch_tokens: int = 0) -> None:
+                 micro_batch_tokens: int = 0, compute_dtype: torch.dtype = torch.float32) -> None:
         self.device = torch.device(device)
         self.micro_batch_tokens = micro_batch_tokens
+        self.compute_dtype = compute_dtype
         self.model = model
+        transforms = any(getattr(model.config, k, None) not in (None, 1, 1.0) for k in LOGIT_TRANSFORMS)
+        self.head: LogProbHead | None = None if transforms else install_log_prob_head(model)
         self.adapters = adapters
         self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -60,18 +68,19 @@ class Trainee:
 
     @classmethod
     def lora(cls, model: Any, rank: int, seed: int | None, device: str | torch.device,
-             micro_batch_tokens: int = 0) -> Trainee:
+             micro_batch_tokens: int = 0, compute_dtype: torch.dtype = torch.float32) -> Trainee:
         if rank < 1:
             raise ValueError(f"lora_config.rank={rank} must be >= 1 (0 asks for full-parameter training)")
         if seed is not None:
             torch.manual_seed(seed)  # the adapters' A initialisation
         adapters = apply_lora(model, LoraConfig(rank=rank), "lm", torch.float32)
         model.to(device)  # the adapters are made on the CPU
-        return cls(model, adapters, device, micro_batch_tokens)
+        return cls(model, adapters, device, micro_batch_tokens, compute_dtype)
 
     @classmethod
-    def full(cls, model: Any, device: str | torch.device, micro_batch_tokens: int = 0) -> Trainee:
-        return cls(model, None, device, micro_batch_tokens)
+    def full(cls, model: Any, device: str | torch.device, micro_batch_tokens: int = 0,
+             compute_dtype: torch.dtype = torch.float32) -> Trainee:
+        return cls(model, None, device, micro_batch_tokens, compute_dtype)
 
     @property
     def rank(self) -> int:
@@ -139,14 +148,22 @@ class Trainee:
         return batches
 
     def _logp(self, rows: list[tuple[int, FwdBwdDatum]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's log-probs of each row's target tokens `[rows, width]` (padded with 0), and the mask."""
+        """The model's log-probs of each row's target tokens `[rows, width]` (fp32, 0 at padding), and the mask."""
         lengths = [len(d.tokens) for _, d in rows]
         width = max(lengths)
         mask = torch.tensor([[t < n for t in range(width)] for n in lengths], device=self.device)
         tokens = _padded([d.tokens for _, d in rows], width, torch.long, self.device)
         targets = _padded([d.inputs["target_tokens"] for _, d in rows], width, torch.long, self.device)
-        logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits.float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), mask
+        mixed = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, self.compute_dtype, enabled=mixed):
+            if self.head is None:
+                logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits.float()
+                return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), mask
+            index = mask.flatten().nonzero().squeeze(-1)  # the head's rows: real tokens only
+            with self.head.request(targets.flatten()[index], index, 1.0, False) as req:
+                self.model(input_ids=tokens, attention_mask=mask.long())
+        assert req.log_probs is not None  # the head's forward set it
+        return torch.zeros(mask.shape, device=self.device).index_put((mask,), req.log_probs), mask
 
     def optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    grad_clip_norm: float) -> dict[str, float]:

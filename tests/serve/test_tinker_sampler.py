@@ -66,13 +66,17 @@ def test_a_bf16_sampler_in_a_bounded_cache_samples_near_the_fp32_trainer(tiny_qw
         stop()
 
 
-def test_auto_samples_in_fp32_on_cpu_and_bf16_on_cuda(tmp_path):
+def test_auto_samples_and_trains_in_fp32_on_cpu_and_bf16_on_cuda(tmp_path):
     from hybridflow.serve.config import ServeConfig
 
     assert ServeConfig({}, device="cpu").sampler_torch_dtype() == torch.float32
     assert ServeConfig({}, device="cuda").sampler_torch_dtype() == torch.bfloat16
     assert ServeConfig({}, device="cuda", sampler_dtype="fp32").sampler_torch_dtype() == torch.float32
+    assert ServeConfig({}, device="cpu").train_torch_dtype() == torch.float32
+    assert ServeConfig({}, device="cuda").train_torch_dtype() == torch.bfloat16
+    assert ServeConfig({}, device="cuda", train_dtype="fp32").train_torch_dtype() == torch.float32
     for bad, message in (({"sampler_dtype": "fp16"}, "--sampler-dtype fp16: valid: auto, bf16, fp32"),
+                         ({"train_dtype": "fp8"}, "--train-dtype fp8: valid: auto, bf16, fp32"),
                          ({"kv_cache_memory": 1.5}, r"--kv-cache-memory=1.5 must be a fraction of free memory in \(0, 1\)"),
                          ({"max_num_seqs": 0}, "--max-num-seqs=0 must be >= 1"),
                          ({"max_model_len": -1}, "--max-model-len=-1 must be >= 0")):
@@ -80,16 +84,17 @@ def test_auto_samples_in_fp32_on_cpu_and_bf16_on_cuda(tmp_path):
             ServeConfig({}, **bad)
 
 
-def test_the_serve_command_passes_its_sampler_flags(tiny_qwen2, monkeypatch, capsys):
+def test_the_serve_command_passes_its_precision_and_sampler_flags(tiny_qwen2, monkeypatch, capsys):
     from hybridflow.cli import main
     from hybridflow.serve import http_api
 
     seen = []
     monkeypatch.setattr(http_api, "serve", lambda config, host, port, key: seen.append(config))
     assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--device", "cpu", "--sampler-dtype", "bf16",
-                 "--kv-cache-memory", "0.5", "--max-num-seqs", "16", "--max-model-len", "512"]) == 0
-    assert (seen[0].sampler_dtype, seen[0].kv_cache_memory, seen[0].max_num_seqs, seen[0].max_model_len) \
-        == ("bf16", 0.5, 16, 512)
+                 "--kv-cache-memory", "0.5", "--max-num-seqs", "16", "--max-model-len", "512",
+                 "--train-dtype", "fp32"]) == 0
+    assert (seen[0].sampler_dtype, seen[0].kv_cache_memory, seen[0].max_num_seqs, seen[0].max_model_len,
+            seen[0].train_dtype) == ("bf16", 0.5, 16, 512, "fp32")
     assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--kv-cache-memory", "0"]) == 2
     assert "--kv-cache-memory=0.0 must be a fraction" in capsys.readouterr().err
 
