@@ -2,22 +2,30 @@
 
 A snapshot is what `save_weights_for_sampler` keeps: (HF name, tensor) of every weight that differs from the
 base directory's (a LoRA client's merged weights, a full-parameter client's every weight).
-`Sampler.sample(key, snapshot, prompts, params)` loads that snapshot into the engine when another one (or the
-base) is loaded (the engine updates its weights in place), generates `params.n` samples of every prompt in one
-engine batch (the prompts of several clients' requests) and returns each one's tokens, per-token log-probs and
-finish reason. Sampling from the base model reloads the replaced weights from the model directory.
+`Sampler.stream(key, snapshot, params, prompts, more, done)` loads that snapshot into the engine when another one (or
+the base) is loaded (the engine updates its weights in place) and generates `params.n` samples of every prompt in one
+engine session (continuous batching: the prompts of several clients' requests), taking in the prompts `more()` gives
+between two steps and handing each prompt's samples (tokens, per-token log-probs, finish reason) to `done` as soon as
+they have all ended. Sampling from the base model reloads the replaced weights from the model directory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
 from hybridflow.engine.rollout.engine import checkpoint_tensors
+from hybridflow.engine.rollout.types import Completion, check_prompts
 
 Snapshot = list[tuple[str, torch.Tensor]]
+Samples = list[tuple[list[int], list[float], str]]  # per sample of one prompt: tokens, log-probs, finish reason
+
+
+def _samples(completions: list[Completion]) -> Samples:
+    return [(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in completions]
 
 
 class Sampler:
@@ -41,10 +49,12 @@ class Sampler:
             self.engine.load_weights(snapshot)
         self.loaded = key
 
-    def sample(self, key: str | None, snapshot: Snapshot | None, prompts: list[list[int]],
-               params: SamplingParams) -> list[list[tuple[list[int], list[float], str]]]:
-        """`params.n` samples of each prompt under the snapshot `key` (None: the base), all in one engine batch:
-        per prompt, (tokens, log-probs, finish reason) per sample."""
+    def stream(self, key: str | None, snapshot: Snapshot | None, params: SamplingParams,
+               prompts: list[tuple[int, list[int]]], more: Callable[[], list[tuple[int, list[int]]]],
+               done: Callable[[int, Samples | Exception], None]) -> None:
+        """`params.n` samples of each (id, prompt) of `prompts` under the snapshot `key` (None: the base), in one
+        engine session that also takes in what `more()` returns between its steps; `done(id, samples)` as each
+        prompt's samples have all ended, or `done(id, error)` for a prompt the engine refuses."""
         # the fast engine runs a prompt's samples side by side (they share its prefill); the fallback takes any n
         slots = self.engine.kv.num_slots if isinstance(self.engine, RolloutEngine) else params.n
         if params.n > slots:
@@ -52,5 +62,29 @@ class Sampler:
                              f"ask for at most {slots}, or restart hybridflow serve with a larger --max-num-seqs "
                              f"or --kv-cache-memory")
         self._load(key, snapshot)
-        return [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in completions]
-                for completions in self.engine.generate(prompts, params)]
+        if not isinstance(self.engine, RolloutEngine):  # the fallback generates one batch; later requests wait
+            for (i, _), completions in zip(prompts, self.engine.generate([p for _, p in prompts], params)):
+                done(i, _samples(completions))
+            return
+        session = self.engine.session(params)
+        owners: dict[int, tuple[int, int]] = {}  # sequence -> (prompt id, its sample's index)
+        pending: dict[int, list[Completion | None]] = {}
+
+        def admit(new: list[tuple[int, list[int]]]) -> None:
+            for i, prompt in new:
+                try:
+                    check_prompts([prompt], self.engine.max_model_len, self.engine.config.vocab_size)
+                except ValueError as e:
+                    done(i, e)
+                    continue
+                pending[i] = [None] * params.n
+                owners.update({seq: (i, j) for j, seq in enumerate(session.add(prompt, params.n))})
+
+        admit(prompts)
+        while session.has_work:
+            for seq, completion in session.step():
+                i, j = owners.pop(seq)
+                pending[i][j] = completion
+                if all(c is not None for c in pending[i]):
+                    done(i, _samples([c for c in pending.pop(i) if c is not None]))
+            admit(more())

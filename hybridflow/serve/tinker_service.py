@@ -37,7 +37,7 @@ from hybridflow.serve.sampler import Sampler, Snapshot
 from hybridflow.serve.sessions import Sessions
 from hybridflow.serve.trainee import LossRequest, Trainee
 from hybridflow.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
-from hybridflow.serve.work_queue import Job, WorkQueue
+from hybridflow.serve.work_queue import Batch, Job, WorkQueue
 
 log = logging.getLogger(__name__)
 Result = dict[str, Any] | bytes
@@ -301,7 +301,7 @@ class TinkerService:
                 key = ("sample", base, path, req.num_samples, json.dumps(p.model_dump(mode="json"), sort_keys=True))
         except ValueError:
             pass  # the job raises it again, into the caller's future
-        return self.submit(Job(self._sample, req, key=key))
+        return self.submit(Job(self._sample, req, key=key, stream=True))
 
     def _sample_args(self, req: types.SampleRequest) -> tuple[str, str | None, list[int], types.SamplingParams]:
         """(base, snapshot path, prompt, sampling parameters) of a request, refused when it asks for what is not
@@ -325,24 +325,32 @@ class TinkerService:
             raise ValueError(f"sampling_params.stop={stop!r}: stop strings are not served; pass token ids")
         return base, path, req.prompt.to_ints(), req.sampling_params
 
-    def _sample(self, requests: list[types.SampleRequest]) -> list[Any]:
-        """One engine batch of every request's prompt (they share weights and parameters: `submit_sample`); a
-        prompt the engine cannot hold fails alone."""
-        base, path, _, p = self._sample_args(requests[0])
+    def _sample(self, batch: Batch) -> None:
+        """One engine session for the batch's requests (they share weights and parameters: `submit_sample`) and those
+        that join it while it runs; each request is answered as soon as its samples have ended, and a prompt the
+        engine cannot hold fails alone."""
+        first = batch.requests[0]
+        base, path, prompt, p = self._sample_args(first)
         sampler = self._sampler(base)
         limit = sampler.engine.max_model_len
-        prompts = [self._sample_args(r)[2] for r in requests]
-        outcomes: list[Any] = [ValueError(f"the prompt has {len(prompt)} tokens; the engine holds {limit}")
-                               if len(prompt) >= limit else None for prompt in prompts]
-        served = [i for i, outcome in enumerate(outcomes) if outcome is None]
-        if served:
-            params = SamplingParams(n=requests[0].num_samples, temperature=p.temperature, top_p=p.top_p,
-                                    top_k=p.top_k, max_tokens=p.max_tokens or limit - len(prompts[served[0]]),
-                                    seed=p.seed, stop_token_ids=None if p.stop is None else [int(s) for s in p.stop])
-            snapshot = None if path is None else self._snapshot(path).weights
-            for i, out in zip(served, sampler.sample(path, snapshot, [prompts[i] for i in served], params)):
-                outcomes[i] = sample_response(out)
-        return outcomes
+        params = SamplingParams(n=first.num_samples, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                max_tokens=p.max_tokens or max(limit - len(prompt), 1), seed=p.seed,
+                                stop_token_ids=None if p.stop is None else [int(s) for s in p.stop])
+        snapshot = None if path is None else self._snapshot(path).weights
+
+        def prompts(indices: list[int]) -> list[tuple[int, list[int]]]:
+            """The (index, prompt) of requests `indices` the engine can hold; the others are answered at once."""
+            held = []
+            for i in indices:
+                tokens = self._sample_args(batch.requests[i])[2]
+                if len(tokens) >= limit:
+                    batch.answer(i, ValueError(f"the prompt has {len(tokens)} tokens; the engine holds {limit}"))
+                else:
+                    held.append((i, tokens))
+            return held
+
+        sampler.stream(path, snapshot, params, prompts(list(range(len(batch.jobs)))), lambda: prompts(batch.join()),
+                       lambda i, out: batch.answer(i, out if isinstance(out, Exception) else sample_response(out)))
 
     # ---- lookups ----------------------------------------------------------------------------------
     def _check_session(self, session_id: str) -> None:

@@ -6,6 +6,11 @@ run as one call (`run(requests) -> one result or exception per request`), e.g. t
 the same weights become one engine batch. A later job joins only if no job between them touches the same
 `resource` under another key (a forward_backward does not join one queued before an optim_step of its model).
 `submit` returns a `concurrent.futures.Future` that holds the job's result, or its exception.
+
+A `stream` job's run takes the `Batch` itself instead: it answers each request as soon as it is done
+(`Batch.answer`), and takes in the jobs of its key that arrive while it runs (`Batch.join`, by the same rule), so
+sample requests that come a moment after an engine batch started join it between two decode steps instead of
+waiting for its end.
 """
 
 from __future__ import annotations
@@ -21,13 +26,43 @@ Outcome = Any  # a result, or the exception raised for that request
 
 @dataclass
 class Job:
-    """One request: `run([request, ...])` gives one outcome per request; jobs of equal `key` may share a run."""
+    """One request: `run([request, ...])` gives one outcome per request (a `stream` job: `run(batch)` answers them
+    itself); jobs of equal `key` may share a run."""
 
-    run: Callable[[list[Any]], list[Outcome]]
+    run: Callable[[Any], Any]
     request: Any
     key: Hashable | None = None
     resource: Hashable | None = None
+    stream: bool = False
     future: Future = field(default_factory=Future)
+
+
+class Batch:
+    """The jobs one run serves: those taken together, then (a `stream` run) those that joined while it ran."""
+
+    def __init__(self, queue: WorkQueue, jobs: list[Job]) -> None:
+        self._queue = queue
+        self.jobs = jobs
+
+    @property
+    def requests(self) -> list[Any]:
+        return [job.request for job in self.jobs]
+
+    def join(self) -> list[int]:
+        """Take in the waiting jobs that may join this batch now; the indices of their requests in `requests`."""
+        first = len(self.jobs)
+        self.jobs += self._queue.joining(self.jobs[0])
+        return list(range(first, len(self.jobs)))
+
+    def answer(self, index: int, outcome: Outcome) -> None:
+        """Resolve request `index`'s future with `outcome` (an exception fails it); a request answered stays so."""
+        future = self.jobs[index].future
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 class WorkQueue:
@@ -70,25 +105,39 @@ class WorkQueue:
             if self._closed:
                 return None
             first = self._jobs.pop(0)
-            batch = [first]
-            if first.key is not None:
-                for job in list(self._jobs):
-                    if job.key == first.key:
-                        batch.append(job)
-                        self._jobs.remove(job)
-                    elif first.resource is not None and job.resource == first.resource:
-                        break
+            return [first] + self._joinable(first)
+
+    def joining(self, first: Job) -> list[Job]:
+        """The waiting jobs that join `first`'s running batch now (removed from the queue)."""
+        with self._ready:
+            return [] if self._closed else self._joinable(first)
+
+    def _joinable(self, first: Job) -> list[Job]:
+        """Waiting jobs of `first`'s key, in order, up to one touching its resource under another key; removed
+        from the queue. The caller holds the lock."""
+        batch: list[Job] = []
+        if first.key is None:
             return batch
+        for job in list(self._jobs):
+            if job.key == first.key:
+                batch.append(job)
+                self._jobs.remove(job)
+            elif first.resource is not None and job.resource == first.resource:
+                break
+        return batch
 
     def _work(self) -> None:
-        while (batch := self._take()) is not None:
-            self.batches.append(len(batch))
+        while (jobs := self._take()) is not None:
+            batch = Batch(self, jobs)
             try:
-                outcomes = batch[0].run([job.request for job in batch])
-            except Exception as e:  # the whole batch failed: each request gets the error
-                outcomes = [e] * len(batch)
-            for job, outcome in zip(batch, outcomes):
-                if isinstance(outcome, BaseException):
-                    job.future.set_exception(outcome)
+                if jobs[0].stream:
+                    jobs[0].run(batch)
+                    unanswered: list[Outcome] = [RuntimeError("the server's batch ended without answering this "
+                                                              "request")] * len(batch.jobs)
                 else:
-                    job.future.set_result(outcome)
+                    unanswered = jobs[0].run(batch.requests)
+            except Exception as e:  # the whole batch failed: each request not yet answered gets the error
+                unanswered = [e] * len(batch.jobs)
+            self.batches.append(len(batch.jobs))
+            for index, outcome in enumerate(unanswered):
+                batch.answer(index, outcome)

@@ -1,5 +1,5 @@
 """Requests that arrive together run together: two clients' concurrent sample calls on the same weights are one
-engine batch, and a client's concurrent forward_backward calls one forward and backward, with the results and
+engine batch (and one that arrives while that batch runs joins it), and a client's concurrent forward_backward calls one forward and backward, with the results and
 the step each would get alone; through the real SDK, the worker held while the requests queue up."""
 
 from __future__ import annotations
@@ -34,15 +34,36 @@ def _until_waiting(service, n: int) -> None:
         time.sleep(0.01)
 
 
+def _sessions(engine, monkeypatch, on_first_step=None) -> list:
+    """The engine's sessions, recorded as the service opens them; `on_first_step()` runs before the first step of
+    the first one (while its batch holds the worker)."""
+    sessions = []
+    make = engine.session
+
+    def session(params, hold=False):
+        made = make(params, hold)
+        sessions.append(made)
+        step = made.step
+
+        def first_step():
+            if on_first_step is not None and len(sessions) == 1 and not made.stats["prefill_tokens"]:
+                on_first_step()
+            return step()
+
+        made.step = first_step
+        return made
+
+    monkeypatch.setattr(engine, "session", session)
+    return sessions
+
+
 def test_concurrent_sample_calls_share_one_engine_batch(server, monkeypatch):
     service = server.service
     sampler = server.client.create_sampling_client(base_model="tiny").result()
     params = types.SamplingParams(max_tokens=5, temperature=1.0)
     alone = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, params).result()  # the engine is built
-    engine = service.samplers["tiny"].engine
-    calls = []
-    generate = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda prompts, p: calls.append(len(prompts)) or generate(prompts, p))
+    sessions = _sessions(service.samplers["tiny"].engine, monkeypatch)
+    batches = len(service.queue.batches)
 
     release = _hold(service)
     first = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, params)
@@ -51,9 +72,35 @@ def test_concurrent_sample_calls_share_one_engine_batch(server, monkeypatch):
     _until_waiting(service, 2)
     release.set()
     results = [first.result(), second.result()]
-    assert calls == [2]  # one engine call, both prompts in it
+    assert len(sessions) == 1 and service.queue.batches[batches:] == [1, 2]  # the hold; both prompts in one session
     for result in results + [alone]:
         assert len(result.sequences) == 2 and all(1 <= len(s.tokens) == len(s.logprobs) <= 5 for s in result.sequences)
+
+
+def test_a_sample_request_arriving_mid_batch_joins_the_running_session(server, monkeypatch):
+    """A request that comes while an engine session runs (the SDK's concurrent calls reach the server one by one)
+    joins it between two steps instead of waiting for its end; a request of other parameters waits its turn."""
+    service = server.service
+    sampler = server.client.create_sampling_client(base_model="tiny").result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0)
+    sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, params).result()  # the engine is built
+    late = []
+
+    def send_more() -> None:
+        late.append(sampler.sample(types.ModelInput.from_ints(TOKENS[5:12]), 2, params))
+        late.append(sampler.sample(types.ModelInput.from_ints(TOKENS[:6]), 2, params))
+        late.append(sampler.sample(types.ModelInput.from_ints(TOKENS[:6]), 2,
+                                   types.SamplingParams(max_tokens=3, temperature=1.0)))  # another key
+        _until_waiting(service, 3)
+
+    sessions = _sessions(service.samplers["tiny"].engine, monkeypatch, send_more)
+    batches = len(service.queue.batches)
+    first = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, params).result()
+    results = [first] + [f.result() for f in late]
+    assert len(sessions) == 2 and service.queue.batches[batches:] == [3, 1]  # two joined the first session
+    assert [len(r.sequences) for r in results] == [2, 2, 2, 2]
+    for result, most in zip(results, (6, 6, 6, 3)):
+        assert all(1 <= len(s.tokens) == len(s.logprobs) <= most for s in result.sequences)
 
 
 def test_concurrent_forward_backward_calls_of_a_client_run_as_one_pass(server):
