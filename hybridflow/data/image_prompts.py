@@ -1,11 +1,12 @@
-"""Images in prompts for vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3): verl's geo3k layout to token
-ids and pixel values.
+"""Images in prompts for vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, SmolVLM): verl's geo3k layout
+to token ids and pixel values.
 
 A row holds its images under `data.image_key` (verl's `images` column): a list whose items are `{"bytes": ...}`
 mappings (as verl's parquet stores them), `{"path": ...}` mappings, path strings, raw bytes or PIL images. Its
 prompt says `<image>` where each image goes, in order. `VisionPrompts.encode` renders the prompt as text prompts are
 (`chat.render_prompt`), puts the model's vision tokens at each `<image>` (Qwen's `<|vision_start|>`, one
-`<|image_pad|>` per merged patch, `<|vision_end|>`; Gemma 3's `<start_of_image>`, its soft tokens and `<end_of_image>`:
+`<|image_pad|>` per merged patch, `<|vision_end|>`; Gemma 3's `<start_of_image>`, its soft tokens and `<end_of_image>`;
+SmolVLM's tiles, each `<fake_token_around_image>`, its row and column and its `<image>` tokens, then the whole image's:
 what each family's processor makes of an image part, `vision_family`), and runs the model's image processor
 (transformers', its PIL backend where torchvision is absent) for the pixel values.
 
@@ -34,9 +35,10 @@ VISION_KEYS = ("pixel_values", "image_grid_thw")
 @dataclass
 class VisionInputs:
     """One prompt's processed images: `pixel_values` [patches, D] (Qwen's: the image processor's flattened patches,
-    channels x temporal x patch x patch; Gemma 3's: a pixel's channels; the images one after another) and
-    `image_grid_thw` [images, 3 or more] long: each image's grid of patches in time, height and width, whose product
-    is its rows of `pixel_values`, and the columns its family adds (what its text needs; `vision_family`)."""
+    channels x temporal x patch x patch; Gemma 3's and SmolVLM's: a pixel's channels; the images one after another)
+    and `image_grid_thw` [images, 3 or more] long: each image's grid of patches in time, height and width, whose
+    product is its rows of `pixel_values`, and the columns its family adds (SmolVLM: its tiles' rows and columns,
+    which its text names; `vision_family`)."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor

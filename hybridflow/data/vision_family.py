@@ -1,7 +1,7 @@
 """What differs between the vision-language families the data, the vision rollout engine and the trainer serve: how an
 image appears in a prompt's text, how its pixels travel with a row, and the positions and masks of a forward.
 
-    family = vision_family(config)                     # Qwen's (`VisionFamily`), Gemma 3's
+    family = vision_family(config)                     # Qwen's (`VisionFamily`), Gemma 3's, SmolVLM's
     family.image_texts(tokenizer, images)              # the text each image of a `VisionInputs` becomes
     family.chat_mark(tokenizer)                        # what the chat template makes of an image part
     family.image_inputs(processed, where)              # the image processor's output -> `VisionInputs`
@@ -25,6 +25,17 @@ text and its pixels need: its first three columns count its rows of `pixel_value
   `[images, channels, side, side]` for the forward. Positions are plain 1-D (no rope delta); the forward takes
   `token_type_ids` (1 on image tokens), from which transformers lets an image's tokens attend to each other both
   ways in the prefill. Pan and scan (extra crops per image) is refused by name.
+- **SmolVLM, Idefics3** (`SmolVLMFamily`: `SmolVLMForConditionalGeneration`, and its parent
+  `Idefics3ForConditionalGeneration`, one layout): the image processor cuts an image into rows x cols square tiles
+  of the tower's side plus the whole image shrunk to one tile (no cut, rows = cols = 0, when it fits one tile), and
+  the image becomes, as its processor writes it for the `<image>` its chat template writes for an image part: per
+  tile `<fake_token_around_image><row_r_col_c>` and the tile's `<image>` tokens (the tower's patches,
+  pixel-shuffled: the model's `image_seq_len`), a newline after each row of tiles, then
+  `\\n<fake_token_around_image><global-img>`, the whole image's tokens and `<fake_token_around_image>`. Its tiles
+  travel as Gemma 3's images do (one row per pixel), the grid `[tiles, side, side, rows, cols]` (the last two for
+  its text), and go back to `[1, tiles, channels, side, side]` for the forward (the model encodes every tile and
+  scatters their features over the `<image>` tokens in order). Positions are plain 1-D, no rope delta, no token
+  types.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from hybridflow.utils.lm_class import VISION_FAMILIES
 
 class VisionFamily:
     """A vision-language family's image layout, as Qwen2.5-VL, Qwen3-VL and Qwen3.5 have it (see the module
-    docstring); the other families (`Gemma3Family`) override what differs."""
+    docstring); the other families (`Gemma3Family`, `SmolVLMFamily`) override what differs."""
 
     rope_delta = True  # decoded tokens rotate at their index plus the prompt's delta
     # plain text the processor puts before and after an image's text: text, not special tokens, so a tokenizer
@@ -152,6 +163,60 @@ class Gemma3Family(VisionFamily):
         return kwargs, torch.zeros(len(ids), dtype=torch.long, device=ids.device)
 
 
+class SmolVLMFamily(VisionFamily):
+    """SmolVLM's and Idefics3's image layout (see the module docstring)."""
+
+    rope_delta = False
+    process_kwargs = {"return_row_col_info": True}  # each image's rows and columns of tiles, which its text names
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        vision = config.vision_config
+        # one tile's tokens: the tower's patches, pixel-shuffled by scale_factor (the model's `image_seq_len`)
+        self.tokens_per_tile = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+
+    def chat_mark(self, tokenizer: Any) -> str:
+        return tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def image_texts(self, tokenizer: Any, images: VisionInputs | None) -> list[str]:
+        # the tokenizer's names for the marks where it has them, else the processor's defaults (as it reads them)
+        around = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
+        whole = getattr(tokenizer, "global_image_token", None) or "<global-img>"
+        run = tokenizer.convert_ids_to_tokens(self.image_token_id) * self.tokens_per_tile
+        texts = []
+        for rows, cols in ([] if images is None else images.image_grid_thw[:, 3:].tolist()):
+            tiles = "".join("".join(f"{around}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
+                            for r in range(rows))
+            texts.append(tiles + ("\n" if rows else "") + around + whole + run + around)
+        return texts
+
+    def pixel_limit(self, image_processor: Any) -> int | None:
+        # the processor resizes every image to fit its `size`, whose `longest_edge` is a side, not Qwen's pixel count
+        return None
+
+    def image_tokens(self, images: VisionInputs | None) -> list[int]:
+        return [] if images is None else (images.image_grid_thw[:, 0] * self.tokens_per_tile).tolist()
+
+    def image_inputs(self, processed: Any, where: str) -> VisionInputs:
+        # one prompt's images, their tiles in order, each the tower's square: its `pixel_attention_mask` is all ones
+        tiles = processed["pixel_values"][0]  # [tiles, channels, side, side]
+        side = tiles.shape[-1]
+        grid = [[rows * cols + 1, side, side, rows, cols] for rows, cols in zip(processed["rows"][0],
+                                                                                processed["cols"][0])]
+        return VisionInputs(pixel_rows(tiles), torch.tensor(grid))
+
+    def pixel_kwargs(self, images: VisionInputs) -> dict[str, torch.Tensor]:
+        return {"pixel_values": square_tiles(images)[None]}
+
+    def model_inputs(self, ids: torch.Tensor, images: VisionInputs | None) -> dict[str, torch.Tensor]:
+        return self.pixel_kwargs(images) if images is not None else {}
+
+    def forward_kwargs(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, images: VisionInputs | None
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        kwargs = {"position_ids": plain_positions(mask), **(self.pixel_kwargs(images) if images is not None else {})}
+        return kwargs, torch.zeros(len(ids), dtype=torch.long, device=ids.device)
+
+
 def plain_positions(mask: torch.Tensor) -> torch.Tensor:
     """Left- or right-padded rows' 1-D positions: each real token's index among its row's real tokens."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -173,7 +238,8 @@ def square_tiles(images: VisionInputs) -> torch.Tensor:
 
 # the families of `lm_class.VISION_FAMILIES` (the one list of them, importable without torch) whose layout is not
 # Qwen's
-OTHER_LAYOUTS: dict[str, type[VisionFamily]] = {"gemma3": Gemma3Family}
+OTHER_LAYOUTS: dict[str, type[VisionFamily]] = {"gemma3": Gemma3Family, "smolvlm": SmolVLMFamily,
+                                                "idefics3": SmolVLMFamily}
 
 
 def vision_family(config: Any) -> VisionFamily:
