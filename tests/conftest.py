@@ -59,10 +59,10 @@ def tiny_model_factory(tmp_path_factory):
     return factory
 
 
-@pytest.fixture(scope="session", params=["qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5"])
+@pytest.fixture(scope="session", params=["qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5", "smolvlm"])
 def tiny_vlm(request, tmp_path_factory):
     """A saved tiny random vision-language model with its tokenizer and image processor (`hybridflow.utils.tiny_vlm`),
-    once per family: every test that takes it runs on Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5."""
+    once per family: every test that takes it runs on Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 and SmolVLM."""
     from hybridflow.utils.tiny_vlm import build_tiny_vlm
 
     family = request.param

@@ -1,11 +1,12 @@
-"""Images in prompts for vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3): verl's geo3k layout to token ids and
-pixel values.
+"""Images in prompts for vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, SmolVLM): verl's geo3k layout
+to token ids and pixel values.
 
 A row holds its images under `data.image_key` (verl's `images` column): a list whose items are `{"bytes": ...}`
 mappings (as verl's parquet stores them), `{"path": ...}` mappings, path strings, raw bytes or PIL images. Its
 prompt says `<image>` where each image goes, in order. `VisionPrompts.encode` renders the prompt as text prompts are
 (`chat.render_prompt`), puts the model's vision tokens at each `<image>` (Qwen's `<|vision_start|>`, one
-`<|image_pad|>` per merged patch, `<|vision_end|>`; Gemma 3's `<start_of_image>`, its soft tokens and `<end_of_image>`:
+`<|image_pad|>` per merged patch, `<|vision_end|>`; Gemma 3's `<start_of_image>`, its soft tokens and `<end_of_image>`;
+SmolVLM's tiles, each `<fake_token_around_image>`, its row and column and its `<image>` tokens, then the whole image's:
 what each family's processor makes of an image part, `vision_family`), and runs the model's image processor
 (transformers', its PIL backend where torchvision is absent) for the pixel values.
 
@@ -33,9 +34,11 @@ VISION_KEYS = ("pixel_values", "image_grid_thw")
 
 @dataclass
 class VisionInputs:
-    """One prompt's processed images: `pixel_values` [patches, channels x temporal x patch x patch] (the image
-    processor's flattened patches, the images one after another) and `image_grid_thw` [images, 3] long (each image's
-    grid of patches in time, height and width)."""
+    """One prompt's processed images: `pixel_values` [patches, D] (Qwen's: the image processor's flattened patches,
+    channels x temporal x patch x patch; Gemma 3's and SmolVLM's: a pixel's channels; the images one after another)
+    and `image_grid_thw` [images, 3 or more] long: each image's grid of patches in time, height and width, whose
+    product is its rows of `pixel_values`, and the columns its family adds (SmolVLM: its tiles' rows and columns,
+    which its text names; `vision_family`)."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
@@ -51,14 +54,14 @@ class VisionInputs:
     @staticmethod
     def pad_rows(rows: list[VisionInputs | None]) -> dict[str, torch.Tensor]:
         """Per-row images as batch tensors: `pixel_values` [B, most patches, D] and `image_grid_thw` [B, most images,
-        3], zero-padded (a zero grid is no image), so row operations (select, repeat, split) carry them."""
+        its columns], zero-padded (a zero grid is no image), so row operations (select, repeat, split) carry them."""
         present = [v for v in rows if v is not None]
         if not present:
             raise ValueError("no row has images; a vision batch needs at least one")
         width, dim = max(v.pixel_values.shape[0] for v in present), present[0].pixel_values.shape[1]
         images = max(v.image_grid_thw.shape[0] for v in present)
         pixels = torch.zeros(len(rows), width, dim, dtype=present[0].pixel_values.dtype)
-        grid = torch.zeros(len(rows), images, 3, dtype=torch.long)
+        grid = torch.zeros(len(rows), images, present[0].image_grid_thw.shape[1], dtype=torch.long)
         for r, v in enumerate(rows):
             if v is not None:
                 pixels[r, :v.pixel_values.shape[0]] = v.pixel_values
@@ -70,8 +73,9 @@ class VisionInputs:
         """`pad_rows`' inverse: each row's images (None for a row without)."""
         out: list[VisionInputs | None] = []
         for pixels, grid in zip(pixel_values, image_grid_thw):
-            grid = grid[grid.prod(-1) > 0]
-            out.append(VisionInputs(pixels[:int(grid.prod(-1).sum())], grid) if len(grid) else None)
+            patches = grid[:, :3].prod(-1)
+            grid = grid[patches > 0]
+            out.append(VisionInputs(pixels[:int(patches.sum())], grid) if len(grid) else None)
         return out
 
 
@@ -113,10 +117,8 @@ class VisionPrompts:
 
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.family = vision_family(config)
-        self.start, self.pad, self.end = tokenizer.convert_ids_to_tokens(list(self.family.marks()))
-        size = getattr(image_processor, "size", None) or {}
-        limit = getattr(image_processor, "max_pixels", None) or size.get("longest_edge")
-        self.max_pixels = int(limit) if limit else None
+        self.pad = tokenizer.convert_ids_to_tokens(self.family.image_token_id)  # the image token's string
+        self.max_pixels = self.family.pixel_limit(image_processor)
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer: Any) -> VisionPrompts:
@@ -137,7 +139,7 @@ class VisionPrompts:
                                  f"image processor's limit of {self.max_pixels} (max_pixels); downscale the image "
                                  f"or raise max_pixels in the model's preprocessor_config.json")
         try:
-            out = self.image_processor(images=images, return_tensors="pt")
+            out = self.image_processor(images=images, return_tensors="pt", **self.family.process_kwargs)
         except ValueError as e:  # e.g. an aspect ratio past the processor's bound
             raise ValueError(f"{where}: the image processor refused an image: {e}") from None
         return self.family.image_inputs(out, where)
@@ -147,10 +149,11 @@ class VisionPrompts:
         return self.family.image_tokens(vision)
 
     def expand(self, pieces: list[str], vision: VisionInputs | None) -> str:
-        """The text of `pieces` (split where each image goes, one more piece than images) with image i's vision
-        tokens (start, a pad per language-model token, end: `vision_family`) between piece i and piece i + 1."""
-        return pieces[0] + "".join(self.family.image_text(self.start, self.pad, self.end, n) + piece
-                                   for n, piece in zip(self.image_tokens(vision), pieces[1:]))
+        """The text of `pieces` (split where each image goes, one more piece than images) with image i's text
+        (`vision_family`'s `image_texts`, within its `margins`) between piece i and piece i + 1."""
+        before, after = self.family.margins
+        return pieces[0] + "".join(before + text + after + piece
+                                   for text, piece in zip(self.family.image_texts(self.tokenizer, vision), pieces[1:]))
 
     def encode(self, prompt: Any, images: Any, where: str, apply_chat_template: bool = True
                ) -> tuple[list[int], VisionInputs]:

@@ -8,7 +8,7 @@ left-padded:
 
     prompts         [B, P] long   token ids, left-padded with the pad id (P = longest prompt in batch)
     attention_mask  [B, P] long   1 on real tokens
-    pixel_values    [B, patches, D], image_grid_thw [B, images, 3]: a vision model's images (`VisionInputs.pad_rows`)
+    pixel_values    [B, patches, D], image_grid_thw [B, images, 3+]: a vision model's images (`VisionInputs.pad_rows`)
     non-tensors     uid ("<epoch>-<index>"), index, data_source, ground_truth, extra_info, raw_prompt, ability,
                     columns (the row's dataset columns but the prompt)
 """

@@ -1,11 +1,16 @@
 """What differs between the vision-language families the data, the vision rollout engine and the trainer serve: how an
 image appears in a prompt's text, how its pixels travel with a row, and the positions and masks of a forward.
 
-    family = vision_family(config)                     # Qwen2.5-VL / Qwen3-VL / Qwen3.5 (`VisionFamily`), Gemma 3
-    family.image_text(start, pad, end, tokens)         # the text one image of `tokens` language-model tokens becomes
-    family.chat_mark(start, pad, end)                  # what the chat template makes of an image part
+    family = vision_family(config)                     # Qwen's (`VisionFamily`), Gemma 3's, SmolVLM's
+    family.image_texts(tokenizer, images)              # the text each image of a `VisionInputs` becomes
+    family.chat_mark(tokenizer)                        # what the chat template makes of an image part
     family.image_inputs(processed, where)              # the image processor's output -> `VisionInputs`
     kwargs, deltas = family.forward_kwargs(model, ids, mask, images)   # a padded forward's positions, masks, pixels
+
+An image's text (`image_texts`) opens and closes with a special token, so it tokenizes alone as it does within a
+prompt (the endpoint splices its ids into a continuation that way); plain text the processor puts around it is the
+family's `margins`, tokenized with the text beside it. Each image's row of `VisionInputs.image_grid_thw` is what its
+text and its pixels need: its first three columns count its rows of `pixel_values`, a family may add more.
 
 - **Qwen2.5-VL, Qwen3-VL, Qwen3.5** (`VisionFamily`): an image is `<|vision_start|>`, one `<|image_pad|>` per merged
   patch (its size decides how many) and `<|vision_end|>` (the chat template writes an image part as the three marks
@@ -20,6 +25,17 @@ image appears in a prompt's text, how its pixels travel with a row, and the posi
   `[images, channels, side, side]` for the forward. Positions are plain 1-D (no rope delta); the forward takes
   `token_type_ids` (1 on image tokens), from which transformers lets an image's tokens attend to each other both
   ways in the prefill. Pan and scan (extra crops per image) is refused by name.
+- **SmolVLM, Idefics3** (`SmolVLMFamily`: `SmolVLMForConditionalGeneration`, and its parent
+  `Idefics3ForConditionalGeneration`, one layout): the image processor cuts an image into rows x cols square tiles
+  of the tower's side plus the whole image shrunk to one tile (no cut, rows = cols = 0, when it fits one tile), and
+  the image becomes, as its processor writes it for the `<image>` its chat template writes for an image part: per
+  tile `<fake_token_around_image><row_r_col_c>` and the tile's `<image>` tokens (the tower's patches,
+  pixel-shuffled: the model's `image_seq_len`), a newline after each row of tiles, then
+  `\\n<fake_token_around_image><global-img>`, the whole image's tokens and `<fake_token_around_image>`. Its tiles
+  travel as Gemma 3's images do (one row per pixel), the grid `[tiles, side, side, rows, cols]` (the last two for
+  its text), and go back to `[1, tiles, channels, side, side]` for the forward (the model encodes every tile and
+  scatters their features over the `<image>` tokens in order). Positions are plain 1-D, no rope delta, no token
+  types.
 """
 
 from __future__ import annotations
@@ -34,12 +50,14 @@ from hybridflow.utils.lm_class import VISION_FAMILIES
 
 class VisionFamily:
     """A vision-language family's image layout, as Qwen2.5-VL, Qwen3-VL and Qwen3.5 have it (see the module
-    docstring); the other families (`Gemma3Family`) override what differs."""
+    docstring); the other families (`Gemma3Family`, `SmolVLMFamily`) override what differs."""
 
     rope_delta = True  # decoded tokens rotate at their index plus the prompt's delta
-    # plain text the processor puts before and after an image's marks: text, not special tokens, so a tokenizer
+    # plain text the processor puts before and after an image's text: text, not special tokens, so a tokenizer
     # reads it together with the text beside the image (the endpoint's spliced ids encode it with that text)
     margins = ("", "")
+    # the image processor's keyword arguments beside the images (what `image_inputs` reads of its output)
+    process_kwargs: dict[str, Any] = {}
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -51,13 +69,21 @@ class VisionFamily:
         """The ids an image's text opens with, repeats per token and closes with."""
         return self.config.vision_start_token_id, self.image_token_id, self.config.vision_end_token_id
 
-    def image_text(self, start: str, pad: str, end: str, tokens: int) -> str:
-        """The text one image of `tokens` language-model tokens becomes, given the marks' token strings."""
-        return self.margins[0] + start + pad * tokens + end + self.margins[1]
+    def image_texts(self, tokenizer: Any, images: VisionInputs | None) -> list[str]:
+        """The text each image of `images` becomes between the `margins` ([] for None), in the strings of
+        `tokenizer`'s special tokens."""
+        start, pad, end = tokenizer.convert_ids_to_tokens(list(self.marks()))
+        return [start + pad * n + end for n in self.image_tokens(images)]
 
-    def chat_mark(self, start: str, pad: str, end: str) -> str:
-        """What the chat template writes for one image part, which `image_text` replaces (the processor's way)."""
-        return start + pad + end
+    def chat_mark(self, tokenizer: Any) -> str:
+        """What the chat template writes for one image part, which `image_texts` replaces (the processor's way)."""
+        return "".join(tokenizer.convert_ids_to_tokens(list(self.marks())))
+
+    def pixel_limit(self, image_processor: Any) -> int | None:
+        """The most pixels the image processor takes in one image (Qwen's `max_pixels`), None for no limit."""
+        size = getattr(image_processor, "size", None) or {}
+        limit = getattr(image_processor, "max_pixels", None) or size.get("longest_edge")
+        return int(limit) if limit else None
 
     def image_tokens(self, images: VisionInputs | None) -> list[int]:
         """The language-model tokens each image of `images` takes ([] for None): its patches, merged."""
@@ -106,8 +132,8 @@ class Gemma3Family(VisionFamily):
     def marks(self) -> tuple[int, int, int]:
         return self.config.boi_token_id, self.image_token_id, self.config.eoi_token_id
 
-    def chat_mark(self, start: str, pad: str, end: str) -> str:
-        return start
+    def chat_mark(self, tokenizer: Any) -> str:
+        return tokenizer.convert_ids_to_tokens(self.config.boi_token_id)
 
     def image_tokens(self, images: VisionInputs | None) -> list[int]:
         return [] if images is None else [self.tokens_per_image] * len(images.image_grid_thw)
@@ -119,15 +145,11 @@ class Gemma3Family(VisionFamily):
                              f"pan and scan is not served here: set do_pan_and_scan false in the model's "
                              f"preprocessor_config.json")
         pixels = processed["pixel_values"]  # [images, channels, side, side]
-        count, channels, side = pixels.shape[0], pixels.shape[1], pixels.shape[-1]
-        rows = pixels.reshape(count, channels, side * side).transpose(1, 2).reshape(-1, channels)
-        return VisionInputs(rows, torch.tensor([[1, side, side]] * count))
+        side = pixels.shape[-1]
+        return VisionInputs(pixel_rows(pixels), torch.tensor([[1, side, side]] * pixels.shape[0]))
 
     def pixel_kwargs(self, images: VisionInputs) -> dict[str, torch.Tensor]:
-        count, side = len(images.image_grid_thw), int(images.image_grid_thw[0, 1])
-        channels = images.pixel_values.shape[-1]
-        pixels = images.pixel_values.reshape(count, side * side, channels).transpose(1, 2)
-        return {"pixel_values": pixels.reshape(count, channels, side, side)}
+        return {"pixel_values": square_tiles(images)}
 
     def model_inputs(self, ids: torch.Tensor, images: VisionInputs | None) -> dict[str, torch.Tensor]:
         return {"token_type_ids": (ids == self.image_token_id).long(),
@@ -135,16 +157,89 @@ class Gemma3Family(VisionFamily):
 
     def forward_kwargs(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, images: VisionInputs | None
                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        # left- or right-padded rows: each real token's position is its index among the row's real tokens
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        kwargs = {"position_ids": positions, "token_type_ids": ((ids == self.image_token_id) & mask.bool()).long(),
+        kwargs = {"position_ids": plain_positions(mask),
+                  "token_type_ids": ((ids == self.image_token_id) & mask.bool()).long(),
                   **(self.pixel_kwargs(images) if images is not None else {})}
         return kwargs, torch.zeros(len(ids), dtype=torch.long, device=ids.device)
 
 
+class SmolVLMFamily(VisionFamily):
+    """SmolVLM's and Idefics3's image layout (see the module docstring)."""
+
+    rope_delta = False
+    process_kwargs = {"return_row_col_info": True}  # each image's rows and columns of tiles, which its text names
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        vision = config.vision_config
+        # one tile's tokens: the tower's patches, pixel-shuffled by scale_factor (the model's `image_seq_len`)
+        self.tokens_per_tile = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+
+    def chat_mark(self, tokenizer: Any) -> str:
+        return tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def image_texts(self, tokenizer: Any, images: VisionInputs | None) -> list[str]:
+        # the tokenizer's names for the marks where it has them, else the processor's defaults (as it reads them)
+        around = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
+        whole = getattr(tokenizer, "global_image_token", None) or "<global-img>"
+        run = tokenizer.convert_ids_to_tokens(self.image_token_id) * self.tokens_per_tile
+        texts = []
+        for rows, cols in ([] if images is None else images.image_grid_thw[:, 3:].tolist()):
+            tiles = "".join("".join(f"{around}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
+                            for r in range(rows))
+            texts.append(tiles + ("\n" if rows else "") + around + whole + run + around)
+        return texts
+
+    def pixel_limit(self, image_processor: Any) -> int | None:
+        # the processor resizes every image to fit its `size`, whose `longest_edge` is a side, not Qwen's pixel count
+        return None
+
+    def image_tokens(self, images: VisionInputs | None) -> list[int]:
+        return [] if images is None else (images.image_grid_thw[:, 0] * self.tokens_per_tile).tolist()
+
+    def image_inputs(self, processed: Any, where: str) -> VisionInputs:
+        # one prompt's images, their tiles in order, each the tower's square: its `pixel_attention_mask` is all ones
+        tiles = processed["pixel_values"][0]  # [tiles, channels, side, side]
+        side = tiles.shape[-1]
+        grid = [[rows * cols + 1, side, side, rows, cols] for rows, cols in zip(processed["rows"][0],
+                                                                                processed["cols"][0])]
+        return VisionInputs(pixel_rows(tiles), torch.tensor(grid))
+
+    def pixel_kwargs(self, images: VisionInputs) -> dict[str, torch.Tensor]:
+        return {"pixel_values": square_tiles(images)[None]}
+
+    def model_inputs(self, ids: torch.Tensor, images: VisionInputs | None) -> dict[str, torch.Tensor]:
+        return self.pixel_kwargs(images) if images is not None else {}
+
+    def forward_kwargs(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, images: VisionInputs | None
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        kwargs = {"position_ids": plain_positions(mask), **(self.pixel_kwargs(images) if images is not None else {})}
+        return kwargs, torch.zeros(len(ids), dtype=torch.long, device=ids.device)
+
+
+def plain_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Left- or right-padded rows' 1-D positions: each real token's index among its row's real tokens."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pixel_rows(tiles: torch.Tensor) -> torch.Tensor:
+    """Square images or tiles [N, channels, side, side] as `VisionInputs` rows: one per pixel, its channels."""
+    count, channels, side = tiles.shape[0], tiles.shape[1], tiles.shape[-1]
+    return tiles.reshape(count, channels, side * side).transpose(1, 2).reshape(-1, channels)
+
+
+def square_tiles(images: VisionInputs) -> torch.Tensor:
+    """`pixel_rows`' inverse: [N, channels, side, side], N the squares the grid's first column counts."""
+    count, side = int(images.image_grid_thw[:, 0].sum()), int(images.image_grid_thw[0, 1])
+    channels = images.pixel_values.shape[-1]
+    pixels = images.pixel_values.reshape(count, side * side, channels).transpose(1, 2)
+    return pixels.reshape(count, channels, side, side)
+
+
 # the families of `lm_class.VISION_FAMILIES` (the one list of them, importable without torch) whose layout is not
 # Qwen's
-OTHER_LAYOUTS: dict[str, type[VisionFamily]] = {"gemma3": Gemma3Family}
+OTHER_LAYOUTS: dict[str, type[VisionFamily]] = {"gemma3": Gemma3Family, "smolvlm": SmolVLMFamily,
+                                                "idefics3": SmolVLMFamily}
 
 
 def vision_family(config: Any) -> VisionFamily:

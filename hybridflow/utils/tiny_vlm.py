@@ -6,7 +6,9 @@ Gemma 3 (`Gemma3ForConditionalGeneration`: a SigLIP tower over 32 x 32 images of
 soft tokens an image by the multimodal projector; Gemma 3's text model with a sliding layer of an 8-token window and
 a global one, `tiny_model.gemma3_kwargs`) or Qwen3.5 as published (`Qwen3_5ForConditionalGeneration`: Qwen3-VL's
 tower without DeepStack beside the hybrid Gated DeltaNet text model of `tiny_model`, three linear layers and a full
-one, interleaved multimodal rotary sections over half of each head).
+one, interleaved multimodal rotary sections over half of each head) or SmolVLM (`SmolVLMForConditionalGeneration`, or
+its parent Idefics3's: a SigLIP tower over 32 x 32 tiles of 8-pixel patches, pixel-shuffled into 4 tokens a tile by
+the connector, beside Llama's language model).
 
 Tests need a vision-language model that loads with no network. The directory holds the model, a byte-level
 tokenizer (`tiny_model.build_tokenizer`) with Qwen's vision tokens added (`<|vision_start|>`, `<|image_pad|>`,
@@ -15,6 +17,9 @@ processor (both families use it; Qwen3-VL's with 16-pixel patches) with a small 
 few dozen patches). Gemma 3's directory has its image tokens instead (`<start_of_image>`, `<image_soft_token>`,
 `<end_of_image>`) and Gemma 3's image processor at the tower's 32 x 32. transformers initialises Gemma 3's projector
 to zeros and its (1 + weight) norms to ones; they are drawn at random here so images and norms change the outputs.
+SmolVLM's has its image tokens (`<fake_token_around_image>`, `<image>`, `<global-img>`, `<row_r_col_c>`) and its image
+processor cutting an image into up to 3 x 3 tiles of the tower's 32 x 32 (it resizes the longest side to 96) beside
+the whole image.
 
     python -m hybridflow.utils.tiny_vlm /tmp/tiny_vl [--family qwen3_vl]
 """
@@ -32,6 +37,11 @@ from hybridflow.utils.tiny_model import BOS, EOS, PAD, build_tokenizer, gemma3_k
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 GEMMA3_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 GEMMA3_SIDE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS = 32, 8, 4  # 4 x 4 patches pooled 2 x 2 into 4 soft tokens
+# SmolVLM's: the processor's names for them, and a row / column mark per tile of up to 6 x 6 (the released vocabulary)
+SMOLVLM_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>",
+                  *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+SMOLVLM_SIDE, SMOLVLM_PATCH, SMOLVLM_LONGEST = 32, 8, 96  # 4 x 4 patches shuffled 2 x 2 into 4 tokens a tile
+SMOLVLM_FAMILIES = ("smolvlm", "idefics3")
 # each family's patch side in pixels; a merged token covers 2 x 2 patches
 PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16}
 # the smallest / largest image after the processor's resize, in merged tokens: 4 to 64
@@ -94,6 +104,17 @@ def _gemma3_config(text: dict, vision_hidden: int, vision_depth: int, heads: int
                         tie_word_embeddings=True, initializer_range=0.02, **tokens)
 
 
+def _smolvlm_config(family: str, text: dict, vision_hidden: int, vision_depth: int, image_token: int):
+    """SmolVLM's or Idefics3's config: `text` the Llama language model's sizes."""
+    from transformers import Idefics3Config, SmolVLMConfig
+
+    vision = dict(hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_hidden_layers=vision_depth,
+                  num_attention_heads=2, image_size=SMOLVLM_SIDE, patch_size=SMOLVLM_PATCH)
+    config = SmolVLMConfig if family == "smolvlm" else Idefics3Config
+    return config(text_config={**text, "model_type": "llama"}, vision_config=vision, scale_factor=2,
+                  image_token_id=image_token, tie_word_embeddings=True)
+
+
 def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", hidden: int = 64, layers: int = 2, heads: int = 4,
                    kv_heads: int = 2, vision_hidden: int = 32, vision_depth: int = 2, seed: int = 0) -> Path:
     """Save a random tiny VLM of `family` (`VISION_FAMILIES`), its tokenizer, image processor and generation config
@@ -105,8 +126,9 @@ def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", hidden: int = 6
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
-    gemma = family == "gemma3"
-    tok.add_special_tokens({"additional_special_tokens": [BOS, *(GEMMA3_TOKENS if gemma else VISION_TOKENS)]})
+    gemma, smol = family == "gemma3", family in SMOLVLM_FAMILIES
+    marks = GEMMA3_TOKENS if gemma else SMOLVLM_TOKENS if smol else VISION_TOKENS
+    tok.add_special_tokens({"additional_special_tokens": [BOS, *marks]})
     pad_id, eos_id = tok.convert_tokens_to_ids(PAD), tok.convert_tokens_to_ids(EOS)
     text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
@@ -115,6 +137,8 @@ def build_tiny_vlm(path: str | Path, family: str = "qwen2_5_vl", hidden: int = 6
         start, image, end = tok.convert_tokens_to_ids(list(GEMMA3_TOKENS))
         config = _gemma3_config(text, vision_hidden, vision_depth, heads,
                                 dict(boi_token_index=start, image_token_index=image, eoi_token_index=end))
+    elif smol:
+        config = _smolvlm_config(family, text, vision_hidden, vision_depth, tok.convert_tokens_to_ids("<image>"))
     else:
         start, image, end, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
         config = _config(family, text, vision_hidden, vision_depth, hidden,
@@ -141,6 +165,12 @@ def _image_processor(family: str):
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
         return Gemma3ImageProcessorPil(size={"height": GEMMA3_SIDE, "width": GEMMA3_SIDE})
+    if family in SMOLVLM_FAMILIES:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        processor = SmolVLMImageProcessorPil if family == "smolvlm" else Idefics3ImageProcessorPil
+        return processor(size={"longest_edge": SMOLVLM_LONGEST}, max_image_size={"longest_edge": SMOLVLM_SIDE})
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     side = 2 * PATCH[family]

@@ -93,8 +93,10 @@ def cpu_max_num_seqs(max_num_seqs: int, rows_in_flight: int | None) -> int:
 
 
 def pad_token_id(config: Any) -> int:
-    """The model config's pad id (0 when it has none): the fill of the responses' padding."""
-    pad = getattr(config, "pad_token_id", None)
+    """The model config's pad id (0 when it has none): the fill of the responses' padding. A vision-language model's is
+    its language model's: SmolVLM's (Idefics3's) top-level one is a deprecated placeholder, 128002 whatever the
+    vocabulary, which the trainer's forward would look up in the embeddings."""
+    pad = getattr(config.get_text_config(), "pad_token_id", None)
     return int(pad) if pad is not None else 0
 
 

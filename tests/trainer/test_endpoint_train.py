@@ -321,8 +321,8 @@ IMAGE_GYM = """
 def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(tiny_vlm, tmp_path, monkeypatch):
     """GRPO, 2 steps of a tiny VLM whose runner sends an image with its first request and another with its second:
     every training row carries both images (in token order), its ids hold their image tokens (as many as the
-    family's processor makes of each: Qwen's merged patches, Gemma 3's fixed count), and the steps train with finite
-    losses. What the endpoint does not serve for a VLM is refused by name before loading."""
+    family's processor makes of each: Qwen's merged patches, Gemma 3's fixed count, SmolVLM's tiles), and the steps
+    train with finite losses. What the endpoint does not serve for a VLM is refused by name before loading."""
     from PIL import Image
 
     from hybridflow.config.validate import ConfigError
@@ -331,7 +331,8 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
     runner = write(tmp_path / "agent.py", IMAGE_RUNNER)
     data = write_rows(tmp_path / "train.jsonl", 2)
     out = tmp_path / "out"
-    args = [f"agent.runner={runner}:play", "agent.runner_processes=1", "data.max_response_length=48",
+    # SmolVLM's second image (3 x 3 tiles and the whole image) takes 65 of the context turn's tokens
+    args = [f"agent.runner={runner}:play", "agent.runner_processes=1", "data.max_response_length=128",
             "agent.max_tokens_per_turn=4"]
     if "qwen3_5" in str(tiny_vlm):  # a Qwen3.5 checkpoint as published: the vision-language model by this key alone
         args.append("agent.images=true")
@@ -359,8 +360,8 @@ def test_a_vision_model_trains_through_the_endpoint_with_images_in_each_episode(
             grid = vision.image_grid_thw
             first, second = prompts.image_tokens(vision)
             assert [first, second] == sent  # the 56 x 84 picture, then the 56 x 56 one (Gemma 3: the same count)
-            assert vision.pixel_values.shape[0] == int(grid.prod(-1).sum())
-            pixels = vision.pixel_values.split(grid.prod(-1).tolist())
+            assert vision.pixel_values.shape[0] == int(grid[:, :3].prod(-1).sum())
+            pixels = vision.pixel_values.split(grid[:, :3].prod(-1).tolist())
             assert not torch.equal(pixels[0].mean(0), pixels[1].mean(0))  # two pictures, not one twice
             real = batch["attention_mask"][r].bool()
             prompt_width = batch["prompts"].shape[1]
@@ -402,7 +403,7 @@ def test_a_gym_environment_shows_the_model_images(tiny_vlm, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
     engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [tokenizer.eos_token_id], 4, 512)
     prompts = VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer)
-    rollout = EndpointRollout(cfg, tokenizer, 48, 200, *runner_of(cfg), images=prompts)
+    rollout = EndpointRollout(cfg, tokenizer, 128, 200, *runner_of(cfg), images=prompts)  # SmolVLM's 56 x 56: 65
     try:
         (per_row,) = rollout.run(engine, [[1]], [{"index": 2, "raw_prompt": "Look.", "extra_info": {}}],
                                  SamplingParams(n=2, temperature=1.0, seed=0))

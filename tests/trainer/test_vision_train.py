@@ -1,6 +1,7 @@
-"""GRPO on a tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5 with geo3k-format data (`recipes/geo3k_vl.yaml`):
-prompts as chat messages with `<image>`, an `images` column of PNG bytes drawn with PIL, `reward_model.ground_truth`;
-bad image rows are refused before training with the row named; another vision family is refused by name."""
+"""GRPO on a tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 and SmolVLM with geo3k-format data
+(`recipes/geo3k_vl.yaml`): prompts as chat messages with `<image>`, an `images` column of PNG bytes drawn with PIL,
+`reward_model.ground_truth`; bad image rows are refused before training with the row named; another vision family is
+refused by name."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_grpo_trains_two_steps_on_geo3k_format_images(tiny_vlm, tmp_path):
         with pytest.raises(ConfigError, match="data.image_key=null: model.path=.* is a vision-language model"):
             train(cfg)
     with pytest.raises(ConfigError, match="a critic for the vision-language model "
-                                          "(qwen(2_5|3)_vl|gemma3|qwen3_5) is not supported"):
+                                          "(qwen(2_5|3)_vl|gemma3|qwen3_5|smolvlm) is not supported"):
         train(load_config(overrides(tiny_vlm, train_file, out, "algorithm.adv_estimator=gae"), "recipes/geo3k_vl.yaml"))
     with pytest.raises(ConfigError, match=r"agent.tools: multi-turn episodes of the vision-language model .* are not"):
         train(load_config(overrides(tiny_vlm, train_file, out, "agent.tools=[calculator]"), "recipes/geo3k_vl.yaml"))
@@ -87,17 +88,18 @@ def test_image_key_follows_for_a_vision_model(tiny_vlm, tmp_path):
         assert cfg.data.image_key is None
         return
     assert cfg.data.image_key == "images"
-    assert any(re.match(r"data.image_key=images: model.path is a vision-language model \((qwen(2_5|3)_vl|gemma3)\)", line)
+    family = r"\((qwen(2_5|3)_vl|gemma3|smolvlm)\)"
+    assert any(re.match(rf"data.image_key=images: model.path is a vision-language model {family}", line)
                for line in followed_lines(cfg))
 
 
 def test_a_vision_family_without_a_path_is_refused_by_name(tiny_vlm, tmp_path):
-    other = tmp_path / "smolvlm"
+    other = tmp_path / "llava"
     shutil.copytree(tiny_vlm, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "smolvlm"}))
-    with pytest.raises(ConfigError, match=r"vision-language model_type 'smolvlm' is not supported .* supported: "
-                                          r"qwen2_5_vl, qwen3_vl, gemma3"):
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
+    with pytest.raises(ConfigError, match=r"vision-language model_type 'llava' is not supported .* supported: "
+                                          r"qwen2_5_vl, qwen3_vl, gemma3, qwen3_5, smolvlm, idefics3"):
         train(load_config(overrides(other, tmp_path / "train.parquet", tmp_path / "run"), "recipes/geo3k_vl.yaml"))
 
 
@@ -107,8 +109,8 @@ def test_a_vision_family_without_a_path_is_refused_by_name(tiny_vlm, tmp_path):
     ("too_big", r"row 1, image 0: 2000x2000 = 4000000 pixels, over the image processor's limit"),
 ])
 def test_bad_image_rows_are_refused_before_training(case, match, tiny_vlm, tmp_path):
-    if case == "too_big" and "gemma3" in str(tiny_vlm):
-        pytest.skip("Gemma 3's image processor resizes every image to the tower's square: it has no pixel limit")
+    if case == "too_big" and ("gemma3" in str(tiny_vlm) or "smolvlm" in str(tiny_vlm)):
+        pytest.skip("Gemma 3's and SmolVLM's image processors resize every image to fit the tower: no pixel limit")
     rows = geo3k_rows(["red", "green"])
     if case == "undecodable":
         rows[1]["images"] = [{"bytes": b"not an image"}]
@@ -149,8 +151,8 @@ def test_lora_grpo_on_a_vlm_exports_an_adapter_and_a_merged_model(freeze, tiny_v
     base = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
     changed = {n for n, p in merged.state_dict().items() if not torch.equal(p, base.state_dict()[n])}
-    assert any(".language_model." in n for n in changed)
-    assert any(t in n for n in changed for t in (".visual.", ".vision_tower.")) is not freeze
+    assert any(t in n for n in changed for t in (".language_model.", ".text_model."))
+    assert any(t in n for n in changed for t in (".visual.", ".vision_tower.", ".vision_model.")) is not freeze
     peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_vlm), tmp_path / "adapter")
     prompts = VisionPrompts.from_pretrained(str(tmp_path / "merged"), AutoTokenizer.from_pretrained(tmp_path / "merged"))
     ids, vision = prompts.encode("<image> which color?", [{"bytes": png("blue")}], "test row")

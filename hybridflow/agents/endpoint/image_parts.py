@@ -5,17 +5,18 @@
 
 `openai_wire.normalize_messages` turns such a content into text with the model's image mark where each image goes
 (`vision_family`'s `chat_mark`, what the model's chat template makes of an image part: Qwen2.5-VL's and Qwen3-VL's
-`<|vision_start|><|image_pad|><|vision_end|>`, Gemma 3's `<start_of_image>`) and collects the parts (`ImagePart`,
-checked there: a data URI or a `file://` URL; a remote URL is refused, since a run is offline and its rollout must
-not wait on the network; a text model refuses every image part). The message keeps a digest of each image's URL
-under `images`, so a later request continues it only when its images are the same ones.
+`<|vision_start|><|image_pad|><|vision_end|>`, Gemma 3's `<start_of_image>`, SmolVLM's `<image>`) and collects the
+parts (`ImagePart`, checked there: a data URI or a `file://` URL; a remote URL is refused, since a run is offline and
+its rollout must not wait on the network; a text model refuses every image part). The message keeps a digest of each
+image's URL under `images`, so a later request continues it only when its images are the same ones.
 
 `RequestImages` then decodes the parts (PIL), runs the model's image processor (`VisionPrompts.process`, the
-dataset's own path) and replaces each mark by its image's text (`image_text`), as the model's processor does: Qwen's
+dataset's own path) and replaces each mark by its image's text (`image_texts`), as the model's processor does: Qwen's
 marks with one `<|image_pad|>` per merged patch, Gemma 3's `\\n\\n<start_of_image>`, its `mm_tokens_per_image`
-soft tokens and `<end_of_image>\\n\\n`. A continuation's new images are spliced into its appended ids the same way
-(`slots`). An image that does not decode, or is over the processor's pixel limit, is refused 400 naming the message
-and part.
+soft tokens and `<end_of_image>\\n\\n`, SmolVLM's tiles and whole image. A continuation's new images are spliced
+into its appended ids the same way (`slots`: each image's text tokenized alone, its margins with the text beside
+it). An image that does not decode, or is over the processor's pixel limit, is refused 400 naming the message and
+part.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class RequestImages:
 
     def __init__(self, prompts: VisionPrompts) -> None:
         self.prompts = prompts
-        self.mark = prompts.family.chat_mark(prompts.start, prompts.pad, prompts.end)
-        self.start_id, self.pad_id, self.end_id = prompts.family.marks()
+        self.mark = prompts.family.chat_mark(prompts.tokenizer)
+        self.pad_id = prompts.family.image_token_id
 
     def load(self, parts: list[ImagePart]) -> VisionInputs | None:
         """The parts' pixel values and patch grids, in order (None for no parts)."""
@@ -72,7 +73,8 @@ class RequestImages:
         return VisionInputs.concat(loaded)
 
     def counts(self, vision: VisionInputs | None) -> list[int]:
-        """The image tokens each image takes (Qwen: its patches merged; Gemma 3: `mm_tokens_per_image`)."""
+        """The image tokens each image takes (Qwen: its patches merged; Gemma 3: `mm_tokens_per_image`; SmolVLM: its
+        tiles' and its whole image's)."""
         return self.prompts.image_tokens(vision)
 
     def expand(self, text: str, vision: VisionInputs | None) -> str:
@@ -85,6 +87,9 @@ class RequestImages:
 
     def slots(self, vision: VisionInputs | None) -> ImageSlots:
         """The images of a continuation's new messages as `TurnRenderer` splices them at their marks: each one's
-        vision token ids, in order, and the plain text around them (what `expand` puts at a mark, tokenized)."""
-        ids = [[self.start_id] + [self.pad_id] * n + [self.end_id] for n in self.counts(vision)]
+        vision token ids, in order, and the plain text around them (what `expand` puts at a mark, tokenized). An
+        image's text opens and closes with a special token, so alone it tokenizes as it does within the text."""
+        tokenizer = self.prompts.tokenizer
+        ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"])
+               for text in self.prompts.family.image_texts(tokenizer, vision)]
         return ImageSlots(self.mark, ids, self.prompts.family.margins)

@@ -1,5 +1,5 @@
-"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5) with images
-in the prompts.
+"""`VisionRolloutEngine`: generation for vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5, SmolVLM) with
+images in the prompts.
 
     engine = VisionRolloutEngine(path, device, dtype, stop_ids, max_num_seqs=64, max_model_len=2048)
     outs = engine.generate(prompt_token_ids, SamplingParams(n=8), vision=[VisionInputs, ...])
@@ -16,8 +16,9 @@ The prefill runs in the model's own transformers modules, the decode on the fast
   images once and their embeddings take the place of the image tokens. Qwen's take the multimodal rotary positions
   (mrope) of `get_rope_index` (an image's tokens take temporal / height / width positions, text after it continues
   from the largest); Gemma 3's take plain positions and `token_type_ids`, with which an image's tokens attend to
-  each other both ways. The forward keeps every position's K/V, a sliding-window layer's too (transformers' own
-  cache for Gemma 3 would keep only the window): the fast engine's cache holds every position.
+  each other both ways; SmolVLM's plain positions, the tower encoding each image's tiles. The forward keeps every
+  position's K/V, a sliding-window layer's too (transformers' own cache for Gemma 3 would keep only the window): the
+  fast engine's cache holds every position.
 - **Hand-off**: each prompt's K/V, already rotated by those positions, go from transformers' cache into the fast
   engine's slots of its n samples (`vision_lm.write_prompts`; Qwen3.5's linear-attention layers: their conv and
   recurrent states after the prompt's last token, `write_states`), and the samples' first tokens are drawn from the
@@ -25,10 +26,11 @@ The prefill runs in the model's own transformers modules, the decode on the fast
 - **Decode**: the fast engine's, with continuous batching (a finished row's slot takes the next waiting prompt), CUDA
   graphs and its sampler. A generated token's three mrope components all equal `its index + the prompt's rope
   delta`, so its rotation is the text family's plain rope at that position: each row's rotary position is shifted
-  by its prompt's delta (`RunningBatch.rope_offsets`), its cache position stays its index. Gemma 3 has no delta.
+  by its prompt's delta (`RunningBatch.rope_offsets`), its cache position stays its index. Gemma 3 and SmolVLM have
+  no delta.
 
 The language model is the fast decoder's Qwen2 (Qwen2.5-VL), Qwen3 (Qwen3-VL), Gemma 3 text model (its sliding and
-global layers, `gemma3.py`) or Qwen3.5 text model (`hybrid_decoder.py`) over one copy of the weights
+global layers, `gemma3.py`), Qwen3.5 text model (`hybrid_decoder.py`) or Llama (SmolVLM) over one copy of the weights
 (`vision_lm.SharedWeights`), so `load_weights` (HF names, into the transformers model in place) reaches the decode
 too, and `sleep` / `wake` free and re-make the fast engine's KV cache (with offload, every weight to the CPU and back,
 still one copy). The image and video placeholder tokens are never drawn (sampled into a response, the trainer's

@@ -22,8 +22,11 @@ its image tokens take plain 1-D positions, so decoding is the text family's deco
 bidirectional attention is the prefill's alone (their K/V come computed); decoded tokens attend causally, within
 the window on the sliding layers, as transformers' decode does.
 
-- `text_config`: the VLM's text config as its family's (`qwen2` / `qwen3` / `gemma3_text` / `qwen3_5_text`), for
-  `CausalLM.build`.
+SmolVLM's (and Idefics3's) language model is Llama's decoder (SmolLM2's, Llama 3's), kept under `model.text_model.`;
+its image tokens take plain 1-D positions too, so decoding is Llama's decode with no shift.
+
+- `text_config`: the VLM's text config as its family's (`qwen2` / `qwen3` / `gemma3_text` / `qwen3_5_text` /
+  `llama`), for `CausalLM.build`.
 - `SharedWeights`: one copy of the language model's weights. The fast model holds the transformers model's own
   tensors for what it does not fuse (embeddings, norms, o_proj, down_proj, the head); the transformers model's q/k/v
   and gate/up projections become views into the fast model's fused `qkv_proj` / `gate_up_proj`. A weight update
@@ -51,21 +54,23 @@ from hybridflow.utils.lm_class import language_model_name
 # the vision-language family -> the transformers config class of its language model's text family, and the
 # text-config fields that family reads differently or not at all. Qwen's: the mrope sections (decode rotates all
 # three components by one position) and Qwen2.5-VL's sliding-window fields (unused by its checkpoints:
-# `use_sliding_window` false), left at the text family's defaults. Gemma 3's and Qwen3.5's text configs are their
-# text families' own: Gemma 3's layer types and sliding window stay, and Qwen3.5's layer types (linear and full).
+# `use_sliding_window` false), left at the text family's defaults. Gemma 3's, Qwen3.5's and SmolVLM's text configs are
+# their text families' own: Gemma 3's layer types and sliding window stay, Qwen3.5's layer types (linear and full),
+# and SmolVLM's (Idefics3's) Llama.
 _COMMON = ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype")
 _TEXT_FAMILY = {"qwen2_5_vl": ("Qwen2Config", _COMMON + ("layer_types", "sliding_window", "use_sliding_window",
                                                          "max_window_layers")),
                 "qwen3_vl": ("Qwen3Config", _COMMON + ("layer_types", "sliding_window", "use_sliding_window",
                                                        "max_window_layers")),
-                "gemma3": ("Gemma3TextConfig", _COMMON), "qwen3_5": ("Qwen3_5TextConfig", _COMMON)}
+                "gemma3": ("Gemma3TextConfig", _COMMON), "qwen3_5": ("Qwen3_5TextConfig", _COMMON),
+                "smolvlm": ("LlamaConfig", _COMMON), "idefics3": ("LlamaConfig", _COMMON)}
 # the families whose text family reads the mrope sections itself (Qwen3.5's rotary table: `rope.rotary_table`)
 _KEEPS_MROPE = ("qwen3_5",)
 
 
 def text_config(config: Any, tied: bool) -> Any:
     """A vision-language config's language model as its text family's config (Qwen2 / Qwen3 / Gemma 3 text / Qwen3.5
-    text: the fast decoder's families); tied: whether the model's head is its embedding (the VLM config or its text config may say
+    text / Llama: the fast decoder's families); tied: whether the model's head is its embedding (the VLM config or its text config may say
     so)."""
     import transformers
 

@@ -1,6 +1,6 @@
-"""A vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 with `images`) in the training engine: its vision
-tower, frozen or trained (`model.freeze_vision`), and the inputs of its forward: each row's images and its multimodal
-rotary positions.
+"""A vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 with `images`, SmolVLM) in the training engine: its
+vision tower, frozen or trained (`model.freeze_vision`), and the inputs of its forward: each row's images and its
+multimodal rotary positions.
 
 `vision_tower(model)` names the tower (the module built from the config's `vision_config`). With `freeze_vision` the
 trainer trains the language model alone: a full fine-tune leaves the tower's weights without gradients or optimizer
@@ -12,13 +12,16 @@ repeated with their prompt for its samples), so the actor's, the reference's and
 the rollout engine prefilled with. `vision_kwargs` turns a micro-batch's rows into the model's keyword arguments: the
 images of its rows one after another, and the positions of the whole rows, prompt and response (`vision_family`:
 Qwen's 3-D ones from the model's own `get_rope_index`; Gemma 3's plain ones and `token_type_ids`, its image tokens
-attending to each other both ways), what the rollout engine's prefill and decode used, so log-probs agree with it
-and with a transformers forward (tests/engine/vision/test_vision_forward.py). Vision rows run in the padded layout:
+attending to each other both ways; SmolVLM's plain ones, its rows' tiles one after another), what the rollout
+engine's prefill and decode used, so log-probs agree with it and with a transformers forward
+(tests/engine/vision/test_vision_forward.py). Vision rows run in the padded layout:
 packed rows would need the multimodal positions and masks of several sequences in one row.
 
 Gemma 3's multimodal projector lies outside its tower (`model.multi_modal_projector`): with `freeze_vision` the
 tower is frozen and the projector trains with the language model in a full fine-tune (LoRA adapts linear layers, and
-the projector has none, so under LoRA it stays as loaded).
+the projector has none, so under LoRA it stays as loaded). SmolVLM's connector (`model.connector`, the projection of
+the pixel-shuffled patches) lies outside its tower too and trains the same way in a full fine-tune; LoRA adapts the
+decoder layers' linear layers, not its, so under LoRA it stays as loaded as well.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from hybridflow.data.vision_family import vision_family
 
 def vision_tower(model: torch.nn.Module) -> str | None:
     """The qualified name of a vision-language model's vision tower (`model.visual` in Qwen2.5-VL and Qwen3-VL,
-    `model.vision_tower` in Gemma 3); None for a text model."""
+    `model.vision_tower` in Gemma 3, `model.vision_model` in SmolVLM); None for a text model."""
     vision_config = getattr(model.config, "vision_config", None)
     if vision_config is None:
         return None

@@ -1,8 +1,8 @@
-"""Images through the OpenAI-compatible endpoint (tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5's engines, the
-real `openai` client): `image_url` parts reach the vision engine with their prompt as the family's processor writes
-them, a continuation's new image joins the re-prefilled sequence, and the trainer's forward of the stitched row gives
-the log-probs that were sampled; bad images, remote URLs, forged image marks and tokens and images sent to a text model
-are 400s naming what is wrong."""
+"""Images through the OpenAI-compatible endpoint (tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 and SmolVLM's
+engines, the real `openai` client): `image_url` parts reach the vision engine with their prompt as the family's
+processor writes them, a continuation's new image joins the re-prefilled sequence, and the trainer's forward of the
+stitched row gives the log-probs that were sampled; bad images, remote URLs, forged image marks and tokens and images
+sent to a text model are 400s naming what is wrong."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm,
     from hybridflow.engine.train.engine import TrainEngine
 
     path, tokenizer, engine, images = vlm
-    params = SamplingParams(temperature=1.0, max_tokens=6, seed=1)  # no family samples a special token mid-turn
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=11)  # no family samples a special token mid-turn
     colors = [((220, 30, 30), (60, 90)), ((30, 40, 230), (56, 112))]
     pictures = [image_part(data_uri(*color)) for color in colors]
     if not with_images:
@@ -99,10 +99,9 @@ def test_images_reach_the_engine_and_the_trainer_sees_the_sampled_log_probs(vlm,
         assert trajectory.vision.pixel_values.equal(sent.pixel_values)
         assert trajectory.vision.image_grid_thw.equal(sent.image_grid_thw)
         assert trajectory.prompt_ids.count(image_id) == counts[0] and context.count(image_id) == counts[1]
-        family, prompts = images.prompts.family, images.prompts
-        for part, n in ((trajectory.prompt_ids, counts[0]), (context, counts[1])):
-            written = family.image_text(prompts.start, prompts.pad, prompts.end, n)
-            assert written in tokenizer.decode(part, skip_special_tokens=False)
+        written = images.prompts.family.image_texts(tokenizer, trajectory.vision)
+        for part, text in zip((trajectory.prompt_ids, context), written):
+            assert text in tokenizer.decode(part, skip_special_tokens=False)
 
     batch = Batch({"prompts": torch.zeros(1, 1, dtype=torch.long),
                    "attention_mask": torch.ones(1, 1, dtype=torch.long)})
@@ -161,6 +160,8 @@ def test_bad_images_are_refused_naming_the_part(vlm, part, match):
     if "over the image processor's limit" in match and images.prompts.max_pixels is None:
         pytest.skip("Gemma 3's processor resizes every image to the tower's square: no pixel limit to pass")
     if part["type"] == "text":  # the family's own image token, or what its chat template writes for an image part
+        if part["text"] == "{pad}" and images.prompts.pad == images.mark:  # SmolVLM's image token is its image mark
+            match = r"the rendered messages hold 2 image marks for 1 images"
         part = {"type": "text", "text": part["text"].format(pad=images.prompts.pad, mark=images.mark)}
     params = SamplingParams(temperature=1.0, max_tokens=4)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, part,
@@ -228,22 +229,31 @@ def test_a_text_model_refuses_images_by_name(tiny_qwen2):
 
 def test_an_image_part_is_what_the_models_processor_makes_of_it(tiny_vlm):
     """An image part becomes what the model's chat template writes for it (`chat_mark`), expanded as the model's
-    transformers processor expands it: Gemma 3's blank lines around `<start_of_image>`, its soft tokens and
-    `<end_of_image>` (the same ids, the same pixels). Qwen's processors need torchvision, absent here; their image
-    text is the dataset path's (`tests/data/`)."""
+    transformers processor expands it (the same ids, the same pixels): Gemma 3's blank lines around
+    `<start_of_image>`, its soft tokens and `<end_of_image>`; SmolVLM's `<image>` as its tiles and its whole image
+    (Idefics3's processor: SmolVLM's own needs torchvision for its video processor, absent here; its image text is
+    Idefics3's, `tests/data/test_vision_prompts.py`). Qwen's processors need torchvision too; their image text is the
+    dataset path's."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
     images = RequestImages(VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer))
-    prompts = images.prompts
-    if "gemma3" not in str(tiny_vlm):
-        assert images.mark == prompts.start + prompts.pad + prompts.end
-        pytest.skip("Qwen2.5-VL's and Qwen3-VL's processors need torchvision (their video processor)")
-    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+    prompts, family = images.prompts, images.prompts.family
+    if "gemma3" in str(tiny_vlm):
+        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
-    marked = AutoTokenizer.from_pretrained(tiny_vlm, extra_special_tokens={
-        "boi_token": prompts.start, "image_token": prompts.pad, "eoi_token": prompts.end})
-    processor = Gemma3Processor(prompts.image_processor, marked,
-                                image_seq_length=prompts.family.config.mm_tokens_per_image)
-    assert images.mark == "<start_of_image>"
+        start, pad, end = tokenizer.convert_ids_to_tokens(list(family.marks()))
+        marked = AutoTokenizer.from_pretrained(tiny_vlm, extra_special_tokens={
+            "boi_token": start, "image_token": pad, "eoi_token": end})
+        processor = Gemma3Processor(prompts.image_processor, marked, image_seq_length=family.config.mm_tokens_per_image)
+        assert images.mark == "<start_of_image>"
+    elif "smolvlm" in str(tiny_vlm):
+        from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+        processor = Idefics3Processor(prompts.image_processor, AutoTokenizer.from_pretrained(tiny_vlm),
+                                      image_seq_len=family.tokens_per_tile)
+        assert images.mark == "<image>"
+    else:
+        assert images.mark == "<|vision_start|><|image_pad|><|vision_end|>"
+        pytest.skip("Qwen2.5-VL's and Qwen3-VL's processors need torchvision (their video processor)")
     text = f"Look:\n{images.mark} and{images.mark}what?"
     pictures = [Image.new("RGB", (60, 90), (220, 30, 30)), Image.new("RGB", (56, 112), (30, 40, 230))]
     theirs = processor(text=[text], images=[pictures], return_tensors="pt")

@@ -1,6 +1,6 @@
-"""The training engine's forward on vision rows (tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5; `images=True`:
-the rows carry images, so a Qwen3.5 checkpoint loads with its tower): the log-probs of sampled responses agree with
-the rollout engine's and with a plain transformers forward of each row with its images."""
+"""The training engine's forward on vision rows (tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 and SmolVLM;
+`images=True`: the rows carry images, so a Qwen3.5 checkpoint loads with its tower): the log-probs of sampled responses
+agree with the rollout engine's and with a plain transformers forward of each row with its images."""
 
 from __future__ import annotations
 
@@ -18,11 +18,16 @@ from hybridflow.engine.rollout.vision_engine import VisionRolloutEngine
 from hybridflow.engine.train.engine import TrainEngine
 from hybridflow.workers.rollout_layout import completions_to_batch
 
-TOWERS = (".visual.", ".vision_tower.")  # Qwen's vision tower, Gemma 3's
+TOWERS = (".visual.", ".vision_tower.", ".vision_model.")  # Qwen's vision tower, Gemma 3's, SmolVLM's
+LANGUAGE = (".language_model.", ".text_model.")  # the language model: Qwen's and Gemma 3's, SmolVLM's
 
 
 def in_tower(name: str) -> bool:
     return any(t in name for t in TOWERS)
+
+
+def in_language_model(name: str) -> bool:
+    return any(t in name for t in LANGUAGE)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +65,13 @@ def test_trainer_log_probs_agree_with_rollout_and_transformers(rows, tiny_vlm):
         assert torch.allclose(rows["rollout_log_probs"][r, :k], want, atol=1e-4), r  # the sampled ones, directly
 
 
+@pytest.mark.parametrize("tiny_vlm", ["idefics3"], indirect=True)
+def test_idefics3_log_probs_agree_too(rows, tiny_vlm):
+    """Idefics3 (SmolVLM's parent, one image layout): the trainer's log-probs of its sampled responses are the rollout
+    engine's and transformers'; the other tests here run on SmolVLM."""
+    test_trainer_log_probs_agree_with_rollout_and_transformers(rows, tiny_vlm)
+
+
 @pytest.mark.parametrize("freeze", [True, False])
 def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_vlm):
     """`model.freeze_vision` (default true): the vision tower gets no gradient and no optimizer state; false trains
@@ -70,14 +82,14 @@ def test_freeze_vision_decides_what_a_full_fine_tune_trains(freeze, rows, tiny_v
     engine = TrainEngine(ModelConfig(path=str(tiny_vlm), dtype="fp32", freeze_vision=freeze), ActorConfig(lr=1e-2),
                          device=torch.device("cpu"), images=True)
     trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
-    assert any(".language_model." in n for n in trained)
+    assert any(in_language_model(n) for n in trained)
     assert any(in_tower(n) for n in trained) is not freeze
     optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in engine.model.parameters() if p.requires_grad}
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     engine.train_step(rows.tensors, lambda out, mb, ctx: ((out["log_probs"] * mb["response_mask"]).sum(), {}), 6)
     moved = {n for n, p in engine.model.named_parameters() if not torch.equal(p, before[n])}
-    assert any(in_tower(n) for n in moved) is not freeze and any(".language_model." in n for n in moved)
+    assert any(in_tower(n) for n in moved) is not freeze and any(in_language_model(n) for n in moved)
 
 
 def test_a_response_holding_the_image_placeholder_is_refused_naming_the_row(rows, tiny_vlm):

@@ -1,4 +1,4 @@
-"""VisionRolloutEngine on a tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen3.5: greedy output equals
+"""VisionRolloutEngine on a tiny random Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen3.5 and SmolVLM: greedy output equals
 `transformers.generate` on the same prompt and image, prompts of different lengths prefilled together (left-padded;
 Qwen3.5's linear-attention states handed off beside the K/V) and joining the fast engine's decode as slots free; the
 vision tower encodes each prompt's images once for all its samples; one copy of the language model's weights serves the
@@ -46,6 +46,13 @@ def test_greedy_equals_transformers_generate(setup, tiny_vlm):
         assert [s.token_ids for s in samples] == [want, want]
 
 
+@pytest.mark.parametrize("tiny_vlm", ["idefics3"], indirect=True)
+def test_idefics3_is_served_by_smolvlms_layout(setup, tiny_vlm):
+    """Idefics3 (`Idefics3ForConditionalGeneration`, SmolVLM's parent: one image layout, `SmolVLMFamily`, and Llama's
+    decode) generates as `generate` does too; the other tests here run on SmolVLM."""
+    test_greedy_equals_transformers_generate(setup, tiny_vlm)
+
+
 def test_prompts_join_as_slots_free_and_still_equal_generate(tiny_vlm):
     """Four slots for 4 prompts x 2 samples: prompts are prefilled (through the transformers modules) while earlier
     rows decode on the fast engine, into slots finished rows gave back, beside rows of other rope deltas; each row
@@ -75,16 +82,17 @@ def test_one_copy_of_the_language_model_and_weight_updates_reach_the_decode(tiny
     update copied into the engine is what both the prefill and the decode run, and greedy output equals `generate`
     of the updated model; sleep with offload and wake keep one copy."""
     engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [3], 8, 512)
-    language = engine.model.model.language_model
+    kept = "text_model" if "smolvlm" in str(tiny_vlm) else "language_model"  # where the language model is kept
+    language = engine.model.model.get_submodule(kept)
     full = next(i for i, layer in enumerate(language.layers) if hasattr(layer, "self_attn"))  # Qwen3.5's 4th
     fused = engine.fast.model.model.layers[full].self_attn.qkv_proj.weight
     q_proj = language.layers[full].self_attn.q_proj.weight
     assert q_proj.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert engine.fast.model.model.embed_tokens.weight.data_ptr() == language.embed_tokens.weight.data_ptr()
     update = {name: p.detach() * 1.5 for name, p in engine.model.named_parameters()
-              if name.startswith("model.language_model.layers.") and "proj" in name}
+              if name.startswith(f"model.{kept}.layers.") and "proj" in name}
     engine.load_weights(update.items())
-    assert torch.equal(fused[:q_proj.shape[0]], update[f"model.language_model.layers.{full}.self_attn.q_proj.weight"])
+    assert torch.equal(fused[:q_proj.shape[0]], update[f"model.{kept}.layers.{full}.self_attn.q_proj.weight"])
     engine.sleep(offload_weights=True)
     engine.wake()
     assert q_proj.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
