@@ -66,8 +66,9 @@ rollout() { python3 bench/rollout.py --device cuda --skip-long --profile --out "
 families() { python3 bench/rollout.py --device cuda --hf-new-tokens "${FAMILY_HF_TOKENS:-64}" \
     --shapes ${FAMILY_SHAPES:-olmo2-1b phi3-mini phi4-mini gemma3-4b qwen3.5-0.8b qwen3-next-80b-a3b-4l} \
     --out "$OUT/rollout_families_h200.json" 2>&1 | tee "$OUT/rollout_families.log"; }
-# where the prefill's time goes at one shape (issue 59: Qwen3.5-0.8B's took 10.3 s of a 13.0 s generation on an H100):
-# 256 prompts x 128 tokens, one new token each, a torch.profiler table; PREFILL_SHAPE picks another shape
+# where the prefill's time goes at one shape (issue 59): 256 prompts x 128 tokens, one new token each, the first run
+# timed apart (one H100: 49.2 s of kernel compilation at Qwen3.5-0.8B, then 0.243 s), a torch.profiler table;
+# PREFILL_SHAPE picks another shape
 prefill_profile() { python3 bench/prefill_profile.py --device cuda --shape "${PREFILL_SHAPE:-qwen3.5-0.8b}" \
     --out "$OUT/prefill_profile_h200.json" 2>&1 | tee "$OUT/prefill_profile.log"; }
 # vision-language rollout (issue 59; docs/models.md#vision-language-models): VisionRolloutEngine against generate at

@@ -79,7 +79,7 @@ def data(path: Path, prompts: int, side: int) -> None:
     pd.DataFrame(rows).to_parquet(path)
 
 
-def run(a: argparse.Namespace, work: Path) -> dict:
+def run(a: argparse.Namespace, work: Path, save) -> dict:
     from hybridflow.config.loader import load_config
     from hybridflow.trainer.rl import RLTrainer
 
@@ -101,6 +101,7 @@ def run(a: argparse.Namespace, work: Path) -> dict:
                           "phases_s": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")},
                           "gen_tokens_per_s": m["response_length/mean"] * a.prompts * a.n / m["timing_s/gen"]})
             print(f"step {trainer.step}: {m['timing_s/step']:.2f} s", flush=True)
+            save({"steps": steps})  # a device call cut short keeps the steps that ended
     finally:
         trainer.close()
     return {"steps": steps}
@@ -120,20 +121,28 @@ def main() -> None:
     a = p.parse_args()
 
     watch = DeviceMemoryWatch() if a.device == "cuda" else None
+    path = a.out or HERE / "results" / f"vision_step_{a.device}.json"
+
+    def save(result: dict) -> dict:
+        later = [s["step_s"] for s in result["steps"][1:]] or [result["steps"][0]["step_s"]]
+        report = {"bench": "vision_step", "commit": git_commit(), "settings": vars(a),
+                  "image_tokens": (a.side // PATCH) ** 2 // MERGE ** 2, **result,
+                  "first_step_s": result["steps"][0]["step_s"], "step_s_median_after_first": statistics.median(later),
+                  "peak_device_memory_gb": watch.peak / 2**30 if watch else None,
+                  "peak_rss_gb": None if watch else peak_memory_gb("cpu")}
+        write_json(report, path)
+        return report
+
     with tempfile.TemporaryDirectory(prefix="vision_step_") as tmp:
         work = Path(tmp)
         build(a.shape, work / "model", a.side, a.device)
         data(work / "train.parquet", a.prompts, a.side)
-        result = run(a, work)
-    later = [s["step_s"] for s in result["steps"][1:]] or [result["steps"][0]["step_s"]]
-    report = {"bench": "vision_step", "commit": git_commit(), "settings": vars(a),
-              "image_tokens": (a.side // PATCH) ** 2 // MERGE ** 2, **result,
-              "first_step_s": result["steps"][0]["step_s"], "step_s_median_after_first": statistics.median(later),
-              "peak_device_memory_gb": watch.stop() if watch else None,
-              "peak_rss_gb": None if watch else peak_memory_gb("cpu")}
-    out = write_json(report, a.out or HERE / "results" / f"vision_step_{a.device}.json")
+        result = run(a, work, save)
+    if watch:
+        watch.stop()
+    report = save(result)
     print(f"{a.shape}: first step {report['first_step_s']:.2f} s, later {report['step_s_median_after_first']:.2f} s "
-          f"(median), device peak {report['peak_device_memory_gb']} GiB -> {out}")
+          f"(median), device peak {report['peak_device_memory_gb']} GiB -> {path}")
 
 
 if __name__ == "__main__":
