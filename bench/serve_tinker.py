@@ -52,9 +52,6 @@ def rows(path: Path) -> list[dict]:
     return pd.read_parquet(path).to_dict("records")
 
 
-MICRO_BATCH_TOKENS = 16384
-
-
 class Server:
     """`hybridflow serve`'s app on a free port of 127.0.0.1, its event loop in a background thread."""
 
@@ -68,13 +65,10 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.loop = asyncio.new_event_loop()
-        # the service's defaults, with slots as long as the task's sequences (as `hybridflow train` sizes its engine),
-        # and forward_backward in micro-batches of MICRO_BATCH_TOKENS: the service trains without recomputation,
-        # under bf16 autocast on CUDA (~1 MB of activations a token at SmolLM2-135M by count; its log-prob head keeps
-        # no logits), so one pass over a step's 512 rows would not fit beside the sampler's cache
+        # the service's defaults (forward_backward's micro-batches follow the free memory), with slots as long as the
+        # task's sequences (as `hybridflow train` sizes its engine)
         self.config = ServeConfig({"m": Path(model_dir)}, device=device, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len, checkpoint_dir=checkpoints,
-                                  micro_batch_tokens=MICRO_BATCH_TOKENS)
+                                  max_model_len=max_model_len, checkpoint_dir=checkpoints)
         self.runner = web.AppRunner(make_app(self.config, api_key=API_KEY))
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())

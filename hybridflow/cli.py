@@ -218,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merged-exports", action="store_true",
                    help="save_weights_external of a LoRA client writes the merged model (default: a peft adapter "
                         "directory)")
-    p.add_argument("--micro-batch-tokens", type=int, default=0,
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="the most padded tokens (rows x longest row) one forward_backward pass holds; requests' "
-                        "data are packed into micro-batches within it (default 0: one batch per call)")
+                        "data are packed into micro-batches within it (0: one batch per call; default: what 0.3 of "
+                        "the free device memory holds of the model's activations, set at each client's creation)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="nf4: the bases' projections stored once in 4 bits (torchao NF4), shared by the LoRA clients "
                         "(QLoRA); full-parameter clients are then refused (default none: fp32)")

@@ -26,7 +26,8 @@ class ServeConfig:
     checkpoint_dir: where `save_weights` and `save_weights_external` write (`MODEL_ID/...`).
     merged_exports: `save_weights_external` of a LoRA client writes its merged model, not an adapter directory.
     micro_batch_tokens: the most padded tokens (rows x longest row) a forward_backward pass holds at once; the
-        data of waiting requests are packed into micro-batches within it (0: one batch, bounded by memory only).
+        data of waiting requests are packed into micro-batches within it (0: one batch, bounded by memory only;
+        None: each training client's follows the device, `trainee.auto_micro_batch_tokens` at its creation).
     quantization: "nf4" stores the bases' projections in 4 bits for LoRA clients (`BaseModels`); "none" keeps fp32.
     session_timeout_s: a session whose client sent no heartbeat for this long is finished and its training clients
         released (`Sessions`); 0: never.
@@ -49,7 +50,7 @@ class ServeConfig:
     max_snapshots: int = 8
     checkpoint_dir: Path = Path("tinker_checkpoints")
     merged_exports: bool = False
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int | None = None
     quantization: str = "none"
     session_timeout_s: float = 300.0
     sampler_dtype: str = "auto"
@@ -59,8 +60,9 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         self.checkpoint_dir = Path(self.checkpoint_dir)  # a str from a caller that is not the CLI
-        if self.micro_batch_tokens < 0:
-            raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit)")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
+            raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: no limit; leave it "
+                             f"out to follow the device's free memory)")
         if not self.session_timeout_s >= 0:  # NaN fails too
             raise ValueError(f"--session-timeout-s={self.session_timeout_s} must be >= 0 (0: sessions never expire)")
         if self.quantization not in QUANTIZATIONS:

@@ -30,12 +30,13 @@ from typing import Any, Callable
 from tinker import types
 
 from hybridflow.engine.rollout import SamplingParams
+from hybridflow.engine.rollout.kv_cache import free_memory
 from hybridflow.serve.base_models import BaseModels
 from hybridflow.serve.checkpoints import CheckpointStore
 from hybridflow.serve.config import ServeConfig
 from hybridflow.serve.sampler import Sampler, Snapshot
 from hybridflow.serve.sessions import Sessions
-from hybridflow.serve.trainee import LossRequest, Trainee
+from hybridflow.serve.trainee import TRAIN_MEMORY_FRACTION, LossRequest, Trainee, auto_micro_batch_tokens
 from hybridflow.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
 from hybridflow.serve.work_queue import Batch, Job, WorkQueue
 
@@ -189,7 +190,7 @@ class TinkerService:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"  # the SDK's own derivation (see load_weights)
         if lora is None or lora.rank == 0:
             trainee = Trainee.full(self.bases.full_model(req.base_model), self.bases.device,
-                                   self.config.micro_batch_tokens, self.config.train_torch_dtype())
+                                   self._micro_batch_tokens(req.base_model), self.config.train_torch_dtype())
         else:
             if not (lora.train_attn and lora.train_mlp):
                 raise ValueError(f"lora_config train_attn={lora.train_attn}, train_mlp={lora.train_mlp}: adapters "
@@ -198,7 +199,7 @@ class TinkerService:
                 log.warning("lora_config.train_unembed=True: this server adapts the decoder layers' projections "
                             "only; the unembedding stays frozen")
             trainee = Trainee.lora(self.bases.lora_model(req.base_model), lora.rank, lora.seed, self.bases.device,
-                                   self.config.micro_batch_tokens, self.config.train_torch_dtype())
+                                   self._micro_batch_tokens(req.base_model), self.config.train_torch_dtype())
         self.models[model_id] = _Model(req.base_model, trainee)
         return types.CreateModelResponse(model_id=model_id).model_dump(mode="json")
 
@@ -375,6 +376,16 @@ class TinkerService:
         if sampling_id not in self.sampling_sessions:
             raise ValueError(f"sampling session {sampling_id!r} is unknown")
         return self.sampling_sessions[sampling_id]
+
+    def _micro_batch_tokens(self, base: str) -> int:
+        """`--micro-batch-tokens`, or (left out) what the device's free memory holds now, logged."""
+        if self.config.micro_batch_tokens is not None:
+            return self.config.micro_batch_tokens
+        free = free_memory(self.bases.device)
+        tokens = auto_micro_batch_tokens(self.bases.base(base).config, free, self.config.train_torch_dtype())
+        log.info("a training client of %s: forward_backward in micro-batches of %d padded tokens (%.0f%% of %.1f GiB "
+                 "free; --micro-batch-tokens sets it)", base, tokens, 100 * TRAIN_MEMORY_FRACTION, free / 2**30)
+        return tokens
 
     def _sampler(self, base: str) -> Sampler:
         if base not in self.samplers:

@@ -31,6 +31,19 @@ from hybridflow.serve.tinker_losses import check_loss, tinker_loss
 from hybridflow.serve.wire import FwdBwdDatum
 
 Outputs = tuple[list[dict[str, torch.Tensor]], dict[str, float]]
+# the share of free memory (at a client's creation) a forward_backward's kept activations may take when
+# `--micro-batch-tokens` is left to follow the device; the sampling engine's KV cache takes its own share
+# (`--kv-cache-memory`), and one forward_backward runs at a time
+TRAIN_MEMORY_FRACTION = 0.3
+
+
+def auto_micro_batch_tokens(config: Any, free_bytes: int, compute_dtype: torch.dtype) -> int:
+    """The padded tokens a micro-batch may hold so that what its forward keeps for the backward (no recomputation,
+    `ModelShape.activation_bytes` in `compute_dtype`) stays within `TRAIN_MEMORY_FRACTION` of `free_bytes`."""
+    from hybridflow.engine.budget.estimate import ModelShape
+
+    per_token = ModelShape.from_config(config).activation_bytes(torch.finfo(compute_dtype).bits // 8, False)
+    return max(1, int(TRAIN_MEMORY_FRACTION * free_bytes) // per_token)
 
 
 @dataclass

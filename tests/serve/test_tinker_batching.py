@@ -27,6 +27,13 @@ def _hold(service) -> threading.Event:
     return release
 
 
+def _settled(service) -> int:
+    """The count of batches the worker ran, once every request before this call has run (a batch is counted after
+    its run, and a sample batch answers its requests during its run)."""
+    service.queue.submit(Job(lambda requests: [None], None)).result(60)
+    return len(service.queue.batches) - 1  # not counting this call's own batch
+
+
 def _until_waiting(service, n: int) -> None:
     deadline = time.monotonic() + 30
     while service.queue.waiting() < n:
@@ -63,7 +70,7 @@ def test_concurrent_sample_calls_share_one_engine_batch(server, monkeypatch):
     params = types.SamplingParams(max_tokens=5, temperature=1.0)
     alone = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, params).result()  # the engine is built
     sessions = _sessions(service.samplers["tiny"].engine, monkeypatch)
-    batches = len(service.queue.batches)
+    batches = _settled(service) + 1
 
     release = _hold(service)
     first = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, params)
@@ -72,7 +79,7 @@ def test_concurrent_sample_calls_share_one_engine_batch(server, monkeypatch):
     _until_waiting(service, 2)
     release.set()
     results = [first.result(), second.result()]
-    assert len(sessions) == 1 and service.queue.batches[batches:] == [1, 2]  # the hold; both prompts in one session
+    assert len(sessions) == 1 and service.queue.batches[batches:_settled(service)] == [1, 2]  # the hold; one session
     for result in results + [alone]:
         assert len(result.sequences) == 2 and all(1 <= len(s.tokens) == len(s.logprobs) <= 5 for s in result.sequences)
 
@@ -94,10 +101,10 @@ def test_a_sample_request_arriving_mid_batch_joins_the_running_session(server, m
         _until_waiting(service, 3)
 
     sessions = _sessions(service.samplers["tiny"].engine, monkeypatch, send_more)
-    batches = len(service.queue.batches)
+    batches = _settled(service) + 1
     first = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, params).result()
     results = [first] + [f.result() for f in late]
-    assert len(sessions) == 2 and service.queue.batches[batches:] == [3, 1]  # two joined the first session
+    assert len(sessions) == 2 and service.queue.batches[batches:_settled(service)] == [3, 1]  # two joined the first
     assert [len(r.sequences) for r in results] == [2, 2, 2, 2]
     for result, most in zip(results, (6, 6, 6, 3)):
         assert all(1 <= len(s.tokens) == len(s.logprobs) <= most for s in result.sequences)
@@ -146,7 +153,8 @@ def test_a_request_that_cannot_be_served_fails_alone_in_its_batch(server):
         bad_sample.result()
     assert len(good_loss.result().loss_fn_outputs[0]["logprobs"].tolist()) == 7
     assert len(good_sample.result().sequences) == 1
-    assert service.queue.batches[-2:] == [2, 2]  # each bad request rode in its batch and failed alone
+    end = _settled(service)
+    assert service.queue.batches[end - 2:end] == [2, 2]  # each bad request rode in its batch and failed alone
 
 
 def test_micro_batches_within_the_token_budget_give_the_one_batch_results(tiny_qwen2, tmp_path, server, monkeypatch,
@@ -158,7 +166,8 @@ def test_micro_batches_within_the_token_budget_give_the_one_batch_results(tiny_q
     started = []
     monkeypatch.setattr(http_api, "serve", lambda config, *args: started.append(config))
     assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--device", "cpu", "--micro-batch-tokens", "40"]) == 0
-    assert started[0].micro_batch_tokens == 40
+    assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--device", "cpu"]) == 0
+    assert [c.micro_batch_tokens for c in started] == [40, None]  # None: each client's follows the free memory
     assert main(["serve", "--model", f"tiny={tiny_qwen2}", "--micro-batch-tokens", "-1"]) == 2
     assert "--micro-batch-tokens=-1 must be >= 0" in capsys.readouterr().err
     small, stop = start_server(tiny_qwen2, tmp_path, micro_batch_tokens=40)
@@ -182,3 +191,35 @@ def test_micro_batches_within_the_token_budget_give_the_one_batch_results(tiny_q
                                    rtol=0)  # the same step: the micro-batches' gradients add up to the batch's
     finally:
         stop()
+
+
+def test_left_out_the_micro_batch_follows_the_free_memory(tiny_qwen2, tmp_path, monkeypatch, server, caplog):
+    """Without --micro-batch-tokens a client's micro-batches hold what TRAIN_MEMORY_FRACTION of the free memory at its
+    creation holds of the model's activations: here memory for 40 tokens, so the rows above split in two, with the
+    one-batch results; `0` asks for one batch whatever the memory."""
+    from transformers import AutoConfig
+
+    from hybridflow.engine.budget.estimate import ModelShape
+    from hybridflow.serve import tinker_service
+    from hybridflow.serve.trainee import TRAIN_MEMORY_FRACTION
+    from tests.serve.conftest import start_server
+
+    per_token = ModelShape.from_config(AutoConfig.from_pretrained(tiny_qwen2)).activation_bytes(4, False)
+    monkeypatch.setattr(tinker_service, "free_memory", lambda device: int(40.5 * per_token / TRAIN_MEMORY_FRACTION))
+    rows = [TOKENS[:12], TOKENS[4:24], TOKENS[2:10]]
+    data = [datum(r, weights=[1.0] * (len(r) - 1)) for r in rows]
+    outs, calls = [], []
+    for config in ({}, {"micro_batch_tokens": 0}):
+        served, stop = start_server(tiny_qwen2, tmp_path / str(len(outs)), **config)
+        try:
+            with caplog.at_level("INFO", logger=tinker_service.__name__):
+                trainer = served.client.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+            seen = []
+            served.service.models[trainer.model_id].trainee.model.register_forward_hook(lambda *a: seen.append(1))
+            outs.append(trainer.forward_backward(data, "cross_entropy").result())
+            calls.append(len(seen))
+        finally:
+            stop()
+    assert calls == [2, 1]
+    assert "micro-batches of 40 padded tokens" in caplog.text and "--micro-batch-tokens sets it" in caplog.text
+    assert outs[0].metrics["loss:sum"] == pytest.approx(outs[1].metrics["loss:sum"], rel=1e-6)
