@@ -9,8 +9,8 @@ the first policy is the base model. `Trainee.full(model, device)` trains every w
 loss. A forward computes its targets' log-probs with the training engine's log-prob head (`head.LogProbHead`: chunks
 of the output projection, so `[tokens, vocabulary]` logits never exist; architectures that transform their logits
 after the head, `model.LOGIT_TRANSFORMS`, take the plain logits), in `compute_dtype`: bf16 runs the forward and
-backward under autocast over the fp32 weights (mixed precision, `hybridflow serve --train-dtype`). `optim_step` applies AdamW with the parameters the SDK sent,
-then clears the gradients; `state` / `load_state` are the training state `save_weights` / `load_weights` keep
+backward under autocast over the fp32 weights (mixed precision, `hybridflow serve --train-dtype`). `optim_step`
+applies AdamW with the parameters the SDK sent, then clears the gradients; `state` / `load_state` are the training state `save_weights` / `load_weights` keep
 (the trained tensors and the optimizer's moments); `sampler_weights` gives what the sampler loads: for LoRA
 W + scale · B·A of every adapted weight (the only tensors that differ from the base directory's), in full
 every weight.
