@@ -1,17 +1,17 @@
 """The Tinker service's state and operations, behind the HTTP layer (`http_api`).
 
-`TinkerService` holds the base models it serves (`BaseModels`: each loaded once, shared by its LoRA clients),
-the sessions (`Sessions`: a client silent past `session_timeout_s` has its session finished), the training
-clients' `Trainee`s (LoRA or full-parameter), the weight snapshots `save_weights_for_sampler` took, the sampling sessions, one `Sampler` per base model, and the `CheckpointStore`
-(saved states and Hugging Face exports under `checkpoint_dir`). Long operations (create_model,
-forward_backward, optim_step, saving, loading and exporting weights, sampling) run on one worker thread in
-arrival order (`WorkQueue`); waiting forward_backward requests of one model (with the same `forward_only`) are
-packed together into the trainer's micro-batches (`micro_batch_tokens`), and waiting sample requests on the
-same weights with the same unseeded sampling parameters run as one engine batch. `submit` returns a request id
-at once and `futures[request_id]` holds the result later, as the SDK's futures expect. A result is a JSON
-dict, or protobuf bytes for the two types the SDK reads as protobuf. Requests are read with the SDK's own types;
-a `ValueError` raised by an operation (unknown model, unknown loss, bad shapes) is the caller's error, reported
-in the future as the SDK's `RequestFailedError` with category `user`.
+`TinkerService` holds the base models it serves (`BaseModels`: each loaded once, shared by its LoRA clients), the
+sessions (`Sessions`: a client silent past `session_timeout_s` has its session finished), the training clients'
+`Trainee`s (LoRA or full-parameter), the weight snapshots `save_weights_for_sampler` took, the sampling sessions, one
+`Sampler` per base model, and the `CheckpointStore` (saved states and Hugging Face exports under `checkpoint_dir`). Long
+operations (create_model, forward_backward, optim_step, saving, loading and exporting weights, sampling) run on one
+worker thread in arrival order (`WorkQueue`); waiting forward_backward requests of one model (with the same
+`forward_only`) are packed together into the trainer's micro-batches (`micro_batch_tokens`), and waiting sample requests
+on the same weights with the same unseeded sampling parameters run as one engine batch. `submit` returns a request id at
+once and `futures[request_id]` holds the result later, as the SDK's futures expect. A result is a JSON dict, or protobuf
+bytes for the two types the SDK reads as protobuf. Requests are read with the SDK's own types; a `ValueError` raised by
+an operation (unknown model, unknown loss, bad shapes) is the caller's error, reported in the future as the SDK's
+`RequestFailedError` with category `user`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """One training client's model: a Hugging Face causal LM trained in-process, with LoRA adapters or in full.
 
-`Trainee.lora(model, rank, seed, device)` injects rank-`rank` adapters with the training engine's `apply_lora`
-into a model whose frozen weights may be shared with other clients (`BaseModels.lora_model`); B starts at 0, so
-the first policy is the base model. `Trainee.full(model, device)` trains every weight of its own copy.
-`forward_backward` computes each datum's log-probs of its `target_tokens` and, per request, the Tinker loss
-(`tinker_losses`); several requests of one client are packed together into micro-batches of at most
-`micro_batch_tokens` padded tokens (one forward and backward each), each request getting its own outputs and
-loss. A forward computes its targets' log-probs with the training engine's log-prob head (`head.LogProbHead`: chunks
-of the output projection, so `[tokens, vocabulary]` logits never exist; architectures that transform their logits
-after the head, `model.LOGIT_TRANSFORMS`, take the plain logits), in `compute_dtype`: bf16 runs the forward and
-backward under autocast over the fp32 weights (mixed precision, `hybridflow serve --train-dtype`). `optim_step`
-applies AdamW with the parameters the SDK sent, then clears the gradients; `state` / `load_state` are the training state `save_weights` / `load_weights` keep
-(the trained tensors and the optimizer's moments); `sampler_weights` gives what the sampler loads: for LoRA
-W + scale · B·A of every adapted weight (the only tensors that differ from the base directory's), in full
-every weight.
+`Trainee.lora(model, rank, seed, device)` injects rank-`rank` adapters with the training engine's `apply_lora` into a
+model whose frozen weights may be shared with other clients (`BaseModels.lora_model`); B starts at 0, so the first
+policy is the base model. `Trainee.full(model, device)` trains every weight of its own copy. `forward_backward` computes
+each datum's log-probs of its `target_tokens` and, per request, the Tinker loss (`tinker_losses`); several requests of
+one client are packed together into micro-batches of at most `micro_batch_tokens` padded tokens (one forward and
+backward each), each request getting its own outputs and loss. A forward computes its targets' log-probs with the
+training engine's log-prob head (`head.LogProbHead`: chunks of the output projection, so `[tokens, vocabulary]` logits
+never exist; architectures that transform their logits after the head, `model.LOGIT_TRANSFORMS`, take the plain logits),
+in `compute_dtype`: bf16 runs the forward and backward under autocast over the fp32 weights (mixed precision,
+`hybridflow serve --train-dtype`). `optim_step` applies AdamW with the parameters the SDK sent, then clears the
+gradients; `state` / `load_state` are the training state `save_weights` / `load_weights` keep (the trained tensors and
+the optimizer's moments); `sampler_weights` gives what the sampler loads: for LoRA W + scale · B·A of every adapted
+weight (the only tensors that differ from the base directory's), in full every weight.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Requests that arrive together run together: two clients' concurrent sample calls on the same weights are one
-engine batch (and one that arrives while that batch runs joins it), and a client's concurrent forward_backward calls one forward and backward, with the results and
-the step each would get alone; through the real SDK, the worker held while the requests queue up."""
+"""Requests that arrive together run together: two clients' concurrent sample calls on the same weights are one engine
+batch (and one that arrives while that batch runs joins it), and a client's concurrent forward_backward calls one
+forward and backward, with the results and the step each would get alone; through the real SDK, the worker held while
+the requests queue up.
+"""
 
 from __future__ import annotations
 
