@@ -8,10 +8,11 @@ operations (create_model, forward_backward, optim_step, saving, loading and expo
 worker thread in arrival order (`WorkQueue`); waiting forward_backward requests of one model (with the same
 `forward_only`) are packed together into the trainer's micro-batches (`micro_batch_tokens`), and waiting sample requests
 on the same weights with the same unseeded sampling parameters run in one engine session, which those arriving while it
-runs join (each answered when its samples end). `submit` returns a request id at once and `futures[request_id]` holds the result later, as the SDK's futures expect. A result is a JSON dict, or protobuf
-bytes for the two types the SDK reads as protobuf. Requests are read with the SDK's own types; a `ValueError` raised by
-an operation (unknown model, unknown loss, bad shapes) is the caller's error, reported in the future as the SDK's
-`RequestFailedError` with category `user`.
+runs join (each answered when its samples end). `submit` returns a request id at once and `futures[request_id]` holds
+the result later, as the SDK's futures expect. A result is a JSON dict, or protobuf bytes for the two types the SDK
+reads as protobuf. Requests are read with the SDK's own types; a `ValueError` raised by an operation (unknown model,
+unknown loss, bad shapes) is the caller's error, reported in the future as the SDK's `RequestFailedError` with category
+`user`.
 """
 
 from __future__ import annotations
