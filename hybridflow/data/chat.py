@@ -7,19 +7,83 @@ rendered with the template's own `tools=` support; a template without it gets th
 in its system message instead, in the Hermes / Qwen2.5 wording that asks for `<tool_call>` blocks.
 Conversations for SFT get a loss mask that is 1 exactly on the tokens of the assistant turns: each
 turn's content and its end-of-turn token, not the role header before it.
+
+Messages carry their contents as strings, and every rendering goes through `render_messages`. Some published
+templates read a content only as a list of parts (`{"type": "text", "text": ...}`, `{"type": "image"}`: SmolVLM's,
+Idefics3's) and render a string content as nothing. Which form a tokenizer's template reads is decided once per
+tokenizer and template (`reads_parts`: a probe conversation rendered with a string content, then with text parts);
+for a template that reads parts, each string content is passed as text parts, split at a vision-language model's
+image mark (`image_mark`) into image parts, which the template writes as its own image text. A template that renders
+neither form is refused, naming the tokenizer. A template that renders strings gets the messages as they are.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 Messages = list[dict[str, Any]]
 
+# a probe conversation's content: text no template writes of its own, so finding it means the content was rendered
+_PROBE = "hybridflow-content-probe-5ac1"
+# each tokenizer's (chat template, whether it reads parts): probed once, probed again when its template is replaced
+_FORMS: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def reads_parts(tokenizer: Any) -> bool:
+    """Whether `tokenizer`'s chat template reads message contents as lists of parts (see the module docstring): False
+    when it renders a string content, True when only text parts render; ValueError naming the tokenizer when neither
+    does."""
+    template = getattr(tokenizer, "chat_template", None)
+    known = _FORMS.get(tokenizer)
+    if known is not None and known[0] == template:
+        return known[1]
+    tried = []
+    for parts in (False, True):
+        content: Any = [{"type": "text", "text": _PROBE}] if parts else _PROBE
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as e:  # a template may fail on the content form it does not read (jinja's errors, TypeError)
+            tried.append(f"{'text parts' if parts else 'a string'} raised {type(e).__name__}: {e}")
+            continue
+        if _PROBE in text:
+            _FORMS[tokenizer] = (template, parts)
+            return parts
+        tried.append(f"{'text parts' if parts else 'a string'} rendered {text!r:.200}")
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    raise ValueError(f"{name}: its chat template renders a user message's content neither as a string nor as text "
+                     f"parts ([{{'type': 'text', 'text': ...}}]); tried a content {_PROBE!r}: {'; '.join(tried)}")
+
+
+def _as_parts(text: str, image_mark: str | None) -> list[dict[str, str]]:
+    """A string content as parts: text, with an image part at each `image_mark`; empty text is left out (a template
+    may read the first part's type: SmolVLM's writes `User:` before an image, `User: ` before text)."""
+    pieces = text.split(image_mark) if image_mark else [text]
+    parts = []
+    for i, piece in enumerate(pieces):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts or [{"type": "text", "text": ""}]
+
+
+def render_messages(messages: Messages, tokenizer: Any, image_mark: str | None = None, **template_args: Any) -> str:
+    """`tokenizer.apply_chat_template(messages, tokenize=False, **template_args)` in the content form its template
+    reads (`reads_parts`): string contents as they are, or as text parts split into image parts at `image_mark` (a
+    vision-language model's image mark in the text; None: no images). Other contents (a tool call's None, parts
+    already) and every other key of a message are passed as they are."""
+    if reads_parts(tokenizer):
+        messages = [{**m, "content": _as_parts(m["content"], image_mark)} if isinstance(m.get("content"), str) else m
+                    for m in messages]
+    return tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -67,8 +131,8 @@ def with_tools(messages: Messages, tokenizer: Any, tools: list[dict] | None) -> 
     template renders it, else the tool descriptions added to the system message (see the module docstring)."""
     if not tools:
         return messages, {}
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools) != plain:
+    plain = render_messages(messages, tokenizer, add_generation_prompt=True)
+    if render_messages(messages, tokenizer, add_generation_prompt=True, tools=tools) != plain:
         return messages, {"tools": tools}
     text = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
     if messages and messages[0]["role"] == "system":
@@ -77,8 +141,9 @@ def with_tools(messages: Messages, tokenizer: Any, tools: list[dict] | None) -> 
 
 
 def render_prompt(prompt: str | Messages, tokenizer: Any, apply_chat_template: bool = True,
-                  tools: list[dict] | None = None) -> str:
-    """The text the model sees before its response (the generation prompt included), showing `tools`."""
+                  tools: list[dict] | None = None, image_mark: str | None = None) -> str:
+    """The text the model sees before its response (the generation prompt included), showing `tools`; `image_mark`:
+    the text standing for an image in the prompt's contents (`render_messages`)."""
     messages = as_messages(prompt, tokenizer, apply_chat_template)
     if messages is None:
         if tools:
@@ -86,7 +151,7 @@ def render_prompt(prompt: str | Messages, tokenizer: Any, apply_chat_template: b
                              "chat template")
         return prompt  # type: ignore[return-value]
     messages, extra = with_tools(messages, tokenizer, tools)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    return render_messages(messages, tokenizer, image_mark, add_generation_prompt=True, **extra)
 
 
 def encode_prompts(prompts: Sequence[str | Messages], tokenizer: Any, apply_chat_template: bool = True,
@@ -118,7 +183,7 @@ def render_scored_text(prompt: str | Messages, completion: str | Messages, token
     if not has_chat_template(tokenizer):
         raise ValueError("chat-message prompts need a tokenizer with a chat template")
     turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
-    return tokenizer.apply_chat_template([*prompt, *turns], tokenize=False)
+    return render_messages([*prompt, *turns], tokenizer)
 
 
 def assistant_char_spans(messages: Messages, tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
@@ -128,13 +193,13 @@ def assistant_char_spans(messages: Messages, tokenizer: Any) -> tuple[str, list[
     end-of-turn text, trailing whitespace excluded. Needs a template whose rendering of the first k
     messages is a prefix of the whole conversation (true of ChatML, Llama 3, Mistral templates).
     """
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = render_messages(messages, tokenizer)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = render_messages(messages[:i], tokenizer, add_generation_prompt=True)
+        upto = render_messages(messages[: i + 1], tokenizer)
         if not (full.startswith(upto) and upto.startswith(before)):
             raise ValueError("the chat template does not render conversations prefix by prefix, so assistant "
                              f"tokens cannot be located (turn {i})")

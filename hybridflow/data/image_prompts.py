@@ -4,11 +4,12 @@ to token ids and pixel values.
 A row holds its images under `data.image_key` (verl's `images` column): a list whose items are `{"bytes": ...}`
 mappings (as verl's parquet stores them), `{"path": ...}` mappings, path strings, raw bytes or PIL images. Its
 prompt says `<image>` where each image goes, in order. `VisionPrompts.encode` renders the prompt as text prompts are
-(`chat.render_prompt`), puts the model's vision tokens at each `<image>` (Qwen's `<|vision_start|>`, one
-`<|image_pad|>` per merged patch, `<|vision_end|>`; Gemma 3's `<start_of_image>`, its soft tokens and `<end_of_image>`;
-SmolVLM's tiles, each `<fake_token_around_image>`, its row and column and its `<image>` tokens, then the whole image's:
-what each family's processor makes of an image part, `vision_family`), and runs the model's image processor
-(transformers', its PIL backend where torchvision is absent) for the pixel values.
+(`chat.render_prompt`; a chat template that reads contents as parts, SmolVLM's as published, gets each `<image>` as an
+image part and writes the family's `chat_mark` for it), puts the model's vision tokens at each image (Qwen's
+`<|vision_start|>`, one `<|image_pad|>` per merged patch, `<|vision_end|>`; Gemma 3's `<start_of_image>`, its soft
+tokens and `<end_of_image>`; SmolVLM's tiles, each `<fake_token_around_image>`, its row and column and its `<image>`
+tokens, then the whole image's: what each family's processor makes of an image part, `vision_family`), and runs the
+model's image processor (transformers', its PIL backend where torchvision is absent) for the pixel values.
 
 Every image is decoded and checked when the dataset is built; an image that does not decode, a prompt whose
 `<image>` count differs from its images, or an image over the processor's pixel limit (`max_pixels`) is refused
@@ -158,18 +159,20 @@ class VisionPrompts:
     def encode(self, prompt: Any, images: Any, where: str, apply_chat_template: bool = True
                ) -> tuple[list[int], VisionInputs]:
         """Token ids of the rendered prompt (each `<image>` expanded to its vision tokens) and its images."""
-        from hybridflow.data.chat import as_messages, render_prompt
+        from hybridflow.data.chat import as_messages, reads_parts, render_prompt
 
         if not isinstance(images, (list, tuple)) or not images:
             raise ValueError(f"{where}: expected a non-empty list of images, got {images!r:.80}")
         decoded = [decode_image(v, f"{where}, image {i}") for i, v in enumerate(images)]
-        text = render_prompt(prompt, self.tokenizer, apply_chat_template)
-        pieces = text.split(IMAGE_PLACEHOLDER)
+        templated = as_messages(prompt, self.tokenizer, apply_chat_template) is not None
+        text = render_prompt(prompt, self.tokenizer, apply_chat_template, image_mark=IMAGE_PLACEHOLDER)
+        # a template that reads parts got each `<image>` as an image part and wrote its own mark for it
+        mark = self.family.chat_mark(self.tokenizer) if templated and reads_parts(self.tokenizer) else IMAGE_PLACEHOLDER
+        pieces = text.split(mark)
         if len(pieces) - 1 != len(decoded):
             raise ValueError(f"{where}: the prompt has {len(pieces) - 1} '{IMAGE_PLACEHOLDER}' placeholder(s) for "
                              f"{len(decoded)} image(s); each image needs one '{IMAGE_PLACEHOLDER}' where it goes")
         vision = self.process(decoded, where)
         text = self.expand(pieces, vision)
-        templated = as_messages(prompt, self.tokenizer, apply_chat_template) is not None
         ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
         return list(ids), vision

@@ -46,7 +46,8 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config.preference_schema import PREFERENCE_TRUNCATION_MODES
-from hybridflow.data.chat import check_messages, encode_conversation, has_chat_template, render_scored_text
+from hybridflow.data.chat import (check_messages, encode_conversation, has_chat_template, render_messages,
+                                  render_scored_text)
 from hybridflow.data.dataset import RowDataset
 from hybridflow.data.files import DataError, Record, as_path_list, read_records
 from hybridflow.data.loader import left_pad
@@ -136,7 +137,7 @@ def encode_policy_side(prompt: Side, completion: Side, tokenizer: Any,
         raise ValueError("the tokenizer has no chat template; set data.apply_chat_template=false to train on "
                          "plain text")
     prompt_msgs, completion_msgs = _as_messages(prompt, completion)
-    text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
+    text = render_messages(prompt_msgs, tokenizer, add_generation_prompt=True)
     prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     ids, mask = encode_conversation(prompt_msgs + completion_msgs, tokenizer)
     if ids[:len(prompt_ids)] != prompt_ids:

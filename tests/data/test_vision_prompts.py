@@ -53,3 +53,45 @@ def test_prompt_ids_and_pixels_are_what_the_processor_makes(tiny_vlm, splitting)
                                            "<image>", "<global-img>")
                    for rows, cols in zip(tiles["rows"][0], tiles["cols"][0])]
         assert family.image_texts(tokenizer, vision) == written
+
+
+@pytest.mark.parametrize("tiny_vlm", ["smolvlm"], indirect=True)
+def test_a_published_template_gets_the_prompt_as_parts_and_writes_the_image_marks(tiny_vlm):
+    """SmolVLM's chat template as published reads contents only as parts: verl's `<image>` placeholders become image
+    parts between the text parts, and the ids and pixels are what the processor makes of the parts-form chat."""
+    from parts_templates import SMOLVLM
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
+    tokenizer.chat_template = SMOLVLM
+    # a token of the published vocabulary, which the tiny one lacks and `Idefics3Processor` adds to its tokenizer
+    tokenizer.add_tokens(["<end_of_utterance>"], special_tokens=True)
+    prompts = VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer)
+    chat = [{"role": "user", "content": "<image>Which color fills it?\nAnd here:<image>"}]
+    pictures = [picture(size, channel) for channel, size in enumerate(SIZES)]
+    ids, vision = prompts.encode(chat, pictures, "row 0")
+
+    question = {"type": "text", "text": "Which color fills it?\nAnd here:"}
+    parts = [{"role": "user", "content": [{"type": "image"}, question, {"type": "image"}]}]  # the processor's own form
+    text = tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>User:<image>Which color fills it?\nAnd here:<image><end_of_utterance>\nAssistant:"
+    processor = Idefics3Processor(prompts.image_processor, AutoTokenizer.from_pretrained(tiny_vlm),
+                                  image_seq_len=prompts.family.tokens_per_tile)
+    theirs = processor(text=text, images=[pictures], return_tensors="pt")
+    assert ids == theirs["input_ids"][0].tolist()
+    assert prompts.family.pixel_kwargs(vision)["pixel_values"].equal(theirs["pixel_values"])
+
+
+@pytest.mark.parametrize("tiny_vlm", ["gemma3"], indirect=True)
+def test_a_parts_template_writes_the_familys_own_image_mark(tiny_vlm):
+    """A template that reads parts writes an image part as the family's mark (Gemma 3's `<start_of_image>`), not as
+    verl's `<image>`: each becomes the image's soft tokens, the text around them kept."""
+    from parts_templates import GEMMA3_PARTS
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
+    tokenizer.chat_template = GEMMA3_PARTS
+    prompts = VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer)
+    chat = [{"role": "user", "content": "<image>Which color fills it?\nAnd here:<image>"}]
+    ids, vision = prompts.encode(chat, [picture(size, channel) for channel, size in enumerate(SIZES)], "row 0")
+    assert ids.count(prompts.family.image_token_id) == prompts.family.token_count(vision) == 2 * 4
+    assert "Which color fills it?\nAnd here:" in tokenizer.decode(ids)

@@ -45,7 +45,7 @@ from hybridflow.agents.endpoint.openai_wire import APIError, Choice, Request, sa
 from hybridflow.agents.endpoint.token_check import first_mismatch
 from hybridflow.agents.loop.rendering import TurnRenderer
 from hybridflow.agents.loop.trajectory import Trajectory
-from hybridflow.data.chat import with_tools
+from hybridflow.data.chat import render_messages, with_tools
 from hybridflow.data.image_prompts import VisionInputs
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,8 @@ class Renderers:
         args = self.turn(tools).template_args
         if tools and not args:  # a template without tools= support: the tools go into the system message
             messages, _ = with_tools(messages, self.tokenizer, tools)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **args)
+        mark = self.images.mark if self.images is not None else None
+        return render_messages(messages, self.tokenizer, mark, add_generation_prompt=generation_prompt, **args)
 
     def ids(self, text: str, special: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])

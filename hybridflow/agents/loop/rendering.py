@@ -22,6 +22,8 @@ A vision-language model's messages hold an image mark in their content where eac
 ids, so the appended ids carry the images as the prompt's do. Plain text the processor puts around an image
 (Gemma 3's blank lines, `margins`) is encoded with the text beside it, as tokenizing the whole text would: a special
 token ends the text before it, plain text does not (a tokenizer may merge a content's trailing newline with them).
+Every rendering goes through `chat.render_messages`, so a template that reads contents as lists of parts (SmolVLM's)
+gets them so, each mark an image part.
 
 Each environment turn is on the engine's thread, so it is kept cheap: the placeholder rendering is kept per
 message shape, and the pieces are encoded by a fast tokenizer's Rust backend directly wherever that gives the
@@ -35,7 +37,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.data.chat import with_tools
+from hybridflow.data.chat import reads_parts, render_messages, with_tools
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class TurnRenderer:
         base = [{"role": "user", "content": "Hello."},
                 {"role": "assistant", "content": f"<think>\n{_MARK}\n</think>\n\n{_MARK}"}]
         self.base, self.template_args = with_tools(base, tokenizer, tools)
-        self.before = tokenizer.apply_chat_template(self.base, tokenize=False, **self.template_args)
+        self.before = render_messages(self.base, tokenizer, **self.template_args)
         if _MARK not in self.before:
             raise ValueError("the chat template drops the content of earlier assistant messages, so turns cannot "
                              "be appended to a conversation; use a model whose template keeps them")
@@ -78,10 +80,11 @@ class TurnRenderer:
         self.encoder = Encoder(tokenizer, [self.before, f" {self.before}\n\n{self.tail}x"])
         self.warned = False
 
-    def _after(self, messages: list[dict[str, str]]) -> str:
-        """What the template adds after the reference conversation for `messages` and the generation prompt."""
-        after = self.tokenizer.apply_chat_template(self.base + messages, tokenize=False, add_generation_prompt=True,
-                                                   **self.template_args)
+    def _after(self, messages: list[dict[str, str]], image_mark: str | None = None) -> str:
+        """What the template adds after the reference conversation for `messages` and the generation prompt
+        (`image_mark`: the images' mark in their contents, `render_messages`)."""
+        after = render_messages(self.base + messages, self.tokenizer, image_mark, add_generation_prompt=True,
+                                **self.template_args)
         if not after.startswith(self.before):
             roles = [m["role"] for m in messages]
             raise ValueError(f"the chat template does not render a conversation prefix by prefix when messages "
@@ -91,30 +94,37 @@ class TurnRenderer:
     def _encode(self, text: str, plain: bool = False) -> list[int]:
         return self.encoder(text, plain) if text else []
 
-    def _skeleton(self, messages: list[dict[str, str]]) -> str:
-        """`_after` of `messages` with each content replaced by a numbered placeholder, kept for the last
-        `_SKELETONS` kinds of message list (an episode's turns repeat a few: one render per turn fewer)."""
-        slots = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
+    def _skeleton(self, messages: list[dict[str, str]], leads: list[str], image_mark: str | None) -> str:
+        """`_after` of `messages` with each content replaced by its lead (`_pieces`) and a numbered placeholder, kept
+        for the last `_SKELETONS` kinds of message list (an episode's turns repeat a few: one render per turn
+        fewer)."""
+        slots = [{**m, "content": lead + _SLOT.format(i)} for i, (m, lead) in enumerate(zip(messages, leads))]
         key = json.dumps(slots, sort_keys=True, default=repr)
         skeleton = self.skeletons.pop(key, None)
         if skeleton is None:
-            skeleton = self._after(slots)
+            skeleton = self._after(slots, image_mark)
             if len(self.skeletons) >= _SKELETONS:
                 del self.skeletons[next(iter(self.skeletons))]
         self.skeletons[key] = skeleton  # most recently used last
         return skeleton
 
-    def _pieces(self, messages: list[dict[str, str]], after: str) -> list[tuple[str, bool]] | None:
+    def _pieces(self, messages: list[dict[str, str]], after: str,
+                image_mark: str | None = None) -> list[tuple[str, bool]] | None:
         """`after` as (text, is_content) pieces, or None when the contents cannot be told from the template
         (checked against `after`, the real rendering, every time: a template may treat contents by value)."""
-        skeleton = self._skeleton(messages)
+        # a template that reads contents as parts may write a message's header by its first part's type (SmolVLM:
+        # `User:` before an image, `User: ` before text), so a content's leading image mark stays in the placeholder
+        # rendering (its lead, a piece of the template's text), the content after it being the placeholder's
+        mark = image_mark if image_mark is not None and reads_parts(self.tokenizer) else None
+        leads = [mark if mark and m["content"].startswith(mark) else "" for m in messages]
+        skeleton = self._skeleton(messages, leads, image_mark)
         for transform in (lambda text: text, str.strip):
             pieces, rest = [], skeleton
-            for i, message in enumerate(messages):
+            for i, (message, lead) in enumerate(zip(messages, leads)):
                 head, found, rest = rest.partition(_SLOT.format(i))
                 if not found:
                     break
-                pieces += [(head, False), (transform(message["content"]), True)]
+                pieces += [(head, False), (transform(message["content"][len(lead):]), True)]
             else:
                 pieces.append((rest, False))
                 if "".join(text for text, _ in pieces) == after:
@@ -134,8 +144,9 @@ class TurnRenderer:
             cap = (limit + 1) * self.max_token_chars
             messages = [{**m, "content": m["content"][:cap]} for m in messages]
         lead = self.closing(last_token)
-        after = self._after(messages)
-        pieces = self._pieces(messages, after)
+        mark = images.mark if images is not None else None
+        after = self._after(messages, mark)
+        pieces = self._pieces(messages, after, mark)
         slots = iter(images.ids if images is not None else [])
         if pieces is None:
             if not self.warned:
@@ -143,7 +154,7 @@ class TurnRenderer:
                                "tool messages are tokenized with the template, special-token text included")
                 self.warned = True
             return self._marked(lead + after, False, images, slots)
-        ids = self._encode(lead + pieces[0][0])
+        ids = self._marked(lead + pieces[0][0], False, images, slots)  # a lead mark (`_pieces`) is in a head
         for text, is_content in pieces[1:]:
             ids += self._marked(text, is_content, images, slots)
         return ids

@@ -262,3 +262,38 @@ def test_an_image_part_is_what_the_models_processor_makes_of_it(tiny_vlm):
     ours = tokenizer(images.expand(text, vision), add_special_tokens=False)["input_ids"]
     assert ours == theirs["input_ids"][0].tolist()
     assert prompts.family.pixel_kwargs(vision)["pixel_values"].equal(theirs["pixel_values"])
+
+
+@pytest.mark.parametrize("tiny_vlm", ["smolvlm"], indirect=True)
+def test_a_published_template_renders_the_requests_text_and_images_as_parts(tiny_vlm, caplog):
+    """SmolVLM's chat template as published reads contents only as parts: a request's image mark and text reach it as
+    image and text parts (the prompt is the parts-form chat's rendering, expanded: `User:` before an image, not
+    `User: `), and so do a continuation's, whose contents are appended as plain text (no warning)."""
+    from parts_templates import SMOLVLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
+    tokenizer.chat_template = SMOLVLM
+    engine = VisionRolloutEngine(tiny_vlm, torch.device("cpu"), torch.float32, [tokenizer.eos_token_id], 8, 512)
+    images = RequestImages(VisionPrompts.from_pretrained(str(tiny_vlm), tokenizer))
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=3)
+    red = data_uri((220, 30, 30))
+    first = [{"role": "user", "content": [image_part(red), {"type": "text", "text": "Which color?"}]}]
+
+    async def talk(api, endpoint):
+        one = await api.chat.completions.create(model="policy", messages=first)
+        second = [image_part(data_uri((30, 40, 230), (56, 112))), {"type": "text", "text": "And this?"}]
+        follow = [*first, one.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": second}]
+        return await api.chat.completions.create(model="policy", messages=follow)
+
+    with caplog.at_level("WARNING", logger="hybridflow.agents.loop.rendering"):
+        _, endpoint = run((tiny_vlm, tokenizer, engine, images), params, talk)
+    trajectory = endpoint.lanes["k"].trajectory
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which color?"}]}]
+    text = tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>User:<image>Which color?<end_of_utterance>\nAssistant:"
+    first_image = images.load([ImagePart("first", red)])
+    assert trajectory.prompt_ids == tokenizer(images.expand(text, first_image), add_special_tokens=False)["input_ids"]
+    context = tokenizer.decode([t for t, m in zip(trajectory.token_ids, trajectory.response_mask) if m == 0])
+    assert context.startswith("<end_of_utterance>\nUser:<fake_token_around_image>") and "And this?" in context
+    assert trajectory.turns == 1 and len(images.counts(trajectory.vision)) == 2
+    assert "changes message contents" not in caplog.text
