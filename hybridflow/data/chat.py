@@ -14,7 +14,8 @@ Idefics3's) and render a string content as nothing. Which form a tokenizer's tem
 tokenizer and template (`reads_parts`: a probe conversation rendered with a string content, then with text parts);
 for a template that reads parts, each string content is passed as text parts, split at a vision-language model's
 image mark (`image_mark`) into image parts, which the template writes as its own image text. A template that renders
-neither form is refused, naming the tokenizer. A template that renders strings gets the messages as they are.
+neither form is refused, naming the tokenizer; one that raises on the probe in both forms (it demands a system message,
+say) keeps strings, as before. A template that renders strings gets the messages as they are.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def reads_parts(tokenizer: Any) -> bool:
             _FORMS[tokenizer] = (template, parts)
             return parts
         tried.append(f"{'text parts' if parts else 'a string'} rendered {text!r:.200}")
+    if "raised" in tried[0] and "raised" in tried[1]:
+        # a template that refuses the probe conversation itself (one that demands a system message, say): strings,
+        # as before, so the real conversation gets the template's own error or renders
+        _FORMS[tokenizer] = (template, False)
+        return False
     name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     raise ValueError(f"{name}: its chat template renders a user message's content neither as a string nor as text "
                      f"parts ([{{'type': 'text', 'text': ...}}]); tried a content {_PROBE!r}: {'; '.join(tried)}")

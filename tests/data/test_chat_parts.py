@@ -1,7 +1,7 @@
 """Chat templates that read message contents only as lists of parts (SmolVLM's and Idefics3's as published): a GRPO
 prompt, an SFT conversation and a preference pair render with their text, as the parts form renders them; a template
 that renders strings keeps the string path (the same ids, probed once per tokenizer); one that renders neither form
-is refused, naming the tokenizer."""
+is refused, naming the tokenizer; one that refuses the probe conversation itself keeps strings."""
 
 from __future__ import annotations
 
@@ -89,3 +89,16 @@ def test_a_template_that_renders_neither_form_is_refused_naming_it(tokenizer, ti
                                         r"as a string nor as text parts .* a string rendered 'user: \\n'; text parts "
                                         r"rendered 'user: \\n'"):
         RLDataset(write_jsonl([{"prompt": PROMPT}]), tokenizer)
+
+
+def test_a_template_that_refuses_the_probe_keeps_strings(tokenizer):
+    """A template that raises on the probe's lone user message in both forms (one that demands a system message) keeps
+    the string path, as before: a conversation it accepts renders, one it refuses gets the template's own error."""
+    from hybridflow.data.chat import reads_parts
+
+    tokenizer.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}"
+                               "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    assert reads_parts(tokenizer) is False
+    assert render_messages(PROMPT, tokenizer) == "system: Answer in one word.\nuser: What is 3 + 4?\n"
+    with pytest.raises(Exception, match="a system message first"):
+        render_messages(PROMPT[1:], tokenizer)
