@@ -281,7 +281,8 @@ def _lora_model(role_dir: Path, state: dict[str, torch.Tensor], config, base_pat
             base = auto.from_config(config)
     model = get_peft_model(base, lora)
     model.peft_config["default"].base_model_name_or_path = base_path  # what `PeftModel.from_pretrained` loads
-    inner = model.base_model.model  # the wrapped model, with the names the training engine saved
+    # the wrapped model, with the names the training engine saved (peft 0.22 types it Tensor | Module)
+    inner = cast(torch.nn.Module, model.base_model.model)
     expected = {name for name, p in inner.named_parameters() if p.requires_grad}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
