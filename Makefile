@@ -40,14 +40,9 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 # the CPU suite on every core (pytest-xdist; tests/xdist_groups.py says which tests share a worker), then the
-# 15 slowest tests, the place to look when the suite grows slow. The type check runs beside it (its output printed
-# after the suite's) and fails the target as a failing test does: run one after the other, it added its minute.
-test: $(STAMP)
-	$(PY) -m mypy > $(VENV)/mypy.log 2>&1 & typecheck=$$!; \
-	$(PY) -m pytest -q -ra -n auto --dist loadgroup --durations=15 tests; tests=$$?; \
-	wait $$typecheck; types=$$?; cat $(VENV)/mypy.log; \
-	[ $$types -eq 0 ] || echo "make test: the type check failed (above)"; \
-	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
+# 15 slowest tests, the place to look when the suite grows slow
+test: typecheck
+	$(PY) -m pytest -q -ra -n auto --dist loadgroup --durations=15 tests
 
 demo: $(BASE_STAMP)
 	$(VENV)/bin/hybridflow demo
