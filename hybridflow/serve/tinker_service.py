@@ -344,7 +344,7 @@ class TinkerService:
             """The (index, prompt) of requests `indices` the engine can hold; the others are answered at once."""
             held = []
             for i in indices:
-                tokens = self._sample_args(batch.requests[i])[2]
+                tokens = self._sample_args(batch.jobs[i].request)[2]
                 if len(tokens) >= limit:
                     batch.answer(i, ValueError(f"the prompt has {len(tokens)} tokens; the engine holds {limit}"))
                 else:
