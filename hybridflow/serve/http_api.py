@@ -144,9 +144,11 @@ async def weights_info(request: web.Request) -> web.Response:
 
 
 async def client_config(request: web.Request) -> web.Response:
-    # API keys only (no JWT exchange); httpx transport; per-request futures; custom losses run client-side.
+    # API keys only (no JWT exchange); per-request futures; custom losses run client-side. The SDK's pyqwest
+    # transport (its default, a dependency of tinker): httpx's own took 0.37-0.57 s against 0.25 s for 64 concurrent
+    # samples of a tiny model, the engine alone 0.15 s (2 CPU cores; docs/tinker.md)
     return web.json_response(types.ClientConfigResponse(
-        pjwt_auth_enabled=False, use_pyqwest_transport=False, sample_use_retrieve_futures=False,
+        pjwt_auth_enabled=False, use_pyqwest_transport=True, sample_use_retrieve_futures=False,
         custom_loss_server_side=False, sample_join_sampling_session=False).model_dump(mode="json"))
 
 
