@@ -106,6 +106,9 @@ def load_model(path: str, head: str = "lm", dtype: torch.dtype = torch.float32,
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
     model.config.use_cache = False
+    # a vision-language model's language model reads its own config's: left on, each forward built a KV cache whose
+    # guards recompiled the compiled layers (tests/engine/vision/test_vision_forward.py)
+    model.config.get_text_config().use_cache = False
     fuse_rms_norms(model)
     install_packed_deltanet(model)
     if head == "lm":
