@@ -77,8 +77,13 @@ vision_rollout() { python3 bench/vision_rollout.py --device cuda --out "$OUT/vis
     | tee "$OUT/vision_rollout.log"; }
 # a GRPO step of Qwen2.5-VL at its 3B shape (issue 59): random weights, one 448 x 448 image per prompt, 16 prompts x 8,
 # recipes/geo3k_vl.yaml with the device plan's defaults; step time, phases and the device peak
-vision_step() { python3 bench/vision_step.py --device cuda --out "$OUT/vision_step_h200.json" 2>&1 \
-    | tee "$OUT/vision_step.log"; }
+# (a run cut short by the call's limit leaves its 7 GB model in /tmp/vision_step_*, and the trainer refuses to start
+# without the ~42 GiB a 3B checkpoint needs free: those are removed first)
+vision_step() {
+    rm -rf /tmp/vision_step_*
+    python3 bench/vision_step.py --device cuda --steps "${VISION_STEPS:-3}" --out "$OUT/vision_step_h200.json" 2>&1 \
+        | tee "$OUT/vision_step.log"
+}
 # the decode attention kernel alone: tiles, warps and splits at the engine's shapes, and over SmolLM2's long slots with
 # spread contexts (issue 42: at 8,192 tokens a partial rollout's full buffer generated at a third of the rate of a
 # synchronous step's fewer rows)
