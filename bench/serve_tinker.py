@@ -98,7 +98,6 @@ class Server:
             self.process.kill()
 
 
-
 def chat_prompts(tokenizer, records: list[dict]) -> list[list[int]]:
     return [list(tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=True,
                                                return_dict=False)) for r in records]
