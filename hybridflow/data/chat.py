@@ -45,7 +45,7 @@ def reads_parts(tokenizer: Any) -> bool:
     known = _FORMS.get(tokenizer)
     if known is not None and known[0] == template:
         return known[1]
-    tried = []
+    tried, raised = [], 0
     for parts in (False, True):
         content: Any = [{"type": "text", "text": _PROBE}] if parts else _PROBE
         try:
@@ -53,12 +53,13 @@ def reads_parts(tokenizer: Any) -> bool:
                                                  add_generation_prompt=True)
         except Exception as e:  # a template may fail on the content form it does not read (jinja's errors, TypeError)
             tried.append(f"{'text parts' if parts else 'a string'} raised {type(e).__name__}: {e}")
+            raised += 1
             continue
         if _PROBE in text:
             _FORMS[tokenizer] = (template, parts)
             return parts
         tried.append(f"{'text parts' if parts else 'a string'} rendered {text!r:.200}")
-    if "raised" in tried[0] and "raised" in tried[1]:
+    if raised == 2:
         # a template that refuses the probe conversation itself (one that demands a system message, say): strings,
         # as before, so the real conversation gets the template's own error or renders
         _FORMS[tokenizer] = (template, False)
