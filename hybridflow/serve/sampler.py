@@ -63,7 +63,8 @@ class Sampler:
                              f"or --kv-cache-memory")
         self._load(key, snapshot)
         if not isinstance(self.engine, RolloutEngine):  # the fallback generates one batch; later requests wait
-            for (i, _), completions in zip(prompts, self.engine.generate([p for _, p in prompts], params)):
+            held = self._held(prompts, done)
+            for (i, _), completions in zip(held, self.engine.generate([p for _, p in held], params)):
                 done(i, _samples(completions))
             return
         session = self.engine.session(params)
@@ -71,12 +72,7 @@ class Sampler:
         pending: dict[int, list[Completion | None]] = {}
 
         def admit(new: list[tuple[int, list[int]]]) -> None:
-            for i, prompt in new:
-                try:
-                    check_prompts([prompt], self.engine.max_model_len, self.engine.config.vocab_size)
-                except ValueError as e:
-                    done(i, e)
-                    continue
+            for i, prompt in self._held(new, done):
                 pending[i] = [None] * params.n
                 owners.update({seq: (i, j) for j, seq in enumerate(session.add(prompt, params.n))})
 
@@ -88,3 +84,17 @@ class Sampler:
                 if all(c is not None for c in pending[i]):
                     done(i, _samples([c for c in pending.pop(i) if c is not None]))
             admit(more())
+
+    def _held(self, prompts: list[tuple[int, list[int]]],
+              done: Callable[[int, Samples | Exception], None]) -> list[tuple[int, list[int]]]:
+        """The (id, prompt) pairs the engine can hold; each other one is answered at once with why, alone."""
+        held = []
+        for i, prompt in prompts:
+            try:
+                check_prompts([prompt], self.engine.max_model_len, self.engine.config.vocab_size,
+                              longer="restart hybridflow serve with a larger --max-model-len")
+            except ValueError as e:
+                done(i, e)
+                continue
+            held.append((i, prompt))
+        return held

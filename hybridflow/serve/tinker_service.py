@@ -341,15 +341,8 @@ class TinkerService:
         snapshot = None if path is None else self._snapshot(path).weights
 
         def prompts(indices: list[int]) -> list[tuple[int, list[int]]]:
-            """The (index, prompt) of requests `indices` the engine can hold; the others are answered at once."""
-            held = []
-            for i in indices:
-                tokens = self._sample_args(batch.jobs[i].request)[2]
-                if len(tokens) >= limit:
-                    batch.answer(i, ValueError(f"the prompt has {len(tokens)} tokens; the engine holds {limit}"))
-                else:
-                    held.append((i, tokens))
-            return held
+            """The (index, prompt) of requests `indices` (the sampler answers one it cannot hold: `Sampler.stream`)."""
+            return [(i, batch.jobs[i].request.prompt.to_ints()) for i in indices]
 
         sampler.stream(path, snapshot, params, prompts(list(range(len(batch.jobs)))), lambda: prompts(batch.join()),
                        lambda i, out: batch.answer(i, out if isinstance(out, Exception) else sample_response(out)))

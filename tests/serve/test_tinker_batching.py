@@ -151,7 +151,8 @@ def test_a_request_that_cannot_be_served_fails_alone_in_its_batch(server):
     release.set()
     with pytest.raises(tinker.RequestFailedError, match="loss_fn='dpo_typo' is not served"):
         bad_loss.result()
-    with pytest.raises(tinker.RequestFailedError, match=f"the prompt has {too_long} tokens"):
+    with pytest.raises(tinker.RequestFailedError, match=f"prompt 0 has {too_long} tokens but the context holds "
+                       r"max_model_len=\d+ tokens .* restart hybridflow serve with a larger --max-model-len"):
         bad_sample.result()
     assert len(good_loss.result().loss_fn_outputs[0]["logprobs"].tolist()) == 7
     assert len(good_sample.result().sequences) == 1

@@ -27,6 +27,7 @@ def test_a_bf16_sampler_in_a_bounded_cache_samples_near_the_fp32_trainer(tiny_qw
     from transformers import AutoConfig
 
     from hybridflow.engine.rollout import kv_cache
+    from hybridflow.serve import tinker_service  # noqa: F401  bound to the real free_memory before the patch below
 
     config = AutoConfig.from_pretrained(tiny_qwen2)
     head_dim = config.hidden_size // config.num_attention_heads
@@ -117,3 +118,21 @@ def test_running_out_of_device_memory_names_the_flags_and_the_server_goes_on(tin
         assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == len(TOKENS) - 1  # still serving
     finally:
         stop()
+
+
+def test_a_prompt_the_fallback_engine_cannot_hold_fails_alone(tiny_qwen2):
+    """An architecture without a fast path samples through `transformers.generate`, in one batch: a prompt past its
+    context is answered alone, with the flag that lengthens it, and the batch's other prompt is sampled."""
+    from hybridflow.engine.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
+    from hybridflow.serve.sampler import Sampler
+
+    sampler = Sampler(tiny_qwen2, "cpu", max_num_seqs=4)
+    sampler.engine = RolloutEngine.from_pretrained(tiny_qwen2, device="cpu", engine="hf", max_model_len=16)
+    assert isinstance(sampler.engine, HFRolloutEngine)
+    answers: dict[int, object] = {}
+    sampler.stream(None, None, SamplingParams(n=2, max_tokens=3), [(7, [1] * 16), (8, TOKENS[:4])], list,
+                   answers.__setitem__)
+    assert isinstance(answers[7], ValueError)
+    assert "prompt 0 has 16 tokens but the context holds max_model_len=16" in str(answers[7])
+    assert "restart hybridflow serve with a larger --max-model-len" in str(answers[7])
+    assert [len(tokens) for tokens, _, _ in answers[8]] == [3, 3]  # both samples of the held prompt, 3 tokens each

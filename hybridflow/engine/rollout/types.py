@@ -90,9 +90,11 @@ class Completion:
     versions: list[int] = field(default_factory=list)
 
 
-def check_prompts(prompt_token_ids: list[list[int]], max_model_len: int, vocab_size: int) -> None:
+def check_prompts(prompt_token_ids: list[list[int]], max_model_len: int, vocab_size: int,
+                  longer: str = "build the engine with a larger max_model_len") -> None:
     """Raise ValueError naming the first bad prompt: not a list of ints, empty, out of vocabulary, or
-    too long to leave room for one new token in a context of `max_model_len` tokens."""
+    too long to leave room for one new token in a context of `max_model_len` tokens (the message then says how to
+    make the context `longer`)."""
     if not isinstance(prompt_token_ids, (list, tuple)):
         raise ValueError(f"prompt_token_ids must be a list of lists of token ids, got "
                          f"{type(prompt_token_ids).__name__}")
@@ -102,7 +104,7 @@ def check_prompts(prompt_token_ids: list[list[int]], max_model_len: int, vocab_s
         if len(prompt) >= max_model_len:
             raise ValueError(f"prompt {i} has {len(prompt)} tokens but the context holds max_model_len="
                              f"{max_model_len} tokens (prompt plus at least one new token); shorten it "
-                             f"or build the engine with a larger max_model_len")
+                             f"or {longer}")
         low, high = min(prompt), max(prompt)
         if low < 0 or high >= vocab_size:
             raise ValueError(f"prompt {i} has token id {low if low < 0 else high} outside the "
