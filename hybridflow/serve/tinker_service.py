@@ -35,7 +35,7 @@ from hybridflow.engine.rollout.kv_cache import free_memory
 from hybridflow.serve.base_models import BaseModels
 from hybridflow.serve.checkpoints import CheckpointStore
 from hybridflow.serve.config import ServeConfig
-from hybridflow.serve.sampler import Sampler, Snapshot
+from hybridflow.serve.sampler import Sampled, Sampler, Snapshot
 from hybridflow.serve.sessions import Sessions
 from hybridflow.serve.trainee import TRAIN_MEMORY_FRACTION, LossRequest, Trainee, auto_micro_batch_tokens
 from hybridflow.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
@@ -300,7 +300,8 @@ class TinkerService:
         try:
             base, path, _, p = self._sample_args(req)
             if p.seed is None and p.max_tokens is not None:  # seeded ones stay reproducible alone
-                key = ("sample", base, path, req.num_samples, json.dumps(p.model_dump(mode="json"), sort_keys=True))
+                key = ("sample", base, path, req.num_samples, json.dumps(p.model_dump(mode="json"), sort_keys=True),
+                       _scored(req))
         except ValueError:
             pass  # the job raises it again, into the caller's future
         return self.submit(Job(self._sample, req, key=key, stream=True))
@@ -315,13 +316,19 @@ class TinkerService:
         else:
             base, path = str(req.base_model), None
             self.bases.path(base)
-        unserved = {k: v for k, v in (("prompt_logprobs", req.prompt_logprobs), ("topk_prompt_logprobs",
-                    req.topk_prompt_logprobs), ("topk_sample_logprobs", req.topk_sample_logprobs),
+        unserved = {k: v for k, v in (("topk_sample_logprobs", req.topk_sample_logprobs),
                     ("prompt_alt_tokens_k", req.prompt_alt_tokens_k), ("record_stability_info",
                     req.record_stability_info)) if v}
         if unserved or req.target_prompt_logprobs is not None:
             raise ValueError(f"sample options {sorted(unserved) or ['target_prompt_logprobs']} are not served; "
-                             f"this server returns the sampled tokens' log-probs only")
+                             f"this server returns the sampled tokens' log-probs, and the prompt's "
+                             f"(prompt_logprobs, topk_prompt_logprobs, prompt_logprobs_last_n)")
+        last_n, length = req.prompt_logprobs_last_n, len(req.prompt.to_ints())
+        if req.topk_prompt_logprobs < 0:
+            raise ValueError(f"topk_prompt_logprobs={req.topk_prompt_logprobs} must be >= 0")
+        if last_n is not None and (not req.prompt_logprobs or not 1 <= last_n <= length - 1):
+            raise ValueError(f"prompt_logprobs_last_n={last_n} needs prompt_logprobs, and must be between 1 and the "
+                             f"prompt's length - 1 ({length - 1})")
         stop = req.sampling_params.stop
         if stop is not None and not all(isinstance(s, int) for s in ([stop] if isinstance(stop, str) else stop)):
             raise ValueError(f"sampling_params.stop={stop!r}: stop strings are not served; pass token ids")
@@ -344,8 +351,13 @@ class TinkerService:
             """The (index, prompt) of requests `indices` (the sampler answers one it cannot hold: `Sampler.stream`)."""
             return [(i, batch.jobs[i].request.prompt.to_ints()) for i in indices]
 
+        def answer(i: int, out: Sampled | Exception) -> None:
+            req = batch.jobs[i].request
+            batch.answer(i, out if isinstance(out, Exception) else sample_response(
+                *out, with_logprobs=bool(req.prompt_logprobs), last_n=req.prompt_logprobs_last_n))
+
         sampler.stream(path, snapshot, params, prompts(list(range(len(batch.jobs)))), lambda: prompts(batch.join()),
-                       lambda i, out: batch.answer(i, out if isinstance(out, Exception) else sample_response(out)))
+                       answer, score=_scored(first))
 
     # ---- lookups ----------------------------------------------------------------------------------
     def _check_session(self, session_id: str) -> None:
@@ -387,3 +399,8 @@ class TinkerService:
                                           self.config.sampler_torch_dtype(), self.config.kv_cache_memory,
                                           self.config.max_model_len or None)
         return self.samplers[base]
+
+
+def _scored(req: types.SampleRequest) -> int | None:
+    """The top-k a sample request's prompt is scored with (0: its log-probs alone), or None: not scored."""
+    return req.topk_prompt_logprobs if req.prompt_logprobs or req.topk_prompt_logprobs else None

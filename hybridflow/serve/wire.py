@@ -4,7 +4,8 @@ The SDK (0.38) sends `/api/v1/forward_backward` as a `ForwardBackwardRequest` pr
 `ForwardBackwardOutput` and `SampleResponse` results as protobuf (`Accept: application/x-protobuf`); every
 other body is JSON. This module owns the conversion between those messages and plain tensors:
 `read_forward_backward` (one `FwdBwdDatum` per datum: its tokens and its `loss_fn_inputs` as dense
-tensors), `forward_backward_output` and `sample_response` (the bytes a finished future returns).
+tensors), `forward_backward_output` and `sample_response` (the bytes a finished future returns, with prompt
+log-probs where asked).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.types.topk_logprobs import MASK_LOGPROB
+
+from hybridflow.engine.rollout.scoring import PromptLogprobs
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
@@ -97,10 +101,27 @@ def forward_backward_output(outputs: list[dict[str, torch.Tensor]], metrics: dic
     return msg.SerializeToString()
 
 
-def sample_response(sequences: list[tuple[list[int], list[float], str]]) -> bytes:
-    """A `SampleResponse` protobuf of (tokens, log-probs, finish reason `stop` | `length`) per sequence."""
+def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt: PromptLogprobs | None = None,
+                    with_logprobs: bool = False, last_n: int | None = None) -> bytes:
+    """A `SampleResponse` protobuf of (tokens, log-probs, finish reason `stop` | `length`) per sequence. With `prompt`
+    (the scores of a request that asked for prompt log-probs or their top-k): the prompt's log-probs where
+    `with_logprobs`, NaN at its first token (nothing precedes it) and before its last `last_n` tokens where set, and
+    the top-k where scored, the SDK's sentinel (token 0 at MASK_LOGPROB) at the positions left out."""
     msg = pb.SampleResponse()
     for tokens, logprobs, reason in sequences:
         msg.sequences.add(stop_reason=_STOP[reason], tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
                           logprobs=np.asarray(logprobs, dtype=np.float32).tobytes())
+    if prompt is not None:
+        n = len(prompt.logprobs) + 1
+        start = 1 if last_n is None else n - last_n  # the first position returned
+        if with_logprobs:
+            values = np.full(n, np.nan, dtype=np.float32)
+            values[start:] = prompt.logprobs.numpy()[start - 1:]
+            msg.prompt_logprobs = values.tobytes()
+        if prompt.top_ids is not None and prompt.top_logprobs is not None:
+            k = prompt.top_ids.shape[1]
+            ids, lps = np.zeros((n, k), dtype=np.int32), np.full((n, k), MASK_LOGPROB, dtype=np.float32)
+            ids[start:], lps[start:] = prompt.top_ids.numpy()[start - 1:], prompt.top_logprobs.numpy()[start - 1:]
+            msg.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k,
+                                                              length=n))
     return msg.SerializeToString()

@@ -338,6 +338,14 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, kv: KVCache,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions [T] -> logits [R, V] for rows `logits_index` (all T when None)."""
+        h, delta = self.hidden(input_ids, positions, meta, kv)
+        if logits_index is not None:
+            h, delta = h[logits_index], None if delta is None else delta[logits_index]
+        return self.logits(h, delta)
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+               kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's output [T, H] and the residual add it leaves to the final norm (None: none)."""
         h, delta = self.model.embed_tokens(input_ids), None
         rope = (self.cos, self.sin)
         layer_positions: torch.Tensor | None = positions  # None: rope is already gathered per token
@@ -347,8 +355,10 @@ class CausalLM(nn.Module):
             rope, layer_positions = (self.cos[positions].to(h.dtype), self.sin[positions].to(h.dtype)), None
         for layer in self.model.layers:
             h, delta = layer(h, delta, layer_positions, rope, meta, kv)
-        if logits_index is not None:
-            h, delta = h[logits_index], None if delta is None else delta[logits_index]
+        return h, delta
+
+    def logits(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """`hidden`'s rows -> logits [R, V] in the model's dtype."""
         logits = self.lm_head(self.model.norm(h, delta)[0])
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma's, in the logits' dtype as transformers
         return logits if cap is None else torch.tanh(logits / cap) * cap
