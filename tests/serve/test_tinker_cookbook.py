@@ -88,3 +88,26 @@ def test_the_cookbooks_rl_loop_trains_two_steps(served, tmp_path, monkeypatch):
     rows = _metrics(tmp_path / "rl")
     assert [r["step"] for r in rows] == [0, 1] and all("reward/total" in r for r in rows)
     assert _adapters_trained(served)  # its importance_sampling forward_backward and optim_step ran
+
+
+def test_the_cookbooks_sampler_nll_evaluator_scores_as_its_trainer_side_one(served):
+    """`SamplerNLLEvaluator` scores held-out data through `compute_logprobs` (the path of the cookbook's DPO reference
+    and distillation teacher); its NLL equals the one `NLLEvaluator` computes through the trainer's `forward`."""
+    import asyncio
+    import warnings
+
+    from tinker_cookbook.supervised.nll_evaluator import NLLEvaluator, SamplerNLLEvaluator
+
+    from tests.serve.conftest import TOKENS, datum
+
+    client = tinker.ServiceClient(base_url=served.url, api_key=API_KEY)
+    trainer = client.create_lora_training_client(base_model=NAME, rank=2).result()
+    data = [datum(TOKENS[i:i + 8 + 2 * i], weights=[0.0] * 3 + [1.0] * (4 + 2 * i)) for i in range(4)]
+    sampler = client.create_sampling_client(base_model=NAME).result()
+    with warnings.catch_warnings():  # 0.5.8 calls the SDK's deprecated async spellings, and deprecates NLLEvaluator
+        warnings.simplefilter("ignore", FutureWarning)
+        sampled = asyncio.run(SamplerNLLEvaluator(data)(sampler))
+        trained = asyncio.run(NLLEvaluator(data)(trainer))
+    assert sampled["test/nll"] > 0
+    assert sampled["test/nll"] == pytest.approx(trained["test/nll"], abs=1e-4)
+    client.close("success").result(30)
