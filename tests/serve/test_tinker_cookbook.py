@@ -1,5 +1,5 @@
-"""tinker-cookbook's own recipes (`recipes/sl_loop.py`, `recipes/rl_loop.py` of tinker-cookbook 0.5.8, unchanged)
-against `hybridflow serve`, 2 steps each, through their `main(Config)` with `base_url` and `model_name` set. What
+"""tinker-cookbook's own recipes (0.5.8's `recipes/sl_loop.py`, `recipes/rl_loop.py`, `recipes/preference/dpo`,
+unchanged) against `hybridflow serve`, 2 steps each, through their `main` with `base_url` and `model_name` set. What
 this machine cannot reach is replaced through public seams: the served model is a tiny Qwen3 under the recipes'
 name `Qwen/Qwen3-8B`, whose tokenizer the cookbook's own `register_tokenizer` provides; the hub datasets (No Robots,
 GSM8K) are local `DatasetDict`s given to `datasets.load_dataset`; the RL recipe's GSM8K grader, which a random
@@ -111,3 +111,20 @@ def test_the_cookbooks_sampler_nll_evaluator_scores_as_its_trainer_side_one(serv
     assert sampled["test/nll"] > 0
     assert sampled["test/nll"] == pytest.approx(trained["test/nll"], abs=1e-4)
     client.close("success").result(30)
+
+
+def test_the_cookbooks_dpo_recipe_trains_two_steps(served, tmp_path, monkeypatch):
+    """`recipes/preference/dpo/train.py` on Anthropic HH's layout: its reference model is the initial weights' sampling
+    client, scored through `compute_logprobs`, and its loss a `forward_backward_custom` (the SDK's client-side path)."""
+    from tinker_cookbook.recipes.preference.dpo import train
+
+    pairs = [{"chosen": f"\n\nHuman: What is {a} plus {b}?\n\nAssistant: {a + b}.",
+              "rejected": f"\n\nHuman: What is {a} plus {b}?\n\nAssistant: {a * b + 1}."}
+             for a in range(5) for b in range(5)]
+    _local_datasets(monkeypatch, {"train": pairs, "test": pairs[:4]})
+    train.cli_main(train.CLIConfig(model_name=NAME, dataset="hhh", base_url=served.url, log_path=str(tmp_path / "dpo"),
+                                   batch_size=4, max_length=128, max_steps=2, behavior_if_log_dir_exists="delete"))
+    rows = [r for r in _metrics(tmp_path / "dpo") if "dpo_loss" in r]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["dpo_loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as its reference
+    assert _adapters_trained(served)

@@ -19,8 +19,8 @@ PROMPT = TOKENS[:10]
 def test_compute_logprobs_equals_the_trainers_forward_on_the_base_and_on_a_trained_snapshot(server):
     client = server.client
     trainer = client.create_lora_training_client(base_model="tiny", rank=2).result()
-    base = client.create_sampling_client(base_model="tiny").result().compute_logprobs(types.ModelInput.from_ints(PROMPT))
-    scores = base.result()
+    base = client.create_sampling_client(base_model="tiny").result()
+    scores = base.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
     assert scores[0] is None and len(scores) == len(PROMPT)
     torch.testing.assert_close(torch.tensor(scores[1:]), logprobs(trainer, PROMPT), atol=1e-4, rtol=0)
     trainer.forward_backward([datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "cross_entropy").result()
