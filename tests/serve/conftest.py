@@ -29,8 +29,10 @@ class Server:
         return tinker.RestClient(base_url=self.url, api_key=API_KEY)
 
 
-def start_server(model_dir, checkpoint_dir, name: str = "tiny", **config: Any):
-    """(Server, stop): a server of the tiny model as `name` with `config`'s ServeConfig fields."""
+def start_server(model_dir, checkpoint_dir, name: str = "tiny", more_models: dict[str, Any] | None = None,
+                 **config: Any):
+    """(Server, stop): a server of the tiny model as `name` (and of `more_models`, {name: directory}) with `config`'s
+    ServeConfig fields."""
     tinker = pytest.importorskip("tinker")
     from aiohttp import web
 
@@ -41,7 +43,7 @@ def start_server(model_dir, checkpoint_dir, name: str = "tiny", **config: Any):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     loop = asyncio.new_event_loop()
-    app = make_app(ServeConfig({name: model_dir}, max_num_seqs=8, checkpoint_dir=checkpoint_dir, **config),
+    app = make_app(ServeConfig({name: model_dir, **(more_models or {})}, max_num_seqs=8, checkpoint_dir=checkpoint_dir, **config),
                    api_key=API_KEY)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())

@@ -1,4 +1,4 @@
-"""tinker-cookbook's own recipes (0.5.8's `recipes/sl_loop.py`, `recipes/rl_loop.py`, `recipes/preference/dpo`,
+"""tinker-cookbook's own recipes (0.5.8's `sl_loop`, `rl_loop`, `preference/dpo`, `distillation/on_policy_distillation`,
 unchanged) against `hybridflow serve`, 2 steps each, through their `main` with `base_url` and `model_name` set. What
 this machine cannot reach is replaced through public seams: the served model is a tiny Qwen3 under the recipes'
 name `Qwen/Qwen3-8B`, whose tokenizer the cookbook's own `register_tokenizer` provides; the hub datasets (No Robots,
@@ -128,3 +128,39 @@ def test_the_cookbooks_dpo_recipe_trains_two_steps(served, tmp_path, monkeypatch
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[0]["dpo_loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as its reference
     assert _adapters_trained(served)
+
+
+def test_the_cookbooks_on_policy_distillation_trains_two_steps(tiny_model_factory, tmp_path, monkeypatch):
+    """`recipes/distillation/on_policy_distillation.py`: the student samples, a second served base (the same tiny
+    shape, other weights) scores the samples through `compute_logprobs`, and the student trains on that reverse KL."""
+    import asyncio
+
+    import datasets
+    from transformers import AutoTokenizer
+    from tinker_cookbook import tokenizer_utils
+    from tinker_cookbook.recipes.distillation import on_policy_distillation as recipe
+
+    from tests.engine.rollout.conftest import spread_weights
+
+    student = tiny_model_factory("qwen3")
+    teacher_name = "Qwen/Qwen3-32B"
+    server, stop = start_server(student, tmp_path / "checkpoints", name=NAME,
+                                more_models={teacher_name: spread_weights(student, tmp_path / "teacher")})
+    for name in (NAME, teacher_name):
+        tokenizer_utils.register_tokenizer(name, lambda: AutoTokenizer.from_pretrained(student))
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    questions = datasets.Dataset.from_list([{"question": r["question"]} for r in ROWS])
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: questions)
+    monkeypatch.setattr("tinker_cookbook.distillation.datasets.load_dataset", lambda *args, **kwargs: questions)
+    try:
+        asyncio.run(recipe.cli_main(recipe.CLIConfig(
+            model_name=NAME, teacher_model=teacher_name, dataset="deepmath", group_size=2, groups_per_batch=2,
+            lora_rank=2, max_tokens=8, max_steps=2, eval_every=0, save_every=0, base_url=server.url,
+            log_path=str(tmp_path / "distill"), behavior_if_log_dir_exists="delete")))
+        rows = _metrics(tmp_path / "distill")
+        assert [r["step"] for r in rows] == [0, 1]
+        # a near-uniform student against a peaked teacher: their reverse KL on the student's samples is far from 0
+        assert all(r["teacher_kl"] > 1.0 for r in rows), [r["teacher_kl"] for r in rows]
+        assert _adapters_trained(server)
+    finally:
+        stop()
