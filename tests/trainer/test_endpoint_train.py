@@ -269,6 +269,7 @@ def test_a_gymnasium_env_with_text_spaces_is_played_turn_by_turn(tiny_qwen2, tmp
 IMAGE_RUNNER = """
     import base64
     import io
+    import random
 
     from PIL import Image
 
@@ -289,18 +290,23 @@ IMAGE_RUNNER = """
         messages += [{"role": "assistant", "content": first},
                      {"role": "user", "content": [{"type": "text", "text": "And now?"},
                                                   picture((30, shade, 200), (56, 56))]}]
-        reply = await client.chat.completions.create(model="policy", messages=messages)
-        return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
+        await client.chat.completions.create(model="policy", messages=messages)
+        # a reward no two trajectories share: a group of equal rewards has no advantage, and its step no gradient
+        return random.random()
 """
 
 TEXT_PARTS_RUNNER = """
+    import random
+
+
     async def play(client, row):
         messages = [{"role": "user", "content": [{"type": "text", "text": row["raw_prompt"][-1]["content"]}]}]
         reply = await client.chat.completions.create(model="policy", messages=messages)
         first = reply.choices[0].message.content or ""
         messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And now?"}]
-        reply = await client.chat.completions.create(model="policy", messages=messages)
-        return float(sum(map(ord, first + (reply.choices[0].message.content or ""))) % 5)
+        await client.chat.completions.create(model="policy", messages=messages)
+        # a reward no two trajectories share: a group of equal rewards has no advantage, and its step no gradient
+        return random.random()
 """
 
 IMAGE_GYM = """
