@@ -7,6 +7,7 @@ model never satisfies (so every group would be skipped and nothing trained), is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -21,30 +22,38 @@ ROWS = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n
         for a in range(6) for b in range(6)]
 
 
-@pytest.fixture()
-def served(tiny_model_factory, tmp_path, monkeypatch):
+@contextlib.contextmanager
+def _serving(model_dir, tmp_path, monkeypatch, **more_models):
+    """A server of `model_dir` as NAME (and `more_models`, {name: directory}), each name's tokenizer registered with
+    the cookbook, and every `tinker.ServiceClient` the recipes make closed at the end: they never close theirs, whose
+    heartbeat threads would then post to the stopped server until the interpreter exits."""
     from transformers import AutoTokenizer
     from tinker_cookbook import tokenizer_utils
 
-    model_dir = tiny_model_factory("qwen3")
-    server, stop = start_server(model_dir, tmp_path / "checkpoints", name=NAME)
-    tokenizer_utils.register_tokenizer(NAME, lambda: AutoTokenizer.from_pretrained(model_dir))
+    server, stop = start_server(model_dir, tmp_path / "checkpoints", name=NAME, more_models=more_models)
+    for name in (NAME, *more_models):
+        tokenizer_utils.register_tokenizer(name, lambda: AutoTokenizer.from_pretrained(model_dir))
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)  # what the recipes' ServiceClient reads
     made = []
 
     class Recorded(tinker.ServiceClient):
-        """The SDK's client, remembered: the recipes never close theirs, whose telemetry threads would then post to
-        the stopped server until the interpreter exits."""
-
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
 
     monkeypatch.setattr(tinker, "ServiceClient", Recorded)
-    yield server
-    for client in made:
-        client.close("success").result(30)
-    stop()
+    try:
+        yield server
+    finally:
+        for client in made:
+            client.close("success").result(30)
+        stop()
+
+
+@pytest.fixture()
+def served(tiny_model_factory, tmp_path, monkeypatch):
+    with _serving(tiny_model_factory("qwen3"), tmp_path, monkeypatch) as server:
+        yield server
 
 
 def _local_datasets(monkeypatch, splits):
@@ -100,7 +109,7 @@ def test_the_cookbooks_sampler_nll_evaluator_scores_as_its_trainer_side_one(serv
 
     from tests.serve.conftest import TOKENS, datum
 
-    client = tinker.ServiceClient(base_url=served.url, api_key=API_KEY)
+    client = tinker.ServiceClient(base_url=served.url, api_key=API_KEY)  # closed by the fixture
     trainer = client.create_lora_training_client(base_model=NAME, rank=2).result()
     data = [datum(TOKENS[i:i + 8 + 2 * i], weights=[0.0] * 3 + [1.0] * (4 + 2 * i)) for i in range(4)]
     sampler = client.create_sampling_client(base_model=NAME).result()
@@ -110,7 +119,6 @@ def test_the_cookbooks_sampler_nll_evaluator_scores_as_its_trainer_side_one(serv
         trained = asyncio.run(NLLEvaluator(data)(trainer))
     assert sampled["test/nll"] > 0
     assert sampled["test/nll"] == pytest.approx(trained["test/nll"], abs=1e-4)
-    client.close("success").result(30)
 
 
 def test_the_cookbooks_dpo_recipe_trains_two_steps(served, tmp_path, monkeypatch):
@@ -136,23 +144,16 @@ def test_the_cookbooks_on_policy_distillation_trains_two_steps(tiny_model_factor
     import asyncio
 
     import datasets
-    from transformers import AutoTokenizer
-    from tinker_cookbook import tokenizer_utils
     from tinker_cookbook.recipes.distillation import on_policy_distillation as recipe
 
     from tests.engine.rollout.conftest import spread_weights
 
     student = tiny_model_factory("qwen3")
     teacher_name = "Qwen/Qwen3-32B"
-    server, stop = start_server(student, tmp_path / "checkpoints", name=NAME,
-                                more_models={teacher_name: spread_weights(student, tmp_path / "teacher")})
-    for name in (NAME, teacher_name):
-        tokenizer_utils.register_tokenizer(name, lambda: AutoTokenizer.from_pretrained(student))
-    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
     questions = datasets.Dataset.from_list([{"question": r["question"]} for r in ROWS])
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: questions)
     monkeypatch.setattr("tinker_cookbook.distillation.datasets.load_dataset", lambda *args, **kwargs: questions)
-    try:
+    with _serving(student, tmp_path, monkeypatch, **{teacher_name: spread_weights(student, tmp_path / "teacher")}) \
+            as server:
         asyncio.run(recipe.cli_main(recipe.CLIConfig(
             model_name=NAME, teacher_model=teacher_name, dataset="deepmath", group_size=2, groups_per_batch=2,
             lora_rank=2, max_tokens=8, max_steps=2, eval_every=0, save_every=0, base_url=server.url,
@@ -162,5 +163,3 @@ def test_the_cookbooks_on_policy_distillation_trains_two_steps(tiny_model_factor
         # a near-uniform student against a peaked teacher: their reverse KL on the student's samples is far from 0
         assert all(r["teacher_kl"] > 1.0 for r in rows), [r["teacher_kl"] for r in rows]
         assert _adapters_trained(server)
-    finally:
-        stop()
