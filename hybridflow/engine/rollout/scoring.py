@@ -54,11 +54,13 @@ def prompt_logprobs(engine, prompts: list[list[int]], topk: int = 0) -> list[Pro
     budget = min(engine.max_model_len, engine.max_prefill_tokens)
     out: list[PromptLogprobs] = []
     chunk: list[list[int]] = []
+    tokens = 0  # in `chunk`
     for prompt in prompts:
-        if chunk and sum(map(len, chunk)) + len(prompt) > budget:
+        if chunk and tokens + len(prompt) > budget:
             out += _fast_chunk(engine, chunk, topk)
-            chunk = []
+            chunk, tokens = [], 0
         chunk.append(prompt)
+        tokens += len(prompt)
     return out + _fast_chunk(engine, chunk, topk) if chunk else out
 
 
@@ -67,9 +69,9 @@ def _fast_chunk(engine: RolloutEngine, prompts: list[list[int]], topk: int) -> l
     dev, lens = engine.device, [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
     positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    cu = torch.tensor([0] + lens).cumsum(0).to(dev, torch.int32)
+    cu = torch.tensor([0] + lens).cumsum(0)
     write = engine.kv.scratch_slot * engine.max_model_len + torch.arange(len(ids), device=dev)
-    meta = AttnMeta(write_index=write, cu_seqlens=cu, seqlens=lens, max_seqlen=max(lens))
+    meta = AttnMeta(write_index=write, cu_seqlens=cu.to(dev, torch.int32), seqlens=lens, max_seqlen=max(lens))
     h, delta = engine.model.hidden(ids, positions, meta, engine.kv)
     # each prompt's last token predicts nothing of the prompt: the rows scored are the others, against the next token
     scored = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(cu[:-1].tolist(), lens)]).to(dev)
