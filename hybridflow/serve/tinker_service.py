@@ -323,16 +323,16 @@ class TinkerService:
             raise ValueError(f"sample options {sorted(unserved) or ['target_prompt_logprobs']} are not served; "
                              f"this server returns the sampled tokens' log-probs, and the prompt's "
                              f"(prompt_logprobs, topk_prompt_logprobs, prompt_logprobs_last_n)")
-        last_n, length = req.prompt_logprobs_last_n, len(req.prompt.to_ints())
+        last_n, prompt = req.prompt_logprobs_last_n, req.prompt.to_ints()
         if req.topk_prompt_logprobs < 0:
             raise ValueError(f"topk_prompt_logprobs={req.topk_prompt_logprobs} must be >= 0")
-        if last_n is not None and (not req.prompt_logprobs or not 1 <= last_n <= length - 1):
+        if last_n is not None and (not req.prompt_logprobs or not 1 <= last_n <= len(prompt) - 1):
             raise ValueError(f"prompt_logprobs_last_n={last_n} needs prompt_logprobs, and must be between 1 and the "
-                             f"prompt's length - 1 ({length - 1})")
+                             f"prompt's length - 1 ({len(prompt) - 1})")
         stop = req.sampling_params.stop
         if stop is not None and not all(isinstance(s, int) for s in ([stop] if isinstance(stop, str) else stop)):
             raise ValueError(f"sampling_params.stop={stop!r}: stop strings are not served; pass token ids")
-        return base, path, req.prompt.to_ints(), req.sampling_params
+        return base, path, prompt, req.sampling_params
 
     def _sample(self, batch: Batch) -> None:
         """One engine session for the batch's requests (they share weights and parameters: `submit_sample`) and those
