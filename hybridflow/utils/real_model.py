@@ -89,27 +89,33 @@ def _save(model, tokenizer, out: Path, info: dict) -> Path:
 
 
 @contextlib.contextmanager
-def _one_reader() -> Iterator[None]:
-    """transformers reads the GGUF three times (the tokenizer, the config, the weights: `load_gguf_checkpoint`
-    makes a `gguf.GGUFReader` each time, whose parse of the 49k-token vocabulary is a third of a conversion); within
-    the block a file's reader is made once and handed out again. Where transformers takes the reader some other
-    way this changes nothing."""
+def _parsed_once() -> Iterator[None]:
+    """Within the block, what transformers would parse again is made once and handed out again:
+    - the file's `gguf.GGUFReader`: transformers reads the GGUF three times (the tokenizer, the config, the
+      weights), and each reader parses the 49k-token vocabulary, a third of a conversion;
+    - `gguf.get_tensor_name_map(arch, layers)`: transformers' `get_gguf_hf_weights_map` calls it again for every
+      submodule of the model it walks (hundreds of times for SmolLM2's 30 layers), about 5 of a conversion's 21 s.
+    Where transformers takes these some other way this changes nothing."""
     import gguf
 
     made: dict[str, Any] = {}
-    original = gguf.GGUFReader
+    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
 
-    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
-        key = f"{os.fspath(path)}|{args}|{kwargs}"
-        if key not in made:
-            made[key] = original(path, *args, **kwargs)
-        return made[key]
+    def once(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            key = f"{name}|{[os.fspath(a) if isinstance(a, Path) else a for a in args]}|{kwargs}"
+            if key not in made:
+                made[key] = originals[name](*args, **kwargs)
+            return made[key]
+        return call
 
-    setattr(gguf, "GGUFReader", reader)
+    for name in originals:
+        setattr(gguf, name, once(name))
     try:
         yield
     finally:
-        setattr(gguf, "GGUFReader", original)
+        for name, original in originals.items():
+            setattr(gguf, name, original)
 
 
 def convert_gguf(gguf: str | Path, out: str | Path) -> Path:
@@ -120,7 +126,7 @@ def convert_gguf(gguf: str | Path, out: str | Path) -> Path:
 
     _check_readers()
     gguf = Path(gguf)
-    with _one_reader():
+    with _parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     if tokenizer.pad_token is None:
