@@ -196,7 +196,7 @@ def test_the_engine_on_its_triton_paths_generates_what_its_torch_paths_do(monkey
     from hybridflow.engine.rollout import RolloutEngine, SamplingParams, attention, model, sampler
     from tests.engine.rollout.conftest import SPREAD_SIZES, spread_weights, with_config
 
-    prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=10,
+    prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12], [20] * 11], SamplingParams(temperature=0.0, max_tokens=5,
                                                                                 stop_token_ids=[])
     paths = {arch: spread_weights(tiny_model_factory(arch), tiny_model_factory(arch).parent / f"spread_{arch}")
              for arch in ("qwen2", "qwen3", "olmo2", "phi3")}
