@@ -99,7 +99,7 @@ def _parsed_once() -> Iterator[None]:
     import gguf
 
     made: dict[str, Any] = {}
-    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
+    originals: dict[str, Any] = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
 
     def once(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:

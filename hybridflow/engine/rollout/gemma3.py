@@ -22,7 +22,8 @@ from torch import nn
 
 from hybridflow.engine.rollout.attention import AttnMeta
 from hybridflow.engine.rollout.kv_cache import KVCache
-from hybridflow.engine.rollout.model import MLP, Attention, family_norm
+from hybridflow.engine.rollout.mlp import MLP
+from hybridflow.engine.rollout.model import Attention, family_norm
 
 
 class ScaledEmbedding(nn.Embedding):

@@ -3,7 +3,7 @@ attention in most layers, gated full attention in every `full_attention_interval
 and `Qwen3NextDecoderLayer` lay them out (`config.layer_types`). The two families differ in two places: Qwen3-Next
 fuses the linear layers' four input projections into two whose outputs are grouped by key head (`in_proj_qkvz`,
 `in_proj_ba`, loaded as the checkpoint holds them and put in Qwen3.5's order by `linear_attention.ungroup`), and its
-MLP is a mixture of experts with a gated shared expert in its sparse layers (`model.layer_mlp`: `sparse_moe`, with
+MLP is a mixture of experts with a gated shared expert in its sparse layers (`mlp.layer_mlp`: `sparse_moe`, with
 routing capture).
 
 - `GatedDeltaNet` (HF's `linear_attn`): the mixer of `engine.linear_attention`, its conv and recurrent states per
@@ -32,7 +32,8 @@ from hybridflow.engine.rollout.attention import AttnMeta, cache_attention, prefi
 from hybridflow.engine.rollout.kernels import rotary_
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.linear import FusedLinear, Linear
-from hybridflow.engine.rollout.model import family_norm, layer_mlp
+from hybridflow.engine.rollout.mlp import layer_mlp
+from hybridflow.engine.rollout.model import family_norm
 from hybridflow.engine.rollout.recurrent_state import StateCache
 from hybridflow.engine.rollout.rope import rotary_dim
 

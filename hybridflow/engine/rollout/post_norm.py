@@ -17,7 +17,8 @@ from torch import nn
 
 from hybridflow.engine.rollout.attention import AttnMeta
 from hybridflow.engine.rollout.kv_cache import KVCache
-from hybridflow.engine.rollout.model import Attention, family_norm, layer_mlp
+from hybridflow.engine.rollout.mlp import layer_mlp
+from hybridflow.engine.rollout.model import Attention, family_norm
 
 
 class PostNormDecoderLayer(nn.Module):
