@@ -29,6 +29,10 @@ def test_a_bf16_sampler_in_a_bounded_cache_samples_near_the_fp32_trainer(tiny_qw
     from hybridflow.engine.rollout import kv_cache
     from hybridflow.serve import tinker_service  # noqa: F401  bound to the real free_memory before the patch below
 
+    # the adapter's initial weights, so the gaps below do not hang on the tests run before this one in the process:
+    # after one order of tests the trained snapshot's greedy path met a token where bf16 weights move the log-prob by
+    # 0.11 (transformers' own bf16 forward as much as the engine: 0.119 against 0.002 to 0.006 for seeds 0-6)
+    torch.manual_seed(0)
     config = AutoConfig.from_pretrained(tiny_qwen2)
     head_dim = config.hidden_size // config.num_attention_heads
     per_slot = 2 * config.num_hidden_layers * 64 * config.num_key_value_heads * head_dim * 2  # 64 positions, bf16
