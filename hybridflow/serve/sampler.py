@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-from hybridflow.engine.rollout.engine import checkpoint_tensors
+from hybridflow.engine.rollout.checkpoint_files import checkpoint_tensors
 from hybridflow.engine.rollout.scoring import PromptLogprobs, prompt_logprobs
 from hybridflow.engine.rollout.types import Completion, check_prompts
 

@@ -80,7 +80,7 @@ def vision_rollout(path: str, rollout_cfg: RolloutConfig, device: torch.device, 
         raise ValueError(f"{path}: {'; '.join(problems)}")
     from transformers import AutoConfig
 
-    from hybridflow.engine.rollout.engine import model_stop_ids
+    from hybridflow.engine.rollout.checkpoint_files import model_stop_ids
 
     return VisionRolloutEngine(path, device, dtype, model_stop_ids(path, AutoConfig.from_pretrained(path)),
                                max_num_seqs, max_model_len, kv_cache_memory, cuda_graphs=rollout_cfg.cuda_graphs,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams
-from hybridflow.engine.rollout.engine import checkpoint_tensors
+from hybridflow.engine.rollout.checkpoint_files import checkpoint_tensors
 from hybridflow.engine.rollout.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_rows
 from hybridflow.engine.rollout.linear import Linear
 

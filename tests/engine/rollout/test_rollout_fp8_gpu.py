@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridflow.engine.rollout import RolloutEngine, SamplingParams, kernels
-from hybridflow.engine.rollout.engine import checkpoint_tensors
+from hybridflow.engine.rollout.checkpoint_files import checkpoint_tensors
 from hybridflow.engine.rollout.fp8 import FP8, MIN_CAPABILITY, fp8_linear, quantize_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
