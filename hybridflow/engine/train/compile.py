@@ -6,11 +6,13 @@ sets the pace. Compiling each decoder layer's `forward` fuses its elementwise wo
 residual adds, casts) into a few kernels behind one call. Only `forward` is compiled: module hooks
 (FSDP2's unshard / reshard / reduce-scatter) stay eager around it, parameter names do not change, and
 every layer shares one compiled graph (they run the same code). Shapes are dynamic, so the token
-count of a packed micro-batch does not trigger a recompile. A vision-language model's vision blocks stay eager: they
-share the decoder layers' code object (transformers' `forward_with_checkpointing`) with other argument ranks and
-None-ness, so each added cache entries, and their attention splits by per-image lengths read from the data (a graph
-break dynamo cannot resume from); the tower runs once per image a pass, where the language model runs per token. The log-prob head's per-chunk arithmetic is
+count of a packed micro-batch does not trigger a recompile. The log-prob head's per-chunk arithmetic is
 compiled too (`LogProbHead.compiled`).
+
+A vision-language model's vision blocks stay eager: they share the decoder layers' code object (transformers'
+`forward_with_checkpointing`) with other argument ranks and None-ness, so each kind added cache entries to the
+other's, and Qwen's vision attention splits by per-image lengths read from the data (a graph break dynamo cannot
+resume from); the tower runs once per image a pass, where the language model runs per token.
 
 `resolve_compile(setting, device)`: the config's `model.compile` (None = on for CUDA, off elsewhere: on
 a CPU, compiling costs more than it saves for the small models run there).
