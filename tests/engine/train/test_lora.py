@@ -167,7 +167,7 @@ def test_compiled_lora_layers_equal_eager_ones(tiny_qwen2):
 
 
 @pytest.mark.parametrize("quantization", ["none", "nf4"])
-def test_compiled_lora_layers_share_one_graph_over_three_steps(tiny_qwen2, monkeypatch, quantization):
+def test_compiled_lora_layers_share_one_graph_over_three_steps(tiny_qwen2, compiled_graphs, quantization):
     """Every decoder layer of a LoRA model runs one compiled graph per pass, through 3 log-prob passes and updates of
     uneven micro-batches: one graph for the update, one for the no-grad log-prob pass. The frozen embeddings' output
     is marked as needing a gradient in the update, as every later layer's input does; unmarked, the first layer's
@@ -176,16 +176,7 @@ def test_compiled_lora_layers_share_one_graph_over_three_steps(tiny_qwen2, monke
     the same guard there; the NF4 base's weights add none (docs/small_gpus.md)."""
     if quantization == "nf4":
         pytest.importorskip("torchao")
-    from hybridflow.engine.train import engine as engine_module
-
-    graphs = []
-
-    def counting(gm, example_inputs):  # a backend that counts what dynamo hands it and runs it as traced
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()  # nothing cached from other tests' compiles of the same layer code
-    monkeypatch.setattr(engine_module, "compile_model", lambda model: compile_model(model, backend=counting))
+    graphs = compiled_graphs
     engine = TrainEngine(model_cfg(tiny_qwen2, compile=True, quantization=quantization),
                          optim_cfg(lora=lora(), max_tokens_per_micro_batch=40), head="lm")
     batch = rl_batch(rows=6, prompt_width=6, response_width=7, seed=3)

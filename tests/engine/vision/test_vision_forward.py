@@ -79,28 +79,11 @@ def test_the_trainer_builds_no_kv_cache(rows, tiny_vlm, monkeypatch):
     assert built == []
 
 
-def _counting_compile(monkeypatch) -> list:
-    """`model.compile`'s layers compiled by a backend that records each graph dynamo hands it and runs it as traced."""
-    from hybridflow.engine.train import engine as engine_module
-    from hybridflow.engine.train.compile import compile_model
-
-    graphs: list = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()  # nothing cached from other tests' compiles of the same layer code
-    monkeypatch.setattr(engine_module, "compile_model", lambda model: compile_model(model, backend=counting))
-    return graphs
-
-
-def test_only_the_language_models_layers_are_compiled(tiny_vlm, monkeypatch):
+def test_only_the_language_models_layers_are_compiled(tiny_vlm, compiled_graphs):
     """`model.compile` compiles the language model's decoder layers and leaves the vision tower's blocks eager: they
     share transformers' `forward_with_checkpointing` with the decoder layers at other argument ranks, and Qwen's split
     its attention by per-image lengths read from the data; compiled, the tiny Qwen2.5-VL's first GRPO step on the CPU
     made 13 graphs and took 81 s, against 54 s without them (`bench/vision_step.py --shape tiny`)."""
-    _counting_compile(monkeypatch)
     engine = TrainEngine(FrozenModelConfig(path=str(tiny_vlm), dtype="fp32", compile=True), device=torch.device("cpu"),
                          images=True)
     compiled = [name for name, module in engine.model.named_modules() if "forward" in vars(module)]
@@ -108,10 +91,10 @@ def test_only_the_language_models_layers_are_compiled(tiny_vlm, monkeypatch):
 
 
 @pytest.mark.parametrize("tiny_vlm", ["qwen2_5_vl"], indirect=True)
-def test_a_pass_with_images_compiles_the_decoder_layers_alone_and_once(rows, tiny_vlm, monkeypatch):
+def test_a_pass_with_images_compiles_the_decoder_layers_alone_and_once(rows, tiny_vlm, compiled_graphs):
     """The graph break behind the test above was Qwen's (the 3B shape's stall on an H100, issue 59): every graph a
     no-grad pass with images compiles is a decoder layer's, one for all of them, and a second pass compiles none."""
-    graphs = _counting_compile(monkeypatch)
+    graphs = compiled_graphs
     engine = TrainEngine(FrozenModelConfig(path=str(tiny_vlm), dtype="fp32", compile=True), device=torch.device("cpu"),
                          images=True)
     first = engine.infer(rows.tensors, micro_batch_size=4)
