@@ -43,8 +43,8 @@ def start_server(model_dir, checkpoint_dir, name: str = "tiny", more_models: dic
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     loop = asyncio.new_event_loop()
-    app = make_app(ServeConfig({name: model_dir, **(more_models or {})}, max_num_seqs=8, checkpoint_dir=checkpoint_dir, **config),
-                   api_key=API_KEY)
+    models = {name: model_dir, **(more_models or {})}
+    app = make_app(ServeConfig(models, max_num_seqs=8, checkpoint_dir=checkpoint_dir, **config), api_key=API_KEY)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
