@@ -20,6 +20,7 @@ and skipped, as `hybridflow report` does.
 from __future__ import annotations
 
 import json
+import socket
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -160,9 +161,14 @@ def make_app(run_dir: str | Path) -> Any:
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Serves `run_dir` until interrupted (Ctrl-C)."""
+    """Serves `run_dir` until interrupted (Ctrl-C); port 0 takes any free port, and the printed address has it."""
     from aiohttp import web
 
     app = make_app(run_dir)
-    print(f"hybridflow view: http://{host}:{port}/ (Ctrl-C stops)", flush=True)
-    web.run_app(app, host=host, port=port, print=None)
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as e:
+        raise ReportError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --port, or --port 0 "
+                          f"for any free one") from None
+    print(f"hybridflow view: http://{host}:{sock.getsockname()[1]}/ (Ctrl-C stops)", flush=True)
+    web.run_app(app, sock=sock, print=None)

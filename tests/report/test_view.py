@@ -113,3 +113,15 @@ def test_routes_serve_the_files_as_they_grow(tmp_path):
             assert run["files"] == ["metrics.jsonl", "rollouts.jsonl", "samples.jsonl"]
 
     asyncio.run(scenario())
+
+
+def test_a_port_in_use_is_refused_with_the_way_out(tmp_path):
+    import socket
+
+    from hybridflow.report.live import serve
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ReportError, match=rf"cannot listen on 127\.0\.0\.1:{port} .*--port 0"):
+            serve(tmp_path, "127.0.0.1", port)

@@ -5,8 +5,8 @@ Skipped with the reason where Chromium or Playwright is missing (CI installs Chr
 from __future__ import annotations
 
 import json
+import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -43,20 +43,20 @@ def write_run(root):
                                                     "data_source": "toy"}) + "\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def served(tmp_path):
     run = tmp_path / "run"
     write_run(run)
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "view", str(run), "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
+    # --port 0: the server binds a free port itself and prints it (a port probed free here could be taken by
+    # another test worker before the server bound it)
+    server = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "view", str(run), "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = server.stdout.readline()
+    match = re.match(r"hybridflow view: (http://127\.0\.0\.1:\d+/) ", first)
+    if not match:
+        server.kill()
+        pytest.fail(f"hybridflow view did not start: {first}{server.stdout.read()[-2000:]}")
+    url = match.group(1)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -65,7 +65,7 @@ def served(tmp_path):
         except OSError:
             if time.monotonic() > deadline or server.poll() is not None:
                 server.kill()
-                pytest.fail(f"hybridflow view did not start: {server.stdout.read().decode()[-2000:]}")
+                pytest.fail(f"hybridflow view did not answer: {server.stdout.read()[-2000:]}")
             time.sleep(0.2)
     yield run, url
     server.terminate()

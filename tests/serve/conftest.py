@@ -4,7 +4,6 @@ SDK's `ServiceClient` talking to it; helpers the serve tests share."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -39,15 +38,13 @@ def start_server(model_dir, checkpoint_dir, name: str = "tiny", more_models: dic
     from hybridflow.serve.http_api import SERVICE, make_app
     from hybridflow.serve.config import ServeConfig
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     loop = asyncio.new_event_loop()
     models = {name: model_dir, **(more_models or {})}
     app = make_app(ServeConfig(models, max_num_seqs=8, checkpoint_dir=checkpoint_dir, **config), api_key=API_KEY)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())  # the site binds a free port itself
+    port = runner.addresses[0][1]
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

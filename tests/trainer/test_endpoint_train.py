@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import socket
+import re
 import subprocess
 import sys
 import textwrap
@@ -209,27 +209,23 @@ def test_a_textarena_game_trains_two_steps(tiny_model_factory, tmp_path):
                for m in metrics)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def openenv_server(tmp_path):
     pytest.importorskip("openenv.core")
     write(tmp_path / "numbers_env.py", OPENENV_SERVER)
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "numbers_env:app", "--host", "127.0.0.1",
-                               "--port", str(port)], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "uvicorn.log"
+    # --port 0: uvicorn binds a free port and logs it (a port probed free here could be taken by another
+    # test worker first); a file, not a pipe, so that nothing blocks on an unread log
+    with log.open("w") as sink:
+        server = subprocess.Popen([sys.executable, "-m", "uvicorn", "numbers_env:app", "--host", "127.0.0.1",
+                                   "--port", "0"], cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
+        while not (found := re.search(r"running on http://127\.0\.0\.1:(\d+)", log.read_text())):
+            if time.monotonic() > deadline or server.poll() is not None:
+                pytest.fail(f"the OpenEnv server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        port = int(found.group(1))
         yield f"http://127.0.0.1:{port}"
     finally:
         server.kill()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import io
-import os
 import queue as queue_lib
-import socket
 import time
 import traceback
 
@@ -49,17 +47,11 @@ def optim_cfg(**kw) -> OptimConfig:
     return OptimConfig(**{"lr": 1e-3, "weight_decay": 0.0, **kw})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         buf = io.BytesIO()
         torch.save(fn(rank, *args), buf)  # plain bytes: tensors must outlive this process
         queue.put((rank, buf.getvalue(), None))
@@ -80,7 +72,10 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     """
     ctx = fork_server_context()
     queue = ctx.Queue()
-    port = _free_port()
+    # The parent holds the store on a port it bound itself, as the local backend does: a port probed free and
+    # released could be taken by another xdist worker before rank 0 listened on it (CI met EADDRINUSE so).
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
