@@ -26,11 +26,12 @@ clear error.
 A child whose start is cut short (its parent stopped between starting it and handing it its work)
 would print a traceback of its own, and so would a child that a Ctrl-C to the process group reaches
 while Python is still starting in it. `held_signals` closes both windows, in the main thread: the stop
-handlers' answer to a signal already caught waits for the block's end, and the two signals are ignored
-while the block runs, so the child starts ignoring them (an ignored disposition survives exec; a
-blocked mask does not survive Python's process start); `ignore_stop_signals` keeps them so in it. A
-signal that arrives during the block itself (the few milliseconds a process start takes) is lost; a start from a
-fork server that ignores them already (`held_signals(ignore=False)`) keeps the handlers and loses none.
+handlers' answer to a signal caught in the block waits for the block's end, and the two signals are blocked
+in the main thread while it runs, so the child starts with them blocked (a blocked mask survives fork, exec
+and Python's start: a signal meanwhile waits in it, CPython's resource tracker starts so too);
+`ignore_stop_signals` then ignores them, which drops one waiting, and unblocks them. The controller loses
+none: its handlers stay in place (another thread takes the signal, or it waits until the block unblocks it).
+Ignoring them in the controller instead lost one that arrived while a child started: the run trained on.
 Processes the run starts ignore SIGINT and SIGTERM: a terminal, Slurm or systemd send them to every
 process of the run; the controller gets them too and coordinates the stop (it finishes the step and
 saves), then shuts the processes down.
@@ -43,12 +44,14 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from pathlib import Path
 from types import FrameType
 
 # `hybridflow train` / `sft` exit with this after a stop by signal that saved a checkpoint: "preempted,
 # run the same command again to resume". 75 is EX_TEMPFAIL of sysexits.h (a temporary failure; retry).
 PREEMPTED_EXIT_CODE = 75
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DUPLICATE_WINDOW_S = 0.5  # a forwarded copy arrives within milliseconds; a person's second Ctrl-C later
 _held: list | None = None  # inside `held_signals`: the (handler, signal number) pairs that arrived
 # the last signal any handler took (signal number, when): a copy may reach the next handler, e.g. `StopAtOnce` once
@@ -96,7 +99,7 @@ def interruption(error: BaseException) -> Interrupted | None:
 class _Handler:
     """Installs `_handle` for `signals` while the block runs; tells a copy of the last signal from a new one."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         self.signals = signals
         self._previous: dict[signal.Signals, signal._HANDLER] = {}
 
@@ -141,7 +144,7 @@ class StopAtOnce(_Handler):
 class GracefulStop(_Handler):
     """Context manager turning SIGINT / SIGTERM (or the given `signals`) into a stop request."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         super().__init__(signals)
         self.requested = False
         self.signal_name: str | None = None
@@ -163,31 +166,31 @@ class GracefulStop(_Handler):
 
 
 @contextlib.contextmanager
-def held_signals(ignore: bool = True) -> Iterator[None]:
-    """Around starting a process (see the module docstring): SIGINT and SIGTERM ignored, and the stop handlers'
-    answer to one already caught deferred to the block's end. `ignore=False` leaves the handlers in place, so a
-    signal arriving in the block is answered at its end too, none lost: for a child forked from a process that
-    ignores them already (the local backend's fork server), whose start can wait seconds for the server's imports.
-    Nested blocks wait for the outermost; outside the main thread (where handlers do not run and cannot be changed)
-    nothing is held."""
+def held_signals() -> Iterator[None]:
+    """Around starting a process (see the module docstring): SIGINT and SIGTERM blocked in the main thread, so the
+    child starts with them blocked, and the stop handlers' answer to one caught in the block deferred to its end.
+    Nested blocks wait for the outermost; outside the main thread (where handlers do not run) nothing is held."""
     global _held
     if _held is not None or threading.current_thread() is not threading.main_thread():
         yield
         return
+    # multiprocessing's resource tracker, on its first start, blocks these signals around its spawn and then
+    # unblocks them: started here first, it cannot unblock them inside the block
+    resource_tracker.ensure_running()
     _held = []
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if ignore else {}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # one waiting runs its handler here, into `_held`
         held, _held = _held, None
         for handler, signum in held:
             handler._on_signal(signum)
 
 
 def ignore_stop_signals() -> None:
-    """In a process the run started (a worker, a reward or environment process): ignore SIGINT and SIGTERM
-    (see the module docstring)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """In a process the run started (a worker, a reward or environment process): ignore SIGINT and SIGTERM (see the
+    module docstring), then unblock them, as `held_signals` left them blocked: one that waited is dropped."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -141,10 +141,10 @@ def test_sigterm_stops_a_loop_after_saving(tmp_path):
     assert f"stopped at step {int(checkpoint.name.split('_')[1])} " in out
 
 
-def test_a_signal_arriving_while_a_fork_servers_child_starts_is_answered_when_the_block_ends(monkeypatch):
-    """`held_signals(ignore=False)`, around a start from the local backend's fork server (which can wait seconds for
-    the server's imports): a SIGTERM sent in the block reaches the handler, which answers it at the block's end;
-    with the signals ignored there, as around a spawn, it was lost and the run went on."""
+def test_a_signal_arriving_while_a_process_starts_is_answered_when_the_block_ends(monkeypatch):
+    """A SIGTERM sent in a `held_signals` block (around a process start, which from the local backend's fork server
+    can wait seconds for the server's imports) reaches the handler, which answers it at the block's end. With the
+    signals ignored in the block, as until 2026-12-08, it was lost and the run went on."""
     from hybridflow.checkpoint import Interrupted, StopAtOnce
     from hybridflow.utils import stop_signals
     from hybridflow.utils.stop_signals import held_signals
@@ -154,14 +154,24 @@ def test_a_signal_arriving_while_a_fork_servers_child_starts_is_answered_when_th
     monkeypatch.setattr(stop_signals, "_last", None)
     with StopAtOnce():
         with pytest.raises(Interrupted, match="SIGTERM outside a training step"):
-            with held_signals(ignore=False):
+            with held_signals():
                 os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.2)  # the handler runs here, between bytecodes, and defers its answer
+                time.sleep(0.2)  # another thread's handler may run here, between bytecodes: it defers its answer
                 reached = True
         assert reached
 
 
-def test_a_process_started_while_signals_are_held_ignores_them_and_a_caught_one_waits():
+def mask(pid: int, field: str) -> int:
+    """A process's signal set from /proc (`SigBlk`, `SigIgn`)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith(f"{field}:")).split()[1], 16)
+
+
+def stops_in(bits: int) -> bool:
+    return bool(bits >> (signal.SIGINT - 1) & 1 and bits >> (signal.SIGTERM - 1) & 1)
+
+
+def test_a_process_started_while_signals_are_held_starts_with_them_blocked_and_a_caught_one_waits():
     from hybridflow.checkpoint import Interrupted, StopAtOnce
     from hybridflow.utils.stop_signals import held_signals
 
@@ -169,15 +179,35 @@ def test_a_process_started_while_signals_are_held_ignores_them_and_a_caught_one_
         pending = signal.getsignal(signal.SIGTERM)  # a signal caught just before the block runs its handler in it
         with pytest.raises(Interrupted, match="SIGTERM outside a training step"):
             with held_signals():
-                assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+                assert signal.getsignal(signal.SIGTERM) == pending  # the handler stays: nothing is lost
                 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
                 pending(signal.SIGTERM, None)
                 reached = True
-        assert reached and signal.getsignal(signal.SIGTERM) == pending
+        assert reached and not stops_in(mask(os.getpid(), "SigBlk"))
     try:
-        with open(f"/proc/{child.pid}/status") as f:
-            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
-        assert ignored >> (signal.SIGINT - 1) & 1 and ignored >> (signal.SIGTERM - 1) & 1  # a Ctrl-C spares it
+        deadline = time.monotonic() + 10  # the child's /proc entry may still show our image until it execs
+        while "time.sleep" not in open(f"/proc/{child.pid}/cmdline").read() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stops_in(mask(child.pid, "SigBlk"))  # a Ctrl-C spares it until it ignores them
+        os.kill(child.pid, signal.SIGTERM)
+        assert child.poll() is None
     finally:
         child.kill()
         child.wait()
+
+
+def test_ignore_stop_signals_ignores_and_unblocks_them_dropping_one_that_waited():
+    """What a process started in a `held_signals` block calls first: a SIGTERM that arrived before (blocked,
+    waiting) is dropped, and later ones are ignored."""
+    code = textwrap.dedent("""
+        import os, signal, time
+        from hybridflow.utils.stop_signals import ignore_stop_signals
+        os.kill(os.getpid(), signal.SIGTERM)  # blocked, as a child of a held block starts: it waits
+        ignore_stop_signals()
+        os.kill(os.getpid(), signal.SIGINT)
+        print(signal.pthread_sigmask(signal.SIG_BLOCK, []) == set(), "alive")
+    """)
+    out = subprocess.run([sys.executable, "-c", "import signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, "
+                          "{signal.SIGINT, signal.SIGTERM}); exec(sys.argv[1])", code],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "True alive", out.stderr

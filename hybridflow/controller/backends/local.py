@@ -196,10 +196,9 @@ class LocalBackend(Backend):
             ),
             name=f"hybridflow-{self.spec.role}-{rank}",
         )
-        # a stop now would leave the new process without its work, printing a traceback; a fork server's child
-        # ignores the signals from its start (the server does), and its start may wait seconds for the server's
-        # imports: the handlers stay, so a signal meanwhile is answered at the block's end, not lost
-        with held_signals(ignore=ctx.get_start_method() == "spawn"):
+        # a stop now would leave the new process without its work, printing a traceback; the start may wait seconds
+        # for the fork server's imports: a signal meanwhile is answered at the block's end
+        with held_signals():
             proc.start()
             child.close()  # the pipe now closes as soon as the worker dies
             # recorded before a held signal is delivered (at the block's end), so that shutdown stops it

@@ -11,16 +11,14 @@ What a forked process does not get from its `Process.start()`, and how it gets i
   each process the whole environment it should have and the process puts it in place first thing. What the
   preloaded modules read at import (huggingface_hub's HF_HOME and HF_HUB_OFFLINE, OpenMP's thread count, which a
   CPU group's ranks set anyway) comes from the controller's environment when the first CPU group started;
-- SIGINT and SIGTERM ignored: the server is started with both ignored (`held_signals`: an ignored disposition
-  survives exec, and multiprocessing's children restore what the server started with), so a Ctrl-C to the process
-  group reaches neither it, half-way through its imports, nor a child before it calls `ignore_stop_signals`, and a
-  SIGTERM leaves the server to end with the controller (from the main thread, where groups are started: elsewhere
-  signal dispositions cannot be changed);
+- SIGINT and SIGTERM: the server is started with both blocked (`held_signals`), so a Ctrl-C to the process group
+  reaches neither it, half-way through its imports, nor a child before it calls `ignore_stop_signals` (the server
+  ignores SIGINT once its imports are done and keeps SIGTERM blocked: it ends with the controller; its children
+  start with both blocked, as the server has them);
 - its parent is the server, not the controller: the parent watch of `local.py` looks at both.
-The first start from a new server waits for its imports (seconds): the controller's stop handlers stay in place
-around it (`held_signals(ignore=False)`), so a signal then is answered when the start returns, not lost; and a run
-stopped by a signal ends the server before its last line (`stop_fork_server`), which a server still importing would
-otherwise print after.
+The first start from a new server waits for its imports (seconds): a signal then is answered when the start returns
+(`held_signals`), not lost; and a run stopped by a signal ends the server before its last line (`stop_fork_server`),
+which a server still importing would otherwise print after.
 sys.path and the working directory are the controller's at `Process.start()` (multiprocessing sends them).
 
 GPU groups are spawned as before: `transformers.modeling_utils` imports torchao where it is installed, which asks
