@@ -122,8 +122,9 @@ class RewardManager:
         self.spec, self.fallback_score = spec, float(fallback_score)
         self.scorer = Scorer(spec)  # fails here, early, on a bad spec or a parameter it cannot fill
         self.failures = FailureStreak(f"reward function {spec.label()}", max_failed_batches, RewardFunctionFailed)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") if num_workers else None
+        # the finalizer right after the pool: nothing between them for a stop signal to interrupt, orphaning it
         self._pool = ScoringPool(spec, num_workers, timeout_s) if num_workers else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") if self._pool else None
         self._finalizer = weakref.finalize(self, RewardManager._shutdown, self._pool, self._executor)
 
     @classmethod

@@ -163,6 +163,11 @@ class _Worker:
     spawned: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # when an isolated chunk's worker is given up (None: not isolated)
 
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
     def running(self) -> tuple[int, float] | None:
         """``(row index, start time)`` of the row the worker is scoring, or None between rows."""
         index, started = self.current[0], self.current[1]
@@ -186,27 +191,38 @@ class ScoringPool:
         self.spec = spec
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self._ctx = mp.get_context("spawn")
-        self._workers = [self._start() for _ in range(num_workers)]
+        self._workers: list[_Worker] = []
+        try:
+            for slot in range(num_workers):
+                self._start(slot)
+        except BaseException:  # a stop signal, answered as a start ends: the processes started so far end too
+            for worker in self._workers:
+                worker.kill()
+            raise
         self.restarts = 0
         self.isolated = False  # score each row in its own forked child (after a timeout; module docstring)
         self._timed_out = False
 
-    def _start(self) -> _Worker:
+    def _start(self, slot: int) -> None:
+        """Starts worker `slot`'s process (a new slot at the list's end, or a replacement)."""
         parent, child = self._ctx.Pipe(duplex=True)
         current = self._ctx.Array("d", [_IDLE, 0.0], lock=False)
         process = self._ctx.Process(target=_worker_main, args=(self.spec, child, current, os.getpid()),
                                     daemon=True, name="hybridflow-reward")
         with held_signals():  # a stop now would leave the new process without its work, printing a traceback
             process.start()
-        child.close()
-        return _Worker(process, parent, current)
+            child.close()
+            # in the list before a held signal is answered (at the block's end), so that whoever stops the pool
+            # stops this process too
+            worker = _Worker(process, parent, current)
+            if slot == len(self._workers):
+                self._workers.append(worker)
+            else:
+                self._workers[slot] = worker
 
     def _replace(self, i: int) -> None:
-        worker = self._workers[i]
-        worker.process.kill()
-        worker.process.join(timeout=5)
-        worker.conn.close()
-        self._workers[i] = self._start()
+        self._workers[i].kill()
+        self._start(i)
         self.restarts += 1
 
     def run(self, rows: list[Job]) -> list[Outcome]:

@@ -219,3 +219,38 @@ def test_what_a_reward_function_prints_is_capped_per_row(tmp_path, capfd):
     out, _ = capfd.readouterr()
     assert out.count("[hybridflow: this call printed more than 4096 characters; the rest is dropped]") == 2
     assert len(out) < 2 * 4200
+
+
+def test_a_stop_signal_while_the_pool_starts_ends_the_processes_already_started(reward_file, monkeypatch):
+    """A SIGTERM that arrives while the second worker starts is answered as its start ends (`held_signals`): the
+    pool's construction fails with `Interrupted`, and both started processes are ended then, not orphaned (their
+    pipe closed by the garbage collector, they printed a BrokenPipeError after the run's last line)."""
+    import contextlib
+    import os
+    import signal
+
+    from hybridflow.rewards import scoring_pool
+    from hybridflow.rewards.scorer import RewardSpec
+    from hybridflow.utils import stop_signals
+    from hybridflow.utils.stop_signals import Interrupted, StopAtOnce, held_signals
+
+    started = []
+
+    def recorded(process, *rest):
+        started.append(process)
+        return worker(process, *rest)
+
+    @contextlib.contextmanager
+    def signalled_in_the_second():
+        with held_signals():
+            yield
+            if len(started) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    worker = scoring_pool._Worker
+    monkeypatch.setattr(scoring_pool, "_Worker", recorded)
+    monkeypatch.setattr(scoring_pool, "held_signals", signalled_in_the_second)
+    monkeypatch.setattr(stop_signals, "_last", None)  # not a copy of another test's signal
+    with StopAtOnce(), pytest.raises(Interrupted, match="SIGTERM"):
+        scoring_pool.ScoringPool(RewardSpec.of(reward_file), 3, 5.0)
+    assert len(started) == 2 and [p.is_alive() for p in started] == [False, False]
