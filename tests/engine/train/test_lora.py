@@ -19,6 +19,7 @@ from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.compile import compile_model
 from hybridflow.engine.train.flops import matmul_params, train_flops
 from hybridflow.engine.train.lora import trainable_params
+from hybridflow.engine.train.model import mark_inputs_require_grad
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -148,8 +149,9 @@ def test_compiled_lora_layers_equal_eager_ones(tiny_qwen2):
         with torch.no_grad():  # B off 0, as after training: the adapters change the output
             for layer in engine.adapters.layers.values():
                 layer.lora_B["default"].weight.normal_(std=0.1)
-        if compiled:
+        if compiled:  # as the engine compiles a LoRA actor, on `aot_eager`: one graph per pass
             compile_model(engine.model, backend="aot_eager")
+            mark_inputs_require_grad(engine.model)
         engines.append(engine)
     batch = rl_batch(rows=4, prompt_width=6, response_width=5, seed=6)
     outs = []
