@@ -1,7 +1,7 @@
 """Checks across keys of an `RLConfig` (and an `SFTConfig` or a preference config), run before any model loads:
-batch sizes, ranges, estimators, distillation; the rollout keys (`hybridflow.config.rollout_checks`); what the
-run will read (`hybridflow.config.input_checks`) and the optional packages and LoRA targets it needs
-(`hybridflow.config.extras`).
+batch sizes, ranges, estimators, distillation; the rollout keys (`hybridflow.config.rollout_checks`); the agent
+section (`hybridflow.config.agent_checks`); what the run will read (`hybridflow.config.input_checks`) and the
+optional packages and LoRA targets it needs (`hybridflow.config.extras`).
 
 `validate(cfg, n_workers)` collects every problem and raises one `ConfigError` listing them all, each
 naming the keys, their values and the values that would be valid, e.g.
@@ -19,6 +19,7 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+from hybridflow.config.agent_checks import agent_problems
 from hybridflow.config.exact_checks import exact_problems
 from hybridflow.config.fp8_checks import fp8_problems
 from hybridflow.config.small_card_checks import cap_problems, quantization_problems
@@ -26,8 +27,8 @@ from hybridflow.config.extras import config_value, lora_target_problems, moe_mod
 from hybridflow.config.input_checks import data_file_problems, model_problems, path_problems, run_problems
 from hybridflow.config.rollout_checks import (divisors, join_values, moe_problems, off_policy_problems,
                                               placement_problems)
-from hybridflow.config.role_needs import (GROUP_KEYS, agent_enabled, agent_setting, distills, endpoint_ways,
-                                          needs_critic, needs_greedy_baseline, run_groups, uses_task_advantage)
+from hybridflow.config.role_needs import (GROUP_KEYS, distills, needs_critic, needs_greedy_baseline, run_groups,
+                                          uses_task_advantage)
 from hybridflow.config.schema import GROUP_ESTIMATORS, PoolConfig, RayConfig
 
 # GSPO's bounds are on a sequence-level ratio: a bound this large (PPO's are 0.2) never clips.
@@ -257,44 +258,6 @@ def _teacher_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def _agent_problems(cfg: Any) -> list[str]:
-    """Ranges of the `agent` section, and the engine multi-turn episodes need."""
-    agent, problems = cfg.agent, []
-    if agent.max_turns < 1:
-        problems.append(f"agent.max_turns={agent.max_turns} must be >= 1")
-    if agent.max_tool_calls < 0:
-        problems.append(f"agent.max_tool_calls={agent.max_tool_calls} must be >= 0")
-    if agent.max_tokens_per_turn is not None and agent.max_tokens_per_turn < 1:
-        problems.append(f"agent.max_tokens_per_turn={agent.max_tokens_per_turn} must be >= 1 or null")
-    if not agent.timeout_s > 0:
-        problems.append(f"agent.timeout_s={agent.timeout_s} must be > 0")
-    if agent_enabled(agent) and cfg.rollout.engine == "hf":
-        problems.append(f"{agent_setting(agent)}: multi-turn episodes "
-                        f"continue live sequences turn by turn, which the fast engine does and rollout.engine=hf "
-                        f"(transformers.generate) does not; use rollout.engine=auto or fast")
-    ways = endpoint_ways(agent)
-    if len(ways) > 1 or ways and (agent.environment or agent.tools):
-        problems.append(f"{', '.join(ways)} drive the model through the endpoint and exclude each other and agent."
-                        f"environment / agent.tools: set one of them")
-    if ways and cfg.reward.function == "auto" and not cfg.reward.functions:
-        problems.append(f"{ways[0]} returns each trajectory's reward: set reward.function=environment to train on "
-                        f"it (or a function of yours that reads extra_info['env_reward']; unset, it follows)")
-    for way in ways:
-        spec = getattr(agent, way.removeprefix("agent."))
-        if way != "agent.verifiers" and ":" not in spec:
-            problems.append(f"{way}={spec!r} must name what to load: path/to/file.py:Name or package.module:Name"
-                            + (" (or textarena:<env id>)" if way == "agent.gym" else ""))
-    if agent.images is not None and not ways:
-        problems.append(f"agent.images={str(agent.images).lower()}: it says whether an endpoint's requests may carry "
-                        f"images, and no endpoint way in is set (agent.runner, agent.verifiers, agent.gym, "
-                        f"agent.openenv); leave it unset (a dataset's images: data.image_key)")
-    if agent.max_concurrent_requests < 1:
-        problems.append(f"agent.max_concurrent_requests={agent.max_concurrent_requests} must be >= 1")
-    if agent.runner_processes is not None and agent.runner_processes < 1:
-        problems.append(f"agent.runner_processes={agent.runner_processes} must be >= 1 (or null: min(16, CPU cores))")
-    return problems
-
-
 def _non_finite(cfg: Any, prefix: str = "") -> list[str]:
     """`key=value` of every float of a config that is NaN or infinite, by one rule for every key of every config
     kind: a float field, or a float in a list field (`actor.betas`, `reward.weights`); a mapping's values are
@@ -361,7 +324,7 @@ def validate(cfg: Any, n_workers: int | None = None, check_paths: bool = True) -
     n_workers = cfg.trainer.n_workers if n_workers is None else n_workers
     raise_if_any(_non_finite(cfg))  # first: the range checks below compare, and NaN passes every comparison
     problems = (_range_problems(cfg) + _algorithm_problems(cfg) + placement_problems(cfg)
-                + off_policy_problems(cfg) + _ray_problems(cfg) + _agent_problems(cfg) + _teacher_problems(cfg)
+                + off_policy_problems(cfg) + _ray_problems(cfg) + agent_problems(cfg) + _teacher_problems(cfg)
                 + package_problems(cfg) + moe_problems(cfg))
     if check_paths:
         problems += path_problems(cfg) + moe_model_problems(cfg)
