@@ -51,11 +51,14 @@ def served(tmp_path):
     # another test worker before the server bound it)
     server = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "view", str(run), "--port", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = server.stdout.readline()
-    match = re.match(r"hybridflow view: (http://127\.0\.0\.1:\d+/) ", first)
-    if not match:
+    printed = ""
+    for line in server.stdout:  # a library's warning may come first; EOF if the server ends
+        printed += line
+        if match := re.match(r"hybridflow view: (http://127\.0\.0\.1:\d+/) ", line):
+            break
+    else:
         server.kill()
-        pytest.fail(f"hybridflow view did not start: {first}{server.stdout.read()[-2000:]}")
+        pytest.fail(f"hybridflow view did not start: {printed[-2000:]}")
     url = match.group(1)
     deadline = time.monotonic() + 30
     while True:
