@@ -19,7 +19,6 @@ from hybridflow.engine.train import TrainEngine
 from hybridflow.engine.train.compile import compile_model
 from hybridflow.engine.train.flops import matmul_params, train_flops
 from hybridflow.engine.train.lora import trainable_params
-from hybridflow.engine.train.model import mark_inputs_require_grad
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -140,18 +139,19 @@ def test_adapter_dropout_is_off_in_log_prob_passes(tiny_qwen2):
     assert not torch.equal(trained[0], trained[1])
 
 
-def test_compiled_lora_layers_equal_eager_ones(tiny_qwen2):
-    """Graph capture through peft's LoRA modules (CPU: the `aot_eager` backend), adapters on and disabled."""
+def test_compiled_lora_layers_equal_eager_ones(tiny_qwen2, monkeypatch):
+    """Graph capture through peft's LoRA modules, adapters on and disabled: the engine compiles as under
+    `model.compile`, on the `aot_eager` backend (CPU)."""
+    from hybridflow.engine.train import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "compile_model", lambda model: compile_model(model, backend="aot_eager"))
     engines = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        engine = TrainEngine(model_cfg(tiny_qwen2), optim_cfg(lora=lora()), head="lm")
+        engine = TrainEngine(model_cfg(tiny_qwen2, compile=compiled), optim_cfg(lora=lora()), head="lm")
         with torch.no_grad():  # B off 0, as after training: the adapters change the output
             for layer in engine.adapters.layers.values():
                 layer.lora_B["default"].weight.normal_(std=0.1)
-        if compiled:  # as the engine compiles a LoRA actor, on `aot_eager`: one graph per pass
-            compile_model(engine.model, backend="aot_eager")
-            mark_inputs_require_grad(engine.model)
         engines.append(engine)
     batch = rl_batch(rows=4, prompt_width=6, response_width=5, seed=6)
     outs = []
